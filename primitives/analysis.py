@@ -1,0 +1,193 @@
+"""Validation and shape resolution: the rule table in front of both executors.
+
+``analyze(program, sizes)`` walks the program at one binding of its symbolic sizes (``{"M": 67,
+"d": 48, ...}``) and returns a ``ProgramInfo`` (every tensor's shape and dtype class, every GEMM's
+sizes and epilogue value types), or raises the first ``ProgramError`` with its location. Codegen only
+uses what is the same at every binding (value kinds and column spaces), so one analysis generates
+the kernels and each run's analysis sizes its buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checking import CheckEnv, ProgramEnv
+from .errors import ProgramError, did_you_mean
+from .ir import GemmEpilogue, Operand, Program
+from .types import LocalType, TensorInfo
+
+
+@dataclass
+class GemmInfo:
+    """One ``GemmEpilogue`` at one binding."""
+
+    name: str
+    index: int
+    M: int
+    N: int
+    K: int
+    locals: dict[str, LocalType]
+    writes: dict[str, TensorInfo]  # tensors this kernel creates
+    accumulates: set[str]  # existing tensors it adds into
+    vendor: bool  # plain store: runs on torch.matmul (cuBLAS on a GPU)
+
+
+@dataclass
+class ProgramInfo:
+    """The analysed program at one binding of its sizes."""
+
+    sizes: dict[str, int]
+    tensors: dict[str, TensorInfo]
+    gemms: dict[str, GemmInfo] = field(default_factory=dict)
+
+    def signature(self) -> Any:
+        """What codegen depends on (identical at every binding), for consistency checks."""
+        return {n: (g.vendor, sorted(g.locals.items(), key=str)) for n, g in self.gemms.items()}
+
+
+def resolve_inputs(program: Program, sizes: dict[str, int]) -> dict[str, TensorInfo]:
+    """Concrete shapes of the program's inputs under ``sizes``."""
+    out = {}
+    for name, decl in program.inputs.items():
+        shape = []
+        for dim in decl.shape:
+            if isinstance(dim, int):
+                shape.append(dim)
+            elif dim in sizes:
+                shape.append(sizes[dim])
+            else:
+                raise ProgramError(
+                    f"input {name!r} uses size {dim!r}, which has no value",
+                    loc=f"inputs.{name}", hint=did_you_mean(dim, sizes),
+                )
+        out[name] = TensorInfo(tuple(shape), decl.dtype, "input")
+    return out
+
+
+def bind_sizes(program: Program, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Read the symbolic sizes off actual input shapes, checking that they agree."""
+    sizes: dict[str, int] = {}
+    where: dict[str, str] = {}
+    for name, decl in program.inputs.items():
+        if name not in shapes:
+            raise ProgramError(f"input {name!r} was not given", hint=did_you_mean(name, shapes))
+        shape = tuple(shapes[name])
+        if len(shape) != len(decl.shape):
+            raise ProgramError(
+                f"input {name!r} must have {len(decl.shape)} dimensions {decl.shape}, got {shape}"
+            )
+        for i, (dim, actual) in enumerate(zip(decl.shape, shape, strict=True)):
+            here = f"{name}.shape[{i}]"
+            if isinstance(dim, int):
+                if dim != actual:
+                    raise ProgramError(f"{here} must be {dim}, got {actual}")
+            elif dim in sizes and sizes[dim] != actual:
+                raise ProgramError(
+                    f"size {dim!r} is {sizes[dim]} in {where[dim]} but {actual} in {here}"
+                )
+            else:
+                sizes[dim], where[dim] = actual, here
+    return sizes
+
+
+def _operand(env: ProgramEnv, op: Operand, role: str) -> tuple[int, int, TensorInfo]:
+    """(rows, cols) of an operand after its transpose."""
+    info = env.matrix(op.tensor, role=f"operand {role}")
+    rows, cols = info.shape
+    return (cols, rows, info) if op.transpose else (rows, cols, info)
+
+
+def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> GemmInfo:
+    M, K, a = _operand(env, step.a, "a")
+    K_b, N, b = _operand(env, step.b, "b")
+    if K != K_b:
+        raise ProgramError(
+            f"A = {step.a.text()} is [{M}, {K}] but B = {step.b.text()} is [{K_b}, {N}]: the inner "
+            "sizes differ",
+            hint="A must be [M, K] and B [K, N]; an nn.Linear weight [out, in] is used as 'w.T'",
+        )
+    if a.dtype != b.dtype:
+        raise ProgramError(
+            f"operands have different dtypes: {step.a.tensor!r} is {a.dtype}, {step.b.tensor!r} "
+            f"is {b.dtype}", hint="store the intermediate with dtype='auto' to match the weights",
+        )
+    cenv = CheckEnv(program=env, M=M, N=N, K=K, locals={"acc": LocalType("tile")})
+    for j, op in enumerate(step.epilogue):
+        try:
+            op.check(cenv)
+        except ProgramError as e:
+            raise e.at(f"epilogue[{j}] ({op.op})") from None
+    if not cenv.writes and not cenv.accumulates:
+        raise ProgramError(
+            "the epilogue writes nothing", hint="end it with store(...) or partial_reduce(...)"
+        )
+    return GemmInfo(
+        name, index, M, N, K, cenv.locals, cenv.writes, cenv.accumulates, step.is_plain_store
+    )
+
+
+def analyze(program: Program, sizes: dict[str, int]) -> ProgramInfo:
+    """Type-check ``program`` at ``sizes``; raise the first ``ProgramError`` with its location."""
+    env = ProgramEnv(resolve_inputs(program, sizes))
+    info = ProgramInfo(dict(sizes), env.tensors)
+    for i, step in enumerate(program.prep):
+        env.where = f"prep[{i}]"
+        try:
+            step.check(env)
+        except ProgramError as e:
+            raise e.at(f"prep[{i}] ({step.kind})") from None
+    for i, (step, name) in enumerate(zip(program.steps, program.step_names(), strict=True)):
+        env.where = name
+        loc = f"steps[{i}] ({step.kind} {name!r})"
+        try:
+            if isinstance(step, GemmEpilogue):
+                gemm = _check_gemm(env, step, name, i)
+                for tname, tinfo in gemm.writes.items():
+                    env.define(tname, tinfo)
+                info.gemms[name] = gemm
+            else:
+                step.check(env)
+        except ProgramError as e:
+            raise e.at(loc) from None
+    _check_outputs(program, env)
+    return info
+
+
+def _check_outputs(program: Program, env: ProgramEnv) -> None:
+    for out, tensor in program.outputs.items():
+        loc = f"outputs.{out}"
+        if tensor not in env.tensors:
+            raise ProgramError(
+                f"output {out!r} names {tensor!r}, which no step writes",
+                loc=loc, hint=did_you_mean(tensor, env.tensors),
+            )
+        t = env.tensors[tensor]
+        if t.producer == "input":
+            raise ProgramError(
+                f"output {out!r} is the block input {tensor!r} itself", loc=loc,
+                hint="outputs must be computed by the program's steps",
+            )
+        if t.partials is not None:
+            raise ProgramError(
+                f"output {out!r} names {tensor!r}, a partials buffer", loc=loc,
+                hint="finish partials with an aux step first",
+            )
+
+
+def analyze_all(program: Program, size_sets: list[dict[str, int]]) -> list[ProgramInfo]:
+    """Analyse at every binding and check that codegen-relevant types agree across them."""
+    infos = []
+    for sizes in size_sets:
+        try:
+            infos.append(analyze(program, sizes))
+        except ProgramError as e:
+            where = ", ".join(f"{k}={v}" for k, v in sizes.items())
+            raise ProgramError(e.message, loc=e.loc, hint=(e.hint + f" [at {where}]").strip())
+    if infos and any(i.signature() != infos[0].signature() for i in infos[1:]):
+        raise ProgramError(
+            "the epilogue value types differ between shape sets (a tensor's width relative to the "
+            "GEMM's N changes with the sizes)",
+            hint="tile tensors must have N/2, N or 2N columns at every size",
+        )
+    return infos

@@ -1,0 +1,105 @@
+"""Aux ``rstd``: the RMSNorm reciprocal ``r_i = (mean_j x_ij² + eps)^(-1/2)`` per row.
+
+Two sources (CODA_MATH §1): partial sums of squares written by the epilogue of the GEMM that produced
+``x`` (then this step only sums ``⌈d/BN⌉`` numbers per row), or, when no GEMM in the program produced
+``x`` (e.g. the block's own input), ``x`` itself — one memory-bound pass over it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import triton
+import triton.language as tl
+from pydantic import Field
+
+from .. import backend  # noqa: F401  (selects the interpreter before the kernel is defined)
+from ..base import AuxStep, Name, RunEnv
+from ..checking import ProgramEnv
+from ..errors import ProgramError
+from ..types import TensorInfo
+
+
+@triton.jit
+def _rstd_kernel(
+    x_ptr, out_ptr,
+    rows, cols,
+    stride_row, stride_col,
+    inv_n, eps,
+    SQUARE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    # One program finishes BLOCK_ROWS rows: sum (squares of) `cols` values per row, then rsqrt.
+    pid = tl.program_id(axis=0)
+    offs_r = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask_r = offs_r < rows
+    row_ptrs = x_ptr + offs_r.to(tl.int64)[:, None] * stride_row
+    total = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    for start in range(0, cols, BLOCK_COLS):
+        offs_c = start + tl.arange(0, BLOCK_COLS)
+        mask = mask_r[:, None] & (offs_c < cols)[None, :]
+        x = tl.load(row_ptrs + offs_c[None, :] * stride_col, mask=mask, other=0.0).to(tl.float32)
+        if SQUARE:
+            total += x * x
+        else:
+            total += x
+    r = tl.rsqrt(tl.sum(total, axis=1) * inv_n + eps)
+    tl.store(out_ptr + offs_r, r, mask=mask_r)
+
+
+def _blocks(rows: int, cols: int) -> tuple[int, int]:
+    block_cols = min(triton.next_power_of_2(cols), 1024)
+    block_rows = max(1, min(64, 2048 // block_cols, triton.next_power_of_2(rows)))
+    return block_rows, block_cols
+
+
+class Rstd(AuxStep):
+    """RMSNorm reciprocal per row: ``out[i] = rsqrt(mean_j x[i, j]² + eps)`` (fp32, length rows).
+
+    ``src`` is either partial sums of squares written by ``partial_reduce(kind="sumsq",
+    axis="row")`` in the epilogue of the GEMM that produced x (cheap: it sums ⌈d/BLOCK_N⌉ numbers
+    per row), or a 2-D tensor ``[rows, d]`` such as the block's input (one pass over it). Use ``out``
+    with ``scale_rows`` in the epilogue of the GEMM that consumes the normalised tensor.
+    """
+
+    kind: Literal["rstd"] = "rstd"
+    src: Name
+    eps: float = Field(1e-6, gt=0, le=1)
+    out: Name
+
+    def check(self, env: ProgramEnv) -> None:
+        info = env.tensor(self.src, role="src")
+        p = info.partials
+        if p is not None and (p.kind != "sumsq" or p.axis != "row"):
+            raise ProgramError(
+                f"rstd needs partial sums of squares along rows, but {self.src!r} holds "
+                f"partials({p.kind}, axis={p.axis})",
+                hint="produce it with partial_reduce(kind='sumsq', axis='row')",
+            )
+        if p is None and len(info.shape) != 2:
+            raise ProgramError(
+                f"rstd src {self.src!r} must be a 2-D tensor or partials, but it is "
+                f"{info.describe()}"
+            )
+        env.define(self.out, TensorInfo((info.shape[0],), "float32", env.where))
+
+    def reference(self, env: RunEnv) -> None:
+        x = env.tensors[self.src].to(env.compute)
+        partials = env.infos[self.src].partials
+        if partials is not None:  # already squared: sum the per-tile partials
+            mean_sq = x.sum(dim=1) / partials.length
+        else:
+            mean_sq = (x * x).mean(dim=1)
+        env.tensors[self.out] = torch.rsqrt(mean_sq + self.eps)
+
+    def launch(self, env: RunEnv) -> None:
+        x, out = env.tensors[self.src], env.tensors[self.out]
+        rows, cols = x.shape
+        partials = env.infos[self.src].partials
+        square = partials is None
+        n = cols if square else partials.length
+        block_rows, block_cols = _blocks(rows, cols)
+        _rstd_kernel[(triton.cdiv(rows, block_rows),)](
+            x, out, rows, cols, x.stride(0), x.stride(1), 1.0 / n, self.eps,
+            SQUARE=square, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+        )

@@ -1,0 +1,31 @@
+"""Mainloop configurations: what ``config="auto"`` resolves to, and the candidate space.
+
+Both executors resolve configs through ``resolve_config`` so that partial-reduction buffers
+(``[M, ⌈N/BLOCK_N⌉]``) have the same width in the reference executor and in the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from ..ir import MainloopConfig
+
+# Under the CPU interpreter each program is numpy work per tile: small tiles keep ragged test shapes
+# spanning several tiles (so edge masks are exercised) while staying fast.
+INTERPRETER_DEFAULT = MainloopConfig(
+    block_m=32, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1
+)
+
+# A sound Hopper default for bf16/fp16 (128×128 output tile, 64-deep K steps, 3-stage pipeline).
+GPU_DEFAULT = MainloopConfig(
+    block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3
+)
+
+
+def resolve_config(
+    config: Literal["auto"] | MainloopConfig, M: int, N: int, K: int, *, interpret: bool
+) -> MainloopConfig:
+    """The concrete config a step runs with at sizes ``M, N, K``."""
+    if config != "auto":
+        return config
+    return INTERPRETER_DEFAULT if interpret else GPU_DEFAULT

@@ -1,0 +1,194 @@
+"""What a primitive's ``emit`` writes through: the epilogue of one generated kernel.
+
+The context owns the naming scheme (epilogue value ``z`` is the Triton variable ``v_z``; the accumulator
+is ``accumulator``), the kernel parameters (a tensor ``r`` becomes ``r_ptr`` plus ``stride_r...``), and
+the row / column index vectors of each column space, which it defines once, on first use, at the top
+of the epilogue. Primitives therefore emit only their own math and never spell pointer arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Literal
+
+from ..types import LocalType, TensorInfo
+from .emitter import IndentedBuffer
+
+ACC_VAR = "accumulator"
+
+# How each column space is written in the kernel: (suffix of its index vars, block width, extent).
+_SPACES: dict[Fraction, tuple[str, str, str]] = {
+    Fraction(1): ("", "BLOCK_SIZE_N", "N"),
+    Fraction(1, 2): ("_half", "(BLOCK_SIZE_N // 2)", "(N // 2)"),
+    Fraction(2): ("_x2", "(BLOCK_SIZE_N * 2)", "(N * 2)"),
+}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter and where its launch value comes from."""
+
+    name: str
+    kind: Literal["ptr", "stride", "size"]
+    tensor: str | None = None
+    dim: int | None = None
+
+
+@dataclass(frozen=True)
+class Space:
+    """Index vector, in-bounds mask and block width of one axis of the output tile."""
+
+    offs: str
+    mask: str
+    block: str
+
+
+@dataclass
+class EmitContext:
+    """The epilogue of one generated kernel while its primitives are being emitted."""
+
+    locals: dict[str, LocalType]
+    tensors: dict[str, TensorInfo]
+    params: list[Param]
+    body: IndentedBuffer
+    preamble: IndentedBuffer
+    _vars: dict[str, str] = field(default_factory=lambda: {"acc": ACC_VAR})
+    _spaces: dict[object, Space] = field(default_factory=dict)
+    _loads: dict[tuple, str] = field(default_factory=dict)
+
+    # -- values ----------------------------------------------------------------------------------
+    def var(self, name: str) -> str:
+        """The Triton variable that holds epilogue value ``name``."""
+        return self._vars[name]
+
+    def define(self, name: str) -> str:
+        """Name the Triton variable for a newly produced epilogue value."""
+        self._vars[name] = f"v_{name}"
+        return self._vars[name]
+
+    def type_of(self, name: str) -> LocalType:
+        return self.locals[name]
+
+    def line(self, code: str) -> None:
+        self.body.line(code)
+
+    def comment(self, text: str) -> None:
+        self.body.line(f"# {text}")
+
+    # -- index spaces ----------------------------------------------------------------------------
+    def rows(self) -> Space:
+        if "rows" not in self._spaces:
+            p = self.preamble
+            p.line("offs_cm = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)")
+            p.line("mask_cm = offs_cm < M")
+            p.line("offs_cm64 = offs_cm.to(tl.int64)  # row offsets × stride can pass 2**31")
+            self._spaces["rows"] = Space("offs_cm", "mask_cm", "BLOCK_SIZE_M")
+        return self._spaces["rows"]
+
+    def cols(self, scale: Fraction) -> Space:
+        if scale not in self._spaces:
+            suffix, block, extent = _SPACES[scale]
+            offs, mask = f"offs_cn{suffix}", f"mask_cn{suffix}"
+            self.preamble.line(f"{offs} = pid_n * {block} + tl.arange(0, {block})")
+            self.preamble.line(f"{mask} = {offs} < {extent}")
+            self._spaces[scale] = Space(offs, mask, block)
+        return self._spaces[scale]
+
+    def block(self, scale: Fraction) -> str:
+        """The constexpr width of this tile's block in a column space."""
+        return _SPACES[scale][1]
+
+    def split_pairs(self, value: str, scale: Fraction, first: str, second: str) -> None:
+        """Split a tile into its even and odd columns (adjacent pairs): two tiles half as wide."""
+        shape = f"(BLOCK_SIZE_M, {self.block(scale)} // 2, 2)"
+        self.line(f"{first}, {second} = tl.split(tl.reshape({value}, {shape}))")
+
+    def join_pairs(self, first: str, second: str, scale: Fraction) -> str:
+        """Interleave two tiles column by column into one of space ``scale`` (twice as wide)."""
+        return f"tl.reshape(tl.join({first}, {second}), (BLOCK_SIZE_M, {self.block(scale)}))"
+
+    def tile_mask(self, scale: Fraction) -> str:
+        return f"{self.rows().mask}[:, None] & {self.cols(scale).mask}[None, :]"
+
+    # -- kernel parameters -----------------------------------------------------------------------
+    def _add(self, param: Param) -> str:
+        if all(p.name != param.name for p in self.params):
+            self.params.append(param)
+        return param.name
+
+    @staticmethod
+    def base(tensor: str) -> str:
+        """Stem of the kernel names derived from a tensor (``a``/``b`` are the GEMM operands')."""
+        return f"{tensor}_tensor" if tensor in ("a", "b") else tensor
+
+    def pointer(self, tensor: str) -> str:
+        return self._add(Param(f"{self.base(tensor)}_ptr", "ptr", tensor))
+
+    def stride(self, tensor: str, dim: int, axis: str) -> str:
+        suffix = f"_{axis}" if axis else ""
+        return self._add(Param(f"stride_{self.base(tensor)}{suffix}", "stride", tensor, dim))
+
+    # -- loads and stores ------------------------------------------------------------------------
+    def tile_ptrs(self, tensor: str, scale: Fraction) -> str:
+        rows, cols = self.rows(), self.cols(scale)
+        return (
+            f"{self.pointer(tensor)} + offs_cm64[:, None] * {self.stride(tensor, 0, 'm')}"
+            f" + {cols.offs}[None, :] * {self.stride(tensor, 1, 'n')}"
+        )
+
+    def _named_load(self, key: tuple, name: str, code: str) -> str:
+        """Emit ``name = code`` once per epilogue (a tensor read twice is loaded once)."""
+        if key not in self._loads:
+            self.line(f"{name} = {code}")
+            self._loads[key] = name
+        return self._loads[key]
+
+    def load_tile(self, tensor: str, scale: Fraction) -> str:
+        """An fp32 tile of a program tensor at this output tile (zeros outside the edges)."""
+        code = (
+            f"tl.load({self.tile_ptrs(tensor, scale)}, mask={self.tile_mask(scale)}, other=0.0)"
+            ".to(tl.float32)"
+        )
+        return self._named_load(("tile", tensor, scale), f"{self.base(tensor)}_tile", code)
+
+    def load_row(self, tensor: str) -> str:
+        """A length-M vector as an fp32 ``[BLOCK_SIZE_M, 1]`` column of this tile's rows."""
+        rows = self.rows()
+        ptrs = f"{self.pointer(tensor)} + {rows.offs} * {self.stride(tensor, 0, '')}"
+        code = f"tl.load({ptrs}, mask={rows.mask}, other=0.0).to(tl.float32)[:, None]"
+        return self._named_load(("row", tensor), f"{self.base(tensor)}_row", code)
+
+    def load_col(self, tensor: str, scale: Fraction) -> str:
+        """A length-N·scale vector as an fp32 ``[1, block]`` row of this tile's columns."""
+        cols = self.cols(scale)
+        ptrs = f"{self.pointer(tensor)} + {cols.offs} * {self.stride(tensor, 0, '')}"
+        code = f"tl.load({ptrs}, mask={cols.mask}, other=0.0).to(tl.float32)[None, :]"
+        return self._named_load(("col", tensor, scale), f"{self.base(tensor)}_col", code)
+
+    def store_tile(self, tensor: str, value: str, scale: Fraction, *, accumulate: bool) -> None:
+        """Store a tile, cast to the destination's dtype; ``accumulate`` adds to what is there."""
+        self.rows()
+        ptrs, mask = f"{self.base(tensor)}_ptrs", self.tile_mask(scale)
+        self.line(f"{ptrs} = {self.tile_ptrs(tensor, scale)}")
+        if accumulate:
+            value = f"tl.load({ptrs}, mask={mask}, other=0.0).to(tl.float32) + {value}"
+        self.line(f"tl.store({ptrs}, ({value}).to({self.pointer(tensor)}.dtype.element_ty), mask={mask})")
+
+    def store_partials(self, tensor: str, values: str, axis: str, scale: Fraction) -> None:
+        """Store a tile's partial reduction into its slot of a partials buffer.
+
+        ``axis="row"``: one value per row, into column ``pid_n`` of ``[M, ⌈W/BW⌉]``;
+        ``axis="col"``: one value per column, into column ``pid_m`` of ``[W, ⌈M/BM⌉]``.
+        """
+        self.rows()
+        if axis == "row":
+            index, slot, mask = "offs_cm64", "pid_n", self.rows().mask
+        else:
+            cols = self.cols(scale)
+            index, slot, mask = f"{cols.offs}.to(tl.int64)", "pid_m", cols.mask
+        ptrs = (
+            f"{self.pointer(tensor)} + {index} * {self.stride(tensor, 0, 'm')}"
+            f" + {slot} * {self.stride(tensor, 1, 'n')}"
+        )
+        self.line(f"tl.store({ptrs}, {values}, mask={mask})")

@@ -1,0 +1,221 @@
+"""The tiny elementwise expression language of ``map`` (and later ``pairwise``).
+
+Grammar (Python syntax, parsed with ``ast`` and then whitelisted)::
+
+    expr  := number | name | expr (+ | - | * | /) expr | -expr | expr ** k   (k an integer, |k| ≤ 4)
+           | f(expr) for f in exp, log, sigmoid, silu, tanh, sqrt, rsqrt, abs
+           | min(expr, expr) | max(expr, expr) | where(cond, expr, expr)
+    cond  := expr (< | <= | > | >= | == | !=) expr
+
+Names are epilogue values (tiles, row vectors, column vectors; they broadcast like tensors of shape
+``[M, W]``, ``[M, 1]`` and ``[1, W]``). Everything is computed in fp32. Anything else — attribute
+access, subscripts, other functions, strings, lambdas — is rejected with a message saying what is
+allowed. One parsed ``Expr`` has two printers: Triton source and a PyTorch evaluation.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .errors import ProgramError
+
+UNARY = {
+    "exp": ("tl.exp({0})", torch.exp),
+    "log": ("tl.log({0})", torch.log),
+    "sigmoid": ("tl.sigmoid({0})", torch.sigmoid),
+    "silu": ("({0} * tl.sigmoid({0}))", torch.nn.functional.silu),
+    # tanh(x) = 2·sigmoid(2x) − 1: Triton's core language has no tanh the interpreter also runs.
+    "tanh": ("(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)", torch.tanh),
+    "sqrt": ("tl.sqrt({0})", torch.sqrt),
+    "rsqrt": ("tl.rsqrt({0})", torch.rsqrt),
+    "abs": ("tl.abs({0})", torch.abs),
+}
+BINARY_FN = {
+    "min": ("tl.minimum({0}, {1})", torch.minimum),
+    "max": ("tl.maximum({0}, {1})", torch.maximum),
+}
+ARITH = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
+ALLOWED_FUNCTIONS = sorted([*UNARY, *BINARY_FN, "where"])
+MAX_LENGTH = 2000
+MAX_POWER = 4
+
+
+@dataclass(frozen=True)
+class Expr:
+    """A parsed, whitelisted expression (an immutable tree of tuples)."""
+
+    source: str
+    tree: tuple
+
+    def variables(self) -> set[str]:
+        return _variables(self.tree)
+
+    def to_triton(self, var: Callable[[str], str]) -> str:
+        return _triton(self.tree, var)
+
+    def evaluate(self, values: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return _torch(self.tree, values, dtype)
+
+
+def parse(source: str) -> Expr:
+    """Parse and whitelist ``source``; raise ``ProgramError`` naming the offending construct."""
+    return _parse_cached(source)
+
+
+@lru_cache(maxsize=1024)
+def _parse_cached(source: str) -> Expr:
+    if not isinstance(source, str) or not source.strip():
+        raise ProgramError("the expression is empty")
+    if len(source) > MAX_LENGTH:
+        raise ProgramError(f"the expression is longer than {MAX_LENGTH} characters")
+    try:
+        node = ast.parse(source.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ProgramError(
+            f"expression {source!r} is not valid syntax: {e.msg} (column {e.offset})"
+        ) from None
+    return Expr(source, _convert(node, source, in_where_cond=False))
+
+
+def _reject(source: str, what: str, hint: str = "") -> ProgramError:
+    allowed = (
+        "numbers, epilogue value names, + - * /, unary -, ** with an integer exponent, "
+        f"{', '.join(ALLOWED_FUNCTIONS)}, and comparisons inside where(...)"
+    )
+    return ProgramError(f"expression {source!r}: {what}", hint=hint or f"allowed: {allowed}")
+
+
+def _convert(node: ast.AST, src: str, *, in_where_cond: bool) -> tuple:
+    conv = lambda n, cond=False: _convert(n, src, in_where_cond=cond)  # noqa: E731
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return ("num", float(node.value))
+    if isinstance(node, ast.Name):
+        if node.id in ALLOWED_FUNCTIONS:
+            raise _reject(src, f"{node.id!r} is a function; call it, e.g. {node.id}(x)")
+        return ("var", node.id)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        inner = conv(node.operand)
+        return ("neg", inner) if isinstance(node.op, ast.USub) else inner
+    if isinstance(node, ast.BinOp) and type(node.op) in ARITH:
+        return ("bin", ARITH[type(node.op)], conv(node.left), conv(node.right))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        k = node.right
+        if isinstance(k, ast.UnaryOp) and isinstance(k.op, ast.USub):
+            k = ast.Constant(-k.operand.value) if isinstance(k.operand, ast.Constant) else k
+        if not (isinstance(k, ast.Constant) and type(k.value) is int and abs(k.value) <= MAX_POWER):
+            raise _reject(
+                src, "'**' needs an integer exponent between -4 and 4",
+                hint="write x * x for squares, sqrt(x) / rsqrt(x) for halves, exp(k * log(x)) "
+                "otherwise",
+            )
+        return ("pow", conv(node.left), k.value)
+    if isinstance(node, ast.Compare):
+        if not in_where_cond:
+            raise _reject(src, "a comparison is allowed only as the first argument of where(...)")
+        if len(node.ops) != 1 or type(node.ops[0]) not in COMPARE:
+            raise _reject(src, "use one comparison (<, <=, >, >=, ==, !=) per condition")
+        return ("cmp", COMPARE[type(node.ops[0])], conv(node.left), conv(node.comparators[0]))
+    if isinstance(node, ast.Call):
+        return _convert_call(node, src, conv)
+    what = type(node).__name__
+    if isinstance(node, ast.Constant):
+        what = f"the constant {node.value!r} (only numbers are allowed)"
+    elif isinstance(node, ast.Attribute):
+        what = f"attribute access '.{node.attr}'"
+    elif isinstance(node, ast.Subscript):
+        what = "subscripting"
+    elif isinstance(node, ast.BinOp):
+        what = f"the operator {type(node.op).__name__}"
+    raise _reject(src, f"{what} is not allowed")
+
+
+def _convert_call(node: ast.Call, src: str, conv: Callable[..., tuple]) -> tuple:
+    if not isinstance(node.func, ast.Name):
+        raise _reject(src, "only plain function names can be called")
+    name = node.func.id
+    if node.keywords:
+        raise _reject(src, f"{name}(...) takes positional arguments only")
+    args = node.args
+    if name in UNARY:
+        if len(args) != 1:
+            raise _reject(src, f"{name} takes 1 argument, got {len(args)}")
+        return ("fn", name, conv(args[0]))
+    if name in BINARY_FN:
+        if len(args) != 2:
+            raise _reject(src, f"{name} takes 2 arguments, got {len(args)}")
+        return ("fn2", name, conv(args[0]), conv(args[1]))
+    if name == "where":
+        if len(args) != 3:
+            raise _reject(src, f"where takes 3 arguments (cond, a, b), got {len(args)}")
+        if not isinstance(args[0], ast.Compare):
+            raise _reject(src, "the first argument of where must be a comparison such as x > 0")
+        return ("where", conv(args[0], True), conv(args[1]), conv(args[2]))
+    raise _reject(src, f"function {name!r} is not allowed")
+
+
+def _variables(t: tuple) -> set[str]:
+    if t[0] == "var":
+        return {t[1]}
+    out: set[str] = set()
+    for child in t[1:]:
+        if isinstance(child, tuple):
+            out |= _variables(child)
+    return out
+
+
+def _triton(t: tuple, var: Callable[[str], str]) -> str:
+    kind = t[0]
+    if kind == "num":
+        return repr(t[1])
+    if kind == "var":
+        return var(t[1])
+    if kind == "neg":
+        return f"(-{_triton(t[1], var)})"
+    if kind in ("bin", "cmp"):
+        return f"({_triton(t[2], var)} {t[1]} {_triton(t[3], var)})"
+    if kind == "pow":
+        base, k = _triton(t[1], var), t[2]
+        if k == 0:
+            return f"({base} * 0.0 + 1.0)"
+        product = " * ".join([base] * abs(k))
+        return f"({product})" if k > 0 else f"(1.0 / ({product}))"
+    if kind == "fn":
+        return UNARY[t[1]][0].format(_triton(t[2], var))
+    if kind == "fn2":
+        return BINARY_FN[t[1]][0].format(_triton(t[2], var), _triton(t[3], var))
+    if kind == "where":
+        return f"tl.where({_triton(t[1], var)}, {_triton(t[2], var)}, {_triton(t[3], var)})"
+    raise AssertionError(kind)
+
+
+def _torch(t: tuple, values: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    kind = t[0]
+    ev = lambda c: _torch(c, values, dtype)  # noqa: E731
+    if kind == "num":
+        return torch.tensor(t[1], dtype=dtype)
+    if kind == "var":
+        return values(t[1])
+    if kind == "neg":
+        return -ev(t[1])
+    if kind in ("bin", "cmp"):
+        a, b = ev(t[2]), ev(t[3])
+        return {
+            "+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div,
+            "<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge, "==": torch.eq,
+            "!=": torch.ne,
+        }[t[1]](a, b)
+    if kind == "pow":
+        return torch.pow(ev(t[1]), t[2])
+    if kind == "fn":
+        return UNARY[t[1]][1](ev(t[2]))
+    if kind == "fn2":
+        return BINARY_FN[t[1]][1](ev(t[2]), ev(t[3]))
+    if kind == "where":
+        return torch.where(ev(t[1]), ev(t[2]), ev(t[3]))
+    raise AssertionError(kind)

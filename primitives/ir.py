@@ -1,0 +1,195 @@
+"""The typed composition API: a ``Program`` of prep steps, GEMM-epilogue kernels and aux steps.
+
+A Program is what an agent writes (as JSON, through a tool whose input schema is
+``Program.model_json_schema()``) and what the sandbox runs. Everything is a frozen pydantic model
+with ``extra="forbid"``; its canonical JSON is its cache key. The op, aux and prep unions are
+collected from the registries in ``base`` — nothing here lists primitives by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from . import aux, ops, prep  # noqa: F401  (importing registers every node)
+from .base import AuxStep, EpilogueOp, Name, Node, PrepStep
+from .errors import ProgramError, did_you_mean
+from .types import DtypeClass
+
+
+def _union(classes: list[type], discriminator: str) -> Any:
+    if len(classes) == 1:
+        return classes[0]
+    return Annotated[Union[tuple(classes)], Field(discriminator=discriminator)]  # noqa: UP007
+
+
+EpilogueOpUnion = _union(list(EpilogueOp.registry.values()), "op")
+PrepUnion = _union(list(PrepStep.registry.values()), "kind")
+
+
+class Operand(Node):
+    """A GEMM operand: a 2-D program tensor, optionally transposed (no copy: strides swap).
+
+    Shorthand in JSON: ``"x"`` or ``"w.T"`` (an ``nn.Linear`` weight ``[out, in]`` as ``B = w.T``).
+    """
+
+    tensor: Name
+    transpose: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            name, dot_t = (value[:-2], True) if value.endswith(".T") else (value, False)
+            return {"tensor": name, "transpose": dot_t}
+        return value
+
+    def text(self) -> str:
+        return f"{self.tensor}.T" if self.transpose else self.tensor
+
+
+def _power_of_two(low: int, high: int) -> Any:
+    def check(v: int) -> int:
+        if v < low or v > high or v & (v - 1):
+            raise ValueError(f"must be a power of two between {low} and {high}, got {v}")
+        return v
+
+    return check
+
+
+class MainloopConfig(Node):
+    """Explicit tiles and launch parameters of a GEMM mainloop (or use ``"auto"``).
+
+    ``block_m/n/k``: output tile and K step; ``group_m``: grouped tile order (L2 reuse);
+    ``num_warps``, ``num_stages``: Triton launch parameters.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = Field(8, ge=1, le=64)
+    num_warps: int = 8
+    num_stages: int = Field(3, ge=1, le=8)
+
+    _m = field_validator("block_m", "block_n")(_power_of_two(16, 256))
+    _k = field_validator("block_k")(_power_of_two(16, 256))
+    _w = field_validator("num_warps")(_power_of_two(1, 16))
+
+
+class GemmEpilogue(Node):
+    """One fused kernel: ``acc = A @ B`` in fp32, then the ``epilogue`` ops on each output tile.
+
+    ``A`` is ``[M, K]`` and ``B`` is ``[K, N]`` after their optional transposes. The epilogue starts
+    with one value in registers, ``acc`` (the ``[M, N]`` fp32 accumulator tile), and is an ordered
+    list of primitives that read values by name and define new ones (single assignment); program
+    tensors are written only by sink ops (``store``, ``partial_reduce``). An epilogue that is just
+    ``store(src="acc")`` runs on the vendor GEMM (cuBLAS through torch): nothing to fuse.
+    """
+
+    kind: Literal["gemm"] = "gemm"
+    name: Name | None = None
+    a: Operand
+    b: Operand
+    epilogue: list[EpilogueOpUnion] = Field(min_length=1, max_length=64)  # type: ignore[valid-type]
+    config: Literal["auto"] | MainloopConfig = "auto"
+
+    @property
+    def is_plain_store(self) -> bool:
+        """Only ``store(src='acc', mode='write')``: dispatched to the vendor GEMM."""
+        if len(self.epilogue) != 1:
+            return False
+        only = self.epilogue[0]
+        return only.op == "store" and only.src == "acc" and only.mode == "write"
+
+
+StepUnion = _union([GemmEpilogue, *AuxStep.registry.values()], "kind")
+
+
+class TensorDecl(Node):
+    """A block input: symbolic shape (size names such as ``M``, ``d``, or integers) and dtype class.
+
+    ``act`` is the run's activation dtype. Shorthand in JSON: a bare shape list ``["M", "d"]``.
+    """
+
+    shape: list[Name | int] = Field(max_length=4)
+    dtype: DtypeClass = "act"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"shape": value} if isinstance(value, list | tuple) else value
+
+
+class Program(Node):
+    """A GEMM-epilogue program implementing one block.
+
+    ``inputs``: the block's tensors (exactly as the block declares them). ``prep``: weight-layout
+    steps, run once per weight. ``steps``: ``gemm`` kernels and aux steps, in order; each may read
+    inputs, prep results and tensors written by earlier steps. ``outputs``: block output name →
+    program tensor that holds it.
+    """
+
+    block: str
+    inputs: dict[Name, TensorDecl]
+    prep: list[PrepUnion] = Field(default_factory=list, max_length=32)  # type: ignore[valid-type]
+    steps: list[StepUnion] = Field(min_length=1, max_length=32)  # type: ignore[valid-type]
+    outputs: dict[Name, Name] = Field(min_length=1)
+
+    # -- naming ----------------------------------------------------------------------------------
+    def step_names(self) -> list[str]:
+        """Each step's name: its ``name`` field, or ``<kind><index>``."""
+        return [getattr(s, "name", None) or f"{s.kind}{i}" for i, s in enumerate(self.steps)]
+
+    @model_validator(mode="after")
+    def _unique_step_names(self) -> Program:
+        names = self.step_names()
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"step names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    # -- serialisation ---------------------------------------------------------------------------
+    def canonical_json(self) -> str:
+        """Sorted, compact JSON: the cache key of this program (with generator/Triton versions)."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, data: str | bytes | dict[str, Any]) -> Program:
+        """Validate JSON (text or decoded) into a Program; every problem in one ``ProgramError``."""
+        try:
+            if isinstance(data, str | bytes):
+                return cls.model_validate_json(data)
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ProgramError(format_validation_error(e)) from None
+
+    def to_python(self) -> str:
+        """Builder calls that rebuild this program exactly (for bug reports and transcripts)."""
+        from .builder import program_to_python
+
+        return program_to_python(self)
+
+
+def _tag_hint(err: dict[str, Any]) -> str:
+    ctx = err.get("ctx") or {}
+    tag, expected = ctx.get("tag"), ctx.get("expected_tags")
+    if err["type"] == "union_tag_invalid" and tag is not None and expected:
+        names = [t.strip().strip("'") for t in str(expected).split(",")]
+        return " (" + did_you_mean(str(tag), names) + ")"
+    return ""
+
+
+def format_validation_error(e: ValidationError, limit: int = 12) -> str:
+    """Pydantic's errors as ``location: message`` lines an author can act on."""
+    lines = []
+    for err in e.errors()[:limit]:
+        loc = ".".join(str(p) for p in err["loc"]) or "(program)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (this model does not take it)"
+        lines.append(f"{loc}: {msg}{_tag_hint(err)}")
+    if len(e.errors()) > limit:
+        lines.append(f"... and {len(e.errors()) - limit} more")
+    return "invalid program:\n  " + "\n  ".join(lines)

@@ -1,0 +1,92 @@
+"""Reduce family: per-tile partial reductions, finished later by a tiny ``Aux`` step.
+
+Statistics of a tensor that a GEMM produces come from that GEMM's epilogue (CODA_MATH §1): each
+output tile writes its partial sums of squares into a ``[M, ⌈N/BN⌉]`` buffer (one column per column
+block, ``partials_shape``), and ``rstd`` finishes ``r = rsqrt(Σ partials / N + eps)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+
+from ..base import EpilogueOp, Name, Port
+from ..types import PartialsInfo, TensorInfo
+
+if TYPE_CHECKING:
+    from ..checking import CheckEnv
+    from ..codegen.context import EmitContext
+    from ..reference import RefEnv
+
+
+
+@dataclass(frozen=True)
+class _Kind:
+    value: str  # the Triton expression reduced, in terms of {v}
+    neutral: float  # what masked-out elements contribute
+    triton: str  # the Triton reduction
+    torch: Callable[[torch.Tensor, int], torch.Tensor]
+
+    @property
+    def neutral_code(self) -> str:
+        return "float('-inf')" if math.isinf(self.neutral) else repr(self.neutral)
+
+
+_KINDS = {
+    "sum": _Kind("{v}", 0.0, "tl.sum", lambda x, d: x.sum(d)),
+    "sumsq": _Kind("{v} * {v}", 0.0, "tl.sum", lambda x, d: (x * x).sum(d)),
+    "max": _Kind("{v}", -math.inf, "tl.max", lambda x, d: x.amax(d)),
+}
+
+
+class PartialReduce(EpilogueOp):
+    """Write per-tile partial reductions of tile ``src`` to a new program tensor ``to`` (fp32).
+
+    ``kind``: ``sum``, ``sumsq`` (sum of squares, for RMSNorm statistics) or ``max``.
+    ``axis="row"``: each tile reduces its columns, giving one value per row per column block: ``to`` is
+    ``[M, ⌈W/BLOCK_N⌉]`` (W = src's width). ``axis="col"``: each tile reduces its rows, giving
+    ``[W, ⌈M/BLOCK_M⌉]``. Elements outside the tensor's edges never contribute. Finish the partials
+    with an aux step, e.g. ``{"kind": "rstd", "src": "<to>", ...}`` for sumsq.
+    """
+
+    op: Literal["partial_reduce"] = "partial_reduce"
+    port: ClassVar = Port.SINK
+
+    src: Name
+    kind: Literal["sum", "sumsq", "max"]
+    axis: Literal["row", "col"] = "row"
+    to: Name
+
+    def check(self, env: CheckEnv) -> None:
+        t = env.tile(self.src)
+        width = env.cols(t.scale)
+        rows, length = (env.M, width) if self.axis == "row" else (width, env.M)
+        info = PartialsInfo(self.kind, self.axis, length, env.program.where)
+        env.define_tensor(self.to, TensorInfo((rows,), "float32", env.program.where, info))
+
+    def reference(self, env: RefEnv) -> None:
+        kind = _KINDS[self.kind]
+        x = env.locals[self.src]
+        if self.axis == "col":
+            x, block = x.transpose(0, 1), env.block_m
+        else:
+            block = env.block_n * x.shape[1] // env.N  # the block width of src's column space
+        rows, width = x.shape
+        nblocks = -(-width // block)
+        pad = torch.full((rows, nblocks * block - width), kind.neutral, dtype=x.dtype)
+        blocks = torch.cat([x, pad], dim=1).reshape(rows, nblocks, block)
+        env.tensors[self.to] = kind.torch(blocks, 2).to(env.partials_dtype)
+
+    def emit(self, ctx: EmitContext) -> None:
+        kind = _KINDS[self.kind]
+        scale = ctx.type_of(self.src).scale
+        v = kind.value.format(v=ctx.var(self.src))
+        masked = f"tl.where({ctx.tile_mask(scale)}, {v}, {kind.neutral_code})"
+        dim = 1 if self.axis == "row" else 0
+        partial = f"p_{self.to}"
+        ctx.line(f"{partial} = {kind.triton}({masked}, axis={dim})")
+        ctx.store_partials(self.to, partial, self.axis, scale)

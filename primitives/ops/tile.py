@@ -1,0 +1,78 @@
+"""Tile family: bring an M×N program tensor (a residual, a saved activation) into registers.
+
+A residual add ``x_new = x + y·W`` is ``add_tile(acc, x)`` in the epilogue of ``y·W`` (CODA_MATH §3).
+Loaded tiles are fp32 and zero outside the tensor's edges.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from ..base import EpilogueOp, Name, Port
+from ..errors import ProgramError
+from ..types import LocalType, scale_name
+
+if TYPE_CHECKING:
+    from ..checking import CheckEnv
+    from ..codegen.context import EmitContext
+    from ..reference import RefEnv
+
+
+class AddTile(EpilogueOp):
+    """Add a program tensor elementwise: ``out = src + tensor`` (e.g. the residual of a block).
+
+    ``tensor`` must have the shape of ``src``: M rows and as many columns as ``src`` has
+    (N for the accumulator). It is read in its own dtype and added in fp32.
+    """
+
+    op: Literal["add_tile"] = "add_tile"
+    port: ClassVar = Port.TILE
+
+    src: Name
+    tensor: Name
+    out: Name
+
+    def check(self, env: CheckEnv) -> None:
+        t = env.tile(self.src)
+        _, scale = env.matching_tile_tensor(self.tensor)
+        if scale != t.scale:
+            raise ProgramError(
+                f"tensor {self.tensor!r} has {env.cols(scale)} columns but src {self.src!r} has "
+                f"{env.cols(t.scale)} ({scale_name(t.scale)})",
+                hint="add_tile needs a tensor of exactly src's shape",
+            )
+        env.define_local(self.out, t)
+
+    def reference(self, env: RefEnv) -> None:
+        env.locals[self.out] = env.locals[self.src] + env.load(self.tensor)
+
+    def emit(self, ctx: EmitContext) -> None:
+        scale = ctx.type_of(self.src).scale
+        tile = ctx.load_tile(self.tensor, scale)
+        ctx.line(f"{ctx.define(self.out)} = {ctx.var(self.src)} + {tile}")
+
+
+class LoadTile(EpilogueOp):
+    """Load this output tile's block of a program tensor into registers as epilogue value ``out``.
+
+    ``tensor`` has M rows and N/2, N or 2N columns (N = the GEMM's output width); the loaded value
+    lives in that column space, e.g. a saved ``[M, 2N]`` pre-activation ``z = [g, u]`` interleaved,
+    read next to the ``[M, N]`` accumulator of a backward GEMM. Values are fp32.
+    """
+
+    op: Literal["load_tile"] = "load_tile"
+    port: ClassVar = Port.TILE
+
+    tensor: Name
+    out: Name
+
+    def check(self, env: CheckEnv) -> None:
+        _, scale = env.matching_tile_tensor(self.tensor)
+        env.define_local(self.out, LocalType("tile", scale))
+
+    def reference(self, env: RefEnv) -> None:
+        env.locals[self.out] = env.load(self.tensor)
+
+    def emit(self, ctx: EmitContext) -> None:
+        scale = ctx.type_of(self.out).scale
+        ctx.line(f"{ctx.define(self.out)} = {ctx.load_tile(self.tensor, scale)}")

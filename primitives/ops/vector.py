@@ -1,0 +1,100 @@
+"""Vector family: broadcast a length-M (row) or length-N (column) vector over a tile.
+
+Row scales are how a norm runs in the epilogue (CODA_MATH §1): ``(diag(r)·x·diag(γ))·W =
+diag(r)·((x⊙γ)·W)``, so ``scale_rows(acc, r)`` applies RMSNorm's ``r`` after the product; column
+vectors are biases and per-feature scales.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from ..base import EpilogueOp, Name, Port
+
+if TYPE_CHECKING:
+    from ..checking import CheckEnv
+    from ..codegen.context import EmitContext
+    from ..reference import RefEnv
+
+
+class _VectorOp(EpilogueOp):
+    """Shared by the four vector primitives: ``out = src ∘ vector`` broadcast along ``axis``."""
+
+    axis: ClassVar[Literal["row", "col"]]
+    combine: ClassVar[Literal["*", "+"]]
+
+    src: Name
+    vector: Name
+    out: Name
+
+    def check(self, env: CheckEnv) -> None:
+        t = env.tile(self.src)
+        if self.axis == "row":
+            env.vector(self.vector, env.M, role="vector", what="one value per row, M")
+        else:
+            width = env.cols(t.scale)
+            env.vector(
+                self.vector, width, role="vector", what="one value per column of src"
+            )
+        env.define_local(self.out, t)
+
+    def reference(self, env: RefEnv) -> None:
+        v = env.row(self.vector) if self.axis == "row" else env.col(self.vector)
+        src = env.locals[self.src]
+        env.locals[self.out] = src * v if self.combine == "*" else src + v
+
+    def emit(self, ctx: EmitContext) -> None:
+        scale = ctx.type_of(self.src).scale
+        v = ctx.load_row(self.vector) if self.axis == "row" else ctx.load_col(self.vector, scale)
+        ctx.line(f"{ctx.define(self.out)} = {ctx.var(self.src)} {self.combine} {v}")
+
+
+class ScaleRows(_VectorOp):
+    """Multiply each row i of tile ``src`` by ``vector[i]``: ``out[i, j] = src[i, j] * vector[i]``.
+
+    ``vector`` is a program tensor of length M (one value per output row), e.g. the RMSNorm
+    reciprocal ``r`` from an ``rstd`` step. This is how a norm that precedes a GEMM is applied in that
+    GEMM's epilogue: ``rmsnorm(x) @ W == diag(r) · ((x ⊙ γ) @ W)``.
+    """
+
+    op: Literal["scale_rows"] = "scale_rows"
+    port: ClassVar = Port.ROW
+    axis: ClassVar = "row"
+    combine: ClassVar = "*"
+
+
+class ScaleCols(_VectorOp):
+    """Multiply each column j of tile ``src`` by ``vector[j]``: ``out[i, j] = src[i, j] * vector[j]``.
+
+    ``vector`` is a program tensor with one value per column of ``src`` (N columns for the
+    accumulator, N/2 after ``swiglu``), e.g. a norm weight γ applied as a side output ``x ⊙ γ``.
+    """
+
+    op: Literal["scale_cols"] = "scale_cols"
+    port: ClassVar = Port.COL
+    axis: ClassVar = "col"
+    combine: ClassVar = "*"
+
+
+class AddRowVector(_VectorOp):
+    """Add ``vector[i]`` to every element of row i: ``out[i, j] = src[i, j] + vector[i]``.
+
+    ``vector`` is a program tensor of length M.
+    """
+
+    op: Literal["add_row_vector"] = "add_row_vector"
+    port: ClassVar = Port.ROW
+    axis: ClassVar = "row"
+    combine: ClassVar = "+"
+
+
+class AddColVector(_VectorOp):
+    """Add ``vector[j]`` to every element of column j: ``out[i, j] = src[i, j] + vector[j]`` (a bias).
+
+    ``vector`` is a program tensor with one value per column of ``src``.
+    """
+
+    op: Literal["add_col_vector"] = "add_col_vector"
+    port: ClassVar = Port.COL
+    axis: ClassVar = "col"
+    combine: ClassVar = "+"
