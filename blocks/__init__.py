@@ -1,1 +1,10 @@
-"""placeholder"""
+"""coda.blocks — target blocks: op graph, PyTorch reference, input factory, shapes, tolerances."""
+
+from .block import Block, ShapeSets, TensorSpec, Tolerance
+from .ops import Add, GraphOp, Linear, RMSNorm, SwiGLU
+from .registry import BlockNotFound, get_block, list_blocks, load_block_file, register
+
+__all__ = [
+    "Add", "Block", "BlockNotFound", "GraphOp", "Linear", "RMSNorm", "ShapeSets", "SwiGLU",
+    "TensorSpec", "Tolerance", "get_block", "list_blocks", "load_block_file", "register",
+]

@@ -1,1 +1,11 @@
-"""placeholder"""
+"""coda.sandbox — validate → semantics → compile → verify → profile a candidate; return a Report."""
+
+from coda.primitives import backend as _backend  # noqa: F401  (first: selects the interpreter)
+
+from .compare import OutputCheck, assert_close, check_output
+from .report import ProfileRow, Report, StageResult
+from .runner import evaluate
+from .stages import SandboxOptions
+
+__all__ = ["OutputCheck", "ProfileRow", "Report", "SandboxOptions", "StageResult", "assert_close",
+           "check_output", "evaluate"]

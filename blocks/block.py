@@ -1,0 +1,190 @@
+"""The block definition API: a small graph of high-level ops, defined once.
+
+From one ``Block`` come: the PyTorch reference (its *source* is generated from the graph and the
+functional helpers, shown to LLMs, and exactly that source is what runs), the seeded input factory
+(weights scaled like real models), the shape sets the sandbox verifies and benchmarks at, the FLOP
+count, and the graph the built-in planner lowers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from functools import lru_cache
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
+
+from . import functional
+from .ops import GraphOp, Linear
+
+InitKind = Literal["activation", "linear_weight", "norm_weight", "index"]
+
+
+class TensorSpec(BaseModel):
+    """A block input: symbolic shape, dtype class, and how the input factory draws it.
+
+    ``init``: ``activation`` ~ N(0, 1); ``linear_weight`` ~ N(0, 1/in_features) for an ``[out, in]``
+    weight (keeps every branch's output O(1), so a dropped branch cannot hide under a residual);
+    ``norm_weight`` ~ 1 + N(0, 0.1²) (a trained γ, not all ones); ``index`` ~ U{0, …, high−1}.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    shape: list[str | int]
+    dtype: Literal["act", "float32", "int64"] = "act"
+    init: InitKind = "activation"
+    high: str | None = None
+    doc: str = ""
+
+
+class ShapeSets(BaseModel):
+    """Bindings of the block's size names. ``cpu``: verified under the interpreter (keep them small,
+    include ragged sizes that are not tile multiples); ``gpu``: bf16 verification on a GPU;
+    ``bench``: benchmark shapes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    cpu: list[dict[str, int]] = Field(min_length=1)
+    gpu: list[dict[str, int]] = Field(default_factory=list)
+    bench: list[dict[str, int]] = Field(default_factory=list)
+
+
+class Tolerance(BaseModel):
+    """The verification rule (DESIGN §5), per output and dtype.
+
+    Pass when ``max|out − ref64| ≤ ratio · max|torch − ref64| + floor[dtype] · max|ref64|`` and
+    ``‖out − ref64‖ / ‖ref64‖ ≤ rel[dtype]``, where ``torch`` is the block's own PyTorch reference
+    run in the same dtype and ``ref64`` the float64 reference.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    ratio: float = 2.0
+    floor: dict[str, float] = {"float32": 1e-6, "float16": 2e-4, "bfloat16": 2e-3}
+    rel: dict[str, float] = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2.5e-2}
+
+
+class Block(BaseModel):
+    """A target block: named inputs, a graph of ops, named outputs, shapes and tolerances."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    description: str
+    inputs: dict[str, TensorSpec]
+    graph: list[SerializeAsAny[GraphOp]] = Field(min_length=1)
+    outputs: list[str] = Field(min_length=1)
+    shapes: ShapeSets
+    tolerance: Tolerance = Tolerance()
+
+    @model_validator(mode="after")
+    def _well_formed(self) -> Block:
+        defined = dict.fromkeys(self.inputs, "input")
+        used: set[str] = set()
+        for i, op in enumerate(self.graph):
+            for name in op.inputs():
+                if name not in defined:
+                    raise ValueError(f"graph[{i}] ({op.op}) reads {name!r}, which is not defined yet")
+                used.add(name)
+            if op.out in defined:
+                raise ValueError(f"graph[{i}] ({op.op}) redefines {op.out!r}")
+            defined[op.out] = op.op
+        for out in self.outputs:
+            if out not in defined or defined[out] == "input":
+                raise ValueError(f"output {out!r} is not computed by the graph")
+        unused = sorted(set(self.inputs) - used)
+        if unused:
+            raise ValueError(f"inputs {unused} are not used by the graph")
+        sizes = {d for spec in self.inputs.values() for d in spec.shape if isinstance(d, str)}
+        for group in (self.shapes.cpu, self.shapes.gpu, self.shapes.bench):
+            for binding in group:
+                missing = sorted(sizes - set(binding))
+                if missing:
+                    raise ValueError(f"shape set {binding} lacks sizes {missing}")
+        return self
+
+    # -- the reference ---------------------------------------------------------------------------
+    def reference_source(self) -> str:
+        """Readable PyTorch source of the block: helper functions, then the block function."""
+        helpers = []
+        for op in self.graph:
+            if op.helper not in helpers:
+                helpers.append(op.helper)
+        parts = ["import torch", "import torch.nn.functional as F", ""]
+        parts += [inspect.getsource(h) for h in helpers]
+        args = ", ".join(self.inputs)
+        body = [f"def {self.name}({args}):", f'    """{self.description}', ""]
+        for name, spec in self.inputs.items():
+            shape = ", ".join(map(str, spec.shape))
+            note = f" — {spec.doc}" if spec.doc else ""
+            body.append(f"    {name}: [{shape}] {spec.dtype}{note}")
+        body.append('    """')
+        body += [f"    {op.source()}" for op in self.graph]
+        outs = ", ".join(f"{o!r}: {o}" for o in self.outputs)
+        body.append(f"    return {{{outs}}}")
+        return "\n".join(parts) + "\n" + "\n".join(body) + "\n"
+
+    def reference(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the reference source on ``inputs`` (any dtype; float64 for the ground truth)."""
+        fn = _compile_reference(self.reference_source(), self.name)
+        return fn(**{name: inputs[name] for name in self.inputs})
+
+    # -- inputs and sizes ------------------------------------------------------------------------
+    def shape_of(self, name: str, sizes: dict[str, int]) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else sizes[d] for d in self.inputs[name].shape)
+
+    def make_inputs(self, sizes: dict[str, int], dtype: torch.dtype, seed: int,
+                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Seeded inputs at ``sizes``; floating ``act`` inputs in ``dtype``."""
+        gen = torch.Generator().manual_seed(seed)
+        out = {}
+        for name, spec in self.inputs.items():
+            shape = self.shape_of(name, sizes)
+            out[name] = _draw(spec, shape, sizes, gen, dtype).to(device)
+        return out
+
+    def program_inputs(self) -> dict[str, dict[str, Any]]:
+        """The ``inputs`` field a Program for this block must carry."""
+        return {n: {"shape": list(s.shape), "dtype": s.dtype} for n, s in self.inputs.items()}
+
+    def trace(self, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        """Shapes of every value of the graph at ``sizes`` (runs the reference on meta tensors)."""
+        values = {
+            n: torch.empty(self.shape_of(n, sizes), device="meta",
+                           dtype=torch.int64 if s.dtype == "int64" else torch.float32)
+            for n, s in self.inputs.items()
+        }
+        for op in self.graph:
+            values[op.out] = op.call(values)
+        return {n: tuple(v.shape) for n, v in values.items()}
+
+    def flops(self, sizes: dict[str, int]) -> int:
+        """Matrix-product FLOPs of one forward call (2·M·N·K per Linear)."""
+        shapes = self.trace(sizes)
+        total = 0
+        for op in self.graph:
+            if isinstance(op, Linear):
+                x, w = shapes[op.x], shapes[op.weight]
+                total += 2 * math.prod(x[:-1]) * w[0] * w[1]
+        return total
+
+
+def _draw(spec: TensorSpec, shape: tuple[int, ...], sizes: dict[str, int],
+          gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    if spec.init == "index":
+        high = sizes[spec.high] if spec.high else shape[-1]
+        return torch.randint(0, high, shape, generator=gen, dtype=torch.int64)
+    x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if spec.init == "linear_weight":
+        x = x / math.sqrt(shape[-1])
+    elif spec.init == "norm_weight":
+        x = 1.0 + 0.1 * x
+    return x.to(torch.float32 if spec.dtype == "float32" else dtype)
+
+
+@lru_cache(maxsize=64)
+def _compile_reference(source: str, name: str) -> Any:
+    namespace: dict[str, Any] = {"__name__": f"coda_block_{name}"}
+    exec(compile(source, f"<reference of block {name}>", "exec"), namespace)  # noqa: S102
+    return namespace[name]
+
+
+__all__ = ["Block", "ShapeSets", "TensorSpec", "Tolerance", "functional"]

@@ -1,0 +1,136 @@
+"""The typed Report the sandbox returns: which stage failed, on which output, by how much.
+
+``render_text`` is for people (the CLI, ``report.json`` readers); ``render_compact`` is what an agent
+reads as a tool result: the first failure in full, passing checks summarised, timings if measured.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from .compare import OutputCheck
+
+Stage = Literal["validate", "semantics", "compile", "verify", "profile"]
+STAGES: tuple[Stage, ...] = ("validate", "semantics", "compile", "verify", "profile")
+
+
+class StageResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    stage: Stage
+    status: Literal["passed", "failed", "skipped"]
+    message: str = ""
+    seconds: float = 0.0
+
+
+class ProfileRow(BaseModel):
+    """Timings at one shape (GPU only; medians of ``triton.testing.do_bench``, L2 flushed)."""
+
+    model_config = ConfigDict(frozen=True)
+    sizes: dict[str, int]
+    dtype: str
+    program_ms: float
+    gemms_ms: float  # the block's matrix products alone on cuBLAS: the speed of light
+    eager_ms: float | None = None
+    compile_ms: float | None = None
+    tflops: float
+    configs: dict[str, dict[str, int]] = {}
+
+    @property
+    def ratio_to_gemms(self) -> float:
+        return self.program_ms / self.gemms_ms
+
+    def speedup(self, baseline_ms: float | None) -> float | None:
+        return None if baseline_ms is None else baseline_ms / self.program_ms
+
+
+class Report(BaseModel):
+    """Everything one sandbox evaluation found. ``verified`` is the one bit that gates acceptance."""
+
+    model_config = ConfigDict(frozen=True)
+    verified: bool
+    block: str
+    program_hash: str
+    device: str
+    stages: list[StageResult]
+    checks: list[OutputCheck] = []
+    profile: list[ProfileRow] = []
+    kernels: dict[str, str] = {}  # step -> generated module file name
+    versions: dict[str, str] = {}
+
+    @property
+    def failed_stage(self) -> StageResult | None:
+        return next((s for s in self.stages if s.status == "failed"), None)
+
+    def stage(self, name: Stage) -> StageResult | None:
+        return next((s for s in self.stages if s.stage == name), None)
+
+    def worst_check(self) -> OutputCheck | None:
+        scored = [c for c in self.checks if c.max_abs_err is not None and c.allowed]
+        if not scored:
+            return None
+        return max(scored, key=lambda c: c.max_abs_err / c.allowed)
+
+    # -- rendering -------------------------------------------------------------------------------
+    def headline(self) -> str:
+        failed = self.failed_stage
+        if failed is not None:
+            return f"FAILED at {failed.stage}: {failed.message.splitlines()[0] if failed.message else ''}"
+        if not self.verified:
+            return "NOT VERIFIED"
+        worst = self.worst_check()
+        tail = f"; worst output {worst.output}: max|err| {worst.max_abs_err:.3g} " \
+               f"≤ allowed {worst.allowed:.3g}" if worst else ""
+        return f"VERIFIED ({len(self.checks)} checks passed{tail})"
+
+    def render_text(self) -> str:
+        lines = [f"block {self.block}  program {self.program_hash}  on {self.device}", self.headline(), ""]
+        for s in self.stages:
+            mark = {"passed": "✓", "failed": "✗", "skipped": "–"}[s.status]
+            lines.append(f"  {mark} {s.stage:<9} {s.status:<7} {s.seconds:6.2f}s  {s.message}")
+        if self.checks:
+            lines.append("")
+            lines.append("checks:")
+            lines += [f"  {c.summary()}" for c in self.checks]
+            for c in self.checks:
+                if not c.passed and c.first_bad:
+                    first = "; ".join(f"{m.index}: got {m.got:.5g}, want {m.want:.5g}" for m in c.first_bad)
+                    lines.append(f"  first mismatches of {c.output}: {first}")
+                    break
+        lines += self._profile_lines()
+        return "\n".join(lines)
+
+    def _profile_lines(self) -> list[str]:
+        if not self.profile:
+            prof = self.stage("profile")
+            return [f"\ntimings: not measured ({prof.message})"] if prof else []
+        lines = ["", "timings (ms, median):"]
+        for r in self.profile:
+            where = ", ".join(f"{k}={v}" for k, v in r.sizes.items())
+            eager = f"{r.eager_ms:.3f}" if r.eager_ms else "n/a"
+            comp = f"{r.compile_ms:.3f}" if r.compile_ms else "n/a"
+            lines.append(
+                f"  {where} {r.dtype}: program {r.program_ms:.3f} ({r.tflops:.0f} TFLOP/s), "
+                f"GEMMs alone {r.gemms_ms:.3f} (×{r.ratio_to_gemms:.3f}), eager {eager}, "
+                f"torch.compile {comp}"
+            )
+        return lines
+
+    def render_compact(self, max_checks: int = 6) -> str:
+        """What an agent reads: the failure in full, the rest briefly."""
+        lines = [self.headline()]
+        failed = self.failed_stage
+        if failed is not None and failed.message and "\n" in failed.message:
+            lines.append(failed.message)
+        bad = [c for c in self.checks if not c.passed]
+        for c in bad[:max_checks]:
+            lines.append("  " + c.summary())
+            if c.first_bad:
+                lines.append("    first: " + "; ".join(
+                    f"{m.index}: got {m.got:.5g}, want {m.want:.5g}" for m in c.first_bad[:3]))
+        if len(bad) > max_checks:
+            lines.append(f"  ... {len(bad) - max_checks} more failing checks")
+        if self.verified:
+            lines += self._profile_lines()[1:] or []
+        return "\n".join(lines)

@@ -1,0 +1,253 @@
+"""The sandbox stages: validate → semantics → compile → verify → profile.
+
+Each stage returns a ``StageResult`` (and its payload); the first failure stops the run. Stages catch
+what a candidate can throw: a ``ProgramError`` becomes its message, anything else becomes an
+"internal error" with the exception's last lines — never an exception in the caller.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from coda.blocks.block import Block
+from coda.primitives import backend
+from coda.primitives.analysis import ProgramInfo, analyze_all
+from coda.primitives.errors import ProgramError
+from coda.primitives.ir import Program
+from coda.primitives.reference import execute_reference, outputs_of
+from coda.primitives.runtime import CompiledProgram, compile_program
+from coda.primitives.types import TORCH_DTYPES
+
+from .compare import OutputCheck, check_output
+from .report import ProfileRow, Stage, StageResult
+
+SEMANTICS_REL_TOL = 1e-9  # float64 algebra: reassociation costs ~1e-15; a wrong program is O(1)
+
+
+class SandboxOptions(BaseModel):
+    """How thoroughly to check. ``None`` means the default for the device kernels run on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    shapes: list[dict[str, int]] | None = None  # default: block.shapes.cpu / .gpu
+    dtypes: list[str] | None = None  # default: float32 + float16 (CPU), bfloat16 + float16 (GPU)
+    seeds: list[int] = [0, 1]
+    profile: bool = True
+    bench_shapes: list[dict[str, int]] | None = None  # default: block.shapes.bench
+    timeout_s: float = 600.0
+    isolate: bool = True  # compile/verify/profile in a worker subprocess
+
+    def verify_shapes(self, block: Block) -> list[dict[str, int]]:
+        if self.shapes is not None:
+            return self.shapes
+        return block.shapes.cpu if backend.INTERPRET else (block.shapes.gpu or block.shapes.cpu)
+
+    def verify_dtypes(self) -> list[str]:
+        if self.dtypes is not None:
+            return self.dtypes
+        # bfloat16 tl.dot is wrong in the Triton 3.9 interpreter: bf16 is verified on GPUs only.
+        return ["float32", "float16"] if backend.INTERPRET else ["bfloat16", "float16"]
+
+    def profile_shapes(self, block: Block) -> list[dict[str, int]]:
+        return self.bench_shapes if self.bench_shapes is not None else block.shapes.bench
+
+
+@contextmanager
+def timed(stage: Stage, sink: list[StageResult]) -> Iterator[dict[str, Any]]:
+    """Run a stage body; record passed / failed (with the error) and its wall time."""
+    box: dict[str, Any] = {"status": "passed", "message": ""}
+    start = time.perf_counter()
+    try:
+        yield box
+    except ProgramError as e:
+        box.update(status="failed", message=e.render())
+    except Exception as e:  # noqa: BLE001 - a candidate may throw anything; it becomes a report
+        tail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        box.update(status="failed", message=f"{type(e).__name__} while running the {stage} stage: "
+                                            f"{_clip(tail)}")
+    sink.append(StageResult(stage=stage, status=box["status"], message=box["message"],
+                            seconds=round(time.perf_counter() - start, 3)))
+
+
+def _clip(text: str, limit: int = 1500) -> str:
+    return text if len(text) <= limit else text[: limit // 2] + "\n…\n" + text[-limit // 2 :]
+
+
+# -- validate --------------------------------------------------------------------------------------
+def check_against_block(program: Program, block: Block) -> None:
+    """The program must be for this block: same name, inputs and outputs."""
+    if program.block != block.name:
+        raise ProgramError(f"the program is for block {program.block!r}, not {block.name!r}",
+                           loc="block")
+    want = block.program_inputs()
+    have = {n: d.model_dump(mode="json") for n, d in program.inputs.items()}
+    for name in want:
+        if name not in have:
+            raise ProgramError(f"missing input {name!r} {want[name]}", loc="inputs",
+                               hint=f"copy the block's inputs exactly: {want}")
+        if have[name] != want[name]:
+            raise ProgramError(f"input {name!r} is declared {have[name]} but the block has "
+                               f"{want[name]}", loc=f"inputs.{name}")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise ProgramError(f"{extra} are not inputs of block {block.name!r}", loc="inputs",
+                           hint=f"the block's inputs are {sorted(want)}")
+    missing = [o for o in block.outputs if o not in program.outputs]
+    unknown = [o for o in program.outputs if o not in block.outputs]
+    if missing or unknown:
+        raise ProgramError(f"outputs must be exactly {block.outputs}; missing {missing}, "
+                           f"unknown {unknown}", loc="outputs")
+
+
+def validate(data: Program | dict | str, block: Block, size_sets: list[dict[str, int]],
+             results: list[StageResult]) -> tuple[Program | None, list[ProgramInfo]]:
+    program, infos = None, []
+    with timed("validate", results) as box:
+        program = data if isinstance(data, Program) else Program.parse(data)
+        check_against_block(program, block)
+        infos = analyze_all(program, size_sets)
+        box["message"] = f"{len(program.steps)} steps; checked at {len(size_sets)} shape sets"
+    return (program if results[-1].status == "passed" else None), infos
+
+
+# -- semantics -------------------------------------------------------------------------------------
+def semantics(program: Program, block: Block, shapes: list[dict[str, int]],
+              results: list[StageResult]) -> None:
+    """The reference executor (float64, CPU) against the block's reference: is the algebra right?"""
+    with timed("semantics", results) as box:
+        worst = 0.0
+        for sizes in shapes:
+            inputs = block.make_inputs(sizes, torch.float64, seed=0)
+            want = block.reference(inputs)
+            got = outputs_of(program, execute_reference(program, inputs, exact=True))
+            for name in block.outputs:
+                rel = _semantic_error(name, got[name], want[name], sizes)
+                worst = max(worst, rel)
+        box["message"] = f"algebra matches the block in float64 (worst relative error {worst:.1e})"
+
+
+def _semantic_error(name: str, got: torch.Tensor, want: torch.Tensor,
+                    sizes: dict[str, int]) -> float:
+    where = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    if tuple(got.shape) != tuple(want.shape):
+        raise ProgramError(f"output {name!r} has shape {list(got.shape)} but the block's reference "
+                           f"gives {list(want.shape)} (at {where})")
+    diff = (got.double() - want.double())
+    rel = float(diff.norm() / max(float(want.double().norm()), 1e-300))
+    if not rel <= SEMANTICS_REL_TOL:
+        idx = int(diff.abs().flatten().argmax())
+        pos = list(torch.unravel_index(torch.tensor(idx), got.shape))
+        raise ProgramError(
+            f"output {name!r} does not match the block's reference in float64 at {where}: "
+            f"relative error {rel:.3g}, largest at {[int(p) for p in pos]} (got "
+            f"{float(got.flatten()[idx]):.6g}, want {float(want.flatten()[idx]):.6g})",
+            hint="the algebra is wrong before any kernel runs: check each step against the "
+                 "reference source (scales, pair order, residual, eps)",
+        )
+    return rel
+
+
+# -- compile ---------------------------------------------------------------------------------------
+def compile_stage(program: Program, info: ProgramInfo, block: Block, sizes: dict[str, int],
+                  results: list[StageResult]) -> CompiledProgram | None:
+    """Generate and import every kernel; on a GPU also build them (one launch at ``sizes``)."""
+    compiled = None
+    with timed("compile", results) as box:
+        compiled = compile_program(program, info)
+        for name in compiled.kernels:
+            compiled._kernel(name)
+        if not backend.INTERPRET:
+            dtype = TORCH_DTYPES["bfloat16"]
+            compiled(block.make_inputs(sizes, dtype, seed=0, device=backend.DEVICE))
+            torch.cuda.synchronize()
+        box["message"] = f"{len(compiled.kernels)} Triton kernels ({backend.describe()})"
+    return compiled if results[-1].status == "passed" else None
+
+
+# -- verify ----------------------------------------------------------------------------------------
+def verify(compiled: CompiledProgram, block: Block, shapes: list[dict[str, int]], dtypes: list[str],
+           seeds: list[int], results: list[StageResult]) -> list[OutputCheck]:
+    checks: list[OutputCheck] = []
+    with timed("verify", results) as box:
+        for sizes in shapes:
+            for dtype in dtypes:
+                for seed in seeds:
+                    checks += verify_one(compiled, block, sizes, TORCH_DTYPES[dtype], seed)
+        failed = [c for c in checks if not c.passed]
+        if failed:
+            raise ProgramError(f"{len(failed)} of {len(checks)} output checks failed; first: "
+                               f"{failed[0].summary()}")
+        box["message"] = (f"{len(checks)} checks passed ({len(shapes)} shapes × {dtypes} × "
+                          f"{len(seeds)} seeds)")
+    return checks
+
+
+def verify_one(compiled: CompiledProgram, block: Block, sizes: dict[str, int], dtype: torch.dtype,
+               seed: int) -> list[OutputCheck]:
+    inputs = block.make_inputs(sizes, dtype, seed, device=backend.DEVICE)
+    snapshot = {n: t.clone() for n, t in inputs.items()}
+    ref64 = block.reference({n: _to64(t) for n, t in inputs.items()})
+    torch_out = block.reference(inputs)
+    out = compiled(inputs, poison=True)
+    for name, before in snapshot.items():
+        if not torch.equal(before, inputs[name]):
+            raise ProgramError(f"the program modified its input {name!r}",
+                               hint="inputs are read-only: store results to new tensors")
+    return [
+        check_output(name, out[name], ref64[name], torch_out[name], block.tolerance,
+                     sizes=sizes, seed=seed)
+        for name in block.outputs
+    ]
+
+
+def _to64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().double() if t.is_floating_point() else t.detach().cpu()
+
+
+# -- profile ---------------------------------------------------------------------------------------
+def profile(compiled: CompiledProgram, block: Block, shapes: list[dict[str, int]],
+            results: list[StageResult]) -> list[ProfileRow]:
+    rows: list[ProfileRow] = []
+    if backend.INTERPRET:
+        results.append(StageResult(stage="profile", status="skipped",
+                                   message="no CUDA GPU here: timings not measured"))
+        return rows
+    if not shapes:
+        results.append(StageResult(stage="profile", status="skipped",
+                                   message="the block declares no benchmark shapes"))
+        return rows
+    with timed("profile", results) as box:
+        from .profiling import profile_shape
+
+        for sizes in shapes:
+            rows.append(profile_shape(compiled, block, sizes, TORCH_DTYPES["bfloat16"]))
+        box["message"] = "; ".join(f"×{r.ratio_to_gemms:.3f} of GEMMs alone" for r in rows)
+    return rows
+
+
+def run_worker_stages(program: Program, info: ProgramInfo, block: Block, options: SandboxOptions,
+                      emit: Callable[[str, Any], None]) -> None:
+    """compile → verify → profile, reporting each result through ``emit`` as it finishes."""
+    results: list[StageResult] = []
+    shapes = options.verify_shapes(block)
+    emit("started", "compile")
+    compiled = compile_stage(program, info, block, shapes[0], results)
+    emit("stage", results[-1])
+    if compiled is None:
+        return
+    emit("started", "verify")
+    checks = verify(compiled, block, shapes, options.verify_dtypes(), options.seeds, results)
+    emit("checks", checks)
+    emit("stage", results[-1])
+    if results[-1].status != "passed" or not options.profile:
+        return
+    emit("started", "profile")
+    rows = profile(compiled, block, options.profile_shapes(block), results)
+    emit("profile", rows)
+    emit("stage", results[-1])
