@@ -16,6 +16,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +55,29 @@ def versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+OnStage = Callable[[StageResult], None]
+
+
+class _Results(list):
+    """Stage results that announce each one as it is appended (live progress)."""
+
+    def __init__(self, on_stage: OnStage | None) -> None:
+        super().__init__()
+        self.on_stage = on_stage
+
+    def append(self, item: StageResult) -> None:  # type: ignore[override]
+        super().append(item)
+        if self.on_stage is not None:
+            self.on_stage(item)
+
+
 def evaluate(data: Program | dict | str, block: Block, options: SandboxOptions | None = None, *,
-             block_file: str | None = None, kernels_dir: Path | None = None) -> Report:
-    """Every stage for one candidate. ``block_file`` lets the worker import a user's block."""
+             block_file: str | None = None, kernels_dir: Path | None = None,
+             on_stage: OnStage | None = None) -> Report:
+    """Every stage for one candidate. ``block_file`` lets the worker import a user's block;
+    ``on_stage`` is called as each stage finishes."""
     options = options or SandboxOptions()
-    results: list[StageResult] = []
+    results: list[StageResult] = _Results(on_stage)
     checks: list[OutputCheck] = []
     rows: list[ProfileRow] = []
     kernels: dict[str, str] = {}
@@ -72,8 +92,7 @@ def evaluate(data: Program | dict | str, block: Block, options: SandboxOptions |
         kernels = {name: f"{name}.py" for name in compiled.kernels}
         if kernels_dir is not None:
             compiled.write_kernels(kernels_dir)
-        payload = _run_stages(program, block, options, block_file)
-        results += payload["stages"]
+        payload = _run_stages(program, block, options, block_file, results)
         checks, rows = payload["checks"], payload["profile"]
     verified = (
         bool(results) and all(s.status != "failed" for s in results)
@@ -85,8 +104,8 @@ def evaluate(data: Program | dict | str, block: Block, options: SandboxOptions |
 
 
 def _run_stages(program: Program, block: Block, options: SandboxOptions,
-                block_file: str | None) -> dict[str, Any]:
-    collected: dict[str, Any] = {"stages": [], "checks": [], "profile": [], "started": None}
+                block_file: str | None, results: list[StageResult]) -> dict[str, Any]:
+    collected: dict[str, Any] = {"stages": results, "checks": [], "profile": [], "started": None}
 
     def absorb(kind: str, data: Any) -> None:
         if kind == "stage":
@@ -129,21 +148,22 @@ def _run_isolated(program: Program, block: Block, options: SandboxOptions,
         (tmp / "request.json").write_text(json.dumps(request))
         events = tmp / "events.jsonl"
         cmd = [sys.executable, "-m", "coda.sandbox.worker", str(tmp / "request.json"), str(events)]
-        with open(tmp / "stdout", "wb") as out, open(tmp / "stderr", "wb") as err:
+        events.touch()
+        with open(tmp / "stdout", "wb") as out, open(tmp / "stderr", "wb") as err, \
+                open(events) as stream:
             proc = subprocess.Popen(cmd, cwd=tmp, env=worker_env(tmp), stdout=out, stderr=err,
                                     start_new_session=True)
-            try:
-                code = proc.wait(timeout=options.timeout_s)
-                cause = _exit_cause(code)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                cause = f"timed out after {options.timeout_s:.0f} s (the worker was killed)"
-        if events.exists():
-            for line in events.read_text().splitlines():
-                if line.strip():
-                    event = json.loads(line)
-                    absorb(event["event"], event["data"])
+            deadline = time.monotonic() + options.timeout_s
+            cause = None
+            while proc.poll() is None:
+                _drain(stream, absorb)
+                if time.monotonic() > deadline:
+                    _kill_group(proc)
+                    cause = f"timed out after {options.timeout_s:.0f} s (the worker was killed)"
+                    break
+                time.sleep(0.05)
+            cause = cause or _exit_cause(proc.returncode)
+            _drain(stream, absorb)
         if cause is not None:
             stage = collected["started"] or "compile"
             stage = stage if stage in ("compile", "verify", "profile") else "compile"
@@ -152,6 +172,27 @@ def _run_isolated(program: Program, block: Block, options: SandboxOptions,
             if tail:
                 message += f"\nits last output:\n{tail}"
             collected["stages"].append(StageResult(stage=stage, status="failed", message=message))
+
+
+def _drain(stream: Any, absorb: Callable[[str, Any], None]) -> None:
+    """Absorb the complete event lines written since the last call."""
+    while True:
+        pos = stream.tell()
+        line = stream.readline()
+        if not line.endswith("\n"):
+            stream.seek(pos)  # a partial line: read it once the worker finishes writing it
+            return
+        if line.strip():
+            event = json.loads(line)
+            absorb(event["event"], event["data"])
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _exit_cause(code: int) -> str | None:
