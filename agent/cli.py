@@ -16,8 +16,8 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
-from coda.primitives import backend  # noqa: F401  (first: selects the interpreter without a GPU)
 from coda.blocks import Block, BlockNotFound, get_block, list_blocks, load_block_file
+from coda.primitives import backend  # noqa: F401  (first: selects the interpreter without a GPU)
 from coda.primitives.errors import ProgramError
 from coda.sandbox.report import Report, StageResult
 from coda.sandbox.runner import evaluate
@@ -27,8 +27,11 @@ from .planner import NoRule
 from .summary import error_rows, markdown
 from .synthesize import synthesize
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Compose GEMM-epilogue Triton kernels for transformer blocks, verified.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Compose GEMM-epilogue Triton kernels for transformer blocks, verified.",
+)
 # Piped output (CI logs, `| tee`) would otherwise be cut to 80 columns.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
 MARK = {"passed": "[green]✓[/]", "failed": "[red]✗[/]", "skipped": "[yellow]–[/]"}
@@ -46,7 +49,9 @@ def resolve_block(block: str | None, block_file: Path | None) -> Block:
             if block is None:
                 if len(found) > 1:
                     names = ", ".join(b.name for b in found)
-                    raise _fail(f"{block_file} defines several blocks ({names}); pick one with --block")
+                    raise _fail(
+                        f"{block_file} defines several blocks ({names}); pick one with --block"
+                    )
                 return found[0]
         if block is None:
             raise _fail("give --block NAME or --block-file FILE (see `coda-agent blocks`)")
@@ -63,12 +68,20 @@ def _stage_line(prefix: str, s: StageResult) -> str:
 def error_table(report: Report) -> Table:
     table = Table(title="measured error vs the float64 reference (worst over shapes × seeds)")
     for col in ("output", "dtype", "checks", "max|err|", "PyTorch's", "allowed", "rel err", ""):
-        table.add_column(col, justify="left" if col in ("output", "dtype") else "right",
-                         no_wrap=True)
+        table.add_column(
+            col, justify="left" if col in ("output", "dtype") else "right", no_wrap=True
+        )
     for r in error_rows(report):
-        table.add_row(r.output, r.dtype, str(r.checks), f"{r.max_abs_err:.2e}",
-                      f"{r.torch_max_abs_err:.2e}", f"{r.allowed:.2e}", f"{r.rel_err:.1e}",
-                      "[green]pass[/]" if r.passed else "[red]FAIL[/]")
+        table.add_row(
+            r.output,
+            r.dtype,
+            str(r.checks),
+            f"{r.max_abs_err:.2e}",
+            f"{r.torch_max_abs_err:.2e}",
+            f"{r.allowed:.2e}",
+            f"{r.rel_err:.1e}",
+            "[green]pass[/]" if r.passed else "[red]FAIL[/]",
+        )
     return table
 
 
@@ -83,30 +96,53 @@ def synthesize_cmd(
     blk = resolve_block(block, block_file)
     quiet = as_json
     if not quiet:
-        console.print(f"[bold]coda-agent synthesize[/] {blk.name} — provider builtin, "
-                      f"kernels on {backend.describe()}")
+        console.print(
+            f"[bold]coda-agent synthesize[/] {blk.name} — provider builtin, "
+            f"kernels on {backend.describe()}"
+        )
 
     def on_stage(index: int, s: StageResult) -> None:
         if not quiet:
             console.print(_stage_line(f"  candidate {index}  ", s))
 
     try:
-        result = synthesize(blk, runs_dir, block_file=str(block_file) if block_file else None,
-                            on_stage=on_stage)
+        result = synthesize(
+            blk, runs_dir, block_file=str(block_file) if block_file else None, on_stage=on_stage
+        )
     except NoRule as e:
         raise _fail(f"the built-in planner cannot lower block {blk.name!r}: {e}") from None
     best = result.best
     assert best is not None
-    result.run.write_summary(markdown(best.report, title=f"coda-agent run: {blk.name}", extra={
-        "provider": "builtin", "candidates": str(len(result.candidates)),
-        "wall time": f"{result.seconds:.1f} s"}))
+    result.run.write_summary(
+        markdown(
+            best.report,
+            title=f"coda-agent run: {blk.name}",
+            extra={
+                "provider": "builtin",
+                "candidates": str(len(result.candidates)),
+                "wall time": f"{result.seconds:.1f} s",
+            },
+        )
+    )
     if as_json:
-        print(json.dumps({"block": blk.name, "verified": result.verified, "run_dir": str(result.run.path),
-                          "seconds": round(result.seconds, 2),
-                          "report": best.report.model_dump(mode="json")}))
+        print(
+            json.dumps(
+                {
+                    "block": blk.name,
+                    "verified": result.verified,
+                    "run_dir": str(result.run.path),
+                    "seconds": round(result.seconds, 2),
+                    "report": best.report.model_dump(mode="json"),
+                }
+            )
+        )
     else:
-        console.print(Panel(Syntax(best.program.to_python(), "python", word_wrap=True),
-                            title="best program (builder form)"))
+        console.print(
+            Panel(
+                Syntax(best.program.to_python(), "python", word_wrap=True),
+                title="best program (builder form)",
+            )
+        )
         console.print(error_table(best.report))
         prof = best.report.stage("profile")
         if not best.report.profile:
@@ -131,8 +167,13 @@ def verify_cmd(
         text = program_file.read_text()
     except OSError as e:
         raise _fail(f"cannot read {program_file}: {e.strerror}") from None
-    report = evaluate(text, blk, SandboxOptions(), block_file=str(block_file) if block_file else None,
-                      on_stage=None if as_json else (lambda s: console.print(_stage_line("  ", s))))
+    report = evaluate(
+        text,
+        blk,
+        SandboxOptions(),
+        block_file=str(block_file) if block_file else None,
+        on_stage=None if as_json else (lambda s: console.print(_stage_line("  ", s))),
+    )
     if as_json:
         print(report.model_dump_json(indent=2))
     else:
@@ -166,7 +207,9 @@ def show_cmd(run_dir: Path = typer.Argument(..., help="a runs/<time>-<block> fol
         raise _fail(str(e)) from None
     console.print(report.render_text())
     if (run_dir / "program.py").exists():
-        console.print(Panel(Syntax((run_dir / "program.py").read_text(), "python"), title="program"))
+        console.print(
+            Panel(Syntax((run_dir / "program.py").read_text(), "python"), title="program")
+        )
 
 
 def main() -> None:

@@ -52,7 +52,10 @@ def better(a: Candidate, b: Candidate | None) -> bool:
 
 
 def synthesize(
-    block: Block, runs_dir: str | Path = "runs", *, options: SandboxOptions | None = None,
+    block: Block,
+    runs_dir: str | Path = "runs",
+    *,
+    options: SandboxOptions | None = None,
     block_file: str | None = None,
     on_stage: Callable[[int, StageResult], None] | None = None,
 ) -> SynthesisResult:
@@ -61,13 +64,31 @@ def synthesize(
     run = RunDir.create(runs_dir, block.name)
     result = SynthesisResult(block.name, run)
     for index, program in enumerate([lower(block)], start=1):
-        run.append_transcript({"event": "candidate", "index": index, "provider": "builtin",
-                               "program": program.model_dump(mode="json")})
+        run.append_transcript(
+            {
+                "event": "candidate",
+                "index": index,
+                "provider": "builtin",
+                "program": program.model_dump(mode="json"),
+            }
+        )
         stage_cb = (lambda s, i=index: on_stage(i, s)) if on_stage else None
-        report = evaluate(program, block, options, block_file=block_file,
-                          kernels_dir=run.candidate_kernels(index), on_stage=stage_cb)
-        run.append_transcript({"event": "report", "index": index, "verified": report.verified,
-                               "report": report.model_dump(mode="json")})
+        report = evaluate(
+            program,
+            block,
+            options,
+            block_file=block_file,
+            kernels_dir=run.candidate_kernels(index),
+            on_stage=stage_cb,
+        )
+        run.append_transcript(
+            {
+                "event": "report",
+                "index": index,
+                "verified": report.verified,
+                "report": report.model_dump(mode="json"),
+            }
+        )
         candidate = Candidate(program, report)
         result.candidates.append(candidate)
         if better(candidate, result.best):

@@ -5,6 +5,18 @@ from .ops import Add, GraphOp, Linear, RMSNorm, SwiGLU
 from .registry import BlockNotFound, get_block, list_blocks, load_block_file, register
 
 __all__ = [
-    "Add", "Block", "BlockNotFound", "GraphOp", "Linear", "RMSNorm", "ShapeSets", "SwiGLU",
-    "TensorSpec", "Tolerance", "get_block", "list_blocks", "load_block_file", "register",
+    "Add",
+    "Block",
+    "BlockNotFound",
+    "GraphOp",
+    "Linear",
+    "RMSNorm",
+    "ShapeSets",
+    "SwiGLU",
+    "TensorSpec",
+    "Tolerance",
+    "get_block",
+    "list_blocks",
+    "load_block_file",
+    "register",
 ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from functools import lru_cache
 from typing import Any, Literal
 
 import torch
@@ -82,7 +81,9 @@ class Block(BaseModel):
         for i, op in enumerate(self.graph):
             for name in op.inputs():
                 if name not in defined:
-                    raise ValueError(f"graph[{i}] ({op.op}) reads {name!r}, which is not defined yet")
+                    raise ValueError(
+                        f"graph[{i}] ({op.op}) reads {name!r}, which is not defined yet"
+                    )
                 used.add(name)
             if op.out in defined:
                 raise ValueError(f"graph[{i}] ({op.op}) redefines {op.out!r}")
@@ -123,16 +124,27 @@ class Block(BaseModel):
         return "\n".join(parts) + "\n" + "\n".join(body) + "\n"
 
     def reference(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run the reference source on ``inputs`` (any dtype; float64 for the ground truth)."""
-        fn = _compile_reference(self.reference_source(), self.name)
-        return fn(**{name: inputs[name] for name in self.inputs})
+        """Run the graph on ``inputs`` (any dtype; float64 for the ground truth).
+
+        Each op calls the same helper function whose source ``reference_source`` shows, with the
+        same arguments as its source line, so what an LLM reads is what runs.
+        """
+        values: dict[str, Any] = {name: inputs[name] for name in self.inputs}
+        for op in self.graph:
+            values[op.out] = op.call(values)
+        return {name: values[name] for name in self.outputs}
 
     # -- inputs and sizes ------------------------------------------------------------------------
     def shape_of(self, name: str, sizes: dict[str, int]) -> tuple[int, ...]:
         return tuple(d if isinstance(d, int) else sizes[d] for d in self.inputs[name].shape)
 
-    def make_inputs(self, sizes: dict[str, int], dtype: torch.dtype, seed: int,
-                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    def make_inputs(
+        self,
+        sizes: dict[str, int],
+        dtype: torch.dtype,
+        seed: int,
+        device: str | torch.device = "cpu",
+    ) -> dict[str, torch.Tensor]:
         """Seeded inputs at ``sizes``; floating ``act`` inputs in ``dtype``."""
         gen = torch.Generator().manual_seed(seed)
         out = {}
@@ -148,8 +160,11 @@ class Block(BaseModel):
     def trace(self, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
         """Shapes of every value of the graph at ``sizes`` (runs the reference on meta tensors)."""
         values = {
-            n: torch.empty(self.shape_of(n, sizes), device="meta",
-                           dtype=torch.int64 if s.dtype == "int64" else torch.float32)
+            n: torch.empty(
+                self.shape_of(n, sizes),
+                device="meta",
+                dtype=torch.int64 if s.dtype == "int64" else torch.float32,
+            )
             for n, s in self.inputs.items()
         }
         for op in self.graph:
@@ -167,8 +182,13 @@ class Block(BaseModel):
         return total
 
 
-def _draw(spec: TensorSpec, shape: tuple[int, ...], sizes: dict[str, int],
-          gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+def _draw(
+    spec: TensorSpec,
+    shape: tuple[int, ...],
+    sizes: dict[str, int],
+    gen: torch.Generator,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     if spec.init == "index":
         high = sizes[spec.high] if spec.high else shape[-1]
         return torch.randint(0, high, shape, generator=gen, dtype=torch.int64)
@@ -178,13 +198,6 @@ def _draw(spec: TensorSpec, shape: tuple[int, ...], sizes: dict[str, int],
     elif spec.init == "norm_weight":
         x = 1.0 + 0.1 * x
     return x.to(torch.float32 if spec.dtype == "float32" else dtype)
-
-
-@lru_cache(maxsize=64)
-def _compile_reference(source: str, name: str) -> Any:
-    namespace: dict[str, Any] = {"__name__": f"coda_block_{name}"}
-    exec(compile(source, f"<reference of block {name}>", "exec"), namespace)  # noqa: S102
-    return namespace[name]
 
 
 __all__ = ["Block", "ShapeSets", "TensorSpec", "Tolerance", "functional"]

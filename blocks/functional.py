@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm: ``weight * (x / sqrt(mean(x**2, -1) + eps))``, statistics in (at least) fp32."""
+    """LlamaRMSNorm: ``weight * (x / sqrt(mean(x**2, -1) + eps))``, statistics in (at least)
+    fp32.
+    """
     dtype = x.dtype
     xf = x.to(torch.promote_types(dtype, torch.float32))
     variance = xf.pow(2).mean(-1, keepdim=True)

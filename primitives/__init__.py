@@ -1,7 +1,8 @@
 """coda.primitives — the typed composition API for GEMM-epilogue programs, and its two executors.
 
-* IR: ``Program``, ``GemmEpilogue``, ``Operand``, ``MainloopConfig`` and the registered epilogue ops,
-  aux steps and prep steps (``EpilogueOp.registry``, ``AuxStep.registry``, ``PrepStep.registry``).
+* IR: ``Program``, ``GemmEpilogue``, ``Operand``, ``MainloopConfig`` and the registered epilogue
+  ops, aux steps and prep steps (``EpilogueOp.registry``, ``AuxStep.registry``,
+  ``PrepStep.registry``).
 * ``ProgramBuilder``: the fluent Python form of the same IR; ``Program.to_python()`` prints it.
 * ``analyze``: validation and shape resolution (raises ``ProgramError`` with a location).
 * ``execute_reference``: the PyTorch reference executor.
@@ -18,7 +19,23 @@ from .reference import execute_reference, outputs_of
 from .runtime import CompiledProgram, compile_program
 
 __all__ = [
-    "AuxStep", "CompiledProgram", "EpilogueOp", "GemmEpilogue", "MainloopConfig", "Operand", "Port",
-    "PrepStep", "Program", "ProgramBuilder", "ProgramError", "ProgramInfo", "TensorDecl", "analyze",
-    "analyze_all", "bind_sizes", "compile_program", "execute_reference", "outputs_of",
+    "AuxStep",
+    "CompiledProgram",
+    "EpilogueOp",
+    "GemmEpilogue",
+    "MainloopConfig",
+    "Operand",
+    "Port",
+    "PrepStep",
+    "Program",
+    "ProgramBuilder",
+    "ProgramError",
+    "ProgramInfo",
+    "TensorDecl",
+    "analyze",
+    "analyze_all",
+    "bind_sizes",
+    "compile_program",
+    "execute_reference",
+    "outputs_of",
 ]

@@ -2,9 +2,9 @@
 
 ``analyze(program, sizes)`` walks the program at one binding of its symbolic sizes (``{"M": 67,
 "d": 48, ...}``) and returns a ``ProgramInfo`` (every tensor's shape and dtype class, every GEMM's
-sizes and epilogue value types), or raises the first ``ProgramError`` with its location. Codegen only
-uses what is the same at every binding (value kinds and column spaces), so one analysis generates
-the kernels and each run's analysis sizes its buffers.
+sizes and epilogue value types), or raises the first ``ProgramError`` with its location. Codegen
+only uses what is the same at every binding (value kinds and column spaces), so one analysis
+generates the kernels and each run's analysis sizes its buffers.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def resolve_inputs(program: Program, sizes: dict[str, int]) -> dict[str, TensorI
             else:
                 raise ProgramError(
                     f"input {name!r} uses size {dim!r}, which has no value",
-                    loc=f"inputs.{name}", hint=did_you_mean(dim, sizes),
+                    loc=f"inputs.{name}",
+                    hint=did_you_mean(dim, sizes),
                 )
         out[name] = TensorInfo(tuple(shape), decl.dtype, "input")
     return out
@@ -101,7 +102,7 @@ def _operand(env: ProgramEnv, op: Operand, role: str) -> tuple[int, int, TensorI
 def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> GemmInfo:
     M, K, a = _operand(env, step.a, "a")
     K_b, N, b = _operand(env, step.b, "b")
-    if K != K_b:
+    if K_b != K:
         raise ProgramError(
             f"A = {step.a.text()} is [{M}, {K}] but B = {step.b.text()} is [{K_b}, {N}]: the inner "
             "sizes differ",
@@ -110,7 +111,8 @@ def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> G
     if a.dtype != b.dtype:
         raise ProgramError(
             f"operands have different dtypes: {step.a.tensor!r} is {a.dtype}, {step.b.tensor!r} "
-            f"is {b.dtype}", hint="store the intermediate with dtype='auto' to match the weights",
+            f"is {b.dtype}",
+            hint="store the intermediate with dtype='auto' to match the weights",
         )
     cenv = CheckEnv(program=env, M=M, N=N, K=K, locals={"acc": LocalType("tile")})
     for j, op in enumerate(step.epilogue):
@@ -160,17 +162,20 @@ def _check_outputs(program: Program, env: ProgramEnv) -> None:
         if tensor not in env.tensors:
             raise ProgramError(
                 f"output {out!r} names {tensor!r}, which no step writes",
-                loc=loc, hint=did_you_mean(tensor, env.tensors),
+                loc=loc,
+                hint=did_you_mean(tensor, env.tensors),
             )
         t = env.tensors[tensor]
         if t.producer == "input":
             raise ProgramError(
-                f"output {out!r} is the block input {tensor!r} itself", loc=loc,
+                f"output {out!r} is the block input {tensor!r} itself",
+                loc=loc,
                 hint="outputs must be computed by the program's steps",
             )
         if t.partials is not None:
             raise ProgramError(
-                f"output {out!r} names {tensor!r}, a partials buffer", loc=loc,
+                f"output {out!r} names {tensor!r}, a partials buffer",
+                loc=loc,
                 hint="finish partials with an aux step first",
             )
 
@@ -183,7 +188,8 @@ def analyze_all(program: Program, size_sets: list[dict[str, int]]) -> list[Progr
             infos.append(analyze(program, sizes))
         except ProgramError as e:
             where = ", ".join(f"{k}={v}" for k, v in sizes.items())
-            raise ProgramError(e.message, loc=e.loc, hint=(e.hint + f" [at {where}]").strip())
+            hint = (e.hint + f" [at {where}]").strip()
+            raise ProgramError(e.message, loc=e.loc, hint=hint) from None
     if infos and any(i.signature() != infos[0].signature() for i in infos[1:]):
         raise ProgramError(
             "the epilogue value types differ between shape sets (a tensor's width relative to the "

@@ -1,9 +1,9 @@
 """Base classes of the three kinds of IR node, and their automatic registries.
 
 * ``EpilogueOp`` — one primitive applied to the fp32 accumulator tile of a ``GemmEpilogue`` (or to
-  values derived from it). Each op declares its dataflow **port** as data and answers three questions
-  itself: ``check`` (types and shapes), ``reference`` (PyTorch semantics on whole tensors) and ``emit``
-  (its Triton snippet). Neither the verifier nor codegen switches on op types.
+  values derived from it). Each op declares its dataflow **port** as data and answers three
+  questions itself: ``check`` (types and shapes), ``reference`` (PyTorch semantics on whole
+  tensors) and ``emit`` (its Triton snippet). Neither the verifier nor codegen switches on op types.
 * ``AuxStep`` — a tiny finishing kernel between GEMMs (e.g. ``rstd`` from partial sums of squares).
 * ``PrepStep`` — a weight-layout transform run once per weight, not per call.
 
@@ -35,8 +35,8 @@ RESERVED = frozenset({"acc", "tl", "triton", "torch", "math"})
 def _check_name(name: str) -> str:
     if not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(
-            f"{name!r} is not a valid name: use letters, digits and '_', not starting with a digit, "
-            "and not a Python keyword"
+            f"{name!r} is not a valid name: use letters, digits and '_', not starting with a "
+            "digit, and not a Python keyword"
         )
     if len(name) > 64:
         raise ValueError(f"name {name[:20]!r}… is longer than 64 characters")

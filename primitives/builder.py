@@ -11,8 +11,8 @@ available by its JSON name the moment its module exists::
     b.output("out", "out")
     program = b.build()
 
-The builder records plain dicts and ``build()`` validates them with ``Program.parse`` — the same path
-JSON takes — so the two forms give identical Programs and identical error messages.
+The builder records plain dicts and ``build()`` validates them with ``Program.parse`` — the same
+path JSON takes — so the two forms give identical Programs and identical error messages.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from .errors import did_you_mean
 from .ir import GemmEpilogue, MainloopConfig, Program
 
 
-def _node_call(cls: type, tag_field: str, tag: str, sink: Callable[[dict[str, Any]], None],
-               chain: Any) -> Callable[..., Any]:
+def _node_call(
+    cls: type, tag_field: str, tag: str, sink: Callable[[dict[str, Any]], None], chain: Any
+) -> Callable[..., Any]:
     fields = [f for f in cls.model_fields if f != tag_field]
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -60,21 +61,35 @@ class ProgramBuilder:
 
     def __init__(self, block: str, inputs: dict[str, Any]) -> None:
         self._data: dict[str, Any] = {
-            "block": block, "inputs": dict(inputs), "prep": [], "steps": [], "outputs": {},
+            "block": block,
+            "inputs": dict(inputs),
+            "prep": [],
+            "steps": [],
+            "outputs": {},
         }
 
     def __getattr__(self, kind: str) -> Callable[..., ProgramBuilder]:
         if kind.startswith("_"):
             raise AttributeError(kind)
         if kind in PrepStep.registry:
-            return _node_call(PrepStep.registry[kind], "kind", kind, self._data["prep"].append, self)
+            return _node_call(
+                PrepStep.registry[kind], "kind", kind, self._data["prep"].append, self
+            )
         if kind in AuxStep.registry:
-            return _node_call(AuxStep.registry[kind], "kind", kind, self._data["steps"].append, self)
+            return _node_call(
+                AuxStep.registry[kind], "kind", kind, self._data["steps"].append, self
+            )
         known = [*PrepStep.registry, *AuxStep.registry, "gemm", "output"]
         raise AttributeError(f"no prep or aux step {kind!r}: {did_you_mean(kind, known)}")
 
-    def gemm(self, a: str | dict[str, Any], b: str | dict[str, Any], *, name: str | None = None,
-             config: str | dict[str, Any] | MainloopConfig = "auto") -> EpilogueBuilder:
+    def gemm(
+        self,
+        a: str | dict[str, Any],
+        b: str | dict[str, Any],
+        *,
+        name: str | None = None,
+        config: str | dict[str, Any] | MainloopConfig = "auto",
+    ) -> EpilogueBuilder:
         """Start a fused kernel ``acc = a @ b`` (``"w.T"`` transposes); add its epilogue ops."""
         if isinstance(config, MainloopConfig):
             config = config.model_dump()

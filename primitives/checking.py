@@ -140,7 +140,9 @@ class CheckEnv:
         self.program.check_new(name)
         self.writes[name] = info
 
-    def matching_tile_tensor(self, name: str, *, role: str = "tensor") -> tuple[TensorInfo, Fraction]:
+    def matching_tile_tensor(
+        self, name: str, *, role: str = "tensor"
+    ) -> tuple[TensorInfo, Fraction]:
         """A 2-D tensor read tile by tile: M rows and N/2, N or 2N columns; returns its space."""
         self.tensor(name, role=role)
         info = self.program.matrix(name, role=role)

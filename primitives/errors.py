@@ -1,8 +1,8 @@
 """Errors a Program can raise, written for the one who must fix it (often an LLM).
 
-Every rejection names *where* (a location such as ``steps[1].epilogue[2] (swiglu)``), *what* is wrong,
-and, where one exists, *what to change*. The sandbox turns these into Report entries verbatim, so a
-failing unit test and the agent's feedback read the same.
+Every rejection names *where* (a location such as ``steps[1].epilogue[2] (swiglu)``), *what* is
+wrong, and, where one exists, *what to change*. The sandbox turns these into Report entries
+verbatim, so a failing unit test and the agent's feedback read the same.
 """
 
 from __future__ import annotations

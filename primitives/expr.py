@@ -110,7 +110,8 @@ def _convert(node: ast.AST, src: str, *, in_where_cond: bool) -> tuple:
             k = ast.Constant(-k.operand.value) if isinstance(k.operand, ast.Constant) else k
         if not (isinstance(k, ast.Constant) and type(k.value) is int and abs(k.value) <= MAX_POWER):
             raise _reject(
-                src, "'**' needs an integer exponent between -4 and 4",
+                src,
+                "'**' needs an integer exponent between -4 and 4",
                 hint="write x * x for squares, sqrt(x) / rsqrt(x) for halves, exp(k * log(x)) "
                 "otherwise",
             )
@@ -206,8 +207,15 @@ def _torch(t: tuple, values: Callable[[str], torch.Tensor], dtype: torch.dtype) 
     if kind in ("bin", "cmp"):
         a, b = ev(t[2]), ev(t[3])
         return {
-            "+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div,
-            "<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge, "==": torch.eq,
+            "+": torch.add,
+            "-": torch.sub,
+            "*": torch.mul,
+            "/": torch.div,
+            "<": torch.lt,
+            "<=": torch.le,
+            ">": torch.gt,
+            ">=": torch.ge,
+            "==": torch.eq,
             "!=": torch.ne,
         }[t[1]](a, b)
     if kind == "pow":

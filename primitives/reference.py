@@ -64,21 +64,32 @@ def activation_dtype(program: Program, inputs: dict[str, torch.Tensor]) -> torch
     return dtypes.pop() if dtypes else torch.float32
 
 
-def _run_gemm(step: GemmEpilogue, gemm: GemmInfo, env: RunEnv, act: torch.dtype,
-              exact: bool, cfg: MainloopConfig) -> None:
+def _run_gemm(
+    step: GemmEpilogue,
+    gemm: GemmInfo,
+    env: RunEnv,
+    act: torch.dtype,
+    exact: bool,
+    cfg: MainloopConfig,
+) -> None:
     a = env.tensors[step.a.tensor].to(env.compute)
     b = env.tensors[step.b.tensor].to(env.compute)
     a = a.T if step.a.transpose else a
     b = b.T if step.b.transpose else b
-    ref = RefEnv(env.tensors, {"acc": a @ b}, env.compute, act, exact, gemm.N, cfg.block_m,
-                 cfg.block_n)
+    ref = RefEnv(
+        env.tensors, {"acc": a @ b}, env.compute, act, exact, gemm.N, cfg.block_m, cfg.block_n
+    )
     for op in step.epilogue:
         op.reference(ref)
 
 
 def execute_reference(
-    program: Program, inputs: dict[str, torch.Tensor], *, exact: bool = False,
-    info: ProgramInfo | None = None, configs: dict[str, MainloopConfig] | None = None,
+    program: Program,
+    inputs: dict[str, torch.Tensor],
+    *,
+    exact: bool = False,
+    info: ProgramInfo | None = None,
+    configs: dict[str, MainloopConfig] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run ``program`` on ``inputs``; return every program tensor (inputs, prep, step results).
 

@@ -70,7 +70,9 @@ class CompiledProgram:
             prep.apply(env)
         return env.tensors
 
-    def run(self, prepared: dict[str, torch.Tensor], *, poison: bool = False) -> dict[str, torch.Tensor]:
+    def run(
+        self, prepared: dict[str, torch.Tensor], *, poison: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Launch every step on prepared tensors; return all program tensors."""
         info = self.info_for({n: prepared[n] for n in self.program.inputs})
         act = activation_dtype(self.program, prepared)
@@ -85,18 +87,34 @@ class CompiledProgram:
                 step.launch(env)
         return tensors
 
-    def __call__(self, inputs: dict[str, torch.Tensor], *, poison: bool = False) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, inputs: dict[str, torch.Tensor], *, poison: bool = False
+    ) -> dict[str, torch.Tensor]:
         tensors = self.run(self.prepare(inputs), poison=poison)
         return {out: tensors[t] for out, t in self.program.outputs.items()}
 
-    def _allocate_new(self, info: ProgramInfo, producer: str, tensors: dict[str, torch.Tensor],
-                      act: torch.dtype, device: torch.device, poison: bool) -> None:
+    def _allocate_new(
+        self,
+        info: ProgramInfo,
+        producer: str,
+        tensors: dict[str, torch.Tensor],
+        act: torch.dtype,
+        device: torch.device,
+        poison: bool,
+    ) -> None:
         for name, t in info.tensors.items():
             if t.producer == producer and t.partials is None:
                 tensors[name] = _empty(t.shape, torch_dtype(t.dtype, act), device, poison)
 
-    def _run_gemm(self, step: GemmEpilogue, gemm: GemmInfo, tensors: dict[str, torch.Tensor],
-                  act: torch.dtype, device: torch.device, poison: bool) -> None:
+    def _run_gemm(
+        self,
+        step: GemmEpilogue,
+        gemm: GemmInfo,
+        tensors: dict[str, torch.Tensor],
+        act: torch.dtype,
+        device: torch.device,
+        poison: bool,
+    ) -> None:
         if gemm.vendor:
             self._run_vendor(step, gemm, tensors, act)
             return
@@ -111,13 +129,19 @@ class CompiledProgram:
         precision = "ieee" if tensors[step.a.tensor].dtype == torch.float32 else "tf32"
         kernel[grid](
             *args,
-            BLOCK_SIZE_M=cfg.block_m, BLOCK_SIZE_N=cfg.block_n, BLOCK_SIZE_K=cfg.block_k,
-            GROUP_SIZE_M=cfg.group_m, NUM_SMS=grid[0], INPUT_PRECISION=precision,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_SIZE_M=cfg.block_m,
+            BLOCK_SIZE_N=cfg.block_n,
+            BLOCK_SIZE_K=cfg.block_k,
+            GROUP_SIZE_M=cfg.group_m,
+            NUM_SMS=grid[0],
+            INPUT_PRECISION=precision,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
 
-    def _run_vendor(self, step: GemmEpilogue, gemm: GemmInfo, tensors: dict[str, torch.Tensor],
-                    act: torch.dtype) -> None:
+    def _run_vendor(
+        self, step: GemmEpilogue, gemm: GemmInfo, tensors: dict[str, torch.Tensor], act: torch.dtype
+    ) -> None:
         (store,) = step.epilogue
         a, b = tensors[step.a.tensor], tensors[step.b.tensor]
         a = a.T if step.a.transpose else a
@@ -153,15 +177,22 @@ def compile_program(program: Program, info: ProgramInfo) -> CompiledProgram:
     return CompiledProgram(program, kernels)
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-           poison: bool) -> torch.Tensor:
+def _empty(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, poison: bool
+) -> torch.Tensor:
     if poison and dtype.is_floating_point:
         return torch.full(shape, math.nan, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _allocate(t: TensorInfo, gemm: GemmInfo, cfg: MainloopConfig, act: torch.dtype,
-              device: torch.device, poison: bool) -> torch.Tensor:
+def _allocate(
+    t: TensorInfo,
+    gemm: GemmInfo,
+    cfg: MainloopConfig,
+    act: torch.dtype,
+    device: torch.device,
+    poison: bool,
+) -> torch.Tensor:
     if t.partials is not None:
         p = t.partials
         block = cfg.block_n * p.length // gemm.N if p.axis == "row" else cfg.block_m

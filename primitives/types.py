@@ -4,10 +4,11 @@ Two namespaces exist in a Program:
 
 * **program tensors** — block inputs, prep results, what steps store; described by ``TensorInfo``
   (a concrete shape at one binding of the symbolic sizes, and a dtype class);
-* **epilogue values** — what lives in registers inside one ``GemmEpilogue`` (``acc`` and the results of
-  epilogue ops); described by ``LocalType``: a tile, a row vector or a column vector, over a *column
-  space* that is a fixed fraction of the GEMM's N (``1`` for the accumulator, ``1/2`` after a 2→1 pair
-  contraction such as SwiGLU, ``2`` for a tile twice as wide, e.g. saved pre-activations).
+* **epilogue values** — what lives in registers inside one ``GemmEpilogue`` (``acc`` and the
+  results of epilogue ops); described by ``LocalType``: a tile, a row vector or a column vector,
+  over a *column space* that is a fixed fraction of the GEMM's N (``1`` for the accumulator,
+  ``1/2`` after a 2→1 pair contraction such as SwiGLU, ``2`` for a tile twice as wide, e.g. saved
+  pre-activations).
 """
 
 from __future__ import annotations

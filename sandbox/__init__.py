@@ -7,5 +7,13 @@ from .report import ProfileRow, Report, StageResult
 from .runner import evaluate
 from .stages import SandboxOptions
 
-__all__ = ["OutputCheck", "ProfileRow", "Report", "SandboxOptions", "StageResult", "assert_close",
-           "check_output", "evaluate"]
+__all__ = [
+    "OutputCheck",
+    "ProfileRow",
+    "Report",
+    "SandboxOptions",
+    "StageResult",
+    "assert_close",
+    "check_output",
+    "evaluate",
+]

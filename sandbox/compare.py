@@ -1,7 +1,7 @@
 """Comparison helpers: the verification rule, and mismatch reports a person or an LLM can act on.
 
-Tests use the same helpers (``assert_close``), so a failing test and the agent's feedback read alike:
-how many elements are off, the first few with their indices, NaN and Inf counted separately.
+Tests use the same helpers (``assert_close``), so a failing test and the agent's feedback read
+alike: how many elements are off, the first few with their indices, NaN and Inf counted separately.
 """
 
 from __future__ import annotations
@@ -53,28 +53,43 @@ class OutputCheck(BaseModel):
         return f"{head}: {'ok' if self.passed else 'FAIL — ' + self.reason}; {nums}"
 
 
-def _first_bad(got: torch.Tensor, want: torch.Tensor, bad: torch.Tensor, k: int = 5) -> list[Mismatch]:
+def _first_bad(
+    got: torch.Tensor, want: torch.Tensor, bad: torch.Tensor, k: int = 5
+) -> list[Mismatch]:
     idx = bad.nonzero()[:k]
     return [
-        Mismatch(index=[int(i) for i in row], got=float(got[tuple(row)]), want=float(want[tuple(row)]))
+        Mismatch(
+            index=[int(i) for i in row], got=float(got[tuple(row)]), want=float(want[tuple(row)])
+        )
         for row in idx
     ]
 
 
 def check_output(
-    name: str, out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.Tensor,
-    tol: Tolerance, *, sizes: dict[str, int], seed: int,
+    name: str,
+    out: torch.Tensor,
+    ref64: torch.Tensor,
+    torch_out: torch.Tensor,
+    tol: Tolerance,
+    *,
+    sizes: dict[str, int],
+    seed: int,
 ) -> OutputCheck:
     """Apply the verification rule (``Tolerance``) to one output."""
     dtype = str(torch_out.dtype).removeprefix("torch.")
     base = {"output": name, "dtype": dtype, "sizes": sizes, "seed": seed, "numel": ref64.numel()}
     if tuple(out.shape) != tuple(ref64.shape):
-        return OutputCheck(**base, passed=False,
-                           reason=f"shape {list(out.shape)} but the reference is {list(ref64.shape)}")
+        return OutputCheck(
+            **base,
+            passed=False,
+            reason=f"shape {list(out.shape)} but the reference is {list(ref64.shape)}",
+        )
     if out.dtype != torch_out.dtype:
         return OutputCheck(
-            **base, passed=False,
-            reason=f"dtype {out.dtype} but the block returns {torch_out.dtype} (store with dtype='auto')",
+            **base,
+            passed=False,
+            reason=f"dtype {out.dtype} but the block returns {torch_out.dtype} "
+            "(store with dtype='auto')",
         )
     got, want = out.detach().cpu().double(), ref64.detach().cpu().double()
     err = (got - want).abs()
@@ -85,21 +100,42 @@ def check_output(
     nan, inf = int(torch.isnan(got).sum()), int(torch.isinf(got).sum())
     bad = (err > allowed) | ~finite
     max_err = float(err[finite].max()) if finite.any() else float("inf")
-    rel = float(torch.linalg.vector_norm(torch.where(finite, got - want, 0)) /
-                max(float(torch.linalg.vector_norm(want)), 1e-300))
+    rel = float(
+        torch.linalg.vector_norm(torch.where(finite, got - want, 0))
+        / max(float(torch.linalg.vector_norm(want)), 1e-300)
+    )
     rel_bound = tol.rel.get(dtype, 1.0)
-    metrics = dict(max_abs_err=max_err, torch_max_abs_err=torch_err, allowed=allowed, rel_err=rel,
-                   rel_bound=rel_bound, mismatches=int(bad.sum()), nan=nan, inf=inf,
-                   first_bad=_first_bad(got, want, bad))
+    metrics = dict(
+        max_abs_err=max_err,
+        torch_max_abs_err=torch_err,
+        allowed=allowed,
+        rel_err=rel,
+        rel_bound=rel_bound,
+        mismatches=int(bad.sum()),
+        nan=nan,
+        inf=inf,
+        first_bad=_first_bad(got, want, bad),
+    )
     reason = _reason(got, want, nan, inf, max_err, allowed, rel, rel_bound, int(bad.sum()))
     return OutputCheck(**base, passed=not reason, reason=reason, **metrics)
 
 
-def _reason(got: torch.Tensor, want: torch.Tensor, nan: int, inf: int, max_err: float,
-            allowed: float, rel: float, rel_bound: float, nbad: int) -> str:
+def _reason(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    nan: int,
+    inf: int,
+    max_err: float,
+    allowed: float,
+    rel: float,
+    rel_bound: float,
+    nbad: int,
+) -> str:
     if nan or inf:
-        return (f"{nan} NaN and {inf} Inf values (outputs are pre-filled with NaN: NaN usually means "
-                "elements were never written, e.g. a missing tile at a ragged edge)")
+        return (
+            f"{nan} NaN and {inf} Inf values (outputs are pre-filled with NaN: NaN usually means "
+            "elements were never written, e.g. a missing tile at a ragged edge)"
+        )
     if want.numel() > 1 and float(want.std()) > 0 and float(got.std()) == 0:
         return f"the output is constant ({float(got.flatten()[0]):.4g}) but the reference varies"
     if max_err > allowed:
@@ -109,18 +145,26 @@ def _reason(got: torch.Tensor, want: torch.Tensor, nan: int, inf: int, max_err: 
     return ""
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, *, atol: float, rtol: float,
-                 what: str = "tensor") -> None:
+def _finite_max(err: torch.Tensor) -> str:
+    finite = err[torch.isfinite(err)]
+    return f"{float(finite.max()):.4g}" if finite.numel() else "inf"
+
+
+def assert_close(
+    got: torch.Tensor, want: torch.Tensor, *, atol: float, rtol: float, what: str = "tensor"
+) -> None:
     """Test helper: ``|got − want| ≤ atol + rtol·|want|`` elementwise, with a verbose report."""
     assert got.shape == want.shape, f"{what}: shape {list(got.shape)} != {list(want.shape)}"
     g, w = got.detach().cpu().double(), want.detach().cpu().double()
     err = (g - w).abs()
     bad = (err > atol + rtol * w.abs()) | ~torch.isfinite(g)
     if bool(bad.any()):
-        first = "; ".join(f"{m.index}: got {m.got:.6g}, want {m.want:.6g}" for m in _first_bad(g, w, bad))
+        first = "; ".join(
+            f"{m.index}: got {m.got:.6g}, want {m.want:.6g}" for m in _first_bad(g, w, bad)
+        )
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {w.numel()} elements off (atol {atol}, rtol {rtol}); "
             f"NaN {int(torch.isnan(g).sum())}, Inf {int(torch.isinf(g).sum())}; "
-            f"max|err| {float(err[torch.isfinite(err)].max()) if torch.isfinite(err).any() else 'inf'}; "
+            f"max|err| {_finite_max(err)}; "
             f"first: {first}"
         )

@@ -39,8 +39,9 @@ def gemms_alone(block: Block, sizes: dict[str, int], dtype: torch.dtype):  # noq
     return run
 
 
-def profile_shape(compiled: CompiledProgram, block: Block, sizes: dict[str, int],
-                  dtype: torch.dtype) -> ProfileRow:
+def profile_shape(
+    compiled: CompiledProgram, block: Block, sizes: dict[str, int], dtype: torch.dtype
+) -> ProfileRow:
     inputs = block.make_inputs(sizes, dtype, seed=0, device="cuda")
     prepared = compiled.prepare(inputs)
     program_ms = median_ms(lambda: compiled.run(prepared))
@@ -56,7 +57,12 @@ def profile_shape(compiled: CompiledProgram, block: Block, sizes: dict[str, int]
     info = compiled.info_for(inputs)
     configs = {n: c.model_dump() for n, c in compiled.configs_for(info).items()}
     return ProfileRow(
-        sizes=sizes, dtype=str(dtype).removeprefix("torch."), program_ms=program_ms,
-        gemms_ms=gemms_ms, eager_ms=eager_ms, compile_ms=compile_ms,
-        tflops=block.flops(sizes) / (program_ms * 1e-3) / 1e12, configs=configs,
+        sizes=sizes,
+        dtype=str(dtype).removeprefix("torch."),
+        program_ms=program_ms,
+        gemms_ms=gemms_ms,
+        eager_ms=eager_ms,
+        compile_ms=compile_ms,
+        tflops=block.flops(sizes) / (program_ms * 1e-3) / 1e12,
+        configs=configs,
     )

@@ -1,7 +1,8 @@
 """The typed Report the sandbox returns: which stage failed, on which output, by how much.
 
-``render_text`` is for people (the CLI, ``report.json`` readers); ``render_compact`` is what an agent
-reads as a tool result: the first failure in full, passing checks summarised, timings if measured.
+``render_text`` is for people (the CLI, ``report.json`` readers); ``render_compact`` is what an
+agent reads as a tool result: the first failure in full, passing checks summarised, timings if
+measured.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class ProfileRow(BaseModel):
 
 
 class Report(BaseModel):
-    """Everything one sandbox evaluation found. ``verified`` is the one bit that gates acceptance."""
+    """Everything one sandbox evaluation found. ``verified`` is the one bit that gates
+    acceptance.
+    """
 
     model_config = ConfigDict(frozen=True)
     verified: bool
@@ -76,16 +79,25 @@ class Report(BaseModel):
     def headline(self) -> str:
         failed = self.failed_stage
         if failed is not None:
-            return f"FAILED at {failed.stage}: {failed.message.splitlines()[0] if failed.message else ''}"
+            first = failed.message.splitlines()[0] if failed.message else ""
+            return f"FAILED at {failed.stage}: {first}"
         if not self.verified:
             return "NOT VERIFIED"
         worst = self.worst_check()
-        tail = f"; worst output {worst.output}: max|err| {worst.max_abs_err:.3g} " \
-               f"≤ allowed {worst.allowed:.3g}" if worst else ""
+        tail = (
+            f"; worst output {worst.output}: max|err| {worst.max_abs_err:.3g} "
+            f"≤ allowed {worst.allowed:.3g}"
+            if worst
+            else ""
+        )
         return f"VERIFIED ({len(self.checks)} checks passed{tail})"
 
     def render_text(self) -> str:
-        lines = [f"block {self.block}  program {self.program_hash}  on {self.device}", self.headline(), ""]
+        lines = [
+            f"block {self.block}  program {self.program_hash}  on {self.device}",
+            self.headline(),
+            "",
+        ]
         for s in self.stages:
             mark = {"passed": "✓", "failed": "✗", "skipped": "–"}[s.status]
             lines.append(f"  {mark} {s.stage:<9} {s.status:<7} {s.seconds:6.2f}s  {s.message}")
@@ -95,7 +107,9 @@ class Report(BaseModel):
             lines += [f"  {c.summary()}" for c in self.checks]
             for c in self.checks:
                 if not c.passed and c.first_bad:
-                    first = "; ".join(f"{m.index}: got {m.got:.5g}, want {m.want:.5g}" for m in c.first_bad)
+                    first = "; ".join(
+                        f"{m.index}: got {m.got:.5g}, want {m.want:.5g}" for m in c.first_bad
+                    )
                     lines.append(f"  first mismatches of {c.output}: {first}")
                     break
         lines += self._profile_lines()
@@ -127,8 +141,12 @@ class Report(BaseModel):
         for c in bad[:max_checks]:
             lines.append("  " + c.summary())
             if c.first_bad:
-                lines.append("    first: " + "; ".join(
-                    f"{m.index}: got {m.got:.5g}, want {m.want:.5g}" for m in c.first_bad[:3]))
+                lines.append(
+                    "    first: "
+                    + "; ".join(
+                        f"{m.index}: got {m.got:.5g}, want {m.want:.5g}" for m in c.first_bad[:3]
+                    )
+                )
         if len(bad) > max_checks:
             lines.append(f"  ... {len(bad) - max_checks} more failing checks")
         if self.verified:

@@ -8,6 +8,7 @@ crash or fault in a candidate becomes a failed stage in the Report, never an exc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -51,8 +52,12 @@ def versions() -> dict[str, str]:
         coda = version("coda-agent")
     except PackageNotFoundError:
         coda = "unknown"
-    return {"coda-agent": coda, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version()}
+    return {
+        "coda-agent": coda,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
 
 
 OnStage = Callable[[StageResult], None]
@@ -71,9 +76,15 @@ class _Results(list):
             self.on_stage(item)
 
 
-def evaluate(data: Program | dict | str, block: Block, options: SandboxOptions | None = None, *,
-             block_file: str | None = None, kernels_dir: Path | None = None,
-             on_stage: OnStage | None = None) -> Report:
+def evaluate(
+    data: Program | dict | str,
+    block: Block,
+    options: SandboxOptions | None = None,
+    *,
+    block_file: str | None = None,
+    kernels_dir: Path | None = None,
+    on_stage: OnStage | None = None,
+) -> Report:
     """Every stage for one candidate. ``block_file`` lets the worker import a user's block;
     ``on_stage`` is called as each stage finishes."""
     options = options or SandboxOptions()
@@ -95,29 +106,46 @@ def evaluate(data: Program | dict | str, block: Block, options: SandboxOptions |
         payload = _run_stages(program, block, options, block_file, results)
         checks, rows = payload["checks"], payload["profile"]
     verified = (
-        bool(results) and all(s.status != "failed" for s in results)
+        bool(results)
+        and all(s.status != "failed" for s in results)
         and any(s.stage == "verify" and s.status == "passed" for s in results)
     )
-    return Report(verified=verified, block=block.name, program_hash=program_hash(program or data),
-                  device=backend.describe(), stages=results, checks=checks, profile=rows,
-                  kernels=kernels, versions=versions())
+    return Report(
+        verified=verified,
+        block=block.name,
+        program_hash=program_hash(program or data),
+        device=backend.describe(),
+        stages=results,
+        checks=checks,
+        profile=rows,
+        kernels=kernels,
+        versions=versions(),
+    )
 
 
-def _run_stages(program: Program, block: Block, options: SandboxOptions,
-                block_file: str | None, results: list[StageResult]) -> dict[str, Any]:
+def _run_stages(
+    program: Program,
+    block: Block,
+    options: SandboxOptions,
+    block_file: str | None,
+    results: list[StageResult],
+) -> dict[str, Any]:
     collected: dict[str, Any] = {"stages": results, "checks": [], "profile": [], "started": None}
 
     def absorb(kind: str, data: Any) -> None:
         if kind == "stage":
-            collected["stages"].append(data if isinstance(data, StageResult)
-                                       else StageResult.model_validate(data))
+            collected["stages"].append(
+                data if isinstance(data, StageResult) else StageResult.model_validate(data)
+            )
             collected["started"] = None
         elif kind == "checks":
-            collected["checks"] += [c if isinstance(c, OutputCheck) else OutputCheck.model_validate(c)
-                                    for c in data]
+            collected["checks"] += [
+                c if isinstance(c, OutputCheck) else OutputCheck.model_validate(c) for c in data
+            ]
         elif kind == "profile":
-            collected["profile"] += [r if isinstance(r, ProfileRow) else ProfileRow.model_validate(r)
-                                     for r in data]
+            collected["profile"] += [
+                r if isinstance(r, ProfileRow) else ProfileRow.model_validate(r) for r in data
+            ]
         elif kind == "started":
             collected["started"] = data
 
@@ -134,25 +162,40 @@ def _run_stages(program: Program, block: Block, options: SandboxOptions,
 def worker_env(tmp: Path) -> dict[str, str]:
     """The worker's environment: no secrets, private caches, unbuffered output."""
     env = {k: v for k, v in os.environ.items() if not any(m in k.upper() for m in SECRET_MARKERS)}
-    env.update(TRITON_CACHE_DIR=str(tmp / "triton"), CODA_CACHE_DIR=str(tmp / "coda"),
-               PYTHONUNBUFFERED="1")
+    env.update(
+        TRITON_CACHE_DIR=str(tmp / "triton"), CODA_CACHE_DIR=str(tmp / "coda"), PYTHONUNBUFFERED="1"
+    )
     return env
 
 
-def _run_isolated(program: Program, block: Block, options: SandboxOptions,
-                  block_file: str | None, absorb: Any, collected: dict[str, Any]) -> None:
+def _run_isolated(
+    program: Program,
+    block: Block,
+    options: SandboxOptions,
+    block_file: str | None,
+    absorb: Any,
+    collected: dict[str, Any],
+) -> None:
     with tempfile.TemporaryDirectory(prefix="coda-worker-") as tmpdir:
         tmp = Path(tmpdir)
-        request = {"program": program.model_dump(mode="json"), "block": block.name,
-                   "block_file": block_file, "options": options.model_dump(mode="json")}
+        request = {
+            "program": program.model_dump(mode="json"),
+            "block": block.name,
+            "block_file": block_file,
+            "options": options.model_dump(mode="json"),
+        }
         (tmp / "request.json").write_text(json.dumps(request))
         events = tmp / "events.jsonl"
         cmd = [sys.executable, "-m", "coda.sandbox.worker", str(tmp / "request.json"), str(events)]
         events.touch()
-        with open(tmp / "stdout", "wb") as out, open(tmp / "stderr", "wb") as err, \
-                open(events) as stream:
-            proc = subprocess.Popen(cmd, cwd=tmp, env=worker_env(tmp), stdout=out, stderr=err,
-                                    start_new_session=True)
+        with (
+            open(tmp / "stdout", "wb") as out,
+            open(tmp / "stderr", "wb") as err,
+            open(events) as stream,
+        ):
+            proc = subprocess.Popen(
+                cmd, cwd=tmp, env=worker_env(tmp), stdout=out, stderr=err, start_new_session=True
+            )
             deadline = time.monotonic() + options.timeout_s
             cause = None
             while proc.poll() is None:
@@ -188,10 +231,8 @@ def _drain(stream: Any, absorb: Callable[[str, Any], None]) -> None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 

@@ -1,7 +1,7 @@
 """The sandbox stages: validate → semantics → compile → verify → profile.
 
-Each stage returns a ``StageResult`` (and its payload); the first failure stops the run. Stages catch
-what a candidate can throw: a ``ProgramError`` becomes its message, anything else becomes an
+Each stage returns a ``StageResult`` (and its payload); the first failure stops the run. Stages
+catch what a candidate can throw: a ``ProgramError`` becomes its message, anything else becomes an
 "internal error" with the exception's last lines — never an exception in the caller.
 """
 
@@ -69,10 +69,18 @@ def timed(stage: Stage, sink: list[StageResult]) -> Iterator[dict[str, Any]]:
         box.update(status="failed", message=e.render())
     except Exception as e:  # noqa: BLE001 - a candidate may throw anything; it becomes a report
         tail = "".join(traceback.format_exception_only(type(e), e)).strip()
-        box.update(status="failed", message=f"{type(e).__name__} while running the {stage} stage: "
-                                            f"{_clip(tail)}")
-    sink.append(StageResult(stage=stage, status=box["status"], message=box["message"],
-                            seconds=round(time.perf_counter() - start, 3)))
+        box.update(
+            status="failed",
+            message=f"{type(e).__name__} while running the {stage} stage: {_clip(tail)}",
+        )
+    sink.append(
+        StageResult(
+            stage=stage,
+            status=box["status"],
+            message=box["message"],
+            seconds=round(time.perf_counter() - start, 3),
+        )
+    )
 
 
 def _clip(text: str, limit: int = 1500) -> str:
@@ -83,30 +91,45 @@ def _clip(text: str, limit: int = 1500) -> str:
 def check_against_block(program: Program, block: Block) -> None:
     """The program must be for this block: same name, inputs and outputs."""
     if program.block != block.name:
-        raise ProgramError(f"the program is for block {program.block!r}, not {block.name!r}",
-                           loc="block")
+        raise ProgramError(
+            f"the program is for block {program.block!r}, not {block.name!r}", loc="block"
+        )
     want = block.program_inputs()
     have = {n: d.model_dump(mode="json") for n, d in program.inputs.items()}
     for name in want:
         if name not in have:
-            raise ProgramError(f"missing input {name!r} {want[name]}", loc="inputs",
-                               hint=f"copy the block's inputs exactly: {want}")
+            raise ProgramError(
+                f"missing input {name!r} {want[name]}",
+                loc="inputs",
+                hint=f"copy the block's inputs exactly: {want}",
+            )
         if have[name] != want[name]:
-            raise ProgramError(f"input {name!r} is declared {have[name]} but the block has "
-                               f"{want[name]}", loc=f"inputs.{name}")
+            raise ProgramError(
+                f"input {name!r} is declared {have[name]} but the block has {want[name]}",
+                loc=f"inputs.{name}",
+            )
     extra = sorted(set(have) - set(want))
     if extra:
-        raise ProgramError(f"{extra} are not inputs of block {block.name!r}", loc="inputs",
-                           hint=f"the block's inputs are {sorted(want)}")
+        raise ProgramError(
+            f"{extra} are not inputs of block {block.name!r}",
+            loc="inputs",
+            hint=f"the block's inputs are {sorted(want)}",
+        )
     missing = [o for o in block.outputs if o not in program.outputs]
     unknown = [o for o in program.outputs if o not in block.outputs]
     if missing or unknown:
-        raise ProgramError(f"outputs must be exactly {block.outputs}; missing {missing}, "
-                           f"unknown {unknown}", loc="outputs")
+        raise ProgramError(
+            f"outputs must be exactly {block.outputs}; missing {missing}, unknown {unknown}",
+            loc="outputs",
+        )
 
 
-def validate(data: Program | dict | str, block: Block, size_sets: list[dict[str, int]],
-             results: list[StageResult]) -> tuple[Program | None, list[ProgramInfo]]:
+def validate(
+    data: Program | dict | str,
+    block: Block,
+    size_sets: list[dict[str, int]],
+    results: list[StageResult],
+) -> tuple[Program | None, list[ProgramInfo]]:
     program, infos = None, []
     with timed("validate", results) as box:
         program = data if isinstance(data, Program) else Program.parse(data)
@@ -117,8 +140,9 @@ def validate(data: Program | dict | str, block: Block, size_sets: list[dict[str,
 
 
 # -- semantics -------------------------------------------------------------------------------------
-def semantics(program: Program, block: Block, shapes: list[dict[str, int]],
-              results: list[StageResult]) -> None:
+def semantics(
+    program: Program, block: Block, shapes: list[dict[str, int]], results: list[StageResult]
+) -> None:
     """The reference executor (float64, CPU) against the block's reference: is the algebra right?"""
     with timed("semantics", results) as box:
         worst = 0.0
@@ -132,13 +156,16 @@ def semantics(program: Program, block: Block, shapes: list[dict[str, int]],
         box["message"] = f"algebra matches the block in float64 (worst relative error {worst:.1e})"
 
 
-def _semantic_error(name: str, got: torch.Tensor, want: torch.Tensor,
-                    sizes: dict[str, int]) -> float:
+def _semantic_error(
+    name: str, got: torch.Tensor, want: torch.Tensor, sizes: dict[str, int]
+) -> float:
     where = ", ".join(f"{k}={v}" for k, v in sizes.items())
     if tuple(got.shape) != tuple(want.shape):
-        raise ProgramError(f"output {name!r} has shape {list(got.shape)} but the block's reference "
-                           f"gives {list(want.shape)} (at {where})")
-    diff = (got.double() - want.double())
+        raise ProgramError(
+            f"output {name!r} has shape {list(got.shape)} but the block's reference "
+            f"gives {list(want.shape)} (at {where})"
+        )
+    diff = got.double() - want.double()
     rel = float(diff.norm() / max(float(want.double().norm()), 1e-300))
     if not rel <= SEMANTICS_REL_TOL:
         idx = int(diff.abs().flatten().argmax())
@@ -148,14 +175,19 @@ def _semantic_error(name: str, got: torch.Tensor, want: torch.Tensor,
             f"relative error {rel:.3g}, largest at {[int(p) for p in pos]} (got "
             f"{float(got.flatten()[idx]):.6g}, want {float(want.flatten()[idx]):.6g})",
             hint="the algebra is wrong before any kernel runs: check each step against the "
-                 "reference source (scales, pair order, residual, eps)",
+            "reference source (scales, pair order, residual, eps)",
         )
     return rel
 
 
 # -- compile ---------------------------------------------------------------------------------------
-def compile_stage(program: Program, info: ProgramInfo, block: Block, sizes: dict[str, int],
-                  results: list[StageResult]) -> CompiledProgram | None:
+def compile_stage(
+    program: Program,
+    info: ProgramInfo,
+    block: Block,
+    sizes: dict[str, int],
+    results: list[StageResult],
+) -> CompiledProgram | None:
     """Generate and import every kernel; on a GPU also build them (one launch at ``sizes``)."""
     compiled = None
     with timed("compile", results) as box:
@@ -171,8 +203,14 @@ def compile_stage(program: Program, info: ProgramInfo, block: Block, sizes: dict
 
 
 # -- verify ----------------------------------------------------------------------------------------
-def verify(compiled: CompiledProgram, block: Block, shapes: list[dict[str, int]], dtypes: list[str],
-           seeds: list[int], results: list[StageResult]) -> list[OutputCheck]:
+def verify(
+    compiled: CompiledProgram,
+    block: Block,
+    shapes: list[dict[str, int]],
+    dtypes: list[str],
+    seeds: list[int],
+    results: list[StageResult],
+) -> list[OutputCheck]:
     checks: list[OutputCheck] = []
     with timed("verify", results) as box:
         for sizes in shapes:
@@ -181,15 +219,18 @@ def verify(compiled: CompiledProgram, block: Block, shapes: list[dict[str, int]]
                     checks += verify_one(compiled, block, sizes, TORCH_DTYPES[dtype], seed)
         failed = [c for c in checks if not c.passed]
         if failed:
-            raise ProgramError(f"{len(failed)} of {len(checks)} output checks failed; first: "
-                               f"{failed[0].summary()}")
-        box["message"] = (f"{len(checks)} checks passed ({len(shapes)} shapes × {dtypes} × "
-                          f"{len(seeds)} seeds)")
+            raise ProgramError(
+                f"{len(failed)} of {len(checks)} output checks failed; first: {failed[0].summary()}"
+            )
+        box["message"] = (
+            f"{len(checks)} checks passed ({len(shapes)} shapes × {dtypes} × {len(seeds)} seeds)"
+        )
     return checks
 
 
-def verify_one(compiled: CompiledProgram, block: Block, sizes: dict[str, int], dtype: torch.dtype,
-               seed: int) -> list[OutputCheck]:
+def verify_one(
+    compiled: CompiledProgram, block: Block, sizes: dict[str, int], dtype: torch.dtype, seed: int
+) -> list[OutputCheck]:
     inputs = block.make_inputs(sizes, dtype, seed, device=backend.DEVICE)
     snapshot = {n: t.clone() for n, t in inputs.items()}
     ref64 = block.reference({n: _to64(t) for n, t in inputs.items()})
@@ -197,11 +238,14 @@ def verify_one(compiled: CompiledProgram, block: Block, sizes: dict[str, int], d
     out = compiled(inputs, poison=True)
     for name, before in snapshot.items():
         if not torch.equal(before, inputs[name]):
-            raise ProgramError(f"the program modified its input {name!r}",
-                               hint="inputs are read-only: store results to new tensors")
+            raise ProgramError(
+                f"the program modified its input {name!r}",
+                hint="inputs are read-only: store results to new tensors",
+            )
     return [
-        check_output(name, out[name], ref64[name], torch_out[name], block.tolerance,
-                     sizes=sizes, seed=seed)
+        check_output(
+            name, out[name], ref64[name], torch_out[name], block.tolerance, sizes=sizes, seed=seed
+        )
         for name in block.outputs
     ]
 
@@ -211,16 +255,26 @@ def _to64(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- profile ---------------------------------------------------------------------------------------
-def profile(compiled: CompiledProgram, block: Block, shapes: list[dict[str, int]],
-            results: list[StageResult]) -> list[ProfileRow]:
+def profile(
+    compiled: CompiledProgram,
+    block: Block,
+    shapes: list[dict[str, int]],
+    results: list[StageResult],
+) -> list[ProfileRow]:
     rows: list[ProfileRow] = []
     if backend.INTERPRET:
-        results.append(StageResult(stage="profile", status="skipped",
-                                   message="no CUDA GPU here: timings not measured"))
+        results.append(
+            StageResult(
+                stage="profile", status="skipped", message="no CUDA GPU here: timings not measured"
+            )
+        )
         return rows
     if not shapes:
-        results.append(StageResult(stage="profile", status="skipped",
-                                   message="the block declares no benchmark shapes"))
+        results.append(
+            StageResult(
+                stage="profile", status="skipped", message="the block declares no benchmark shapes"
+            )
+        )
         return rows
     with timed("profile", results) as box:
         from .profiling import profile_shape
@@ -231,8 +285,13 @@ def profile(compiled: CompiledProgram, block: Block, shapes: list[dict[str, int]
     return rows
 
 
-def run_worker_stages(program: Program, info: ProgramInfo, block: Block, options: SandboxOptions,
-                      emit: Callable[[str, Any], None]) -> None:
+def run_worker_stages(
+    program: Program,
+    info: ProgramInfo,
+    block: Block,
+    options: SandboxOptions,
+    emit: Callable[[str, Any], None],
+) -> None:
     """compile → verify → profile, reporting each result through ``emit`` as it finishes."""
     results: list[StageResult] = []
     shapes = options.verify_shapes(block)

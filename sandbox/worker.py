@@ -33,7 +33,8 @@ def main(request_path: str, events_path: str) -> int:
             events.flush()
 
         emit("started", "setup")
-        # Imports happen here, after the parent set TRITON_INTERPRET / cache dirs in our environment.
+        # Imports happen here, after the parent set TRITON_INTERPRET and the cache directories in
+        # our environment.
         from coda.blocks import get_block, load_block_file
         from coda.primitives.analysis import analyze
         from coda.primitives.ir import Program

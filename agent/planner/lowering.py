@@ -3,8 +3,8 @@
 Rules, applied in graph order:
 
 * **GEMM**: every ``Linear`` becomes (part of) a ``gemm`` step ``acc = x @ Wᵀ``.
-* **pairwise interleave**: two ``Linear``s of the same input whose outputs meet in a ``SwiGLU`` become
-  one GEMM over ``interleave_rows(gate, up)`` with ``swiglu`` in its epilogue.
+* **pairwise interleave**: two ``Linear``s of the same input whose outputs meet in a ``SwiGLU``
+  become one GEMM over ``interleave_rows(gate, up)`` with ``swiglu`` in its epilogue.
 * **row-scale commutation**: a ``Linear`` of ``rmsnorm(x, γ)`` runs on ``x`` itself with
   ``scale_rows(acc, r)``; ``γ`` is folded into the weight (prep ``fold_norm_weight``) and
   ``r = rstd(...)`` is an aux step.
@@ -78,8 +78,11 @@ def lower(block: Block, options: LoweringOptions | None = None) -> Program:
         else:
             raise NoRule(i, op, _why_not_fused(st, op))
     data = {
-        "block": block.name, "inputs": block.program_inputs(), "prep": st.prep,
-        "steps": st.steps, "outputs": {o: o for o in block.outputs},
+        "block": block.name,
+        "inputs": block.program_inputs(),
+        "prep": st.prep,
+        "steps": st.steps,
+        "outputs": {o: o for o in block.outputs},
     }
     return Program.parse(data)
 
@@ -87,18 +90,26 @@ def lower(block: Block, options: LoweringOptions | None = None) -> Program:
 def _why_not_fused(st: _State, op: GraphOp) -> str:
     missing = [v for v in op.inputs() if v not in st.available]
     if isinstance(op, Add | SwiGLU) and missing:
-        return (f"its inputs {missing} are not produced by a GEMM epilogue it can join; the planner "
-                "fuses elementwise ops only into the epilogue of the Linear that produces them")
-    return ("elementwise ops are lowered only inside a GEMM epilogue, and this one follows no "
-            "Linear (a standalone elementwise pass has no primitive)")
+        return (
+            f"its inputs {missing} are not produced by a GEMM epilogue it can join; the planner "
+            "fuses elementwise ops only into the epilogue of the Linear that produces them"
+        )
+    return (
+        "elementwise ops are lowered only inside a GEMM epilogue, and this one follows no "
+        "Linear (a standalone elementwise pass has no primitive)"
+    )
 
 
 def _check_norm_feeds_gemms(st: _State, i: int, op: RMSNorm) -> None:
     others = [(j, c) for j, c in st.consumers(op.out) if not isinstance(c, Linear)]
     if others or op.out in st.block.outputs:
         who = f"{others[0][1].op} (graph[{others[0][0]}])" if others else "a block output"
-        raise NoRule(i, op, f"its output {op.out!r} feeds {who}; an RMSNorm is lowered only into "
-                            "the GEMMs that consume it (row-scale commutation)")
+        raise NoRule(
+            i,
+            op,
+            f"its output {op.out!r} feeds {who}; an RMSNorm is lowered only into "
+            "the GEMMs that consume it (row-scale commutation)",
+        )
     st.done.add(i)
 
 
@@ -111,7 +122,12 @@ def _pair_of(st: _State, i: int, op: Linear) -> tuple[Linear, Linear, SwiGLU, li
     k, glu = users[0]
     other = glu.up if glu.gate == op.out else glu.gate
     found = st.producer(other)
-    if found is None or not isinstance(found[1], Linear) or found[1].x != op.x or found[0] in st.done:
+    if (
+        found is None
+        or not isinstance(found[1], Linear)
+        or found[1].x != op.x
+        or found[0] in st.done
+    ):
         return None
     j, partner = found
     gate, up = (op, partner) if glu.gate == op.out else (partner, op)
@@ -145,10 +161,16 @@ def _lower_linear(st: _State, i: int, op: Linear) -> None:
     if pair is not None:
         gate, up, glu, indices = pair
         weights = [gate.weight, up.weight]
-        weight = _prep(st, ("interleave", gate.weight, up.weight), {
-            "kind": "interleave_rows", "first": gate.weight, "second": up.weight,
-            "out": f"w_{gate.out}_{up.out}",
-        })
+        weight = _prep(
+            st,
+            ("interleave", gate.weight, up.weight),
+            {
+                "kind": "interleave_rows",
+                "first": gate.weight,
+                "second": up.weight,
+                "out": f"w_{gate.out}_{up.out}",
+            },
+        )
         value = f"{gate.out}{up.out}"
     else:
         glu, indices, weights, weight, value = None, [i], [op.weight], op.weight, op.out
@@ -166,8 +188,16 @@ def _lower_linear(st: _State, i: int, op: Linear) -> None:
     st.done.update(indices)
     cur, value = _fuse_consumers(st, epilogue, cur, value)
     _store(st, epilogue, cur, value)
-    st.steps.append({"kind": "gemm", "name": _step_name(st, weights), "a": a, "b": f"{weight}.T",
-                     "epilogue": epilogue, "config": st.options.config})
+    st.steps.append(
+        {
+            "kind": "gemm",
+            "name": _step_name(st, weights),
+            "a": a,
+            "b": f"{weight}.T",
+            "epilogue": epilogue,
+            "config": st.options.config,
+        }
+    )
 
 
 def _operand(st: _State, i: int, op: Linear, weight: str) -> tuple[str, tuple[str, str] | None]:
@@ -176,12 +206,20 @@ def _operand(st: _State, i: int, op: Linear, weight: str) -> tuple[str, tuple[st
     if found is not None and isinstance(found[1], RMSNorm):
         norm = found[1]
         if norm.x not in st.available:
-            raise NoRule(found[0], norm, f"its input {norm.x!r} is not materialised before the GEMM")
+            raise NoRule(
+                found[0], norm, f"its input {norm.x!r} is not materialised before the GEMM"
+            )
         r = _ensure_rstd(st, norm)
-        folded = _prep(st, ("fold", weight, norm.weight), {
-            "kind": "fold_norm_weight", "weight": weight, "gamma": norm.weight,
-            "out": f"{weight}_folded",
-        })
+        folded = _prep(
+            st,
+            ("fold", weight, norm.weight),
+            {
+                "kind": "fold_norm_weight",
+                "weight": weight,
+                "gamma": norm.weight,
+                "out": f"{weight}_folded",
+            },
+        )
         return norm.x, (r, folded)
     if op.x not in st.available:
         raise NoRule(i, op, f"its input {op.x!r} is not materialised by an earlier step")
@@ -197,8 +235,9 @@ def _ensure_rstd(st: _State, norm: RMSNorm) -> str:
     return st.rstd[norm.out]
 
 
-def _fuse_consumers(st: _State, epilogue: list[dict[str, Any]], cur: str,
-                    value: str) -> tuple[str, str]:
+def _fuse_consumers(
+    st: _State, epilogue: list[dict[str, Any]], cur: str, value: str
+) -> tuple[str, str]:
     """Fold residual adds of the GEMM's result into its epilogue, as far as they go."""
     while True:
         users = st.consumers(value)
@@ -221,6 +260,7 @@ def _store(st: _State, epilogue: list[dict[str, Any]], cur: str, value: str) -> 
     st.available.add(value)
     if any(isinstance(c, RMSNorm) for _, c in st.consumers(value)):
         partials = f"{value}_sumsq"
-        epilogue.append({"op": "partial_reduce", "src": cur, "kind": "sumsq", "axis": "row",
-                         "to": partials})
+        epilogue.append(
+            {"op": "partial_reduce", "src": cur, "kind": "sumsq", "axis": "row", "to": partials}
+        )
         st.partials[value] = partials

@@ -1,8 +1,8 @@
 """Aux ``rstd``: the RMSNorm reciprocal ``r_i = (mean_j x_ij² + eps)^(-1/2)`` per row.
 
-Two sources (CODA_MATH §1): partial sums of squares written by the epilogue of the GEMM that produced
-``x`` (then this step only sums ``⌈d/BN⌉`` numbers per row), or, when no GEMM in the program produced
-``x`` (e.g. the block's own input), ``x`` itself — one memory-bound pass over it.
+Two sources (CODA_MATH §1): partial sums of squares written by the epilogue of the GEMM that
+produced ``x`` (then this step only sums ``⌈d/BN⌉`` numbers per row), or, when no GEMM in the
+program produced ``x`` (e.g. the block's own input), ``x`` itself — one memory-bound pass over it.
 """
 
 from __future__ import annotations
@@ -23,11 +23,17 @@ from ..types import TensorInfo
 
 @triton.jit
 def _rstd_kernel(
-    x_ptr, out_ptr,
-    rows, cols,
-    stride_row, stride_col,
-    inv_n, eps,
-    SQUARE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    rows,
+    cols,
+    stride_row,
+    stride_col,
+    inv_n,
+    eps,
+    SQUARE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
     # One program finishes BLOCK_ROWS rows: sum (squares of) `cols` values per row, then rsqrt.
     pid = tl.program_id(axis=0)
@@ -58,8 +64,8 @@ class Rstd(AuxStep):
 
     ``src`` is either partial sums of squares written by ``partial_reduce(kind="sumsq",
     axis="row")`` in the epilogue of the GEMM that produced x (cheap: it sums ⌈d/BLOCK_N⌉ numbers
-    per row), or a 2-D tensor ``[rows, d]`` such as the block's input (one pass over it). Use ``out``
-    with ``scale_rows`` in the epilogue of the GEMM that consumes the normalised tensor.
+    per row), or a 2-D tensor ``[rows, d]`` such as the block's input (one pass over it). Use
+    ``out`` with ``scale_rows`` in the epilogue of the GEMM that consumes the normalised tensor.
     """
 
     kind: Literal["rstd"] = "rstd"
@@ -86,10 +92,8 @@ class Rstd(AuxStep):
     def reference(self, env: RunEnv) -> None:
         x = env.tensors[self.src].to(env.compute)
         partials = env.infos[self.src].partials
-        if partials is not None:  # already squared: sum the per-tile partials
-            mean_sq = x.sum(dim=1) / partials.length
-        else:
-            mean_sq = (x * x).mean(dim=1)
+        # Partials are already squared: sum the per-tile values; a tensor is squared here.
+        mean_sq = x.sum(dim=1) / partials.length if partials else (x * x).mean(dim=1)
         env.tensors[self.out] = torch.rsqrt(mean_sq + self.eps)
 
     def launch(self, env: RunEnv) -> None:
@@ -100,6 +104,15 @@ class Rstd(AuxStep):
         n = cols if square else partials.length
         block_rows, block_cols = _blocks(rows, cols)
         _rstd_kernel[(triton.cdiv(rows, block_rows),)](
-            x, out, rows, cols, x.stride(0), x.stride(1), 1.0 / n, self.eps,
-            SQUARE=square, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+            x,
+            out,
+            rows,
+            cols,
+            x.stride(0),
+            x.stride(1),
+            1.0 / n,
+            self.eps,
+            SQUARE=square,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
         )

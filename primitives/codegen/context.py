@@ -1,9 +1,10 @@
 """What a primitive's ``emit`` writes through: the epilogue of one generated kernel.
 
-The context owns the naming scheme (epilogue value ``z`` is the Triton variable ``v_z``; the accumulator
-is ``accumulator``), the kernel parameters (a tensor ``r`` becomes ``r_ptr`` plus ``stride_r...``), and
-the row / column index vectors of each column space, which it defines once, on first use, at the top
-of the epilogue. Primitives therefore emit only their own math and never spell pointer arithmetic.
+The context owns the naming scheme (epilogue value ``z`` is the Triton variable ``v_z``; the
+accumulator is ``accumulator``), the kernel parameters (a tensor ``r`` becomes ``r_ptr`` plus
+``stride_r...``), and the row / column index vectors of each column space, which it defines once,
+on first use, at the top of the epilogue. Primitives therefore emit only their own math and never
+spell pointer arithmetic.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class EmitContext:
 
     # -- loads and stores ------------------------------------------------------------------------
     def tile_ptrs(self, tensor: str, scale: Fraction) -> str:
-        rows, cols = self.rows(), self.cols(scale)
+        _rows, cols = self.rows(), self.cols(scale)
         return (
             f"{self.pointer(tensor)} + offs_cm64[:, None] * {self.stride(tensor, 0, 'm')}"
             f" + {cols.offs}[None, :] * {self.stride(tensor, 1, 'n')}"
@@ -173,7 +174,9 @@ class EmitContext:
         self.line(f"{ptrs} = {self.tile_ptrs(tensor, scale)}")
         if accumulate:
             value = f"tl.load({ptrs}, mask={mask}, other=0.0).to(tl.float32) + {value}"
-        self.line(f"tl.store({ptrs}, ({value}).to({self.pointer(tensor)}.dtype.element_ty), mask={mask})")
+        self.line(
+            f"tl.store({ptrs}, ({value}).to({self.pointer(tensor)}.dtype.element_ty), mask={mask})"
+        )
 
     def store_partials(self, tensor: str, values: str, axis: str, scale: Fraction) -> None:
         """Store a tile's partial reduction into its slot of a partials buffer.

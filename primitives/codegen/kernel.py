@@ -1,10 +1,10 @@
 """Generate one readable Triton module per ``GemmEpilogue``: mainloop template + spliced epilogue.
 
 Passes, each pure: ``plan`` (which tensors and spaces the epilogue touches, by emitting it into a
-context) → ``signature`` (grouped kernel parameters) → ``render`` (the module text). The module reads
-like Triton's persistent-matmul tutorial: ``_compute_pid`` with grouped ordering, the persistent tile
-loop, the K loop into an fp32 ``accumulator``, then ``# --- epilogue ---`` and one banner per
-primitive. It imports nothing but triton, so a person can run or edit it alone.
+context) → ``signature`` (grouped kernel parameters) → ``render`` (the module text). The module
+reads like Triton's persistent-matmul tutorial: ``_compute_pid`` with grouped ordering, the
+persistent tile loop, the K loop into an fp32 ``accumulator``, then ``# --- epilogue ---`` and one
+banner per primitive. It imports nothing but triton, so a person can run or edit it alone.
 
 Set ``CODA_DEBUG_CODEGEN=1`` to print each generated module.
 """
@@ -24,7 +24,7 @@ from .emitter import IndentedBuffer
 
 GENERATOR_VERSION = "2"
 
-_HELPERS = '''
+_HELPERS = """
 @triton.jit
 def _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
     # Grouped ordering: GROUP_SIZE_M row-tiles advance together along N, so the B tiles they
@@ -35,7 +35,7 @@ def _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexp
     pid_m = first_pid_m + (tile_id % group_size_m)
     pid_n = (tile_id % num_pid_in_group) // group_size_m
     return pid_m, pid_n
-'''
+"""
 
 _MAINLOOP = """\
 start_pid = tl.program_id(axis=0)
@@ -94,7 +94,9 @@ def _operand_params(step: GemmEpilogue) -> list[Param]:
     return [
         Param("a_ptr", "ptr", step.a.tensor),
         Param("b_ptr", "ptr", step.b.tensor),
-        Param("M", "size"), Param("N", "size"), Param("K", "size"),
+        Param("M", "size"),
+        Param("N", "size"),
+        Param("K", "size"),
         Param("stride_am", "stride", step.a.tensor, a_dims[0]),
         Param("stride_ak", "stride", step.a.tensor, a_dims[1]),
         Param("stride_bk", "stride", step.b.tensor, b_dims[0]),

@@ -1,8 +1,8 @@
 """Pairwise family: maps over adjacent column pairs ``(2k, 2k+1)`` of a tile.
 
 A pairwise map needs both members of a pair in one tile (CODA_MATH §2): interleave the two weights'
-output features (prep ``interleave_rows``) so one GEMM produces ``[g0, u0, g1, u1, …]``, then contract
-each pair in the epilogue. The result lives in a column space half as wide.
+output features (prep ``interleave_rows``) so one GEMM produces ``[g0, u0, g1, u1, …]``, then
+contract each pair in the epilogue. The result lives in a column space half as wide.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def contract_pairs(env: CheckEnv, src: str, op: str) -> LocalType:
     t = env.tile(src)
     half = t.scale / 2
     if half not in SCALES:
-        raise ProgramError(f"{op} of {src!r} ({t.describe()}) would leave the supported column spaces")
+        raise ProgramError(
+            f"{op} of {src!r} ({t.describe()}) would leave the supported column spaces"
+        )
     width = env.cols(t.scale)
     if width % 2:
         raise ProgramError(

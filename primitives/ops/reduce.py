@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from ..reference import RefEnv
 
 
-
 @dataclass(frozen=True)
 class _Kind:
     value: str  # the Triton expression reduced, in terms of {v}
@@ -47,10 +46,10 @@ class PartialReduce(EpilogueOp):
     """Write per-tile partial reductions of tile ``src`` to a new program tensor ``to`` (fp32).
 
     ``kind``: ``sum``, ``sumsq`` (sum of squares, for RMSNorm statistics) or ``max``.
-    ``axis="row"``: each tile reduces its columns, giving one value per row per column block: ``to`` is
-    ``[M, ⌈W/BLOCK_N⌉]`` (W = src's width). ``axis="col"``: each tile reduces its rows, giving
-    ``[W, ⌈M/BLOCK_M⌉]``. Elements outside the tensor's edges never contribute. Finish the partials
-    with an aux step, e.g. ``{"kind": "rstd", "src": "<to>", ...}`` for sumsq.
+    ``axis="row"``: each tile reduces its columns, giving one value per row per column block:
+    ``to`` is ``[M, ⌈W/BLOCK_N⌉]`` (W = src's width). ``axis="col"``: each tile reduces its rows,
+    giving ``[W, ⌈M/BLOCK_M⌉]``. Elements outside the tensor's edges never contribute. Finish the
+    partials with an aux step, e.g. ``{"kind": "rstd", "src": "<to>", ...}`` for sumsq.
     """
 
     op: Literal["partial_reduce"] = "partial_reduce"

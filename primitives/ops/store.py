@@ -18,8 +18,8 @@ class Store(EpilogueOp):
     """Write tile ``src`` to program tensor ``to`` (``[M, W]``, W = src's width), rounding once.
 
     ``dtype``: ``auto`` (the run's activation dtype, e.g. bfloat16), or ``float32`` / ``float16`` /
-    ``bfloat16``. ``mode="write"`` creates ``to`` (a new name); ``mode="accumulate"`` adds ``src`` to
-    an existing tensor produced by an earlier step (gradients from several branches), keeping its
+    ``bfloat16``. ``mode="write"`` creates ``to`` (a new name); ``mode="accumulate"`` adds ``src``
+    to an existing tensor produced by an earlier step (gradients from several branches), keeping its
     dtype. Block inputs are never written.
     """
 
@@ -56,7 +56,8 @@ class Store(EpilogueOp):
         if self.dtype != "auto" and self.dtype != info.dtype:
             raise ProgramError(
                 f"accumulate keeps {self.to!r}'s dtype ({info.dtype}); dtype={self.dtype!r} "
-                "differs", hint="leave dtype='auto' when accumulating",
+                "differs",
+                hint="leave dtype='auto' when accumulating",
             )
 
     def reference(self, env: RefEnv) -> None:

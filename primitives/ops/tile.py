@@ -1,7 +1,7 @@
 """Tile family: bring an M×N program tensor (a residual, a saved activation) into registers.
 
-A residual add ``x_new = x + y·W`` is ``add_tile(acc, x)`` in the epilogue of ``y·W`` (CODA_MATH §3).
-Loaded tiles are fp32 and zero outside the tensor's edges.
+A residual add ``x_new = x + y·W`` is ``add_tile(acc, x)`` in the epilogue of ``y·W`` (CODA_MATH
+§3). Loaded tiles are fp32 and zero outside the tensor's edges.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ class AddTile(EpilogueOp):
 
     def check(self, env: CheckEnv) -> None:
         t = env.tile(self.src)
-        _, scale = env.matching_tile_tensor(self.tensor)
-        if scale != t.scale:
+        want = (env.M, env.cols(t.scale))
+        env.tensor(self.tensor)
+        info = env.program.matrix(self.tensor, role="tensor")
+        if info.shape != want:
             raise ProgramError(
-                f"tensor {self.tensor!r} has {env.cols(scale)} columns but src {self.src!r} has "
-                f"{env.cols(t.scale)} ({scale_name(t.scale)})",
+                f"tensor {self.tensor!r} is {list(info.shape)} but src {self.src!r} is "
+                f"{list(want)} ([M, {scale_name(t.scale)}])",
                 hint="add_tile needs a tensor of exactly src's shape",
             )
         env.define_local(self.out, t)

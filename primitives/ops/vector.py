@@ -33,9 +33,7 @@ class _VectorOp(EpilogueOp):
             env.vector(self.vector, env.M, role="vector", what="one value per row, M")
         else:
             width = env.cols(t.scale)
-            env.vector(
-                self.vector, width, role="vector", what="one value per column of src"
-            )
+            env.vector(self.vector, width, role="vector", what="one value per column of src")
         env.define_local(self.out, t)
 
     def reference(self, env: RefEnv) -> None:
@@ -53,8 +51,8 @@ class ScaleRows(_VectorOp):
     """Multiply each row i of tile ``src`` by ``vector[i]``: ``out[i, j] = src[i, j] * vector[i]``.
 
     ``vector`` is a program tensor of length M (one value per output row), e.g. the RMSNorm
-    reciprocal ``r`` from an ``rstd`` step. This is how a norm that precedes a GEMM is applied in that
-    GEMM's epilogue: ``rmsnorm(x) @ W == diag(r) · ((x ⊙ γ) @ W)``.
+    reciprocal ``r`` from an ``rstd`` step. This is how a norm that precedes a GEMM is applied in
+    that GEMM's epilogue: ``rmsnorm(x) @ W == diag(r) · ((x ⊙ γ) @ W)``.
     """
 
     op: Literal["scale_rows"] = "scale_rows"
@@ -64,7 +62,8 @@ class ScaleRows(_VectorOp):
 
 
 class ScaleCols(_VectorOp):
-    """Multiply each column j of tile ``src`` by ``vector[j]``: ``out[i, j] = src[i, j] * vector[j]``.
+    """Multiply each column j of tile ``src`` by ``vector[j]``: ``out[i, j] = src[i, j] *
+    vector[j]``.
 
     ``vector`` is a program tensor with one value per column of ``src`` (N columns for the
     accumulator, N/2 after ``swiglu``), e.g. a norm weight γ applied as a side output ``x ⊙ γ``.
@@ -89,7 +88,8 @@ class AddRowVector(_VectorOp):
 
 
 class AddColVector(_VectorOp):
-    """Add ``vector[j]`` to every element of column j: ``out[i, j] = src[i, j] + vector[j]`` (a bias).
+    """Add ``vector[j]`` to every element of column j: ``out[i, j] = src[i, j] + vector[j]`` (a
+    bias).
 
     ``vector`` is a program tensor with one value per column of ``src``.
     """

@@ -48,8 +48,8 @@ class InterleaveRows(PrepStep):
 class FoldNormWeight(PrepStep):
     """Fold a norm weight γ into the following ``nn.Linear`` weight: ``out = weight · diag(γ)``.
 
-    ``weight`` is ``[out, in]`` and ``gamma`` has length ``in``: ``out[o, i] = weight[o, i] * γ[i]``,
-    computed in fp32 and rounded once to the weight's dtype. Then ``rmsnorm(x) @ weightᵀ ==
+    ``weight`` is ``[out, in]`` and ``gamma`` has length ``in``: ``out[o, i] = weight[o, i] *
+    γ[i]``, computed in fp32 and rounded once to the weight's dtype. Then ``rmsnorm(x) @ weightᵀ ==
     diag(r) · (x @ outᵀ)``: the norm becomes ``rstd`` + ``scale_rows`` (CODA_MATH §1).
     """
 

@@ -1,0 +1,156 @@
+"""Blocks: the reference matches Hugging Face Llama semantics; inputs are seeded and scaled;
+malformed blocks and block files are rejected clearly."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from coda.blocks import (
+    Add,
+    Block,
+    BlockNotFound,
+    Linear,
+    RMSNorm,
+    ShapeSets,
+    TensorSpec,
+    get_block,
+    load_block_file,
+)
+
+
+def hf_llama_mlp(x, gamma, w_gate, w_up, w_down, eps):  # noqa: ANN001, ANN201
+    """Written independently from transformers' LlamaRMSNorm + LlamaMLP (+ the residual)."""
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    h = gamma * hidden.to(input_dtype)
+    gate = torch.nn.functional.linear(h, w_gate)
+    up = torch.nn.functional.linear(h, w_up)
+    return x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_llama_mlp_reference_matches_hugging_face(dtype: torch.dtype) -> None:
+    block = get_block("llama_mlp")
+    inputs = block.make_inputs({"M": 9, "d": 32, "f": 48}, dtype, seed=3)
+    got = block.reference(inputs)["out"]
+    want = hf_llama_mlp(**inputs, eps=1e-5)
+    assert got.dtype == dtype
+    assert torch.equal(got, want)
+
+
+def test_reference_source_is_what_runs() -> None:
+    block = get_block("llama_mlp")
+    source = block.reference_source()
+    assert "def llama_mlp(x, gamma, w_gate, w_up, w_down):" in source
+    assert "h = rms_norm(x, gamma, eps=1e-05)" in source
+    namespace: dict = {}
+    exec(source, namespace)  # noqa: S102
+    inputs = block.make_inputs({"M": 4, "d": 8, "f": 16}, torch.float64, seed=0)
+    assert torch.equal(namespace["llama_mlp"](**inputs)["out"], block.reference(inputs)["out"])
+
+
+def test_input_factory_is_seeded_and_scaled() -> None:
+    block = get_block("llama_mlp")
+    sizes = {"M": 256, "d": 512, "f": 1024}
+    a = block.make_inputs(sizes, torch.float32, seed=1)
+    b = block.make_inputs(sizes, torch.float32, seed=1)
+    c = block.make_inputs(sizes, torch.float32, seed=2)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["x"], c["x"])
+    # nn.Linear-like scale: x @ W.T stays O(1), so no branch hides under the residual
+    assert 0.9 < float((a["x"] @ a["w_gate"].T).std()) < 1.1
+    assert 0.05 < float(a["gamma"].std()) < 0.2 and abs(float(a["gamma"].mean()) - 1) < 0.05
+
+
+def test_flops_and_trace() -> None:
+    block = get_block("llama_mlp")
+    sizes = {"M": 16384, "d": 2048, "f": 8192}
+    assert block.flops(sizes) == 2 * 16384 * 2048 * 8192 * 3
+    assert block.trace(sizes)["a"] == (16384, 8192)
+
+
+def test_cpu_shapes_include_ragged_sizes() -> None:
+    block = get_block("llama_mlp")
+    assert len(block.shapes.cpu) >= 3
+    assert any(s["M"] % 32 or s["d"] % 32 for s in block.shapes.cpu)
+
+
+def _spec(*shape: str, **kw) -> TensorSpec:  # noqa: ANN003
+    return TensorSpec(shape=list(shape), **kw)
+
+
+@pytest.mark.parametrize(
+    "graph,fragment",
+    [
+        ([Linear(x="h", weight="w", out="y")], "reads 'h', which is not defined yet"),
+        ([Linear(x="x", weight="w", out="y"), Add(a="x", b="y", out="y")], "redefines 'y'"),
+        ([RMSNorm(x="x", weight="w", out="y")], "output 'z' is not computed"),
+    ],
+)
+def test_malformed_blocks_are_rejected(graph, fragment: str) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError) as err:
+        Block(
+            name="bad",
+            description="",
+            inputs={"x": _spec("M", "d"), "w": _spec("d", "d")},
+            graph=graph,
+            outputs=["z" if "computed" in fragment else "y"],
+            shapes=ShapeSets(cpu=[{"M": 4, "d": 8}]),
+        )
+    assert fragment in str(err.value)
+
+
+def test_unused_input_and_missing_size_are_rejected() -> None:
+    graph = [Linear(x="x", weight="w", out="y")]
+    with pytest.raises(ValueError, match="inputs \\['extra'\\] are not used"):
+        Block(
+            name="bad",
+            description="",
+            graph=graph,
+            outputs=["y"],
+            inputs={"x": _spec("M", "d"), "w": _spec("d", "d"), "extra": _spec("d")},
+            shapes=ShapeSets(cpu=[{"M": 4, "d": 8}]),
+        )
+    with pytest.raises(ValueError, match="lacks sizes \\['d'\\]"):
+        Block(
+            name="bad",
+            description="",
+            graph=graph,
+            outputs=["y"],
+            inputs={"x": _spec("M", "d"), "w": _spec("d", "d")},
+            shapes=ShapeSets(cpu=[{"M": 4}]),
+        )
+
+
+def test_unknown_block_name_suggests() -> None:
+    with pytest.raises(BlockNotFound, match="did you mean 'llama_mlp'"):
+        get_block("llama_mpl")
+
+
+def test_block_file(tmp_path: Path) -> None:
+    path = tmp_path / "my_block.py"
+    path.write_text(
+        textwrap.dedent("""
+        from coda.blocks import Block, Linear, Add, ShapeSets, TensorSpec
+        proj_residual = Block(
+            name="proj_residual", description="x + x @ w.T",
+            inputs={"x": TensorSpec(shape=["M", "d"]),
+                    "w": TensorSpec(shape=["d", "d"], init="linear_weight")},
+            graph=[Linear(x="x", weight="w", out="y"), Add(a="x", b="y", out="out")],
+            outputs=["out"], shapes=ShapeSets(cpu=[{"M": 8, "d": 16}]))
+    """)
+    )
+    (block,) = load_block_file(path)
+    assert block.name == "proj_residual" and get_block("proj_residual") is block
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_block_file(tmp_path / "missing.py")
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="defines no Block"):
+        load_block_file(empty)

@@ -1,0 +1,23 @@
+"""Test configuration: coda first (so Triton runs interpreted without a GPU), GPU tests skipped
+cleanly without a GPU, and a private kernel cache per test session."""
+
+import os
+import tempfile
+
+os.environ.setdefault("CODA_CACHE_DIR", tempfile.mkdtemp(prefix="coda-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import coda.primitives  # noqa: E402,F401  (must precede any triton import)
+
+HAS_GPU = torch.cuda.is_available() and not coda.primitives.backend.INTERPRET
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (tests/gpu runs on the GPU machine)")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.gpu)
+            if not HAS_GPU:
+                item.add_marker(skip_gpu)

@@ -1,0 +1,73 @@
+"""Small programs for testing one primitive at a time: ``acc = a @ b`` then the ops under test.
+
+The operand tensors are named ``a`` and ``b`` on purpose: those names collide with the GEMM
+operands' kernel parameters, which codegen must rename.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from coda.primitives import Program, analyze, bind_sizes, compile_program, execute_reference
+
+DTYPE_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3)}
+
+
+def gemm_program(
+    epilogue: list[dict[str, Any]],
+    extra: dict[str, Any] | None = None,
+    *,
+    a_t: bool = False,
+    b_t: bool = True,
+    outputs: dict[str, str] | None = None,
+    config: Any = "auto",
+    prep: list | None = None,
+    steps_before: list | None = None,
+) -> Program:
+    """One gemm step over ``a`` [M, K] (or [K, M] if a_t) and ``b`` [N, K] used as b.T (or [K,
+    N]).
+    """
+    inputs = {"a": ["K", "M"] if a_t else ["M", "K"], "b": ["N", "K"] if b_t else ["K", "N"]}
+    inputs.update(extra or {})
+    gemm = {
+        "kind": "gemm",
+        "name": "k",
+        "a": "a.T" if a_t else "a",
+        "b": "b.T" if b_t else "b",
+        "epilogue": epilogue,
+        "config": config,
+    }
+    stored = [op["to"] for op in epilogue if op["op"] == "store"]
+    return Program.parse(
+        {
+            "block": "test",
+            "inputs": inputs,
+            "prep": prep or [],
+            "steps": [*(steps_before or []), gemm],
+            "outputs": outputs or {t: t for t in stored},
+        }
+    )
+
+
+def make_inputs(
+    program: Program, sizes: dict[str, int], dtype: torch.dtype, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, decl in program.inputs.items():
+        shape = [sizes[d] if isinstance(d, str) else d for d in decl.shape]
+        x = torch.randn(shape, generator=gen) / (sizes.get("K", 1) ** 0.25)
+        out[name] = x.to(dtype if decl.dtype == "act" else torch.float32)
+    return out
+
+
+def run_both(program: Program, inputs: dict[str, torch.Tensor], **kw: Any):
+    """(kernel tensors, kernel-precision reference tensors, exact float64 reference tensors)."""
+    info = analyze(program, bind_sizes(program, {n: t.shape for n, t in inputs.items()}))
+    compiled = compile_program(program, info)
+    got = compiled.run(compiled.prepare(inputs), poison=True, **kw)
+    ref = execute_reference(program, inputs)
+    exact = execute_reference(program, inputs, exact=True)
+    return got, ref, exact

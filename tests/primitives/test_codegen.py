@@ -1,0 +1,100 @@
+"""Generated code as text: structure, and golden snapshots of the llama_mlp kernels.
+
+Regenerate the snapshots after an intended codegen change with ``CODA_UPDATE_GOLDEN=1 pytest
+tests/primitives/test_codegen.py`` and review the diff like any other code change.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from coda.agent.planner import lower
+from coda.blocks import get_block
+from coda.primitives import analyze, compile_program
+from coda.primitives.ir import GemmEpilogue
+from tests.helpers import gemm_program
+
+GOLDEN = Path(__file__).parent.parent / "golden"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    block = get_block("llama_mlp")
+    program = lower(block)
+    return program, compile_program(program, analyze(program, block.shapes.cpu[0]))
+
+
+def _kernel_body(source: str, function: str) -> str:
+    tree = ast.parse(source)
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    return ast.get_source_segment(source, fn) or ""
+
+
+def test_one_jit_kernel_and_one_dot_per_gemm(llama) -> None:
+    program, compiled = llama
+    fused = [s for s in program.steps if isinstance(s, GemmEpilogue) and not s.is_plain_store]
+    assert len(compiled.kernels) == len(fused)
+    for kernel in compiled.kernels.values():
+        body = _kernel_body(kernel.source, kernel.function)
+        assert kernel.source.count("@triton.jit") == 2  # the kernel and its _compute_pid helper
+        assert body.count("tl.dot(") == 1
+        assert "torch" not in kernel.source
+        compile(kernel.source, kernel.step, "exec")
+
+
+def test_every_written_tensor_is_stored(llama) -> None:
+    program, compiled = llama
+    for step in program.steps:
+        if not isinstance(step, GemmEpilogue) or step.name not in compiled.kernels:
+            continue
+        source = compiled.kernels[step.name].source
+        for op in step.epilogue:
+            target = getattr(op, "to", None)
+            if target is not None:
+                assert re.search(rf"tl\.store\({target}(_tensor)?_ptrs?\b", source), target
+
+
+def test_banners_name_each_primitive(llama) -> None:
+    program, compiled = llama
+    gate_up = compiled.kernels["gate_up"].source
+    assert "# --- epilogue ---" in gate_up
+    for op in program.steps[1].epilogue:
+        assert f"# --- {op.describe()} ---" in gate_up
+
+
+def test_plain_store_gemm_runs_on_the_vendor_gemm() -> None:
+    program = gemm_program([{"op": "store", "src": "acc", "to": "c"}])
+    compiled = compile_program(program, analyze(program, {"M": 8, "N": 16, "K": 16}))
+    assert compiled.kernels == {}
+
+
+def test_operand_names_a_and_b_do_not_collide() -> None:
+    program = gemm_program(
+        [
+            {"op": "add_tile", "src": "acc", "tensor": "a", "out": "y"},
+            {"op": "store", "src": "y", "to": "b2"},
+        ]
+    )
+    # a is [M, K] and is added as an [M, N] tile when K == N
+    compiled = compile_program(program, analyze(program, {"M": 8, "N": 16, "K": 16}))
+    source = compiled.kernels["k"].source
+    assert "a_tensor_ptr" in source and "a_ptr" in source
+
+
+@pytest.mark.parametrize("step", ["gate_up", "down"])
+def test_golden_llama_mlp_kernels(llama, step: str) -> None:
+    _, compiled = llama
+    source = compiled.kernels[step].source
+    path = GOLDEN / f"llama_mlp.{step}.py"
+    if os.environ.get("CODA_UPDATE_GOLDEN"):
+        path.write_text(source)
+    assert path.exists(), f"no snapshot {path}; run with CODA_UPDATE_GOLDEN=1 to create it"
+    assert source == path.read_text(), (
+        f"generated {step} kernel differs from {path}; if intended, regenerate with "
+        "CODA_UPDATE_GOLDEN=1 and review the diff"
+    )

@@ -1,0 +1,307 @@
+"""Every epilogue primitive against its PyTorch semantics, through the Triton interpreter.
+
+Each case is one gemm step whose epilogue exercises the primitive; the kernel's outputs are compared
+with (1) the reference executor at kernel precision (same roundings: tight) and (2) an independent
+formula written here in float64 (the primitive's documented meaning), in fp32 and fp16, at ragged
+shapes that are not tile multiples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coda.primitives import EpilogueOp
+from coda.sandbox.compare import assert_close
+from tests.helpers import DTYPE_TOL, gemm_program, make_inputs, run_both
+
+SIZES = [
+    {"M": 37, "N": 50, "K": 29},  # ragged everywhere (N even for pairs)
+    {"M": 64, "N": 64, "K": 32},  # tile multiples
+    {"M": 5, "N": 18, "K": 70},  # fewer rows than a tile, several K steps
+]
+DTYPES = [torch.float32, torch.float16]
+
+
+@dataclass
+class Case:
+    epilogue: list[dict[str, Any]]
+    expect: Callable[[torch.Tensor, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    extra: dict[str, Any] = field(default_factory=dict)
+    steps_before: list[dict[str, Any]] = field(default_factory=list)
+    outputs: dict[str, str] | None = None
+
+
+def _store(src: str, to: str | None = None, **kw: Any) -> dict[str, Any]:
+    return {"op": "store", "src": src, "to": to or src, **kw}
+
+
+MAP_EXPR = (
+    "silu(acc) + tanh(acc) * 0.5 - rsqrt(abs(acc) + 1) + where(acc > 0, exp(-acc), "
+    "log(1 + acc * acc)) + max(acc, 0.1) ** 2 / sqrt(2) - min(sigmoid(acc), 0.7) "
+    "+ acc ** -2 * 0 - (-acc)"
+)
+
+
+def _map_expect(acc: torch.Tensor) -> torch.Tensor:
+    return (
+        F.silu(acc)
+        + torch.tanh(acc) * 0.5
+        - torch.rsqrt(acc.abs() + 1)
+        + torch.where(acc > 0, torch.exp(-acc), torch.log(1 + acc * acc))
+        + torch.clamp(acc, min=0.1) ** 2 / 2**0.5
+        - torch.clamp(torch.sigmoid(acc), max=0.7)
+        + acc
+    )
+
+
+def _partials_case(kind: str, axis: str) -> Case:
+    reduce = {
+        "sum": lambda x, d: x.sum(d),
+        "sumsq": lambda x, d: (x * x).sum(d),
+        "max": lambda x, d: x.amax(d),
+    }[kind]
+    combine = {"sum": lambda p: p.sum(1), "sumsq": lambda p: p.sum(1), "max": lambda p: p.amax(1)}
+
+    def expect(acc: torch.Tensor, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # Partial buffers are checked against the reference executor; their combination (the
+        # full-row or full-column reduction) against the formula.
+        return {
+            "__combined__": reduce(acc, 1 if axis == "row" else 0),
+            "__combine__": combine[kind],
+        }
+
+    return Case(
+        [
+            {"op": "partial_reduce", "src": "acc", "kind": kind, "axis": axis, "to": "p"},
+            _store("acc", "c"),
+        ],
+        expect,
+        outputs={"c": "c"},
+    )
+
+
+CASES: dict[str, Case] = {
+    "scale_rows": Case(
+        [{"op": "scale_rows", "src": "acc", "vector": "v", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": acc * t["v"][:, None]},
+        {"v": ["M"]},
+    ),
+    "scale_cols": Case(
+        [{"op": "scale_cols", "src": "acc", "vector": "v", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": acc * t["v"][None, :]},
+        {"v": ["N"]},
+    ),
+    "add_row_vector": Case(
+        [{"op": "add_row_vector", "src": "acc", "vector": "v", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": acc + t["v"][:, None]},
+        {"v": ["M"]},
+    ),
+    "add_col_vector": Case(
+        [{"op": "add_col_vector", "src": "acc", "vector": "v", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": acc + t["v"][None, :]},
+        {"v": ["N"]},
+    ),
+    "add_tile": Case(
+        [{"op": "add_tile", "src": "acc", "tensor": "r", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": acc + t["r"]},
+        {"r": ["M", "N"]},
+    ),
+    "load_tile": Case(
+        # a 2N-wide tile (interleaved pairs, as saved for a backward pass), contracted back to N
+        [
+            {"op": "load_tile", "tensor": "z", "out": "zt"},
+            {"op": "swiglu", "src": "zt", "out": "s"},
+            {"op": "map", "expr": "acc * s", "out": "y"},
+            _store("y"),
+        ],
+        lambda acc, t: {"y": acc * F.silu(t["z"][:, 0::2]) * t["z"][:, 1::2]},
+        {"z": ["M", "N2"]},
+    ),
+    "map": Case(
+        [{"op": "map", "expr": MAP_EXPR, "out": "y"}, _store("y")],
+        lambda acc, t: {"y": _map_expect(acc)},
+    ),
+    "swiglu": Case(
+        [{"op": "swiglu", "src": "acc", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": F.silu(acc[:, 0::2]) * acc[:, 1::2]},
+    ),
+    "partial_reduce": _partials_case("sumsq", "row"),
+    "store": Case(
+        [_store("acc", "first_plus", mode="accumulate"), _store("acc", "c32", dtype="float32")],
+        lambda acc, t: {"first_plus": t["__first__"] + acc, "c32": acc},
+        steps_before=[
+            {
+                "kind": "gemm",
+                "name": "first",
+                "a": "a",
+                "b": "b.T",
+                "epilogue": [
+                    {"op": "map", "expr": "acc * 0.5", "out": "h"},
+                    _store("h", "first_plus"),
+                ],
+            }
+        ],
+        outputs={"first_plus": "first_plus", "c32": "c32"},
+    ),
+}
+EXTRA_CASES = {
+    f"partial_reduce[{k},{a}]": _partials_case(k, a)
+    for k in ("sum", "sumsq", "max")
+    for a in ("row", "col")
+}
+
+# Column-space ops after a 2→1 pair contraction: the value is N/2 wide with BLOCK_N/2-wide tiles.
+_GLU = {"op": "swiglu", "src": "acc", "out": "s"}
+
+
+def _glu(acc: torch.Tensor) -> torch.Tensor:
+    return F.silu(acc[:, 0::2]) * acc[:, 1::2]
+
+
+HALF_SPACE_CASES = {
+    "scale_cols": Case(
+        [_GLU, {"op": "scale_cols", "src": "s", "vector": "v", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": _glu(acc) * t["v"][None, :]},
+        {"v": ["Nh"]},
+    ),
+    "add_col_vector": Case(
+        [_GLU, {"op": "add_col_vector", "src": "s", "vector": "v", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": _glu(acc) + t["v"][None, :]},
+        {"v": ["Nh"]},
+    ),
+    "add_tile": Case(
+        [_GLU, {"op": "add_tile", "src": "s", "tensor": "r", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": _glu(acc) + t["r"]},
+        {"r": ["M", "Nh"]},
+    ),
+    "partial_reduce": Case(
+        [
+            _GLU,
+            {"op": "partial_reduce", "src": "s", "kind": "sumsq", "axis": "row", "to": "p"},
+            _store("s"),
+        ],
+        lambda acc, t: {"__combined__": (_glu(acc) ** 2).sum(1), "__combine__": lambda p: p.sum(1)},
+        outputs={"s": "s"},
+    ),
+}
+
+
+def test_every_registered_primitive_has_a_case() -> None:
+    missing = set(EpilogueOp.registry) - set(CASES)
+    assert not missing, f"primitives without a test case here: {sorted(missing)}"
+
+
+def _run_case(
+    case: Case,
+    sizes: dict[str, int],
+    dtype: torch.dtype,
+    a_t: bool = False,
+    b_t: bool = True,
+    config: Any = "auto",
+) -> None:
+    sizes = {**sizes, "N2": 2 * sizes["N"], "Nh": sizes["N"] // 2}
+    program = gemm_program(
+        case.epilogue,
+        case.extra,
+        a_t=a_t,
+        b_t=b_t,
+        outputs=case.outputs,
+        config=config,
+        steps_before=case.steps_before,
+    )
+    inputs = make_inputs(program, sizes, dtype)
+    got, ref, exact = run_both(program, inputs)
+    atol, rtol = DTYPE_TOL[dtype]
+    # (1) codegen ≡ reference executor at kernel precision, for every tensor the step writes
+    for name in ref:
+        if name not in inputs:
+            assert_close(
+                got[name].float(),
+                ref[name].float(),
+                atol=atol,
+                rtol=rtol,
+                what=f"{name} (kernel vs reference executor, {dtype})",
+            )
+    # (2) the primitive's documented meaning, in float64
+    a64, b64 = (inputs["a"].double(), inputs["b"].double())
+    acc = (a64.T if a_t else a64) @ (b64.T if b_t else b64)
+    t64 = {n: v.double() for n, v in inputs.items()}
+    if "first_plus" in got:
+        t64["__first__"] = (acc * 0.5).to(dtype).double()
+    want = case.expect(acc, t64)
+    if "__combined__" in want:
+        partials = got["p"].double()
+        assert_close(
+            want["__combine__"](partials),
+            want["__combined__"],
+            atol=atol * 10,
+            rtol=rtol * 10,
+            what="combined partials vs the full reduction",
+        )
+        assert partials.shape[0] == want["__combined__"].shape[0]
+        return
+    for name, value in want.items():
+        assert_close(
+            got[name].double(),
+            value,
+            atol=atol * 4,
+            rtol=rtol * 4,
+            what=f"{name} vs its formula ({dtype})",
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: "x".join(map(str, s.values())))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_primitive(name: str, sizes: dict[str, int], dtype: torch.dtype) -> None:
+    _run_case(CASES[name], sizes, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", sorted(EXTRA_CASES))
+def test_partial_reduce_kinds_and_axes(name: str, dtype: torch.dtype) -> None:
+    _run_case(EXTRA_CASES[name], SIZES[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", sorted(HALF_SPACE_CASES))
+def test_half_width_space(name: str, dtype: torch.dtype) -> None:
+    _run_case(HALF_SPACE_CASES[name], SIZES[0], dtype)
+
+
+@pytest.mark.parametrize("a_t,b_t", [(False, False), (True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_transposed_operands(a_t: bool, b_t: bool, dtype: torch.dtype) -> None:
+    _run_case(CASES["add_tile"], SIZES[0], dtype, a_t=a_t, b_t=b_t)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {
+            "block_m": 16,
+            "block_n": 16,
+            "block_k": 16,
+            "group_m": 1,
+            "num_warps": 1,
+            "num_stages": 1,
+        },
+        {
+            "block_m": 64,
+            "block_n": 32,
+            "block_k": 16,
+            "group_m": 2,
+            "num_warps": 4,
+            "num_stages": 2,
+        },
+    ],
+)
+def test_explicit_configs(config: dict[str, int]) -> None:
+    _run_case(CASES["swiglu"], SIZES[0], torch.float32, config=config)
+    _run_case(EXTRA_CASES["partial_reduce[max,col]"], SIZES[0], torch.float32, config=config)

@@ -1,0 +1,176 @@
+"""The sandbox end to end: a verified kernel, and each kind of failure reported at the right stage
+with a message that says what is wrong — never an exception in the caller."""
+
+from __future__ import annotations
+
+import copy
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from coda.agent.planner import lower
+from coda.blocks import get_block, load_block_file
+from coda.blocks.block import Tolerance
+from coda.sandbox import SandboxOptions, evaluate
+from coda.sandbox.runner import worker_env
+
+BLOCK = get_block("llama_mlp")
+FAST = SandboxOptions(isolate=False)
+
+
+@pytest.fixture(scope="module")
+def program_json() -> dict:
+    return lower(BLOCK).model_dump(mode="json")
+
+
+def test_llama_mlp_verifies_in_an_isolated_worker(program_json: dict, tmp_path: Path) -> None:
+    report = evaluate(program_json, BLOCK, SandboxOptions(), kernels_dir=tmp_path)
+    assert report.verified, report.render_text()
+    assert [s.stage for s in report.stages] == [
+        "validate",
+        "semantics",
+        "compile",
+        "verify",
+        "profile",
+    ]
+    # ≥ 3 shapes (incl. ragged) × fp32, fp16 × 2 seeds, one output
+    assert len(report.checks) == len(BLOCK.shapes.cpu) * 2 * 2
+    assert {c.dtype for c in report.checks} == {"float32", "float16"}
+    assert all(c.nan == 0 and c.max_abs_err <= c.allowed for c in report.checks)
+    assert report.stage("profile").status == "skipped"
+    assert "not measured" in report.stage("profile").message
+    assert not report.profile  # no invented numbers
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == ["down.py", "gate_up.py"]
+    assert "VERIFIED" in report.render_text()
+
+
+def test_missing_residual_fails_at_semantics(program_json: dict) -> None:
+    data = copy.deepcopy(program_json)
+    down = data["steps"][2]
+    down["epilogue"] = [{"op": "store", "src": "acc", "to": "out"}]
+    report = evaluate(data, BLOCK, FAST)
+    assert not report.verified
+    assert report.failed_stage.stage == "semantics"
+    assert (
+        "output 'out' does not match the block's reference in float64"
+        in report.failed_stage.message
+    )
+    assert report.stage("compile") is None  # nothing ran after the first failure
+
+
+def test_malformed_json_fails_at_validate() -> None:
+    report = evaluate('{"block": "llama_mlp", "steps": [', BLOCK, FAST)
+    assert report.failed_stage.stage == "validate"
+    assert "invalid program" in report.failed_stage.message
+    assert report.headline().startswith("FAILED at validate")
+
+
+def test_program_for_another_block_fails_at_validate(program_json: dict) -> None:
+    report = evaluate({**program_json, "block": "llama_attn"}, BLOCK, FAST)
+    assert "the program is for block 'llama_attn', not 'llama_mlp'" in report.failed_stage.message
+    data = copy.deepcopy(program_json)
+    del data["inputs"]["gamma"]
+    report = evaluate(data, BLOCK, FAST)
+    assert "missing input 'gamma'" in report.failed_stage.message
+
+
+def test_verify_failure_reports_mismatches(program_json: dict) -> None:
+    strict = BLOCK.model_copy(update={"tolerance": Tolerance(ratio=0.0, floor={}, rel={})})
+    report = evaluate(program_json, strict, SandboxOptions(isolate=False, seeds=[0]))
+    assert report.failed_stage.stage == "verify"
+    assert "output checks failed" in report.failed_stage.message
+    bad = [c for c in report.checks if not c.passed]
+    assert bad and bad[0].first_bad and bad[0].mismatches > 0
+    assert "elements exceed the allowed error" in bad[0].reason
+    assert "first:" in report.render_compact()
+
+
+def test_worker_timeout_becomes_a_failed_stage(program_json: dict) -> None:
+    report = evaluate(program_json, BLOCK, SandboxOptions(timeout_s=0.5))
+    assert not report.verified
+    failed = report.failed_stage
+    assert failed.stage == "compile" and "timed out after" in failed.message
+    assert "the worker was killed" in failed.message
+
+
+CRASHY_BLOCK = '''
+import os, signal
+import torch
+from typing import ClassVar, Literal
+from coda.blocks import Block, Linear, ShapeSets, TensorSpec
+from coda.blocks.ops import GraphOp
+
+
+def crashy_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b — but it kills its own process when run inside a sandbox worker."""
+    if "coda-worker-" in os.getcwd():
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return a + b
+
+
+class CrashyAdd(GraphOp):
+    op: Literal["crashy_add"] = "crashy_add"
+    helper: ClassVar = staticmethod(crashy_add)
+    a: str
+    b: str
+
+    def inputs(self):
+        return [self.a, self.b]
+
+
+crashy = Block(
+    name="crashy", description="x + x @ w.T",
+    inputs={"x": TensorSpec(shape=["M", "d"]),
+            "w": TensorSpec(shape=["d", "d"], init="linear_weight")},
+    graph=[Linear(x="x", weight="w", out="y"), CrashyAdd(a="x", b="y", out="out")],
+    outputs=["out"], shapes=ShapeSets(cpu=[{"M": 8, "d": 16}]))
+'''
+
+
+def test_worker_crash_becomes_a_failed_stage(tmp_path: Path) -> None:
+    path = tmp_path / "crashy.py"
+    path.write_text(CRASHY_BLOCK)
+    (block,) = load_block_file(path)
+    program = {
+        "block": "crashy",
+        "inputs": block.program_inputs(),
+        "steps": [
+            {
+                "kind": "gemm",
+                "a": "x",
+                "b": "w.T",
+                "epilogue": [
+                    {"op": "add_tile", "src": "acc", "tensor": "x", "out": "o"},
+                    {"op": "store", "src": "o", "to": "out"},
+                ],
+            }
+        ],
+        "outputs": {"out": "out"},
+    }
+    report = evaluate(program, block, SandboxOptions(), block_file=str(path))
+    assert not report.verified
+    assert report.stage("semantics").status == "passed"  # the parent ran the same reference
+    failed = report.failed_stage
+    assert failed.stage == "verify"
+    assert "the worker died during verify: killed by SIGSEGV" in failed.message
+
+
+def test_worker_environment_has_no_secrets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-secret")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    env = worker_env(tmp_path)
+    assert not any(v in ("sk-ant-secret", "sk-secret", "hf_secret") for v in env.values())
+    assert not {"ANTHROPIC_API_KEY", "OPENAI_API_KEY", "HF_TOKEN"} & set(env)
+    assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path))
+
+
+def test_report_json_round_trip(program_json: dict) -> None:
+    report = evaluate(program_json, BLOCK, SandboxOptions(isolate=False, seeds=[0]))
+    data = json.loads(report.model_dump_json())
+    assert data["verified"] is True
+    assert type(report).model_validate(data) == report
+    text = textwrap.dedent(report.render_text())
+    assert "✓ verify" in text and "timings: not measured" in text
