@@ -63,7 +63,9 @@ class MainloopConfig(Node):
     """Explicit tiles and launch parameters of a GEMM mainloop (or use ``"auto"``).
 
     ``block_m/n/k``: output tile and K step; ``group_m``: grouped tile order (L2 reuse);
-    ``num_warps``, ``num_stages``: Triton launch parameters.
+    ``num_warps``, ``num_stages``: Triton launch parameters; ``epilogue_subtiles``: the epilogue
+    runs on 1, 2 or 4 column slices of the tile in turn (fewer live registers); ``flatten``: let
+    Triton pipeline across output tiles of the persistent loop.
     """
 
     block_m: int = 128
@@ -72,10 +74,26 @@ class MainloopConfig(Node):
     group_m: int = Field(8, ge=1, le=64)
     num_warps: int = 8
     num_stages: int = Field(3, ge=1, le=8)
+    epilogue_subtiles: Literal[1, 2, 4] = 1
+    flatten: bool = False
 
     _m = field_validator("block_m", "block_n")(_power_of_two(16, 256))
     _k = field_validator("block_k")(_power_of_two(16, 256))
     _w = field_validator("num_warps")(_power_of_two(1, 16))
+
+    @model_validator(mode="after")
+    def _subtiles_fit(self) -> MainloopConfig:
+        if self.block_n // self.epilogue_subtiles < 16:
+            raise ValueError(
+                f"block_n={self.block_n} split into {self.epilogue_subtiles} epilogue sub-tiles "
+                "leaves fewer than 16 columns each"
+            )
+        return self
+
+    @property
+    def epilogue_block_n(self) -> int:
+        """Columns per epilogue sub-tile; partial reductions along rows use this block width."""
+        return self.block_n // self.epilogue_subtiles
 
 
 class GemmEpilogue(Node):

@@ -36,7 +36,7 @@ class RefEnv:
     exact: bool
     N: int
     block_m: int
-    block_n: int
+    epilogue_block_n: int  # columns per epilogue sub-tile (the partials' block width along rows)
 
     def load(self, name: str) -> torch.Tensor:
         return self.tensors[name].to(self.compute)
@@ -77,7 +77,14 @@ def _run_gemm(
     a = a.T if step.a.transpose else a
     b = b.T if step.b.transpose else b
     ref = RefEnv(
-        env.tensors, {"acc": a @ b}, env.compute, act, exact, gemm.N, cfg.block_m, cfg.block_n
+        env.tensors,
+        {"acc": a @ b},
+        env.compute,
+        act,
+        exact,
+        gemm.N,
+        cfg.block_m,
+        cfg.epilogue_block_n,
     )
     for op in step.epilogue:
         op.reference(ref)

@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import triton
@@ -23,6 +24,7 @@ from .analysis import GemmInfo, ProgramInfo, analyze, bind_sizes
 from .base import RunEnv
 from .codegen.cache import load_kernel, write_source
 from .codegen.configs import resolve_config
+from .codegen.context import Param
 from .codegen.kernel import KernelSource, generate_kernel
 from .ir import GemmEpilogue, MainloopConfig, Program
 from .reference import activation_dtype
@@ -36,6 +38,8 @@ class CompiledProgram:
     program: Program
     kernels: dict[str, KernelSource]
     configs: dict[str, MainloopConfig] = field(default_factory=dict)  # pinned per step (tuning)
+    mainloop: Mainloop = "auto"  # "tma" / "pointer" force one mainloop (tests, benchmarks)
+    mainloops_used: dict[str, str] = field(default_factory=dict)  # step -> mainloop last launched
     _infos: dict[tuple, ProgramInfo] = field(default_factory=dict)
     _loaded: dict[str, Callable] = field(default_factory=dict)
 
@@ -121,11 +125,14 @@ class CompiledProgram:
         cfg = self.config_for(gemm.name, gemm)
         for name, t in gemm.writes.items():
             tensors[name] = _allocate(t, gemm, cfg, act, device, poison)
-        kernel = self._kernel(gemm.name)
-        source = self.kernels[gemm.name]
-        args = [_param_value(p, tensors, gemm) for p in source.params]
+        variant = choose_mainloop(self.mainloop, step, tensors, device)
+        self.mainloops_used[gemm.name] = variant
+        kernel = self._kernel(gemm.name, variant)
+        params = self.kernels[gemm.name].variants[variant].params
+        args = [_param_value(p, tensors, gemm, cfg) for p in params]
         num_tiles = triton.cdiv(gemm.M, cfg.block_m) * triton.cdiv(gemm.N, cfg.block_n)
         grid = (min(num_tiles, _num_sms(device)),)
+        # fp32 operands: full-precision products (not tf32), to match PyTorch's fp32 matmul.
         precision = "ieee" if tensors[step.a.tensor].dtype == torch.float32 else "tf32"
         kernel[grid](
             *args,
@@ -135,6 +142,8 @@ class CompiledProgram:
             GROUP_SIZE_M=cfg.group_m,
             NUM_SMS=grid[0],
             INPUT_PRECISION=precision,
+            EPILOGUE_SUBTILES=cfg.epilogue_subtiles,
+            FLATTEN=cfg.flatten,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -150,10 +159,18 @@ class CompiledProgram:
         out = a @ b if dtype == a.dtype else (a.float() @ b.float())
         tensors[store.to] = out.to(dtype)
 
-    def _kernel(self, name: str) -> Callable:
-        if name not in self._loaded:
-            self._loaded[name] = load_kernel(self.kernels[name])
-        return self._loaded[name]
+    def _kernel(self, name: str, variant: str = "tma") -> Callable:
+        key = f"{name}:{variant}"
+        if key not in self._loaded:
+            source = self.kernels[name]
+            self._loaded[key] = load_kernel(source, source.variants[variant].function)
+        return self._loaded[key]
+
+    def load_all(self) -> None:
+        """Import every generated kernel (both mainloops): surfaces generation errors early."""
+        for name, source in self.kernels.items():
+            for variant in source.variants:
+                self._kernel(name, variant)
 
     # -- artifacts -------------------------------------------------------------------------------
     def write_kernels(self, directory: Path) -> list[Path]:
@@ -195,17 +212,69 @@ def _allocate(
 ) -> torch.Tensor:
     if t.partials is not None:
         p = t.partials
-        block = cfg.block_n * p.length // gemm.N if p.axis == "row" else cfg.block_m
+        block = cfg.epilogue_block_n * p.length // gemm.N if p.axis == "row" else cfg.block_m
         return _empty(partials_shape(t.shape[0], p.length, block), torch.float32, device, poison)
     return _empty(t.shape, torch_dtype(t.dtype, act), device, poison)
 
 
-def _param_value(p, tensors: dict[str, torch.Tensor], gemm: GemmInfo):  # noqa: ANN001, ANN202
+def _param_value(
+    p: Param, tensors: dict[str, torch.Tensor], gemm: GemmInfo, cfg: MainloopConfig
+) -> Any:
     if p.kind == "ptr":
         return tensors[p.tensor]
     if p.kind == "stride":
         return tensors[p.tensor].stride(p.dim)
+    if p.kind == "desc":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        t = tensors[p.tensor]
+        sizes = {
+            "BLOCK_SIZE_M": cfg.block_m,
+            "BLOCK_SIZE_N": cfg.block_n,
+            "BLOCK_SIZE_K": cfg.block_k,
+        }
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [sizes[b] for b in p.block])
     return {"M": gemm.M, "N": gemm.N, "K": gemm.K}[p.name]
+
+
+# -- choosing a mainloop ---------------------------------------------------------------------------
+Mainloop = Literal["auto", "tma", "pointer"]
+
+
+def tma_available(device: torch.device) -> bool:
+    """Tensor descriptors exist in this Triton and the device has a copy engine for them
+    (Hopper or newer; the CPU interpreter emulates them)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    return backend.INTERPRET
+
+
+def tma_compatible(t: torch.Tensor) -> bool:
+    """A TMA descriptor needs the last dim contiguous and 16-byte aligned base and strides."""
+    itemsize = t.element_size()
+    return (
+        t.dim() == 2
+        and t.stride(1) == 1
+        and (t.stride(0) * itemsize) % 16 == 0
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def choose_mainloop(
+    mainloop: Mainloop, step: GemmEpilogue, tensors: dict[str, torch.Tensor], device: torch.device
+) -> str:
+    operands = (tensors[step.a.tensor], tensors[step.b.tensor])
+    usable = tma_available(device) and all(tma_compatible(t) for t in operands)
+    if mainloop == "tma" and not usable:
+        shapes = [f"{tuple(t.shape)} strides {t.stride()}" for t in operands]
+        raise RuntimeError(f"the TMA mainloop was requested but cannot describe {shapes} here")
+    if mainloop == "pointer" or not usable:
+        return "pointer"
+    return "tma"
 
 
 def _num_sms(device: torch.device) -> int:

@@ -192,8 +192,7 @@ def compile_stage(
     compiled = None
     with timed("compile", results) as box:
         compiled = compile_program(program, info)
-        for name in compiled.kernels:
-            compiled._kernel(name)
+        compiled.load_all()
         if not backend.INTERPRET:
             dtype = TORCH_DTYPES["bfloat16"]
             compiled(block.make_inputs(sizes, dtype, seed=0, device=backend.DEVICE))

@@ -63,11 +63,12 @@ def make_inputs(
     return out
 
 
-def run_both(program: Program, inputs: dict[str, torch.Tensor], **kw: Any):
+def run_both(program: Program, inputs: dict[str, torch.Tensor], mainloop: str = "auto"):
     """(kernel tensors, kernel-precision reference tensors, exact float64 reference tensors)."""
     info = analyze(program, bind_sizes(program, {n: t.shape for n, t in inputs.items()}))
     compiled = compile_program(program, info)
-    got = compiled.run(compiled.prepare(inputs), poison=True, **kw)
+    compiled.mainloop = mainloop
+    got = compiled.run(compiled.prepare(inputs), poison=True)
     ref = execute_reference(program, inputs)
     exact = execute_reference(program, inputs, exact=True)
     return got, ref, exact

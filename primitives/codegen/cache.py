@@ -39,9 +39,9 @@ def write_source(kernel: KernelSource, directory: Path | None = None) -> Path:
     return path
 
 
-def load_kernel(kernel: KernelSource):  # noqa: ANN201 - a triton JITFunction
-    """Import the generated module (from its file, so Triton can read the source) and return the
-    kernel function."""
+def load_kernel(kernel: KernelSource, function: str):  # noqa: ANN201 - a triton JITFunction
+    """Import the generated module (from its file, so Triton can read the source) and return one
+    of its kernel functions."""
     path = write_source(kernel)
     name = f"coda_generated_{kernel.step}_{kernel.digest}"
     module = _LOADED.get(name)
@@ -52,4 +52,4 @@ def load_kernel(kernel: KernelSource):  # noqa: ANN201 - a triton JITFunction
         sys.modules[name] = module
         spec.loader.exec_module(module)
         _LOADED[name] = module
-    return getattr(module, kernel.function)
+    return getattr(module, function)

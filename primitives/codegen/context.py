@@ -1,7 +1,9 @@
-"""What a primitive's ``emit`` writes through: the epilogue of one generated kernel.
+"""What a primitive's ``emit`` writes through: the epilogue function of one generated kernel.
 
-The context owns the naming scheme (epilogue value ``z`` is the Triton variable ``v_z``; the
-accumulator is ``accumulator``), the kernel parameters (a tensor ``r`` becomes ``r_ptr`` plus
+The epilogue is its own ``@triton.jit`` function, called on each sub-tile of the accumulator: it
+sees ``accumulator`` (``BLOCK_SIZE_M × EPI_N`` fp32), the tile's row block ``pid_m`` and the first
+column ``start_n`` of the sub-tile. The context owns the naming scheme (epilogue value ``z`` is
+the Triton variable ``v_z``), the parameters (a tensor ``r`` becomes ``r_ptr`` plus
 ``stride_r...``), and the row / column index vectors of each column space, which it defines once,
 on first use, at the top of the epilogue. Primitives therefore emit only their own math and never
 spell pointer arithmetic.
@@ -18,11 +20,13 @@ from .emitter import IndentedBuffer
 
 ACC_VAR = "accumulator"
 
-# How each column space is written in the kernel: (suffix of its index vars, block width, extent).
-_SPACES: dict[Fraction, tuple[str, str, str]] = {
-    Fraction(1): ("", "BLOCK_SIZE_N", "N"),
-    Fraction(1, 2): ("_half", "(BLOCK_SIZE_N // 2)", "(N // 2)"),
-    Fraction(2): ("_x2", "(BLOCK_SIZE_N * 2)", "(N * 2)"),
+# How each column space is written in the epilogue: (suffix of its index vars, first column of the
+# sub-tile, sub-tile width, extent). A value in space N/2 (after a 2→1 pair contraction) covers
+# half the columns of the accumulator's sub-tile, starting at half its first column.
+_SPACES: dict[Fraction, tuple[str, str, str, str]] = {
+    Fraction(1): ("", "start_n", "EPI_N", "N"),
+    Fraction(1, 2): ("_half", "(start_n // 2)", "(EPI_N // 2)", "(N // 2)"),
+    Fraction(2): ("_x2", "(start_n * 2)", "(EPI_N * 2)", "(N * 2)"),
 }
 
 
@@ -31,9 +35,10 @@ class Param:
     """One kernel parameter and where its launch value comes from."""
 
     name: str
-    kind: Literal["ptr", "stride", "size"]
+    kind: Literal["ptr", "stride", "size", "desc"]
     tensor: str | None = None
     dim: int | None = None
+    block: tuple[str, str] | None = None  # a TMA descriptor's block shape (meta-parameter names)
 
 
 @dataclass(frozen=True)
@@ -89,16 +94,16 @@ class EmitContext:
 
     def cols(self, scale: Fraction) -> Space:
         if scale not in self._spaces:
-            suffix, block, extent = _SPACES[scale]
+            suffix, start, block, extent = _SPACES[scale]
             offs, mask = f"offs_cn{suffix}", f"mask_cn{suffix}"
-            self.preamble.line(f"{offs} = pid_n * {block} + tl.arange(0, {block})")
+            self.preamble.line(f"{offs} = {start} + tl.arange(0, {block})")
             self.preamble.line(f"{mask} = {offs} < {extent}")
             self._spaces[scale] = Space(offs, mask, block)
         return self._spaces[scale]
 
     def block(self, scale: Fraction) -> str:
-        """The constexpr width of this tile's block in a column space."""
-        return _SPACES[scale][1]
+        """The constexpr width of this sub-tile in a column space."""
+        return _SPACES[scale][2]
 
     def split_pairs(self, value: str, scale: Fraction, first: str, second: str) -> None:
         """Split a tile into its even and odd columns (adjacent pairs): two tiles half as wide."""
@@ -181,12 +186,13 @@ class EmitContext:
     def store_partials(self, tensor: str, values: str, axis: str, scale: Fraction) -> None:
         """Store a tile's partial reduction into its slot of a partials buffer.
 
-        ``axis="row"``: one value per row, into column ``pid_n`` of ``[M, ⌈W/BW⌉]``;
-        ``axis="col"``: one value per column, into column ``pid_m`` of ``[W, ⌈M/BM⌉]``.
+        ``axis="row"``: one value per row, into column ``start_n // EPI_N`` (this sub-tile's) of
+        ``[M, ⌈N/EPI_N⌉]``; ``axis="col"``: one value per column, into column ``pid_m`` of
+        ``[W, ⌈M/BLOCK_SIZE_M⌉]``.
         """
         self.rows()
         if axis == "row":
-            index, slot, mask = "offs_cm64", "pid_n", self.rows().mask
+            index, slot, mask = "offs_cm64", "(start_n // EPI_N)", self.rows().mask
         else:
             cols = self.cols(scale)
             index, slot, mask = f"{cols.offs}.to(tl.int64)", "pid_m", cols.mask

@@ -1,16 +1,26 @@
-"""Generate one readable Triton module per ``GemmEpilogue``: mainloop template + spliced epilogue.
+"""Generate one readable Triton module per ``GemmEpilogue``: mainloops + one spliced epilogue.
 
-Passes, each pure: ``plan`` (which tensors and spaces the epilogue touches, by emitting it into a
-context) → ``signature`` (grouped kernel parameters) → ``render`` (the module text). The module
-reads like Triton's persistent-matmul tutorial: ``_compute_pid`` with grouped ordering, the
-persistent tile loop, the K loop into an fp32 ``accumulator``, then ``# --- epilogue ---`` and one
-banner per primitive. It imports nothing but triton, so a person can run or edit it alone.
+Passes, each pure: ``plan_epilogue`` (emit every primitive into a context: lines, parameters, index
+spaces) → ``_render_*`` (module text). The module reads like Triton's persistent-matmul tutorial and
+holds, in order:
 
-Set ``CODA_DEBUG_CODEGEN=1`` to print each generated module.
+* ``_compute_pid`` — grouped tile ordering;
+* ``_<step>_epilogue`` — the primitives, one ``# --- <primitive>(...) ---`` banner each, on one
+  ``BLOCK_SIZE_M × EPI_N`` sub-tile of the fp32 accumulator;
+* ``_<step>_epilogue_tile`` — splits the accumulator into ``EPILOGUE_SUBTILES`` column sub-tiles
+  (fewer live registers per step of the epilogue) and runs the epilogue on each;
+* ``<step>_kernel`` — the Hopper mainloop: persistent over output tiles, operands through TMA tensor
+  descriptors (out-of-bounds tiles zero-filled by the copy engine, so ragged sizes need no masks);
+* ``<step>_kernel_ptr`` — the same loop with pointer loads, for operands TMA cannot describe (last
+  stride not 1, strides not 16-byte aligned), GPUs before Hopper, and Triton without descriptors.
+
+It imports nothing but triton, so a person can run or edit it alone. Set ``CODA_DEBUG_CODEGEN=1`` to
+print each generated module.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -22,9 +32,9 @@ from ..ir import GemmEpilogue
 from .context import EmitContext, Param
 from .emitter import IndentedBuffer
 
-GENERATOR_VERSION = "2"
+GENERATOR_VERSION = "3"
 
-_HELPERS = """
+_COMPUTE_PID = """\
 @triton.jit
 def _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
     # Grouped ordering: GROUP_SIZE_M row-tiles advance together along N, so the B tiles they
@@ -37,114 +47,290 @@ def _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexp
     return pid_m, pid_n
 """
 
-_MAINLOOP = """\
+# The persistent tile loop shared by both mainloops; {loads} fills the K loop's body.
+_TILE_LOOP = """\
 start_pid = tl.program_id(axis=0)
 num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
 num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
 k_tiles = tl.cdiv(K, BLOCK_SIZE_K)
 num_tiles = num_pid_m * num_pid_n
 num_pid_in_group = GROUP_SIZE_M * num_pid_n
-offs_k = tl.arange(0, BLOCK_SIZE_K)
+{setup}
 # Persistent: each program walks output tiles start_pid, start_pid + NUM_SMS, ...
-for tile_id in tl.range(start_pid, num_tiles, NUM_SMS):
+for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
     pid_m, pid_n = _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
     # --- mainloop: accumulator = A[rows of the tile, :] @ B[:, columns of the tile], fp32 ---
-    # Rows/columns past M/N wrap around (% M, % N) instead of being masked: those lanes compute
-    # duplicates that the epilogue never stores. Only the K edge needs a mask.
-    offs_am = (pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)) % M
-    offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)) % N
-    a_ptrs = a_ptr + offs_am.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_bn.to(tl.int64)[None, :] * stride_bn
+{tile_setup}
     accumulator = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for ki in range(0, k_tiles):
-        k_remaining = K - ki * BLOCK_SIZE_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
+{loads}
         accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_SIZE_K * stride_ak
-        b_ptrs += BLOCK_SIZE_K * stride_bk
+{advance}
+    # --- epilogue ---
+    {epilogue_tile}(accumulator, pid_m, pid_n, {epilogue_args}, {tile_meta})
 """
 
-_META = (
-    "BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,\n"
-    "GROUP_SIZE_M: tl.constexpr, NUM_SMS: tl.constexpr, INPUT_PRECISION: tl.constexpr,"
-)
+_META = [
+    "BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,",
+    "GROUP_SIZE_M: tl.constexpr, NUM_SMS: tl.constexpr, INPUT_PRECISION: tl.constexpr,",
+    "EPILOGUE_SUBTILES: tl.constexpr, FLATTEN: tl.constexpr,",
+]
+
+_SUBTILES = """\
+# Split the BLOCK_SIZE_M × BLOCK_SIZE_N accumulator into column sub-tiles, epilogue on each.
+if EPILOGUE_SUBTILES == 1:
+    {epi}(accumulator, pid_m, pid_n * BLOCK_SIZE_N, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N)
+elif EPILOGUE_SUBTILES == 2:
+    halves = tl.permute(tl.reshape(accumulator, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 2)), (0, 2, 1))
+    acc0, acc1 = tl.split(halves)
+    start_n = pid_n * BLOCK_SIZE_N
+    {epi}(acc0, pid_m, start_n, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 2)
+    {epi}(acc1, pid_m, start_n + BLOCK_SIZE_N // 2, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 2)
+else:
+    tl.static_assert(EPILOGUE_SUBTILES == 4, "EPILOGUE_SUBTILES must be 1, 2 or 4")
+    halves = tl.permute(tl.reshape(accumulator, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 2)), (0, 2, 1))
+    left, right = tl.split(halves)
+    quarters = tl.permute(tl.reshape(left, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 4)), (0, 2, 1))
+    acc0, acc1 = tl.split(quarters)
+    quarters = tl.permute(tl.reshape(right, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 4)), (0, 2, 1))
+    acc2, acc3 = tl.split(quarters)
+    start_n = pid_n * BLOCK_SIZE_N
+    {epi}(acc0, pid_m, start_n, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
+    {epi}(acc1, pid_m, start_n + BLOCK_SIZE_N // 4, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
+    {epi}(acc2, pid_m, start_n + BLOCK_SIZE_N // 2, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
+    {epi}(acc3, pid_m, start_n + 3 * (BLOCK_SIZE_N // 4), {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
+"""
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One launchable kernel of a module and how to fill its parameters, in order."""
+
+    function: str
+    params: tuple[Param, ...]
 
 
 @dataclass(frozen=True)
 class KernelSource:
-    """A generated module: its text, the kernel's name and how to fill its parameters."""
+    """A generated module: its text and its kernels (``tma`` and ``pointer`` mainloops)."""
 
     step: str
-    function: str
     source: str
-    params: tuple[Param, ...]
+    variants: dict[str, KernelVariant]
 
     @property
     def digest(self) -> str:
-        import hashlib
-
         key = f"{GENERATOR_VERSION}\0{triton.__version__}\0{self.source}"
         return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def _operand_params(step: GemmEpilogue) -> list[Param]:
-    a_dims = (1, 0) if step.a.transpose else (0, 1)  # which tensor dim walks M, K
-    b_dims = (1, 0) if step.b.transpose else (0, 1)  # which tensor dim walks K, N
-    return [
-        Param("a_ptr", "ptr", step.a.tensor),
-        Param("b_ptr", "ptr", step.b.tensor),
-        Param("M", "size"),
-        Param("N", "size"),
-        Param("K", "size"),
-        Param("stride_am", "stride", step.a.tensor, a_dims[0]),
-        Param("stride_ak", "stride", step.a.tensor, a_dims[1]),
-        Param("stride_bk", "stride", step.b.tensor, b_dims[0]),
-        Param("stride_bn", "stride", step.b.tensor, b_dims[1]),
-    ]
 
 
 def plan_epilogue(step: GemmEpilogue, gemm: GemmInfo, tensors: dict) -> EmitContext:
     """Emit every epilogue op into a fresh context (lines, parameters, index spaces)."""
     ctx = EmitContext(gemm.locals, tensors, [], IndentedBuffer(), IndentedBuffer())
+    ctx.rows()  # every epilogue masks by row
     for op in step.epilogue:
         ctx.comment(f"--- {op.describe()} ---")
         op.emit(ctx)
     return ctx
 
 
-def _signature(params: list[Param]) -> list[str]:
-    groups = [
-        ("# pointers", [p for p in params if p.kind == "ptr"]),
-        ("# sizes", [p for p in params if p.kind == "size"]),
-        ("# strides", [p for p in params if p.kind == "stride"]),
-    ]
-    lines = []
-    for title, group in groups:
-        lines.append(title)
-        names = [p.name for p in group]
-        for i in range(0, len(names), 6):
-            lines.append(", ".join(names[i : i + 6]) + ",")
-    lines.append("# meta-parameters")
-    lines.extend(_META.split("\n"))
-    return lines
-
-
 def order_params(params: list[Param]) -> tuple[Param, ...]:
-    """Launch order = signature order: pointers, sizes, strides."""
-    rank = {"ptr": 0, "size": 1, "stride": 2}
+    """Signature order: descriptors, pointers, sizes, strides."""
+    rank = {"desc": 0, "ptr": 1, "size": 2, "stride": 3}
     return tuple(sorted(params, key=lambda p: rank[p.kind]))
+
+
+def _epilogue_params(ctx: EmitContext) -> tuple[Param, ...]:
+    return order_params([*ctx.params, Param("M", "size"), Param("N", "size")])
+
+
+def _signature(buf: IndentedBuffer, params: tuple[Param, ...], meta: list[str]) -> None:
+    titles = {
+        "desc": "# TMA descriptors",
+        "ptr": "# pointers",
+        "size": "# sizes",
+        "stride": "# strides",
+    }
+    with buf.indent():
+        for kind, title in titles.items():
+            names = [p.name for p in params if p.kind == kind]
+            if names:
+                buf.line(title)
+                for i in range(0, len(names), 6):
+                    buf.line(", ".join(names[i : i + 6]) + ",")
+        buf.line("# meta-parameters")
+        for line in meta:
+            buf.line(line)
+    buf.line("):")
+
+
+def _names(params: tuple[Param, ...]) -> str:
+    return ", ".join(p.name for p in params)
+
+
+def _wrap_calls(text: str, width: int = 96) -> str:
+    """Break long call lines of generated code after commas, with a hanging indent."""
+    out = []
+    for line in text.split("\n"):
+        while len(line) > width and "(" in line:
+            indent = " " * (len(line) - len(line.lstrip()) + 4)
+            cut = line.rfind(", ", 0, width)
+            if cut <= len(indent):
+                break
+            out.append(line[: cut + 1])
+            line = indent + line[cut + 2 :]
+        out.append(line)
+    return "\n".join(out)
+
+
+def _render_epilogue(
+    buf: IndentedBuffer, name: str, ctx: EmitContext, params: tuple[Param, ...]
+) -> None:
+    buf.line("@triton.jit")
+    buf.line(f"def _{name}_epilogue(")
+    with buf.indent():
+        buf.line("accumulator, pid_m, start_n,")
+    _signature(buf, params, ["BLOCK_SIZE_M: tl.constexpr, EPI_N: tl.constexpr,"])
+    with buf.indent():
+        buf.line("# This sub-tile: rows of block pid_m; columns [start_n, start_n + EPI_N) of N.")
+        buf.extend(_reindent(ctx.preamble, buf.level, buf.width))
+        buf.extend(_reindent(ctx.body, buf.level, buf.width))
+    buf.line("")
+    buf.line("")
+    buf.line("@triton.jit")
+    buf.line(f"def _{name}_epilogue_tile(")
+    with buf.indent():
+        buf.line("accumulator, pid_m, pid_n,")
+    _signature(
+        buf,
+        params,
+        [
+            "BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,",
+            "EPILOGUE_SUBTILES: tl.constexpr,",
+        ],
+    )
+    with buf.indent():
+        buf.line(
+            _wrap_calls(_SUBTILES.format(epi=f"_{name}_epilogue", args=_names(params)).rstrip())
+        )
+
+
+def _operand_dims(step: GemmEpilogue) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Which stored dim walks (M, K) of A and (K, N) of B."""
+    a_dims = (1, 0) if step.a.transpose else (0, 1)
+    b_dims = (1, 0) if step.b.transpose else (0, 1)
+    return a_dims, b_dims
+
+
+def _tma_variant(step: GemmEpilogue, epi: tuple[Param, ...]) -> tuple[tuple[Param, ...], dict]:
+    # A descriptor describes the operand as stored (its last dim contiguous); a transposed operand
+    # is loaded in its stored orientation and transposed in registers/shared memory with `.T`.
+    a_block = (
+        ("BLOCK_SIZE_K", "BLOCK_SIZE_M") if step.a.transpose else ("BLOCK_SIZE_M", "BLOCK_SIZE_K")
+    )
+    b_block = (
+        ("BLOCK_SIZE_N", "BLOCK_SIZE_K") if step.b.transpose else ("BLOCK_SIZE_K", "BLOCK_SIZE_N")
+    )
+    a_load = (
+        "a_desc.load([offs_k, offs_am]).T" if step.a.transpose else "a_desc.load([offs_am, offs_k])"
+    )
+    b_load = (
+        "b_desc.load([offs_bn, offs_k]).T" if step.b.transpose else "b_desc.load([offs_k, offs_bn])"
+    )
+    params = order_params(
+        [
+            Param("a_desc", "desc", step.a.tensor, block=a_block),
+            Param("b_desc", "desc", step.b.tensor, block=b_block),
+            *epi,
+            Param("K", "size"),
+        ]
+    )
+    parts = {
+        "setup": "",
+        "tile_setup": "    offs_am = pid_m * BLOCK_SIZE_M\n    offs_bn = pid_n * BLOCK_SIZE_N",
+        "loads": (
+            f"        offs_k = ki * BLOCK_SIZE_K\n        a = {a_load}\n"
+            f"        b = {b_load}  # [BLOCK_SIZE_K, BLOCK_SIZE_N]"
+        ),
+        "advance": "",
+    }
+    return params, parts
+
+
+def _pointer_variant(step: GemmEpilogue, epi: tuple[Param, ...]) -> tuple[tuple[Param, ...], dict]:
+    a_dims, b_dims = _operand_dims(step)
+    params = order_params(
+        [
+            Param("a_ptr", "ptr", step.a.tensor),
+            Param("b_ptr", "ptr", step.b.tensor),
+            Param("stride_am", "stride", step.a.tensor, a_dims[0]),
+            Param("stride_ak", "stride", step.a.tensor, a_dims[1]),
+            Param("stride_bk", "stride", step.b.tensor, b_dims[0]),
+            Param("stride_bn", "stride", step.b.tensor, b_dims[1]),
+            *epi,
+            Param("K", "size"),
+        ]
+    )
+    parts = {
+        "setup": "offs_k = tl.arange(0, BLOCK_SIZE_K)",
+        "tile_setup": (
+            "    # Rows/columns past M/N wrap around (% M, % N) instead of being masked: those\n"
+            "    # lanes compute duplicates the epilogue never stores. Only K needs a mask.\n"
+            "    offs_am = (pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)) % M\n"
+            "    offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)) % N\n"
+            "    a_ptrs = a_ptr + offs_am.to(tl.int64)[:, None] * stride_am"
+            " + offs_k[None, :] * stride_ak\n"
+            "    b_ptrs = b_ptr + offs_k[:, None] * stride_bk"
+            " + offs_bn.to(tl.int64)[None, :] * stride_bn"
+        ),
+        "loads": (
+            "        k_remaining = K - ki * BLOCK_SIZE_K\n"
+            "        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)\n"
+            "        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)"
+        ),
+        "advance": (
+            "        a_ptrs += BLOCK_SIZE_K * stride_ak\n        b_ptrs += BLOCK_SIZE_K * stride_bk"
+        ),
+    }
+    return params, parts
+
+
+def _render_kernel(
+    buf: IndentedBuffer,
+    function: str,
+    params: tuple[Param, ...],
+    parts: dict,
+    name: str,
+    epi: tuple[Param, ...],
+    doc: str,
+) -> None:
+    buf.line("@triton.jit")
+    buf.line(f"def {function}(")
+    _signature(buf, params, _META)
+    with buf.indent():
+        buf.line(f'"""{doc}"""')
+        body = _wrap_calls(
+            _TILE_LOOP.format(
+                epilogue_tile=f"_{name}_epilogue_tile",
+                epilogue_args=_names(epi),
+                tile_meta="BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILES",
+                **parts,
+            )
+        )
+        for line in body.rstrip().split("\n"):
+            if line.strip():
+                buf.line(line)
 
 
 def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: str) -> KernelSource:
     """The Triton module implementing one fused gemm step."""
+    name = gemm.name
     ctx = plan_epilogue(step, gemm, tensors)
-    params = order_params(_operand_params(step) + ctx.params)
-    function = f"{gemm.name}_kernel"
+    epi = _epilogue_params(ctx)
     buf = IndentedBuffer()
     buf.line(f'"""Generated by coda-agent (codegen v{GENERATOR_VERSION}) — do not edit by hand.')
     buf.line("")
-    buf.line(f"Step {gemm.name!r} of a program for block {block!r}, as builder calls:")
+    buf.line(f"Step {name!r} of a program for block {block!r}, as builder calls:")
     buf.line("")
     with buf.indent():
         for line in gemm_to_python(step):
@@ -153,25 +339,30 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
     buf.line("import triton")
     buf.line("import triton.language as tl")
     buf.line("")
-    buf.line(_HELPERS.rstrip())
+    buf.line("")
+    buf.line(_COMPUTE_PID.rstrip())
     buf.line("")
     buf.line("")
-    buf.line("@triton.jit")
-    buf.line(f"def {function}(")
-    with buf.indent():
-        for line in _signature(list(params)):
-            buf.line(line)
-    buf.line("):")
-    with buf.indent():
-        buf.line(_MAINLOOP.rstrip())
-        with buf.indent():
-            buf.line("# --- epilogue ---")
-            buf.extend(_reindent(ctx.preamble, buf.level, buf.width))
-            buf.extend(_reindent(ctx.body, buf.level, buf.width))
+    _render_epilogue(buf, name, ctx, epi)
+    variants = {}
+    for kind, function, builder, doc in (
+        ("tma", f"{name}_kernel", _tma_variant, "Hopper mainloop: operands via TMA descriptors."),
+        (
+            "pointer",
+            f"{name}_kernel_ptr",
+            _pointer_variant,
+            "Portable mainloop: pointer loads (any strides, any GPU, the CPU interpreter).",
+        ),
+    ):
+        params, parts = builder(step, epi)
+        buf.line("")
+        buf.line("")
+        _render_kernel(buf, function, params, parts, name, epi, doc)
+        variants[kind] = KernelVariant(function, params)
     source = buf.getvalue()
     if os.environ.get("CODA_DEBUG_CODEGEN"):
         print(source)
-    return KernelSource(gemm.name, function, source, params)
+    return KernelSource(name, source, variants)
 
 
 def _reindent(inner: IndentedBuffer, level: int, width: int) -> IndentedBuffer:

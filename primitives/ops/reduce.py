@@ -73,7 +73,8 @@ class PartialReduce(EpilogueOp):
         if self.axis == "col":
             x, block = x.transpose(0, 1), env.block_m
         else:
-            block = env.block_n * x.shape[1] // env.N  # the block width of src's column space
+            # the sub-tile width of src's column space (N/2 after a pair contraction, ...)
+            block = env.epilogue_block_n * x.shape[1] // env.N
         rows, width = x.shape
         nblocks = -(-width // block)
         pad = torch.full((rows, nblocks * block - width), kind.neutral, dtype=x.dtype)

@@ -35,14 +35,17 @@ def _kernel_body(source: str, function: str) -> str:
     return ast.get_source_segment(source, fn) or ""
 
 
-def test_one_jit_kernel_and_one_dot_per_gemm(llama) -> None:
+def test_one_module_per_gemm_with_one_dot_per_mainloop(llama) -> None:
     program, compiled = llama
     fused = [s for s in program.steps if isinstance(s, GemmEpilogue) and not s.is_plain_store]
     assert len(compiled.kernels) == len(fused)
     for kernel in compiled.kernels.values():
-        body = _kernel_body(kernel.source, kernel.function)
-        assert kernel.source.count("@triton.jit") == 2  # the kernel and its _compute_pid helper
-        assert body.count("tl.dot(") == 1
+        # _compute_pid, the epilogue, its sub-tiling wrapper, the TMA and the pointer mainloop
+        assert kernel.source.count("@triton.jit") == 5
+        assert set(kernel.variants) == {"tma", "pointer"}
+        for variant in kernel.variants.values():
+            assert _kernel_body(kernel.source, variant.function).count("tl.dot(") == 1
+        assert kernel.source.count("tl.dot(") == 2
         assert "torch" not in kernel.source
         compile(kernel.source, kernel.step, "exec")
 
@@ -62,7 +65,7 @@ def test_every_written_tensor_is_stored(llama) -> None:
 def test_banners_name_each_primitive(llama) -> None:
     program, compiled = llama
     gate_up = compiled.kernels["gate_up"].source
-    assert "# --- epilogue ---" in gate_up
+    assert gate_up.count("# --- epilogue ---") == 2  # one call per mainloop
     for op in program.steps[1].epilogue:
         assert f"# --- {op.describe()} ---" in gate_up
 
@@ -98,3 +101,26 @@ def test_golden_llama_mlp_kernels(llama, step: str) -> None:
         f"generated {step} kernel differs from {path}; if intended, regenerate with "
         "CODA_UPDATE_GOLDEN=1 and review the diff"
     )
+
+
+def test_mainloop_choice_follows_operand_layout() -> None:
+    import torch
+
+    from coda.primitives.runtime import choose_mainloop
+
+    program = gemm_program(
+        [
+            {"op": "store", "src": "acc", "to": "c", "dtype": "float32"},
+            {"op": "map", "expr": "acc", "out": "y"},
+            {"op": "store", "src": "y", "to": "d"},
+        ]
+    )
+    step = program.steps[0]
+    cpu = torch.device("cpu")
+    aligned = {"a": torch.zeros(8, 32), "b": torch.zeros(16, 32)}
+    ragged = {"a": torch.zeros(8, 45), "b": torch.zeros(16, 45)}  # rows of 180 bytes
+    assert choose_mainloop("auto", step, aligned, cpu) == "tma"
+    assert choose_mainloop("auto", step, ragged, cpu) == "pointer"
+    assert choose_mainloop("pointer", step, aligned, cpu) == "pointer"
+    with pytest.raises(RuntimeError, match="TMA mainloop was requested but cannot describe"):
+        choose_mainloop("tma", step, ragged, cpu)

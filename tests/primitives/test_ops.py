@@ -204,6 +204,7 @@ def _run_case(
     a_t: bool = False,
     b_t: bool = True,
     config: Any = "auto",
+    mainloop: str = "auto",
 ) -> None:
     sizes = {**sizes, "N2": 2 * sizes["N"], "Nh": sizes["N"] // 2}
     program = gemm_program(
@@ -216,7 +217,7 @@ def _run_case(
         steps_before=case.steps_before,
     )
     inputs = make_inputs(program, sizes, dtype)
-    got, ref, exact = run_both(program, inputs)
+    got, ref, exact = run_both(program, inputs, mainloop=mainloop)
     atol, rtol = DTYPE_TOL[dtype]
     # (1) codegen ≡ reference executor at kernel precision, for every tensor the step writes
     for name in ref:
@@ -284,24 +285,29 @@ def test_transposed_operands(a_t: bool, b_t: bool, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        {
-            "block_m": 16,
-            "block_n": 16,
-            "block_k": 16,
-            "group_m": 1,
-            "num_warps": 1,
-            "num_stages": 1,
-        },
-        {
-            "block_m": 64,
-            "block_n": 32,
-            "block_k": 16,
-            "group_m": 2,
-            "num_warps": 4,
-            "num_stages": 2,
-        },
+        {"block_m": 16, "block_n": 16, "block_k": 16, "group_m": 1, "num_warps": 1},
+        {"block_m": 64, "block_n": 32, "block_k": 16, "group_m": 2, "num_stages": 2},
+        {"block_m": 32, "block_n": 64, "block_k": 32, "epilogue_subtiles": 2, "flatten": True},
+        {"block_m": 32, "block_n": 64, "block_k": 16, "epilogue_subtiles": 4},
     ],
 )
 def test_explicit_configs(config: dict[str, int]) -> None:
     _run_case(CASES["swiglu"], SIZES[0], torch.float32, config=config)
+    _run_case(EXTRA_CASES["partial_reduce[sumsq,row]"], SIZES[0], torch.float32, config=config)
     _run_case(EXTRA_CASES["partial_reduce[max,col]"], SIZES[0], torch.float32, config=config)
+    _run_case(HALF_SPACE_CASES["partial_reduce"], SIZES[0], torch.float16, config=config)
+
+
+# Both mainloops on shapes whose operands TMA can describe (16-byte aligned rows), including
+# transposed layouts and a ragged M and N that the descriptors' zero fill must handle.
+TMA_SIZES = {"M": 37, "N": 50, "K": 32}
+
+
+@pytest.mark.parametrize("mainloop", ["tma", "pointer"])
+@pytest.mark.parametrize("a_t,b_t", [(False, True), (False, False), (True, True)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_both_mainloops(mainloop: str, a_t: bool, b_t: bool, dtype: torch.dtype) -> None:
+    # a stored [K, M] and b stored [K, N] need rows of 16-byte multiples
+    sizes = dict(TMA_SIZES, M=40, N=48) if a_t or not b_t else TMA_SIZES
+    _run_case(CASES["add_tile"], sizes, dtype, a_t=a_t, b_t=b_t, mainloop=mainloop)
+    _run_case(CASES["swiglu"], sizes, dtype, a_t=a_t, b_t=b_t, mainloop=mainloop)
