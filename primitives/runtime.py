@@ -39,6 +39,7 @@ class CompiledProgram:
     kernels: dict[str, KernelSource]
     configs: dict[str, MainloopConfig] = field(default_factory=dict)  # pinned per step (tuning)
     mainloop: Mainloop = "auto"  # "tma" / "pointer" force one mainloop (tests, benchmarks)
+    use_vendor: bool = True  # plain-store gemms on torch.matmul; False runs them on our mainloop
     mainloops_used: dict[str, str] = field(default_factory=dict)  # step -> mainloop last launched
     _infos: dict[tuple, ProgramInfo] = field(default_factory=dict)
     _loaded: dict[str, Callable] = field(default_factory=dict)
@@ -91,6 +92,13 @@ class CompiledProgram:
                 step.launch(env)
         return tensors
 
+    def run_gemm_step(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Launch one fused gemm step on tensors a previous ``run`` produced (for tuning)."""
+        info = self.info_for({n: tensors[n] for n in self.program.inputs})
+        act = activation_dtype(self.program, tensors)
+        device = tensors[next(iter(self.program.inputs))].device
+        self._run_gemm(self._step(name), info.gemms[name], tensors, act, device, poison=False)
+
     def __call__(
         self, inputs: dict[str, torch.Tensor], *, poison: bool = False
     ) -> dict[str, torch.Tensor]:
@@ -119,7 +127,7 @@ class CompiledProgram:
         device: torch.device,
         poison: bool,
     ) -> None:
-        if gemm.vendor:
+        if gemm.vendor and self.use_vendor:
             self._run_vendor(step, gemm, tensors, act)
             return
         cfg = self.config_for(gemm.name, gemm)
@@ -185,13 +193,19 @@ class CompiledProgram:
         return paths
 
 
-def compile_program(program: Program, info: ProgramInfo) -> CompiledProgram:
-    """Generate the kernels of ``program`` (types from ``info``, valid at every binding)."""
+def compile_program(
+    program: Program, info: ProgramInfo, *, use_vendor: bool = True
+) -> CompiledProgram:
+    """Generate the kernels of ``program`` (types from ``info``, valid at every binding).
+
+    ``use_vendor=False`` generates kernels for plain-store gemms too (to measure our mainloop
+    against cuBLAS on the same problem).
+    """
     kernels = {}
     for step, name in zip(program.steps, program.step_names(), strict=True):
-        if isinstance(step, GemmEpilogue) and not info.gemms[name].vendor:
+        if isinstance(step, GemmEpilogue) and not (info.gemms[name].vendor and use_vendor):
             kernels[name] = generate_kernel(step, info.gemms[name], info.tensors, program.block)
-    return CompiledProgram(program, kernels)
+    return CompiledProgram(program, kernels, use_vendor=use_vendor)
 
 
 def _empty(

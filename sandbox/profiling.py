@@ -2,27 +2,49 @@
 
 Baselines at the same shapes and dtype: the block's matrix products alone on cuBLAS (the speed of
 light of a GEMM-epilogue program), the block's PyTorch reference run eagerly, and the same reference
-under ``torch.compile``. Times are medians of ``triton.testing.do_bench`` (which flushes L2 between
-runs); prep (weight layouts) is done once before timing, as it is in use.
+under ``torch.compile``. The program's mainloop configs are tuned first (``tune_program``). Times
+are medians of ``triton.testing.do_bench`` (L2 flushed between runs); when a shape's inputs fit in
+L2 several input sets are rotated. Prep (weight layouts) is done once before timing, as in use.
+Correctness is re-checked in the same run, at the benchmark shape, against an fp32 reference.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
 
 import torch
 import triton
 
 from coda.blocks.block import Block
 from coda.blocks.ops import Linear
+from coda.primitives.codegen.tuning import tune_program
 from coda.primitives.runtime import CompiledProgram
 
 from .report import ProfileRow
 
 
-def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:  # noqa: ANN001
+def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def gemms_alone(block: Block, sizes: dict[str, int], dtype: torch.dtype):  # noqa: ANN201
+def rotation_count(nbytes: int, device: torch.device, cap: int = 8) -> int:
+    """How many input sets keep a timed loop from reading its inputs out of L2."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(cap, math.ceil(4 * l2 / max(nbytes, 1))))
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    cycle = itertools.cycle(fns)
+    return lambda: next(cycle)()
+
+
+def gemms_alone(block: Block, sizes: dict[str, int], dtype: torch.dtype) -> Callable[[], None]:
     """A closure running each ``Linear`` of the block as one cuBLAS matmul on random data."""
     shapes = block.trace(sizes)
     pairs = []
@@ -39,23 +61,32 @@ def gemms_alone(block: Block, sizes: dict[str, int], dtype: torch.dtype):  # noq
     return run
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    diff = (got.float() - want.float()).norm()
+    return float(diff / want.float().norm().clamp_min(1e-30))
+
+
 def profile_shape(
-    compiled: CompiledProgram, block: Block, sizes: dict[str, int], dtype: torch.dtype
+    compiled: CompiledProgram,
+    block: Block,
+    sizes: dict[str, int],
+    dtype: torch.dtype,
+    *,
+    tune: bool = True,
 ) -> ProfileRow:
     inputs = block.make_inputs(sizes, dtype, seed=0, device="cuda")
     prepared = compiled.prepare(inputs)
-    program_ms = median_ms(lambda: compiled.run(prepared))
+    if tune:
+        tune_program(compiled, prepared)
+    errors = _check_at_shape(compiled, block, inputs, prepared)
+    n = rotation_count(_nbytes(inputs), torch.device("cuda"))
+    sets = [inputs] + [block.make_inputs(sizes, dtype, seed=s, device="cuda") for s in range(1, n)]
+    preps = [prepared] + [compiled.prepare(s) for s in sets[1:]]
+    program_ms = median_ms(rotating([lambda p=p: compiled.run(p) for p in preps]))
     gemms_ms = median_ms(gemms_alone(block, sizes, dtype))
-    eager_ms = median_ms(lambda: block.reference(inputs))
-    compile_ms = None
-    try:
-        ref = torch.compile(lambda: block.reference(inputs))
-        ref()
-        compile_ms = median_ms(ref)
-    except Exception:  # noqa: BLE001 - a compile failure is a missing baseline, not a failure
-        compile_ms = None
+    eager_ms = median_ms(rotating([lambda s=s: block.reference(s) for s in sets]))
+    compile_ms = _compiled_baseline_ms(block, sets)
     info = compiled.info_for(inputs)
-    configs = {n: c.model_dump() for n, c in compiled.configs_for(info).items()}
     return ProfileRow(
         sizes=sizes,
         dtype=str(dtype).removeprefix("torch."),
@@ -64,5 +95,37 @@ def profile_shape(
         eager_ms=eager_ms,
         compile_ms=compile_ms,
         tflops=block.flops(sizes) / (program_ms * 1e-3) / 1e12,
-        configs=configs,
+        configs={n: c.model_dump() for n, c in compiled.configs_for(info).items()},
+        mainloops=dict(compiled.mainloops_used),
+        input_sets=n,
+        **errors,
     )
+
+
+def _check_at_shape(
+    compiled: CompiledProgram,
+    block: Block,
+    inputs: dict[str, torch.Tensor],
+    prepared: dict[str, torch.Tensor],
+) -> dict[str, float]:
+    """Relative errors of the program and of eager PyTorch (same dtype) vs an fp32 reference."""
+    ref32 = block.reference(
+        {n: t.float() if t.is_floating_point() else t for n, t in inputs.items()}
+    )
+    tensors = compiled.run(prepared)
+    eager = block.reference(inputs)
+    got = {o: tensors[t] for o, t in compiled.program.outputs.items()}
+    return {
+        "rel_err": max(relative_error(got[o], ref32[o]) for o in block.outputs),
+        "eager_rel_err": max(relative_error(eager[o], ref32[o]) for o in block.outputs),
+    }
+
+
+def _compiled_baseline_ms(block: Block, sets: list[dict[str, torch.Tensor]]) -> float | None:
+    try:
+        fn = torch.compile(block.reference)
+        for s in sets:
+            fn(s)
+        return median_ms(rotating([lambda s=s: fn(s) for s in sets]))
+    except Exception:  # noqa: BLE001 - a baseline that does not compile is reported as missing
+        return None

@@ -36,7 +36,11 @@ class ProfileRow(BaseModel):
     eager_ms: float | None = None
     compile_ms: float | None = None
     tflops: float
-    configs: dict[str, dict[str, int]] = {}
+    configs: dict[str, dict[str, int | bool]] = {}
+    mainloops: dict[str, str] = {}  # step -> "tma" | "pointer"
+    input_sets: int = 1  # input sets rotated while timing (more when they fit in L2)
+    rel_err: float | None = None  # program vs fp32 reference, at this shape, in this run
+    eager_rel_err: float | None = None  # eager PyTorch in the same dtype vs the same reference
 
     @property
     def ratio_to_gemms(self) -> float:

@@ -40,6 +40,7 @@ class SandboxOptions(BaseModel):
     seeds: list[int] = [0, 1]
     profile: bool = True
     bench_shapes: list[dict[str, int]] | None = None  # default: block.shapes.bench
+    tune: bool = True  # tune mainloop configs before timing (GPU only)
     timeout_s: float = 600.0
     isolate: bool = True  # compile/verify/profile in a worker subprocess
 
@@ -259,6 +260,8 @@ def profile(
     block: Block,
     shapes: list[dict[str, int]],
     results: list[StageResult],
+    *,
+    tune: bool = True,
 ) -> list[ProfileRow]:
     rows: list[ProfileRow] = []
     if backend.INTERPRET:
@@ -279,9 +282,23 @@ def profile(
         from .profiling import profile_shape
 
         for sizes in shapes:
-            rows.append(profile_shape(compiled, block, sizes, TORCH_DTYPES["bfloat16"]))
+            row = profile_shape(compiled, block, sizes, TORCH_DTYPES["bfloat16"], tune=tune)
+            rows.append(row)
+            _check_profiled_error(row, block)
         box["message"] = "; ".join(f"×{r.ratio_to_gemms:.3f} of GEMMs alone" for r in rows)
     return rows
+
+
+def _check_profiled_error(row: ProfileRow, block: Block) -> None:
+    """The benchmark shape is checked too: a kernel wrong at scale is not fast, it is wrong."""
+    bound = max(block.tolerance.rel.get(row.dtype, 0.0), 2 * (row.eager_rel_err or 0.0))
+    if row.rel_err is None or not row.rel_err <= bound:
+        where = ", ".join(f"{k}={v}" for k, v in row.sizes.items())
+        raise ProgramError(
+            f"at the benchmark shape {where} ({row.dtype}) the relative error against an fp32 "
+            f"reference is {row.rel_err:.3g}, above {bound:.3g} (eager PyTorch: "
+            f"{row.eager_rel_err:.3g})"
+        )
 
 
 def run_worker_stages(
@@ -306,6 +323,6 @@ def run_worker_stages(
     if results[-1].status != "passed" or not options.profile:
         return
     emit("started", "profile")
-    rows = profile(compiled, block, options.profile_shapes(block), results)
+    rows = profile(compiled, block, options.profile_shapes(block), results, tune=options.tune)
     emit("profile", rows)
     emit("stage", results[-1])

@@ -205,6 +205,7 @@ def _run_case(
     b_t: bool = True,
     config: Any = "auto",
     mainloop: str = "auto",
+    device: str = "cpu",
 ) -> None:
     sizes = {**sizes, "N2": 2 * sizes["N"], "Nh": sizes["N"] // 2}
     program = gemm_program(
@@ -216,7 +217,7 @@ def _run_case(
         config=config,
         steps_before=case.steps_before,
     )
-    inputs = make_inputs(program, sizes, dtype)
+    inputs = make_inputs(program, sizes, dtype, device=device)
     got, ref, exact = run_both(program, inputs, mainloop=mainloop)
     atol, rtol = DTYPE_TOL[dtype]
     # (1) codegen ≡ reference executor at kernel precision, for every tensor the step writes

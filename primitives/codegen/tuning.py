@@ -1,0 +1,193 @@
+"""Autotuning of mainloop configurations, per fused gemm step and shape.
+
+Candidates come from ``candidate_configs`` (keyed by shape and dtype; invalid ones — too much shared
+memory, sub-tiles narrower than 16 columns, tiles far larger than the problem — pruned before any
+timing). Each surviving candidate is timed on the real tensors with ``triton.testing.do_bench``
+(median, L2 flushed); one that fails to compile is recorded with its error and skipped. The
+winner is pinned on the ``CompiledProgram``, cached in memory and in ``$CODA_CACHE_DIR/tuning.json``
+under a key of (kernel source digest, device, M, N, K, dtype), and returned so reports show it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..ir import MainloopConfig
+from .configs import INTERPRETER_DEFAULT
+
+# Hopper, 16-bit operands: 228 KB of shared memory per SM (a little is reserved).
+SMEM_LIMIT = 220 * 1024
+
+# (block_m, block_n, block_k, num_warps, num_stages, epilogue_subtiles, flatten)
+_HOPPER_SPACE = [
+    (128, 256, 64, 8, 3, 2, False),
+    (128, 256, 64, 8, 4, 2, False),
+    (128, 256, 64, 8, 3, 4, False),
+    (128, 256, 64, 8, 3, 2, True),
+    (256, 128, 64, 8, 3, 2, False),
+    (128, 128, 64, 8, 4, 1, False),
+    (128, 128, 64, 8, 4, 2, True),
+    (128, 128, 64, 4, 4, 2, False),
+    (128, 128, 128, 8, 3, 2, False),
+    (64, 256, 64, 4, 4, 2, False),
+]
+
+
+def smem_bytes(cfg: MainloopConfig, itemsize: int) -> int:
+    """Shared memory of the mainloop's pipeline: num_stages copies of an A and a B tile."""
+    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * itemsize
+
+
+def candidate_configs(
+    M: int, N: int, K: int, *, itemsize: int, interpret: bool, space: list[tuple] | None = None
+) -> list[MainloopConfig]:
+    """The configs worth timing for one gemm of these sizes."""
+    if interpret:
+        return [INTERPRETER_DEFAULT]
+    out = []
+    for bm, bn, bk, warps, stages, subtiles, flatten in space or _HOPPER_SPACE:
+        cfg = MainloopConfig(
+            block_m=bm,
+            block_n=bn,
+            block_k=bk,
+            group_m=8,
+            num_warps=warps,
+            num_stages=stages,
+            epilogue_subtiles=subtiles,
+            flatten=flatten,
+        )
+        if smem_bytes(cfg, itemsize) > SMEM_LIMIT:
+            continue
+        if bm > 2 * max(M, 64) or bn > 2 * max(N, 64) or bk > max(K, 16):
+            continue  # mostly padding
+        out.append(cfg)
+    return out
+
+
+@dataclass
+class Trial:
+    config: MainloopConfig
+    ms: float | None
+    error: str = ""
+
+
+@dataclass
+class TuningResult:
+    step: str
+    key: str
+    best: MainloopConfig
+    ms: float | None
+    cached: bool
+    trials: list[Trial] = field(default_factory=list)
+
+
+class TuningCache:
+    """Winners by key, in memory and in a JSON file (written atomically)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        root = Path(os.environ.get("CODA_CACHE_DIR") or Path.home() / ".cache" / "coda-agent")
+        self.path = path or root / "tuning.json"
+        self.entries: dict[str, dict] = {}
+        if self.path.exists():
+            try:
+                self.entries = json.loads(self.path.read_text())
+            except (OSError, json.JSONDecodeError):
+                self.entries = {}
+
+    def get(self, key: str) -> MainloopConfig | None:
+        entry = self.entries.get(key)
+        return MainloopConfig.model_validate(entry["config"]) if entry else None
+
+    def put(self, key: str, config: MainloopConfig, ms: float | None) -> None:
+        self.entries[key] = {"config": config.model_dump(), "ms": ms}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+def tuning_key(digest: str, device: str, M: int, N: int, K: int, dtype: torch.dtype) -> str:
+    return f"{digest}|{device}|M={M}|N={N}|K={K}|{str(dtype).removeprefix('torch.')}"
+
+
+def _describe(e: Exception) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def tune_program(
+    compiled,
+    prepared: dict[str, torch.Tensor],
+    *,
+    cache: TuningCache | None = None,
+    space: list[tuple] | None = None,
+    warmup: int = 10,
+    rep: int = 40,
+) -> dict[str, TuningResult]:  # noqa: ANN001 - a CompiledProgram
+    """Pick a config for every fused gemm step of ``compiled`` at the sizes of ``prepared``.
+
+    Runs the whole program once so every step's inputs exist, then times each step alone per
+    candidate. Pins the winners on ``compiled.configs``.
+    """
+    import triton
+
+    from .. import backend
+
+    cache = cache or TuningCache()
+    tensors = compiled.run(prepared)
+    info = compiled.info_for({n: prepared[n] for n in compiled.program.inputs})
+    device = next(iter(prepared.values())).device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results: dict[str, TuningResult] = {}
+    for name, source in compiled.kernels.items():
+        gemm = info.gemms[name]
+        dtype = tensors[compiled._step(name).a.tensor].dtype
+        key = tuning_key(source.digest, device_name, gemm.M, gemm.N, gemm.K, dtype)
+        cached = cache.get(key)
+        if backend.INTERPRET:  # nothing to time on a CPU: the interpreter's one config
+            compiled.configs[name] = INTERPRETER_DEFAULT
+            results[name] = TuningResult(name, key, INTERPRETER_DEFAULT, None, cached=False)
+            continue
+        if cached is not None:
+            compiled.configs[name] = cached
+            results[name] = TuningResult(name, key, cached, None, cached=True)
+            continue
+        trials = []
+        for cfg in candidate_configs(
+            gemm.M,
+            gemm.N,
+            gemm.K,
+            itemsize=dtype.itemsize,
+            interpret=backend.INTERPRET,
+            space=space,
+        ):
+            compiled.configs[name] = cfg
+            try:
+                compiled.run_gemm_step(name, tensors)  # compiles; raises if it cannot
+                ms = float(
+                    triton.testing.do_bench(
+                        lambda n=name: compiled.run_gemm_step(n, tensors),
+                        warmup=warmup,
+                        rep=rep,
+                        return_mode="median",
+                    )
+                )
+                trials.append(Trial(cfg, ms))
+            except Exception as e:  # noqa: BLE001 - a config that cannot compile is pruned
+                trials.append(Trial(cfg, None, _describe(e)))
+        timed = [t for t in trials if t.ms is not None]
+        if not timed:
+            raise RuntimeError(
+                f"no mainloop config compiled for step {name!r}: "
+                + "; ".join(t.error for t in trials)
+            )
+        best = min(timed, key=lambda t: t.ms)
+        compiled.configs[name] = best.config
+        cache.put(key, best.config, best.ms)
+        results[name] = TuningResult(name, key, best.config, best.ms, cached=False, trials=trials)
+    return results

@@ -1,0 +1,81 @@
+"""Every primitive in bfloat16 and float16 on a GPU, through both mainloops (skipped without one).
+
+The cases are the CPU suite's (``tests/primitives/test_ops.py``): a primitive added there is covered
+here too. bfloat16 is only checked here — ``tl.dot`` on bfloat16 is wrong in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.primitives.test_ops import CASES, EXTRA_CASES, HALF_SPACE_CASES, _run_case
+
+# Ragged everywhere, with K·2 bytes a multiple of 16 (TMA-describable operands)...
+ALIGNED = {"M": 300, "N": 258, "K": 200}
+# ...and K·2 bytes not a multiple of 16: the pointer mainloop is chosen.
+UNALIGNED = {"M": 129, "N": 130, "K": 45}
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_primitive_gpu(name: str, dtype: torch.dtype) -> None:
+    _run_case(CASES[name], ALIGNED, dtype, device="cuda")
+
+
+MORE_CASES = {**EXTRA_CASES, **{f"half_space[{k}]": v for k, v in HALF_SPACE_CASES.items()}}
+
+
+@pytest.mark.parametrize("name", sorted(MORE_CASES))
+def test_reductions_and_half_space_gpu(name: str) -> None:
+    _run_case(MORE_CASES[name], ALIGNED, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("mainloop", ["tma", "pointer"])
+@pytest.mark.parametrize("name", ["add_tile", "swiglu", "partial_reduce"])
+def test_both_mainloops_gpu(mainloop: str, name: str) -> None:
+    _run_case(CASES[name], ALIGNED, torch.bfloat16, device="cuda", mainloop=mainloop)
+
+
+@pytest.mark.parametrize("name", ["add_tile", "swiglu"])
+def test_unaligned_operands_fall_back_to_pointers(name: str) -> None:
+    _run_case(CASES[name], UNALIGNED, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("a_t,b_t", [(False, False), (True, True)])
+def test_transposed_operands_gpu(a_t: bool, b_t: bool) -> None:
+    _run_case(
+        CASES["add_tile"],
+        {"M": 304, "N": 256, "K": 200},
+        torch.bfloat16,
+        a_t=a_t,
+        b_t=b_t,
+        device="cuda",
+    )
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "epilogue_subtiles": 2},
+        {
+            "block_m": 128,
+            "block_n": 128,
+            "block_k": 64,
+            "num_stages": 4,
+            "epilogue_subtiles": 4,
+            "flatten": True,
+        },
+        {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4},
+    ],
+)
+def test_hopper_configs_gpu(config: dict) -> None:
+    _run_case(CASES["swiglu"], ALIGNED, torch.bfloat16, config=config, device="cuda")
+    _run_case(
+        EXTRA_CASES["partial_reduce[sumsq,row]"],
+        ALIGNED,
+        torch.bfloat16,
+        config=config,
+        device="cuda",
+    )
