@@ -6,8 +6,8 @@ Run on the GPU machine (see ../shared/GPU.md), bf16::
 
     python bench/llama_mlp.py [--quick] [--out DIR]
 
-Prints tables; writes ``llama_mlp.json`` (every number, every tuning trial) and ``llama_mlp.md`` into
-``--out`` (default ``$OUT`` or ``bench/out``). Every timed output is also checked for correctness
+Prints tables; writes ``llama_mlp.json`` (every number, every tuning trial) and ``llama_mlp.md``
+into ``--out`` (default ``$OUT`` or ``bench/out``). Every timed output is also checked for correctness
 in the same run (relative error against an fp32 reference). Fails fast without a GPU.
 """
 
@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-import coda.primitives  # noqa: F401  (before triton: picks the backend)
+from importlib.metadata import version
+
 import torch
-import triton
 
 from coda.agent.planner import lower
 from coda.blocks import get_block
@@ -217,7 +217,7 @@ def main() -> int:
         "env": {
             "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__,
-            "triton": triton.__version__,
+            "triton": version("triton"),
             "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(["python", *sys.argv]),
             "quick": args.quick,
