@@ -7,8 +7,8 @@ Run on the GPU machine (see ../shared/GPU.md), bf16::
     python bench/llama_mlp.py [--quick] [--out DIR]
 
 Prints tables; writes ``llama_mlp.json`` (every number, every tuning trial) and ``llama_mlp.md``
-into ``--out`` (default ``$OUT`` or ``bench/out``). Every timed output is also checked for correctness
-in the same run (relative error against an fp32 reference). Fails fast without a GPU.
+into ``--out`` (default ``$OUT`` or ``bench/out``). Every timed output is also checked for
+correctness in the same run (relative error against an fp32 reference). Fails fast without a GPU.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-
 from importlib.metadata import version
+from pathlib import Path
 
 import torch
 
