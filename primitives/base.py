@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import keyword
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import torch
@@ -53,7 +53,7 @@ class Node(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class Port(str, Enum):
+class Port(StrEnum):
     """How a primitive touches the tile (QuACK's vocabulary): the dataflow port it declares."""
 
     ROW = "row"  # brings a length-M vector into registers

@@ -77,7 +77,9 @@ class PartialReduce(EpilogueOp):
             block = env.epilogue_block_n * x.shape[1] // env.N
         rows, width = x.shape
         nblocks = -(-width // block)
-        pad = torch.full((rows, nblocks * block - width), kind.neutral, dtype=x.dtype)
+        pad = torch.full(
+            (rows, nblocks * block - width), kind.neutral, dtype=x.dtype, device=x.device
+        )
         blocks = torch.cat([x, pad], dim=1).reshape(rows, nblocks, block)
         env.tensors[self.to] = kind.torch(blocks, 2).to(env.partials_dtype)
 
