@@ -1,0 +1,1 @@
+"""Triton code generation: the emit context, kernel templates, the module cache, autotuning."""
