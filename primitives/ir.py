@@ -65,7 +65,8 @@ class MainloopConfig(Node):
     ``block_m/n/k``: output tile and K step; ``group_m``: grouped tile order (L2 reuse);
     ``num_warps``, ``num_stages``: Triton launch parameters; ``epilogue_subtiles``: the epilogue
     runs on 1, 2 or 4 column slices of the tile in turn (fewer live registers); ``flatten``: let
-    Triton pipeline across output tiles of the persistent loop.
+    Triton pipeline across output tiles of the persistent loop; ``warp_specialize``: producer and
+    consumer warps for the persistent loop (Triton ≥ 3.4; a config that does not compile is pruned).
     """
 
     block_m: int = 128
@@ -76,6 +77,7 @@ class MainloopConfig(Node):
     num_stages: int = Field(3, ge=1, le=8)
     epilogue_subtiles: Literal[1, 2, 4] = 1
     flatten: bool = False
+    warp_specialize: bool = False
 
     _m = field_validator("block_m", "block_n")(_power_of_two(16, 256))
     _k = field_validator("block_k")(_power_of_two(16, 256))

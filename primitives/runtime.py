@@ -152,6 +152,7 @@ class CompiledProgram:
             INPUT_PRECISION=precision,
             EPILOGUE_SUBTILES=cfg.epilogue_subtiles,
             FLATTEN=cfg.flatten,
+            WARP_SPECIALIZE=cfg.warp_specialize,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

@@ -57,7 +57,8 @@ num_tiles = num_pid_m * num_pid_n
 num_pid_in_group = GROUP_SIZE_M * num_pid_n
 {setup}
 # Persistent: each program walks output tiles start_pid, start_pid + NUM_SMS, ...
-for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
+for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN,
+                       warp_specialize=WARP_SPECIALIZE):
     pid_m, pid_n = _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
     # --- mainloop: accumulator = A[rows of the tile, :] @ B[:, columns of the tile], fp32 ---
 {tile_setup}
@@ -73,7 +74,7 @@ for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
 _META = [
     "BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,",
     "GROUP_SIZE_M: tl.constexpr, NUM_SMS: tl.constexpr, INPUT_PRECISION: tl.constexpr,",
-    "EPILOGUE_SUBTILES: tl.constexpr, FLATTEN: tl.constexpr,",
+    "EPILOGUE_SUBTILES: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,",
 ]
 
 _SUBTILES = """\

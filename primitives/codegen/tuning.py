@@ -23,18 +23,20 @@ from .configs import INTERPRETER_DEFAULT
 # Hopper, 16-bit operands: 228 KB of shared memory per SM (a little is reserved).
 SMEM_LIMIT = 220 * 1024
 
-# (block_m, block_n, block_k, num_warps, num_stages, epilogue_subtiles, flatten)
+# (block_m, block_n, block_k, num_warps, num_stages, epilogue_subtiles, flatten, warp_specialize)
 _HOPPER_SPACE = [
-    (128, 256, 64, 8, 3, 2, False),
-    (128, 256, 64, 8, 4, 2, False),
-    (128, 256, 64, 8, 3, 4, False),
-    (128, 256, 64, 8, 3, 2, True),
-    (256, 128, 64, 8, 3, 2, False),
-    (128, 128, 64, 8, 4, 1, False),
-    (128, 128, 64, 8, 4, 2, True),
-    (128, 128, 64, 4, 4, 2, False),
-    (128, 128, 128, 8, 3, 2, False),
-    (64, 256, 64, 4, 4, 2, False),
+    (128, 256, 64, 8, 3, 2, False, False),
+    (128, 256, 64, 8, 4, 2, False, False),
+    (128, 256, 64, 8, 3, 4, False, False),
+    (128, 256, 64, 8, 3, 2, True, False),
+    (128, 256, 64, 8, 3, 2, True, True),
+    (256, 128, 64, 8, 3, 2, False, False),
+    (128, 128, 64, 8, 4, 1, False, False),
+    (128, 128, 64, 8, 4, 2, True, False),
+    (128, 128, 64, 8, 4, 2, True, True),
+    (128, 128, 64, 4, 4, 2, False, False),
+    (128, 128, 128, 8, 3, 2, False, False),
+    (64, 256, 64, 4, 4, 2, False, False),
 ]
 
 

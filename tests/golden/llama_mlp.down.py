@@ -107,7 +107,7 @@ def down_kernel(
     # meta-parameters
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, NUM_SMS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    EPILOGUE_SUBTILES: tl.constexpr, FLATTEN: tl.constexpr,
+    EPILOGUE_SUBTILES: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Hopper mainloop: operands via TMA descriptors."""
     start_pid = tl.program_id(axis=0)
@@ -117,7 +117,8 @@ def down_kernel(
     num_tiles = num_pid_m * num_pid_n
     num_pid_in_group = GROUP_SIZE_M * num_pid_n
     # Persistent: each program walks output tiles start_pid, start_pid + NUM_SMS, ...
-    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN,
+                           warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
         # --- mainloop: accumulator = A[rows of the tile, :] @ B[:, columns of the tile], fp32 ---
         offs_am = pid_m * BLOCK_SIZE_M
@@ -145,7 +146,7 @@ def down_kernel_ptr(
     # meta-parameters
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, NUM_SMS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    EPILOGUE_SUBTILES: tl.constexpr, FLATTEN: tl.constexpr,
+    EPILOGUE_SUBTILES: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Portable mainloop: pointer loads (any strides, any GPU, the CPU interpreter)."""
     start_pid = tl.program_id(axis=0)
@@ -156,7 +157,8 @@ def down_kernel_ptr(
     num_pid_in_group = GROUP_SIZE_M * num_pid_n
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     # Persistent: each program walks output tiles start_pid, start_pid + NUM_SMS, ...
-    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN,
+                           warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
         # --- mainloop: accumulator = A[rows of the tile, :] @ B[:, columns of the tile], fp32 ---
         # Rows/columns past M/N wrap around (% M, % N) instead of being masked: those
