@@ -52,7 +52,7 @@ def candidate_configs(
     if interpret:
         return [INTERPRETER_DEFAULT]
     out = []
-    for bm, bn, bk, warps, stages, subtiles, flatten in space or _HOPPER_SPACE:
+    for bm, bn, bk, warps, stages, subtiles, flatten, ws in space or _HOPPER_SPACE:
         cfg = MainloopConfig(
             block_m=bm,
             block_n=bn,
@@ -62,6 +62,7 @@ def candidate_configs(
             num_stages=stages,
             epilogue_subtiles=subtiles,
             flatten=flatten,
+            warp_specialize=ws,
         )
         if smem_bytes(cfg, itemsize) > SMEM_LIMIT:
             continue

@@ -124,3 +124,14 @@ def test_mainloop_choice_follows_operand_layout() -> None:
     assert choose_mainloop("pointer", step, aligned, cpu) == "pointer"
     with pytest.raises(RuntimeError, match="TMA mainloop was requested but cannot describe"):
         choose_mainloop("tma", step, ragged, cpu)
+
+
+def test_gpu_tuning_space_is_well_formed() -> None:
+    # The GPU path of tune_program cannot run here; its candidate space can be checked.
+    from coda.primitives.codegen.tuning import _HOPPER_SPACE, candidate_configs
+
+    configs = candidate_configs(16384, 16384, 2048, itemsize=2, interpret=False)
+    assert 0 < len(configs) <= len(_HOPPER_SPACE)
+    assert any(c.warp_specialize for c in configs) and any(c.flatten for c in configs)
+    small = candidate_configs(8, 64, 64, itemsize=2, interpret=False)
+    assert all(c.block_m <= 128 for c in small)
