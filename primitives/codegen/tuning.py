@@ -24,16 +24,20 @@ from .configs import INTERPRETER_DEFAULT
 SMEM_LIMIT = 220 * 1024
 
 # (block_m, block_n, block_k, num_warps, num_stages, epilogue_subtiles, flatten, warp_specialize)
+# Measured on an H200 (bench/RESULTS.md): 128×256×64 with 3 stages and 2 epilogue sub-tiles led
+# every shape tried in the first sweep; the rest cover small problems (wave quantisation), short K
+# (pipelining across tiles) and register pressure.
 _HOPPER_SPACE = [
     (128, 256, 64, 8, 3, 2, False, False),
     (128, 256, 64, 8, 4, 2, False, False),
     (128, 256, 64, 8, 3, 4, False, False),
+    (128, 256, 64, 8, 3, 1, False, False),
     (128, 256, 64, 8, 3, 2, True, False),
     (128, 256, 64, 8, 3, 2, True, True),
     (256, 128, 64, 8, 3, 2, False, False),
+    (256, 128, 64, 8, 4, 2, False, False),
     (128, 128, 64, 8, 4, 1, False, False),
     (128, 128, 64, 8, 4, 2, True, False),
-    (128, 128, 64, 8, 4, 2, True, True),
     (128, 128, 64, 4, 4, 2, False, False),
     (128, 128, 128, 8, 3, 2, False, False),
     (64, 256, 64, 4, 4, 2, False, False),
@@ -46,13 +50,25 @@ def smem_bytes(cfg: MainloopConfig, itemsize: int) -> int:
 
 
 def candidate_configs(
-    M: int, N: int, K: int, *, itemsize: int, interpret: bool, space: list[tuple] | None = None
+    M: int,
+    N: int,
+    K: int,
+    *,
+    itemsize: int,
+    interpret: bool,
+    space: list[tuple] | None = None,
+    whole_tile_epilogue: bool = False,
 ) -> list[MainloopConfig]:
-    """The configs worth timing for one gemm of these sizes."""
+    """The configs worth timing for one gemm of these sizes.
+
+    ``whole_tile_epilogue``: the epilogue reduces across the tile, so it cannot be sub-tiled (see
+    ``EpilogueOp.reduces_tile``); sub-tiled candidates are run with one sub-tile instead.
+    """
     if interpret:
         return [INTERPRETER_DEFAULT]
     out = []
     for bm, bn, bk, warps, stages, subtiles, flatten, ws in space or _HOPPER_SPACE:
+        subtiles = 1 if whole_tile_epilogue else subtiles
         cfg = MainloopConfig(
             block_m=bm,
             block_n=bn,
@@ -68,7 +84,8 @@ def candidate_configs(
             continue
         if bm > 2 * max(M, 64) or bn > 2 * max(N, 64) or bk > max(K, 16):
             continue  # mostly padding
-        out.append(cfg)
+        if cfg not in out:
+            out.append(cfg)
     return out
 
 
@@ -168,6 +185,7 @@ def tune_program(
             itemsize=dtype.itemsize,
             interpret=backend.INTERPRET,
             space=space,
+            whole_tile_epilogue=gemm.reduces_tile,
         ):
             compiled.configs[name] = cfg
             try:

@@ -55,27 +55,34 @@ def test_transposed_operands_gpu(a_t: bool, b_t: bool) -> None:
     )
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "epilogue_subtiles": 2},
-        {
-            "block_m": 128,
-            "block_n": 128,
-            "block_k": 64,
-            "num_stages": 4,
-            "epilogue_subtiles": 4,
-            "flatten": True,
-        },
-        {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4},
-    ],
-)
+HOPPER_CONFIGS = [
+    {"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "epilogue_subtiles": 2},
+    {
+        "block_m": 128,
+        "block_n": 128,
+        "block_k": 64,
+        "num_stages": 4,
+        "epilogue_subtiles": 4,
+        "flatten": True,
+        "warp_specialize": True,
+    },
+    {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4},
+]
+
+
+@pytest.mark.parametrize("config", HOPPER_CONFIGS)
 def test_hopper_configs_gpu(config: dict) -> None:
     _run_case(CASES["swiglu"], ALIGNED, torch.bfloat16, config=config, device="cuda")
+    _run_case(HALF_SPACE_CASES["add_tile"], ALIGNED, torch.bfloat16, config=config, device="cuda")
+    # reductions across the tile run with one epilogue sub-tile (EpilogueOp.reduces_tile)
+    whole = {**config, "epilogue_subtiles": 1}
     _run_case(
         EXTRA_CASES["partial_reduce[sumsq,row]"],
         ALIGNED,
         torch.bfloat16,
-        config=config,
+        config=whole,
         device="cuda",
+    )
+    _run_case(
+        EXTRA_CASES["partial_reduce[max,col]"], ALIGNED, torch.bfloat16, config=whole, device="cuda"
     )

@@ -294,9 +294,11 @@ def test_transposed_operands(a_t: bool, b_t: bool, dtype: torch.dtype) -> None:
 )
 def test_explicit_configs(config: dict[str, int]) -> None:
     _run_case(CASES["swiglu"], SIZES[0], torch.float32, config=config)
-    _run_case(EXTRA_CASES["partial_reduce[sumsq,row]"], SIZES[0], torch.float32, config=config)
-    _run_case(EXTRA_CASES["partial_reduce[max,col]"], SIZES[0], torch.float32, config=config)
-    _run_case(HALF_SPACE_CASES["partial_reduce"], SIZES[0], torch.float16, config=config)
+    _run_case(HALF_SPACE_CASES["add_tile"], SIZES[0], torch.float16, config=config)
+    whole = {**config, "epilogue_subtiles": 1}  # reductions need the whole tile
+    _run_case(EXTRA_CASES["partial_reduce[sumsq,row]"], SIZES[0], torch.float32, config=whole)
+    _run_case(EXTRA_CASES["partial_reduce[max,col]"], SIZES[0], torch.float32, config=whole)
+    _run_case(HALF_SPACE_CASES["partial_reduce"], SIZES[0], torch.float16, config=whole)
 
 
 # Both mainloops on shapes whose operands TMA can describe (16-byte aligned rows), including
