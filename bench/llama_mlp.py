@@ -27,7 +27,8 @@ from coda.agent.planner import lower
 from coda.blocks import get_block
 from coda.primitives import Program, analyze, compile_program
 from coda.primitives.codegen.tuning import tune_program
-from coda.sandbox.profiling import median_ms, profile_shape, relative_error
+from coda.primitives.timing import interleaved_ms
+from coda.sandbox.profiling import profile_shape, relative_error
 
 # (M, N, K): square problems, then the four GEMMs of llama_mlp at the two benchmark shapes
 # (gate+up interleaved: N = 2f; down: K = f).
@@ -78,20 +79,25 @@ def compiled_gemm(epilogue: list[dict], x: torch.Tensor, w: torch.Tensor, space)
     return compiled, prepared, tuning
 
 
+ROUNDS = 5  # interleaved rounds per comparison (coda.primitives.timing)
+
+
 def bench_mainloop(m: int, n: int, k: int, space) -> dict:  # noqa: ANN001
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     compiled, prepared, tuning = compiled_gemm(PLAIN, x, w, space)
-    ours = median_ms(lambda: compiled.run(prepared))
-    cublas = median_ms(lambda: torch.matmul(x, w.T))
+    t = interleaved_ms(
+        {"ours": lambda: compiled.run(prepared), "cublas": lambda: torch.matmul(x, w.T)},
+        rounds=ROUNDS,
+    )
     err = relative_error(compiled.run(prepared)["y"], x.float() @ w.float().T)
     return {
         "shape": f"M={m} N={n} K={k}",
-        "triton_ms": ours,
-        "cublas_ms": cublas,
-        "triton_tflops": tflops(m, n, k, ours),
-        "cublas_tflops": tflops(m, n, k, cublas),
-        "ratio": ours / cublas,
+        "triton_ms": t["ours"],
+        "cublas_ms": t["cublas"],
+        "triton_tflops": tflops(m, n, k, t["ours"]),
+        "cublas_tflops": tflops(m, n, k, t["cublas"]),
+        "ratio": t["ours"] / t["cublas"],
         "rel_err": err,
         "mainloop": compiled.mainloops_used["gemm"],
         "config": tuning["gemm"].best.model_dump(),
@@ -103,66 +109,76 @@ def bench_glu(m: int, n: int, k: int, space) -> dict:  # noqa: ANN001
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     compiled, prepared, tuning = compiled_gemm(GLU, x, w, space)
-    ours = median_ms(lambda: compiled.run(prepared))
-    cublas = median_ms(lambda: torch.matmul(x, w.T))
     glu = torch.compile(lambda z: torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2])
     glu(torch.matmul(x, w.T))
-    cublas_glu = median_ms(lambda: glu(torch.matmul(x, w.T)))
+    t = interleaved_ms(
+        {
+            "fused": lambda: compiled.run(prepared),
+            "gemm": lambda: torch.matmul(x, w.T),
+            "gemm_glu": lambda: glu(torch.matmul(x, w.T)),
+        },
+        rounds=ROUNDS,
+    )
     z = x.float() @ w.float().T
     want = torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
     err = relative_error(compiled.run(prepared)["y"], want)
     return {
         "shape": f"M={m} N={n} K={k}",
-        "fused_ms": ours,
-        "cublas_gemm_ms": cublas,
-        "cublas_plus_compiled_swiglu_ms": cublas_glu,
-        "ratio_to_gemm": ours / cublas,
-        "speedup_vs_unfused": cublas_glu / ours,
+        "fused_ms": t["fused"],
+        "cublas_gemm_ms": t["gemm"],
+        "cublas_plus_compiled_swiglu_ms": t["gemm_glu"],
+        "ratio_to_gemm": t["fused"] / t["gemm"],
+        "speedup_vs_unfused": t["gemm_glu"] / t["fused"],
         "rel_err": err,
         "config": tuning["gemm"].best.model_dump(),
         "trials": _trials(tuning["gemm"]),
     }
 
 
-def liger_ms(block, sizes: dict[str, int]) -> tuple[float | None, str]:  # noqa: ANN001
+def liger_mlp(eps: float):  # noqa: ANN201
+    """Liger's RMSNorm and SiLU·mul kernels around cuBLAS GEMMs (None if the wheel is absent)."""
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-    except Exception as e:  # noqa: BLE001 - the wheel is optional
-        return None, f"liger-kernel not importable ({type(e).__name__})"
-    t = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
-    eps = block.graph[0].eps
+    except Exception:  # noqa: BLE001 - the wheel is optional
+        return None
 
-    def run() -> torch.Tensor:
+    def run(t: dict[str, torch.Tensor]) -> torch.Tensor:
         h = LigerRMSNormFunction.apply(t["x"], t["gamma"], eps, 0.0, "llama", False)
         g, u = torch.matmul(h, t["w_gate"].T), torch.matmul(h, t["w_up"].T)
         return t["x"] + torch.matmul(LigerSiLUMulFunction.apply(g, u), t["w_down"].T)
 
-    ref = block.reference({n: v.float() for n, v in t.items()})["out"]
-    err = relative_error(run(), ref)
-    return median_ms(run), f"rel_err {err:.2e}"
+    return run
 
 
 def bench_llama(sizes: dict[str, int], space) -> dict:  # noqa: ANN001
     block = get_block("llama_mlp")
     program = lower(block)
     compiled = compile_program(program, analyze(program, sizes))
+    inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
     if space is not None:  # --quick: tune over the small space before profiling
-        inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
         tune_program(compiled, compiled.prepare(inputs), space=space)
-    row = profile_shape(compiled, block, sizes, torch.bfloat16, tune=space is None)
-    liger, liger_note = liger_ms(block, sizes)
+    liger = liger_mlp(block.graph[0].eps)
+    extra = {"liger": liger} if liger is not None else {}
+    row = profile_shape(compiled, block, sizes, torch.bfloat16, tune=space is None, extra=extra)
+    liger_err = None
+    if liger is not None:
+        ref = block.reference({n: v.float() for n, v in inputs.items()})["out"]
+        liger_err = relative_error(liger(inputs), ref)
     return {
         "sizes": sizes,
         **row.model_dump(),
         "ratio_to_gemms": row.ratio_to_gemms,
-        "liger_ms": liger,
-        "liger_note": liger_note,
+        "liger_ms": row.baselines_ms.get("liger"),
+        "liger_rel_err": liger_err,
     }
 
 
 def _trials(result) -> list[dict]:  # noqa: ANN001
-    return [{"config": t.config.model_dump(), "ms": t.ms, "error": t.error} for t in result.trials]
+    return [
+        {"config": t.config.model_dump(), "ms": t.ms, "final_ms": t.final_ms, "error": t.error}
+        for t in result.trials
+    ]
 
 
 def tables(results: dict) -> str:
@@ -213,7 +229,7 @@ def tables(results: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 tuning candidates, not 10")
+    parser.add_argument("--quick", action="store_true", help="4 tuning candidates, not 13")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     args = parser.parse_args()
     if not torch.cuda.is_available():

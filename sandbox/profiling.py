@@ -3,8 +3,9 @@
 Baselines at the same shapes and dtype: the block's matrix products alone on cuBLAS (the speed of
 light of a GEMM-epilogue program), the block's PyTorch reference run eagerly, and the same reference
 under ``torch.compile``. The program's mainloop configs are tuned first (``tune_program``). Times
-are medians of ``triton.testing.do_bench`` (L2 flushed between runs); when a shape's inputs fit in
-L2 several input sets are rotated. Prep (weight layouts) is done once before timing, as in use.
+are medians of ``triton.testing.do_bench`` (L2 flushed between runs) in interleaved rounds (clocks
+drift under load: ``coda.primitives.timing``); when a shape's inputs fit in L2 several input sets
+are rotated. Prep (weight layouts) is done once before timing, as in use.
 Correctness is re-checked in the same run, at the benchmark shape, against an fp32 reference.
 """
 
@@ -15,18 +16,14 @@ import math
 from collections.abc import Callable
 
 import torch
-import triton
 
 from coda.blocks.block import Block
 from coda.blocks.ops import Linear
 from coda.primitives.codegen.tuning import tune_program
 from coda.primitives.runtime import CompiledProgram
+from coda.primitives.timing import interleaved_ms
 
 from .report import ProfileRow
-
-
-def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 def rotation_count(nbytes: int, device: torch.device, cap: int = 8) -> int:
@@ -73,7 +70,9 @@ def profile_shape(
     dtype: torch.dtype,
     *,
     tune: bool = True,
+    extra: dict[str, Callable[[dict[str, torch.Tensor]], object]] | None = None,
 ) -> ProfileRow:
+    """Time the program and its baselines (plus ``extra`` ones, e.g. Liger), interleaved."""
     inputs = block.make_inputs(sizes, dtype, seed=0, device="cuda")
     prepared = compiled.prepare(inputs)
     if tune:
@@ -82,18 +81,27 @@ def profile_shape(
     n = rotation_count(_nbytes(inputs), torch.device("cuda"))
     sets = [inputs] + [block.make_inputs(sizes, dtype, seed=s, device="cuda") for s in range(1, n)]
     preps = [prepared] + [compiled.prepare(s) for s in sets[1:]]
-    program_ms = median_ms(rotating([lambda p=p: compiled.run(p) for p in preps]))
-    gemms_ms = median_ms(gemms_alone(block, sizes, dtype))
-    eager_ms = median_ms(rotating([lambda s=s: block.reference(s) for s in sets]))
-    compile_ms = _compiled_baseline_ms(block, sets)
+    fns = {
+        "program": rotating([lambda p=p: compiled.run(p) for p in preps]),
+        "gemms": gemms_alone(block, sizes, dtype),
+        "eager": rotating([lambda s=s: block.reference(s) for s in sets]),
+    }
+    compiled_ref = _compiled_baseline(block, sets)
+    if compiled_ref is not None:
+        fns["compile"] = compiled_ref
+    for name, fn in (extra or {}).items():
+        fns[name] = rotating([lambda s=s, f=fn: f(s) for s in sets])
+    times = interleaved_ms(fns, rounds=3, warmup=25, rep=100)
+    program_ms = times["program"]
     info = compiled.info_for(inputs)
     return ProfileRow(
         sizes=sizes,
         dtype=str(dtype).removeprefix("torch."),
         program_ms=program_ms,
-        gemms_ms=gemms_ms,
-        eager_ms=eager_ms,
-        compile_ms=compile_ms,
+        gemms_ms=times["gemms"],
+        eager_ms=times["eager"],
+        compile_ms=times.get("compile"),
+        baselines_ms={k: v for k, v in times.items() if k in (extra or {})},
         tflops=block.flops(sizes) / (program_ms * 1e-3) / 1e12,
         configs={n: c.model_dump() for n, c in compiled.configs_for(info).items()},
         mainloops=dict(compiled.mainloops_used),
@@ -121,11 +129,12 @@ def _check_at_shape(
     }
 
 
-def _compiled_baseline_ms(block: Block, sets: list[dict[str, torch.Tensor]]) -> float | None:
+def _compiled_baseline(block: Block, sets: list[dict[str, torch.Tensor]]):  # noqa: ANN202
+    """The block's reference under ``torch.compile``, warmed up; None if it does not compile."""
     try:
         fn = torch.compile(block.reference)
         for s in sets:
             fn(s)
-        return median_ms(rotating([lambda s=s: fn(s) for s in sets]))
+        return rotating([lambda s=s: fn(s) for s in sets])
     except Exception:  # noqa: BLE001 - a baseline that does not compile is reported as missing
         return None

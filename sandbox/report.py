@@ -41,6 +41,7 @@ class ProfileRow(BaseModel):
     input_sets: int = 1  # input sets rotated while timing (more when they fit in L2)
     rel_err: float | None = None  # program vs fp32 reference, at this shape, in this run
     eager_rel_err: float | None = None  # eager PyTorch in the same dtype vs the same reference
+    baselines_ms: dict[str, float] = {}  # further baselines timed in the same rounds (e.g. Liger)
 
     @property
     def ratio_to_gemms(self) -> float:

@@ -92,8 +92,9 @@ def candidate_configs(
 @dataclass
 class Trial:
     config: MainloopConfig
-    ms: float | None
+    ms: float | None  # the screening time
     error: str = ""
+    final_ms: float | None = None  # the interleaved final round, for the finalists
 
 
 @dataclass
@@ -131,6 +132,57 @@ class TuningCache:
         os.replace(tmp, self.path)
 
 
+def _screen(
+    compiled, name: str, tensors: dict, configs: list[MainloopConfig], warmup: int, rep: int
+) -> list[Trial]:  # noqa: ANN001
+    """One quick timing per candidate; a candidate that fails to compile is kept with its error."""
+    import triton
+
+    trials = []
+    for cfg in configs:
+        compiled.configs[name] = cfg
+        try:
+            compiled.run_gemm_step(name, tensors)  # compiles; raises if it cannot
+            ms = triton.testing.do_bench(
+                lambda: compiled.run_gemm_step(name, tensors),
+                warmup=warmup,
+                rep=rep,
+                return_mode="median",
+            )
+            trials.append(Trial(cfg, float(ms)))
+        except Exception as e:  # noqa: BLE001 - a config that cannot compile is pruned
+            trials.append(Trial(cfg, None, _describe(e)))
+    return trials
+
+
+def _final_round(
+    compiled, name: str, tensors: dict, trials: list[Trial], finalists: int, warmup: int, rep: int
+) -> Trial:  # noqa: ANN001
+    """The fastest of the screen's best ``finalists``, timed against each other, interleaved."""
+    from ..timing import interleaved_ms
+
+    timed = sorted((t for t in trials if t.ms is not None), key=lambda t: t.ms)
+    if not timed:
+        raise RuntimeError(
+            f"no mainloop config compiled for step {name!r}: " + "; ".join(t.error for t in trials)
+        )
+    top = timed[:finalists]
+
+    def runner(cfg: MainloopConfig):  # noqa: ANN202
+        def run() -> None:
+            compiled.configs[name] = cfg
+            compiled.run_gemm_step(name, tensors)
+
+        return run
+
+    final = interleaved_ms(
+        {str(i): runner(t.config) for i, t in enumerate(top)}, warmup=warmup, rep=rep
+    )
+    for i, t in enumerate(top):
+        t.final_ms = final[str(i)]
+    return min(top, key=lambda t: t.final_ms)
+
+
 def tuning_key(digest: str, device: str, M: int, N: int, K: int, dtype: torch.dtype) -> str:
     return f"{digest}|{device}|M={M}|N={N}|K={K}|{str(dtype).removeprefix('torch.')}"
 
@@ -147,15 +199,16 @@ def tune_program(
     cache: TuningCache | None = None,
     space: list[tuple] | None = None,
     warmup: int = 10,
-    rep: int = 40,
+    rep: int = 20,
+    finalists: int = 3,
 ) -> dict[str, TuningResult]:  # noqa: ANN001 - a CompiledProgram
     """Pick a config for every fused gemm step of ``compiled`` at the sizes of ``prepared``.
 
-    Runs the whole program once so every step's inputs exist, then times each step alone per
-    candidate. Pins the winners on ``compiled.configs``.
+    Runs the whole program once so every step's inputs exist; then, per step, screens every
+    candidate once and times the ``finalists`` fastest against each other in interleaved rounds
+    (clocks drift under load: a one-pass sweep favours whatever runs first). Pins the winners on
+    ``compiled.configs``.
     """
-    import triton
-
     from .. import backend
 
     cache = cache or TuningCache()
@@ -177,38 +230,26 @@ def tune_program(
             compiled.configs[name] = cached
             results[name] = TuningResult(name, key, cached, None, cached=True)
             continue
-        trials = []
-        for cfg in candidate_configs(
-            gemm.M,
-            gemm.N,
-            gemm.K,
-            itemsize=dtype.itemsize,
-            interpret=backend.INTERPRET,
-            space=space,
-            whole_tile_epilogue=gemm.reduces_tile,
-        ):
-            compiled.configs[name] = cfg
-            try:
-                compiled.run_gemm_step(name, tensors)  # compiles; raises if it cannot
-                ms = float(
-                    triton.testing.do_bench(
-                        lambda n=name: compiled.run_gemm_step(n, tensors),
-                        warmup=warmup,
-                        rep=rep,
-                        return_mode="median",
-                    )
-                )
-                trials.append(Trial(cfg, ms))
-            except Exception as e:  # noqa: BLE001 - a config that cannot compile is pruned
-                trials.append(Trial(cfg, None, _describe(e)))
-        timed = [t for t in trials if t.ms is not None]
-        if not timed:
-            raise RuntimeError(
-                f"no mainloop config compiled for step {name!r}: "
-                + "; ".join(t.error for t in trials)
-            )
-        best = min(timed, key=lambda t: t.ms)
+        trials = _screen(
+            compiled,
+            name,
+            tensors,
+            candidate_configs(
+                gemm.M,
+                gemm.N,
+                gemm.K,
+                itemsize=dtype.itemsize,
+                interpret=False,
+                space=space,
+                whole_tile_epilogue=gemm.reduces_tile,
+            ),
+            warmup,
+            rep,
+        )
+        best = _final_round(compiled, name, tensors, trials, finalists, warmup, rep)
         compiled.configs[name] = best.config
-        cache.put(key, best.config, best.ms)
-        results[name] = TuningResult(name, key, best.config, best.ms, cached=False, trials=trials)
+        cache.put(key, best.config, best.final_ms)
+        results[name] = TuningResult(
+            name, key, best.config, best.final_ms, cached=False, trials=trials
+        )
     return results
