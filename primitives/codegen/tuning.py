@@ -135,23 +135,35 @@ class TuningCache:
 def _screen(
     compiled, name: str, tensors: dict, configs: list[MainloopConfig], warmup: int, rep: int
 ) -> list[Trial]:  # noqa: ANN001
-    """One quick timing per candidate; a candidate that fails to compile is kept with its error."""
+    """Quick timings of every candidate: compile all, then a forward and a reverse pass, averaged
+    (clock drift during the sweep is roughly linear, so the two passes cancel it). A candidate
+    that fails to compile is kept with its error."""
     import triton
 
-    trials = []
-    for cfg in configs:
+    def time(cfg: MainloopConfig) -> float:
         compiled.configs[name] = cfg
-        try:
-            compiled.run_gemm_step(name, tensors)  # compiles; raises if it cannot
-            ms = triton.testing.do_bench(
+        return float(
+            triton.testing.do_bench(
                 lambda: compiled.run_gemm_step(name, tensors),
                 warmup=warmup,
                 rep=rep,
                 return_mode="median",
             )
-            trials.append(Trial(cfg, float(ms)))
+        )
+
+    trials, ok = [], []
+    for cfg in configs:
+        compiled.configs[name] = cfg
+        try:
+            compiled.run_gemm_step(name, tensors)  # compiles; raises if it cannot
+            trials.append(Trial(cfg, None))
+            ok.append(trials[-1])
         except Exception as e:  # noqa: BLE001 - a config that cannot compile is pruned
             trials.append(Trial(cfg, None, _describe(e)))
+    forward = [time(t.config) for t in ok]
+    backward = [time(t.config) for t in reversed(ok)][::-1]
+    for t, a, b in zip(ok, forward, backward, strict=True):
+        t.ms = (a + b) / 2
     return trials
 
 
@@ -200,7 +212,7 @@ def tune_program(
     space: list[tuple] | None = None,
     warmup: int = 10,
     rep: int = 20,
-    finalists: int = 3,
+    finalists: int = 4,
 ) -> dict[str, TuningResult]:  # noqa: ANN001 - a CompiledProgram
     """Pick a config for every fused gemm step of ``compiled`` at the sizes of ``prepared``.
 
