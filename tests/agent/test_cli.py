@@ -27,7 +27,10 @@ def test_synthesize_llama_mlp_writes_a_verified_run(tmp_path: Path) -> None:
     assert {p.name for p in (run / "kernels").iterdir()} == {"gate_up.py", "down.py"}
     assert json.loads((run / "program.json").read_text())["block"] == "llama_mlp"
     records = [json.loads(line) for line in (run / "transcript.jsonl").read_text().splitlines()]
-    assert [r["event"] for r in records] == ["candidate", "report"]
+    events = [r["event"] for r in records]
+    # task, turn 1 (submit), its Report, turn 2 (finish), its answer
+    assert events == ["run_start"] + ["message"] * 2 + ["candidate"] + ["message"] * 3 + ["end"]
+    assert records[-1]["reason"] == "finished" and records[-1]["verified"] is True
     assert "not measured" in (run / "summary.md").read_text()
     shown = runner.invoke(app, ["show", str(run)])
     assert shown.exit_code == 0 and "VERIFIED" in shown.output
@@ -40,6 +43,8 @@ def test_synthesize_json(tmp_path: Path) -> None:
     assert result.exit_code == 0
     data = json.loads(result.output)
     assert data["verified"] is True and data["report"]["block"] == "llama_mlp"
+    assert data["provider"] == "builtin" and data["turns"] == 2
+    assert data["stop"]["reason"] == "finished"
 
 
 def test_unknown_block_exits_2() -> None:
