@@ -57,7 +57,7 @@ MARK = {"passed": "[green]✓[/]", "failed": "[red]✗[/]", "skipped": "[yellow]
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    Console(stderr=True, highlight=False).print(f"[red]error:[/] {message}")
+    Console(stderr=True, highlight=False).print(f"[red]error:[/] {message}", soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -283,6 +283,10 @@ def _resume(
             "start a new run instead",
             code=0 if state.end.verified else 1,
         )
+    budgets = _budgets(start.budgets, **given)
+    spent = _spent(state, budgets)
+    if spent:
+        raise _fail(f"{run_dir} has spent its budget ({spent}): give a larger one to continue")
     blk = resolve_block(
         block or start.block,
         block_file or (Path(start.block_file) if start.block_file else None),
@@ -302,14 +306,21 @@ def _resume(
             "candidates so far"
         )
     try:
-        result = _interruptible(
-            lambda: resume(
-                run, blk, prov, budgets=_budgets(start.budgets, **given), on_event=progress
-            )
-        )
+        result = _interruptible(lambda: resume(run, blk, prov, budgets=budgets, on_event=progress))
     except BudgetError as e:
         raise _fail(str(e)) from None
     return result, prov
+
+
+def _spent(state: Any, b: Budgets) -> str | None:
+    """Which recorded total already reaches its budget, if any."""
+    if b.max_turns is not None and state.turns >= b.max_turns:
+        return f"{state.turns} turns, --max-turns {b.max_turns}"
+    if b.max_tokens is not None and state.usage.total >= b.max_tokens:
+        return f"{state.usage.total} tokens, --max-tokens {b.max_tokens}"
+    if b.max_cost is not None and state.cost_usd is not None and state.cost_usd >= b.max_cost:
+        return f"${state.cost_usd:.4f}, --max-cost {b.max_cost}"
+    return None
 
 
 def _finish(result: AgentResult, as_json: bool, divergences: list[str]) -> None:
@@ -334,7 +345,8 @@ def _finish(result: AgentResult, as_json: bool, divergences: list[str]) -> None:
     if result.stop.kind == "provider_error":
         Console(stderr=True, highlight=False).print(
             f"[red]error:[/] {result.stop.message}\nthe run so far is in {result.run.path}; "
-            f"continue it with `coda-agent synthesize --resume {result.run.path}`"
+            f"continue it with `coda-agent synthesize --resume {result.run.path}`",
+            soft_wrap=True,
         )
     for note in divergences:
         console.print(f"[yellow]replay diverged[/]: {note}")

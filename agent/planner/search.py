@@ -118,7 +118,8 @@ class PlanSearch:
 
     def _decompositions(self) -> list[Proposal]:
         found: dict[str, Proposal] = {}
-        for i, (gamma, stats) in enumerate(product(_GAMMA, _STATS)):
+        # order: the default rules first, then γ as a side output, then a stats pass
+        for i, (stats, gamma) in enumerate(product(_STATS, _GAMMA)):
             options = LoweringOptions(gamma=gamma, stats=stats)
             try:
                 program = lower(self.block, options)
