@@ -189,8 +189,12 @@ def synthesize_cmd(
         patience=patience,
     )
     progress = None if as_json else Progress()
+    if provider is None and transcript is not None:
+        provider = "replay"
     if resume_dir is not None:
-        result, prov = _resume(resume_dir, block, block_file, model, base_url, given, progress)
+        result, prov = _resume(
+            resume_dir, block, block_file, provider, model, base_url, given, progress
+        )
     else:
         if provider == "replay" and transcript is not None and block is None and not block_file:
             block, block_file = _recorded_block(transcript)
@@ -266,11 +270,13 @@ def _resume(
     run_dir: Path,
     block: str | None,
     block_file: Path | None,
+    provider: str | None,
     model: str | None,
     base_url: str | None,
     given: dict[str, Any],
     progress: Progress | None,
 ) -> tuple[AgentResult, Any]:
+    """Continue a run: its block, provider, model and budgets unless overridden by flags."""
     try:
         run = RunDir.open(run_dir)
         state = run.state()
@@ -291,13 +297,15 @@ def _resume(
         block or start.block,
         block_file or (Path(start.block_file) if start.block_file else None),
     )
+    name = provider or state.provider
+    same = name == state.provider
     prov = _make_provider(
-        start.provider,
+        name,
         blk,
-        model or (start.model if start.provider in ("anthropic", "openai") else None),
-        base_url or start.base_url,
+        model or (state.model if same and name in ("anthropic", "openai") else None),
+        base_url or (start.base_url if same else None),
         Path(start.transcript) if start.transcript else None,
-        replay_skip=state.turns,
+        replay_skip=state.turns if same else 0,
     )
     if progress is not None:
         console.print(

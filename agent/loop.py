@@ -302,7 +302,11 @@ class AgentLoop:
             on_event=on_event,
         )
         loop._adopt(state)
-        run.append(ResumeRecord(at=_now(), turns_before=state.turns))
+        run.append(
+            ResumeRecord(
+                at=_now(), turns_before=state.turns, provider=provider.name, model=provider.model
+            )
+        )
         return loop
 
     def _adopt(self, state: RunState) -> None:
@@ -394,7 +398,17 @@ class AgentLoop:
                 parts.append(request)
                 continue
             usable = True
-            parts.append(self._run_tool(request))
+            try:
+                parts.append(self._run_tool(request))
+            except Exception as e:  # noqa: BLE001 - errors are data: the model is told, not killed
+                self.n.tool_errors += 1
+                text = f"internal error while running {call.name}: {type(e).__name__}: {e}"
+                self.emit(ToolAnswered(call.name, False, text))
+                parts.append(
+                    ToolResultPart(
+                        tool_call_id=call.id, name=call.name, content=text, is_error=True
+                    )
+                )
         self._record(UserMessage(parts=parts))
         self.n.unusable_streak = 0 if usable else self.n.unusable_streak + 1
         if self._finish is not None:

@@ -108,8 +108,8 @@ class RunFacts:
         end = s.end
         return cls(
             s.start.block,
-            s.start.provider,
-            s.start.model,
+            s.provider,
+            s.model,
             s.turns,
             s.usage,
             s.cost_usd,

@@ -100,6 +100,8 @@ class ResumeRecord(_Record):
     event: Literal["resume"] = "resume"
     at: str
     turns_before: int
+    provider: str  # the provider and model from here on
+    model: str
 
 
 class EndRecord(_Record):
@@ -221,10 +223,12 @@ class RunState:
     malformed: int = 0
     end: EndRecord | None = None
     resumes: int = 0
+    provider: str = ""  # the latest provider and model (a resume may switch them)
+    model: str = ""
 
     @classmethod
     def from_records(cls, records: list[Any]) -> RunState:
-        state = cls(start=records[0])
+        state = cls(start=records[0], provider=records[0].provider, model=records[0].model)
         for record in records[1:]:
             state.absorb(record)
         return state
@@ -237,6 +241,7 @@ class RunState:
         elif isinstance(record, ResumeRecord):
             self.resumes += 1
             self.end = None
+            self.provider, self.model = record.provider, record.model
         elif isinstance(record, EndRecord):
             self.end = record
 

@@ -253,3 +253,28 @@ def test_loop_sends_the_system_prompt_and_the_tools(tmp_path: Path) -> None:
     assert [t.name for t in seen["tools"]] == ["submit_program", "describe_primitive", "finish"]
     assert "## Primitive catalogue" in seen["system"]
     assert "def llama_mlp(x, gamma, w_gate, w_up, w_down):" in seen["task"]
+
+
+def test_an_internal_error_in_a_tool_is_answered_not_raised(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    def broken(name: str) -> str:
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr("coda.agent.loop.describe_primitive", broken)
+    script = Script([turn(call("describe_primitive", {"name": "rstd"}, "d1")), finish()])
+    result = run(script, tmp_path)
+    (answer,) = results_in(script.requests[1][-1])
+    assert answer.is_error and "internal error while running describe_primitive" in answer.content
+    assert "OSError: disk on fire" in answer.content and result.stop.kind == "finished"
+
+
+def test_ctrl_c_records_the_interruption_and_the_run_resumes(tmp_path: Path) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        run(Script([KeyboardInterrupt()]), tmp_path)
+    (folder,) = tmp_path.iterdir()
+    state = RunDir.open(folder).state()
+    assert state.end.reason == "interrupted" and state.turns == 0
+    again = Script([finish("back")], model="other-model")
+    result = resume(RunDir.open(folder), BLOCK, again, sandbox=FAST)
+    assert result.stop.kind == "finished" and result.turns == 1
+    state = RunDir.open(folder).state()
+    assert state.resumes == 1 and state.model == "other-model" and state.end.reason == "finished"
