@@ -27,17 +27,8 @@ from coda.sandbox.report import Report, StageResult
 from coda.sandbox.runner import evaluate
 from coda.sandbox.stages import SandboxOptions
 
-from .loop import (
-    AgentResult,
-    Budgets,
-    CandidateDone,
-    Event,
-    Retrying,
-    StageDone,
-    Stopped,
-    ToolAnswered,
-    TurnEnded,
-)
+from .events import CandidateDone, Event, Retrying, StageDone, Stopped, ToolAnswered, TurnEnded
+from .loop import AgentResult, Budgets
 from .planner import NoRule
 from .providers import PROVIDERS, ProviderError, make_provider
 from .providers.pricing import format_cost
@@ -196,32 +187,50 @@ def synthesize_cmd(
             resume_dir, block, block_file, provider, model, base_url, given, progress
         )
     else:
-        if provider == "replay" and transcript is not None and block is None and not block_file:
-            block, block_file = _recorded_block(transcript)
-        blk = resolve_block(block, block_file)
-        name = provider or "builtin"
-        prov = _make_provider(name, blk, model, base_url, transcript)
-        if progress is not None:
-            console.print(
-                f"[bold]coda-agent synthesize[/] {blk.name} — provider {name} ({prov.model}), "
-                f"kernels on {backend.describe()}"
-            )
-        try:
-            result = _interruptible(
-                lambda: synthesize(
-                    blk,
-                    runs_dir,
-                    provider=prov,
-                    budgets=_budgets({}, **given),
-                    block_file=str(block_file) if block_file else None,
-                    base_url=base_url,
-                    transcript=str(transcript) if transcript else None,
-                    on_event=progress,
-                )
-            )
-        except BudgetError as e:
-            raise _fail(str(e)) from None
+        result, prov = _start(
+            block, block_file, provider, model, base_url, transcript, runs_dir, given, progress
+        )
     _finish(result, as_json, list(getattr(prov, "divergences", [])))
+
+
+def _start(
+    block: str | None,
+    block_file: Path | None,
+    provider: str | None,
+    model: str | None,
+    base_url: str | None,
+    transcript: Path | None,
+    runs_dir: Path,
+    given: dict[str, Any],
+    progress: Progress | None,
+) -> tuple[AgentResult, Any]:
+    """A new run (a replay takes its block from the transcript unless one is given)."""
+    if provider == "replay" and transcript is not None and block is None and not block_file:
+        block, block_file = _recorded_block(transcript)
+    blk = resolve_block(block, block_file)
+    name = provider or "builtin"
+    prov = _make_provider(name, blk, model, base_url, transcript)
+    if progress is not None:
+        console.print(
+            f"[bold]coda-agent synthesize[/] {blk.name} — provider {name} ({prov.model}), "
+            f"kernels on {backend.describe()}"
+        )
+    try:
+        result = _interruptible(
+            lambda: synthesize(
+                blk,
+                runs_dir,
+                provider=prov,
+                budgets=_budgets({}, **given),
+                block_file=str(block_file) if block_file else None,
+                base_url=base_url,
+                transcript=str(transcript) if transcript else None,
+                on_event=progress,
+            )
+        )
+    except BudgetError as e:
+        raise _fail(str(e)) from None
+    return result, prov
 
 
 def _recorded_block(transcript: Path) -> tuple[str, Path | None]:

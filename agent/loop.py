@@ -19,7 +19,6 @@ nothing, ``resume`` continues from the transcript, and ``--provider replay`` rep
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -27,10 +26,22 @@ from typing import Any
 from coda.blocks.block import Block
 from coda.primitives import backend
 from coda.primitives.ir import Program
-from coda.sandbox.report import Report, StageResult
+from coda.sandbox.report import Report
 from coda.sandbox.runner import evaluate
 from coda.sandbox.stages import SandboxOptions
 
+from .events import (
+    CandidateDone,
+    CandidateStarted,
+    OnEvent,
+    Retrying,
+    StageDone,
+    Stop,
+    Stopped,
+    ToolAnswered,
+    TurnEnded,
+    TurnStarted,
+)
 from .prompting import UnknownPrimitive, describe_primitive, system_prompt, task_prompt
 from .providers.base import (
     AssistantTurn,
@@ -40,6 +51,7 @@ from .providers.base import (
     TextPart,
     ToolCallPart,
     ToolResultPart,
+    ToolSpec,
     TranscriptExhausted,
     Usage,
     UserMessage,
@@ -58,7 +70,6 @@ from .transcript import (
     RetryRecord,
     RunStart,
     RunState,
-    StopKind,
     better,
 )
 
@@ -78,79 +89,6 @@ class Budgets:
     timeout_s: float | None = None
     patience: int = 3
     max_malformed: int = 3
-
-
-@dataclass(frozen=True)
-class Stop:
-    kind: StopKind
-    message: str
-    exit_code: int | None = None  # set for provider errors: 2 for configuration, 1 otherwise
-
-
-# -- events: what the CLI shows while the loop runs ------------------------------------------------
-@dataclass(frozen=True)
-class TurnStarted:
-    turn: int
-
-
-@dataclass(frozen=True)
-class TurnEnded:
-    turn: int
-    reply: AssistantTurn
-    seconds: float
-    usage: Usage  # the run's total so far
-    cost_usd: float | None  # the run's total so far
-
-
-@dataclass(frozen=True)
-class Retrying:
-    attempt: int
-    delay_s: float
-    error: str
-
-
-@dataclass(frozen=True)
-class CandidateStarted:
-    index: int
-    turn: int
-
-
-@dataclass(frozen=True)
-class StageDone:
-    index: int
-    stage: StageResult
-
-
-@dataclass(frozen=True)
-class CandidateDone:
-    candidate: Candidate
-    is_best: bool
-    best: Candidate | None
-
-
-@dataclass(frozen=True)
-class ToolAnswered:
-    name: str
-    ok: bool
-    summary: str
-
-
-@dataclass(frozen=True)
-class Stopped:
-    stop: Stop
-
-
-Event = (
-    TurnStarted
-    | TurnEnded
-    | Retrying
-    | CandidateStarted
-    | StageDone
-    | CandidateDone
-    | ToolAnswered
-    | Stopped
-)
-OnEvent = Callable[[Event], None]
 
 
 @dataclass
@@ -200,7 +138,7 @@ class AgentLoop:
         run: RunDir,
         *,
         system: str,
-        tools: list,
+        tools: list[ToolSpec],
         messages: list[UserMessage | AssistantTurn],
         budgets: Budgets,
         sandbox: SandboxOptions,
@@ -603,18 +541,4 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-__all__ = [
-    "AgentLoop",
-    "AgentResult",
-    "Budgets",
-    "CandidateDone",
-    "CandidateStarted",
-    "Event",
-    "Retrying",
-    "StageDone",
-    "Stop",
-    "Stopped",
-    "ToolAnswered",
-    "TurnEnded",
-    "TurnStarted",
-]
+__all__ = ["AgentLoop", "AgentResult", "Budgets", "OnEvent", "Stop"]
