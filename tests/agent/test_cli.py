@@ -156,3 +156,24 @@ def test_show_renders_an_unfinished_run(tmp_path: Path) -> None:
     assert shown.exit_code == 0 and "unfinished" in shown.output
     assert f"synthesize --resume {run}" in shown.output.replace("\n", "")
     assert runner.invoke(app, ["show", str(tmp_path)]).exit_code == 2
+
+
+def test_a_provider_failure_is_a_clean_error_with_a_resume_hint(tmp_path: Path) -> None:
+    from .fake_llm import FakeLLM, Reply
+
+    server = FakeLLM()
+    server.replies = [Reply(401, {"error": {"message": "invalid api key"}})]
+    try:
+        result = runner.invoke(
+            app,
+            ["synthesize", "-b", "llama_mlp", "--runs-dir", str(tmp_path), "--provider", "openai"]
+            + ["--base-url", f"{server.url}/v1", "--model", "local-model"],
+        )
+    finally:
+        server.close()
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    text = " ".join(result.output.split())
+    assert "rejected the credentials (HTTP 401): invalid api key — check OPENAI_API_KEY" in text
+    (run,) = tmp_path.iterdir()
+    assert f"coda-agent synthesize --resume {run}" in text
+    assert "NOT VERIFIED llama_mlp" in text
