@@ -1,1 +1,7 @@
-"""placeholder"""
+"""coda.agent — the agent: providers, the loop, prompts, run folders, and the ``coda-agent`` CLI.
+
+Entry points: ``synthesize(block, runs_dir, provider=...)`` starts a run and ``resume(run, block,
+provider)`` continues one (``synthesize.py``); both return an ``AgentResult``. ``AgentLoop``
+(``loop.py``) is the loop itself; ``providers`` holds the model adapters; ``planner`` the built-in
+CODA lowering and search; ``transcript``/``runs`` what a run leaves on disk.
+"""

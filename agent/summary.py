@@ -1,11 +1,24 @@
-"""Summaries of a report: the per-output error table (CLI and ``summary.md``) and timings."""
+"""Summaries of runs and reports: ``summary.md``, and the numbers the CLI's tables show.
+
+``RunFacts`` is one run's numbers, taken from a finished loop (``AgentResult``) or rebuilt from a
+transcript (``RunState``, e.g. an interrupted run shown by ``coda-agent show``), so both read the
+same. ``error_rows`` is the per-output error table of a Report.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from coda.sandbox.report import Report
+
+from .providers.base import Usage
+from .providers.pricing import format_cost
+from .transcript import Candidate, RunState
+
+if TYPE_CHECKING:
+    from .loop import AgentResult
 
 
 @dataclass(frozen=True)
@@ -52,28 +65,136 @@ def error_rows(report: Report) -> list[ErrorRow]:
     return rows
 
 
-def markdown(report: Report, *, title: str, extra: dict[str, str] | None = None) -> str:
-    lines = [f"# {title}", "", f"**{report.headline()}**", ""]
-    for key, value in (extra or {}).items():
-        lines.append(f"- {key}: {value}")
-    lines += [
-        f"- device: {report.device}",
+@dataclass(frozen=True)
+class RunFacts:
+    """One run's numbers. ``stop`` is ``None`` for a run that never recorded its end."""
+
+    block: str
+    provider: str
+    model: str
+    turns: int
+    usage: Usage
+    cost_usd: float | None
+    candidates: list[Candidate]
+    best: Candidate | None
+    stop: tuple[str, str] | None  # (kind, message)
+    seconds: float | None
+    tool_errors: int
+    retries: int
+
+    @property
+    def verified(self) -> bool:
+        return self.best is not None and self.best.report.verified
+
+    @classmethod
+    def from_result(cls, r: AgentResult) -> RunFacts:
+        return cls(
+            r.block,
+            r.provider,
+            r.model,
+            r.turns,
+            r.usage,
+            r.cost_usd,
+            r.candidates,
+            r.best,
+            (r.stop.kind, r.stop.message),
+            r.seconds,
+            r.tool_errors,
+            r.retries,
+        )
+
+    @classmethod
+    def from_state(cls, s: RunState) -> RunFacts:
+        end = s.end
+        return cls(
+            s.start.block,
+            s.provider,
+            s.model,
+            s.turns,
+            s.usage,
+            s.cost_usd,
+            s.candidates,
+            s.best,
+            (end.reason, end.message) if end else None,
+            end.seconds if end else None,
+            s.malformed,
+            s.retries,
+        )
+
+    def time_text(self) -> str:
+        best = self.best
+        if best is None or not best.report.verified:
+            return "no verified candidate"
+        if best.time_ms is None:
+            return "not measured"
+        return f"{best.time_ms:.4f} ms"
+
+    def facts(self) -> list[tuple[str, str]]:
+        """(label, value) rows: what the run did and what it cost."""
+        verified = sum(c.report.verified for c in self.candidates)
+        stop = f"{self.stop[0]}: {self.stop[1]}" if self.stop else "unfinished (no end record)"
+        return [
+            ("provider", f"{self.provider} ({self.model})"),
+            ("turns", str(self.turns)),
+            (
+                "tokens",
+                f"{self.usage.total:,} ({self.usage.input_tokens:,} in, "
+                f"{self.usage.output_tokens:,} out)",
+            ),
+            ("cost", format_cost(self.cost_usd)),
+            ("candidates", f"{len(self.candidates)} ({verified} verified)"),
+            ("best", f"candidate {self.best.index}" if self.best else "none"),
+            ("best time", self.time_text()),
+            ("tool-call errors", str(self.tool_errors)),
+            ("provider retries", str(self.retries)),
+            ("stopped", stop),
+            ("wall time", f"{self.seconds:.1f} s" if self.seconds is not None else "unknown"),
+        ]
+
+
+def run_markdown(facts: RunFacts, device: str) -> str:
+    """``summary.md``: the verdict, the run's numbers, every candidate, the best one's Report."""
+    verdict = "VERIFIED" if facts.verified else "NOT VERIFIED"
+    lines = [f"# coda-agent run: {facts.block}", "", f"**{verdict}**", ""]
+    lines += [f"- {label}: {value}" for label, value in facts.facts()]
+    lines += [f"- device: {device}", "", "## Candidates", ""]
+    if facts.candidates:
+        lines += ["| # | turn | verdict | time | report |", "|---|---|---|---|---|"]
+        for c in facts.candidates:
+            mark = " (best)" if facts.best is c else ""
+            time_text = f"{c.time_ms:.4f} ms" if c.time_ms is not None else "not measured"
+            head = c.report.headline().replace("|", "\\|")
+            verdict = "verified" if c.report.verified else "failed"
+            lines.append(f"| {c.index}{mark} | {c.turn} | {verdict} | {time_text} | {head} |")
+    else:
+        lines.append("No candidate was submitted.")
+    if facts.best is not None:
+        lines += ["", f"## Best candidate ({facts.best.index})", ""]
+        lines += report_sections(facts.best.report)
+    return "\n".join(lines) + "\n"
+
+
+def report_sections(report: Report) -> list[str]:
+    """A Report in markdown: headline, stages, the error table, timings or "not measured"."""
+    lines = [
+        f"**{report.headline()}**",
+        "",
         f"- program: {report.program_hash}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in report.versions.items())}",
         "",
-        "## Stages",
+        "### Stages",
         "",
         "| stage | status | seconds | message |",
         "|---|---|---|---|",
     ]
     for s in report.stages:
-        msg = s.message.splitlines()[0] if s.message else ""
+        msg = (s.message.splitlines()[0] if s.message else "").replace("|", "\\|")
         lines.append(f"| {s.stage} | {s.status} | {s.seconds:.2f} | {msg} |")
     rows = error_rows(report)
     if rows:
         lines += [
             "",
-            "## Errors against the float64 reference (worst over shapes and seeds)",
+            "### Errors against the float64 reference (worst over shapes and seeds)",
             "",
             "| output | dtype | checks | max abs err | PyTorch's max abs err | allowed | "
             "rel err | verdict |",
@@ -85,24 +206,26 @@ def markdown(report: Report, *, title: str, extra: dict[str, str] | None = None)
                 f"{r.torch_max_abs_err:.3g} | {r.allowed:.3g} | {r.rel_err:.3g} | "
                 f"{'pass' if r.passed else 'FAIL'} |"
             )
-    lines += ["", "## Timings", ""]
-    if report.profile:
-        lines += [
-            "| sizes | dtype | program ms | GEMMs alone ms | ratio | eager ms | "
-            "torch.compile ms | TFLOP/s |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for p in report.profile:
-            sizes = ", ".join(f"{k}={v}" for k, v in p.sizes.items())
-            eager = f"{p.eager_ms:.3f}" if p.eager_ms else "n/a"
-            comp = f"{p.compile_ms:.3f}" if p.compile_ms else "n/a"
-            lines.append(
-                f"| {sizes} | {p.dtype} | {p.program_ms:.3f} | {p.gemms_ms:.3f} | "
-                f"{p.ratio_to_gemms:.3f} | {eager} | {comp} | {p.tflops:.0f} |"
-            )
-    else:
+    lines += ["", "### Timings", ""]
+    lines += _timing_lines(report)
+    return lines
+
+
+def _timing_lines(report: Report) -> list[str]:
+    if not report.profile:
         prof = report.stage("profile")
+        return [f"not measured ({prof.message if prof else 'the run stopped before profiling'})"]
+    lines = [
+        "| sizes | dtype | program ms | GEMMs alone ms | ratio | eager ms | "
+        "torch.compile ms | TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in report.profile:
+        sizes = ", ".join(f"{k}={v}" for k, v in p.sizes.items())
+        eager = f"{p.eager_ms:.3f}" if p.eager_ms else "n/a"
+        comp = f"{p.compile_ms:.3f}" if p.compile_ms else "n/a"
         lines.append(
-            f"not measured ({prof.message if prof else 'the run stopped before profiling'})"
+            f"| {sizes} | {p.dtype} | {p.program_ms:.3f} | {p.gemms_ms:.3f} | "
+            f"{p.ratio_to_gemms:.3f} | {eager} | {comp} | {p.tflops:.0f} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines

@@ -1,98 +1,86 @@
-"""Synthesize a kernel for a block: propose candidates, evaluate each in the sandbox, keep the best.
+"""Synthesize a kernel for a block — the programmatic entry point (the CLI and evals call these).
 
-This is the offline path the demo runs (the built-in planner's candidates). The agent loop with LLM
-providers (``loop.py``) drives the same pieces — ``evaluate`` and ``RunDir`` — turn by turn.
+``synthesize`` starts a run (the built-in planner unless another provider is given) and
+``resume`` continues one from its transcript; both drive ``AgentLoop`` and return its
+``AgentResult``. ``check_budgets`` refuses budgets that cannot be enforced (a dollar limit for a
+model without a known price) before anything starts.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from coda.blocks.block import Block
-from coda.primitives.ir import Program
-from coda.sandbox.report import Report, StageResult
-from coda.sandbox.runner import evaluate
 from coda.sandbox.stages import SandboxOptions
 
-from .planner import lower
+from .loop import AgentLoop, AgentResult, Budgets, OnEvent
+from .providers.base import Provider
+from .providers.builtin import BuiltinProvider
+from .providers.pricing import PRICES, price_for
+from .providers.retry import RetryPolicy
 from .runs import RunDir
 
 
-@dataclass
-class Candidate:
-    program: Program
-    report: Report
+class BudgetError(ValueError):
+    """A budget that cannot be enforced; the message says what to use instead."""
 
 
-@dataclass
-class SynthesisResult:
-    block: str
-    run: RunDir
-    candidates: list[Candidate] = field(default_factory=list)
-    best: Candidate | None = None
-    seconds: float = 0.0
-
-    @property
-    def verified(self) -> bool:
-        return self.best is not None and self.best.report.verified
-
-
-def better(a: Candidate, b: Candidate | None) -> bool:
-    """Verified beats unverified; among verified, faster (when measured) wins."""
-    if b is None:
-        return True
-    if a.report.verified != b.report.verified:
-        return a.report.verified
-    ta = sum(r.program_ms for r in a.report.profile) if a.report.profile else None
-    tb = sum(r.program_ms for r in b.report.profile) if b.report.profile else None
-    return ta is not None and (tb is None or ta < tb)
+def check_budgets(provider: Provider, budgets: Budgets) -> None:
+    if budgets.max_cost is not None and price_for(provider.model) is None:
+        known = ", ".join(sorted(m for m in PRICES if m != "coda-planner"))
+        raise BudgetError(
+            f"no price is known for model {provider.model!r}, so --max-cost cannot be enforced: "
+            f"use --max-tokens instead, or a model with a known price ({known})"
+        )
 
 
 def synthesize(
     block: Block,
     runs_dir: str | Path = "runs",
     *,
-    options: SandboxOptions | None = None,
+    provider: Provider | None = None,
+    budgets: Budgets | None = None,
+    sandbox: SandboxOptions | None = None,
     block_file: str | None = None,
-    on_stage: Callable[[int, StageResult], None] | None = None,
-) -> SynthesisResult:
-    """Evaluate the built-in planner's candidates for ``block``; write the run directory."""
-    start = time.perf_counter()
-    run = RunDir.create(runs_dir, block.name)
-    result = SynthesisResult(block.name, run)
-    for index, program in enumerate([lower(block)], start=1):
-        run.append_transcript(
-            {
-                "event": "candidate",
-                "index": index,
-                "provider": "builtin",
-                "program": program.model_dump(mode="json"),
-            }
-        )
-        stage_cb = (lambda s, i=index: on_stage(i, s)) if on_stage else None
-        report = evaluate(
-            program,
-            block,
-            options,
-            block_file=block_file,
-            kernels_dir=run.candidate_kernels(index),
-            on_stage=stage_cb,
-        )
-        run.append_transcript(
-            {
-                "event": "report",
-                "index": index,
-                "verified": report.verified,
-                "report": report.model_dump(mode="json"),
-            }
-        )
-        candidate = Candidate(program, report)
-        result.candidates.append(candidate)
-        if better(candidate, result.best):
-            result.best = candidate
-            run.write_best(program, report, index)
-    result.seconds = time.perf_counter() - start
-    return result
+    base_url: str | None = None,
+    transcript: str | None = None,
+    retry: RetryPolicy | None = None,
+    on_event: OnEvent | None = None,
+) -> AgentResult:
+    """Run the agent loop on ``block`` in a new folder under ``runs_dir``."""
+    provider = provider or BuiltinProvider(block)
+    budgets = budgets or Budgets()
+    check_budgets(provider, budgets)
+    loop = AgentLoop.start(
+        block,
+        provider,
+        runs_dir,
+        budgets=budgets,
+        sandbox=sandbox,
+        block_file=block_file,
+        base_url=base_url,
+        transcript=transcript,
+        retry=retry,
+        on_event=on_event,
+    )
+    return loop.run()
+
+
+def resume(
+    run: RunDir,
+    block: Block,
+    provider: Provider,
+    *,
+    budgets: Budgets | None = None,
+    sandbox: SandboxOptions | None = None,
+    retry: RetryPolicy | None = None,
+    on_event: OnEvent | None = None,
+) -> AgentResult:
+    """Continue ``run`` from its transcript with ``provider`` (budgets: the recorded ones unless
+    given)."""
+    budgets = budgets or Budgets(**run.state().start.budgets)
+    check_budgets(provider, budgets)
+    loop = AgentLoop.resume(
+        block, provider, run, budgets=budgets, sandbox=sandbox, retry=retry, on_event=on_event
+    )
+    return loop.run()

@@ -154,6 +154,6 @@ class Report(BaseModel):
                 )
         if len(bad) > max_checks:
             lines.append(f"  ... {len(bad) - max_checks} more failing checks")
-        if self.verified:
-            lines += self._profile_lines()[1:] or []
+        if self.verified:  # timings, or why there are none (an agent must not guess)
+            lines += [line.strip() for line in self._profile_lines() if line.strip()]
         return "\n".join(lines)

@@ -11,6 +11,9 @@ Rules, applied in graph order:
 * **statistics from the producer**: when ``x`` is stored by an earlier epilogue, that epilogue also
   writes partial sums of squares and ``rstd`` only finishes them; otherwise (a block input) ``rstd``
   makes one pass over ``x``.
+* **γ as a side output** (``LoweringOptions(gamma="side_output")``): when ``x`` is stored by an
+  earlier epilogue, that epilogue also stores ``x ⊙ γ`` (``scale_cols``) and the following GEMMs
+  read it with their weights unfolded (CODA_MATH §1).
 * **residual into the epilogue**: an ``Add`` of the GEMM's result and an available tensor becomes
   ``add_tile``.
 
@@ -40,10 +43,19 @@ class NoRule(ValueError):
 
 @dataclass(frozen=True)
 class LoweringOptions:
-    """Choices the planner can vary between candidates."""
+    """Choices the planner can vary between candidates (``planner/search.py`` enumerates them).
 
-    gamma: Literal["fold"] = "fold"  # fold γ into the following weight
-    config: Any = "auto"  # mainloop config for every fused gemm
+    ``gamma``: ``fold`` multiplies a norm's γ into the following weights (prep
+    ``fold_norm_weight``); ``side_output`` has the epilogue that produces the norm's input also
+    store ``x ⊙ γ`` for the following GEMMs — a norm of a block input always folds.
+    ``stats``: ``epilogue`` writes partial sums of squares where the norm's input is produced;
+    ``pass`` has ``rstd`` read the stored tensor once instead.
+    ``config``: the mainloop config of every fused gemm (``"auto"`` or a ``MainloopConfig``).
+    """
+
+    gamma: Literal["fold", "side_output"] = "fold"
+    stats: Literal["epilogue", "pass"] = "epilogue"
+    config: Any = "auto"
 
 
 @dataclass
@@ -55,6 +67,7 @@ class _State:
     available: set[str] = field(default_factory=set)  # program tensors that exist so far
     done: set[int] = field(default_factory=set)  # graph ops lowered
     partials: dict[str, str] = field(default_factory=dict)  # value -> its sum-of-squares partials
+    scaled: dict[str, str] = field(default_factory=dict)  # rmsnorm output -> stored x ⊙ γ
     rstd: dict[str, str] = field(default_factory=dict)  # rmsnorm output -> rstd tensor
     prepared: dict[tuple, str] = field(default_factory=dict)  # prep memo
 
@@ -210,6 +223,8 @@ def _operand(st: _State, i: int, op: Linear, weight: str) -> tuple[str, tuple[st
                 found[0], norm, f"its input {norm.x!r} is not materialised before the GEMM"
             )
         r = _ensure_rstd(st, norm)
+        if norm.out in st.scaled:
+            return st.scaled[norm.out], (r, weight)
         folded = _prep(
             st,
             ("fold", weight, norm.weight),
@@ -255,12 +270,21 @@ def _fuse_consumers(
 
 
 def _store(st: _State, epilogue: list[dict[str, Any]], cur: str, value: str) -> None:
-    """Store the chain's result; add partial sums of squares if an RMSNorm reads it later."""
+    """Store the chain's result; add partial sums of squares if an RMSNorm reads it later (and
+    ``x ⊙ γ`` when γ is a side output)."""
     epilogue.append({"op": "store", "src": cur, "to": value})
     st.available.add(value)
-    if any(isinstance(c, RMSNorm) for _, c in st.consumers(value)):
+    norms = [c for _, c in st.consumers(value) if isinstance(c, RMSNorm)]
+    if norms and st.options.stats == "epilogue":
         partials = f"{value}_sumsq"
         epilogue.append(
             {"op": "partial_reduce", "src": cur, "kind": "sumsq", "axis": "row", "to": partials}
         )
         st.partials[value] = partials
+    if st.options.gamma == "side_output":
+        for norm in norms:
+            scaled = f"{value}_{_short(norm.weight)}"
+            epilogue.append({"op": "scale_cols", "src": cur, "vector": norm.weight, "out": scaled})
+            epilogue.append({"op": "store", "src": scaled, "to": scaled})
+            st.available.add(scaled)
+            st.scaled[norm.out] = scaled

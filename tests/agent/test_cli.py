@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from coda.agent.cli import app
@@ -27,7 +28,10 @@ def test_synthesize_llama_mlp_writes_a_verified_run(tmp_path: Path) -> None:
     assert {p.name for p in (run / "kernels").iterdir()} == {"gate_up.py", "down.py"}
     assert json.loads((run / "program.json").read_text())["block"] == "llama_mlp"
     records = [json.loads(line) for line in (run / "transcript.jsonl").read_text().splitlines()]
-    assert [r["event"] for r in records] == ["candidate", "report"]
+    events = [r["event"] for r in records]
+    # task, turn 1 (submit), its Report, turn 2 (finish), its answer
+    assert events == ["run_start"] + ["message"] * 2 + ["candidate"] + ["message"] * 3 + ["end"]
+    assert records[-1]["reason"] == "finished" and records[-1]["verified"] is True
     assert "not measured" in (run / "summary.md").read_text()
     shown = runner.invoke(app, ["show", str(run)])
     assert shown.exit_code == 0 and "VERIFIED" in shown.output
@@ -40,6 +44,8 @@ def test_synthesize_json(tmp_path: Path) -> None:
     assert result.exit_code == 0
     data = json.loads(result.output)
     assert data["verified"] is True and data["report"]["block"] == "llama_mlp"
+    assert data["provider"] == "builtin" and data["turns"] == 2
+    assert data["stop"]["reason"] == "finished"
 
 
 def test_unknown_block_exits_2() -> None:
@@ -62,3 +68,112 @@ def test_verify_a_program_file(tmp_path: Path) -> None:
     bad.write_text('{"block": "llama_mlp", "steps": "nope"}')
     result = runner.invoke(app, ["verify", str(bad), "--block", "llama_mlp"])
     assert result.exit_code == 1 and "FAILED at validate" in result.output
+
+
+ODD_BLOCK = """
+from coda.blocks import Add, Block, ShapeSets, TensorSpec
+
+odd_sum = Block(
+    name="odd_sum",
+    description="a + b",
+    inputs={"a": TensorSpec(shape=["M", "d"]), "b": TensorSpec(shape=["M", "d"])},
+    graph=[Add(a="a", b="b", out="y")],
+    outputs=["y"],
+    shapes=ShapeSets(cpu=[{"M": 4, "d": 8}]),
+)
+"""
+
+
+def test_a_block_the_planner_cannot_lower_is_a_usage_error(tmp_path: Path) -> None:
+    block_file = tmp_path / "odd.py"
+    block_file.write_text(ODD_BLOCK)
+    runs = tmp_path / "runs"
+    result = runner.invoke(
+        app, ["synthesize", "--block-file", str(block_file), "--runs-dir", str(runs)]
+    )
+    assert result.exit_code == 2
+    assert "the built-in planner cannot lower block 'odd_sum'" in result.output
+    assert "graph[0] add(out='y'): no lowering rule" in result.output
+    assert "Traceback" not in result.output and not runs.exists()
+
+
+def test_provider_configuration_errors_exit_2(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    base = ["synthesize", "-b", "llama_mlp", "--runs-dir", str(tmp_path)]
+    result = runner.invoke(app, [*base, "--provider", "anthropic"])
+    assert result.exit_code == 2 and "ANTHROPIC_API_KEY is not set" in result.output
+    result = runner.invoke(app, [*base, "--provider", "gemini"])
+    assert result.exit_code == 2 and "unknown provider 'gemini'" in result.output
+    result = runner.invoke(app, [*base, "--provider", "replay"])
+    assert result.exit_code == 2 and "needs --transcript" in result.output
+    local = ["--provider", "openai", "--base-url", "http://127.0.0.1:9/v1", "--model", "my-llama"]
+    result = runner.invoke(app, [*base, *local, "--max-cost", "1"])
+    assert result.exit_code == 2 and "no price is known for model 'my-llama'" in result.output
+    assert not list(tmp_path.iterdir()) and "Traceback" not in result.output
+
+
+def test_resume_replay_and_show_through_the_cli(tmp_path: Path) -> None:
+    cut = runner.invoke(
+        app,
+        ["synthesize", "-b", "llama_mlp", "--runs-dir", str(tmp_path / "a"), "--max-turns", "1"],
+    )
+    assert cut.exit_code == 0, cut.output  # verified at turn 1, then the turn budget ran out
+    (run,) = (tmp_path / "a").iterdir()
+    shown = runner.invoke(app, ["show", str(run)])
+    assert shown.exit_code == 0 and "max_turns: reached --max-turns 1" in shown.output
+
+    spent = runner.invoke(app, ["synthesize", "--resume", str(run)])
+    assert spent.exit_code == 2 and "has spent its budget (1 turns, --max-turns 1)" in spent.output
+    resumed = runner.invoke(app, ["synthesize", "--resume", str(run), "--max-turns", "5", "--json"])
+    assert resumed.exit_code == 0, resumed.output
+    data = json.loads(resumed.output)
+    assert data["turns"] == 2 and data["stop"]["reason"] == "finished"
+    assert len(data["candidates"]) == 1 and data["run_dir"] == str(run)
+    again = runner.invoke(app, ["synthesize", "--resume", str(run)])
+    assert again.exit_code == 0 and "already ended (finished" in again.output
+
+    transcript = str(run / "transcript.jsonl")
+    replayed = runner.invoke(
+        app,
+        ["synthesize", "--provider", "replay", "--transcript", transcript]
+        + ["--runs-dir", str(tmp_path / "b"), "--json"],
+    )
+    assert replayed.exit_code == 0, replayed.output
+    data = json.loads(replayed.output)
+    assert data["verified"] and data["turns"] == 2 and data["block"] == "llama_mlp"
+    assert data["divergences"] == [] and data["model"] == "coda-planner"
+
+
+def test_show_renders_an_unfinished_run(tmp_path: Path) -> None:
+    from coda.agent.synthesize import synthesize
+
+    from .scripted import BLOCK, Script
+
+    with pytest.raises(RuntimeError):
+        synthesize(BLOCK, tmp_path, provider=Script([RuntimeError("crash")]))
+    (run,) = tmp_path.iterdir()
+    shown = runner.invoke(app, ["show", str(run)])
+    assert shown.exit_code == 0 and "unfinished" in shown.output
+    assert f"synthesize --resume {run}" in shown.output.replace("\n", "")
+    assert runner.invoke(app, ["show", str(tmp_path)]).exit_code == 2
+
+
+def test_a_provider_failure_is_a_clean_error_with_a_resume_hint(tmp_path: Path) -> None:
+    from .fake_llm import FakeLLM, Reply
+
+    server = FakeLLM()
+    server.replies = [Reply(401, {"error": {"message": "invalid api key"}})]
+    try:
+        result = runner.invoke(
+            app,
+            ["synthesize", "-b", "llama_mlp", "--runs-dir", str(tmp_path), "--provider", "openai"]
+            + ["--base-url", f"{server.url}/v1", "--model", "local-model"],
+        )
+    finally:
+        server.close()
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    text = " ".join(result.output.split())
+    assert "rejected the credentials (HTTP 401): invalid api key — check OPENAI_API_KEY" in text
+    (run,) = tmp_path.iterdir()
+    assert f"coda-agent synthesize --resume {run}" in text
+    assert "NOT VERIFIED llama_mlp" in text

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coda.agent.planner import NoRule, lower
+from coda.agent.planner import LoweringOptions, NoRule, lower
+from coda.agent.synthesize import synthesize
 from coda.blocks import Add, Block, Linear, RMSNorm, ShapeSets, SwiGLU, TensorSpec, get_block
 from coda.sandbox import SandboxOptions, evaluate
 
@@ -98,3 +99,30 @@ def test_unsupported_graphs_name_the_op(graph, outputs, fragment: str) -> None: 
     with pytest.raises(NoRule) as err:
         lower(block)
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [LoweringOptions(gamma="side_output"), LoweringOptions(stats="pass")],
+    ids=["gamma-side-output", "stats-pass"],
+)
+def test_decomposition_variants_verify(options: LoweringOptions) -> None:
+    program = lower(DECODER_TAIL, options)
+    ops = [op.op for op in program.steps[0].epilogue]
+    if options.gamma == "side_output":
+        # the o-proj epilogue also stores x1 ⊙ γ; the gate/up GEMM reads it, weight unfolded
+        assert ops == ["add_tile", "store", "partial_reduce", "scale_cols", "store"]
+        assert [p.kind for p in program.prep] == ["interleave_rows"]
+        assert program.steps[2].a.tensor == "x1_gamma"
+    else:
+        assert ops == ["add_tile", "store"] and program.steps[1].src == "x1"
+    report = evaluate(program, DECODER_TAIL, FAST)
+    assert report.verified, report.render_text()
+
+
+def test_the_builtin_provider_synthesizes_a_block_defined_only_here(tmp_path) -> None:  # noqa: ANN001
+    result = synthesize(DECODER_TAIL, tmp_path, sandbox=FAST)
+    assert result.verified and result.stop.kind == "finished" and result.turns == 2
+    assert result.provider == "builtin" and result.usage.total == 0 and result.cost_usd == 0
+    assert result.best.program == lower(DECODER_TAIL)
+    assert "Timings are not measured" in result.stop.message

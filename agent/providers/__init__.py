@@ -1,0 +1,89 @@
+"""Providers: one protocol (``base``), one adapter per model source.
+
+``builtin`` (offline planner, the default), ``anthropic`` and ``openai`` (official SDKs, imported
+only when chosen), ``replay`` (a recorded transcript) and ``function`` (a Python function; tests).
+``make_provider`` builds one by name, turning a missing SDK or key into a ``ProviderError``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coda.blocks.block import Block
+
+from .base import (
+    AssistantTurn,
+    Message,
+    Provider,
+    ProviderError,
+    RetryPromptPart,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    ToolSpec,
+    TranscriptExhausted,
+    Usage,
+    UserMessage,
+)
+from .builtin import BuiltinProvider
+from .function import FunctionProvider
+from .replay import ReplayProvider
+from .retry import RetryPolicy
+
+PROVIDERS = ("builtin", "anthropic", "openai", "replay")
+
+
+def make_provider(
+    name: str,
+    block: Block,
+    *,
+    model: str | None = None,
+    base_url: str | None = None,
+    transcript: str | Path | None = None,
+    replay_skip: int = 0,
+) -> Provider:
+    """The provider called ``name``. Raises ``ProviderError`` (kind ``config``) for an unknown
+    name, a missing SDK, a missing key or a missing ``--transcript``; the planner's ``NoRule``
+    when ``builtin`` cannot lower ``block``."""
+    if name == "builtin":
+        return BuiltinProvider(block)
+    if name == "replay":
+        if transcript is None:
+            raise ProviderError(
+                "--provider replay needs --transcript FILE (a run's transcript.jsonl)",
+                kind="config",
+            )
+        return ReplayProvider(transcript, skip=replay_skip)
+    if name == "anthropic":
+        from .anthropic import AnthropicProvider
+
+        return AnthropicProvider(model, base_url=base_url)
+    if name == "openai":
+        from .openai import OpenAIProvider
+
+        return OpenAIProvider(model, base_url=base_url)
+    raise ProviderError(
+        f"unknown provider {name!r}: choose one of {', '.join(PROVIDERS)}", kind="config"
+    )
+
+
+__all__ = [
+    "PROVIDERS",
+    "AssistantTurn",
+    "BuiltinProvider",
+    "FunctionProvider",
+    "Message",
+    "Provider",
+    "ProviderError",
+    "ReplayProvider",
+    "RetryPolicy",
+    "RetryPromptPart",
+    "TextPart",
+    "ToolCallPart",
+    "ToolResultPart",
+    "ToolSpec",
+    "TranscriptExhausted",
+    "Usage",
+    "UserMessage",
+    "make_provider",
+]

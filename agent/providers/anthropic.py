@@ -1,0 +1,186 @@
+"""The ``anthropic`` provider: Claude through the official ``anthropic`` SDK (Messages API, tools).
+
+Each ``complete`` is one ``client.messages.create`` call: the system prompt, the whole normalised
+history converted to Messages-API content blocks (``text``, ``tool_use``, ``tool_result``), and the
+tools with their JSON-Schema ``input_schema``. The key comes from ``ANTHROPIC_API_KEY``;
+``base_url`` (``--base-url``) reaches a proxy or gateway. The SDK's own retries are off: the loop
+retries (``retry.py``) so that each wait is visible. SDK types never leave this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import anthropic
+
+from .base import (
+    AssistantTurn,
+    ProviderError,
+    StopReason,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    ToolSpec,
+    Usage,
+    UserMessage,
+    answered_call,
+    part_text,
+)
+from .http import malformed, server_detail, status_error, unreachable
+
+DEFAULT_MODEL = "claude-sonnet-4-5"
+KEY_VAR = "ANTHROPIC_API_KEY"
+DEFAULT_BASE_URL = "https://api.anthropic.com"
+
+_STOP: dict[str, StopReason] = {
+    "tool_use": "tool_use",
+    "end_turn": "end_turn",
+    "stop_sequence": "end_turn",
+    "max_tokens": "max_tokens",
+    "model_context_window_exceeded": "max_tokens",
+    "refusal": "refusal",
+}
+
+
+class AnthropicProvider:
+    """Claude via the Messages API. Raises ``ProviderError`` (kind ``config``) without a key."""
+
+    name = "anthropic"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        max_output_tokens: int = 8192,
+        request_timeout_s: float = 600.0,
+    ) -> None:
+        key = api_key or os.environ.get(KEY_VAR)
+        if not key:
+            raise ProviderError(
+                f"{KEY_VAR} is not set: export your Anthropic API key to use --provider "
+                "anthropic (--provider builtin needs no key)",
+                kind="config",
+            )
+        self.model = model or DEFAULT_MODEL
+        self.base_url = base_url or os.environ.get("ANTHROPIC_BASE_URL") or DEFAULT_BASE_URL
+        self.max_output_tokens = max_output_tokens
+        self._client = anthropic.Anthropic(
+            api_key=key, base_url=self.base_url, max_retries=0, timeout=request_timeout_s
+        )
+
+    def complete(
+        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+    ) -> AssistantTurn:
+        try:
+            response = self._client.messages.create(
+                model=self.model,
+                max_tokens=self.max_output_tokens,
+                system=system,
+                messages=[to_anthropic(m) for m in messages],
+                tools=[
+                    {"name": t.name, "description": t.description, "input_schema": t.input_schema}
+                    for t in tools
+                ],
+            )
+        except anthropic.APIResponseValidationError as e:
+            raise malformed("Anthropic", str(e)) from None
+        except anthropic.APIStatusError as e:
+            detail = server_detail(e.body, e.message)
+            raise status_error(
+                "Anthropic",
+                e.status_code,
+                detail,
+                e.response.headers,
+                key_var=KEY_VAR,
+                model=self.model,
+                base_url=self.base_url,
+            ) from None
+        except anthropic.APIConnectionError as e:
+            raise unreachable("Anthropic", self.base_url, str(e)) from None
+        except json.JSONDecodeError as e:
+            raise malformed("Anthropic", f"the body is not JSON ({e.msg})") from None
+        return from_anthropic(response, self.model)
+
+
+# -- conversion ------------------------------------------------------------------------------------
+def to_anthropic(message: UserMessage | AssistantTurn) -> dict[str, Any]:
+    """One normalised message as a Messages-API message (tool results first, as the API wants)."""
+    if isinstance(message, AssistantTurn):
+        blocks: list[dict[str, Any]] = []
+        for part in message.parts:
+            if isinstance(part, TextPart) and part.text.strip():
+                blocks.append({"type": "text", "text": part.text})
+            elif isinstance(part, ToolCallPart):
+                blocks.append(
+                    {"type": "tool_use", "id": part.id, "name": part.name, "input": _input(part)}
+                )
+        return {"role": "assistant", "content": blocks or [{"type": "text", "text": "(empty)"}]}
+    results, texts = [], []
+    for part in message.parts:
+        call_id = answered_call(part)
+        if call_id is not None:
+            results.append(
+                {
+                    "type": "tool_result",
+                    "tool_use_id": call_id,
+                    "content": part_text(part),
+                    "is_error": not isinstance(part, ToolResultPart) or part.is_error,
+                }
+            )
+        else:
+            texts.append({"type": "text", "text": part_text(part)})
+    return {"role": "user", "content": results + texts}
+
+
+def _input(call: ToolCallPart) -> dict[str, Any]:
+    try:
+        return call.parsed_arguments()
+    except ValueError:
+        return {}
+
+
+def from_anthropic(response: Any, model: str) -> AssistantTurn:
+    """The SDK's ``Message`` as an ``AssistantTurn``; ``ProviderError`` when it is malformed."""
+    content = getattr(response, "content", None)
+    if not isinstance(content, list):
+        raise malformed("Anthropic", "no `content` list in the message")
+    parts: list[TextPart | ToolCallPart] = []
+    for block in content:
+        kind = getattr(block, "type", None)
+        if kind == "text":
+            parts.append(TextPart(text=str(getattr(block, "text", ""))))
+        elif kind == "tool_use":
+            name, call_id, args = (getattr(block, k, None) for k in ("name", "id", "input"))
+            if not isinstance(name, str) or not isinstance(call_id, str):
+                raise malformed("Anthropic", "a `tool_use` block without `id` or `name`")
+            parts.append(ToolCallPart(id=call_id, name=name, arguments=json.dumps(args or {})))
+    reason = getattr(response, "stop_reason", None)
+    if not isinstance(reason, str):
+        raise malformed("Anthropic", "no `stop_reason`")
+    stop = _STOP.get(reason, "other")
+    if stop == "refusal":
+        details = getattr(response, "stop_details", None)
+        explanation = getattr(details, "explanation", None)
+        if explanation:
+            parts.append(TextPart(text=str(explanation)))
+    return AssistantTurn(
+        parts=parts,
+        usage=_usage(getattr(response, "usage", None)),
+        stop_reason=stop,
+        model=str(getattr(response, "model", None) or model),
+    )
+
+
+def _usage(usage: Any) -> Usage:
+    tokens = [getattr(usage, k, None) for k in ("input_tokens", "output_tokens")]
+    if not all(isinstance(t, int) for t in tokens):
+        raise malformed("Anthropic", "no `usage` with `input_tokens` and `output_tokens`")
+    cached = sum(
+        getattr(usage, k, None) or 0
+        for k in ("cache_creation_input_tokens", "cache_read_input_tokens")
+    )
+    return Usage(input_tokens=tokens[0] + cached, output_tokens=tokens[1])

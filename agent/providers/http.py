@@ -1,0 +1,84 @@
+"""HTTP failures of the LLM APIs as ``ProviderError``s that say what happened and what to change.
+
+Shared by the Anthropic and OpenAI adapters: both SDKs raise a status error carrying the HTTP
+status, the response headers and the server's message; this module decides which are worth
+retrying and how to word them. SDK exception classes stay in the adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .base import ProviderError
+from .retry import parse_retry_after
+
+
+def server_detail(body: Any, fallback: str) -> str:
+    """The server's own error message when its body has one (``{"error": {"message": ...}}``)."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+    if isinstance(body, str) and body.strip():
+        return body.strip()[:300]
+    return fallback
+
+
+def status_error(
+    vendor: str,
+    status: int,
+    detail: str,
+    headers: Mapping[str, str] | None,
+    *,
+    key_var: str,
+    model: str,
+    base_url: str,
+) -> ProviderError:
+    """A ``ProviderError`` for an HTTP error ``status`` from ``vendor``'s API."""
+    where = f"{vendor} API at {base_url}"
+    if status == 429:
+        return ProviderError(
+            f"rate limited by the {where} (HTTP 429): {detail}",
+            kind="rate_limit",
+            retryable=True,
+            retry_after=parse_retry_after(headers),
+        )
+    if status in (401, 403):
+        return ProviderError(
+            f"the {where} rejected the credentials (HTTP {status}): {detail} — check {key_var}",
+            kind="auth",
+        )
+    if status == 404:
+        return ProviderError(
+            f"the {where} answered 404 Not Found for model {model!r}: {detail} — check --model "
+            "(and --base-url, which should point at the API root)",
+            kind="not_found",
+        )
+    if status in (408, 409) or status >= 500:
+        return ProviderError(
+            f"the {where} failed (HTTP {status}): {detail}",
+            kind="server",
+            retryable=True,
+            retry_after=parse_retry_after(headers),
+        )
+    return ProviderError(
+        f"the {where} rejected the request (HTTP {status}): {detail}", kind="bad_request"
+    )
+
+
+def unreachable(vendor: str, base_url: str, cause: str) -> ProviderError:
+    return ProviderError(
+        f"cannot reach the {vendor} API at {base_url} ({cause}) — check the network, and that "
+        "--base-url points at a running server",
+        kind="network",
+        retryable=True,
+    )
+
+
+def malformed(vendor: str, what: str) -> ProviderError:
+    return ProviderError(
+        f"the {vendor} API returned a malformed response: {what}", kind="malformed"
+    )

@@ -1,0 +1,200 @@
+"""The ``openai`` provider: the official ``openai`` SDK's chat completions with function calling.
+
+``base_url`` (``--base-url``) reaches any OpenAI-compatible server (vLLM, llama.cpp, Ollama): point
+it at the API root that serves ``/chat/completions`` (e.g. ``http://localhost:8000/v1``). The key
+comes from ``OPENAI_API_KEY``; it is required for OpenAI's own API, and optional with a custom
+``--base-url`` (local servers usually ignore it; a placeholder is sent). The SDK's own retries are
+off: the loop retries (``retry.py``). SDK types never leave this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import openai
+
+from .base import (
+    AssistantTurn,
+    ProviderError,
+    StopReason,
+    TextPart,
+    ToolCallPart,
+    ToolSpec,
+    Usage,
+    UserMessage,
+    answered_call,
+    part_text,
+)
+from .http import malformed, server_detail, status_error, unreachable
+
+DEFAULT_MODEL = "gpt-4.1"
+KEY_VAR = "OPENAI_API_KEY"
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+PLACEHOLDER_KEY = "not-needed"  # sent to a custom --base-url when OPENAI_API_KEY is unset
+
+_STOP: dict[str, StopReason] = {
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "content_filter": "refusal",
+}
+
+
+class OpenAIProvider:
+    """Chat completions with tools. Raises ``ProviderError`` (kind ``config``) without a key for
+    OpenAI's own API."""
+
+    name = "openai"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout_s: float = 600.0,
+    ) -> None:
+        base_url = base_url or os.environ.get("OPENAI_BASE_URL")
+        key = api_key or os.environ.get(KEY_VAR)
+        if not key and not base_url:
+            raise ProviderError(
+                f"{KEY_VAR} is not set: export your OpenAI API key to use --provider openai, or "
+                "pass --base-url for an OpenAI-compatible server that needs none "
+                "(--provider builtin needs no key)",
+                kind="config",
+            )
+        self.model = model or DEFAULT_MODEL
+        self.base_url = base_url or DEFAULT_BASE_URL
+        self._client = openai.OpenAI(
+            api_key=key or PLACEHOLDER_KEY,
+            base_url=self.base_url,
+            max_retries=0,
+            timeout=request_timeout_s,
+        )
+
+    def complete(
+        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+    ) -> AssistantTurn:
+        try:
+            completion = self._client.chat.completions.create(
+                model=self.model,
+                messages=to_openai(system, messages),
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": t.name,
+                            "description": t.description,
+                            "parameters": t.input_schema,
+                        },
+                    }
+                    for t in tools
+                ],
+            )
+        except openai.APIResponseValidationError as e:
+            raise malformed("OpenAI", str(e)) from None
+        except openai.APIStatusError as e:
+            raise status_error(
+                "OpenAI",
+                e.status_code,
+                server_detail(e.body, e.message),
+                e.response.headers,
+                key_var=KEY_VAR,
+                model=self.model,
+                base_url=self.base_url,
+            ) from None
+        except openai.APIConnectionError as e:
+            raise unreachable("OpenAI", self.base_url, str(e)) from None
+        except json.JSONDecodeError as e:
+            raise malformed("OpenAI", f"the body is not JSON ({e.msg})") from None
+        return from_openai(completion, self.model)
+
+
+# -- conversion ------------------------------------------------------------------------------------
+def to_openai(system: str, messages: list[UserMessage | AssistantTurn]) -> list[dict[str, Any]]:
+    """The history as chat messages: system first; each tool result as a ``tool`` message right
+    after the assistant message that called it; other user parts as one ``user`` message."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for message in messages:
+        if isinstance(message, AssistantTurn):
+            out.append(_assistant(message))
+            continue
+        texts = []
+        for part in message.parts:
+            call_id = answered_call(part)
+            if call_id is not None:
+                out.append({"role": "tool", "tool_call_id": call_id, "content": part_text(part)})
+            else:
+                texts.append(part_text(part))
+        if texts:
+            out.append({"role": "user", "content": "\n\n".join(texts)})
+    return out
+
+
+def _assistant(turn: AssistantTurn) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": turn.text or None}
+    calls = [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for c in turn.tool_calls
+    ]
+    if calls:
+        message["tool_calls"] = calls
+    elif message["content"] is None:
+        message["content"] = "(empty)"
+    return message
+
+
+def from_openai(completion: Any, model: str) -> AssistantTurn:
+    """The SDK's ``ChatCompletion`` as an ``AssistantTurn``; ``ProviderError`` when malformed."""
+    choices = getattr(completion, "choices", None)
+    if not isinstance(choices, list) or not choices:
+        raise malformed("OpenAI", "no `choices` in the completion")
+    message = getattr(choices[0], "message", None)
+    if message is None:
+        raise malformed("OpenAI", "the first choice has no `message`")
+    parts: list[TextPart | ToolCallPart] = []
+    content = getattr(message, "content", None)
+    if isinstance(content, str) and content.strip():
+        parts.append(TextPart(text=content))
+    for i, call in enumerate(getattr(message, "tool_calls", None) or []):
+        fn = getattr(call, "function", None)
+        name, arguments = getattr(fn, "name", None), getattr(fn, "arguments", None)
+        if not isinstance(name, str):
+            raise malformed("OpenAI", f"tool call {i} has no function name")
+        call_id = getattr(call, "id", None) or f"call_{i}"
+        parts.append(ToolCallPart(id=str(call_id), name=name, arguments=_text(arguments)))
+    stop = _STOP.get(str(getattr(choices[0], "finish_reason", None)), "other")
+    refusal = getattr(message, "refusal", None)
+    if refusal:
+        parts.append(TextPart(text=str(refusal)))
+        stop = "refusal"
+    elif any(isinstance(p, ToolCallPart) for p in parts):
+        stop = "tool_use"  # some compatible servers say "stop" even when they call tools
+    return AssistantTurn(
+        parts=parts,
+        usage=_usage(getattr(completion, "usage", None)),
+        stop_reason=stop,
+        model=str(getattr(completion, "model", None) or model),
+    )
+
+
+def _text(arguments: Any) -> str:
+    if arguments is None:
+        return "{}"
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+def _usage(usage: Any) -> Usage:
+    """Token counts; servers that report none (some local ones) count as zero tokens."""
+    prompt, completion = (getattr(usage, k, None) for k in ("prompt_tokens", "completion_tokens"))
+    return Usage(
+        input_tokens=prompt if isinstance(prompt, int) else 0,
+        output_tokens=completion if isinstance(completion, int) else 0,
+    )

@@ -1,0 +1,223 @@
+"""The real ``anthropic`` and ``openai`` SDK clients against a scripted server on 127.0.0.1.
+
+End to end: a broken program, its Report as the tool result, the fix, ``finish`` — asserting what
+the loop sent (system prompt, tool schema, tool results) and what it counted. Then the failures a
+live API produces: 429 then success, 5xx, an unreachable server, a malformed body, a rejected or
+missing key, a refusal. No network is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coda.agent.providers import ProviderError
+from coda.agent.providers.anthropic import AnthropicProvider
+from coda.agent.providers.openai import OpenAIProvider
+from coda.agent.providers.retry import RetryPolicy
+from coda.agent.synthesize import synthesize
+
+from .fake_llm import (
+    FakeLLM,
+    Reply,
+    anthropic_message,
+    anthropic_tool,
+    closed_port,
+    openai_completion,
+    openai_tool,
+)
+from .scripted import BLOCK, FAST, broken_program, good_program
+
+QUICK_RETRY = RetryPolicy(attempts=3, base_delay_s=0.001, max_delay_s=0.05)
+
+
+@pytest.fixture
+def server() -> Iterator[FakeLLM]:
+    fake = FakeLLM()
+    yield fake
+    fake.close()
+
+
+def anthropic_at(url: str) -> AnthropicProvider:
+    return AnthropicProvider("claude-haiku-4-5", base_url=url, api_key="sk-ant-test")
+
+
+def openai_at(url: str) -> OpenAIProvider:
+    return OpenAIProvider("gpt-4.1-mini", base_url=f"{url}/v1", api_key="sk-oai-test")
+
+
+VENDORS = {
+    "anthropic": (anthropic_at, anthropic_tool, "/v1/messages"),
+    "openai": (openai_at, openai_tool, "/v1/chat/completions"),
+}
+
+
+def run(provider: Any, tmp_path: Path):  # noqa: ANN201
+    return synthesize(BLOCK, tmp_path, provider=provider, sandbox=FAST, retry=QUICK_RETRY)
+
+
+def refs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        if "$ref" in node:
+            yield node["$ref"]
+        for value in node.values():
+            yield from refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from refs(value)
+
+
+def check_submit_schema(schema: dict[str, Any]) -> None:
+    """The tool's input is {"program": <Program schema>} and every $ref resolves at its top."""
+    assert schema["type"] == "object" and schema["required"] == ["program"]
+    program = schema["properties"]["program"]
+    assert set(program["required"]) == {"block", "inputs", "steps", "outputs"}
+    assert "$defs" not in program and "GemmEpilogue" in schema["$defs"]
+    for ref in refs(schema):
+        assert ref.startswith("#/$defs/") and ref.removeprefix("#/$defs/") in schema["$defs"]
+
+
+def test_anthropic_sdk_end_to_end(server: FakeLLM, tmp_path: Path) -> None:
+    server.replies = [
+        anthropic_tool("toolu_1", "submit_program", {"program": broken_program()}),
+        anthropic_tool("toolu_2", "submit_program", {"program": good_program()}),
+        anthropic_tool("toolu_3", "finish", {"reason": "verified"}),
+    ]
+    result = run(anthropic_at(server.url), tmp_path)
+    assert result.verified and result.stop.kind == "finished" and result.turns == 3
+    assert (result.usage.input_tokens, result.usage.output_tokens) == (360, 90)
+    assert result.cost_usd == pytest.approx((360 * 1.0 + 90 * 5.0) / 1e6)
+
+    first, second = (r.body for r in server.requests[:2])
+    assert all(r.path == "/v1/messages" for r in server.requests)
+    assert server.requests[0].headers.get("x-api-key") == "sk-ant-test" or (
+        server.requests[0].headers.get("authorization") == "Bearer sk-ant-test"
+    )
+    assert first["model"] == "claude-haiku-4-5" and first["max_tokens"] > 0
+    assert first["system"].startswith("You are a GPU kernel engineer")
+    assert [t["name"] for t in first["tools"]] == ["submit_program", "describe_primitive", "finish"]
+    check_submit_schema(first["tools"][0]["input_schema"])
+    assert "def llama_mlp(" in first["messages"][0]["content"][0]["text"]
+    # turn 2 carries turn 1 and the Report, as a tool_result for toolu_1
+    user, assistant, results = second["messages"]
+    assert assistant["role"] == "assistant" and assistant["content"][1]["type"] == "tool_use"
+    assert assistant["content"][1]["input"]["program"] == broken_program()
+    (answer,) = results["content"]
+    assert answer["type"] == "tool_result" and answer["tool_use_id"] == "toolu_1"
+    assert "FAILED at semantics" in answer["content"] and answer["is_error"] is False
+
+
+def test_openai_sdk_end_to_end(server: FakeLLM, tmp_path: Path) -> None:
+    server.replies = [
+        openai_tool("call_1", "submit_program", {"program": broken_program()}),
+        openai_tool("call_2", "submit_program", "{this is not json"),
+        openai_tool("call_3", "submit_program", {"program": good_program()}),
+        openai_tool("call_4", "finish", {"reason": "verified"}),
+    ]
+    result = run(openai_at(server.url), tmp_path)
+    assert result.verified and result.stop.kind == "finished" and result.turns == 4
+    assert result.usage.total == 4 * 150 and result.tool_errors == 1
+    assert result.cost_usd == pytest.approx((480 * 0.4 + 120 * 1.6) / 1e6)
+
+    first, _, third = (r.body for r in server.requests[:3])
+    assert all(r.path == "/v1/chat/completions" for r in server.requests)
+    assert server.requests[0].headers["authorization"] == "Bearer sk-oai-test"
+    assert first["model"] == "gpt-4.1-mini"
+    assert first["messages"][0]["role"] == "system" and first["messages"][1]["role"] == "user"
+    tools = first["tools"]
+    assert [t["type"] for t in tools] == ["function"] * 3
+    check_submit_schema(tools[0]["function"]["parameters"])
+    # the Report of call_1, then the JSON error for call_2 (its raw arguments sent back verbatim)
+    roles = [m["role"] for m in third["messages"]]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "tool"]
+    report, bad_call, error = third["messages"][3], third["messages"][4], third["messages"][5]
+    assert report["tool_call_id"] == "call_1" and "FAILED at semantics" in report["content"]
+    assert bad_call["tool_calls"][0]["function"]["arguments"] == "{this is not json"
+    assert error["tool_call_id"] == "call_2" and "not valid JSON" in error["content"]
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_rate_limit_is_retried_with_backoff(server: FakeLLM, tmp_path: Path, vendor: str) -> None:
+    provider, tool, _ = VENDORS[vendor]
+    limited = Reply(429, {"error": {"type": "rate_limit_error", "message": "slow down"}})
+    limited.headers["retry-after"] = "0"
+    server.replies = [limited, tool("t1", "finish", {"reason": "ok"})]
+    result = run(provider(server.url), tmp_path)
+    assert result.stop.kind == "finished" and result.retries == 1 and len(server.requests) == 2
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_server_errors_give_up_with_a_clear_message(
+    server: FakeLLM, tmp_path: Path, vendor: str
+) -> None:
+    provider, _, _ = VENDORS[vendor]
+    server.replies = [Reply(500, {"error": {"message": "boom"}}) for _ in range(5)]
+    result = run(provider(server.url), tmp_path)
+    assert result.stop.kind == "provider_error" and result.stop.exit_code == 1
+    assert "HTTP 500" in result.stop.message and "boom" in result.stop.message
+    assert "gave up after 3 attempts" in result.stop.message and len(server.requests) == 3
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_an_unreachable_server_is_a_clear_error(tmp_path: Path, vendor: str) -> None:
+    provider, _, _ = VENDORS[vendor]
+    url = f"http://127.0.0.1:{closed_port()}"
+    result = run(provider(url), tmp_path)
+    assert result.stop.kind == "provider_error" and "cannot reach" in result.stop.message
+    assert "127.0.0.1" in result.stop.message and "--base-url" in result.stop.message
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+@pytest.mark.parametrize("body,fragment", [({"foo": 1}, "malformed"), ("<html>", "not JSON")])
+def test_a_malformed_response_is_a_clear_error(
+    server: FakeLLM, tmp_path: Path, vendor: str, body: Any, fragment: str
+) -> None:
+    provider, _, _ = VENDORS[vendor]
+    server.replies = [Reply(200, body)]
+    result = run(provider(server.url), tmp_path)
+    assert result.stop.kind == "provider_error" and fragment in result.stop.message
+    assert len(server.requests) == 1  # not retried
+
+
+@pytest.mark.parametrize(
+    "vendor,key_var", [("anthropic", "ANTHROPIC_API_KEY"), ("openai", "OPENAI_API_KEY")]
+)
+def test_a_rejected_key_is_a_configuration_error(
+    server: FakeLLM, tmp_path: Path, vendor: str, key_var: str
+) -> None:
+    provider, _, _ = VENDORS[vendor]
+    server.replies = [Reply(401, {"error": {"message": "invalid x-api-key"}})]
+    result = run(provider(server.url), tmp_path)
+    assert result.stop.exit_code == 2 and "HTTP 401" in result.stop.message
+    assert f"check {key_var}" in result.stop.message and len(server.requests) == 1
+
+
+def test_a_missing_key_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ProviderError, match="ANTHROPIC_API_KEY is not set") as err:
+        AnthropicProvider()
+    assert err.value.exit_code == 2
+    with pytest.raises(ProviderError, match="OPENAI_API_KEY is not set") as err:
+        OpenAIProvider()
+    assert err.value.exit_code == 2
+    # an OpenAI-compatible server at --base-url may need no key
+    assert OpenAIProvider("llama", base_url="http://127.0.0.1:1/v1").model == "llama"
+
+
+def test_refusals_end_the_run(server: FakeLLM, tmp_path: Path) -> None:
+    server.replies = [
+        anthropic_message(
+            stop="refusal",
+            stop_details={"type": "refusal", "category": None, "explanation": "Declined."},
+        )
+    ]
+    result = run(anthropic_at(server.url), tmp_path / "a")
+    assert result.stop.kind == "refused" and "Declined." in result.stop.message
+
+    server.replies = [openai_completion(refusal="I can't help with that.", finish="stop")]
+    result = run(openai_at(server.url), tmp_path / "b")
+    assert result.stop.kind == "refused" and "I can't help with that." in result.stop.message
