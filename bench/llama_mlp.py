@@ -100,6 +100,7 @@ def bench_mainloop(m: int, n: int, k: int, space) -> dict:  # noqa: ANN001
         "ratio": t["ours"] / t["cublas"],
         "rel_err": err,
         "mainloop": compiled.mainloops_used["gemm"],
+        "kernel_stats": compiled.kernel_stats.get("gemm", {}),
         "config": tuning["gemm"].best.model_dump(),
         "trials": _trials(tuning["gemm"]),
     }
@@ -130,6 +131,7 @@ def bench_glu(m: int, n: int, k: int, space) -> dict:  # noqa: ANN001
         "ratio_to_gemm": t["fused"] / t["gemm"],
         "speedup_vs_unfused": t["gemm_glu"] / t["fused"],
         "rel_err": err,
+        "kernel_stats": compiled.kernel_stats.get("gemm", {}),
         "config": tuning["gemm"].best.model_dump(),
         "trials": _trials(tuning["gemm"]),
     }

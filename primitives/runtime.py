@@ -41,6 +41,7 @@ class CompiledProgram:
     mainloop: Mainloop = "auto"  # "tma" / "pointer" force one mainloop (tests, benchmarks)
     use_vendor: bool = True  # plain-store gemms on torch.matmul; False runs them on our mainloop
     mainloops_used: dict[str, str] = field(default_factory=dict)  # step -> mainloop last launched
+    kernel_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # step -> regs, spills
     _infos: dict[tuple, ProgramInfo] = field(default_factory=dict)
     _loaded: dict[str, Callable] = field(default_factory=dict)
 
@@ -142,7 +143,7 @@ class CompiledProgram:
         grid = (min(num_tiles, _num_sms(device)),)
         # fp32 operands: full-precision products (not tf32), to match PyTorch's fp32 matmul.
         precision = "ieee" if tensors[step.a.tensor].dtype == torch.float32 else "tf32"
-        kernel[grid](
+        launched = kernel[grid](
             *args,
             BLOCK_SIZE_M=cfg.block_m,
             BLOCK_SIZE_N=cfg.block_n,
@@ -156,6 +157,7 @@ class CompiledProgram:
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
+        self.kernel_stats[gemm.name] = compiled_kernel_stats(launched)
 
     def _run_vendor(
         self, step: GemmEpilogue, gemm: GemmInfo, tensors: dict[str, torch.Tensor], act: torch.dtype
@@ -250,6 +252,20 @@ def _param_value(
         }
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [sizes[b] for b in p.block])
     return {"M": gemm.M, "N": gemm.N, "K": gemm.K}[p.name]
+
+
+def compiled_kernel_stats(launched: Any) -> dict[str, int]:
+    """Registers per thread, spilled registers and shared memory of a compiled kernel, from what
+    a Triton launch returns (empty under the interpreter, which compiles nothing)."""
+    stats = {}
+    for key, attr in (("registers", "n_regs"), ("spills", "n_spills")):
+        value = getattr(launched, attr, None)
+        if isinstance(value, int):
+            stats[key] = value
+    shared = getattr(getattr(launched, "metadata", None), "shared", None)
+    if isinstance(shared, int):
+        stats["shared_bytes"] = shared
+    return stats
 
 
 # -- choosing a mainloop ---------------------------------------------------------------------------

@@ -105,6 +105,7 @@ def profile_shape(
         tflops=block.flops(sizes) / (program_ms * 1e-3) / 1e12,
         configs={n: c.model_dump() for n, c in compiled.configs_for(info).items()},
         mainloops=dict(compiled.mainloops_used),
+        kernel_stats=dict(compiled.kernel_stats),
         input_sets=n,
         **errors,
     )

@@ -42,6 +42,7 @@ class ProfileRow(BaseModel):
     rel_err: float | None = None  # program vs fp32 reference, at this shape, in this run
     eager_rel_err: float | None = None  # eager PyTorch in the same dtype vs the same reference
     baselines_ms: dict[str, float] = {}  # further baselines timed in the same rounds (e.g. Liger)
+    kernel_stats: dict[str, dict[str, int]] = {}  # step -> registers, spills, shared_bytes
 
     @property
     def ratio_to_gemms(self) -> float:
