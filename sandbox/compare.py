@@ -137,7 +137,8 @@ def _reason(
             "elements were never written, e.g. a missing tile at a ragged edge)"
         )
     if want.numel() > 1 and float(want.std()) > 0 and float(got.std()) == 0:
-        return f"the output is constant ({float(got.flatten()[0]):.4g}) but the reference varies"
+        value = float(got.flatten()[0]) + 0.0  # + 0.0: print -0.0 as 0
+        return f"the output is constant ({value:.4g}) but the reference varies"
     if max_err > allowed:
         return f"{nbad} of {want.numel()} elements exceed the allowed error"
     if rel > rel_bound:
