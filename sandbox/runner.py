@@ -41,11 +41,17 @@ SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
 
 
 def program_hash(data: Program | dict | str) -> str:
+    """A short key for the candidate; any input hashes (text with lone surrogates included)."""
     if isinstance(data, Program):
         text = data.canonical_json()
+    elif isinstance(data, str):
+        text = data
     else:
-        text = data if isinstance(data, str) else json.dumps(data, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+        try:
+            text = json.dumps(data, sort_keys=True, default=str)
+        except (TypeError, ValueError):  # keys that are not strings, a cycle: not JSON at all
+            text = repr(data)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 def versions() -> dict[str, str]:
