@@ -27,7 +27,7 @@ PROFILE = {
 }
 
 
-@settings(max_examples=150, **PROFILE)
+@settings(max_examples=120, **PROFILE)
 @given(cases(BLOCKS, HONEST))
 def test_validate_semantics_compile_never_crash(case: tuple[Any, str]) -> None:
     data, block = case

@@ -12,6 +12,8 @@ from coda.sandbox import SandboxOptions, evaluate
 from tests.adversarial.programs import BLOCKS, LLAMA
 
 PLUGIN = str(Path(__file__).parents[1] / "primitives" / "plugin_ops.py")
+LLAMA_SHAPES = BLOCKS["llama_mlp"].shapes.cpu
+QUICK = {"seeds": [0], "dtypes": ["float32"], "shapes": [LLAMA_SHAPES[0], LLAMA_SHAPES[-1]]}
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +30,7 @@ def _residual_by_plugin() -> dict:
 
 
 def test_a_plugin_primitive_verifies_in_an_isolated_worker() -> None:
-    options = SandboxOptions(plugins=[PLUGIN], seeds=[0], dtypes=["float32"])
+    options = SandboxOptions(plugins=[PLUGIN], **QUICK)
     report = evaluate(_residual_by_plugin(), BLOCKS["llama_mlp"], options)
     assert report.verified, report.render_text()
 
@@ -36,7 +38,8 @@ def test_a_plugin_primitive_verifies_in_an_isolated_worker() -> None:
 def test_plugins_default_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CODA_PLUGINS", PLUGIN)
     assert SandboxOptions().plugins == [PLUGIN]
-    report = evaluate(_residual_by_plugin(), BLOCKS["llama_mlp"], SandboxOptions(isolate=False))
+    options = SandboxOptions(isolate=False, **QUICK)  # plugins: the default, from the environment
+    report = evaluate(_residual_by_plugin(), BLOCKS["llama_mlp"], options)
     assert report.verified, report.render_text()
     assert "add_tile_scaled" in EpilogueOp.registry
 
