@@ -37,7 +37,8 @@ from .faults import WORKER_ENV, describe_exit, refine_by_stderr, stderr_tail
 from .report import STAGES, Cause, ProfileRow, Report, Stage, StageResult
 from .stages import SandboxOptions, run_worker_stages, semantics, validate
 
-SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+# An environment variable whose name contains one of these never reaches a worker.
+SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "COOKIE")
 
 
 def program_hash(data: Program | dict | str) -> str:
@@ -192,7 +193,8 @@ def _write_kernels(kernels: dict[str, str], directory: Path) -> None:
     """The generated modules, as they were compiled, one file per fused step."""
     directory.mkdir(parents=True, exist_ok=True)
     for name, source in kernels.items():
-        (directory / f"{name}.py").write_text(source)
+        if name.isidentifier():  # step names are validated identifiers: never a path
+            (directory / f"{name}.py").write_text(source)
 
 
 def _run_stages(
