@@ -7,6 +7,7 @@
 * ``analyze``: validation and shape resolution (raises ``ProgramError`` with a location).
 * ``execute_reference``: the PyTorch reference executor.
 * ``compile_program``: Triton codegen + runtime (compiled on a GPU, interpreted on a CPU).
+* ``load_plugins``: extra primitives from user (or test) modules, parseable like built-in ones.
 """
 
 from . import backend  # noqa: F401  (first: chooses the interpreter before any kernel exists)
@@ -15,6 +16,7 @@ from .base import AuxStep, EpilogueOp, Port, PrepStep
 from .builder import ProgramBuilder
 from .errors import ProgramError
 from .ir import GemmEpilogue, MainloopConfig, Operand, Program, TensorDecl
+from .plugins import PluginError, load_plugins, plugin_scope
 from .reference import execute_reference, outputs_of
 from .runtime import CompiledProgram, compile_program
 
@@ -25,6 +27,7 @@ __all__ = [
     "GemmEpilogue",
     "MainloopConfig",
     "Operand",
+    "PluginError",
     "Port",
     "PrepStep",
     "Program",
@@ -37,5 +40,7 @@ __all__ = [
     "bind_sizes",
     "compile_program",
     "execute_reference",
+    "load_plugins",
     "outputs_of",
+    "plugin_scope",
 ]

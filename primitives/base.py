@@ -8,12 +8,16 @@
 * ``PrepStep`` — a weight-layout transform run once per weight, not per call.
 
 Subclassing registers a node: its ``op``/``kind`` literal is collected into the discriminated unions
-that ``Program`` is built from, so adding a primitive is one module (plus its test).
+that ``Program`` is built from, so adding a primitive is one module (plus its test). A node defined
+after ``Program`` (a plugin, see ``plugins``) registers the same way; every change to a registry is
+announced to listeners (``on_registry_change``), which is how ``ir`` rebuilds its unions. A tag that
+is already taken by another class is refused: a plugin can add primitives, never replace one.
 """
 
 from __future__ import annotations
 
 import keyword
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
@@ -68,6 +72,74 @@ def _literal_default(cls: type[BaseModel], field: str) -> str | None:
     return info.default if info is not None and isinstance(info.default, str) else None
 
 
+# -- registries ------------------------------------------------------------------------------------
+_LISTENERS: list[Callable[[], None]] = []
+
+
+def on_registry_change(listener: Callable[[], None]) -> None:
+    """Call ``listener`` after every change to a node registry (registration or restore)."""
+    _LISTENERS.append(listener)
+
+
+def _announce() -> None:
+    for listener in _LISTENERS:
+        listener()
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _register(base: type[Node], cls: type[Node], tag_field: str) -> bool:
+    """Add ``cls`` to ``base.registry`` under its ``tag_field`` literal (if it has one).
+
+    Registering the same class again is a no-op; so is re-executing the module that defines it (a
+    class with the same qualified name replaces the old one). Another class claiming a taken tag is
+    an error: plugins add primitives, they never silently replace one.
+    """
+    tag = _literal_default(cls, tag_field)
+    if tag is None:
+        return False  # an abstract family base such as a shared ``_VectorOp``
+    registry: dict[str, type[Node]] = base.registry  # type: ignore[attr-defined]
+    current = registry.get(tag)
+    if current is cls:
+        return True
+    if current is not None and qualified_name(current) != qualified_name(cls):
+        raise TypeError(
+            f"{base.__name__} {tag_field}={tag!r} is already registered by "
+            f"{qualified_name(current)}; {qualified_name(cls)} must use another {tag_field}"
+        )
+    registry[tag] = cls
+    _announce()
+    return True
+
+
+def register_node(cls: type) -> bool:
+    """Register an ``EpilogueOp`` / ``AuxStep`` / ``PrepStep`` subclass that has an ``op``/``kind``
+    literal; False for any other class."""
+    for base, tag_field in ((EpilogueOp, "op"), (AuxStep, "kind"), (PrepStep, "kind")):
+        if isinstance(cls, type) and issubclass(cls, base) and cls is not base:
+            return _register(base, cls, tag_field)
+    return False
+
+
+RegistrySnapshot = tuple[dict[str, type], dict[str, type], dict[str, type]]
+
+
+def snapshot_registries() -> RegistrySnapshot:
+    return dict(EpilogueOp.registry), dict(AuxStep.registry), dict(PrepStep.registry)
+
+
+def restore_registries(snapshot: RegistrySnapshot) -> None:
+    """Put the registries back as they were (drops nodes registered since the snapshot)."""
+    for registry, saved in zip(
+        (EpilogueOp.registry, AuxStep.registry, PrepStep.registry), snapshot, strict=True
+    ):
+        registry.clear()
+        registry.update(saved)
+    _announce()
+
+
 class EpilogueOp(Node):
     """One primitive in an epilogue. Subclasses set ``op`` (a Literal) and ``port``."""
 
@@ -84,9 +156,7 @@ class EpilogueOp(Node):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        name = _literal_default(cls, "op")
-        if name is not None:
-            EpilogueOp.registry[name] = cls
+        _register(EpilogueOp, cls, "op")
 
     @property
     def name(self) -> str:
@@ -129,9 +199,7 @@ class AuxStep(Node):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        name = _literal_default(cls, "kind")
-        if name is not None:
-            AuxStep.registry[name] = cls
+        _register(AuxStep, cls, "kind")
 
     def check(self, env: ProgramEnv) -> None:
         raise NotImplementedError
@@ -155,9 +223,7 @@ class PrepStep(Node):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        name = _literal_default(cls, "kind")
-        if name is not None:
-            PrepStep.registry[name] = cls
+        _register(PrepStep, cls, "kind")
 
     def check(self, env: ProgramEnv) -> None:
         raise NotImplementedError

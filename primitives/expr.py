@@ -8,14 +8,17 @@ Grammar (Python syntax, parsed with ``ast`` and then whitelisted)::
     cond  := expr (< | <= | > | >= | == | !=) expr
 
 Names are epilogue values (tiles, row vectors, column vectors; they broadcast like tensors of shape
-``[M, W]``, ``[M, 1]`` and ``[1, W]``). Everything is computed in fp32. Anything else — attribute
-access, subscripts, other functions, strings, lambdas — is rejected with a message saying what is
-allowed. One parsed ``Expr`` has two printers: Triton source and a PyTorch evaluation.
+``[M, W]``, ``[M, 1]`` and ``[1, W]``). Everything is computed in fp32, so numbers must be finite
+in fp32. Anything else — attribute access, subscripts, other functions, strings, lambdas — is
+rejected with a message saying what is allowed. Expressions nest at most ``MAX_DEPTH`` levels (the
+converters and printers recurse; a long flat chain ``x+x+…`` is a deep left-leaning tree). One
+parsed ``Expr`` has two printers: Triton source and a PyTorch evaluation.
 """
 
 from __future__ import annotations
 
 import ast
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -44,6 +47,8 @@ COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==",
 ALLOWED_FUNCTIONS = sorted([*UNARY, *BINARY_FN, "where"])
 MAX_LENGTH = 2000
 MAX_POWER = 4
+MAX_DEPTH = 64  # nesting of the syntax tree; Python's recursion limit is 1000 frames
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -74,13 +79,64 @@ def _parse_cached(source: str) -> Expr:
         raise ProgramError("the expression is empty")
     if len(source) > MAX_LENGTH:
         raise ProgramError(f"the expression is longer than {MAX_LENGTH} characters")
+    _check_text(source)
     try:
         node = ast.parse(source.strip(), mode="eval").body
     except SyntaxError as e:
         raise ProgramError(
             f"expression {source!r} is not valid syntax: {e.msg} (column {e.offset})"
         ) from None
+    except (RecursionError, MemoryError):
+        raise _too_deep(source) from None
+    if _depth(node) > MAX_DEPTH:
+        raise _too_deep(source)
     return Expr(source, _convert(node, source, in_where_cond=False))
+
+
+def _check_text(source: str) -> None:
+    """NUL and lone surrogates cannot be compiled (Python raises ValueError or SyntaxError,
+    depending on its version): name them instead."""
+    for column, char in enumerate(source, start=1):
+        if char == "\x00" or "\ud800" <= char <= "\udfff":
+            raise ProgramError(
+                f"expression {source.encode('utf-8', 'backslashreplace').decode()!r} is not valid "
+                f"text: character U+{ord(char):04X} at column {column}",
+                hint="write expressions in plain ASCII",
+            )
+
+
+def _depth(root: ast.AST) -> int:
+    """Nesting depth of the syntax tree, measured without recursion."""
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
+def _too_deep(source: str) -> ProgramError:
+    shown = source if len(source) <= 60 else source[:57] + "..."
+    return ProgramError(
+        f"expression {shown!r} nests deeper than {MAX_DEPTH} levels (a long chain such as "
+        "a + b + c + … nests one level per operator)",
+        hint="split it into several map ops, each naming an intermediate value",
+    )
+
+
+def _number(node: ast.Constant, src: str) -> tuple:
+    try:
+        value = float(node.value)
+    except OverflowError:
+        value = math.inf
+    if not abs(value) <= FLOAT32_MAX:
+        raise _reject(
+            src,
+            f"the number {(ast.get_source_segment(src.strip(), node) or '')[:30]} is not a "
+            "finite float32 number",
+            hint="epilogue math is fp32: constants must lie within ±3.4e38",
+        )
+    return ("num", value)
 
 
 def _reject(source: str, what: str, hint: str = "") -> ProgramError:
@@ -94,7 +150,7 @@ def _reject(source: str, what: str, hint: str = "") -> ProgramError:
 def _convert(node: ast.AST, src: str, *, in_where_cond: bool) -> tuple:
     conv = lambda n, cond=False: _convert(n, src, in_where_cond=cond)  # noqa: E731
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return ("num", float(node.value))
+        return _number(node, src)
     if isinstance(node, ast.Name):
         if node.id in ALLOWED_FUNCTIONS:
             raise _reject(src, f"{node.id!r} is a function; call it, e.g. {node.id}(x)")
@@ -106,8 +162,9 @@ def _convert(node: ast.AST, src: str, *, in_where_cond: bool) -> tuple:
         return ("bin", ARITH[type(node.op)], conv(node.left), conv(node.right))
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
         k = node.right
-        if isinstance(k, ast.UnaryOp) and isinstance(k.op, ast.USub):
-            k = ast.Constant(-k.operand.value) if isinstance(k.operand, ast.Constant) else k
+        negated = isinstance(k, ast.UnaryOp) and isinstance(k.op, ast.USub)
+        if negated and isinstance(k.operand, ast.Constant) and type(k.operand.value) is int:
+            k = ast.Constant(-k.operand.value)
         if not (isinstance(k, ast.Constant) and type(k.value) is int and abs(k.value) <= MAX_POWER):
             raise _reject(
                 src,

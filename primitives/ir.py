@@ -3,18 +3,22 @@
 A Program is what an agent writes (as JSON, through a tool whose input schema is
 ``Program.model_json_schema()``) and what the sandbox runs. Everything is a frozen pydantic model
 with ``extra="forbid"``; its canonical JSON is its cache key. The op, aux and prep unions are
-collected from the registries in ``base`` — nothing here lists primitives by hand.
+collected from the registries in ``base`` — nothing here lists primitives by hand. They are resolved
+whenever a model's schema is built, and the models are rebuilt whenever a registry changes (a plugin
+registered a primitive), so parsing and the JSON schema always cover every registered node.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, GetCoreSchemaHandler, ValidationError, field_validator, model_validator
+from pydantic_core import CoreSchema
 
 from . import aux, ops, prep  # noqa: F401  (importing registers every node)
-from .base import AuxStep, EpilogueOp, Name, Node, PrepStep
+from .base import AuxStep, EpilogueOp, Name, Node, PrepStep, on_registry_change
 from .errors import ProgramError, did_you_mean
 from .types import DtypeClass
 
@@ -25,8 +29,24 @@ def _union(classes: list[type], discriminator: str) -> Any:
     return Annotated[Union[tuple(classes)], Field(discriminator=discriminator)]  # noqa: UP007
 
 
-EpilogueOpUnion = _union(list(EpilogueOp.registry.values()), "op")
-PrepUnion = _union(list(PrepStep.registry.values()), "kind")
+class RegistryUnion:
+    """Field-type marker: the discriminated union of a registry's classes *when the schema is
+    built* (not when this module was imported), so ``rebuild_models`` picks up new nodes."""
+
+    def __init__(self, classes: Callable[[], list[type]], discriminator: str) -> None:
+        self.classes = classes
+        self.discriminator = discriminator
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> CoreSchema:
+        return handler.generate_schema(_union(self.classes(), self.discriminator))
+
+
+EpilogueOpUnion = Annotated[
+    EpilogueOp, RegistryUnion(lambda: [*EpilogueOp.registry.values()], "op")
+]
+PrepUnion = Annotated[PrepStep, RegistryUnion(lambda: [*PrepStep.registry.values()], "kind")]
 
 
 class Operand(Node):
@@ -124,7 +144,9 @@ class GemmEpilogue(Node):
         return only.op == "store" and only.src == "acc" and only.mode == "write"
 
 
-StepUnion = _union([GemmEpilogue, *AuxStep.registry.values()], "kind")
+StepUnion = Annotated[
+    Node, RegistryUnion(lambda: [GemmEpilogue, *AuxStep.registry.values()], "kind")
+]
 
 
 class TensorDecl(Node):
@@ -190,6 +212,19 @@ class Program(Node):
         from .builder import program_to_python
 
         return program_to_python(self)
+
+
+def rebuild_models() -> None:
+    """Rebuild the models whose unions come from the registries (after a registry changed).
+
+    A model elsewhere that embeds ``Program`` or ``GemmEpilogue`` copied their schema when it was
+    built: rebuild it too, from a listener registered with ``base.on_registry_change``.
+    """
+    GemmEpilogue.model_rebuild(force=True)
+    Program.model_rebuild(force=True)
+
+
+on_registry_change(rebuild_models)
 
 
 def _tag_hint(err: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ class OutputCheck(BaseModel):
     sizes: dict[str, int]
     seed: int
     passed: bool
+    mainloop: str = ""  # the mainloop(s) the kernels ran with: "tma", "pointer", "pointer,tma"
     reason: str = ""
     max_abs_err: float | None = None
     torch_max_abs_err: float | None = None  # the block's PyTorch reference in the same dtype
@@ -42,7 +43,8 @@ class OutputCheck(BaseModel):
 
     def summary(self) -> str:
         where = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
-        head = f"{self.output} [{self.dtype}, {where}, seed {self.seed}]"
+        loop = f", {self.mainloop} mainloop" if self.mainloop else ""
+        head = f"{self.output} [{self.dtype}, {where}, seed {self.seed}{loop}]"
         if self.max_abs_err is None:
             return f"{head}: {self.reason}"
         nums = (
@@ -137,7 +139,8 @@ def _reason(
             "elements were never written, e.g. a missing tile at a ragged edge)"
         )
     if want.numel() > 1 and float(want.std()) > 0 and float(got.std()) == 0:
-        return f"the output is constant ({float(got.flatten()[0]):.4g}) but the reference varies"
+        value = float(got.flatten()[0]) + 0.0  # + 0.0: print -0.0 as 0
+        return f"the output is constant ({value:.4g}) but the reference varies"
     if max_err > allowed:
         return f"{nbad} of {want.numel()} elements exceed the allowed error"
     if rel > rel_bound:

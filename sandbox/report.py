@@ -16,6 +16,32 @@ from .compare import OutputCheck
 Stage = Literal["validate", "semantics", "compile", "verify", "profile"]
 STAGES: tuple[Stage, ...] = ("validate", "semantics", "compile", "verify", "profile")
 
+# Why a stage failed, as data (the message says it in words):
+#   program        the program is malformed, ill-typed, or its algebra is wrong (a ProgramError)
+#   block          the block (or its shape set) cannot judge programs: an input has no effect
+#   plugin         a plugin module could not be loaded
+#   mismatch       verify: outputs differ from the reference (NaN/Inf, constant, too large errors)
+#   input_modified verify: the kernels wrote into a block input
+#   screen         verify: an output does not follow one of the inputs as the reference does
+#   exception      an unexpected Python exception (generated code, a primitive, a library)
+#   oom            out of memory (the worker's memory cap, the device, or the system's OOM killer)
+#   cuda_fault     a CUDA error (illegal address, device assert, ...): the GPU worker is discarded
+#   timeout        the worker ran past the wall-clock limit; its process group was killed
+#   crash          the worker died (a signal such as SIGSEGV, or an exit before it finished)
+Cause = Literal[
+    "program",
+    "block",
+    "plugin",
+    "mismatch",
+    "input_modified",
+    "screen",
+    "exception",
+    "oom",
+    "cuda_fault",
+    "timeout",
+    "crash",
+]
+
 
 class StageResult(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -23,6 +49,7 @@ class StageResult(BaseModel):
     status: Literal["passed", "failed", "skipped"]
     message: str = ""
     seconds: float = 0.0
+    cause: Cause | None = None  # set when status == "failed"
 
 
 class ProfileRow(BaseModel):
@@ -86,7 +113,8 @@ class Report(BaseModel):
         failed = self.failed_stage
         if failed is not None:
             first = failed.message.splitlines()[0] if failed.message else ""
-            return f"FAILED at {failed.stage}: {first}"
+            cause = f" [{failed.cause}]" if failed.cause else ""
+            return f"FAILED at {failed.stage}{cause}: {first}"
         if not self.verified:
             return "NOT VERIFIED"
         worst = self.worst_check()

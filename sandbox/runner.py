@@ -1,9 +1,11 @@
 """``evaluate``: run a candidate Program through every sandbox stage and return a Report.
 
-validate and semantics run here (pure PyTorch, fast, no generated code executes); compile, verify
-and profile run in a worker subprocess with a wall-clock timeout, its own Triton and kernel caches,
-no provider secrets in its environment, in its own process group (killed whole on timeout). A hang,
-crash or fault in a candidate becomes a failed stage in the Report, never an exception here.
+validate and semantics run here (pure PyTorch on the CPU, no generated code is produced or run);
+compile (code generation included), verify and profile run in a fresh worker subprocess per
+candidate: its own process group (killed whole on timeout, and swept when it exits), its own Triton
+and kernel caches, a memory cap, no provider secrets in its environment. A hang, crash, exception,
+out-of-memory or CUDA fault in a candidate becomes a failed stage in the Report, with its cause and
+the worker's last stderr lines — never an exception here.
 """
 
 from __future__ import annotations
@@ -28,21 +30,29 @@ import triton
 from coda.blocks.block import Block
 from coda.primitives import backend
 from coda.primitives.ir import Program
-from coda.primitives.runtime import compile_program
+from coda.primitives.plugins import PluginError, load_plugins
 
 from .compare import OutputCheck
-from .report import ProfileRow, Report, StageResult
+from .faults import WORKER_ENV, describe_exit, refine_by_stderr, stderr_tail
+from .report import STAGES, Cause, ProfileRow, Report, Stage, StageResult
 from .stages import SandboxOptions, run_worker_stages, semantics, validate
 
-SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+# An environment variable whose name contains one of these never reaches a worker.
+SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "COOKIE")
 
 
 def program_hash(data: Program | dict | str) -> str:
+    """A short key for the candidate; any input hashes (text with lone surrogates included)."""
     if isinstance(data, Program):
         text = data.canonical_json()
+    elif isinstance(data, str):
+        text = data
     else:
-        text = data if isinstance(data, str) else json.dumps(data, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+        try:
+            text = json.dumps(data, sort_keys=True, default=str)
+        except (TypeError, ValueError):  # keys that are not strings, a cycle: not JSON at all
+            text = repr(data)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 def versions() -> dict[str, str]:
@@ -76,6 +86,64 @@ class _Results(list):
             self.on_stage(item)
 
 
+class _Collected:
+    """What the worker's events said: stage results, checks, timings, kernels, progress."""
+
+    def __init__(self, results: list[StageResult]) -> None:
+        self.results = results
+        self.checks: list[OutputCheck] = []
+        self.profile: list[ProfileRow] = []
+        self.kernels: dict[str, str] = {}  # step -> generated source
+        self.started: str | None = None
+        self.started_at = time.monotonic()
+        self.done = False
+
+    def absorb(self, kind: str, data: Any) -> None:
+        if kind == "stage":
+            self.results.append(
+                data if isinstance(data, StageResult) else StageResult.model_validate(data)
+            )
+            self.started = None
+        elif kind == "checks":
+            self.checks += [
+                c if isinstance(c, OutputCheck) else OutputCheck.model_validate(c) for c in data
+            ]
+        elif kind == "profile":
+            self.profile += [
+                r if isinstance(r, ProfileRow) else ProfileRow.model_validate(r) for r in data
+            ]
+        elif kind == "kernels":
+            self.kernels.update(data)
+        elif kind == "started":
+            self.started, self.started_at = data, time.monotonic()
+        elif kind == "done":
+            self.done = True
+
+    @property
+    def failed(self) -> bool:
+        return any(r.status == "failed" for r in self.results)
+
+    def current_stage(self) -> Stage:
+        """The stage a worker that died now was in (setup counts as compile)."""
+        if self.started in STAGES:
+            return self.started  # type: ignore[return-value]
+        last = next((r.stage for r in reversed(self.results) if r.stage in STAGES[2:]), None)
+        if self.started == "setup" or last is None:
+            return "compile"
+        return STAGES[min(STAGES.index(last) + 1, len(STAGES) - 1)]
+
+
+def _load_plugins(options: SandboxOptions, results: list[StageResult]) -> bool:
+    try:
+        load_plugins(options.plugins)
+    except PluginError as e:
+        results.append(
+            StageResult(stage="validate", status="failed", message=str(e), cause="plugin")
+        )
+        return False
+    return True
+
+
 def evaluate(
     data: Program | dict | str,
     block: Block,
@@ -86,25 +154,23 @@ def evaluate(
     on_stage: OnStage | None = None,
 ) -> Report:
     """Every stage for one candidate. ``block_file`` lets the worker import a user's block;
-    ``on_stage`` is called as each stage finishes."""
+    ``kernels_dir`` receives the generated modules; ``on_stage`` is called as each stage finishes.
+    """
     options = options or SandboxOptions()
     results: list[StageResult] = _Results(on_stage)
-    checks: list[OutputCheck] = []
-    rows: list[ProfileRow] = []
-    kernels: dict[str, str] = {}
+    collected = _Collected(results)
     size_sets = list(options.verify_shapes(block))
     if not backend.INTERPRET and options.profile:
         size_sets += options.profile_shapes(block)
-    program, infos = validate(data, block, size_sets, results)
+    program = None
+    if _load_plugins(options, results):
+        program, _infos = validate(data, block, size_sets, results)
     if program is not None:
         semantics(program, block, block.shapes.cpu, results)
     if program is not None and results[-1].status == "passed":
-        compiled = compile_program(program, infos[0])
-        kernels = {name: f"{name}.py" for name in compiled.kernels}
+        _run_stages(program, block, options, block_file, collected)
         if kernels_dir is not None:
-            compiled.write_kernels(kernels_dir)
-        payload = _run_stages(program, block, options, block_file, results)
-        checks, rows = payload["checks"], payload["profile"]
+            _write_kernels(collected.kernels, kernels_dir)
     verified = (
         bool(results)
         and all(s.status != "failed" for s in results)
@@ -116,11 +182,19 @@ def evaluate(
         program_hash=program_hash(program or data),
         device=backend.describe(),
         stages=results,
-        checks=checks,
-        profile=rows,
-        kernels=kernels,
+        checks=collected.checks,
+        profile=collected.profile,
+        kernels={name: f"{name}.py" for name in collected.kernels},
         versions=versions(),
     )
+
+
+def _write_kernels(kernels: dict[str, str], directory: Path) -> None:
+    """The generated modules, as they were compiled, one file per fused step."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, source in kernels.items():
+        if name.isidentifier():  # step names are validated identifiers: never a path
+            (directory / f"{name}.py").write_text(source)
 
 
 def _run_stages(
@@ -128,42 +202,25 @@ def _run_stages(
     block: Block,
     options: SandboxOptions,
     block_file: str | None,
-    results: list[StageResult],
-) -> dict[str, Any]:
-    collected: dict[str, Any] = {"stages": results, "checks": [], "profile": [], "started": None}
-
-    def absorb(kind: str, data: Any) -> None:
-        if kind == "stage":
-            collected["stages"].append(
-                data if isinstance(data, StageResult) else StageResult.model_validate(data)
-            )
-            collected["started"] = None
-        elif kind == "checks":
-            collected["checks"] += [
-                c if isinstance(c, OutputCheck) else OutputCheck.model_validate(c) for c in data
-            ]
-        elif kind == "profile":
-            collected["profile"] += [
-                r if isinstance(r, ProfileRow) else ProfileRow.model_validate(r) for r in data
-            ]
-        elif kind == "started":
-            collected["started"] = data
-
+    collected: _Collected,
+) -> None:
     if not options.isolate:
         from coda.primitives.analysis import analyze
 
         info = analyze(program, options.verify_shapes(block)[0])
-        run_worker_stages(program, info, block, options, absorb)
-        return collected
-    _run_isolated(program, block, options, block_file, absorb, collected)
-    return collected
+        run_worker_stages(program, info, block, options, collected.absorb)
+        return
+    _run_isolated(program, block, options, block_file, collected)
 
 
 def worker_env(tmp: Path) -> dict[str, str]:
     """The worker's environment: no secrets, private caches, unbuffered output."""
     env = {k: v for k, v in os.environ.items() if not any(m in k.upper() for m in SECRET_MARKERS)}
     env.update(
-        TRITON_CACHE_DIR=str(tmp / "triton"), CODA_CACHE_DIR=str(tmp / "coda"), PYTHONUNBUFFERED="1"
+        TRITON_CACHE_DIR=str(tmp / "triton"),
+        CODA_CACHE_DIR=str(tmp / "coda"),
+        PYTHONUNBUFFERED="1",
+        **{WORKER_ENV: "1"},
     )
     return env
 
@@ -173,8 +230,7 @@ def _run_isolated(
     block: Block,
     options: SandboxOptions,
     block_file: str | None,
-    absorb: Any,
-    collected: dict[str, Any],
+    collected: _Collected,
 ) -> None:
     with tempfile.TemporaryDirectory(prefix="coda-worker-") as tmpdir:
         tmp = Path(tmpdir)
@@ -186,7 +242,9 @@ def _run_isolated(
         }
         (tmp / "request.json").write_text(json.dumps(request))
         events = tmp / "events.jsonl"
-        cmd = [sys.executable, "-m", "coda.sandbox.worker", str(tmp / "request.json"), str(events)]
+        # -X faulthandler: a worker killed by SIGSEGV/SIGABRT/SIGBUS prints its Python stack first.
+        cmd = [sys.executable, "-X", "faulthandler", "-m", "coda.sandbox.worker"]
+        cmd += [str(tmp / "request.json"), str(events)]
         events.touch()
         with (
             open(tmp / "stdout", "wb") as out,
@@ -197,24 +255,81 @@ def _run_isolated(
                 cmd, cwd=tmp, env=worker_env(tmp), stdout=out, stderr=err, start_new_session=True
             )
             deadline = time.monotonic() + options.timeout_s
-            cause = None
-            while proc.poll() is None:
-                _drain(stream, absorb)
-                if time.monotonic() > deadline:
-                    _kill_group(proc)
-                    cause = f"timed out after {options.timeout_s:.0f} s (the worker was killed)"
-                    break
-                time.sleep(0.05)
-            cause = cause or _exit_cause(proc.returncode)
-            _drain(stream, absorb)
-        if cause is not None:
-            stage = collected["started"] or "compile"
-            stage = stage if stage in ("compile", "verify", "profile") else "compile"
-            tail = (tmp / "stderr").read_text(errors="replace")[-2000:].strip()
-            message = f"the worker died during {stage}: {cause}"
-            if tail:
-                message += f"\nits last output:\n{tail}"
-            collected["stages"].append(StageResult(stage=stage, status="failed", message=message))
+            timed_out = _watch(proc, stream, collected, deadline)
+            _drain(stream, collected.absorb)
+        stderr = (tmp / "stderr").read_text(errors="replace")
+        if collected.done or collected.failed:
+            _attach_stderr(collected.results, stderr)
+            return  # the worker reported everything (a fault it caught is already a stage)
+        stage, since = collected.current_stage(), collected.started_at
+        collected.results.append(_death(stage, proc.returncode, timed_out, options, stderr, since))
+
+
+def _attach_stderr(results: list[StageResult], stderr: str) -> None:
+    """A fault the worker caught (exception, oom, CUDA) also shows the worker's last stderr."""
+    tail = stderr_tail(stderr)
+    last = results[-1] if results else None
+    if not tail or last is None or last.cause not in ("exception", "oom", "cuda_fault"):
+        return
+    message = f"{last.message}\nlast lines of the worker's stderr:\n{tail}"
+    results[-1] = last.model_copy(update={"message": message})
+
+
+def _watch(proc: subprocess.Popen, stream: Any, collected: _Collected, deadline: float) -> bool:
+    """Follow the worker's events until it exits or the deadline passes; True if it timed out.
+
+    Either way the whole process group is killed afterwards: whatever the candidate started
+    (compiler processes, stray children) does not outlive its worker.
+    """
+    timed_out = False
+    try:
+        while proc.poll() is None:
+            _drain(stream, collected.absorb)
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+    finally:
+        _kill_group(proc)
+    return timed_out
+
+
+def _death(
+    stage: Stage,
+    returncode: int,
+    timed_out: bool,
+    options: SandboxOptions,
+    stderr: str,
+    start: float,
+) -> StageResult:
+    """The failed stage of a worker that died without reporting a result."""
+    tail = stderr_tail(stderr)
+    cause: Cause
+    if timed_out:
+        cause = "timeout"
+        what = (
+            f"timed out after {options.timeout_s:g} s (with its whole process group) — a kernel "
+            "or step does not finish: look for a loop that never ends, or raise "
+            "SandboxOptions.timeout_s for large shapes"
+        )
+    elif returncode == 0:
+        cause, what = "crash", "exited (code 0) before it finished: something called exit()"
+    else:
+        cause, what = describe_exit(returncode)
+        cause = refine_by_stderr(cause, tail)
+        if cause == "cuda_fault":
+            what += (
+                " after a CUDA error: the GPU worker was discarded; the next candidate runs in a "
+                "fresh one"
+            )
+        elif cause == "oom":
+            what += " after an allocation failed (out of memory)"
+    verb = "was killed" if timed_out else "died"
+    message = f"the worker {verb} during {stage}: {what}"
+    if tail:
+        message += f"\nlast lines of the worker's stderr:\n{tail}"
+    seconds = round(time.monotonic() - start, 3)
+    return StageResult(stage=stage, status="failed", message=message, seconds=seconds, cause=cause)
 
 
 def _drain(stream: Any, absorb: Callable[[str, Any], None]) -> None:
@@ -231,17 +346,6 @@ def _drain(stream: Any, absorb: Callable[[str, Any], None]) -> None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-
-
-def _exit_cause(code: int) -> str | None:
-    if code == 0:
-        return None
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"

@@ -1,34 +1,47 @@
 """The sandbox stages: validate → semantics → compile → verify → profile.
 
 Each stage returns a ``StageResult`` (and its payload); the first failure stops the run. Stages
-catch what a candidate can throw: a ``ProgramError`` becomes its message, anything else becomes an
-"internal error" with the exception's last lines — never an exception in the caller.
+catch what a candidate can throw and name its cause (``report.Cause``): a ``ProgramError`` is the
+program's fault and becomes its message; a ``StageFailure`` carries its own cause (a mismatch, a
+modified input, an input the outputs do not follow, a degenerate block); any other exception is
+classified (out of memory, CUDA fault, or an unexpected exception, with its last frames) — never an
+exception in the caller.
 """
 
 from __future__ import annotations
 
+import math
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from coda.blocks.block import Block
 from coda.primitives import backend
 from coda.primitives.analysis import ProgramInfo, analyze_all
 from coda.primitives.errors import ProgramError
 from coda.primitives.ir import Program
+from coda.primitives.plugins import normalize, plugins_from_env
 from coda.primitives.reference import execute_reference, outputs_of
 from coda.primitives.runtime import CompiledProgram, compile_program
 from coda.primitives.types import TORCH_DTYPES
 
 from .compare import OutputCheck, check_output
+from .errors import StageFailure
+from .faults import classify_exception, describe_exception
 from .report import ProfileRow, Stage, StageResult
+from .screen import screen_block, screen_program
 
 SEMANTICS_REL_TOL = 1e-9  # float64 algebra: reassociation costs ~1e-15; a wrong program is O(1)
+
+# The worker's memory cap under the interpreter (RLIMIT_DATA: heap and private writable mappings).
+# A worker verifying llama_mlp at its CPU shapes uses ~250 MiB of data (torch + Triton + numpy);
+# 4 GiB leaves room for a user's larger CPU shapes and stops a runaway allocation long before it
+# takes the machine. On a CUDA GPU "auto" sets no host cap: see ``worker.apply_memory_cap``.
+DEFAULT_INTERPRETER_MEMORY_MB = 4096
 
 
 class SandboxOptions(BaseModel):
@@ -42,7 +55,32 @@ class SandboxOptions(BaseModel):
     bench_shapes: list[dict[str, int]] | None = None  # default: block.shapes.bench
     tune: bool = True  # tune mainloop configs before timing (GPU only)
     timeout_s: float = 600.0
-    isolate: bool = True  # compile/verify/profile in a worker subprocess
+    isolate: bool = (
+        True  # compile/verify/profile in a worker subprocess (False: trusted, no fences)
+    )
+    # Host memory cap of the worker in MiB: "auto" (DEFAULT_INTERPRETER_MEMORY_MB under the
+    # interpreter, none on a CUDA GPU), an explicit number (applied on any Linux machine), or None.
+    memory_limit_mb: Literal["auto"] | int | None = "auto"
+    # Modules or .py files defining extra primitives, loaded by the caller and by the worker.
+    plugins: list[str] = Field(default_factory=plugins_from_env)
+
+    @field_validator("memory_limit_mb")
+    @classmethod
+    def _positive(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 64:
+            raise ValueError("memory_limit_mb must be at least 64 (MiB), 'auto' or None")
+        return value
+
+    @field_validator("plugins")
+    @classmethod
+    def _absolute(cls, value: list[str]) -> list[str]:
+        return [normalize(spec) for spec in value]
+
+    def memory_cap_mb(self) -> int | None:
+        """The cap the worker applies on this machine (None: no cap)."""
+        if self.memory_limit_mb == "auto":
+            return DEFAULT_INTERPRETER_MEMORY_MB if backend.INTERPRET else None
+        return self.memory_limit_mb
 
     def verify_shapes(self, block: Block) -> list[dict[str, int]]:
         if self.shapes is not None:
@@ -62,30 +100,26 @@ class SandboxOptions(BaseModel):
 @contextmanager
 def timed(stage: Stage, sink: list[StageResult]) -> Iterator[dict[str, Any]]:
     """Run a stage body; record passed / failed (with the error) and its wall time."""
-    box: dict[str, Any] = {"status": "passed", "message": ""}
+    box: dict[str, Any] = {"status": "passed", "message": "", "cause": None}
     start = time.perf_counter()
     try:
         yield box
+    except StageFailure as e:
+        box.update(status="failed", message=e.render(), cause=e.cause)
     except ProgramError as e:
-        box.update(status="failed", message=e.render())
+        box.update(status="failed", message=e.render(), cause="program")
     except Exception as e:  # noqa: BLE001 - a candidate may throw anything; it becomes a report
-        tail = "".join(traceback.format_exception_only(type(e), e)).strip()
-        box.update(
-            status="failed",
-            message=f"{type(e).__name__} while running the {stage} stage: {_clip(tail)}",
-        )
+        cause = classify_exception(e)
+        box.update(status="failed", message=describe_exception(stage, e, cause), cause=cause)
     sink.append(
         StageResult(
             stage=stage,
             status=box["status"],
             message=box["message"],
             seconds=round(time.perf_counter() - start, 3),
+            cause=box["cause"],
         )
     )
-
-
-def _clip(text: str, limit: int = 1500) -> str:
-    return text if len(text) <= limit else text[: limit // 2] + "\n…\n" + text[-limit // 2 :]
 
 
 # -- validate --------------------------------------------------------------------------------------
@@ -144,8 +178,12 @@ def validate(
 def semantics(
     program: Program, block: Block, shapes: list[dict[str, int]], results: list[StageResult]
 ) -> None:
-    """The reference executor (float64, CPU) against the block's reference: is the algebra right?"""
+    """The reference executor (float64, CPU) against the block's reference: is the algebra right?
+
+    First, once per block, the block screen: every input must move the reference (``screen``).
+    """
     with timed("semantics", results) as box:
+        screen_block(block, shapes)
         worst = 0.0
         for sizes in shapes:
             inputs = block.make_inputs(sizes, torch.float64, seed=0)
@@ -165,6 +203,14 @@ def _semantic_error(
         raise ProgramError(
             f"output {name!r} has shape {list(got.shape)} but the block's reference "
             f"gives {list(want.shape)} (at {where})"
+        )
+    bad = int((~torch.isfinite(got)).sum())
+    if bad and bool(torch.isfinite(want).all()):
+        raise ProgramError(
+            f"output {name!r} has {bad} NaN/Inf values in float64 at {where} (the block's "
+            "reference has none)",
+            hint="the program's algebra divides by zero, takes log/sqrt of a non-positive value "
+            "or overflows: check its map expressions and scales",
         )
     diff = got.double() - want.double()
     rel = float(diff.norm() / max(float(want.double().norm()), 1e-300))
@@ -188,11 +234,18 @@ def compile_stage(
     block: Block,
     sizes: dict[str, int],
     results: list[StageResult],
+    on_kernels: Callable[[dict[str, str]], None] | None = None,
 ) -> CompiledProgram | None:
-    """Generate and import every kernel; on a GPU also build them (one launch at ``sizes``)."""
+    """Generate and import every kernel; on a GPU also build them (one launch at ``sizes``).
+
+    ``on_kernels`` receives the generated sources as soon as they exist, before anything imports
+    or builds them, so a kernel that fails to compile can still be read.
+    """
     compiled = None
     with timed("compile", results) as box:
         compiled = compile_program(program, info)
+        if on_kernels is not None:
+            on_kernels({name: k.source for name, k in compiled.kernels.items()})
         compiled.load_all()
         if not backend.INTERPRET:
             dtype = TORCH_DTYPES["bfloat16"]
@@ -211,19 +264,36 @@ def verify(
     seeds: list[int],
     results: list[StageResult],
 ) -> list[OutputCheck]:
+    """Every output at every shape × dtype × seed against the float64 reference, then the input
+    screen (every output must follow each input) at the smallest shape.
+
+    Runs alternate between the mainloop the runtime picks (TMA where operands allow it) and the
+    pointer mainloop, which users' tensors may equally get: a kernel is verified under both (with
+    the defaults, every shape under both).
+    """
     checks: list[OutputCheck] = []
+    runs = [(s, d, seed) for s in shapes for d in dtypes for seed in seeds]
     with timed("verify", results) as box:
-        for sizes in shapes:
-            for dtype in dtypes:
-                for seed in seeds:
-                    checks += verify_one(compiled, block, sizes, TORCH_DTYPES[dtype], seed)
+        try:
+            for i, (sizes, dtype, seed) in enumerate(runs):
+                compiled.mainloop = "auto" if i % 2 == 0 else "pointer"
+                checks += verify_one(compiled, block, sizes, TORCH_DTYPES[dtype], seed)
+        finally:
+            compiled.mainloop = "auto"
         failed = [c for c in checks if not c.passed]
         if failed:
-            raise ProgramError(
-                f"{len(failed)} of {len(checks)} output checks failed; first: {failed[0].summary()}"
+            raise StageFailure(
+                f"{len(failed)} of {len(checks)} output checks failed; first: "
+                f"{failed[0].summary()}",
+                cause="mismatch",
             )
+        smallest = min(shapes, key=lambda s: math.prod(s.values()))
+        screened = screen_program(
+            lambda inputs: compiled(inputs, poison=True), block, smallest, backend.DEVICE
+        )
         box["message"] = (
-            f"{len(checks)} checks passed ({len(shapes)} shapes × {dtypes} × {len(seeds)} seeds)"
+            f"{len(checks)} checks passed ({len(shapes)} shapes × {dtypes} × {len(seeds)} "
+            f"seeds); {screened}"
         )
     return checks
 
@@ -238,14 +308,20 @@ def verify_one(
     out = compiled(inputs, poison=True)
     for name, before in snapshot.items():
         if not torch.equal(before, inputs[name]):
-            raise ProgramError(
-                f"the program modified its input {name!r}",
-                hint="inputs are read-only: store results to new tensors",
+            changed = int((before != inputs[name]).sum())
+            where = ", ".join(f"{k}={v}" for k, v in sizes.items())
+            raise StageFailure(
+                f"the program modified its input {name!r} ({changed} elements changed at {where}, "
+                f"{str(dtype).removeprefix('torch.')}, seed {seed})",
+                cause="input_modified",
+                hint="inputs are read-only: a kernel stores into a block input's memory; store "
+                "results to new tensors",
             )
+    mainloops = ",".join(sorted(set(compiled.mainloops_used.values()))) or "vendor"
     return [
         check_output(
             name, out[name], ref64[name], torch_out[name], block.tolerance, sizes=sizes, seed=seed
-        )
+        ).model_copy(update={"mainloop": mainloops})
         for name in block.outputs
     ]
 
@@ -312,7 +388,9 @@ def run_worker_stages(
     results: list[StageResult] = []
     shapes = options.verify_shapes(block)
     emit("started", "compile")
-    compiled = compile_stage(program, info, block, shapes[0], results)
+    compiled = compile_stage(
+        program, info, block, shapes[0], results, on_kernels=lambda k: emit("kernels", k)
+    )
     emit("stage", results[-1])
     if compiled is None:
         return

@@ -7,6 +7,9 @@ the Triton variable ``v_z``), the parameters (a tensor ``r`` becomes ``r_ptr`` p
 ``stride_r...``), and the row / column index vectors of each column space, which it defines once,
 on first use, at the top of the epilogue. Primitives therefore emit only their own math and never
 spell pointer arithmetic.
+
+The scheme is injective: two program names never share a Triton identifier (``stem``), and a
+parameter or load whose name is taken by something else is an error, never a silent reuse.
 """
 
 from __future__ import annotations
@@ -19,6 +22,27 @@ from ..types import LocalType, TensorInfo
 from .emitter import IndentedBuffer
 
 ACC_VAR = "accumulator"
+
+# Identifiers of the kernel template a tensor's derived names could otherwise spell: a_ptr, a_ptrs,
+# b_ptr, b_ptrs (the operands) and stride_am, _ak, _bk, _bn (as a vector's stride_<name>).
+_TEMPLATE_STEMS = frozenset({"a", "b", "am", "ak", "bk", "bn"})
+
+
+def _plain(tensor: str) -> bool:
+    """A tensor name usable as is in derived names (``x`` → ``x_ptr``, ``stride_x_m``, ``x_tile``).
+
+    Not plain: template stems; ``a_tensor``/``b_tensor`` (what ``a``/``b`` become); ``v_``
+    (epilogue values), ``p_`` (partials and pair temporaries) and ``esc_`` (escaped stems)
+    prefixes; ``_m``/``_n`` suffixes (``stride_<x>_m`` is a tile's stride, ``stride_<x_m>`` a
+    vector's).
+    """
+    return (
+        tensor not in _TEMPLATE_STEMS
+        and tensor not in ("a_tensor", "b_tensor")
+        and not tensor.startswith(("v_", "p_", "esc_"))
+        and not tensor.endswith(("_m", "_n"))
+    )
+
 
 # How each column space is written in the epilogue: (suffix of its index vars, first column of the
 # sub-tile, sub-tile width, extent). A value in space N/2 (after a 2→1 pair contraction) covers
@@ -119,14 +143,21 @@ class EmitContext:
 
     # -- kernel parameters -----------------------------------------------------------------------
     def _add(self, param: Param) -> str:
-        if all(p.name != param.name for p in self.params):
+        same = next((p for p in self.params if p.name == param.name), None)
+        if same is None:
             self.params.append(param)
+        elif same != param:
+            raise RuntimeError(f"codegen name collision: {same} and {param} are both {param.name}")
         return param.name
 
     @staticmethod
     def base(tensor: str) -> str:
-        """Stem of the kernel names derived from a tensor (``a``/``b`` are the GEMM operands')."""
-        return f"{tensor}_tensor" if tensor in ("a", "b") else tensor
+        """Stem of the kernel names derived from a tensor: the name itself when that is safe,
+        ``a_tensor``/``b_tensor`` for ``a``/``b`` (the operands own ``a_ptr``), else
+        ``esc_<name>_`` (its prefix and trailing ``_`` keep it apart from every plain stem)."""
+        if tensor in ("a", "b"):
+            return f"{tensor}_tensor"
+        return tensor if _plain(tensor) else f"esc_{tensor}_"
 
     def pointer(self, tensor: str) -> str:
         return self._add(Param(f"{self.base(tensor)}_ptr", "ptr", tensor))
@@ -146,6 +177,8 @@ class EmitContext:
     def _named_load(self, key: tuple, name: str, code: str) -> str:
         """Emit ``name = code`` once per epilogue (a tensor read twice is loaded once)."""
         if key not in self._loads:
+            if name in self._loads.values():
+                raise RuntimeError(f"codegen name collision: two loads named {name}")
             self.line(f"{name} = {code}")
             self._loads[key] = name
         return self._loads[key]

@@ -356,6 +356,9 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
         ),
     ):
         params, parts = builder(step, epi)
+        names = [p.name for p in params]
+        if len(set(names)) != len(names):  # the naming scheme is injective: this is a codegen bug
+            raise RuntimeError(f"codegen name collision in the signature of {function}: {names}")
         buf.line("")
         buf.line("")
         _render_kernel(buf, function, params, parts, name, epi, doc)

@@ -161,9 +161,13 @@ def test_worker_environment_has_no_secrets(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-secret")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("NPM_CONFIG__AUTH", "npm_secret")
     env = worker_env(tmp_path)
-    assert not any(v in ("sk-ant-secret", "sk-secret", "hf_secret") for v in env.values())
-    assert not {"ANTHROPIC_API_KEY", "OPENAI_API_KEY", "HF_TOKEN"} & set(env)
+    assert not any(
+        v in ("sk-ant-secret", "sk-secret", "hf_secret", "npm_secret") for v in env.values()
+    )
+    assert not {"ANTHROPIC_API_KEY", "OPENAI_API_KEY", "HF_TOKEN", "NPM_CONFIG__AUTH"} & set(env)
+    assert env["CODA_SANDBOX_WORKER"] == "1"
     assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path))
 
 

@@ -1,0 +1,85 @@
+"""A block file for fault tests: ``out = x + x @ w.T`` whose Add misbehaves inside a sandbox worker.
+
+What it does there is chosen by ``$CODA_TEST_FAULT`` (the worker inherits the environment; outside
+a worker the block is well-behaved, so the caller's semantics stage passes and the fault hits the
+worker's verify stage). ``$CODA_TEST_PID_FILE``, if set, collects the pid of every worker that ran
+the reference (one line each); the ``hang`` fault writes its child's pid to
+``$CODA_TEST_CHILD_PID_FILE``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import ClassVar, Literal
+
+import torch
+
+from coda.blocks import Block, Linear, ShapeSets, TensorSpec
+from coda.blocks.ops import GraphOp
+
+
+def faulty_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A residual connection (that misbehaves on purpose inside a sandbox worker)."""
+    if os.environ.get("CODA_SANDBOX_WORKER") == "1":
+        _record_pid()
+        _fault(os.environ.get("CODA_TEST_FAULT", "none"))
+    return a + b
+
+
+def _record_pid() -> None:
+    path = os.environ.get("CODA_TEST_PID_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def _fault(kind: str) -> None:
+    if kind == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif kind == "raise":
+        raise ValueError("the block's helper failed on purpose")
+    elif kind == "hang":
+        child = subprocess.Popen(["sleep", "600"])
+        with open(os.environ["CODA_TEST_CHILD_PID_FILE"], "w") as f:
+            f.write(str(child.pid))
+        time.sleep(600)
+    elif kind == "oom":
+        torch.empty(2 << 30, dtype=torch.uint8)  # 2 GiB: over the test's 1 GiB cap
+    elif kind == "cuda":
+        raise RuntimeError(
+            "CUDA error: an illegal memory access was encountered\n"
+            "CUDA kernel errors might be asynchronously reported at some other API call"
+        )
+    elif kind == "cuda_abort":
+        sys.stderr.write("CUDA error: an illegal memory access was encountered\n")
+        sys.stderr.flush()
+        os.abort()
+    elif kind == "exit0":
+        os._exit(0)
+
+
+class FaultyAdd(GraphOp):
+    op: Literal["faulty_add"] = "faulty_add"
+    helper: ClassVar = staticmethod(faulty_add)
+    a: str
+    b: str
+
+    def inputs(self) -> list[str]:
+        return [self.a, self.b]
+
+
+faulty = Block(
+    name="faulty",
+    description="x + x @ w.T",
+    inputs={
+        "x": TensorSpec(shape=["M", "d"]),
+        "w": TensorSpec(shape=["d", "d"], init="linear_weight"),
+    },
+    graph=[Linear(x="x", weight="w", out="y"), FaultyAdd(a="x", b="y", out="out")],
+    outputs=["out"],
+    shapes=ShapeSets(cpu=[{"M": 8, "d": 16}]),
+)
