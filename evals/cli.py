@@ -35,7 +35,7 @@ from .spec import EvalSpec, ProviderSpec, SpecError, slug
 from .store import STORE_DIR, AcceptError, RegressRow, StoreError, accept, regress
 from .suites import SuiteError, resolve_blocks
 
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -77,14 +77,15 @@ def eval_cmd(
     timeout: float = typer.Option(None, "--timeout", min=1, help="wall-clock seconds per cell"),
     patience: int = typer.Option(None, "--patience", min=1),
     resume_dir: Path = typer.Option(None, "--resume", help="continue an interrupted eval"),
-    compare_dirs: tuple[Path, Path] = typer.Option(
-        (None, None), "--compare", help="diff two eval folders: A B"
-    ),
+    compare_flag: bool = typer.Option(False, "--compare", help="diff two eval folders: A B"),
+    dirs: list[Path] = typer.Argument(None, help="with --compare: the eval folders A and B"),
     slowdown: float = typer.Option(1.10, "--slowdown", help="--compare: flag slowdowns beyond"),
 ) -> None:
     """Run a suite of blocks × providers × seeds and score it (or --resume, or --compare)."""
-    if compare_dirs[0] is not None:
-        _compare(compare_dirs, slowdown)
+    if compare_flag or dirs:
+        if not compare_flag or len(dirs or []) != 2:
+            raise _fail("to diff two evals write `coda-agent eval --compare A B` (two folders)")
+        _compare(dirs[0], dirs[1], slowdown)
     budgets = {
         k: v
         for k, v in dict(
@@ -237,8 +238,8 @@ def _summary(edir: EvalDir, results: list[CellResult]) -> None:
     raise typer.Exit(0)
 
 
-def _compare(dirs: tuple[Path, Path], slowdown: float) -> None:
-    a, b = (_open(d) for d in dirs)
+def _compare(dir_a: Path, dir_b: Path, slowdown: float) -> None:
+    a, b = _open(dir_a), _open(dir_b)
     result = compare(a, b, slowdown=slowdown)
     print(markdown(result), end="")
     raise typer.Exit(1 if result.regressions else 0)
@@ -365,5 +366,6 @@ def export_cmd(
         raise _fail(str(e)) from None
     console.print(
         f"wrote {written} trajectories to {target}"
-        + (f" ({skipped} cell(s) without an answer skipped)" if skipped else "")
+        + (f" ({skipped} cell(s) without an answer skipped)" if skipped else ""),
+        soft_wrap=True,
     )

@@ -201,11 +201,12 @@ class RegressRow:
     error_recorded: float | None = None
     time_now_ms: float | None = None
     time_recorded_ms: float | None = None
-    time_note: str = ""  # why times were not compared
+    time_note: str = ""  # why the times were not compared ("" when they were)
 
     @property
     def slowdown(self) -> float | None:
-        if self.time_now_ms is None or not self.time_recorded_ms:
+        """Now over recorded, when the two are comparable (same hardware, same shapes)."""
+        if self.time_note or self.time_now_ms is None or not self.time_recorded_ms:
             return None
         return self.time_now_ms / self.time_recorded_ms
 
@@ -271,20 +272,25 @@ def _judge(path: Path, entry: StoredKernel, report: Report, slowdown: float) -> 
 
 
 def _times(entry: StoredKernel, report: Report) -> tuple[float | None, float | None, str]:
-    """(now, recorded) over the benchmark shapes both measured, or a note why not compared."""
+    """(now, recorded) over the benchmark shapes both measured; a note when they are not
+    comparable (then the slowdown is not judged)."""
     prov = entry.provenance
-    if not report.profile:
+    now_all = sum(p.program_ms for p in report.profile) if report.profile else None
+    if now_all is None:
         prof = report.stage("profile")
         return None, prov.time_ms, prof.message if prof else "timings not measured"
     if prov.time_ms is None:
-        return sum(p.program_ms for p in report.profile), None, "no recorded time to compare"
+        return now_all, None, "no recorded time to compare"
     if report.device != prov.hardware:
-        now = sum(p.program_ms for p in report.profile)
-        return now, prov.time_ms, f"not compared: recorded on {prov.hardware}, now {report.device}"
+        return (
+            now_all,
+            prov.time_ms,
+            (f"not compared: recorded on {prov.hardware}, now {report.device}"),
+        )
     recorded = {(_key(t.sizes), t.dtype): t.program_ms for t in prov.timings}
     common = [p for p in report.profile if (_key(p.sizes), p.dtype) in recorded]
     if not common:
-        return None, prov.time_ms, "not compared: no benchmark shape in common with the record"
+        return now_all, prov.time_ms, "not compared: no benchmark shape in common with the record"
     now = sum(p.program_ms for p in common)
     then = sum(recorded[(_key(p.sizes), p.dtype)] for p in common)
     return now, then, ""
