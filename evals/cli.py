@@ -25,6 +25,7 @@ from rich.table import Table
 
 from coda.agent.planner import NoRule
 from coda.agent.providers import BuiltinProvider, ProviderError
+from coda.agent.synthesize import BudgetError, check_budgets
 from coda.agent.transcript import TranscriptError
 from coda.blocks import get_block
 from coda.primitives import backend
@@ -97,6 +98,7 @@ def eval_cmd(
         ).items()
         if v is not None
     }
+    _check_workers(parallel, ray)
     if resume_dir is not None:
         if suite or blocks or seeds or out or budgets:
             raise _fail("--resume takes the eval's own settings: drop the other eval options")
@@ -139,6 +141,18 @@ def _new_spec(
     return spec
 
 
+def _check_workers(parallel: int, ray: str | None) -> None:
+    from .harness import HarnessError, slot_envs
+
+    if ray is not None and parallel > 1:
+        raise _fail("give --parallel N (this machine) or --ray ADDRESS (a cluster), not both")
+    if ray is None and parallel > 1:
+        try:
+            slot_envs(parallel)
+        except HarnessError as e:
+            raise _fail(str(e)) from None
+
+
 def _preflight(spec: EvalSpec) -> None:
     """Configuration errors (a missing key or SDK, a block the planner cannot lower) before any
     cell runs. Python providers are built only inside their cells."""
@@ -149,12 +163,14 @@ def _preflight(spec: EvalSpec) -> None:
                 if p.kind == "builtin":
                     BuiltinProvider(block)
                 elif p.kind in ("anthropic", "openai"):
-                    p.build(block)
+                    check_budgets(p.build(block), spec.budgets_obj())
                     break
             except NoRule as e:
                 raise _fail(f"the built-in planner cannot lower block {name!r}: {e}") from None
             except ProviderError as e:
                 raise _fail(f"provider {p.label}: {e.message}") from None
+            except BudgetError as e:
+                raise _fail(f"provider {p.label}: {e}") from None
 
 
 def _default_out(spec: EvalSpec) -> Path:

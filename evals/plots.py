@@ -77,13 +77,14 @@ def _speedup(plt, path: Path, results: list[CellResult]) -> str:  # noqa: ANN001
         for i, provider in enumerate(providers):
             xs = [j + i * width for j in range(len(blocks))]
             ys = [measured[baseline].get((b, provider), 0.0) for b in blocks]
-            ax.bar(xs, ys, width, label=provider)
+            bars = ax.bar(xs, ys, width, label=provider)
+            ax.bar_label(bars, labels=[f"{y:.2f}×" if y else "" for y in ys], fontsize=8)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks([j + width * (len(providers) - 1) / 2 for j in range(len(blocks))])
         ax.set_xticklabels(blocks, rotation=20, ha="right")
         name = "torch.compile" if baseline == "compile" else "eager PyTorch"
         ax.set_title(f"speedup over {name} (geomean, verified)")
-        ax.set_ylabel("×")
+        ax.set_ylabel("speedup (×)")
     axes[0].legend(fontsize=8)
     _save(plt, fig, path)
     return ""

@@ -52,6 +52,7 @@ def test_eval_resume_compare_and_export_through_the_cli(tmp_path: Path) -> None:
         (["--blocks", "llama_mlp", "--max-turns", "0"], "Invalid value for '--max-turns'"),
         ([], "give exactly one of --suite NAME or --blocks a,b,c"),
         (["--compare", "only-one"], "write `coda-agent eval --compare A B` (two folders)"),
+        (["--blocks", "llama_mlp", "-j", "2", "--ray", "auto"], "not both"),
     ],
 )
 def test_usage_errors_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
@@ -66,6 +67,13 @@ def test_a_missing_key_stops_before_any_cell(tmp_path: Path, monkeypatch) -> Non
     result = runner.invoke(app, [*args, "--out", str(tmp_path / "ev")])
     assert result.exit_code == 2 and "provider anthropic:claude-haiku-4-5" in result.output
     assert "ANTHROPIC_API_KEY is not set" in flat(result.output)
+    assert not (tmp_path / "ev").exists()
+
+
+def test_an_unenforceable_budget_stops_before_any_cell(tmp_path: Path) -> None:
+    args = ["eval", "--blocks", "llama_mlp", "--providers", "openai:my-llama@http://127.0.0.1:9/v1"]
+    result = runner.invoke(app, [*args, "--max-cost", "1", "--out", str(tmp_path / "ev")])
+    assert result.exit_code == 2 and "no price is known for model 'my-llama'" in flat(result.output)
     assert not (tmp_path / "ev").exists()
 
 
