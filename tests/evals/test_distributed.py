@@ -4,7 +4,9 @@ back with their run folders, and a task whose worker process dies is retried by 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,11 +27,14 @@ def local_ray(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Its own short temp folder (Ray's socket paths must stay short), removed afterwards.
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     try:
         yield ray
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_cells_run_as_ray_tasks_and_a_dead_worker_is_retried(
