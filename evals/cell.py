@@ -20,7 +20,8 @@ from coda.agent.providers import ProviderError
 from coda.agent.runs import RunDir
 from coda.agent.synthesize import BudgetError, resume, synthesize
 from coda.agent.transcript import EndRecord, RunState, TranscriptError
-from coda.blocks import get_block
+from coda.blocks import get_block, load_block_file
+from coda.blocks.block import Block
 from coda.primitives import backend
 
 from .metrics import timing
@@ -74,7 +75,7 @@ def _resumable(state: RunState) -> bool:
 def _agent(
     spec: EvalSpec, cell: Cell, cell_dir: Path, run: RunDir | None, on_event: OnEvent | None
 ) -> RunDir:
-    block = get_block(cell.block)
+    block = cell_block(spec, cell.block)
     provider = cell.provider.build(block)
     budgets, sandbox = spec.budgets_obj(), spec.sandbox_options()
     if run is not None:
@@ -85,10 +86,18 @@ def _agent(
         provider=provider,
         budgets=budgets,
         sandbox=sandbox,
+        block_file=spec.block_files.get(cell.block),
         base_url=cell.provider.base_url,
         on_event=on_event,
     )
     return result.run
+
+
+def cell_block(spec: EvalSpec, name: str) -> Block:
+    """A registered block, or one from the eval's ``--block-file`` (imported here first)."""
+    if name in spec.block_files:
+        load_block_file(spec.block_files[name])
+    return get_block(name)
 
 
 def from_state(cell: Cell, run: RunDir, eval_dir: Path, *, attempts: int = 1) -> CellResult:

@@ -27,7 +27,7 @@ from coda.agent.planner import NoRule
 from coda.agent.providers import BuiltinProvider, ProviderError
 from coda.agent.synthesize import BudgetError, check_budgets
 from coda.agent.transcript import TranscriptError
-from coda.blocks import get_block
+from coda.blocks import get_block, load_block_file
 from coda.primitives import backend
 
 from .compare import compare, markdown
@@ -59,6 +59,9 @@ def register(app: typer.Typer) -> None:
 def eval_cmd(
     suite: str = typer.Option(None, "--suite", "-s", help="a suite in evals/suites/ (smoke, ...)"),
     blocks: str = typer.Option(None, "--blocks", help="instead of --suite: a,b,c"),
+    block_files: list[Path] = typer.Option(
+        None, "--block-file", help="a Python file defining blocks for --blocks (repeatable)"
+    ),
     providers: str = typer.Option(
         "builtin",
         "--providers",
@@ -100,18 +103,32 @@ def eval_cmd(
     }
     _check_workers(parallel, ray)
     if resume_dir is not None:
-        if suite or blocks or seeds or out or budgets:
+        if suite or blocks or block_files or seeds or out or budgets:
             raise _fail("--resume takes the eval's own settings: drop the other eval options")
         edir = _open(resume_dir)
     else:
-        spec = _new_spec(suite, blocks, providers, seeds, ks, ps, budgets)
+        files = _load_block_files(block_files or [])
+        spec = _new_spec(suite, blocks, files, providers, seeds, ks, ps, budgets)
         edir = _create(out or _default_out(spec), spec)
     _run(edir, parallel, ray, retries)
+
+
+def _load_block_files(paths: list[Path]) -> dict[str, str]:
+    """Register the blocks of each file; block name -> the file's absolute path."""
+    found: dict[str, str] = {}
+    for path in paths:
+        try:
+            for block in load_block_file(path):
+                found[block.name] = str(path.resolve())
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            raise _fail(str(e)) from None
+    return found
 
 
 def _new_spec(
     suite: str | None,
     blocks: str | None,
+    block_files: dict[str, str],
     providers: str,
     seeds: int | None,
     ks: str,
@@ -127,6 +144,7 @@ def _new_spec(
             suite=suite,
             blocks=selection.blocks,
             skipped=selection.skipped,
+            block_files={b: f for b, f in block_files.items() if b in selection.blocks},
             providers=specs,
             seeds=seeds or (loaded.seeds if loaded and loaded.seeds else 1),
             budgets=budgets,

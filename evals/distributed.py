@@ -11,6 +11,9 @@ folder. A task whose worker process dies (node lost, out of memory, a crash) is 
 to ``retries`` times from the same starting folder; after that the cell is recorded as an
 ``error`` (a later ``--resume`` tries it again).
 
+Retries inside Ray are not counted in a result's ``attempts``. A ``--block-file`` must exist at
+the same path on every node.
+
 ``ADDRESS`` is what ``ray.init(address=...)`` takes (``auto``, ``HOST:6379``,
 ``ray://HOST:10001``), or ``local`` to start a Ray instance on this machine. A process that has
 already called ``ray.init`` keeps its connection.

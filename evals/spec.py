@@ -103,6 +103,7 @@ class EvalSpec(BaseModel):
     suite: str | None = None  # None: an explicit --blocks list
     blocks: list[str] = Field(min_length=1)
     skipped: list[str] = []  # planned suite blocks that did not exist when the eval started
+    block_files: dict[str, str] = {}  # block -> the Python file defining it (--block-file)
     providers: list[ProviderSpec] = Field(min_length=1)
     seeds: int = Field(1, ge=1)
     budgets: dict[str, Any] = {}

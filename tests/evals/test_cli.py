@@ -87,3 +87,48 @@ def test_an_existing_eval_is_resumed_not_overwritten(tmp_path: Path) -> None:
     mixed = runner.invoke(app, ["eval", "--resume", str(tmp_path / "ev"), "--suite", "smoke"])
     assert mixed.exit_code == 2 and "--resume takes the eval's own settings" in flat(mixed.output)
     assert runner.invoke(app, ["eval", "--resume", str(tmp_path / "none")]).exit_code == 2
+
+
+PROJ_RESIDUAL = """
+from coda.blocks import Add, Block, Linear, ShapeSets, TensorSpec
+
+proj_residual = Block(
+    name="proj_residual",
+    description="x + x @ w.T",
+    inputs={
+        "x": TensorSpec(shape=["M", "d"]),
+        "w": TensorSpec(shape=["d", "d"], init="linear_weight"),
+    },
+    graph=[Linear(x="x", weight="w", out="y"), Add(a="x", b="y", out="out")],
+    outputs=["out"],
+    shapes=ShapeSets(cpu=[{"M": 13, "d": 24}]),
+)
+
+odd_sum = Block(
+    name="odd_sum",
+    description="a + b",
+    inputs={"a": TensorSpec(shape=["M", "d"]), "b": TensorSpec(shape=["M", "d"])},
+    graph=[Add(a="a", b="b", out="y")],
+    outputs=["y"],
+    shapes=ShapeSets(cpu=[{"M": 4, "d": 8}]),
+)
+"""
+
+
+def test_blocks_from_a_file_run_in_workers_and_unlowerable_ones_are_refused(
+    tmp_path: Path,
+) -> None:
+    block_file = tmp_path / "my_blocks.py"
+    block_file.write_text(PROJ_RESIDUAL)
+    base = ["eval", "--block-file", str(block_file)]
+    refused = runner.invoke(app, [*base, "--blocks", "odd_sum", "--out", str(tmp_path / "no")])
+    assert refused.exit_code == 2 and not (tmp_path / "no").exists()
+    assert "the built-in planner cannot lower block 'odd_sum'" in flat(refused.output)
+
+    out = tmp_path / "ev"
+    args = [*base, "--blocks", "proj_residual", "--seeds", "2", "-j", "2", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "2 of 2 cells verified" in flat(result.output)
+    spec = json.loads((out / "eval.json").read_text())
+    assert spec["block_files"] == {"proj_residual": str(block_file.resolve())}
