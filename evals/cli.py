@@ -233,7 +233,7 @@ def _run(edir: EvalDir, parallel: int, ray: str | None, retries: int) -> None:
             edir, parallel=parallel, ray_address=ray, retries=retries, on_cell=_cell_line
         )
     except KeyboardInterrupt:
-        Console(stderr=True).print(
+        Console(stderr=True, soft_wrap=True).print(
             f"[yellow]interrupted[/]: finished cells are kept; continue with "
             f"`coda-agent eval --resume {edir.path}`"
         )

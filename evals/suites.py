@@ -49,11 +49,7 @@ def suite_names() -> list[str]:
 def load_suite(name: str, directory: Path = SUITES_DIR) -> Suite:
     path = directory / f"{name}.toml"
     if not path.is_file():
-        known = (
-            suite_names()
-            if directory == SUITES_DIR
-            else sorted(p.stem for p in directory.glob("*.toml"))
-        )
+        known = sorted(p.stem for p in directory.glob("*.toml"))
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise SuiteError(f"no suite named {name!r}: {hint}known: {', '.join(known)}")

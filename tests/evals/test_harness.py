@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from coda.agent.transcript import ResumeRecord, read_records
-from coda.evals.harness import run_eval
+from coda.evals.harness import _collect, _Job, run_eval
 from coda.evals.metrics import aggregates
 from coda.evals.results import CellResult, EvalDir
 
@@ -107,15 +108,25 @@ def test_an_errored_cell_is_reported_then_retried_on_resume(tmp_path: Path) -> N
     assert EvalDir.open(edir.path).results()[second.cell] == second
 
 
-def test_worker_processes_rerun_a_worker_that_died_then_give_up(tmp_path: Path) -> None:
-    edir = make_eval(tmp_path / "ev", [model("crash_once"), model("crash_always")])
-    recovered, lost = run_eval(edir, parallel=2, retries=1)
+def test_worker_processes_rerun_a_worker_that_died(tmp_path: Path) -> None:
+    edir = make_eval(tmp_path / "ev", [model("crash_once")])
+    (recovered,) = run_eval(edir, parallel=2, retries=1)
     assert recovered.status == "done" and recovered.verified and recovered.attempts == 2
     log = (edir.cell_dir(recovered.cell) / "log.txt").read_text()
     assert "--- attempt 1 ---" in log and "--- attempt 2 ---" in log
+
+
+def test_a_worker_that_keeps_dying_is_an_error_once_its_retries_are_spent(tmp_path: Path) -> None:
+    edir = make_eval(tmp_path / "ev", [model("crash_always")])
+    (cell,) = edir.spec().cells()
+    edir.cell_dir(cell.id).mkdir(parents=True)
+    died = SimpleNamespace(returncode=17)  # a worker process that exited without a result
+    assert _collect(edir, _Job(cell, 1, died, 0), retries=1) is None  # rerun it
+    lost = _collect(edir, _Job(cell, 2, died, 0), retries=1)
     assert lost.status == "error" and lost.attempts == 2
     assert "the worker process exited with code 17 without a result, 2 time(s)" in lost.error
-    assert "## Errors" in (edir.path / "results.md").read_text()
+    killed = _collect(edir, _Job(cell, 1, SimpleNamespace(returncode=-9), 0), retries=0)
+    assert "the worker process was killed by SIGKILL" in killed.error
 
 
 def test_results_skip_a_torn_last_line_and_keep_the_latest_per_cell(tmp_path: Path) -> None:
