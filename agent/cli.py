@@ -1,7 +1,9 @@
 """The ``coda-agent`` command line (the composition root: it may import every layer).
 
 Commands: ``synthesize`` (run or ``--resume`` the agent loop), ``verify`` (one Program through the
-sandbox), ``blocks`` (list), ``show`` (render a run folder, finished or not).
+sandbox), ``blocks`` (list), ``show`` (render a run folder, finished or not); and, from
+``coda.evals.cli``, ``eval``, ``accept``, ``regress`` and ``export-trajectories`` (their exit codes
+are documented there).
 
 Exit codes: 0 a verified kernel; 1 finished without one (including a provider that failed mid-run
 or a refusal); 2 bad usage or configuration (unknown block, unreadable file, a block the planner
@@ -22,6 +24,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from coda.blocks import Block, BlockNotFound, get_block, list_blocks, load_block_file
+from coda.evals.cli import register as register_eval_commands
 from coda.primitives import backend  # noqa: F401  (first: selects the interpreter without a GPU)
 from coda.sandbox.report import Report, StageResult
 from coda.sandbox.runner import evaluate
@@ -496,6 +499,9 @@ def show_cmd(run_dir: Path = typer.Argument(..., help="a runs/<time>-<block> fol
         console.print(
             f"[yellow]unfinished[/]: continue with `coda-agent synthesize --resume {run_dir}`"
         )
+
+
+register_eval_commands(app)
 
 
 def main() -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..transcript import MessageRecord, read_records
+# The module, not its names: ``transcript`` imports ``providers.base``, so importing
+# ``coda.agent.transcript`` first reaches this file while ``transcript`` is still initialising.
+from .. import transcript as _transcript
 from .base import (
     AssistantTurn,
     ToolResultPart,
@@ -27,11 +29,11 @@ class ReplayProvider:
     def __init__(self, transcript: str | Path, *, skip: int = 0) -> None:
         """Play ``transcript``'s assistant turns, starting after the first ``skip`` (a resumed
         replay has already played them)."""
-        records = read_records(Path(transcript))
+        records = _transcript.read_records(Path(transcript))
         self.start = records[0]
         self.model = self.start.model
         self.source = str(transcript)
-        messages = [r.message for r in records if isinstance(r, MessageRecord)]
+        messages = [r.message for r in records if isinstance(r, _transcript.MessageRecord)]
         self.turns = [m for m in messages if isinstance(m, AssistantTurn)]
         # the recorded answer to assistant turn i: the user message right after it, if any
         self.answers: list[UserMessage | None] = []

@@ -1,0 +1,405 @@
+"""The eval commands of ``coda-agent``: ``eval``, ``accept``, ``regress``, ``export-trajectories``.
+
+``register(app)`` adds them to the agent's typer app (``coda.agent.cli`` mounts them; this module
+never imports that one).
+
+Exit codes: ``eval`` 0 when every cell ran to an answer (verified or not), 1 when some cells
+errored (``--resume`` retries them), 2 bad usage, 130 interrupted (``--resume`` continues);
+``eval --compare`` 0 without regressions, 1 with; ``accept`` 0 accepted (or already stored), 1 the
+run has no verified candidate, 2 bad usage or a taken name; ``regress`` 0 every stored kernel
+passed, 1 one broke or slowed down, 2 no store; ``export-trajectories`` 0, or 2 for a folder that
+is not an eval.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from coda.agent.planner import NoRule
+from coda.agent.providers import BuiltinProvider, ProviderError
+from coda.agent.synthesize import BudgetError, check_budgets
+from coda.agent.transcript import TranscriptError
+from coda.blocks import get_block, load_block_file
+from coda.primitives import backend
+
+from .compare import compare, markdown
+from .results import CellResult, EvalDir, EvalDirError
+from .spec import EvalSpec, ProviderSpec, SpecError, slug
+from .store import STORE_DIR, AcceptError, RegressRow, StoreError, accept, regress
+from .suites import SuiteError, resolve_blocks
+
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    Console(stderr=True, highlight=False).print(f"[red]error:[/] {message}", soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _csv(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(eval_cmd)
+    app.command("accept")(accept_cmd)
+    app.command("regress")(regress_cmd)
+    app.command("export-trajectories")(export_cmd)
+
+
+# -- eval ------------------------------------------------------------------------------------------
+def eval_cmd(
+    suite: str = typer.Option(None, "--suite", "-s", help="a suite in evals/suites/ (smoke, ...)"),
+    blocks: str = typer.Option(None, "--blocks", help="instead of --suite: a,b,c"),
+    block_files: list[Path] = typer.Option(
+        None, "--block-file", help="a Python file defining blocks for --blocks (repeatable)"
+    ),
+    providers: str = typer.Option(
+        "builtin",
+        "--providers",
+        help="comma-separated: builtin, anthropic:MODEL, openai:MODEL or openai:MODEL@URL "
+        "(a compatible server), python:MODULE:FUNCTION",
+    ),
+    seeds: int = typer.Option(None, "--seeds", min=1, help="samples per block × provider"),
+    ks: str = typer.Option("1,5,10", "--k", help="pass@k for these k (those ≤ seeds)"),
+    ps: str = typer.Option("1.0,1.5,2.0", "--p", help="fast_p thresholds"),
+    out: Path = typer.Option(None, "--out", help="eval folder (default runs/evals/<time>-...)"),
+    parallel: int = typer.Option(1, "--parallel", "-j", min=1, help="cells at once"),
+    ray: str = typer.Option(None, "--ray", help="run cells as Ray tasks: ADDRESS, or local"),
+    retries: int = typer.Option(2, "--retries", min=0, help="reruns of a worker that died"),
+    max_turns: int = typer.Option(None, "--max-turns", min=1),
+    max_tokens: int = typer.Option(None, "--max-tokens", min=1),
+    max_cost: float = typer.Option(None, "--max-cost", min=0, help="USD per cell"),
+    timeout: float = typer.Option(None, "--timeout", min=1, help="wall-clock seconds per cell"),
+    patience: int = typer.Option(None, "--patience", min=1),
+    resume_dir: Path = typer.Option(None, "--resume", help="continue an interrupted eval"),
+    compare_flag: bool = typer.Option(False, "--compare", help="diff two eval folders: A B"),
+    dirs: list[Path] = typer.Argument(None, help="with --compare: the eval folders A and B"),
+    slowdown: float = typer.Option(1.10, "--slowdown", help="--compare: flag slowdowns beyond"),
+) -> None:
+    """Run a suite of blocks × providers × seeds and score it (or --resume, or --compare)."""
+    if compare_flag or dirs:
+        if not compare_flag or len(dirs or []) != 2:
+            raise _fail("to diff two evals write `coda-agent eval --compare A B` (two folders)")
+        _compare(dirs[0], dirs[1], slowdown)
+    budgets = {
+        k: v
+        for k, v in dict(
+            max_turns=max_turns,
+            max_tokens=max_tokens,
+            max_cost=max_cost,
+            timeout_s=timeout,
+            patience=patience,
+        ).items()
+        if v is not None
+    }
+    _check_workers(parallel, ray)
+    if resume_dir is not None:
+        if suite or blocks or block_files or seeds or out or budgets:
+            raise _fail("--resume takes the eval's own settings: drop the other eval options")
+        edir = _open(resume_dir)
+    else:
+        files = _load_block_files(block_files or [])
+        spec = _new_spec(suite, blocks, files, providers, seeds, ks, ps, budgets)
+        edir = _create(out or _default_out(spec), spec)
+    _run(edir, parallel, ray, retries)
+
+
+def _load_block_files(paths: list[Path]) -> dict[str, str]:
+    """Register the blocks of each file; block name -> the file's absolute path."""
+    found: dict[str, str] = {}
+    for path in paths:
+        try:
+            for block in load_block_file(path):
+                found[block.name] = str(path.resolve())
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            raise _fail(str(e)) from None
+    return found
+
+
+def _new_spec(
+    suite: str | None,
+    blocks: str | None,
+    block_files: dict[str, str],
+    providers: str,
+    seeds: int | None,
+    ks: str,
+    ps: str,
+    budgets: dict[str, Any],
+) -> EvalSpec:
+    try:
+        selection, loaded = resolve_blocks(suite, _csv(blocks) or None)
+        specs = [ProviderSpec.parse(p) for p in _csv(providers)]
+        if not specs:
+            raise SpecError("--providers is empty: give at least one (e.g. builtin)")
+        spec = EvalSpec(
+            suite=suite,
+            blocks=selection.blocks,
+            skipped=selection.skipped,
+            block_files={b: f for b, f in block_files.items() if b in selection.blocks},
+            providers=specs,
+            seeds=seeds or (loaded.seeds if loaded and loaded.seeds else 1),
+            budgets=budgets,
+            ks=[int(k) for k in _csv(ks)],
+            ps=[float(p) for p in _csv(ps)],
+            created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
+        spec.cells()
+    except (SuiteError, SpecError, ValueError) as e:
+        raise _fail(str(e)) from None
+    _preflight(spec)
+    return spec
+
+
+def _check_workers(parallel: int, ray: str | None) -> None:
+    from .harness import HarnessError, slot_envs
+
+    if ray is not None and parallel > 1:
+        raise _fail("give --parallel N (this machine) or --ray ADDRESS (a cluster), not both")
+    if ray is None and parallel > 1:
+        try:
+            slot_envs(parallel)
+        except HarnessError as e:
+            raise _fail(str(e)) from None
+
+
+def _preflight(spec: EvalSpec) -> None:
+    """Configuration errors (a missing key or SDK, a block the planner cannot lower) before any
+    cell runs. Python providers are built only inside their cells."""
+    for p in spec.providers:
+        for name in spec.blocks:
+            block = get_block(name)
+            try:
+                if p.kind == "builtin":
+                    BuiltinProvider(block)
+                elif p.kind in ("anthropic", "openai"):
+                    check_budgets(p.build(block), spec.budgets_obj())
+                    break
+            except NoRule as e:
+                raise _fail(f"the built-in planner cannot lower block {name!r}: {e}") from None
+            except ProviderError as e:
+                raise _fail(f"provider {p.label}: {e.message}") from None
+            except BudgetError as e:
+                raise _fail(f"provider {p.label}: {e}") from None
+
+
+def _default_out(spec: EvalSpec) -> Path:
+    name = spec.suite or "-".join(spec.blocks)
+    return Path("runs") / "evals" / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(name)[:60]}"
+
+
+def _create(path: Path, spec: EvalSpec) -> EvalDir:
+    try:
+        return EvalDir.create(path, spec)
+    except EvalDirError as e:
+        raise _fail(str(e)) from None
+
+
+def _open(path: Path) -> EvalDir:
+    try:
+        edir = EvalDir.open(path)
+        edir.spec()
+        edir.results()
+    except EvalDirError as e:
+        raise _fail(str(e)) from None
+    return edir
+
+
+def _run(edir: EvalDir, parallel: int, ray: str | None, retries: int) -> None:
+    from .harness import HarnessError, pending, run_eval
+
+    spec = edir.spec()
+    todo = pending(edir, spec)
+    total = len(spec.cells())
+    where = f"Ray ({ray})" if ray else f"{parallel} at a time on {backend.describe()}"
+    console.print(
+        f"[bold]coda-agent eval[/] {len(spec.blocks)} block(s) × {len(spec.providers)} "
+        f"provider(s) × {spec.seeds} seed(s) = {total} cells, {total - len(todo)} already done; "
+        f"running {len(todo)}, {where} → {edir.path}"
+    )
+    if spec.skipped:
+        skipped = ", ".join(spec.skipped)
+        console.print(f"  [yellow]skipped[/] (planned, not registered yet): {skipped}")
+    try:
+        results = run_eval(
+            edir, parallel=parallel, ray_address=ray, retries=retries, on_cell=_cell_line
+        )
+    except KeyboardInterrupt:
+        Console(stderr=True, soft_wrap=True).print(
+            f"[yellow]interrupted[/]: finished cells are kept; continue with "
+            f"`coda-agent eval --resume {edir.path}`"
+        )
+        raise typer.Exit(130) from None
+    except Exception as e:
+        from .distributed import RayUnavailable
+
+        if isinstance(e, HarnessError | RayUnavailable):
+            raise _fail(str(e)) from None
+        raise
+    _summary(edir, results)
+
+
+def _cell_line(r: CellResult, done: int, todo: int) -> None:
+    if r.status == "error":
+        first = (r.error or "").splitlines()[0]
+        verdict = f"[red]ERROR[/] {first}"
+    else:
+        verdict = "[green]verified[/]" if r.verified else "[red]not verified[/]"
+        verdict += f" ({r.stop}, {r.turns} turns, {r.seconds:.1f} s)"
+    console.print(f"  [{done}/{todo}] {r.cell}: {verdict}")
+
+
+def _summary(edir: EvalDir, results: list[CellResult]) -> None:
+    errors = [r for r in results if r.status == "error"]
+    verified = sum(r.verified for r in results)
+    console.print(
+        f"{verified} of {len(results)} cells verified; tables in {edir.path / 'results.md'}"
+    )
+    if errors:
+        console.print(
+            f"[red]{len(errors)} cell(s) errored[/]: retry them with "
+            f"`coda-agent eval --resume {edir.path}`"
+        )
+        raise typer.Exit(1)
+    raise typer.Exit(0)
+
+
+def _compare(dir_a: Path, dir_b: Path, slowdown: float) -> None:
+    a, b = _open(dir_a), _open(dir_b)
+    result = compare(a, b, slowdown=slowdown)
+    print(markdown(result), end="")
+    raise typer.Exit(1 if result.regressions else 0)
+
+
+# -- accept, regress, export -----------------------------------------------------------------------
+def accept_cmd(
+    run_dir: Path = typer.Argument(..., help="a run folder (runs/<time>-<block>)"),
+    name: str = typer.Option(None, "--name", help="default: <provider>-<program hash>"),
+    store: Path = typer.Option(STORE_DIR, "--store", help="the regression store folder"),
+    force: bool = typer.Option(False, "--force", help="replace an entry of the same name"),
+) -> None:
+    """Add a run's best verified program to the regression store."""
+    try:
+        done = accept(run_dir, name=name, store=store, force=force)
+    except TranscriptError as e:
+        raise _fail(str(e)) from None
+    except AcceptError as e:
+        raise _fail(str(e), code=1 if "no verified candidate" in str(e) else 2) from None
+    if done.duplicate:
+        console.print(f"already stored: the same program is {done.path}")
+        raise typer.Exit(0)
+    prov = done.entry.provenance
+    time_text = f"{prov.time_ms:.4f} ms" if prov.time_ms is not None else "not measured"
+    worst = max(prov.errors, key=lambda e: e.max_abs_err / e.allowed, default=None)
+    err = f"{worst.max_abs_err:.2e} ({worst.output}, {worst.dtype})" if worst else "n/a"
+    console.print(
+        f"accepted {done.entry.block}/{done.entry.name} → {done.path}\n"
+        f"  from run {prov.run_id} ({prov.provider}, {prov.model}), candidate {prov.candidate}, "
+        f"on {prov.hardware}; worst error {err}; time {time_text}"
+    )
+
+
+def regress_cmd(
+    store: Path = typer.Option(STORE_DIR, "--store", help="the regression store folder"),
+    block: list[str] = typer.Option(None, "--block", "-b", help="only these blocks"),
+    slowdown: float = typer.Option(
+        1.10, "--slowdown", help="GPU: fail when slower than this × the recorded time"
+    ),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Re-verify every stored kernel (CPU interpreter here; bf16 and timings on a GPU)."""
+    if not as_json:
+        console.print(f"[bold]coda-agent regress[/] {store} on {backend.describe()}")
+    try:
+        rows = regress(
+            store,
+            slowdown=slowdown,
+            blocks=block or None,
+            on_row=None if as_json else lambda r: console.print(f"  {_row_line(r)}"),
+        )
+    except StoreError as e:
+        raise _fail(str(e)) from None
+    bad = [r for r in rows if r.status != "ok"]
+    if as_json:
+        print(json.dumps([_row_json(r) for r in rows], indent=2))
+    else:
+        console.print(regress_table(rows))
+        verdict = f"[red]{len(bad)} of {len(rows)} FAILED[/]" if bad else f"all {len(rows)} ok"
+        console.print(verdict)
+    raise typer.Exit(1 if bad else 0)
+
+
+def _row_line(r: RegressRow) -> str:
+    mark = "[green]ok[/]" if r.status == "ok" else f"[red]{r.status.upper()}[/]"
+    return f"{mark} {r.block}/{r.name}: {r.message}"
+
+
+def regress_table(rows: list[RegressRow]) -> Table:
+    table = Table(title="regression store")
+    columns = ("block", "kernel", "status", "err/allowed", "recorded", "ms", "recorded ms")
+    for col in (*columns, "× recorded", "note"):
+        table.add_column(col, no_wrap=col in ("block", "kernel", "status"))
+    for r in rows:
+        table.add_row(
+            r.block,
+            r.name,
+            "[green]ok[/]" if r.status == "ok" else f"[red]{r.status.upper()}[/]",
+            _num(r.error_now, "{:.2f}"),
+            _num(r.error_recorded, "{:.2f}"),
+            _num(r.time_now_ms, "{:.4f}"),
+            _num(r.time_recorded_ms, "{:.4f}"),
+            _num(r.slowdown, "{:.3f}×", "-"),
+            r.message if r.status != "ok" else r.time_note,
+        )
+    return table
+
+
+def _num(value: float | None, pattern: str, missing: str = "-") -> str:
+    return missing if value is None else pattern.format(value)
+
+
+def _row_json(r: RegressRow) -> dict[str, Any]:
+    return {
+        "path": str(r.path),
+        "block": r.block,
+        "name": r.name,
+        "status": r.status,
+        "message": r.message,
+        "error_now": r.error_now,
+        "error_recorded": r.error_recorded,
+        "time_now_ms": r.time_now_ms,
+        "time_recorded_ms": r.time_recorded_ms,
+        "slowdown": r.slowdown,
+        "time_note": r.time_note,
+    }
+
+
+def export_cmd(
+    eval_dir: Path = typer.Argument(..., help="an eval folder"),
+    out: Path = typer.Option(None, "--out", help="default: EVAL_DIR/trajectories.jsonl"),
+    baseline: str = typer.Option("eager", "--baseline", help="speedup over eager or compile"),
+) -> None:
+    """Write an eval's trajectories (messages, tool calls, Reports, rewards) as JSONL."""
+    from .trajectories import export
+
+    if baseline not in ("eager", "compile"):
+        raise _fail(f"--baseline must be eager or compile, not {baseline!r}")
+    edir = _open(eval_dir)
+    target = out or eval_dir / "trajectories.jsonl"
+    try:
+        written, skipped = export(edir, target, baseline)  # type: ignore[arg-type]
+    except TranscriptError as e:
+        raise _fail(str(e)) from None
+    console.print(
+        f"wrote {written} trajectories to {target}"
+        + (f" ({skipped} cell(s) without an answer skipped)" if skipped else ""),
+        soft_wrap=True,
+    )

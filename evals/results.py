@@ -1,0 +1,157 @@
+"""An eval on disk, and one cell's result.
+
+``EVAL_DIR/``:
+
+* ``eval.json`` — the ``EvalSpec`` (written when the eval starts; ``--resume`` reads it);
+* ``results.jsonl`` — one ``CellResult`` per line, appended and synced as each cell ends (only
+  the parent process writes it). A cell may have several lines (an ``error`` line, then a later
+  ``done`` one after a resume): the last line of a cell is its result;
+* ``cells/<cell id>/`` — the cell's run folder(s) (``<time>-<block>/``, see ``coda.agent.runs``),
+  and ``log.txt`` when the cell ran in a worker process;
+* ``results.md``, ``speedup.png``, ``errors.png`` — written by ``report.py`` after every run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .metrics import CellNumbers
+from .spec import EvalSpec
+
+SPEC_FILE = "eval.json"
+RESULTS_FILE = "results.jsonl"
+
+
+class EvalDirError(ValueError):
+    """A folder that is not an eval, or whose files do not parse; the message names the file."""
+
+
+class CellResult(BaseModel):
+    """One cell's outcome. ``status`` ``done``: the agent ran to an answer (verified or not);
+    ``error``: the harness or the provider failed (left out of the rates, retried on resume).
+    Timings and speedups are ``None`` when not measured (no GPU)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    cell: str
+    block: str
+    provider: str  # the ProviderSpec label, kind:model
+    model: str
+    seed: int
+    status: Literal["done", "error"]
+    error: str | None = None
+    verified: bool = False
+    stop: str | None = None
+    stop_message: str = ""
+    turns: int = 0
+    seconds: float = 0.0  # wall time of the run's recorded invocations
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float | None = 0.0
+    candidates: int = 0
+    verified_candidates: int = 0
+    failures: dict[str, int] = {}  # failing stage -> candidates that failed there
+    tool_errors: int = 0
+    worst_error_ratio: float | None = None  # best candidate: max |err| / allowed over checks
+    time_ms: float | None = None
+    speedup_eager: float | None = None
+    speedup_compile: float | None = None
+    ratio_to_gemms: float | None = None
+    device: str = ""
+    run_dir: str | None = None  # relative to the eval folder
+    attempts: int = 1
+    finished_at: str = ""
+
+    def numbers(self) -> CellNumbers:
+        return CellNumbers(
+            block=self.block,
+            provider=self.provider,
+            verified=self.verified,
+            errored=self.status == "error",
+            gpu=self.device.startswith("cuda"),
+            turns=self.turns,
+            seconds=self.seconds,
+            tokens=self.input_tokens + self.output_tokens,
+            cost_usd=self.cost_usd,
+            speedup={"eager": self.speedup_eager, "compile": self.speedup_compile},
+            ratio_to_gemms=self.ratio_to_gemms,
+        )
+
+
+@dataclass
+class EvalDir:
+    path: Path
+
+    @property
+    def spec_file(self) -> Path:
+        return self.path / SPEC_FILE
+
+    @property
+    def results_file(self) -> Path:
+        return self.path / RESULTS_FILE
+
+    def cell_dir(self, cell_id: str) -> Path:
+        return self.path / "cells" / cell_id
+
+    @classmethod
+    def create(cls, path: Path, spec: EvalSpec) -> EvalDir:
+        if (path / SPEC_FILE).exists():
+            raise EvalDirError(
+                f"{path} already holds an eval: continue it with `coda-agent eval --resume "
+                f"{path}`, or choose another --out"
+            )
+        path.mkdir(parents=True, exist_ok=True)
+        (path / SPEC_FILE).write_text(spec.model_dump_json(indent=2) + "\n")
+        return cls(path)
+
+    @classmethod
+    def open(cls, path: Path) -> EvalDir:
+        found = cls(Path(path))
+        if not found.spec_file.is_file():
+            raise EvalDirError(f"{path} has no {SPEC_FILE} (is it an eval folder?)")
+        return found
+
+    def spec(self) -> EvalSpec:
+        try:
+            return EvalSpec.model_validate_json(self.spec_file.read_text())
+        except ValidationError as e:
+            raise EvalDirError(f"{self.spec_file}: not an eval spec ({_first(e)})") from None
+
+    def append(self, result: CellResult) -> None:
+        """Append one cell result and push it to disk before returning."""
+        with open(self.results_file, "a", encoding="utf-8") as f:
+            f.write(result.model_dump_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def results(self) -> dict[str, CellResult]:
+        """The last result of every cell (a line torn by a crash while writing is skipped)."""
+        if not self.results_file.is_file():
+            return {}
+        lines = self.results_file.read_text(encoding="utf-8").splitlines()
+        latest: dict[str, CellResult] = {}
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                result = CellResult.model_validate_json(line)
+            except ValidationError as e:
+                if number == len(lines):
+                    break
+                raise EvalDirError(f"{self.results_file}:{number}: {_first(e)}") from None
+            latest[result.cell] = result
+        return latest
+
+    def ordered_results(self) -> list[CellResult]:
+        """Results in the spec's cell order (cells not run yet are absent)."""
+        found = self.results()
+        return [found[c.id] for c in self.spec().cells() if c.id in found]
+
+
+def _first(error: ValidationError) -> str:
+    first = error.errors()[0]
+    return f"{'.'.join(map(str, first['loc']))}: {first['msg']}"

@@ -1,0 +1,300 @@
+"""The regression store: accepted agent-authored kernels, re-verified on every change.
+
+``evals/regression/<block>/<name>.json`` holds one ``StoredKernel``: the Program, and where it came
+from (provider, model, date, run id, hardware, library versions, the errors it was verified with
+and, when measured, its time per benchmark shape).
+
+* ``accept(run_dir)`` adds a run's best program; a run without a verified candidate is refused,
+  and so is a name already taken by a different program (``force`` replaces it). The same program
+  accepted twice is reported, not duplicated.
+* ``regress(store)`` re-verifies every stored Program with the sandbox's defaults for this device
+  (CPU: the Triton interpreter, float32 and float16; GPU: bfloat16 and float16, and timings). An
+  entry fails when it no longer verifies (its block gone, its JSON unreadable, a check over its
+  tolerance) or — on a GPU of the same kind as the one it was recorded on — when its time over the
+  recorded benchmark shapes grew by more than ``slowdown``× the recorded time. Timings recorded on
+  other hardware, or not at all, are not compared, and the row says so.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from coda.agent.runs import RunDir
+from coda.agent.summary import error_rows
+from coda.blocks import BlockNotFound, get_block, load_block_file
+from coda.sandbox.report import Report
+from coda.sandbox.runner import evaluate
+from coda.sandbox.stages import SandboxOptions
+
+from .spec import slug
+
+STORE_DIR = Path(__file__).resolve().parent / "regression"
+
+
+class AcceptError(ValueError):
+    """A run that cannot be accepted; the message says why and what to do."""
+
+
+class StoreError(ValueError):
+    """A store that cannot be read (missing folder, no entries)."""
+
+
+class MeasuredError(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    output: str
+    dtype: str
+    checks: int
+    max_abs_err: float
+    allowed: float
+    rel_err: float
+
+
+class TimedShape(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    sizes: dict[str, int]
+    dtype: str
+    program_ms: float
+
+
+class Provenance(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    provider: str
+    model: str
+    accepted_at: str  # ISO date-time, UTC
+    run_id: str  # the run folder's name
+    run_started_at: str
+    candidate: int
+    hardware: str  # the device the run's sandbox used, e.g. "cuda (NVIDIA H200)"
+    machine: str  # platform of the accepting machine
+    versions: dict[str, str]
+    errors: list[MeasuredError]
+    time_ms: float | None = None  # summed over ``timings``; None: not measured
+    timings: list[TimedShape] = []
+
+
+class StoredKernel(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    version: int = 1
+    name: str
+    block: str
+    block_file: str | None = None
+    program_hash: str
+    program: dict[str, Any]
+    provenance: Provenance
+
+
+@dataclass(frozen=True)
+class Accepted:
+    path: Path
+    entry: StoredKernel
+    duplicate: bool  # the same program was already stored (at ``path``)
+
+
+def accept(
+    run_dir: Path, *, name: str | None = None, store: Path = STORE_DIR, force: bool = False
+) -> Accepted:
+    run = RunDir.open(run_dir)
+    state = run.state()
+    best = state.best
+    if best is None or not best.report.verified or best.program is None:
+        tried = f"{len(state.candidates)} candidate(s)"
+        head = f"; the best got: {best.report.headline()}" if best is not None else ""
+        raise AcceptError(
+            f"{run_dir} has no verified candidate ({tried}{head}): only a verified program can be "
+            "accepted — continue the run (`coda-agent synthesize --resume`) or start a new one"
+        )
+    report = best.report
+    entry = StoredKernel(
+        name=slug(name or f"{state.provider}-{report.program_hash}"),
+        block=state.start.block,
+        block_file=state.start.block_file,
+        program_hash=report.program_hash,
+        program=best.program.model_dump(mode="json"),
+        provenance=_provenance(state, run, best.index, report),
+    )
+    folder = store / slug(entry.block)
+    for path, stored in _entries(folder):
+        if stored is not None and stored.program_hash == entry.program_hash:
+            return Accepted(path, stored, duplicate=True)
+    path = folder / f"{entry.name}.json"
+    if path.exists() and not force:
+        raise AcceptError(
+            f"{path} already holds a different program: choose another --name, or --force to "
+            "replace it"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(entry.model_dump_json(indent=2) + "\n")
+    return Accepted(path, entry, duplicate=False)
+
+
+def _provenance(state: Any, run: RunDir, index: int, report: Report) -> Provenance:
+    return Provenance(
+        provider=state.provider,
+        model=state.model,
+        accepted_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        run_id=run.path.name,
+        run_started_at=state.start.started_at,
+        candidate=index,
+        hardware=report.device,
+        machine=f"{platform.system()} {platform.machine()}",
+        versions=dict(report.versions),
+        errors=[
+            MeasuredError(
+                output=r.output,
+                dtype=r.dtype,
+                checks=r.checks,
+                max_abs_err=r.max_abs_err,
+                allowed=r.allowed,
+                rel_err=r.rel_err,
+            )
+            for r in error_rows(report)
+        ],
+        time_ms=sum(p.program_ms for p in report.profile) if report.profile else None,
+        timings=[
+            TimedShape(sizes=p.sizes, dtype=p.dtype, program_ms=p.program_ms)
+            for p in report.profile
+        ],
+    )
+
+
+def _entries(folder: Path) -> list[tuple[Path, StoredKernel | None]]:
+    found = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            found.append((path, StoredKernel.model_validate_json(path.read_text())))
+        except (ValidationError, ValueError):
+            found.append((path, None))
+    return found
+
+
+def store_files(store: Path, blocks: list[str] | None = None) -> list[Path]:
+    if not store.is_dir():
+        raise StoreError(f"{store} is not a folder (a regression store is evals/regression/)")
+    files = sorted(store.glob("*/*.json"))
+    if blocks:
+        files = [f for f in files if f.parent.name in blocks]
+    if not files:
+        where = f" for blocks {', '.join(blocks)}" if blocks else ""
+        raise StoreError(f"{store} holds no kernels{where} (add one with `coda-agent accept RUN`)")
+    return files
+
+
+# -- regress -------------------------------------------------------------------------------------
+Status = Literal["ok", "broken", "slower"]
+
+
+@dataclass(frozen=True)
+class RegressRow:
+    path: Path
+    name: str
+    block: str
+    status: Status
+    message: str  # what failed, or "verified"
+    error_now: float | None = None  # worst max|err| / allowed, now
+    error_recorded: float | None = None
+    time_now_ms: float | None = None
+    time_recorded_ms: float | None = None
+    time_note: str = ""  # why the times were not compared ("" when they were)
+
+    @property
+    def slowdown(self) -> float | None:
+        """Now over recorded, when the two are comparable (same hardware, same shapes)."""
+        if self.time_note or self.time_now_ms is None or not self.time_recorded_ms:
+            return None
+        return self.time_now_ms / self.time_recorded_ms
+
+
+def regress(
+    store: Path = STORE_DIR,
+    *,
+    slowdown: float = 1.10,
+    blocks: list[str] | None = None,
+    options: SandboxOptions | None = None,
+    on_row: Callable[[RegressRow], None] | None = None,
+) -> list[RegressRow]:
+    """Re-verify every stored kernel (see the module docstring for what fails)."""
+    rows = []
+    for path in store_files(store, blocks):
+        row = check_entry(path, slowdown=slowdown, options=options or SandboxOptions())
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return rows
+
+
+def check_entry(path: Path, *, slowdown: float, options: SandboxOptions) -> RegressRow:
+    try:
+        entry = StoredKernel.model_validate_json(path.read_text())
+    except (ValidationError, ValueError) as e:
+        first = str(e).splitlines()[0]
+        return RegressRow(path, path.stem, path.parent.name, "broken", f"unreadable: {first}")
+    try:
+        if entry.block_file:
+            load_block_file(entry.block_file)
+        block = get_block(entry.block)
+    except (BlockNotFound, FileNotFoundError, ImportError, ValueError) as e:
+        return RegressRow(path, entry.name, entry.block, "broken", f"block: {e}")
+    report = evaluate(entry.program, block, options, block_file=entry.block_file)
+    return _judge(path, entry, report, slowdown)
+
+
+def _judge(path: Path, entry: StoredKernel, report: Report, slowdown: float) -> RegressRow:
+    prov = entry.provenance
+    worst = report.worst_check()
+    recorded = max((e.max_abs_err / e.allowed for e in prov.errors if e.allowed), default=None)
+    now_ms, then_ms, note = _times(entry, report)
+    row = RegressRow(
+        path=path,
+        name=entry.name,
+        block=entry.block,
+        status="ok",
+        message="verified",
+        error_now=worst.max_abs_err / worst.allowed if worst and worst.allowed else None,
+        error_recorded=recorded,
+        time_now_ms=now_ms,
+        time_recorded_ms=then_ms,
+        time_note=note,
+    )
+    if not report.verified:
+        return replace(row, status="broken", message=report.headline())
+    if row.slowdown is not None and row.slowdown > slowdown:
+        return replace(
+            row, status="slower", message=f"{row.slowdown:.3f}× its recorded time (> {slowdown})"
+        )
+    return row
+
+
+def _times(entry: StoredKernel, report: Report) -> tuple[float | None, float | None, str]:
+    """(now, recorded) over the benchmark shapes both measured; a note when they are not
+    comparable (then the slowdown is not judged)."""
+    prov = entry.provenance
+    now_all = sum(p.program_ms for p in report.profile) if report.profile else None
+    if now_all is None:
+        prof = report.stage("profile")
+        return None, prov.time_ms, prof.message if prof else "timings not measured"
+    if prov.time_ms is None:
+        return now_all, None, "no recorded time to compare"
+    if report.device != prov.hardware:
+        return (
+            now_all,
+            prov.time_ms,
+            (f"not compared: recorded on {prov.hardware}, now {report.device}"),
+        )
+    recorded = {(_key(t.sizes), t.dtype): t.program_ms for t in prov.timings}
+    common = [p for p in report.profile if (_key(p.sizes), p.dtype) in recorded]
+    if not common:
+        return now_all, prov.time_ms, "not compared: no benchmark shape in common with the record"
+    now = sum(p.program_ms for p in common)
+    then = sum(recorded[(_key(p.sizes), p.dtype)] for p in common)
+    return now, then, ""
+
+
+def _key(sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(sizes.items()))

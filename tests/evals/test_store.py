@@ -1,0 +1,148 @@
+"""The regression store: accept refuses unverified runs and records provenance; regress fails
+on a broken kernel and (GPU, same hardware) on a slowdown; and the store in this repository
+still verifies — the CI regression check, on every `make test`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from coda.agent.cli import app
+from coda.agent.synthesize import synthesize
+from coda.evals.store import STORE_DIR, StoredKernel, _judge, regress
+from coda.sandbox import SandboxOptions
+from coda.sandbox.report import ProfileRow, Report
+from tests.agent.scripted import BLOCK, Script, broken_program, finish, good_program, submit
+
+from .common import FAST_SANDBOX
+from .models import never_verifies
+
+runner = CliRunner()
+FAST = SandboxOptions(**FAST_SANDBOX)
+
+
+def test_the_stored_kernels_still_verify() -> None:
+    """`coda-agent regress` over evals/regression/, as CI runs it (CPU: the interpreter)."""
+    stored = sorted(STORE_DIR.glob("*/*.json"))
+    assert stored, "the regression store is empty"
+    result = runner.invoke(app, ["regress"])
+    assert result.exit_code == 0, result.output
+    assert f"all {len(stored)} ok" in result.output
+    for path in stored:
+        assert f"{path.parent.name}/{path.stem}: verified" in result.output
+
+
+def _run(tmp_path: Path, provider=None) -> Path:  # noqa: ANN001
+    return synthesize(BLOCK, tmp_path / "runs", provider=provider, sandbox=FAST).run.path
+
+
+def test_accept_refuses_a_run_without_a_verified_candidate(tmp_path: Path) -> None:
+    run = _run(tmp_path, never_verifies(BLOCK))
+    result = runner.invoke(app, ["accept", str(run), "--store", str(tmp_path / "store")])
+    assert result.exit_code == 1
+    text = " ".join(result.output.split())
+    assert "has no verified candidate (1 candidate(s); the best got: FAILED at semantics" in text
+    assert not (tmp_path / "store").exists()
+    assert runner.invoke(app, ["accept", str(tmp_path)]).exit_code == 2  # not a run folder
+
+
+def test_accept_records_provenance_once_and_guards_names(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    run = _run(tmp_path)
+    args = ["accept", str(run), "--store", str(store), "--name", "planner"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    path = store / "llama_mlp" / "planner.json"
+    entry = StoredKernel.model_validate_json(path.read_text())
+    prov = entry.provenance
+    assert (prov.provider, prov.model, prov.run_id) == ("builtin", "coda-planner", run.name)
+    assert prov.hardware == "cpu (Triton interpreter)" and prov.time_ms is None
+    assert {(e.output, e.dtype) for e in prov.errors} == {("out", "float32"), ("out", "float16")}
+    assert all(e.max_abs_err <= e.allowed for e in prov.errors)
+    again = runner.invoke(app, [*args[:-1], "other"])
+    assert again.exit_code == 0 and "already stored" in again.output  # same program: not twice
+    assert not (store / "llama_mlp" / "other.json").exists()
+
+    renamed = good_program()
+    renamed["steps"][1]["name"] = "gate_up_v2"  # another verified program
+    other = _run(tmp_path / "b", Script([submit(renamed, "c1"), finish()]))
+    taken = runner.invoke(app, ["accept", str(other), "--store", str(store), "--name", "planner"])
+    assert taken.exit_code == 2 and "already holds a different program" in taken.output
+    forced = runner.invoke(
+        app, ["accept", str(other), "--store", str(store), "--name", "planner", "--force"]
+    )
+    assert forced.exit_code == 0 and "gate_up_v2" in path.read_text()
+
+
+def test_regress_fails_with_a_table_when_a_stored_kernel_breaks(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    run = _run(tmp_path)
+    assert (
+        runner.invoke(app, ["accept", str(run), "--store", str(store), "--name", "ok"]).exit_code
+        == 0
+    )
+    good = json.loads((store / "llama_mlp" / "ok.json").read_text())
+    broken = {**good, "name": "dropped-residual", "program": broken_program()}
+    (store / "llama_mlp" / "dropped-residual.json").write_text(json.dumps(broken))
+    (store / "llama_mlp" / "torn.json").write_text('{"version": 1, "na')
+    rows = {r.name: r for r in regress(store, options=FAST)}
+    assert rows["ok"].status == "ok"
+    assert rows["dropped-residual"].status == "broken"
+    assert rows["dropped-residual"].message.startswith("FAILED at semantics")
+    assert rows["torn"].status == "broken" and rows["torn"].message.startswith("unreadable")
+    (store / "llama_mlp" / "ok.json").unlink()  # the CLI verifies at full size: keep it quick
+    result = runner.invoke(app, ["regress", "--store", str(store), "--block", "llama_mlp"])
+    assert result.exit_code == 1 and "2 of 2 FAILED" in result.output
+    assert "BROKEN" in result.output and "FAILED at semantics" in result.output
+    assert runner.invoke(app, ["regress", "--store", str(tmp_path / "none")]).exit_code == 2
+
+
+def _entry(time_ms: float | None, hardware: str = "cuda (NVIDIA H200)") -> StoredKernel:
+    timings = [{"sizes": {"M": 8}, "dtype": "bfloat16", "program_ms": time_ms}] if time_ms else []
+    return StoredKernel.model_validate(
+        {
+            "name": "k",
+            "block": "llama_mlp",
+            "program_hash": "h",
+            "program": {},
+            "provenance": {
+                "provider": "builtin",
+                "model": "coda-planner",
+                "accepted_at": "",
+                "run_id": "r",
+                "run_started_at": "",
+                "candidate": 1,
+                "hardware": hardware,
+                "machine": "",
+                "versions": {},
+                "errors": [],
+                "time_ms": time_ms,
+                "timings": timings,
+            },
+        }
+    )
+
+
+def _report(ms: float, device: str = "cuda (NVIDIA H200)", verified: bool = True) -> Report:
+    row = ProfileRow(sizes={"M": 8}, dtype="bfloat16", program_ms=ms, gemms_ms=ms, tflops=1.0)
+    return Report(
+        verified=verified,
+        block="llama_mlp",
+        program_hash="h",
+        device=device,
+        stages=[],
+        profile=[row],
+    )
+
+
+def test_slowdowns_fail_only_against_a_time_recorded_on_the_same_hardware() -> None:
+    p = Path("k.json")
+    assert _judge(p, _entry(1.0), _report(1.05), 1.10).status == "ok"
+    slow = _judge(p, _entry(1.0), _report(1.2), 1.10)
+    assert slow.status == "slower" and slow.message == "1.200× its recorded time (> 1.1)"
+    other = _judge(p, _entry(1.0, "cuda (NVIDIA A100)"), _report(5.0), 1.10)
+    assert other.status == "ok" and other.time_note.startswith("not compared: recorded on")
+    assert _judge(p, _entry(None), _report(5.0), 1.10).time_note == "no recorded time to compare"
+    assert _judge(p, _entry(1.0), _report(1.0, verified=False), 1.10).status == "broken"

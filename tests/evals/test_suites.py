@@ -1,0 +1,47 @@
+"""Suites: every shipped suite parses and names registered blocks; planned blocks run once they
+exist; a wrong name is an error naming the file and the close match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import coda.evals.suites as suites
+from coda.blocks import list_blocks
+from coda.evals.suites import SuiteError, load_suite, resolve_blocks, select, suite_names
+
+
+def test_every_shipped_suite_loads_and_its_blocks_are_registered() -> None:
+    assert {"smoke", "llama", "paper-kernels"} <= set(suite_names())
+    registered = {b.name for b in list_blocks()}
+    for name in suite_names():
+        suite = load_suite(name)
+        assert set(suite.blocks) <= registered, f"{suite.path}: move unregistered names to planned"
+        assert not set(suite.blocks) & set(suite.planned)
+    assert load_suite("smoke").blocks == ["llama_mlp"]
+
+
+def test_planned_blocks_are_skipped_until_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    llama = load_suite("llama")
+    assert select(llama).blocks == ["llama_mlp"] and "llama_attn_in" in select(llama).skipped
+    with pytest.raises(SuiteError, match="suite 'paper-kernels' has no registered block yet"):
+        select(load_suite("paper-kernels"))
+    monkeypatch.setattr(suites, "_registered", lambda: {"llama_mlp", "gemm_swiglu"})
+    chosen = select(load_suite("paper-kernels"))
+    assert chosen.blocks == ["gemm_swiglu"] and len(chosen.skipped) == 9
+
+
+def test_wrong_names_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(SuiteError, match="no suite named 'smok': did you mean 'smoke'"):
+        load_suite("smok")
+    (tmp_path / "typo.toml").write_text('blocks = ["llama_mpl"]\n')
+    with pytest.raises(SuiteError, match=r"typo.toml: no block named 'llama_mpl': did you mean"):
+        select(load_suite("typo", tmp_path))
+    (tmp_path / "extra.toml").write_text('blocks = []\nmodels = ["x"]\n')
+    with pytest.raises(SuiteError, match=r"unknown keys \['models'\]"):
+        load_suite("extra", tmp_path)
+    with pytest.raises(SuiteError, match="--blocks: no block named 'nope'"):
+        resolve_blocks(None, ["nope"])
+    with pytest.raises(SuiteError, match="exactly one of --suite NAME or --blocks"):
+        resolve_blocks("smoke", ["llama_mlp"])

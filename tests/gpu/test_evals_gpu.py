@@ -1,0 +1,36 @@
+"""Evals on a GPU: the stored kernels re-verify in bf16 and fp16 and are timed; an eval cell has
+speedups and fast_p is a measurement. (Written without a GPU at hand: not yet run on one.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coda.evals.harness import run_eval
+from coda.evals.metrics import aggregates
+from coda.evals.results import EvalDir
+from coda.evals.spec import EvalSpec, ProviderSpec
+from coda.evals.store import regress
+from coda.sandbox import SandboxOptions
+
+SIZES = {"M": 2048, "d": 1024, "f": 2816}
+QUICK = SandboxOptions(seeds=[0], bench_shapes=[SIZES])
+
+
+def test_the_stored_kernels_verify_in_bf16_and_are_timed() -> None:
+    for row in regress(options=QUICK):
+        assert row.status == "ok", row.message
+        assert row.time_now_ms is not None and row.time_now_ms > 0
+
+
+def test_an_eval_cell_on_a_gpu_measures_speedups(tmp_path: Path) -> None:
+    spec = EvalSpec(
+        blocks=["llama_mlp"],
+        providers=[ProviderSpec.parse("builtin")],
+        sandbox=QUICK.model_dump(mode="json"),
+        budgets={"max_turns": 4},
+    )
+    (result,) = run_eval(EvalDir.create(tmp_path / "ev", spec))
+    assert result.verified and result.device.startswith("cuda")
+    assert result.speedup_eager is not None and result.ratio_to_gemms is not None
+    (row, _) = aggregates([result.numbers()], [1], [1.0])
+    assert row.fast["eager"][1.0] is not None
