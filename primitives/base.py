@@ -14,7 +14,7 @@ that ``Program`` is built from, so adding a primitive is one module (plus its te
 from __future__ import annotations
 
 import keyword
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
@@ -112,6 +112,7 @@ class RunEnv:
     tensors: dict[str, torch.Tensor]
     infos: dict[str, TensorInfo]
     compute: torch.dtype = torch.float32  # float64 in the exact reference executor
+    sizes: dict[str, int] = field(default_factory=dict)  # the binding of the symbolic sizes
 
 
 class AuxStep(Node):

@@ -26,6 +26,7 @@ from .codegen.configs import resolve_config
 from .codegen.kernel import KernelSource, generate_kernel
 from .ir import GemmEpilogue, MainloopConfig, Program
 from .reference import activation_dtype
+from .sizes import evaluate as evaluate_size
 from .types import TensorInfo, partials_shape, torch_dtype
 
 
@@ -65,7 +66,7 @@ class CompiledProgram:
     def prepare(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Inputs plus prep results (weight layouts), computed once per set of weights."""
         info = self.info_for(inputs)
-        env = RunEnv(dict(inputs), info.tensors)
+        env = RunEnv(dict(inputs), info.tensors, sizes=info.sizes)
         for prep in self.program.prep:
             prep.apply(env)
         return env.tensors
@@ -78,10 +79,10 @@ class CompiledProgram:
         act = activation_dtype(self.program, prepared)
         device = next(iter(prepared.values())).device
         tensors = dict(prepared)
-        env = RunEnv(tensors, info.tensors)
+        env = RunEnv(tensors, info.tensors, sizes=info.sizes)
         for step, name in zip(self.program.steps, self.program.step_names(), strict=True):
             if isinstance(step, GemmEpilogue):
-                self._run_gemm(step, info.gemms[name], tensors, act, device, poison)
+                self._run_gemm(step, info.gemms[name], tensors, act, device, poison, info.sizes)
             else:
                 self._allocate_new(info, name, tensors, act, device, poison)
                 step.launch(env)
@@ -91,7 +92,7 @@ class CompiledProgram:
         self, inputs: dict[str, torch.Tensor], *, poison: bool = False
     ) -> dict[str, torch.Tensor]:
         tensors = self.run(self.prepare(inputs), poison=poison)
-        return {out: tensors[t] for out, t in self.program.outputs.items()}
+        return self.program.select_outputs(tensors, self.info_for(inputs).sizes)
 
     def _allocate_new(
         self,
@@ -114,6 +115,7 @@ class CompiledProgram:
         act: torch.dtype,
         device: torch.device,
         poison: bool,
+        sizes: dict[str, int],
     ) -> None:
         if gemm.vendor:
             self._run_vendor(step, gemm, tensors, act)
@@ -123,7 +125,7 @@ class CompiledProgram:
             tensors[name] = _allocate(t, gemm, cfg, act, device, poison)
         kernel = self._kernel(gemm.name)
         source = self.kernels[gemm.name]
-        args = [_param_value(p, tensors, gemm) for p in source.params]
+        args = [_param_value(p, tensors, gemm, sizes) for p in source.params]
         num_tiles = triton.cdiv(gemm.M, cfg.block_m) * triton.cdiv(gemm.N, cfg.block_n)
         grid = (min(num_tiles, _num_sms(device)),)
         precision = "ieee" if tensors[step.a.tensor].dtype == torch.float32 else "tf32"
@@ -200,11 +202,15 @@ def _allocate(
     return _empty(t.shape, torch_dtype(t.dtype, act), device, poison)
 
 
-def _param_value(p, tensors: dict[str, torch.Tensor], gemm: GemmInfo):  # noqa: ANN001, ANN202
+def _param_value(p, tensors: dict[str, torch.Tensor], gemm: GemmInfo, sizes: dict[str, int]):  # noqa: ANN001, ANN202
     if p.kind == "ptr":
         return tensors[p.tensor]
     if p.kind == "stride":
         return tensors[p.tensor].stride(p.dim)
+    if p.kind == "shape":
+        return tensors[p.tensor].shape[p.dim]
+    if p.expr is not None:
+        return evaluate_size(p.expr, sizes)
     return {"M": gemm.M, "N": gemm.N, "K": gemm.K}[p.name]
 
 

@@ -54,13 +54,30 @@ def gemm_program(
 def make_inputs(
     program: Program, sizes: dict[str, int], dtype: torch.dtype, seed: int = 0
 ) -> dict[str, torch.Tensor]:
+    """Random inputs; int64 inputs are column indices in [0, N) plus a few out of range."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, decl in program.inputs.items():
         shape = [sizes[d] if isinstance(d, str) else d for d in decl.shape]
+        if decl.dtype == "int64":
+            index = torch.randint(0, sizes["N"], shape, generator=gen)
+            index[::7] = -100  # an ignore_index: no column holds it
+            index[3::11] = sizes["N"] + 3
+            out[name] = index
+            continue
         x = torch.randn(shape, generator=gen) / (sizes.get("K", 1) ** 0.25)
         out[name] = x.to(dtype if decl.dtype == "act" else torch.float32)
     return out
+
+
+def rope_tables(
+    rows: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[rows, head_dim]`` like Hugging Face's: random angles, the two halves equal."""
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(rows, head_dim // 2, generator=gen) * 6.3
+    emb = torch.cat([angles, angles], dim=1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def run_both(program: Program, inputs: dict[str, torch.Tensor], **kw: Any):

@@ -116,7 +116,7 @@ def plan_epilogue(step: GemmEpilogue, gemm: GemmInfo, tensors: dict) -> EmitCont
 def _signature(params: list[Param]) -> list[str]:
     groups = [
         ("# pointers", [p for p in params if p.kind == "ptr"]),
-        ("# sizes", [p for p in params if p.kind == "size"]),
+        ("# sizes", [p for p in params if p.kind in ("size", "shape")]),
         ("# strides", [p for p in params if p.kind == "stride"]),
     ]
     lines = []
@@ -132,7 +132,7 @@ def _signature(params: list[Param]) -> list[str]:
 
 def order_params(params: list[Param]) -> tuple[Param, ...]:
     """Launch order = signature order: pointers, sizes, strides."""
-    rank = {"ptr": 0, "size": 1, "stride": 2}
+    rank = {"ptr": 0, "size": 1, "shape": 1, "stride": 2}
     return tuple(sorted(params, key=lambda p: rank[p.kind]))
 
 
