@@ -8,7 +8,6 @@ count, and the graph the built-in planner lowers.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, Literal
 
@@ -16,7 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
 
 from . import functional
-from .ops import GraphOp, Linear
+from .ops import GraphOp
 
 InitKind = Literal["activation", "linear_weight", "norm_weight", "index"]
 
@@ -105,12 +104,11 @@ class Block(BaseModel):
     # -- the reference ---------------------------------------------------------------------------
     def reference_source(self) -> str:
         """Readable PyTorch source of the block: helper functions, then the block function."""
-        helpers = []
+        helpers: list[str] = []
         for op in self.graph:
-            if op.helper not in helpers:
-                helpers.append(op.helper)
+            helpers += [h for h in op.helper_sources() if h not in helpers]
         parts = ["import torch", "import torch.nn.functional as F", ""]
-        parts += [inspect.getsource(h) for h in helpers]
+        parts += helpers
         args = ", ".join(self.inputs)
         body = [f"def {self.name}({args}):", f'    """{self.description}', ""]
         for name, spec in self.inputs.items():
@@ -169,17 +167,16 @@ class Block(BaseModel):
         }
         for op in self.graph:
             values[op.out] = op.call(values)
-        return {n: tuple(v.shape) for n, v in values.items()}
+        return {n: tuple(v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)}
+
+    def matmuls(self, sizes: dict[str, int]) -> list[tuple[int, int, int]]:
+        """Every matrix product of one call, as ``(M, N, K)``."""
+        shapes = self.trace(sizes)
+        return [mnk for op in self.graph for mnk in op.matmuls(shapes)]
 
     def flops(self, sizes: dict[str, int]) -> int:
-        """Matrix-product FLOPs of one forward call (2·M·N·K per Linear)."""
-        shapes = self.trace(sizes)
-        total = 0
-        for op in self.graph:
-            if isinstance(op, Linear):
-                x, w = shapes[op.x], shapes[op.weight]
-                total += 2 * math.prod(x[:-1]) * w[0] * w[1]
-        return total
+        """Matrix-product FLOPs of one call (2·M·N·K per product)."""
+        return sum(2 * m * n * k for m, n, k in self.matmuls(sizes))
 
 
 def _draw(

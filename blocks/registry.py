@@ -24,7 +24,7 @@ def register(block: Block) -> Block:
 
 
 def _load_builtin() -> None:
-    from . import llama  # noqa: F401  (registers the built-in blocks)
+    from . import kernels, llama  # noqa: F401  (registers the built-in blocks)
 
 
 def get_block(name: str) -> Block:

@@ -12,7 +12,6 @@ import torch
 import triton
 
 from coda.blocks.block import Block
-from coda.blocks.ops import Linear
 from coda.primitives.runtime import CompiledProgram
 
 from .report import ProfileRow
@@ -23,18 +22,16 @@ def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:  # noqa: ANN001
 
 
 def gemms_alone(block: Block, sizes: dict[str, int], dtype: torch.dtype):  # noqa: ANN201
-    """A closure running each ``Linear`` of the block as one cuBLAS matmul on random data."""
-    shapes = block.trace(sizes)
+    """A closure running each matrix product of the block as one cuBLAS matmul on random data."""
     pairs = []
-    for op in block.graph:
-        if isinstance(op, Linear):
-            x = torch.randn(shapes[op.x], device="cuda", dtype=dtype)
-            w = torch.randn(shapes[op.weight], device="cuda", dtype=dtype)
-            pairs.append((x, w))
+    for m, n, k in block.matmuls(sizes):
+        a = torch.randn((m, k), device="cuda", dtype=dtype)
+        b = torch.randn((n, k), device="cuda", dtype=dtype)
+        pairs.append((a, b))
 
     def run() -> None:
-        for x, w in pairs:
-            torch.matmul(x, w.T)
+        for a, b in pairs:
+            torch.matmul(a, b.T)
 
     return run
 

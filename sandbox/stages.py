@@ -244,7 +244,14 @@ def verify_one(
             )
     return [
         check_output(
-            name, out[name], ref64[name], torch_out[name], block.tolerance, sizes=sizes, seed=seed
+            name,
+            out[name],
+            ref64[name],
+            torch_out[name],
+            block.tolerance,
+            sizes=sizes,
+            seed=seed,
+            run_dtype=dtype,
         )
         for name in block.outputs
     ]
