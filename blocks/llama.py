@@ -22,7 +22,7 @@ from .ops import (
     RowRstd,
     SwiGLU,
 )
-from .registry import register
+from .registry import register, register_resolver
 
 LLAMA_RMS_EPS = 1e-5  # Llama 3's rms_norm_eps
 
@@ -214,3 +214,48 @@ llama_lm_head_ce_bwd = register(
         wrt=["x", "gamma", "w_lm"],
     )
 )
+
+
+def llama_mlp_blocks(eps: float) -> tuple[Block, Block]:
+    """``(llama_mlp, llama_mlp_bwd)`` for an RMSNorm epsilon (Llama 3 uses 1e-5, the built-in
+    blocks; Hugging Face's ``LlamaConfig`` defaults to 1e-6). Another value gives the registered
+    pair ``llama_mlp_eps<eps>`` / ``llama_mlp_eps<eps>_bwd`` (e.g. ``llama_mlp_eps1e-06``)."""
+    if eps == LLAMA_RMS_EPS:
+        return llama_mlp, llama_mlp_bwd
+    name = f"{_EPS_PREFIX}{eps:g}"
+    if name not in _VARIANTS:
+        graph = [
+            op.model_copy(update={"eps": eps}) if isinstance(op, RMSNorm) else op
+            for op in llama_mlp.graph
+        ]
+        forward = register(llama_mlp.model_copy(update={"name": name, "graph": graph}))
+        backward = backward_block(
+            forward,
+            name=f"{name}_bwd",
+            cotangents={"out": TensorSpec(shape=["M", "d"], doc="gradient of out")},
+            wrt=["x", "gamma", "w_gate", "w_up", "w_down"],
+        )
+        _VARIANTS[name] = (forward, register(backward))
+    return _VARIANTS[name]
+
+
+_EPS_PREFIX = "llama_mlp_eps"
+_VARIANTS: dict[str, tuple[Block, Block]] = {}
+
+
+def _resolve_eps_variant(name: str) -> Block | None:
+    """``llama_mlp_eps<eps>[_bwd]`` → that block (so a sandbox worker finds it by name)."""
+    if not name.startswith(_EPS_PREFIX):
+        return None
+    text = name[len(_EPS_PREFIX) :].removesuffix("_bwd")
+    try:
+        eps = float(text)
+    except ValueError:
+        return None
+    if not 0 < eps <= 1 or f"{eps:g}" != text:
+        return None
+    forward, backward = llama_mlp_blocks(eps)
+    return backward if name.endswith("_bwd") else forward
+
+
+register_resolver(_resolve_eps_variant)

@@ -225,3 +225,16 @@ def test_layer_blocks_trace_and_count_flops(name: str) -> None:
     shapes = block.trace(sizes)
     for out in block.outputs:
         assert out in shapes
+
+
+def test_llama_mlp_epsilon_variants_resolve_by_name() -> None:
+    from coda.blocks import BlockNotFound
+    from coda.blocks.llama import llama_mlp_blocks
+
+    forward, backward = llama_mlp_blocks(1e-6)
+    assert get_block("llama_mlp_eps1e-06") is forward
+    assert get_block("llama_mlp_eps1e-06_bwd") is backward
+    assert backward.graph[0].forward == "llama_mlp_eps1e-06"
+    assert llama_mlp_blocks(1e-5) == (get_block("llama_mlp"), get_block("llama_mlp_bwd"))
+    with pytest.raises(BlockNotFound):
+        get_block("llama_mlp_epsilon")
