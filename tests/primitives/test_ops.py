@@ -391,6 +391,7 @@ def _run_case(
     a_t: bool = False,
     b_t: bool = True,
     config: Any = "auto",
+    device: str = "cpu",
 ) -> None:
     sizes = {**sizes, "N2": 2 * sizes["N"], "Nh": sizes["N"] // 2, "D": _head_dim(sizes["N"])}
     program = gemm_program(
@@ -405,6 +406,7 @@ def _run_case(
     inputs = make_inputs(program, sizes, dtype)
     if case.rope:
         inputs["cos"], inputs["sin"] = rope_tables(sizes["M"], sizes["D"], dtype)
+    inputs = {n: t.to(device) for n, t in inputs.items()}
     got, ref, exact = run_both(program, inputs)
     atol, rtol = DTYPE_TOL[dtype]
     # (1) codegen ≡ reference executor at kernel precision, for every tensor the step writes
