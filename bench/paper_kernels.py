@@ -5,11 +5,11 @@ and on the same inputs: the planner's fused Program, the cuBLAS GEMM alone (its 
 the block's PyTorch reference eagerly, and the same reference under ``torch.compile`` (cuBLAS GEMM +
 a compiled epilogue). For ``llama_mlp`` at M = 16384 tokens, d = 2048 (f = 8192) and d = 4096
 (f = 14336): forward and forward+backward of the exported CODA op (``coda.export``, prep included:
-weights change every step) against eager PyTorch, ``torch.compile``, Liger-Kernel when installed,
-and the six cuBLAS GEMMs alone (gate/up fused; note that ``llama_mlp_bwd`` recomputes the gate/up
-GEMM, as its block gets only the forward inputs). Every configuration is first checked for
-correctness in bf16 against a float32 reference (the sandbox's rule: within 2× PyTorch's own bf16
-error plus a floor).
+weights change every step; forward ``llama_mlp_train`` saving g and u, backward
+``llama_mlp_bwd_saved``; and the variant that recomputes the gate/up GEMM instead) against eager
+PyTorch, ``torch.compile``, Liger-Kernel when installed, and the six cuBLAS GEMMs alone (gate/up
+fused). Every configuration is first checked for correctness in bf16 against a float32 reference
+(the sandbox's rule: within 2× PyTorch's own bf16 error plus a floor).
 
 Times are medians of ``triton.testing.do_bench`` (L2 flushed between repetitions). A short table
 is printed last; full numbers go to ``paper_kernels.json`` and ``paper_kernels.md`` in ``--out``
@@ -245,9 +245,11 @@ def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
     block = get_block("llama_mlp")
     inputs, dout = _mlp_inputs(sizes, bench)
     exported = llama_mlp_function(1e-5, verify=False)  # checked right here instead
+    recompute = llama_mlp_function(1e-5, verify=False, saved=False)
     reference = lambda *a: block.reference(dict(zip(block.inputs, a, strict=True)))["out"]  # noqa: E731
     candidates: dict[str, Callable | None] = {
-        "coda": exported.forward_op,
+        "coda": exported,
+        "coda_recompute": recompute,
         "eager": reference,
         "compile": bench.compile(reference),
         "liger": _liger_mlp(sizes, inputs),
@@ -257,7 +259,7 @@ def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
         reference, {n: t.detach().float().requires_grad_() for n, t in inputs.items()}, dout.float()
     )()
     torch_bf16 = _fwd_bwd(reference, inputs, dout)()
-    coda = _fwd_bwd(exported.forward_op, inputs, dout)()
+    coda = _fwd_bwd(exported, inputs, dout)()
     names = ["out", "dx", "dgamma", "dw_gate", "dw_up", "dw_down"]
     checks = [
         check(n, g, r, t, block, sizes, bench)
@@ -278,7 +280,7 @@ def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
             if name == "coda":
                 raise
             row[f"{name}_error"] = repr(e)[:500]
-    for name in ("eager", "compile", "liger"):
+    for name in ("eager", "compile", "liger", "coda_recompute"):
         base = row[f"{name}_fwd_bwd_ms"]
         row[f"coda_speedup_vs_{name}"] = None if base is None else base / row["coda_fwd_bwd_ms"]
     row["coda_over_gemms_alone"] = row["coda_fwd_bwd_ms"] / row["gemms_alone_fwd_bwd_ms"]
@@ -323,9 +325,9 @@ def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
     if mlp:
         lines += [
             "",
-            "| llama_mlp | ok | GEMMs alone fwd+bwd | CODA fwd / fwd+bwd | eager | compile | "
-            "Liger | CODA vs compile |",
-            "|---|---|---|---|---|---|---|---|",
+            "| llama_mlp | ok | GEMMs alone fwd+bwd | CODA fwd / fwd+bwd | CODA, recompute | "
+            "eager | compile | Liger | CODA vs compile |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in mlp:
             s = r["sizes"]
@@ -336,7 +338,8 @@ def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
             pair = lambda k, r=r: f"{_f(r[k + '_fwd_ms'])} / {_f(r[k + '_fwd_bwd_ms'])}"  # noqa: E731
             lines.append(
                 f"| {where} | {'yes' if r['correct'] else 'NO'} | "
-                f"{_f(r['gemms_alone_fwd_bwd_ms'])} | {pair('coda')} | {pair('eager')} | "
+                f"{_f(r['gemms_alone_fwd_bwd_ms'])} | {pair('coda')} | {pair('coda_recompute')} | "
+                f"{pair('eager')} | "
                 f"{pair('compile')} | {pair('liger')} | {_f(r['coda_speedup_vs_compile'])}× |"
             )
     return "\n".join(lines)

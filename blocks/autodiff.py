@@ -52,12 +52,23 @@ class VJP(GraphOp):
     forward: str  # the forward block's name
     cotangents: dict[str, str]  # forward output -> the input holding its gradient
     wrt: list[str]  # forward inputs to differentiate
+    # Forward graph values the backward block also receives (saved by the forward pass so that a
+    # program need not recompute them); autograd recomputes them and ignores these inputs.
+    saved: list[str] = []
 
     def forward_block(self) -> Block:
         return get_block(self.forward)
 
     def inputs(self) -> list[str]:
-        return [*self.forward_block().inputs, *self.cotangents.values()]
+        return [*self.forward_block().inputs, *self.saved, *self.cotangents.values()]
+
+    def derived_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The saved forward values, from the forward reference on the drawn inputs."""
+        if not self.saved:
+            return {}
+        block = self.forward_block()
+        values = block.values({n: inputs[n] for n in block.inputs})
+        return {n: values[n].detach() for n in self.saved}
 
     def call(self, values: dict[str, Any]) -> Any:
         block = self.forward_block()
@@ -74,7 +85,10 @@ class VJP(GraphOp):
         block = self.forward_block()
         inputs = ", ".join(f"{n}={n}" for n in block.inputs)
         cot = ", ".join(f"{o}={g}" for o, g in self.cotangents.items())
-        return f"{self.out} = vjp({block.name}, dict({inputs}), dict({cot}), wrt={self.wrt!r})"
+        line = f"{self.out} = vjp({block.name}, dict({inputs}), dict({cot}), wrt={self.wrt!r})"
+        if self.saved:
+            line += f"  # {', '.join(self.saved)}: saved by the forward pass (autograd recomputes)"
+        return line
 
     def matmuls(self, shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
         """Each forward product ``(M, N, K)`` has a data gradient ``(M, K, N)`` and a weight
@@ -120,17 +134,23 @@ def backward_block(
     name: str,
     cotangents: dict[str, TensorSpec],
     wrt: list[str],
+    saved: dict[str, TensorSpec] | None = None,
     shapes: ShapeSets | None = None,
     tolerance: Tolerance | None = None,
 ) -> Block:
-    """The backward block of ``forward``: inputs = forward inputs + ``d<output>`` for each output
-    in ``cotangents`` (with its spec); outputs ``d<input>`` for each input in ``wrt``."""
+    """The backward block of ``forward``: inputs = forward inputs, the ``saved`` forward values
+    (drawn consistently: computed by the forward reference), and ``d<output>`` for each output in
+    ``cotangents`` (with its spec); outputs ``d<input>`` for each input in ``wrt``."""
     grads = {f"d{o}": spec for o, spec in cotangents.items()}
+    saved_specs = {
+        n: spec.model_copy(update={"init": "saved"}) for n, spec in (saved or {}).items()
+    }
     graph: list[GraphOp] = [
         VJP(
             forward=forward.name,
             cotangents={o: f"d{o}" for o in cotangents},
             wrt=wrt,
+            saved=list(saved_specs),
             out="grads",
         )
     ]
@@ -142,7 +162,7 @@ def backward_block(
             f"Backward of {forward.name}: gradients of {', '.join(wrt)} given the gradients of "
             f"{', '.join(cotangents)} (autograd of the forward reference)."
         ),
-        inputs={**forward.inputs, **grads},
+        inputs={**forward.inputs, **saved_specs, **grads},
         graph=graph,
         outputs=[f"d{n}" for n in wrt],
         shapes=shapes or forward.shapes,

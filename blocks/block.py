@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validat
 from . import functional
 from .ops import GraphOp
 
-InitKind = Literal["activation", "linear_weight", "norm_weight", "index"]
+InitKind = Literal["activation", "linear_weight", "norm_weight", "index", "saved"]
 
 
 class TensorSpec(BaseModel):
@@ -25,7 +25,9 @@ class TensorSpec(BaseModel):
 
     ``init``: ``activation`` ~ N(0, 1); ``linear_weight`` ~ N(0, 1/in_features) for an ``[out, in]``
     weight (keeps every branch's output O(1), so a dropped branch cannot hide under a residual);
-    ``norm_weight`` ~ 1 + N(0, 0.1²) (a trained γ, not all ones); ``index`` ~ U{0, …, high−1}.
+    ``norm_weight`` ~ 1 + N(0, 0.1²) (a trained γ, not all ones); ``index`` ~ U{0, …, high−1};
+    ``saved``: a forward activation a backward block receives (e.g. the gate projection), computed
+    from the other inputs by the graph op that declares it (``GraphOp.derived_inputs``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -127,10 +129,15 @@ class Block(BaseModel):
         Each op calls the same helper function whose source ``reference_source`` shows, with the
         same arguments as its source line, so what an LLM reads is what runs.
         """
+        values = self.values(inputs)
+        return {name: values[name] for name in self.outputs}
+
+    def values(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Every value of the graph (inputs, intermediates, outputs) on ``inputs``."""
         values: dict[str, Any] = {name: inputs[name] for name in self.inputs}
         for op in self.graph:
             values[op.out] = op.call(values)
-        return {name: values[name] for name in self.outputs}
+        return values
 
     # -- inputs and sizes ------------------------------------------------------------------------
     def shape_of(self, name: str, sizes: dict[str, int]) -> tuple[int, ...]:
@@ -147,9 +154,15 @@ class Block(BaseModel):
         gen = torch.Generator().manual_seed(seed)
         out = {}
         for name, spec in self.inputs.items():
-            shape = self.shape_of(name, sizes)
-            out[name] = _draw(spec, shape, sizes, gen, dtype).to(device)
-        return out
+            if spec.init != "saved":
+                shape = self.shape_of(name, sizes)
+                out[name] = _draw(spec, shape, sizes, gen, dtype).to(device)
+        for op in self.graph:
+            out.update(op.derived_inputs(out))
+        missing = [n for n in self.inputs if n not in out]
+        if missing:
+            raise ValueError(f"block {self.name!r}: no graph op derives the saved inputs {missing}")
+        return {n: out[n] for n in self.inputs}
 
     def program_inputs(self) -> dict[str, dict[str, Any]]:
         """The ``inputs`` field a Program for this block must carry."""

@@ -216,46 +216,91 @@ llama_lm_head_ce_bwd = register(
 )
 
 
-def llama_mlp_blocks(eps: float) -> tuple[Block, Block]:
-    """``(llama_mlp, llama_mlp_bwd)`` for an RMSNorm epsilon (Llama 3 uses 1e-5, the built-in
-    blocks; Hugging Face's ``LlamaConfig`` defaults to 1e-6). Another value gives the registered
-    pair ``llama_mlp_eps<eps>`` / ``llama_mlp_eps<eps>_bwd`` (e.g. ``llama_mlp_eps1e-06``)."""
+MLP_GRADS = ["x", "gamma", "w_gate", "w_up", "w_down"]
+MLP_COTANGENT = {"out": TensorSpec(shape=["M", "d"], doc="gradient of out")}
+MLP_SAVED = {
+    "g": TensorSpec(shape=["M", "f"], doc="gate_proj(h), saved by the forward pass"),
+    "u": TensorSpec(shape=["M", "f"], doc="up_proj(h), saved by the forward pass"),
+}
+
+
+def _mlp_training_pair(forward: Block, name: str) -> tuple[Block, Block]:
+    """``<name>_train`` (the forward that also returns g and u) and ``<name>_bwd_saved`` (the
+    backward that receives them instead of recomputing the gate/up GEMM)."""
+    train = forward.model_copy(
+        update={
+            "name": f"{name}_train",
+            "description": forward.description
+            + " Training forward: also returns g = gate(h) and u = up(h) for the backward.",
+            "outputs": ["out", "g", "u"],
+        }
+    )
+    saved = backward_block(
+        forward,
+        name=f"{name}_bwd_saved",
+        cotangents=MLP_COTANGENT,
+        wrt=MLP_GRADS,
+        saved=MLP_SAVED,
+    )
+    return register(train), register(saved)
+
+
+llama_mlp_train, llama_mlp_bwd_saved = _mlp_training_pair(llama_mlp, "llama_mlp")
+
+
+def llama_mlp_family(eps: float) -> dict[str, Block]:
+    """The llama_mlp blocks for an RMSNorm epsilon: ``forward``, ``backward`` (gets the forward
+    inputs), ``train`` (forward that also returns g and u) and ``backward_saved`` (gets them).
+
+    Llama 3 uses eps = 1e-5: the built-in ``llama_mlp``, ``llama_mlp_bwd``, ``llama_mlp_train``,
+    ``llama_mlp_bwd_saved``. Another value (Hugging Face's ``LlamaConfig`` defaults to 1e-6)
+    registers ``llama_mlp_eps<eps>`` and its ``_bwd``, ``_train``, ``_bwd_saved`` on first use.
+    """
     if eps == LLAMA_RMS_EPS:
-        return llama_mlp, llama_mlp_bwd
-    name = f"{_EPS_PREFIX}{eps:g}"
-    if name not in _VARIANTS:
-        graph = [
-            op.model_copy(update={"eps": eps}) if isinstance(op, RMSNorm) else op
-            for op in llama_mlp.graph
-        ]
-        forward = register(llama_mlp.model_copy(update={"name": name, "graph": graph}))
-        backward = backward_block(
-            forward,
-            name=f"{name}_bwd",
-            cotangents={"out": TensorSpec(shape=["M", "d"], doc="gradient of out")},
-            wrt=["x", "gamma", "w_gate", "w_up", "w_down"],
+        forward, backward, train, saved = (
+            llama_mlp,
+            llama_mlp_bwd,
+            llama_mlp_train,
+            llama_mlp_bwd_saved,
         )
-        _VARIANTS[name] = (forward, register(backward))
-    return _VARIANTS[name]
+    else:
+        name = f"{_EPS_PREFIX}{eps:g}"
+        if name not in _VARIANTS:
+            graph = [
+                op.model_copy(update={"eps": eps}) if isinstance(op, RMSNorm) else op
+                for op in llama_mlp.graph
+            ]
+            forward = register(llama_mlp.model_copy(update={"name": name, "graph": graph}))
+            backward = backward_block(
+                forward, name=f"{name}_bwd", cotangents=MLP_COTANGENT, wrt=MLP_GRADS
+            )
+            _VARIANTS[name] = (forward, register(backward), *_mlp_training_pair(forward, name))
+        forward, backward, train, saved = _VARIANTS[name]
+    return {"forward": forward, "backward": backward, "train": train, "backward_saved": saved}
 
 
 _EPS_PREFIX = "llama_mlp_eps"
-_VARIANTS: dict[str, tuple[Block, Block]] = {}
+_VARIANTS: dict[str, tuple[Block, Block, Block, Block]] = {}
+_SUFFIXES = {"": "forward", "_bwd": "backward", "_train": "train", "_bwd_saved": "backward_saved"}
 
 
 def _resolve_eps_variant(name: str) -> Block | None:
-    """``llama_mlp_eps<eps>[_bwd]`` → that block (so a sandbox worker finds it by name)."""
+    """``llama_mlp_eps<eps>[_bwd|_train|_bwd_saved]`` → that block (a sandbox worker resolves
+    the same names the same way)."""
     if not name.startswith(_EPS_PREFIX):
         return None
-    text = name[len(_EPS_PREFIX) :].removesuffix("_bwd")
-    try:
-        eps = float(text)
-    except ValueError:
-        return None
-    if not 0 < eps <= 1 or f"{eps:g}" != text:
-        return None
-    forward, backward = llama_mlp_blocks(eps)
-    return backward if name.endswith("_bwd") else forward
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        text = name[len(_EPS_PREFIX) :]
+        if suffix and not text.endswith(suffix):
+            continue
+        text = text.removesuffix(suffix) if suffix else text
+        try:
+            eps = float(text)
+        except ValueError:
+            continue
+        if 0 < eps <= 1 and f"{eps:g}" == text:
+            return llama_mlp_family(eps)[_SUFFIXES[suffix]]
+    return None
 
 
 register_resolver(_resolve_eps_variant)

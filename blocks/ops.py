@@ -46,6 +46,10 @@ class GraphOp(BaseModel):
         """Apply the helper to ``values`` (tensors by name); used for shape tracing."""
         return self.helper(*[values[n] for n in self.inputs()], **self.kwargs())
 
+    def derived_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Block inputs of init ``saved`` this op computes from the drawn ones (default: none)."""
+        return {}
+
     def helper_sources(self) -> list[str]:
         """Source text the block's reference shows for this op: its helper function (after
         ``upcast`` when the helper uses it)."""

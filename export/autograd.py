@@ -5,7 +5,9 @@
 GEMM for plain products), each with a fake (meta) implementation that derives output shapes from
 the Program's analysis — so ``torch.compile`` traces *around* them without a graph break — and ties
 them together with ``torch.library.register_autograd``. The backward block's ``vjp`` op says which
-forward output each cotangent belongs to and which inputs get gradients.
+forward output each cotangent belongs to, which inputs get gradients, and which forward values the
+backward receives (``saved``): the forward Program returns those too (e.g. ``llama_mlp_train``'s
+``g`` and ``u``), autograd keeps them for the backward, and the caller sees only the other outputs.
 
 Prep steps (weight layouts such as gate/up interleaving) run inside every forward and backward
 call: in training the weights change every step. They move weight-sized tensors once per call,
@@ -117,9 +119,10 @@ def _custom_op(program: Program, kind: str) -> Any:
 class ExportedFunction:
     """A differentiable function of the forward block's inputs (in the Program's input order).
 
-    Calling it returns the forward outputs (one tensor, or a tuple in the Program's output order);
-    ``torch.autograd`` runs the backward Program for gradients. ``forward_op``/``backward_op`` are
-    the registered ``torch.ops.coda`` operators.
+    Calling it returns the forward outputs other than the saved ones (one tensor, or a tuple in the
+    Program's output order); ``torch.autograd`` runs the backward Program for gradients.
+    ``forward_op``/``backward_op`` are the registered ``torch.ops.coda`` operators (the forward op
+    returns every output of the forward Program, saved ones included).
     """
 
     forward: Program
@@ -127,10 +130,17 @@ class ExportedFunction:
     forward_op: Any
     backward_op: Any
     input_names: list[str]
-    output_names: list[str]
+    output_names: list[str]  # what a call returns
+    saved_names: list[str] = field(default_factory=list)
 
     def __call__(self, *args: torch.Tensor) -> Any:
-        return self.forward_op(*args)
+        outs = self.forward_op(*args)
+        if not self.saved_names:
+            return outs
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        every = list(self.forward.outputs)
+        kept = tuple(outs[every.index(n)] for n in self.output_names)
+        return kept[0] if len(kept) == 1 else kept
 
 
 def export_autograd(forward: Program, backward: Program, backward_block: Block) -> ExportedFunction:
@@ -152,13 +162,18 @@ def export_autograd(forward: Program, backward: Program, backward_block: Block) 
     }
     bwd_outputs = list(backward.outputs)
 
+    saved_names = list(vjp.saved)
+
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         outs = output if isinstance(output, tuple) else (output,)
-        ctx.save_for_backward(*inputs)
+        by_name = dict(zip(fwd_outputs, outs, strict=True))
+        kept = [by_name[n] for n in saved_names]
+        ctx.mark_non_differentiable(*kept)
+        ctx.save_for_backward(*inputs, *kept)
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
 
     def backward_fn(ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        saved = dict(zip(fwd_inputs, ctx.saved_tensors, strict=True))
+        saved = dict(zip([*fwd_inputs, *saved_names], ctx.saved_tensors, strict=True))
         cot = {}
         for (out, grad), (shape, dtype, device) in zip(
             zip(fwd_outputs, grads, strict=True), ctx.out_meta, strict=True
@@ -175,7 +190,10 @@ def export_autograd(forward: Program, backward: Program, backward_block: Block) 
         return tuple(by_name.get(grad_names.get(n, "")) for n in fwd_inputs)
 
     fwd_op.register_autograd(backward_fn, setup_context=setup_context)
-    exported = ExportedFunction(forward, backward, fwd_op, bwd_op, fwd_inputs, fwd_outputs)
+    user_outputs = [n for n in fwd_outputs if n not in saved_names]
+    exported = ExportedFunction(
+        forward, backward, fwd_op, bwd_op, fwd_inputs, user_outputs, saved_names
+    )
     _REGISTERED[key] = exported
     return exported
 
@@ -191,12 +209,14 @@ def _vjp_of(block: Block) -> VJP:
 
 
 def _check_pair(forward: Program, backward: Program, vjp: VJP) -> None:
-    want = [*forward.inputs, *vjp.cotangents.values()]
+    want = [*forward.inputs, *vjp.saved, *vjp.cotangents.values()]
     if list(backward.inputs) != want:
         raise ValueError(
-            f"the backward Program's inputs {list(backward.inputs)} must be the forward inputs "
-            f"followed by the cotangents: {want}"
+            f"the backward Program's inputs {list(backward.inputs)} must be the forward inputs, "
+            f"the saved values and the cotangents: {want}"
         )
-    missing = [o for o in vjp.cotangents if o not in forward.outputs]
+    missing = [o for o in [*vjp.cotangents, *vjp.saved] if o not in forward.outputs]
     if missing:
-        raise ValueError(f"cotangents name outputs {missing} that the forward Program lacks")
+        raise ValueError(
+            f"the backward needs forward outputs {missing} that the forward Program lacks",
+        )

@@ -17,7 +17,7 @@ from torch import nn
 
 from coda.agent.planner import LoweringOptions, lower
 from coda.blocks.block import Block
-from coda.blocks.llama import llama_mlp_blocks
+from coda.blocks.llama import llama_mlp_family
 from coda.primitives.ir import Program
 from coda.sandbox import SandboxOptions, evaluate
 
@@ -39,13 +39,18 @@ def verified_program(block: Block, options: LoweringOptions | None = None) -> Pr
 
 
 @lru_cache(maxsize=16)
-def llama_mlp_function(eps: float, *, verify: bool = True) -> ExportedFunction:
+def llama_mlp_function(eps: float, *, verify: bool = True, saved: bool = True) -> ExportedFunction:
     """``f(x, gamma, w_gate, w_up, w_down) -> out`` with autograd, for an RMSNorm epsilon.
 
-    The forward and backward Programs come from the built-in planner; with ``verify`` (default)
-    each is first verified by the sandbox at the block's shape sets, once per process.
+    ``saved`` (default): the forward is ``llama_mlp_train``, which also stores the gate and up
+    projections, and the backward ``llama_mlp_bwd_saved`` uses them (CODA_MATH §7's schedule);
+    otherwise the forward stores nothing extra and ``llama_mlp_bwd`` recomputes the gate/up GEMM
+    (less memory, one more GEMM). The Programs come from the built-in planner; with ``verify``
+    (default) each is first verified by the sandbox at the block's shape sets, once per process.
     """
-    forward_block, backward_block = llama_mlp_blocks(eps)
+    family = llama_mlp_family(eps)
+    forward_block = family["train" if saved else "forward"]
+    backward_block = family["backward_saved" if saved else "backward"]
     if verify:
         forward, backward = verified_program(forward_block), verified_program(backward_block)
     else:
@@ -67,10 +72,14 @@ class CodaLlamaMLPBlock(nn.Module):
     ``norm`` is the layer's ``post_attention_layernorm`` and ``mlp`` its ``mlp``; both are kept as
     submodules (parameters shared). ``x`` is ``[..., hidden]``; all parameters must have ``x``'s
     dtype (Programs use one activation dtype). ``verify``: verify the Programs in the sandbox
-    when the module is built (default; once per process and epsilon).
+    when the module is built (default; once per process and epsilon). ``saved``: keep the gate
+    and up projections from the forward for the backward (default, CODA_MATH §7), or recompute
+    them in the backward (two ``[tokens, intermediate]`` tensors less memory, one GEMM more).
     """
 
-    def __init__(self, norm: nn.Module, mlp: nn.Module, *, verify: bool = True) -> None:
+    def __init__(
+        self, norm: nn.Module, mlp: nn.Module, *, verify: bool = True, saved: bool = True
+    ) -> None:
         super().__init__()
         for proj in ("gate_proj", "up_proj", "down_proj"):
             if getattr(getattr(mlp, proj), "bias", None) is not None:
@@ -80,7 +89,7 @@ class CodaLlamaMLPBlock(nn.Module):
         self.norm, self.mlp = norm, mlp
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         # Resolved here, not in forward: torch.compile then sees only the custom op.
-        self.function = llama_mlp_function(eps, verify=verify)
+        self.function = llama_mlp_function(eps, verify=verify, saved=saved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = [
@@ -96,4 +105,4 @@ class CodaLlamaMLPBlock(nn.Module):
                 "cast the modules to the activation dtype (e.g. model.to(torch.bfloat16))"
             )
         flat = x.reshape(-1, x.shape[-1])
-        return self.function.forward_op(flat, *weights).reshape(x.shape)
+        return self.function(flat, *weights).reshape(x.shape)

@@ -142,9 +142,13 @@ class _Backward:
         return self.op.cotangents[forward_output]
 
     # -- shared pieces -----------------------------------------------------------------------------
+    def rstd(self, norm: RMSNorm) -> str:
+        """The norm's ``r``: one pass over its input (cheap next to the GEMMs)."""
+        return self.aux({"kind": "rstd", "src": norm.x, "eps": norm.eps, "out": f"rstd_{norm.out}"})
+
     def forward_projection(self, norm: RMSNorm, weight: str) -> tuple[str, str]:
         """(rstd of x, γ folded into ``weight``) for recomputing ``z = r ⊙ (x W_foldedᵀ)``."""
-        r = self.aux({"kind": "rstd", "src": norm.x, "eps": norm.eps, "out": f"rstd_{norm.out}"})
+        r = self.rstd(norm)
         node = {"kind": "fold_norm_weight", "weight": weight, "gamma": norm.weight}
         folded = self.prep(("fold", weight, norm.weight), {**node, "out": f"{weight}_folded"})
         return r, folded
@@ -223,6 +227,51 @@ class _Backward:
         dout = self.cotangent(add.out)
         interleave = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
         w_gu = self.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
+        if {gate.out, up.out} <= set(self.op.saved):
+            r = self.rstd(norm)
+            dz, a, partials = self.swiglu_backward_saved(dout, down.weight, gate.out, up.out)
+        else:
+            r, dz, a, partials = self.swiglu_backward_recomputed(norm, w_gu, dout, down.weight)
+        c = self.statistic(partials, norm)
+        self.output(down.weight, self.plain_gemm("w_down_grad", f"{dout}.T", a, "dw_down"))
+        y = self.norm_backward("gate_up_bwd", dz, w_gu, norm, r, c, residual=dout)
+        dw_gu = self.plain_gemm("w_gate_up_grad", f"{dz}.T", y, "dw_gu")
+        # the interleaved gradient's even rows are the gate's, odd rows the up projection's
+        self.output(gate.weight, {"tensor": dw_gu, "dim": 0, "step": 2})
+        self.output(up.weight, {"tensor": dw_gu, "dim": 0, "start": "1", "step": 2})
+
+    def swiglu_backward_saved(self, dout: str, w_down: str, g: str, u: str) -> tuple[str, str, str]:
+        """da = dout W_down with SwiGLU's backward next to the saved g and u (N wide each):
+        dz = [dg, du] interleaved, a recomputed, partial Σ (g·dg + u·du)."""
+        dz, a, partials = self.name("dz"), self.name("a"), self.name("zdz_partials")
+        self.gemm(
+            "down_bwd",
+            dout,
+            w_down,
+            [
+                {"op": "load_tile", "tensor": g, "out": "g_tile"},
+                {"op": "load_tile", "tensor": u, "out": "u_tile"},
+                # d/dg silu(g)·u = u·σ(g)·(1 + g(1 − σ(g))), d/du = silu(g) (CODA_MATH §2)
+                {
+                    "op": "map",
+                    "expr": "acc * u_tile * sigmoid(g_tile) * (1 + g_tile * (1 - sigmoid(g_tile)))",
+                    "out": "dg",
+                },
+                {"op": "map", "expr": "acc * silu(g_tile)", "out": "du"},
+                {"op": "join_pairs", "first": "dg", "second": "du", "out": dz},
+                {"op": "map", "expr": "silu(g_tile) * u_tile", "out": a},
+                {"op": "map", "expr": "g_tile * dg + u_tile * du", "out": "zdz_terms"},
+                {"op": "partial_reduce", "src": "zdz_terms", "kind": "sum", "to": partials},
+                {"op": "store", "src": dz, "to": dz},
+                {"op": "store", "src": a, "to": a},
+            ],
+        )
+        return dz, a, partials
+
+    def swiglu_backward_recomputed(
+        self, norm: RMSNorm, w_gu: str, dout: str, w_down: str
+    ) -> tuple[str, str, str, str]:
+        """z = r ⊙ (x W_guᵀ) recomputed and stored, then SwiGLU's backward next to it."""
         r, folded = self.forward_projection(norm, w_gu)
         # z = r ⊙ (x W_guᵀ): the saved pre-activation [g0, u0, g1, u1, ...], recomputed
         z = self.name("z")
@@ -241,7 +290,7 @@ class _Backward:
         self.gemm(
             "down_bwd",
             dout,
-            down.weight,
+            w_down,
             [
                 {"op": "load_tile", "tensor": z, "out": "z_tile"},
                 {
@@ -257,13 +306,7 @@ class _Backward:
                 {"op": "store", "src": a, "to": a},
             ],
         )
-        c = self.statistic(partials, norm)
-        self.output(down.weight, self.plain_gemm("w_down_grad", f"{dout}.T", a, "dw_down"))
-        y = self.norm_backward("gate_up_bwd", dz, w_gu, norm, r, c, residual=dout)
-        dw_gu = self.plain_gemm("w_gate_up_grad", f"{dz}.T", y, "dw_gu")
-        # the interleaved gradient's even rows are the gate's, odd rows the up projection's
-        self.output(gate.weight, {"tensor": dw_gu, "dim": 0, "step": 2})
-        self.output(up.weight, {"tensor": dw_gu, "dim": 0, "start": "1", "step": 2})
+        return r, dz, a, partials
 
     # -- attention input: fused QKV + RoPE ---------------------------------------------------------
     def attention_in(self) -> None:

@@ -63,7 +63,11 @@ SWIGLU_DU = "{da} * silu(x0)"
 
 def handles(st: _State, i: int, op: GraphOp) -> bool:
     """Lower graph op ``i`` with the rules here; False leaves it to the original rules."""
-    if all(isinstance(o, ORIGINAL_OPS) for o in st.block.graph):
+    graph = st.block.graph
+    saves_pairs = any(  # a training forward returns the gate/up projections for its backward
+        isinstance(o, SwiGLU) and {o.gate, o.up} & set(st.block.outputs) for o in graph
+    )
+    if all(isinstance(o, ORIGINAL_OPS) for o in graph) and not saves_pairs:
         return False
     from . import backward, lowering
 
@@ -386,6 +390,13 @@ def _lower_linear(st: _State, i: int, op: Linear) -> None:
         ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": value})
         cur = value
     if glu is not None:
+        if {gate.out, up.out} & set(st.block.outputs):
+            # the gate and up projections themselves are wanted (saved for a backward pass)
+            node = {"op": "split_pairs", "src": cur, "first": gate.out, "second": up.out}
+            ep.emit(node)
+            for half in (gate.out, up.out):
+                ep.regs[half] = half
+                ep.computed.append(half)
         ep.emit({"op": "swiglu", "src": cur, "out": glu.out})
         cur, value = glu.out, glu.out
     ep.regs[value] = cur

@@ -83,6 +83,17 @@ def test_mlp_backward_schedule() -> None:
     assert program.outputs["dw_gate"].step == 2
 
 
+def test_training_forward_saves_what_its_backward_uses() -> None:
+    train = lower(get_block("llama_mlp_train"))
+    gate_up = _gemms(train)[0]
+    assert _ops(gate_up)[:3] == ["scale_rows", "split_pairs", "swiglu"]
+    assert {op.to for op in gate_up.epilogue if op.op == "store"} == {"g", "u", "a"}
+    saved = lower(get_block("llama_mlp_bwd_saved"))
+    gemms = _gemms(saved)
+    assert [g.is_plain_store for g in gemms] == [False, True, False, True]  # no recompute
+    assert gemms[0].a.tensor == "dout" and "join_pairs" in _ops(gemms[0])
+
+
 def test_attention_input_backward_puts_qk_rows_back() -> None:
     program = lower(get_block("llama_attn_in_bwd"))
     assert any(s.kind == "unpair_rows" for s in program.steps)

@@ -18,6 +18,8 @@ LAYER_BLOCKS = [
     "llama_mlp_bwd",
     "llama_attn_in_bwd",
     "llama_lm_head_ce_bwd",
+    "llama_mlp_train",
+    "llama_mlp_bwd_saved",
 ]
 PAPER_TABLE = [
     "gemm_residual_partial_rmsnorm",
@@ -229,12 +231,25 @@ def test_layer_blocks_trace_and_count_flops(name: str) -> None:
 
 def test_llama_mlp_epsilon_variants_resolve_by_name() -> None:
     from coda.blocks import BlockNotFound
-    from coda.blocks.llama import llama_mlp_blocks
+    from coda.blocks.llama import llama_mlp_family
 
-    forward, backward = llama_mlp_blocks(1e-6)
-    assert get_block("llama_mlp_eps1e-06") is forward
-    assert get_block("llama_mlp_eps1e-06_bwd") is backward
-    assert backward.graph[0].forward == "llama_mlp_eps1e-06"
-    assert llama_mlp_blocks(1e-5) == (get_block("llama_mlp"), get_block("llama_mlp_bwd"))
+    family = llama_mlp_family(1e-6)
+    for key, suffix in [("forward", ""), ("backward", "_bwd"), ("train", "_train")]:
+        assert get_block(f"llama_mlp_eps1e-06{suffix}") is family[key]
+    assert get_block("llama_mlp_eps1e-06_bwd_saved") is family["backward_saved"]
+    assert family["backward"].graph[0].forward == "llama_mlp_eps1e-06"
+    assert family["train"].graph[0].eps == 1e-6
+    builtin = llama_mlp_family(1e-5)
+    assert builtin["forward"] is get_block("llama_mlp")
+    assert builtin["backward_saved"] is get_block("llama_mlp_bwd_saved")
     with pytest.raises(BlockNotFound):
         get_block("llama_mlp_epsilon")
+
+
+def test_saved_inputs_are_the_forward_values() -> None:
+    # llama_mlp_bwd_saved receives g and u: drawn consistently with x and the weights
+    block = get_block("llama_mlp_bwd_saved")
+    inputs = block.make_inputs(block.shapes.cpu[1], torch.float64, seed=3)
+    values = get_block("llama_mlp").values({n: inputs[n] for n in get_block("llama_mlp").inputs})
+    assert torch.equal(inputs["g"], values["g"]) and torch.equal(inputs["u"], values["u"])
+    assert "g, u: saved by the forward pass" in block.reference_source()
