@@ -152,7 +152,9 @@ llama_lm_head_ce = register(
         name="llama_lm_head_ce",
         description=(
             "Llama final norm + LM head + per-token cross-entropy: loss = cross_entropy("
-            "rmsnorm(x) * gamma @ w_lm.T, target), fp32, no reduction (targets already shifted)."
+            "rmsnorm(x) * gamma @ w_lm.T, target), fp32, no reduction (targets already shifted). "
+            "Every target must be a class id in [0, V): there is no ignore_index; mask ignored "
+            "tokens by weighting the per-token loss (their dloss = 0 in the backward)."
         ),
         inputs={
             "x": TensorSpec(shape=["M", "d"], doc="last hidden states"),
