@@ -8,7 +8,6 @@ count, and the graph the built-in planner lowers.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, Literal
 
@@ -16,9 +15,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
 
 from . import functional
-from .ops import GraphOp, Linear
+from .ops import GraphOp
 
-InitKind = Literal["activation", "linear_weight", "norm_weight", "index"]
+InitKind = Literal["activation", "linear_weight", "norm_weight", "index", "saved"]
 
 
 class TensorSpec(BaseModel):
@@ -26,7 +25,9 @@ class TensorSpec(BaseModel):
 
     ``init``: ``activation`` ~ N(0, 1); ``linear_weight`` ~ N(0, 1/in_features) for an ``[out, in]``
     weight (keeps every branch's output O(1), so a dropped branch cannot hide under a residual);
-    ``norm_weight`` ~ 1 + N(0, 0.1²) (a trained γ, not all ones); ``index`` ~ U{0, …, high−1}.
+    ``norm_weight`` ~ 1 + N(0, 0.1²) (a trained γ, not all ones); ``index`` ~ U{0, …, high−1};
+    ``saved``: a forward activation a backward block receives (e.g. the gate projection), computed
+    from the other inputs by the graph op that declares it (``GraphOp.derived_inputs``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -105,12 +106,11 @@ class Block(BaseModel):
     # -- the reference ---------------------------------------------------------------------------
     def reference_source(self) -> str:
         """Readable PyTorch source of the block: helper functions, then the block function."""
-        helpers = []
+        helpers: list[str] = []
         for op in self.graph:
-            if op.helper not in helpers:
-                helpers.append(op.helper)
+            helpers += [h for h in op.helper_sources() if h not in helpers]
         parts = ["import torch", "import torch.nn.functional as F", ""]
-        parts += [inspect.getsource(h) for h in helpers]
+        parts += helpers
         args = ", ".join(self.inputs)
         body = [f"def {self.name}({args}):", f'    """{self.description}', ""]
         for name, spec in self.inputs.items():
@@ -129,10 +129,15 @@ class Block(BaseModel):
         Each op calls the same helper function whose source ``reference_source`` shows, with the
         same arguments as its source line, so what an LLM reads is what runs.
         """
+        values = self.values(inputs)
+        return {name: values[name] for name in self.outputs}
+
+    def values(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Every value of the graph (inputs, intermediates, outputs) on ``inputs``."""
         values: dict[str, Any] = {name: inputs[name] for name in self.inputs}
         for op in self.graph:
             values[op.out] = op.call(values)
-        return {name: values[name] for name in self.outputs}
+        return values
 
     # -- inputs and sizes ------------------------------------------------------------------------
     def shape_of(self, name: str, sizes: dict[str, int]) -> tuple[int, ...]:
@@ -148,10 +153,25 @@ class Block(BaseModel):
         """Seeded inputs at ``sizes``; floating ``act`` inputs in ``dtype``."""
         gen = torch.Generator().manual_seed(seed)
         out = {}
-        for name, spec in self.inputs.items():
+        for name in self.independent_inputs():
             shape = self.shape_of(name, sizes)
-            out[name] = _draw(spec, shape, sizes, gen, dtype).to(device)
-        return out
+            out[name] = _draw(self.inputs[name], shape, sizes, gen, dtype).to(device)
+        return self.with_derived(out)
+
+    def independent_inputs(self) -> list[str]:
+        """Inputs drawn on their own; the others (``init="saved"``) are derived from them."""
+        return [n for n, spec in self.inputs.items() if spec.init != "saved"]
+
+    def with_derived(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``inputs`` with every saved input (re)computed from the independent ones, so the set is
+        consistent — a saved activation is only meaningful next to the inputs it came from."""
+        out = {n: inputs[n] for n in self.independent_inputs()}
+        for op in self.graph:
+            out.update(op.derived_inputs(out))
+        missing = [n for n in self.inputs if n not in out]
+        if missing:
+            raise ValueError(f"block {self.name!r}: no graph op derives the saved inputs {missing}")
+        return {n: out[n] for n in self.inputs}
 
     def program_inputs(self) -> dict[str, dict[str, Any]]:
         """The ``inputs`` field a Program for this block must carry."""
@@ -169,17 +189,16 @@ class Block(BaseModel):
         }
         for op in self.graph:
             values[op.out] = op.call(values)
-        return {n: tuple(v.shape) for n, v in values.items()}
+        return {n: tuple(v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)}
+
+    def matmuls(self, sizes: dict[str, int]) -> list[tuple[int, int, int]]:
+        """Every matrix product of one call, as ``(M, N, K)``."""
+        shapes = self.trace(sizes)
+        return [mnk for op in self.graph for mnk in op.matmuls(shapes)]
 
     def flops(self, sizes: dict[str, int]) -> int:
-        """Matrix-product FLOPs of one forward call (2·M·N·K per Linear)."""
-        shapes = self.trace(sizes)
-        total = 0
-        for op in self.graph:
-            if isinstance(op, Linear):
-                x, w = shapes[op.x], shapes[op.weight]
-                total += 2 * math.prod(x[:-1]) * w[0] * w[1]
-        return total
+        """Matrix-product FLOPs of one call (2·M·N·K per product)."""
+        return sum(2 * m * n * k for m, n, k in self.matmuls(sizes))
 
 
 def _draw(

@@ -1,10 +1,28 @@
-"""Llama blocks (Hugging Face ``LlamaMLP`` / ``LlamaRMSNorm`` semantics)."""
+"""Llama blocks (Hugging Face ``LlamaMLP`` / ``LlamaRMSNorm`` / ``LlamaAttention`` projections /
+causal-LM loss semantics), forward and backward.
+
+The layer boundary is shifted so every norm sits between two GEMMs (CODA_MATH §7):
+``llama_attn_out`` ends a sub-layer with the residual and the next norm's statistic;
+``llama_attn_in`` and ``llama_mlp`` start one with a norm; ``llama_lm_head_ce`` is the last.
+Backward blocks are autograd of these.
+"""
 
 from __future__ import annotations
 
+from .autodiff import backward_block
 from .block import Block, ShapeSets, TensorSpec
-from .ops import Add, Linear, RMSNorm, SwiGLU
-from .registry import register
+from .ops import (
+    Add,
+    Concat,
+    CrossEntropy,
+    Linear,
+    PairLayout,
+    RMSNorm,
+    RoPEPairs,
+    RowRstd,
+    SwiGLU,
+)
+from .registry import register, register_resolver
 
 LLAMA_RMS_EPS = 1e-5  # Llama 3's rms_norm_eps
 
@@ -52,3 +70,239 @@ llama_mlp = register(
         ),
     )
 )
+
+llama_attn_in = register(
+    Block(
+        name="llama_attn_in",
+        description=(
+            "Llama attention input: h = rmsnorm(x) * gamma; q, k, v = h @ w_q.T, h @ w_k.T, "
+            "h @ w_v.T; q and k rotated by RoPE (Hugging Face apply_rotary_pos_emb) and "
+            "returned in the per-head adjacent-pair column order [r0, r_{D/2}, r1, r_{D/2+1}, "
+            "...] that a fused kernel writes (attention scores are unchanged: q and k share "
+            "it); qkv = [q | k | v]. MHA when Nkv == Nq, GQA when Nkv < Nq."
+        ),
+        inputs={
+            "x": TensorSpec(shape=["M", "d"], doc="residual stream"),
+            "gamma": TensorSpec(shape=["d"], init="norm_weight", doc="input_layernorm.weight"),
+            "w_q": TensorSpec(shape=["Nq", "d"], init="linear_weight", doc="q_proj.weight"),
+            "w_k": TensorSpec(shape=["Nkv", "d"], init="linear_weight", doc="k_proj.weight"),
+            "w_v": TensorSpec(shape=["Nkv", "d"], init="linear_weight", doc="v_proj.weight"),
+            "cos": TensorSpec(shape=["M", "D"], doc="LlamaRotaryEmbedding cos, [tokens, head_dim]"),
+            "sin": TensorSpec(shape=["M", "D"], doc="LlamaRotaryEmbedding sin, [tokens, head_dim]"),
+        },
+        graph=[
+            RMSNorm(x="x", weight="gamma", eps=LLAMA_RMS_EPS, out="h"),
+            Linear(x="h", weight="w_q", out="q"),
+            Linear(x="h", weight="w_k", out="k"),
+            Linear(x="h", weight="w_v", out="v"),
+            PairLayout(x="q", cos="cos", out="q_pairs"),
+            PairLayout(x="k", cos="cos", out="k_pairs"),
+            RoPEPairs(x="q_pairs", cos="cos", sin="sin", out="q_rot"),
+            RoPEPairs(x="k_pairs", cos="cos", sin="sin", out="k_rot"),
+            Concat(parts=["q_rot", "k_rot", "v"], out="qkv"),
+        ],
+        outputs=["qkv"],
+        shapes=ShapeSets(
+            cpu=[
+                {"M": 37, "d": 48, "Nq": 64, "Nkv": 16, "D": 16},  # GQA 4:1, ragged M and d
+                {"M": 64, "d": 64, "Nq": 64, "Nkv": 64, "D": 16},  # MHA, tile multiples
+                {"M": 5, "d": 40, "Nq": 48, "Nkv": 16, "D": 8},  # GQA 3:1, fewer tokens than a tile
+            ],
+            gpu=[
+                {"M": 1000, "d": 1024, "Nq": 1024, "Nkv": 256, "D": 128},
+                {"M": 2048, "d": 2048, "Nq": 2048, "Nkv": 2048, "D": 128},
+            ],
+            bench=[{"M": 16384, "d": 4096, "Nq": 4096, "Nkv": 1024, "D": 128}],
+        ),
+    )
+)
+
+llama_attn_out = register(
+    Block(
+        name="llama_attn_out",
+        description=(
+            "Llama attention output: x_out = x + attn @ w_o.T (o_proj + residual), and the next "
+            "RMSNorm's statistic rstd = rsqrt(mean(x_out**2) + eps) (fp32)."
+        ),
+        inputs={
+            "attn": TensorSpec(shape=["M", "Nq"], doc="attention output, heads concatenated"),
+            "w_o": TensorSpec(shape=["d", "Nq"], init="linear_weight", doc="o_proj.weight"),
+            "x": TensorSpec(shape=["M", "d"], doc="residual stream"),
+        },
+        graph=[
+            Linear(x="attn", weight="w_o", out="y"),
+            Add(a="x", b="y", out="x_out"),
+            RowRstd(x="x_out", eps=LLAMA_RMS_EPS, out="rstd"),
+        ],
+        outputs=["x_out", "rstd"],
+        shapes=ShapeSets(
+            cpu=[
+                {"M": 37, "d": 48, "Nq": 64},
+                {"M": 64, "d": 64, "Nq": 64},
+                {"M": 5, "d": 40, "Nq": 56},
+            ],
+            gpu=[{"M": 1000, "d": 1000, "Nq": 1024}, {"M": 2048, "d": 2048, "Nq": 2048}],
+            bench=[{"M": 16384, "d": 4096, "Nq": 4096}],
+        ),
+    )
+)
+
+llama_lm_head_ce = register(
+    Block(
+        name="llama_lm_head_ce",
+        description=(
+            "Llama final norm + LM head + per-token cross-entropy: loss = cross_entropy("
+            "rmsnorm(x) * gamma @ w_lm.T, target), fp32, no reduction (targets already shifted). "
+            "Every target must be a class id in [0, V): there is no ignore_index; mask ignored "
+            "tokens by weighting the per-token loss (their dloss = 0 in the backward)."
+        ),
+        inputs={
+            "x": TensorSpec(shape=["M", "d"], doc="last hidden states"),
+            "gamma": TensorSpec(shape=["d"], init="norm_weight", doc="model.norm.weight"),
+            "w_lm": TensorSpec(shape=["V", "d"], init="linear_weight", doc="lm_head.weight"),
+            "target": TensorSpec(
+                shape=["M"], dtype="int64", init="index", high="V", doc="next-token ids"
+            ),
+        },
+        graph=[
+            RMSNorm(x="x", weight="gamma", eps=LLAMA_RMS_EPS, out="h"),
+            Linear(x="h", weight="w_lm", out="logits"),
+            CrossEntropy(logits="logits", target="target", out="loss"),
+        ],
+        outputs=["loss"],
+        shapes=ShapeSets(
+            cpu=[
+                {"M": 37, "d": 48, "V": 200},
+                {"M": 64, "d": 64, "V": 128},
+                {"M": 5, "d": 40, "V": 333},
+            ],
+            gpu=[{"M": 1000, "d": 1024, "V": 32000}, {"M": 2048, "d": 2048, "V": 50000}],
+            bench=[{"M": 16384, "d": 4096, "V": 128256}],
+        ),
+    )
+)
+
+# -- backward --------------------------------------------------------------------------------------
+llama_mlp_bwd = register(
+    backward_block(
+        llama_mlp,
+        name="llama_mlp_bwd",
+        cotangents={"out": TensorSpec(shape=["M", "d"], doc="gradient of out")},
+        wrt=["x", "gamma", "w_gate", "w_up", "w_down"],
+    )
+)
+
+llama_attn_in_bwd = register(
+    backward_block(
+        llama_attn_in,
+        name="llama_attn_in_bwd",
+        cotangents={"qkv": TensorSpec(shape=["M", "Nqkv"], doc="gradient of qkv")},
+        wrt=["x", "gamma", "w_q", "w_k", "w_v"],
+        shapes=ShapeSets(
+            cpu=[{**s, "Nqkv": s["Nq"] + 2 * s["Nkv"]} for s in llama_attn_in.shapes.cpu],
+            gpu=[{**s, "Nqkv": s["Nq"] + 2 * s["Nkv"]} for s in llama_attn_in.shapes.gpu],
+            bench=[{**s, "Nqkv": s["Nq"] + 2 * s["Nkv"]} for s in llama_attn_in.shapes.bench],
+        ),
+    )
+)
+
+llama_lm_head_ce_bwd = register(
+    backward_block(
+        llama_lm_head_ce,
+        name="llama_lm_head_ce_bwd",
+        cotangents={
+            "loss": TensorSpec(shape=["M"], dtype="float32", doc="gradient of the per-token loss")
+        },
+        wrt=["x", "gamma", "w_lm"],
+    )
+)
+
+
+MLP_GRADS = ["x", "gamma", "w_gate", "w_up", "w_down"]
+MLP_COTANGENT = {"out": TensorSpec(shape=["M", "d"], doc="gradient of out")}
+MLP_SAVED = {
+    "g": TensorSpec(shape=["M", "f"], doc="gate_proj(h), saved by the forward pass"),
+    "u": TensorSpec(shape=["M", "f"], doc="up_proj(h), saved by the forward pass"),
+}
+
+
+def _mlp_training_pair(forward: Block, name: str) -> tuple[Block, Block]:
+    """``<name>_train`` (the forward that also returns g and u) and ``<name>_bwd_saved`` (the
+    backward that receives them instead of recomputing the gate/up GEMM)."""
+    train = forward.model_copy(
+        update={
+            "name": f"{name}_train",
+            "description": forward.description
+            + " Training forward: also returns g = gate(h) and u = up(h) for the backward.",
+            "outputs": ["out", "g", "u"],
+        }
+    )
+    saved = backward_block(
+        forward,
+        name=f"{name}_bwd_saved",
+        cotangents=MLP_COTANGENT,
+        wrt=MLP_GRADS,
+        saved=MLP_SAVED,
+    )
+    return register(train), register(saved)
+
+
+llama_mlp_train, llama_mlp_bwd_saved = _mlp_training_pair(llama_mlp, "llama_mlp")
+
+
+def llama_mlp_family(eps: float) -> dict[str, Block]:
+    """The llama_mlp blocks for an RMSNorm epsilon: ``forward``, ``backward`` (gets the forward
+    inputs), ``train`` (forward that also returns g and u) and ``backward_saved`` (gets them).
+
+    Llama 3 uses eps = 1e-5: the built-in ``llama_mlp``, ``llama_mlp_bwd``, ``llama_mlp_train``,
+    ``llama_mlp_bwd_saved``. Another value (Hugging Face's ``LlamaConfig`` defaults to 1e-6)
+    registers ``llama_mlp_eps<eps>`` and its ``_bwd``, ``_train``, ``_bwd_saved`` on first use.
+    """
+    if eps == LLAMA_RMS_EPS:
+        forward, backward, train, saved = (
+            llama_mlp,
+            llama_mlp_bwd,
+            llama_mlp_train,
+            llama_mlp_bwd_saved,
+        )
+    else:
+        name = f"{_EPS_PREFIX}{eps:g}"
+        if name not in _VARIANTS:
+            graph = [
+                op.model_copy(update={"eps": eps}) if isinstance(op, RMSNorm) else op
+                for op in llama_mlp.graph
+            ]
+            forward = register(llama_mlp.model_copy(update={"name": name, "graph": graph}))
+            backward = backward_block(
+                forward, name=f"{name}_bwd", cotangents=MLP_COTANGENT, wrt=MLP_GRADS
+            )
+            _VARIANTS[name] = (forward, register(backward), *_mlp_training_pair(forward, name))
+        forward, backward, train, saved = _VARIANTS[name]
+    return {"forward": forward, "backward": backward, "train": train, "backward_saved": saved}
+
+
+_EPS_PREFIX = "llama_mlp_eps"
+_VARIANTS: dict[str, tuple[Block, Block, Block, Block]] = {}
+_SUFFIXES = {"": "forward", "_bwd": "backward", "_train": "train", "_bwd_saved": "backward_saved"}
+
+
+def _resolve_eps_variant(name: str) -> Block | None:
+    """``llama_mlp_eps<eps>[_bwd|_train|_bwd_saved]`` → that block (a sandbox worker resolves
+    the same names the same way)."""
+    if not name.startswith(_EPS_PREFIX):
+        return None
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        text = name[len(_EPS_PREFIX) :]
+        if suffix and not text.endswith(suffix):
+            continue
+        text = text.removesuffix(suffix) if suffix else text
+        try:
+            eps = float(text)
+        except ValueError:
+            continue
+        if 0 < eps <= 1 and f"{eps:g}" == text:
+            return llama_mlp_family(eps)[_SUFFIXES[suffix]]
+    return None
+
+
+register_resolver(_resolve_eps_variant)

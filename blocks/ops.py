@@ -7,6 +7,8 @@ an op it has no rule for is reported by name.
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -44,6 +46,21 @@ class GraphOp(BaseModel):
         """Apply the helper to ``values`` (tensors by name); used for shape tracing."""
         return self.helper(*[values[n] for n in self.inputs()], **self.kwargs())
 
+    def derived_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Block inputs of init ``saved`` this op computes from the drawn ones (default: none)."""
+        return {}
+
+    def helper_sources(self) -> list[str]:
+        """Source text the block's reference shows for this op: its helper function (after
+        ``upcast`` when the helper uses it)."""
+        source = inspect.getsource(self.helper)
+        return ([inspect.getsource(fn.upcast)] if "upcast(" in source else []) + [source]
+
+    def matmuls(self, shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
+        """The matrix products this op performs, as ``(M, N, K)`` (for FLOPs and the GEMMs-alone
+        baseline); elementwise ops have none."""
+        return []
+
     def source(self) -> str:
         """This op's line in the reference source."""
         args = [*self.inputs(), *(f"{k}={v!r}" for k, v in self.kwargs().items())]
@@ -60,6 +77,10 @@ class Linear(GraphOp):
 
     def inputs(self) -> list[str]:
         return [self.x, self.weight]
+
+    def matmuls(self, shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
+        x, w = shapes[self.x], shapes[self.weight]
+        return [(math.prod(x[:-1]), w[0], w[1])]
 
 
 class RMSNorm(GraphOp):
@@ -100,3 +121,194 @@ class Add(GraphOp):
 
     def inputs(self) -> list[str]:
         return [self.a, self.b]
+
+
+class _Fields(GraphOp):
+    """An op whose helper takes its tensor fields positionally, in ``args`` order."""
+
+    args: ClassVar[tuple[str, ...]] = ()
+
+    def inputs(self) -> list[str]:
+        return [getattr(self, name) for name in self.args]
+
+
+# -- kernel-level ops (CODA_MATH §6) ---------------------------------------------------------------
+class Matmul(_Fields):
+    """``out = a @ b`` with ``b`` of shape ``[K, N]`` (a plain matrix product)."""
+
+    op: Literal["matmul"] = "matmul"
+    helper: ClassVar = staticmethod(fn.matmul)
+    args: ClassVar = ("a", "b")
+    a: str
+    b: str
+
+    def matmuls(self, shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
+        (m, k), (_, n) = shapes[self.a], shapes[self.b]
+        return [(m, n, k)]
+
+
+class ScaleRows(_Fields):
+    """``out[i, :] = x[i, :] * r[i]``."""
+
+    op: Literal["scale_rows"] = "scale_rows"
+    helper: ClassVar = staticmethod(fn.scale_rows)
+    args: ClassVar = ("x", "r")
+    x: str
+    r: str
+
+
+class ScaleCols(_Fields):
+    """``out[:, j] = x[:, j] * v[j]``."""
+
+    op: Literal["scale_cols"] = "scale_cols"
+    helper: ClassVar = staticmethod(fn.scale_cols)
+    args: ClassVar = ("x", "v")
+    x: str
+    v: str
+
+
+class MeanSquare(_Fields):
+    """``out[i] = mean_j x[i, j]²`` (fp32): RMSNorm's statistic."""
+
+    op: Literal["mean_square"] = "mean_square"
+    helper: ClassVar = staticmethod(fn.mean_square)
+    args: ClassVar = ("x",)
+    x: str
+
+
+class RowRstd(_Fields):
+    """``out[i] = rsqrt(mean_j x[i, j]² + eps)`` (fp32): the next RMSNorm's reciprocal."""
+
+    op: Literal["row_rstd"] = "row_rstd"
+    helper: ClassVar = staticmethod(fn.row_rstd)
+    args: ClassVar = ("x",)
+    x: str
+    eps: float = Field(1e-6, gt=0)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"eps": self.eps}
+
+
+class SwiGLUPairs(_Fields):
+    """``out[:, k] = silu(x[:, 2k]) * x[:, 2k+1]`` (gate/up interleaved)."""
+
+    op: Literal["swiglu_pairs"] = "swiglu_pairs"
+    helper: ClassVar = staticmethod(fn.swiglu_pairs)
+    args: ClassVar = ("x",)
+    x: str
+
+
+class PairLayout(_Fields):
+    """Reorder each head's columns from rotate-half to adjacent pairs (head width from ``cos``)."""
+
+    op: Literal["pair_layout"] = "pair_layout"
+    helper: ClassVar = staticmethod(fn.to_adjacent_pairs)
+    args: ClassVar = ("x", "cos")
+    x: str
+    cos: str
+
+
+class RoPEPairs(_Fields):
+    """RoPE on adjacent column pairs of each head, Hugging Face cos/sin tables ``[M, head_dim]``."""
+
+    op: Literal["rope_pairs"] = "rope_pairs"
+    helper: ClassVar = staticmethod(fn.rope_adjacent)
+    args: ClassVar = ("x", "cos", "sin")
+    x: str
+    cos: str
+    sin: str
+
+
+class Concat(GraphOp):
+    """``out = cat(parts, dim=-1)``."""
+
+    op: Literal["concat"] = "concat"
+    helper: ClassVar = staticmethod(fn.concat)
+    parts: list[str] = Field(min_length=2)
+
+    def inputs(self) -> list[str]:
+        return list(self.parts)
+
+
+class TargetLogit(_Fields):
+    """``out[i] = logits[i, target[i]]`` (fp32)."""
+
+    op: Literal["target_logit"] = "target_logit"
+    helper: ClassVar = staticmethod(fn.select_target)
+    args: ClassVar = ("logits", "target")
+    logits: str
+    target: str
+
+
+class LogSumExp(_Fields):
+    """``out[i] = log Σ_j exp(logits[i, j])`` (fp32)."""
+
+    op: Literal["logsumexp"] = "logsumexp"
+    helper: ClassVar = staticmethod(fn.logsumexp)
+    args: ClassVar = ("logits",)
+    logits: str
+
+
+class CrossEntropy(_Fields):
+    """Per-token cross-entropy loss (fp32, no reduction), Hugging Face's causal-LM loss."""
+
+    op: Literal["cross_entropy"] = "cross_entropy"
+    helper: ClassVar = staticmethod(fn.cross_entropy)
+    args: ClassVar = ("logits", "target")
+    logits: str
+    target: str
+
+
+class ApplyRstd(_Fields):
+    """``out = (rstd ⊙ x) ⊙ γ``: an RMSNorm output from its saved statistic."""
+
+    op: Literal["apply_rstd"] = "apply_rstd"
+    helper: ClassVar = staticmethod(fn.apply_rstd)
+    args: ClassVar = ("x", "rstd", "gamma")
+    x: str
+    rstd: str
+    gamma: str
+
+
+class RMSNormBackward(_Fields):
+    """RMSNorm's input gradient ``rstd ⊙ (dy ⊙ γ − x̂ · c)`` given the row statistic ``c``."""
+
+    op: Literal["rms_norm_backward"] = "rms_norm_backward"
+    helper: ClassVar = staticmethod(fn.rms_norm_backward)
+    args: ClassVar = ("dy", "x", "rstd", "gamma", "c")
+    dy: str
+    x: str
+    rstd: str
+    gamma: str
+    c: str
+
+
+class RMSNormWeightGrad(_Fields):
+    """RMSNorm's weight gradient ``Σ_rows dy ⊙ (rstd ⊙ x)``."""
+
+    op: Literal["rms_norm_weight_grad"] = "rms_norm_weight_grad"
+    helper: ClassVar = staticmethod(fn.rms_norm_weight_grad)
+    args: ClassVar = ("dy", "x", "rstd")
+    dy: str
+    x: str
+    rstd: str
+
+
+class SwiGLUPairsBackward(_Fields):
+    """Gradient of ``swiglu_pairs(z)`` against ``da``, interleaved ``[dg0, du0, dg1, du1, …]``."""
+
+    op: Literal["swiglu_pairs_backward"] = "swiglu_pairs_backward"
+    helper: ClassVar = staticmethod(fn.swiglu_pairs_backward)
+    args: ClassVar = ("da", "z")
+    da: str
+    z: str
+
+
+class RowDot(_Fields):
+    """``out[i] = Σ_j a[i, j] · b[i, j]`` (fp32)."""
+
+    op: Literal["row_dot"] = "row_dot"
+    helper: ClassVar = staticmethod(fn.row_dot)
+    args: ClassVar = ("a", "b")
+    a: str
+    b: str

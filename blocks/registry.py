@@ -5,11 +5,21 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .block import Block
 
 _BLOCKS: dict[str, Block] = {}
+# Families of blocks made on demand from their name (e.g. ``llama_mlp_eps1e-06``): each resolver
+# returns the (registered) block for a name it owns, or None. A sandbox worker resolves the same
+# names the same way, so such blocks need no block file.
+_RESOLVERS: list[Callable[[str], Block | None]] = []
+
+
+def register_resolver(resolver: Callable[[str], Block | None]) -> None:
+    """Let ``get_block`` build blocks of a family from their names."""
+    _RESOLVERS.append(resolver)
 
 
 class BlockNotFound(KeyError):
@@ -24,11 +34,14 @@ def register(block: Block) -> Block:
 
 
 def _load_builtin() -> None:
-    from . import llama  # noqa: F401  (registers the built-in blocks)
+    from . import kernels, llama  # noqa: F401  (registers the built-in blocks)
 
 
 def get_block(name: str) -> Block:
     _load_builtin()
+    for resolver in _RESOLVERS:
+        if name not in _BLOCKS:
+            resolver(name)
     if name not in _BLOCKS:
         close = difflib.get_close_matches(name, list(_BLOCKS), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""

@@ -14,7 +14,7 @@ from typing import Any
 
 from .checking import CheckEnv, ProgramEnv
 from .errors import ProgramError, did_you_mean
-from .ir import GemmEpilogue, Operand, Program
+from .ir import GemmEpilogue, Operand, OutputView, Program
 from .types import LocalType, TensorInfo
 
 
@@ -148,7 +148,7 @@ def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> G
 
 def analyze(program: Program, sizes: dict[str, int]) -> ProgramInfo:
     """Type-check ``program`` at ``sizes``; raise the first ``ProgramError`` with its location."""
-    env = ProgramEnv(resolve_inputs(program, sizes))
+    env = ProgramEnv(resolve_inputs(program, sizes), sizes=dict(sizes))
     info = ProgramInfo(dict(sizes), env.tensors)
     for i, step in enumerate(program.prep):
         env.where = f"prep[{i}]"
@@ -174,7 +174,8 @@ def analyze(program: Program, sizes: dict[str, int]) -> ProgramInfo:
 
 
 def _check_outputs(program: Program, env: ProgramEnv) -> None:
-    for out, tensor in program.outputs.items():
+    for out, value in program.outputs.items():
+        tensor = program.output_tensor(out)
         loc = f"outputs.{out}"
         if tensor not in env.tensors:
             raise ProgramError(
@@ -195,6 +196,13 @@ def _check_outputs(program: Program, env: ProgramEnv) -> None:
                 loc=loc,
                 hint="finish partials with an aux step first",
             )
+        if isinstance(value, OutputView):
+            if len(t.shape) != 2:
+                raise ProgramError(f"output view of {tensor!r} needs a 2-D tensor", loc=loc)
+            try:
+                value.bounds(env.sizes, t.shape[value.dim])
+            except ProgramError as e:
+                raise e.at(loc) from None
 
 
 def analyze_all(program: Program, size_sets: list[dict[str, int]]) -> list[ProgramInfo]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import keyword
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
@@ -187,6 +187,7 @@ class RunEnv:
     tensors: dict[str, torch.Tensor]
     infos: dict[str, TensorInfo]
     compute: torch.dtype = torch.float32  # float64 in the exact reference executor
+    sizes: dict[str, int] = field(default_factory=dict)  # the binding of the symbolic sizes
 
 
 class AuxStep(Node):

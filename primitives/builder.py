@@ -99,8 +99,9 @@ class ProgramBuilder:
         self._data["steps"].append(step)
         return EpilogueBuilder(step)
 
-    def output(self, name: str, tensor: str) -> ProgramBuilder:
-        """Declare that program tensor ``tensor`` is the block's output ``name``."""
+    def output(self, name: str, tensor: str | dict[str, Any]) -> ProgramBuilder:
+        """Declare that program tensor ``tensor`` (or a view ``{"tensor": ..., "dim": ...,
+        "start": ..., "stop": ..., "step": ...}``) is the block's output ``name``."""
         self._data["outputs"][name] = tensor
         return self
 
@@ -143,6 +144,8 @@ def program_to_python(program: Program) -> str:
             lines += gemm_to_python(step)
         else:
             lines.append(f"b.{step.kind}({_kwargs(step, 'kind')})")
-    lines += [f"b.output({k!r}, {v!r})" for k, v in program.outputs.items()]
+    for k, v in program.outputs.items():
+        value = v if isinstance(v, str) else v.model_dump(mode="json", exclude_defaults=True)
+        lines.append(f"b.output({k!r}, {value!r})")
     lines.append("program = b.build()")
     return "\n".join(lines) + "\n"

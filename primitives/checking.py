@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from .errors import ProgramError, did_you_mean
+from .sizes import evaluate as evaluate_size
 from .types import LocalType, TensorInfo, scale_name
 
 
@@ -20,6 +21,11 @@ class ProgramEnv:
 
     tensors: dict[str, TensorInfo]
     where: str = "input"  # producer label of the node being checked: "prep[0]", "steps[2]", ...
+    sizes: dict[str, int] = field(default_factory=dict)  # the binding being checked
+
+    def size(self, expr: str, *, what: str) -> int:
+        """Evaluate a size expression (``"Nq + Nkv"``) at this binding."""
+        return evaluate_size(expr, self.sizes, what=what)
 
     @property
     def inputs(self) -> set[str]:

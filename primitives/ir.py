@@ -20,6 +20,8 @@ from pydantic_core import CoreSchema
 from . import aux, ops, prep  # noqa: F401  (importing registers every node)
 from .base import AuxStep, EpilogueOp, Name, Node, PrepStep, on_registry_change
 from .errors import ProgramError, did_you_mean
+from .sizes import SizeExpr
+from .sizes import evaluate as evaluate_size
 from .types import DtypeClass
 
 
@@ -164,20 +166,70 @@ class TensorDecl(Node):
         return {"shape": value} if isinstance(value, list | tuple) else value
 
 
+class OutputView(Node):
+    """A block output that is a slice of a program tensor (a view: nothing is copied).
+
+    ``dim`` 0 slices rows, 1 columns; ``start``/``stop`` are size expressions (``stop`` defaults to
+    the whole extent) and ``step`` 1 or 2. E.g. the gate and up halves of an interleaved ``[2f, d]``
+    weight gradient: ``{"tensor": "dw_gu", "dim": 0, "step": 2}`` and ``{..., "start": "1",
+    "step": 2}``; the K part of a fused QKV output: ``{"tensor": "qkv", "dim": 1, "start": "Nq",
+    "stop": "Nq + Nkv"}``.
+    """
+
+    tensor: Name
+    dim: Literal[0, 1] = 0
+    start: SizeExpr = "0"
+    stop: SizeExpr | None = None
+    step: Literal[1, 2] = 1
+
+    def bounds(self, sizes: dict[str, int], extent: int) -> tuple[int, int]:
+        """(start, stop) at one binding; raises ``ProgramError`` when they leave the tensor."""
+        start = evaluate_size(self.start, sizes, what="output view start")
+        stop = extent if self.stop is None else evaluate_size(self.stop, sizes, what="view stop")
+        if not 0 <= start < stop <= extent:
+            raise ProgramError(
+                f"view [{start}:{stop}] of {self.tensor!r} along dim {self.dim} is empty or "
+                f"outside its extent {extent}"
+            )
+        return start, stop
+
+    def apply(self, tensor: Any, sizes: dict[str, int]) -> Any:
+        """The view of ``tensor`` (a torch tensor) at these sizes."""
+        start, stop = self.bounds(sizes, tensor.shape[self.dim])
+        return tensor.narrow(self.dim, start, stop - start)[
+            (slice(None),) * self.dim + (slice(None, None, self.step),)
+        ]
+
+
 class Program(Node):
     """A GEMM-epilogue program implementing one block.
 
     ``inputs``: the block's tensors (exactly as the block declares them). ``prep``: weight-layout
     steps, run once per weight. ``steps``: ``gemm`` kernels and aux steps, in order; each may read
     inputs, prep results and tensors written by earlier steps. ``outputs``: block output name →
-    program tensor that holds it.
+    program tensor that holds it, or an ``OutputView`` (a row or column slice of one).
     """
 
     block: str
     inputs: dict[Name, TensorDecl]
     prep: list[PrepUnion] = Field(default_factory=list, max_length=32)  # type: ignore[valid-type]
     steps: list[StepUnion] = Field(min_length=1, max_length=32)  # type: ignore[valid-type]
-    outputs: dict[Name, Name] = Field(min_length=1)
+    outputs: dict[Name, Name | OutputView] = Field(min_length=1)
+
+    def output_tensor(self, name: str) -> str:
+        """The program tensor behind block output ``name``."""
+        value = self.outputs[name]
+        return value if isinstance(value, str) else value.tensor
+
+    def select_outputs(self, tensors: dict[str, Any], sizes: dict[str, int]) -> dict[str, Any]:
+        """The block outputs from program tensors (views applied at ``sizes``)."""
+        out = {}
+        for name, value in self.outputs.items():
+            if isinstance(value, str):
+                out[name] = tensors[value]
+            else:
+                out[name] = value.apply(tensors[value.tensor], sizes)
+        return out
 
     # -- naming ----------------------------------------------------------------------------------
     def step_names(self) -> list[str]:

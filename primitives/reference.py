@@ -37,6 +37,7 @@ class RefEnv:
     N: int
     block_m: int
     epilogue_block_n: int  # columns per epilogue sub-tile (the partials' block width along rows)
+    sizes: dict[str, int]  # the binding of the program's symbolic sizes
 
     def load(self, name: str) -> torch.Tensor:
         return self.tensors[name].to(self.compute)
@@ -85,6 +86,7 @@ def _run_gemm(
         gemm.N,
         cfg.block_m,
         cfg.epilogue_block_n,
+        env.sizes,
     )
     for op in step.epilogue:
         op.reference(ref)
@@ -110,7 +112,7 @@ def execute_reference(
         n: t.to(torch.float64) if exact and t.is_floating_point() else t for n, t in inputs.items()
     }
     act = activation_dtype(program, tensors)
-    env = RunEnv(tensors, info.tensors, compute)
+    env = RunEnv(tensors, info.tensors, compute, info.sizes)
     for prep in program.prep:
         prep.apply(env)
     for step, name in zip(program.steps, program.step_names(), strict=True):
@@ -126,4 +128,6 @@ def execute_reference(
 
 
 def outputs_of(program: Program, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {out: tensors[name] for out, name in program.outputs.items()}
+    """The block outputs among all program tensors (output views applied)."""
+    sizes = bind_sizes(program, {n: tuple(tensors[n].shape) for n in program.inputs})
+    return program.select_outputs(tensors, sizes)

@@ -28,6 +28,7 @@ from .codegen.context import Param
 from .codegen.kernel import KernelSource, generate_kernel
 from .ir import GemmEpilogue, MainloopConfig, Program
 from .reference import activation_dtype
+from .sizes import evaluate as evaluate_size
 from .types import TensorInfo, partials_shape, torch_dtype
 
 
@@ -71,7 +72,7 @@ class CompiledProgram:
     def prepare(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Inputs plus prep results (weight layouts), computed once per set of weights."""
         info = self.info_for(inputs)
-        env = RunEnv(dict(inputs), info.tensors)
+        env = RunEnv(dict(inputs), info.tensors, sizes=info.sizes)
         for prep in self.program.prep:
             prep.apply(env)
         return env.tensors
@@ -84,10 +85,10 @@ class CompiledProgram:
         act = activation_dtype(self.program, prepared)
         device = next(iter(prepared.values())).device
         tensors = dict(prepared)
-        env = RunEnv(tensors, info.tensors)
+        env = RunEnv(tensors, info.tensors, sizes=info.sizes)
         for step, name in zip(self.program.steps, self.program.step_names(), strict=True):
             if isinstance(step, GemmEpilogue):
-                self._run_gemm(step, info.gemms[name], tensors, act, device, poison)
+                self._run_gemm(step, info.gemms[name], tensors, act, device, poison, info.sizes)
             else:
                 self._allocate_new(info, name, tensors, act, device, poison)
                 step.launch(env)
@@ -98,13 +99,14 @@ class CompiledProgram:
         info = self.info_for({n: tensors[n] for n in self.program.inputs})
         act = activation_dtype(self.program, tensors)
         device = tensors[next(iter(self.program.inputs))].device
-        self._run_gemm(self._step(name), info.gemms[name], tensors, act, device, poison=False)
+        step, gemm = self._step(name), info.gemms[name]
+        self._run_gemm(step, gemm, tensors, act, device, poison=False, sizes=info.sizes)
 
     def __call__(
         self, inputs: dict[str, torch.Tensor], *, poison: bool = False
     ) -> dict[str, torch.Tensor]:
         tensors = self.run(self.prepare(inputs), poison=poison)
-        return {out: tensors[t] for out, t in self.program.outputs.items()}
+        return self.program.select_outputs(tensors, self.info_for(inputs).sizes)
 
     def _allocate_new(
         self,
@@ -127,6 +129,7 @@ class CompiledProgram:
         act: torch.dtype,
         device: torch.device,
         poison: bool,
+        sizes: dict[str, int],
     ) -> None:
         if gemm.vendor and self.use_vendor:
             self._run_vendor(step, gemm, tensors, act)
@@ -138,7 +141,7 @@ class CompiledProgram:
         self.mainloops_used[gemm.name] = variant
         kernel = self._kernel(gemm.name, variant)
         params = self.kernels[gemm.name].variants[variant].params
-        args = [_param_value(p, tensors, gemm, cfg) for p in params]
+        args = [_param_value(p, tensors, gemm, cfg, sizes) for p in params]
         num_tiles = triton.cdiv(gemm.M, cfg.block_m) * triton.cdiv(gemm.N, cfg.block_n)
         grid = (min(num_tiles, _num_sms(device)),)
         # fp32 operands: full-precision products (not tf32), to match PyTorch's fp32 matmul.
@@ -235,7 +238,11 @@ def _allocate(
 
 
 def _param_value(
-    p: Param, tensors: dict[str, torch.Tensor], gemm: GemmInfo, cfg: MainloopConfig
+    p: Param,
+    tensors: dict[str, torch.Tensor],
+    gemm: GemmInfo,
+    cfg: MainloopConfig,
+    sizes: dict[str, int],
 ) -> Any:
     if p.kind == "ptr":
         return tensors[p.tensor]
@@ -245,12 +252,16 @@ def _param_value(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         t = tensors[p.tensor]
-        sizes = {
+        blocks = {
             "BLOCK_SIZE_M": cfg.block_m,
             "BLOCK_SIZE_N": cfg.block_n,
             "BLOCK_SIZE_K": cfg.block_k,
         }
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [sizes[b] for b in p.block])
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [blocks[b] for b in p.block])
+    if p.kind == "shape":
+        return tensors[p.tensor].shape[p.dim]
+    if p.expr is not None:
+        return evaluate_size(p.expr, sizes)
     return {"M": gemm.M, "N": gemm.N, "K": gemm.K}[p.name]
 
 

@@ -18,7 +18,6 @@ from collections.abc import Callable
 import torch
 
 from coda.blocks.block import Block
-from coda.blocks.ops import Linear
 from coda.primitives.codegen.tuning import tune_program
 from coda.primitives.runtime import CompiledProgram
 from coda.primitives.timing import interleaved_ms
@@ -42,18 +41,16 @@ def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
 
 
 def gemms_alone(block: Block, sizes: dict[str, int], dtype: torch.dtype) -> Callable[[], None]:
-    """A closure running each ``Linear`` of the block as one cuBLAS matmul on random data."""
-    shapes = block.trace(sizes)
+    """A closure running each matrix product of the block as one cuBLAS matmul on random data."""
     pairs = []
-    for op in block.graph:
-        if isinstance(op, Linear):
-            x = torch.randn(shapes[op.x], device="cuda", dtype=dtype)
-            w = torch.randn(shapes[op.weight], device="cuda", dtype=dtype)
-            pairs.append((x, w))
+    for m, n, k in block.matmuls(sizes):
+        a = torch.randn((m, k), device="cuda", dtype=dtype)
+        b = torch.randn((n, k), device="cuda", dtype=dtype)
+        pairs.append((a, b))
 
     def run() -> None:
-        for x, w in pairs:
-            torch.matmul(x, w.T)
+        for a, b in pairs:
+            torch.matmul(a, b.T)
 
     return run
 

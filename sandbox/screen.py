@@ -2,7 +2,8 @@
 
 A trivial program — one that ignores an input, or returns something that happens to be close — must
 not pass. Two screens, each redrawing one input at a time (a fresh draw from the block's own input
-factory, so the perturbation is as large as the input itself):
+factory, so the perturbation is as large as the input itself; saved forward activations are
+re-derived from the redrawn inputs, never redrawn alone):
 
 * **block screen** (semantics stage, in the caller, float64, every CPU shape set, once per block):
   the block's reference must move by at least ``MIN_EFFECT × rel[float32]`` (relative) when an input
@@ -48,10 +49,15 @@ def _to64(t: torch.Tensor) -> torch.Tensor:
 def redraws(
     block: Block, sizes: dict[str, int], dtype: torch.dtype, device: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """The base inputs (seed 0) and, per input, the base inputs with that one input redrawn."""
+    """The base inputs (seed 0) and, per independent input, the base inputs with that one input
+    redrawn. Saved inputs (forward activations a backward block receives) are not redrawn on
+    their own — the block is defined only where they match the inputs they came from — but are
+    re-derived whenever an input they depend on is redrawn."""
     base = block.make_inputs(sizes, dtype, seed=0, device=device)
     alt = block.make_inputs(sizes, dtype, seed=ALT_SEED, device=device)
-    return base, {name: {**base, name: alt[name]} for name in block.inputs}
+    return base, {
+        name: block.with_derived({**base, name: alt[name]}) for name in block.independent_inputs()
+    }
 
 
 def reference64(block: Block, inputs: dict[str, torch.Tensor]) -> Outputs:
@@ -129,7 +135,12 @@ def screen_program(
                 raise StageFailure(
                     _not_following(o, name, d_ref, d_out, err, scale, sizes), cause="screen"
                 )
-    return f"every output follows each of the {len(perturbed)} inputs (screened at {where(sizes)})"
+    derived = sorted(set(block.inputs) - set(perturbed))
+    note = f"; {', '.join(derived)} re-derived with them" if derived else ""
+    return (
+        f"every output follows each of the {len(perturbed)} inputs{note} (screened at "
+        f"{where(sizes)})"
+    )
 
 
 def _check_finite(out: Outputs, sizes: dict[str, int]) -> None:

@@ -320,7 +320,14 @@ def verify_one(
     mainloops = ",".join(sorted(set(compiled.mainloops_used.values()))) or "vendor"
     return [
         check_output(
-            name, out[name], ref64[name], torch_out[name], block.tolerance, sizes=sizes, seed=seed
+            name,
+            out[name],
+            ref64[name],
+            torch_out[name],
+            block.tolerance,
+            sizes=sizes,
+            seed=seed,
+            run_dtype=dtype,
         ).model_copy(update={"mainloop": mainloops})
         for name in block.outputs
     ]

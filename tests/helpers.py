@@ -13,7 +13,8 @@ import torch
 from coda.primitives import Program, analyze, bind_sizes, compile_program, execute_reference
 
 # (atol, rtol) of kernel vs reference executor at kernel precision: a store may round differently
-# by one unit in the last place of its dtype.
+# by one unit in the last place of its dtype; bfloat16 (GPU only) has 8 mantissa bits (~4e-3
+# relative) and accumulation order may flip a rounding, hence about two ulps.
 DTYPE_TOL = {
     torch.float32: (2e-5, 2e-5),
     torch.float16: (2e-3, 2e-3),
@@ -60,13 +61,30 @@ def gemm_program(
 def make_inputs(
     program: Program, sizes: dict[str, int], dtype: torch.dtype, seed: int = 0, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
+    """Random inputs; int64 inputs are column indices in [0, N) plus a few out of range."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, decl in program.inputs.items():
         shape = [sizes[d] if isinstance(d, str) else d for d in decl.shape]
+        if decl.dtype == "int64":
+            index = torch.randint(0, sizes["N"], shape, generator=gen)
+            index[::7] = -100  # an ignore_index: no column holds it
+            index[3::11] = sizes["N"] + 3
+            out[name] = index
+            continue
         x = torch.randn(shape, generator=gen) / (sizes.get("K", 1) ** 0.25)
         out[name] = x.to(dtype if decl.dtype == "act" else torch.float32).to(device)
     return out
+
+
+def rope_tables(
+    rows: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[rows, head_dim]`` like Hugging Face's: random angles, the two halves equal."""
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(rows, head_dim // 2, generator=gen) * 6.3
+    emb = torch.cat([angles, angles], dim=1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def run_both(program: Program, inputs: dict[str, torch.Tensor], mainloop: str = "auto"):

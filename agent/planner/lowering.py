@@ -32,6 +32,8 @@ from coda.blocks.block import Block
 from coda.blocks.ops import Add, GraphOp, Linear, RMSNorm, SwiGLU
 from coda.primitives.ir import Program
 
+from . import fusion
+
 
 class NoRule(ValueError):
     """The planner has no rewrite rule for an op of the block graph."""
@@ -70,6 +72,7 @@ class _State:
     scaled: dict[str, str] = field(default_factory=dict)  # rmsnorm output -> stored x ⊙ γ
     rstd: dict[str, str] = field(default_factory=dict)  # rmsnorm output -> rstd tensor
     prepared: dict[tuple, str] = field(default_factory=dict)  # prep memo
+    outputs: dict[str, Any] = field(default_factory=dict)  # block output -> tensor or view
 
     def consumers(self, value: str) -> list[tuple[int, GraphOp]]:
         return [(i, op) for i, op in enumerate(self.block.graph) if value in op.inputs()]
@@ -84,6 +87,8 @@ def lower(block: Block, options: LoweringOptions | None = None) -> Program:
     for i, op in enumerate(block.graph):
         if i in st.done:
             continue
+        if fusion.handles(st, i, op):  # blocks beyond Linear/RMSNorm/SwiGLU/Add: fusion.py
+            continue
         if isinstance(op, Linear):
             _lower_linear(st, i, op)
         elif isinstance(op, RMSNorm):
@@ -95,7 +100,7 @@ def lower(block: Block, options: LoweringOptions | None = None) -> Program:
         "inputs": block.program_inputs(),
         "prep": st.prep,
         "steps": st.steps,
-        "outputs": {o: o for o in block.outputs},
+        "outputs": {o: st.outputs.get(o, o) for o in block.outputs},
     }
     return Program.parse(data)
 

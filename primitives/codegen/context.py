@@ -56,12 +56,17 @@ _SPACES: dict[Fraction, tuple[str, str, str, str]] = {
 
 @dataclass(frozen=True)
 class Param:
-    """One kernel parameter and where its launch value comes from."""
+    """One kernel parameter and where its launch value comes from.
+
+    ``size``: ``M``/``N``/``K`` of the GEMM, or ``expr`` (a size expression over the program's
+    sizes, e.g. ``"Nq + Nkv"``) evaluated at launch; ``shape``: ``tensor.shape[dim]``.
+    """
 
     name: str
-    kind: Literal["ptr", "stride", "size", "desc"]
+    kind: Literal["ptr", "stride", "size", "shape", "desc"]
     tensor: str | None = None
     dim: int | None = None
+    expr: str | None = None  # a "size" parameter computed from the size binding (e.g. "Nq + Nkv")
     block: tuple[str, str] | None = None  # a TMA descriptor's block shape (meta-parameter names)
 
 
@@ -138,6 +143,10 @@ class EmitContext:
         """Interleave two tiles column by column into one of space ``scale`` (twice as wide)."""
         return f"tl.reshape(tl.join({first}, {second}), (BLOCK_SIZE_M, {self.block(scale)}))"
 
+    def extent(self, scale: Fraction) -> str:
+        """The number of columns of a column space, as kernel code (``N``, ``(N // 2)``, ...)."""
+        return _SPACES[scale][3]
+
     def tile_mask(self, scale: Fraction) -> str:
         return f"{self.rows().mask}[:, None] & {self.cols(scale).mask}[None, :]"
 
@@ -165,6 +174,14 @@ class EmitContext:
     def stride(self, tensor: str, dim: int, axis: str) -> str:
         suffix = f"_{axis}" if axis else ""
         return self._add(Param(f"stride_{self.base(tensor)}{suffix}", "stride", tensor, dim))
+
+    def shape(self, tensor: str, dim: int) -> str:
+        """A kernel size parameter holding ``tensor.shape[dim]`` at launch."""
+        return self._add(Param(f"{self.base(tensor)}_shape{dim}", "shape", tensor, dim))
+
+    def size(self, expr: str, stem: str) -> str:
+        """A kernel size parameter holding a size expression's value at launch."""
+        return self._add(Param(f"{stem}_size", "size", expr=expr))
 
     # -- loads and stores ------------------------------------------------------------------------
     def tile_ptrs(self, tensor: str, scale: Fraction) -> str:
@@ -204,6 +221,21 @@ class EmitContext:
         ptrs = f"{self.pointer(tensor)} + {cols.offs} * {self.stride(tensor, 0, '')}"
         code = f"tl.load({ptrs}, mask={cols.mask}, other=0.0).to(tl.float32)[None, :]"
         return self._named_load(("col", tensor, scale), f"{self.base(tensor)}_col", code)
+
+    def load_gather(self, tensor: str, cols: str, cols_mask: str, other: float) -> str:
+        """An fp32 ``[BLOCK_SIZE_M, len(cols)]`` tile of ``tensor[rows of this tile, cols]``.
+
+        ``cols`` is a kernel expression of column indices (e.g. a per-pair frequency index into a
+        cos table); lanes outside the rows or ``cols_mask`` read ``other``.
+        """
+        rows = self.rows()
+        ptrs = (
+            f"{self.pointer(tensor)} + offs_cm64[:, None] * {self.stride(tensor, 0, 'm')}"
+            f" + ({cols})[None, :] * {self.stride(tensor, 1, 'n')}"
+        )
+        mask = f"{rows.mask}[:, None] & ({cols_mask})[None, :]"
+        code = f"tl.load({ptrs}, mask={mask}, other={other!r}).to(tl.float32)"
+        return self._named_load(("gather", tensor, cols), f"{self.base(tensor)}_gather", code)
 
     def store_tile(self, tensor: str, value: str, scale: Fraction, *, accumulate: bool) -> None:
         """Store a tile, cast to the destination's dtype; ``accumulate`` adds to what is there."""

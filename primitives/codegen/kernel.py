@@ -136,8 +136,9 @@ def plan_epilogue(step: GemmEpilogue, gemm: GemmInfo, tensors: dict) -> EmitCont
 
 
 def order_params(params: list[Param]) -> tuple[Param, ...]:
-    """Signature order: descriptors, pointers, sizes, strides."""
-    rank = {"desc": 0, "ptr": 1, "size": 2, "stride": 3}
+    """Signature order: descriptors, pointers, sizes (GEMM sizes, tensor shapes, size
+    expressions), strides."""
+    rank = {"desc": 0, "ptr": 1, "size": 2, "shape": 2, "stride": 3}
     return tuple(sorted(params, key=lambda p: rank[p.kind]))
 
 
@@ -146,15 +147,17 @@ def _epilogue_params(ctx: EmitContext) -> tuple[Param, ...]:
 
 
 def _signature(buf: IndentedBuffer, params: tuple[Param, ...], meta: list[str]) -> None:
+    """Parameters in launch order (``order_params``), grouped under one comment per kind."""
     titles = {
         "desc": "# TMA descriptors",
         "ptr": "# pointers",
         "size": "# sizes",
+        "shape": "# sizes",
         "stride": "# strides",
     }
     with buf.indent():
-        for kind, title in titles.items():
-            names = [p.name for p in params if p.kind == kind]
+        for title in dict.fromkeys(titles.values()):
+            names = [p.name for p in params if titles[p.kind] == title]
             if names:
                 buf.line(title)
                 for i in range(0, len(names), 6):

@@ -2,7 +2,10 @@
 
 A pairwise map needs both members of a pair in one tile (CODA_MATH §2): interleave the two weights'
 output features (prep ``interleave_rows``) so one GEMM produces ``[g0, u0, g1, u1, …]``, then
-contract each pair in the epilogue. The result lives in a column space half as wide.
+contract each pair in the epilogue (``swiglu``: 2→1, the result lives in a column space half as
+wide). ``pairwise`` writes any 2→1 or 2→2 map in the expression language (SwiGLU's backward is one),
+``split_pairs``/``join_pairs`` move between the interleaved and the two half-width tiles. RoPE, the
+2→2 rotation, lives in ``rope.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
+from pydantic import field_validator
 
+from .. import expr as expr_lang
 from ..base import EpilogueOp, Name, Port
 from ..errors import ProgramError
 from ..types import SCALES, LocalType
@@ -66,3 +71,176 @@ class Swiglu(EpilogueOp):
         gate, up = f"p_{self.out}_gate", f"p_{self.out}_up"
         ctx.split_pairs(ctx.var(self.src), scale, gate, up)
         ctx.line(f"{ctx.define(self.out)} = {gate} * tl.sigmoid({gate}) * {up}")
+
+
+# -- pair plumbing ---------------------------------------------------------------------------------
+PAIR_NAMES = ("x0", "x1")
+
+
+def _check_pair_expression(env: CheckEnv, expr: str, half: LocalType, field: str) -> None:
+    """Names in a pairwise expression: x0/x1, pair-wide tiles or column vectors, or row vectors."""
+    parsed = expr_lang.parse(expr)
+    names = parsed.variables()
+    if not names & set(PAIR_NAMES):
+        raise ProgramError(
+            f"pairwise {field} {expr!r} reads neither x0 nor x1",
+            hint="x0 = src[:, 2k] and x1 = src[:, 2k+1] are the members of each pair",
+        )
+    for name in sorted(names - set(PAIR_NAMES)):
+        t = env.local(name, role="expression name")
+        if t.kind != "row" and t.scale != half.scale:
+            raise ProgramError(
+                f"pairwise {field} {expr!r} reads {name!r} ({t.describe()}), but values next to a "
+                f"pair must be pair-wide ({half.describe()}) or row vectors",
+                hint="e.g. the accumulator of a GEMM whose N is half the width of src",
+            )
+
+
+def _pair_values(env: RefEnv, src: str) -> dict[str, torch.Tensor]:
+    z = env.locals[src]
+    return {**env.locals, "x0": z[:, 0::2], "x1": z[:, 1::2]}
+
+
+def interleave(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``out[:, 2k] = first[:, k]``, ``out[:, 2k+1] = second[:, k]``."""
+    rows, half = first.shape
+    return torch.stack([first, second], dim=2).reshape(rows, 2 * half)
+
+
+class Pairwise(EpilogueOp):
+    """Map each adjacent column pair of tile ``src`` through expressions: 2→1 or 2→2.
+
+    In each expression, ``x0 = src[:, 2k]`` and ``x1 = src[:, 2k+1]`` are the members of pair k
+    (the map language: ``+ - * /``, ``**k``, exp, log, sigmoid, silu, tanh, sqrt, rsqrt, abs,
+    min, max, where). Other names are epilogue values that are pair-wide (a tile or column vector
+    with half of src's columns, indexed by k) or row vectors. ``expr0`` is required; with only
+    ``expr0`` the op is a 2→1 contraction (``out`` has half of src's columns: ``out[:, k] =
+    expr0``); with ``expr1`` too it is 2→2 (``out[:, 2k] = expr0``, ``out[:, 2k+1] = expr1``, src's
+    width). SwiGLU backward from a saved ``z = [g0, u0, g1, u1, ...]`` (2N wide, via load_tile) and
+    ``da = acc`` (N wide): ``{"op": "pairwise", "src": "z", "expr0": "acc * x1 * sigmoid(x0) *
+    (1 + x0 * (1 - sigmoid(x0)))", "expr1": "acc * silu(x0)", "out": "dz"}``.
+    """
+
+    op: Literal["pairwise"] = "pairwise"
+    port: ClassVar = Port.APPLY
+
+    src: Name
+    expr0: str
+    expr1: str | None = None
+    out: Name
+
+    @field_validator("expr0", "expr1")
+    @classmethod
+    def _parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            expr_lang.parse(value)
+        return value
+
+    def check(self, env: CheckEnv) -> None:
+        half = contract_pairs(env, self.src, "pairwise")
+        for name in PAIR_NAMES:
+            if name in env.locals:
+                raise ProgramError(
+                    f"epilogue value {name!r} clashes with the pair member of the same name",
+                    hint="x0 and x1 are reserved inside pairwise expressions; rename that value",
+                )
+        _check_pair_expression(env, self.expr0, half, "expr0")
+        if self.expr1 is None:
+            env.define_local(self.out, half)
+            return
+        _check_pair_expression(env, self.expr1, half, "expr1")
+        env.define_local(self.out, env.tile(self.src))
+
+    def reference(self, env: RefEnv) -> None:
+        values = _pair_values(env, self.src)
+        first = expr_lang.parse(self.expr0).evaluate(values.__getitem__, env.compute)
+        if self.expr1 is None:
+            env.locals[self.out] = first
+            return
+        second = expr_lang.parse(self.expr1).evaluate(values.__getitem__, env.compute)
+        env.locals[self.out] = interleave(first, second)
+
+    def emit(self, ctx: EmitContext) -> None:
+        scale: Fraction = ctx.type_of(self.src).scale
+        x0, x1 = f"p_{self.out}_x0", f"p_{self.out}_x1"
+        ctx.split_pairs(ctx.var(self.src), scale, x0, x1)
+        names = {"x0": x0, "x1": x1}
+        var = lambda n: names.get(n) or ctx.var(n)  # noqa: E731
+        first = expr_lang.parse(self.expr0).to_triton(var)
+        if self.expr1 is None:
+            ctx.line(f"{ctx.define(self.out)} = {first}")
+            return
+        second = expr_lang.parse(self.expr1).to_triton(var)
+        ctx.line(f"p_{self.out}_0 = {first}")
+        ctx.line(f"p_{self.out}_1 = {second}")
+        joined = ctx.join_pairs(f"p_{self.out}_0", f"p_{self.out}_1", scale)
+        ctx.line(f"{ctx.define(self.out)} = {joined}")
+
+
+class SplitPairs(EpilogueOp):
+    """Split tile ``src`` into its pair members: ``first = src[:, 0::2]``, ``second =
+    src[:, 1::2]``.
+
+    Both results have half of src's columns (e.g. the gate and up halves of an interleaved
+    ``[g0, u0, g1, u1, ...]`` accumulator, to store them separately or use them in a map).
+    """
+
+    op: Literal["split_pairs"] = "split_pairs"
+    port: ClassVar = Port.APPLY
+
+    src: Name
+    first: Name
+    second: Name
+
+    def check(self, env: CheckEnv) -> None:
+        half = contract_pairs(env, self.src, "split_pairs")
+        env.define_local(self.first, half)
+        env.define_local(self.second, half)
+
+    def reference(self, env: RefEnv) -> None:
+        z = env.locals[self.src]
+        env.locals[self.first], env.locals[self.second] = z[:, 0::2], z[:, 1::2]
+
+    def emit(self, ctx: EmitContext) -> None:
+        scale: Fraction = ctx.type_of(self.src).scale
+        first, second = ctx.define(self.first), ctx.define(self.second)
+        ctx.split_pairs(ctx.var(self.src), scale, first, second)
+
+
+class JoinPairs(EpilogueOp):
+    """Interleave two equally wide tiles column by column: ``out[:, 2k] = first[:, k]``,
+    ``out[:, 2k+1] = second[:, k]``.
+
+    ``out`` is twice as wide as ``first`` (e.g. ``[dg, du]`` gradients joined into the
+    interleaved layout of the fused gate/up weight).
+    """
+
+    op: Literal["join_pairs"] = "join_pairs"
+    port: ClassVar = Port.APPLY
+
+    first: Name
+    second: Name
+    out: Name
+
+    def check(self, env: CheckEnv) -> None:
+        a = env.tile(self.first, role="first")
+        b = env.tile(self.second, role="second")
+        if a.scale != b.scale:
+            raise ProgramError(
+                f"join_pairs needs equally wide tiles, but {self.first!r} is {a.describe()} and "
+                f"{self.second!r} is {b.describe()}"
+            )
+        if a.scale * 2 not in SCALES:
+            raise ProgramError(
+                f"join_pairs of {a.describe()} tiles would leave the supported column spaces "
+                "(N/2, N, 2N)"
+            )
+        env.define_local(self.out, LocalType("tile", a.scale * 2))
+
+    def reference(self, env: RefEnv) -> None:
+        env.locals[self.out] = interleave(env.locals[self.first], env.locals[self.second])
+
+    def emit(self, ctx: EmitContext) -> None:
+        scale = ctx.type_of(self.first).scale * 2
+        joined = ctx.join_pairs(ctx.var(self.first), ctx.var(self.second), scale)
+        ctx.line(f"{ctx.define(self.out)} = {joined}")

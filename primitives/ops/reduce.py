@@ -2,7 +2,9 @@
 
 Statistics of a tensor that a GEMM produces come from that GEMM's epilogue (CODA_MATH §1): each
 output tile writes its partial sums of squares into a ``[M, ⌈N/BN⌉]`` buffer (one column per column
-block, ``partials_shape``), and ``rstd`` finishes ``r = rsqrt(Σ partials / N + eps)``.
+block, ``partials_shape``), and ``rstd`` finishes ``r = rsqrt(Σ partials / N + eps)``. Cross-entropy
+(§5) uses kind ``lse``: each tile keeps an online (max, sum-exp) per row over its columns and writes
+the tile's log-sum-exp ``m + log Σ exp(v − m)``; ``lse_combine`` merges the tiles' values.
 """
 
 from __future__ import annotations
@@ -39,17 +41,21 @@ _KINDS = {
     "sum": _Kind("{v}", 0.0, "tl.sum", lambda x, d: x.sum(d)),
     "sumsq": _Kind("{v} * {v}", 0.0, "tl.sum", lambda x, d: (x * x).sum(d)),
     "max": _Kind("{v}", -math.inf, "tl.max", lambda x, d: x.amax(d)),
+    # The tile's log-sum-exp; the Triton side is written out in ``_emit_lse``.
+    "lse": _Kind("{v}", -math.inf, "", lambda x, d: torch.logsumexp(x, d)),
 }
 
 
 class PartialReduce(EpilogueOp):
     """Write per-tile partial reductions of tile ``src`` to a new program tensor ``to`` (fp32).
 
-    ``kind``: ``sum``, ``sumsq`` (sum of squares, for RMSNorm statistics) or ``max``.
+    ``kind``: ``sum``, ``sumsq`` (sum of squares, for RMSNorm statistics), ``max``, or ``lse``
+    (each tile's log-sum-exp ``log Σ exp(src)`` over its part of the row — online max and
+    sum-exp, for cross-entropy; finish with aux ``lse_combine``).
     ``axis="row"``: each tile reduces its columns, giving one value per row per column block:
     ``to`` is ``[M, ⌈W/BLOCK_N⌉]`` (W = src's width). ``axis="col"``: each tile reduces its rows,
     giving ``[W, ⌈M/BLOCK_M⌉]``. Elements outside the tensor's edges never contribute. Finish the
-    partials with an aux step, e.g. ``{"kind": "rstd", "src": "<to>", ...}`` for sumsq.
+    partials with an aux step: ``rstd`` (sumsq), ``sum_partials`` (sum), ``lse_combine`` (lse).
     """
 
     op: Literal["partial_reduce"] = "partial_reduce"
@@ -57,7 +63,7 @@ class PartialReduce(EpilogueOp):
     reduces_tile: ClassVar = True
 
     src: Name
-    kind: Literal["sum", "sumsq", "max"]
+    kind: Literal["sum", "sumsq", "max", "lse"]
     axis: Literal["row", "col"] = "row"
     to: Name
 
@@ -91,5 +97,22 @@ class PartialReduce(EpilogueOp):
         masked = f"tl.where({ctx.tile_mask(scale)}, {v}, {kind.neutral_code})"
         dim = 1 if self.axis == "row" else 0
         partial = f"p_{self.to}"
-        ctx.line(f"{partial} = {kind.triton}({masked}, axis={dim})")
+        if self.kind == "lse":
+            _emit_lse(ctx, partial, masked, dim)
+        else:
+            ctx.line(f"{partial} = {kind.triton}({masked}, axis={dim})")
         ctx.store_partials(self.to, partial, self.axis, scale)
+
+
+def _emit_lse(ctx: EmitContext, partial: str, masked: str, dim: int) -> None:
+    """``partial = m + log Σ exp(v − m)`` along ``dim``, ``m`` the tile's max (stable)."""
+    expand = "[:, None]" if dim == 1 else "[None, :]"
+    ctx.line(f"{partial}_v = {masked}")
+    ctx.line(f"{partial}_max = tl.max({partial}_v, axis={dim})")
+    # Lanes past the edge are -inf everywhere; shift them by 0 instead of -inf (their result is
+    # never stored), so exp never sees inf - inf.
+    ctx.line(f"{partial}_max = tl.where({partial}_max == float('-inf'), 0.0, {partial}_max)")
+    ctx.line(f"{partial}_sum = tl.sum(tl.exp({partial}_v - {partial}_max{expand}), axis={dim})")
+    # A real lane's sum is ≥ 1 (its max contributes exp(0)); the floor only keeps log(0) off the
+    # never-stored lanes past the edge.
+    ctx.line(f"{partial} = {partial}_max + tl.log(tl.maximum({partial}_sum, 1e-30))")

@@ -7,9 +7,12 @@ vectors are biases and per-feature scales.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from ..base import EpilogueOp, Name, Port
+from ..errors import ProgramError
+from ..types import SCALES, LocalType
 
 if TYPE_CHECKING:
     from ..checking import CheckEnv
@@ -98,3 +101,61 @@ class AddColVector(_VectorOp):
     port: ClassVar = Port.COL
     axis: ClassVar = "col"
     combine: ClassVar = "+"
+
+
+class LoadRowVector(EpilogueOp):
+    """Bring a length-M program tensor into registers as row vector ``out`` (``out[i] =
+    vector[i]``, fp32).
+
+    Use it in ``map``/``pairwise`` expressions, where it broadcasts along each row — e.g. RMSNorm's
+    ``r`` and the statistic ``c`` in the backward epilogue ``r * (acc * gamma - r * x * c)``.
+    """
+
+    op: Literal["load_row_vector"] = "load_row_vector"
+    port: ClassVar = Port.ROW
+
+    vector: Name
+    out: Name
+
+    def check(self, env: CheckEnv) -> None:
+        env.vector(self.vector, env.M, role="vector", what="one value per row, M")
+        env.define_local(self.out, LocalType("row"))
+
+    def reference(self, env: RefEnv) -> None:
+        env.locals[self.out] = env.row(self.vector)
+
+    def emit(self, ctx: EmitContext) -> None:
+        ctx.line(f"{ctx.define(self.out)} = {ctx.load_row(self.vector)}")
+
+
+class LoadColVector(EpilogueOp):
+    """Bring a per-column program tensor into registers as column vector ``out`` (fp32).
+
+    ``vector`` has one value per column of a column space of this GEMM: length N (the
+    accumulator's), N/2 (after a pair contraction) or 2N; ``out`` lives in that space and
+    broadcasts down each column in ``map`` expressions — e.g. a norm weight γ.
+    """
+
+    op: Literal["load_col_vector"] = "load_col_vector"
+    port: ClassVar = Port.COL
+
+    vector: Name
+    out: Name
+
+    def check(self, env: CheckEnv) -> None:
+        info = env.tensor(self.vector, role="vector")
+        length = info.shape[0] if len(info.shape) == 1 and info.partials is None else -1
+        scale = Fraction(length, env.N) if length > 0 else None
+        if scale not in SCALES:
+            raise ProgramError(
+                f"vector {self.vector!r} is {info.describe()}; a column vector must have N/2, N "
+                f"or 2N values (N = {env.N})"
+            )
+        env.define_local(self.out, LocalType("col", scale))
+
+    def reference(self, env: RefEnv) -> None:
+        env.locals[self.out] = env.col(self.vector)
+
+    def emit(self, ctx: EmitContext) -> None:
+        scale = ctx.type_of(self.out).scale
+        ctx.line(f"{ctx.define(self.out)} = {ctx.load_col(self.vector, scale)}")

@@ -1,4 +1,4 @@
-"""Weight-layout prep: make pairwise epilogues possible and fold norm weights into GEMM weights.
+"""Weight-layout prep: make pairwise epilogues possible, fuse projections, fold norm weights.
 
 Weights use ``nn.Linear``'s layout ``[out_features, in_features]``; a GEMM ``x @ Wᵀ`` has one output
 column per row of ``W``. Prep runs once per weight (not per call) and is not part of kernel timings.
@@ -9,10 +9,13 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from pydantic import Field
 
 from ..base import Name, PrepStep, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
+from ..sizes import SizeExpr
+from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo
 
 
@@ -67,3 +70,72 @@ class FoldNormWeight(PrepStep):
         w, gamma = env.tensors[self.weight], env.tensors[self.gamma]
         compute = torch.promote_types(env.compute, torch.float32)
         env.tensors[self.out] = (w.to(compute) * gamma.to(compute)[None, :]).to(w.dtype)
+
+
+def pair_order(rows: int, head_dim: int) -> torch.Tensor:
+    """Row order that takes rotate-half heads to adjacent pairs: ``new[h·D + 2p + e] =
+    old[h·D + e·D/2 + p]`` for e ∈ {0, 1}, p < D/2 (shared with the inverse aux step)."""
+    half = head_dim // 2
+    heads = torch.arange(rows // head_dim)[:, None, None] * head_dim
+    p = torch.arange(half)[None, :, None]
+    e = torch.arange(2)[None, None, :]
+    return (heads + e * half + p).reshape(-1)
+
+
+class RopePairs(PrepStep):
+    """Permute an ``nn.Linear`` weight's rows (output features) per head from Hugging Face's
+    rotate-half order to adjacent pairs, for ``rope`` in the epilogue.
+
+    Within each head of ``head_dim`` rows (a size expression, e.g. ``"D"``), new row ``2p + e``
+    is old row ``e·D/2 + p``: the partners of rotate-half (p and p + D/2) become output columns
+    ``(2p, 2p+1)`` of ``x @ outᵀ``. Apply it to the Q and K projection weights only (V is not
+    rotated). The GEMM's output is then Hugging Face's in that same per-head order.
+    """
+
+    kind: Literal["rope_pairs"] = "rope_pairs"
+    weight: Name
+    head_dim: SizeExpr
+    out: Name
+
+    def check(self, env: ProgramEnv) -> None:
+        w = env.matrix(self.weight, role="weight")
+        head_dim = env.size(self.head_dim, what="rope_pairs head_dim")
+        if head_dim <= 0 or head_dim % 2 or w.shape[0] % head_dim:
+            raise ProgramError(
+                f"rope_pairs: weight {self.weight!r} has {w.shape[0]} rows, which is not a whole "
+                f"number of heads of even width head_dim = {head_dim}",
+                hint="pass the Q or K projection weight [heads·head_dim, d] and the head width",
+            )
+        env.define(self.out, TensorInfo(w.shape, w.dtype, env.where))
+
+    def apply(self, env: RunEnv) -> None:
+        w = env.tensors[self.weight]
+        order = pair_order(w.shape[0], evaluate_size(self.head_dim, env.sizes))
+        env.tensors[self.out] = w[order.to(w.device)]
+
+
+class ConcatRows(PrepStep):
+    """Stack weights along their rows (output features): ``out = cat(tensors, dim=0)``.
+
+    For ``nn.Linear`` weights ``[out_i, in]`` this fuses projections of one input into one GEMM,
+    e.g. ``[w_q; w_k; w_v]`` for a fused QKV projection whose output columns are q | k | v.
+    """
+
+    kind: Literal["concat_rows"] = "concat_rows"
+    tensors: list[Name] = Field(min_length=2, max_length=8)
+    out: Name
+
+    def check(self, env: ProgramEnv) -> None:
+        infos = [env.matrix(name, role="tensor") for name in self.tensors]
+        first = infos[0]
+        for name, info in zip(self.tensors, infos, strict=True):
+            if info.shape[1] != first.shape[1] or info.dtype != first.dtype:
+                raise ProgramError(
+                    f"concat_rows needs equally wide tensors of one dtype, but "
+                    f"{self.tensors[0]!r} is {first.describe()} and {name!r} is {info.describe()}"
+                )
+        rows = sum(info.shape[0] for info in infos)
+        env.define(self.out, TensorInfo((rows, first.shape[1]), first.dtype, env.where))
+
+    def apply(self, env: RunEnv) -> None:
+        env.tensors[self.out] = torch.cat([env.tensors[n] for n in self.tensors], dim=0)

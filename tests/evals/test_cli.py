@@ -44,7 +44,6 @@ def test_eval_resume_compare_and_export_through_the_cli(tmp_path: Path) -> None:
     "args,message",
     [
         (["--suite", "smok"], "no suite named 'smok': did you mean 'smoke'?"),
-        (["--suite", "paper-kernels"], "suite 'paper-kernels' has no registered block yet"),
         (["--blocks", "llama_mpl"], "--blocks: no block named 'llama_mpl': did you mean"),
         (["--blocks", "llama_mlp", "--providers", "gemini"], "unknown provider 'gemini'"),
         (["--blocks", "llama_mlp", "--providers", "python:nomodule"], "python:package.module"),

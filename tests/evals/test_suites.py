@@ -22,14 +22,24 @@ def test_every_shipped_suite_loads_and_its_blocks_are_registered() -> None:
     assert load_suite("smoke").blocks == ["llama_mlp"]
 
 
-def test_planned_blocks_are_skipped_until_registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    llama = load_suite("llama")
-    assert select(llama).blocks == ["llama_mlp"] and "llama_attn_in" in select(llama).skipped
-    with pytest.raises(SuiteError, match="suite 'paper-kernels' has no registered block yet"):
-        select(load_suite("paper-kernels"))
-    monkeypatch.setattr(suites, "_registered", lambda: {"llama_mlp", "gemm_swiglu"})
-    chosen = select(load_suite("paper-kernels"))
-    assert chosen.blocks == ["gemm_swiglu"] and len(chosen.skipped) == 9
+def test_planned_blocks_are_skipped_until_registered(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "future.toml").write_text(
+        'blocks = ["llama_mlp"]\nplanned = ["llama_moe", "gemm_swiglu"]\n'
+    )
+    (tmp_path / "later.toml").write_text('blocks = []\nplanned = ["llama_moe"]\n')
+    future = select(load_suite("future", tmp_path))
+    assert future.blocks == ["llama_mlp", "gemm_swiglu"] and future.skipped == ["llama_moe"]
+    with pytest.raises(SuiteError, match="suite 'later' has no registered block yet"):
+        select(load_suite("later", tmp_path))
+    monkeypatch.setattr(suites, "_registered", lambda: {"llama_mlp", "llama_moe"})
+    assert select(load_suite("later", tmp_path)).blocks == ["llama_moe"]
+
+
+def test_shipped_suites_cover_the_paper_and_the_layer() -> None:
+    assert len(select(load_suite("paper-kernels")).blocks) == 10
+    assert "llama_lm_head_ce_bwd" in select(load_suite("llama")).blocks
 
 
 def test_wrong_names_are_clear_errors(tmp_path: Path) -> None:

@@ -86,3 +86,17 @@ def test_hopper_configs_gpu(config: dict) -> None:
     _run_case(
         EXTRA_CASES["partial_reduce[max,col]"], ALIGNED, torch.bfloat16, config=whole, device="cuda"
     )
+
+
+def test_small_tiles_gpu() -> None:
+    # many tiles per row: the partials and the select/onehot edges across tile boundaries
+    config = {"block_m": 32, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    for name in ("select_column", "rope", "pairwise"):
+        _run_case(CASES[name], ALIGNED, torch.bfloat16, config=config, device="cuda")
+    _run_case(
+        EXTRA_CASES["partial_reduce[lse,row]"],
+        ALIGNED,
+        torch.bfloat16,
+        config=config,
+        device="cuda",
+    )

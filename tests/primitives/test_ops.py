@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from coda.primitives import EpilogueOp
 from coda.sandbox.compare import assert_close
-from tests.helpers import DTYPE_TOL, gemm_program, make_inputs, run_both
+from tests.helpers import DTYPE_TOL, gemm_program, make_inputs, rope_tables, run_both
 
 SIZES = [
     {"M": 37, "N": 50, "K": 29},  # ragged everywhere (N even for pairs)
@@ -35,6 +35,7 @@ class Case:
     extra: dict[str, Any] = field(default_factory=dict)
     steps_before: list[dict[str, Any]] = field(default_factory=list)
     outputs: dict[str, str] | None = None
+    rope: bool = False  # inputs cos/sin are Hugging Face-like tables [M, D]
 
 
 def _store(src: str, to: str | None = None, **kw: Any) -> dict[str, Any]:
@@ -65,8 +66,14 @@ def _partials_case(kind: str, axis: str) -> Case:
         "sum": lambda x, d: x.sum(d),
         "sumsq": lambda x, d: (x * x).sum(d),
         "max": lambda x, d: x.amax(d),
+        "lse": lambda x, d: x.exp().sum(d).log(),
     }[kind]
-    combine = {"sum": lambda p: p.sum(1), "sumsq": lambda p: p.sum(1), "max": lambda p: p.amax(1)}
+    combine = {
+        "sum": lambda p: p.sum(1),
+        "sumsq": lambda p: p.sum(1),
+        "max": lambda p: p.amax(1),
+        "lse": lambda p: p.exp().sum(1).log(),
+    }
 
     def expect(acc: torch.Tensor, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Partial buffers are checked against the reference executor; their combination (the
@@ -84,6 +91,55 @@ def _partials_case(kind: str, axis: str) -> Case:
         expect,
         outputs={"c": "c"},
     )
+
+
+def _rope_formula(
+    acc: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotated: int | None = None,
+    inverse: bool = False,
+) -> torch.Tensor:
+    """Hugging Face's rotate-half RoPE, per head, on acc's adjacent pairs read as (x1_p, x2_p)."""
+    rows, width = acc.shape
+    head = cos.shape[1]
+    out = acc.clone()
+    for h in range((width if rotated is None else rotated) // head):
+        cols = slice(h * head, (h + 1) * head)
+        x1, x2 = acc[:, cols][:, 0::2], acc[:, cols][:, 1::2]
+        q = torch.cat([x1, x2], dim=1)  # this head in rotate-half order
+        rotate_half = torch.cat([-x2, x1], dim=1)
+        rot = q * cos + rotate_half * (-sin if inverse else sin)
+        out[:, cols] = torch.stack([rot[:, : head // 2], rot[:, head // 2 :]], 2).reshape(
+            rows, head
+        )
+    return out
+
+
+SWIGLU_DG = "acc * x1 * sigmoid(x0) * (1 + x0 * (1 - sigmoid(x0)))"
+SWIGLU_DU = "acc * silu(x0)"
+
+
+def _swiglu_bwd_formula(da: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """d/d(g, u) of silu(g)·u against da, by autograd, interleaved like z."""
+    g, u = z[:, 0::2].clone().requires_grad_(), z[:, 1::2].clone().requires_grad_()
+    dg, du = torch.autograd.grad(F.silu(g) * u, [g, u], da)
+    return torch.stack([dg, du], 2).flatten(1)
+
+
+def _select_formula(acc: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(
+        [float(acc[i, j]) if 0 <= j < acc.shape[1] else 0.0 for i, j in enumerate(index.tolist())],
+        dtype=torch.float64,
+    )
+
+
+def _onehot_formula(acc: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(acc)
+    for i, j in enumerate(index.tolist()):
+        if 0 <= j < acc.shape[1]:
+            out[i, j] = 1.0
+    return out
 
 
 CASES: dict[str, Case] = {
@@ -149,12 +205,110 @@ CASES: dict[str, Case] = {
         ],
         outputs={"first_plus": "first_plus", "c32": "c32"},
     ),
+    "rope": Case(
+        [{"op": "rope", "src": "acc", "cos": "cos", "sin": "sin", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": _rope_formula(acc, t["cos"], t["sin"])},
+        {"cos": ["M", "D"], "sin": ["M", "D"]},
+        rope=True,
+    ),
+    "pairwise": Case(
+        # SwiGLU backward: z = [g, u] interleaved (2N wide) next to da = acc (N wide).
+        [
+            {"op": "load_tile", "tensor": "z", "out": "zt"},
+            {"op": "pairwise", "src": "zt", "expr0": SWIGLU_DG, "expr1": SWIGLU_DU, "out": "dz"},
+            _store("dz"),
+        ],
+        lambda acc, t: {"dz": _swiglu_bwd_formula(acc, t["z"])},
+        {"z": ["M", "N2"]},
+    ),
+    "split_pairs": Case(
+        [
+            {"op": "split_pairs", "src": "acc", "first": "g", "second": "u"},
+            _store("g"),
+            _store("u"),
+        ],
+        lambda acc, t: {"g": acc[:, 0::2], "u": acc[:, 1::2]},
+    ),
+    "join_pairs": Case(
+        [
+            {"op": "split_pairs", "src": "acc", "first": "g", "second": "u"},
+            {"op": "map", "expr": "u * 2", "out": "u2"},
+            {"op": "join_pairs", "first": "u2", "second": "g", "out": "y"},
+            _store("y"),
+        ],
+        lambda acc, t: {"y": torch.stack([2 * acc[:, 1::2], acc[:, 0::2]], 2).flatten(1)},
+    ),
+    "select_column": Case(
+        [{"op": "select_column", "src": "acc", "index": "t", "to": "picked"}],
+        lambda acc, t: {"picked": _select_formula(acc, t["t"])},
+        {"t": {"shape": ["M"], "dtype": "int64"}},
+        outputs={"picked": "picked"},
+    ),
+    "onehot": Case(
+        [
+            {"op": "onehot", "index": "t", "out": "oh"},
+            {"op": "map", "expr": "acc - 3 * oh", "out": "y"},
+            _store("y"),
+        ],
+        lambda acc, t: {"y": acc - 3 * _onehot_formula(acc, t["t"])},
+        {"t": {"shape": ["M"], "dtype": "int64"}},
+    ),
+    "load_row_vector": Case(
+        [
+            {"op": "load_row_vector", "vector": "v", "out": "rv"},
+            {"op": "map", "expr": "acc * rv - rv", "out": "y"},
+            _store("y"),
+        ],
+        lambda acc, t: {"y": (acc - 1) * t["v"][:, None]},
+        {"v": ["M"]},
+    ),
+    "load_col_vector": Case(
+        [
+            {"op": "load_col_vector", "vector": "v", "out": "cv"},
+            {"op": "map", "expr": "acc + cv * cv", "out": "y"},
+            _store("y"),
+        ],
+        lambda acc, t: {"y": acc + t["v"][None, :] ** 2},
+        {"v": ["N"]},
+    ),
 }
 EXTRA_CASES = {
     f"partial_reduce[{k},{a}]": _partials_case(k, a)
-    for k in ("sum", "sumsq", "max")
+    for k in ("sum", "sumsq", "max", "lse")
     for a in ("row", "col")
 }
+EXTRA_CASES["rope[inverse,V passes]"] = Case(
+    # the last head passes through (a V head of a fused QKV output); rotation by the negative angle
+    [
+        {
+            "op": "rope",
+            "src": "acc",
+            "cos": "cos",
+            "sin": "sin",
+            "out": "y",
+            "inverse": True,
+            "rotary_cols": "N - D",
+        },
+        _store("y"),
+    ],
+    lambda acc, t: {
+        "y": _rope_formula(
+            acc, t["cos"], t["sin"], rotated=acc.shape[1] - t["cos"].shape[1], inverse=True
+        )
+    },
+    {"cos": ["M", "D"], "sin": ["M", "D"]},
+    rope=True,
+)
+EXTRA_CASES["pairwise[2to1,row vector]"] = Case(
+    [
+        {"op": "load_row_vector", "vector": "v", "out": "rv"},
+        {"op": "pairwise", "src": "acc", "expr0": "silu(x0) * x1 + rv", "out": "y"},
+        _store("y"),
+    ],
+    lambda acc, t: {"y": F.silu(acc[:, 0::2]) * acc[:, 1::2] + t["v"][:, None]},
+    {"v": ["M"]},
+)
+
 
 # Column-space ops after a 2→1 pair contraction: the value is N/2 wide with BLOCK_N/2-wide tiles.
 _GLU = {"op": "swiglu", "src": "acc", "out": "s"}
@@ -189,7 +343,40 @@ HALF_SPACE_CASES = {
         lambda acc, t: {"__combined__": (_glu(acc) ** 2).sum(1), "__combine__": lambda p: p.sum(1)},
         outputs={"s": "s"},
     ),
+    "load_col_vector": Case(
+        [
+            _GLU,
+            {"op": "load_col_vector", "vector": "v", "out": "cv"},
+            {"op": "map", "expr": "s * cv", "out": "y"},
+            _store("y"),
+        ],
+        lambda acc, t: {"y": _glu(acc) * t["v"][None, :]},
+        {"v": ["Nh"]},
+    ),
+    "select_column": Case(
+        [_GLU, {"op": "select_column", "src": "s", "index": "t", "to": "picked"}],
+        lambda acc, t: {"picked": _select_formula(_glu(acc), t["t"])},
+        {"t": {"shape": ["M"], "dtype": "int64"}},
+        outputs={"picked": "picked"},
+    ),
+    "rope": Case(
+        # a 2N-wide saved tile rotated next to an N-wide accumulator
+        [
+            {"op": "load_tile", "tensor": "z", "out": "zt"},
+            {"op": "rope", "src": "zt", "cos": "cos", "sin": "sin", "out": "y"},
+            _store("y"),
+        ],
+        lambda acc, t: {"y": _rope_formula(t["z"], t["cos"], t["sin"])},
+        {"z": ["M", "N2"], "cos": ["M", "D"], "sin": ["M", "D"]},
+        rope=True,
+    ),
 }
+
+
+def _head_dim(n: int) -> int:
+    """An even head width dividing n (pairs of heads tile the rotated columns exactly)."""
+    half = n // 2
+    return 2 * max(k for k in range(1, 9) if half % k == 0)
 
 
 def test_every_registered_primitive_has_a_case() -> None:
@@ -207,7 +394,7 @@ def _run_case(
     mainloop: str = "auto",
     device: str = "cpu",
 ) -> None:
-    sizes = {**sizes, "N2": 2 * sizes["N"], "Nh": sizes["N"] // 2}
+    sizes = {**sizes, "N2": 2 * sizes["N"], "Nh": sizes["N"] // 2, "D": _head_dim(sizes["N"])}
     program = gemm_program(
         case.epilogue,
         case.extra,
@@ -217,7 +404,10 @@ def _run_case(
         config=config,
         steps_before=case.steps_before,
     )
-    inputs = make_inputs(program, sizes, dtype, device=device)
+    inputs = make_inputs(program, sizes, dtype)
+    if case.rope:
+        inputs["cos"], inputs["sin"] = rope_tables(sizes["M"], sizes["D"], dtype)
+    inputs = {n: t.to(device) for n, t in inputs.items()}
     got, ref, exact = run_both(program, inputs, mainloop=mainloop)
     atol, rtol = DTYPE_TOL[dtype]
     # (1) codegen ≡ reference executor at kernel precision, for every tensor the step writes
@@ -233,12 +423,13 @@ def _run_case(
     # (2) the primitive's documented meaning, in float64
     a64, b64 = (inputs["a"].double(), inputs["b"].double())
     acc = (a64.T if a_t else a64) @ (b64.T if b_t else b64)
-    t64 = {n: v.double() for n, v in inputs.items()}
+    t64 = {n: v.double() if v.is_floating_point() else v for n, v in inputs.items()}
     if "first_plus" in got:
         t64["__first__"] = (acc * 0.5).to(dtype).double()
     want = case.expect(acc, t64)
     if "__combined__" in want:
         partials = got["p"].double()
+        assert torch.isfinite(partials).all(), "partials were left unwritten (NaN)"
         assert_close(
             want["__combine__"](partials),
             want["__combined__"],

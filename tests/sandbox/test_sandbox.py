@@ -178,3 +178,25 @@ def test_report_json_round_trip(program_json: dict) -> None:
     assert type(report).model_validate(data) == report
     text = textwrap.dedent(report.render_text())
     assert "✓ verify" in text and "timings: not measured" in text
+
+
+def test_fp32_output_of_a_half_precision_run_is_held_to_that_runs_bounds() -> None:
+    # A loss or row statistic is fp32 even when the block runs in fp16; its error comes from the
+    # fp16 inputs (PyTorch's own reference is off by ~3e-4 here), so fp32's 1e-5 relative bound
+    # cannot apply: the bounds are looked up by the run's dtype.
+    import torch
+
+    from coda.sandbox import check_output
+
+    ref = torch.linspace(1, 2, 50, dtype=torch.float64)
+    torch_out = (ref * (1 + 3e-4)).float()
+    out = (ref * (1 + 2e-5)).float()
+    tol = Tolerance()
+    as_fp32 = check_output("loss", out, ref, torch_out, tol, sizes={}, seed=0)
+    assert not as_fp32.passed and "relative error" in as_fp32.reason
+    run = check_output("loss", out, ref, torch_out, tol, sizes={}, seed=0, run_dtype=torch.float16)
+    assert run.passed and run.dtype == "float16"
+    worse = check_output(
+        "loss", (ref * 1.01).float(), ref, torch_out, tol, sizes={}, seed=0, run_dtype=torch.float16
+    )
+    assert not worse.passed  # still 2× PyTorch's error at most

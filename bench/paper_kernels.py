@@ -1,0 +1,393 @@
+"""Benchmark the CODA paper's ten kernels and ``llama_mlp`` forward+backward on a GPU (bf16).
+
+For each paper kernel (``blocks/kernels.py``) at M = N = K = 4096 and 8192, side by side in one run
+and on the same inputs: the planner's fused Program, the cuBLAS GEMM alone (its speed of light),
+the block's PyTorch reference eagerly, and the same reference under ``torch.compile`` (cuBLAS GEMM +
+a compiled epilogue). For ``llama_mlp`` at M = 16384 tokens, d = 2048 (f = 8192) and d = 4096
+(f = 14336): forward and forward+backward of the exported CODA op (``coda.export``, prep included:
+weights change every step; forward ``llama_mlp_train`` saving g and u, backward
+``llama_mlp_bwd_saved``; and the variant that recomputes the gate/up GEMM instead) against eager
+PyTorch, ``torch.compile``, Liger-Kernel when installed, and the six cuBLAS GEMMs alone (gate/up
+fused). Every configuration is first checked for correctness in bf16 against a float32 reference
+(the sandbox's rule: within 2× PyTorch's own bf16 error plus a floor).
+
+Times are medians of ``triton.testing.do_bench`` (L2 flushed between repetitions). A short table
+is printed last; full numbers go to ``paper_kernels.json`` and ``paper_kernels.md`` in ``--out``
+(default ``$OUT``, else ``bench/out``).
+
+    python3 bench/paper_kernels.py [--out DIR] [--only gemm_swiglu,...] [--skip-mlp]
+    python3 bench/paper_kernels.py --dry-run   # CPU, toy sizes, interpreter: checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+NEEDS_GPU = (
+    "bench/paper_kernels.py needs a CUDA GPU: it times bf16 kernels against cuBLAS and "
+    "torch.compile, and no GPU is visible here. Run it on the GPU machine (see GPU.md), or pass "
+    "--dry-run to exercise the script on a CPU at toy sizes (numbers are not measurements)."
+)
+MLP_SIZES = [{"M": 16384, "d": 2048, "f": 8192}, {"M": 16384, "d": 4096, "f": 14336}]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench/out", help="results folder")
+    p.add_argument("--only", default="", help="comma-separated kernel blocks (default: all ten)")
+    p.add_argument("--skip-kernels", action="store_true", help="only the llama_mlp section")
+    p.add_argument("--skip-mlp", action="store_true", help="only the paper kernels")
+    p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: checks the script only")
+    return p.parse_args(argv)
+
+
+class Bench:
+    """Timing, device and dtype for this run (GPU: do_bench medians; dry run: wall clock)."""
+
+    def __init__(self, dry_run: bool) -> None:
+        import torch
+
+        self.dry_run = dry_run
+        self.device = "cpu" if dry_run else "cuda"
+        # bf16 tl.dot is wrong in the Triton 3.9 interpreter, so a dry run uses float32
+        self.dtype = torch.float32 if dry_run else torch.bfloat16
+        self.compile_backend = "eager" if dry_run else "inductor"
+
+    def ms(self, fn: Callable[[], Any]) -> float:
+        if self.dry_run:
+            fn()
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(times)
+        import triton
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+    def compile(self, fn: Callable) -> Callable:
+        import torch
+
+        # One compiled reference per block and size: forget earlier ones, or dynamo's recompile
+        # limit would silently fall back to eager for later blocks (they share one lambda).
+        torch.compiler.reset()
+        return torch.compile(fn, backend=self.compile_backend)
+
+    def free(self) -> None:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if not self.dry_run:
+            torch.cuda.empty_cache()
+
+
+# -- correctness -------------------------------------------------------------------------------
+def check(
+    name: str, got: Any, ref32: Any, torch_out: Any, block: Any, sizes: dict, bench: Bench
+) -> dict[str, Any]:
+    """The sandbox's rule, with the float32 reference of this run as ground truth."""
+    from coda.sandbox.compare import check_output
+
+    c = check_output(
+        name, got, ref32, torch_out, block.tolerance, sizes=sizes, seed=0, run_dtype=bench.dtype
+    )
+    return {
+        "output": name,
+        "passed": c.passed,
+        "max_abs_err": c.max_abs_err,
+        "torch_max_abs_err": c.torch_max_abs_err,
+        "allowed": c.allowed,
+        "rel_err": c.rel_err,
+        "reason": c.reason,
+    }
+
+
+def _upcast(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {n: t.float() if t.is_floating_point() else t for n, t in inputs.items()}
+
+
+# -- the ten kernels ---------------------------------------------------------------------------
+def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
+    from coda.agent.planner import lower
+    from coda.blocks.ops import Linear, Matmul
+    from coda.primitives import analyze, compile_program
+
+    inputs = block.make_inputs(sizes, bench.dtype, seed=0, device=bench.device)
+    program = lower(block)
+    info = analyze(program, sizes)
+    compiled = compile_program(program, info)
+    prepared = compiled.prepare(inputs)
+    outs = program.select_outputs(compiled.run(prepared), info.sizes)
+    ref32 = block.reference(_upcast(inputs))
+    torch_out = block.reference(inputs)
+    checks = [check(o, outs[o], ref32[o], torch_out[o], block, sizes, bench) for o in block.outputs]
+    (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
+    reference = bench.compile(lambda **kw: block.reference(kw))
+    row = {
+        "block": block.name,
+        "sizes": sizes,
+        "correct": all(c["passed"] for c in checks),
+        "checks": checks,
+        "coda_ms": bench.ms(lambda: compiled.run(prepared)),
+        "gemm_ms": bench.ms(lambda: gemm.call(inputs)),
+        "eager_ms": bench.ms(lambda: block.reference(inputs)),
+        "compile_ms": bench.ms(lambda: reference(**inputs)),
+        "configs": {n: c.model_dump() for n, c in compiled.configs_for(info).items()},
+    }
+    row["coda_over_gemm"] = row["coda_ms"] / row["gemm_ms"]
+    row["compile_over_gemm"] = row["compile_ms"] / row["gemm_ms"]
+    row["speedup_vs_compile"] = row["compile_ms"] / row["coda_ms"]
+    m, n, k = block.matmuls(sizes)[0]
+    row["coda_tflops"] = 2 * m * n * k / (row["coda_ms"] * 1e-3) / 1e12
+    return row
+
+
+def kernel_section(bench: Bench, only: list[str]) -> list[dict[str, Any]]:
+    from coda.blocks.kernels import KERNELS
+
+    rows = []
+    for block in KERNELS:
+        if only and block.name not in only:
+            continue
+        size_sets = block.shapes.cpu[1:2] if bench.dry_run else block.shapes.bench
+        for sizes in size_sets:
+            print(f"  {block.name} {sizes} ...", flush=True)
+            try:
+                rows.append(kernel_row(block, sizes, bench))
+            except Exception as e:  # noqa: BLE001 - one failing kernel must not hide the rest
+                rows.append({"block": block.name, "sizes": sizes, "error": repr(e)[:2000]})
+            bench.free()
+    return rows
+
+
+# -- llama_mlp forward + backward --------------------------------------------------------------
+def _mlp_inputs(sizes: dict[str, int], bench: Bench) -> tuple[dict[str, Any], Any]:
+    import torch
+
+    from coda.blocks import get_block
+
+    block = get_block("llama_mlp")
+    inputs = block.make_inputs(sizes, bench.dtype, seed=0, device=bench.device)
+    gen = torch.Generator(device=bench.device).manual_seed(1)
+    dout = torch.randn(
+        (sizes["M"], sizes["d"]), generator=gen, device=bench.device, dtype=bench.dtype
+    )
+    return {n: t.requires_grad_() for n, t in inputs.items()}, dout
+
+
+def _fwd_bwd(fn: Callable, inputs: dict[str, Any], dout: Any) -> Callable[[], Any]:
+    import torch
+
+    leaves = list(inputs.values())
+
+    def step() -> Any:
+        out = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, dout))
+
+    return step
+
+
+def _liger_mlp(sizes: dict[str, int], inputs: dict[str, Any]) -> Callable | None:
+    """Liger-Kernel's fused RMSNorm + SwiGLU MLP on the same weights, if it is installed."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except Exception:  # noqa: BLE001 - an optional baseline
+        return None
+    import torch.nn.functional as F
+
+    def mlp(x: Any, gamma: Any, w_gate: Any, w_up: Any, w_down: Any) -> Any:
+        h = LigerRMSNormFunction.apply(x, gamma, 1e-5, 0.0, "llama")
+        a = LigerSiLUMulFunction.apply(F.linear(h, w_gate), F.linear(h, w_up))
+        return x + F.linear(a, w_down)
+
+    return mlp
+
+
+def _six_gemms(sizes: dict[str, int], bench: Bench) -> Callable[[], None]:
+    """The GEMMs of one fwd+bwd with gate/up fused: 2 forward, 4 backward (cuBLAS)."""
+    import torch
+
+    m, d, f = sizes["M"], sizes["d"], sizes["f"]
+    shapes = [(m, d, 2 * f), (m, f, d), (m, d, f), (d, m, f), (m, 2 * f, d), (2 * f, m, d)]
+    pairs = [
+        (
+            torch.randn((a, k), device=bench.device, dtype=bench.dtype),
+            torch.randn((k, b), device=bench.device, dtype=bench.dtype),
+        )
+        for a, k, b in shapes
+    ]
+
+    def run() -> None:
+        for a, b in pairs:
+            torch.matmul(a, b)
+
+    return run
+
+
+def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
+    from coda.blocks import get_block
+    from coda.export import llama_mlp_function
+
+    block = get_block("llama_mlp")
+    inputs, dout = _mlp_inputs(sizes, bench)
+    exported = llama_mlp_function(1e-5, verify=False)  # checked right here instead
+    recompute = llama_mlp_function(1e-5, verify=False, saved=False)
+    reference = lambda *a: block.reference(dict(zip(block.inputs, a, strict=True)))["out"]  # noqa: E731
+    candidates: dict[str, Callable | None] = {
+        "coda": exported,
+        "coda_recompute": recompute,
+        "eager": reference,
+        "compile": bench.compile(reference),
+        "liger": _liger_mlp(sizes, inputs),
+    }
+    # correctness of CODA's output and five gradients, against float32 autograd
+    ref32 = _fwd_bwd(
+        reference, {n: t.detach().float().requires_grad_() for n, t in inputs.items()}, dout.float()
+    )()
+    torch_bf16 = _fwd_bwd(reference, inputs, dout)()
+    coda = _fwd_bwd(exported, inputs, dout)()
+    names = ["out", "dx", "dgamma", "dw_gate", "dw_up", "dw_down"]
+    checks = [
+        check(n, g, r, t, block, sizes, bench)
+        for n, g, r, t in zip(names, coda, ref32, torch_bf16, strict=True)
+    ]
+    row: dict[str, Any] = {"sizes": sizes, "correct": all(c["passed"] for c in checks)}
+    row["checks"] = checks
+    row["gemms_alone_fwd_bwd_ms"] = bench.ms(_six_gemms(sizes, bench))
+    leaves = list(inputs.values())
+    for name, fn in candidates.items():
+        row[f"{name}_fwd_ms"] = row[f"{name}_fwd_bwd_ms"] = None
+        if fn is None:
+            continue
+        try:
+            row[f"{name}_fwd_ms"] = bench.ms(lambda fn=fn: fn(*leaves))
+            row[f"{name}_fwd_bwd_ms"] = bench.ms(_fwd_bwd(fn, inputs, dout))
+        except Exception as e:  # noqa: BLE001 - a baseline that fails is reported, not fatal
+            if name == "coda":
+                raise
+            row[f"{name}_error"] = repr(e)[:500]
+    for name in ("eager", "compile", "liger", "coda_recompute"):
+        base = row[f"{name}_fwd_bwd_ms"]
+        row[f"coda_speedup_vs_{name}"] = None if base is None else base / row["coda_fwd_bwd_ms"]
+    row["coda_over_gemms_alone"] = row["coda_fwd_bwd_ms"] / row["gemms_alone_fwd_bwd_ms"]
+    return row
+
+
+def mlp_section(bench: Bench) -> list[dict[str, Any]]:
+    rows = []
+    for sizes in [{"M": 64, "d": 32, "f": 48}] if bench.dry_run else MLP_SIZES:
+        print(f"  llama_mlp fwd+bwd {sizes} ...", flush=True)
+        try:
+            rows.append(mlp_row(sizes, bench))
+        except Exception as e:  # noqa: BLE001 - report it with the other numbers
+            rows.append({"sizes": sizes, "error": repr(e)[:2000]})
+        bench.free()
+    return rows
+
+
+# -- output ------------------------------------------------------------------------------------
+def _f(v: Any, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
+    lines = []
+    if kernels:
+        lines += [
+            "| kernel | M=N=K | ok | CODA ms | cuBLAS GEMM ms | CODA / GEMM | compile ms | "
+            "compile / GEMM | eager ms | CODA TFLOP/s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in kernels:
+            if "error" in r:
+                lines.append(f"| {r['block']} | {r['sizes']['M']} | ERROR: {r['error'][:80]} |")
+                continue
+            lines.append(
+                f"| {r['block']} | {r['sizes']['M']} | {'yes' if r['correct'] else 'NO'} | "
+                f"{_f(r['coda_ms'])} | {_f(r['gemm_ms'])} | {_f(r['coda_over_gemm'])}× | "
+                f"{_f(r['compile_ms'])} | {_f(r['compile_over_gemm'])}× | {_f(r['eager_ms'])} | "
+                f"{_f(r['coda_tflops'], '.0f')} |"
+            )
+    if mlp:
+        lines += [
+            "",
+            "| llama_mlp | ok | GEMMs alone fwd+bwd | CODA fwd / fwd+bwd | CODA, recompute | "
+            "eager | compile | Liger | CODA vs compile |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in mlp:
+            s = r["sizes"]
+            where = f"M={s['M']} d={s['d']} f={s['f']}"
+            if "error" in r:
+                lines.append(f"| {where} | ERROR: {r['error'][:80]} |")
+                continue
+            pair = lambda k, r=r: f"{_f(r[k + '_fwd_ms'])} / {_f(r[k + '_fwd_bwd_ms'])}"  # noqa: E731
+            lines.append(
+                f"| {where} | {'yes' if r['correct'] else 'NO'} | "
+                f"{_f(r['gemms_alone_fwd_bwd_ms'])} | {pair('coda')} | {pair('coda_recompute')} | "
+                f"{pair('eager')} | "
+                f"{pair('compile')} | {pair('liger')} | {_f(r['coda_speedup_vs_compile'])}× |"
+            )
+    return "\n".join(lines)
+
+
+def environment(bench: Bench, argv: list[str] | None) -> dict[str, Any]:
+    import torch
+    import triton
+
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([sys.executable, *(sys.argv if argv is None else ["bench", *argv])]),
+        "device": "cpu (dry run)" if bench.dry_run else torch.cuda.get_device_name(),
+        "dtype": str(bench.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "dry_run": bench.dry_run,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print(NEEDS_GPU, file=sys.stderr)
+        return 2
+    import coda.primitives  # noqa: F401  (before triton: selects the interpreter in a dry run)
+
+    bench = Bench(args.dry_run)
+    only = [s for s in args.only.split(",") if s]
+    print(f"paper kernels and llama_mlp on {environment(bench, argv)['device']}", flush=True)
+    kernels = [] if args.skip_kernels else kernel_section(bench, only)
+    mlp = [] if args.skip_mlp else mlp_section(bench)
+    text = tables(kernels, mlp)
+    result = {"environment": environment(bench, argv), "kernels": kernels, "llama_mlp": mlp}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "paper_kernels.json").write_text(json.dumps(result, indent=2))
+    note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
+    header = f"# paper kernels and llama_mlp ({result['environment']['date']})\n\n"
+    (out / "paper_kernels.md").write_text(header + text + note)
+    print(text + note, flush=True)
+    print(f"full numbers: {out / 'paper_kernels.json'}")
+    failed = [r for r in [*kernels, *mlp] if "error" in r or not r.get("correct", False)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

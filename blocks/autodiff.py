@@ -1,0 +1,170 @@
+"""Backward blocks: the reference of a block's backward pass is autograd of its forward reference.
+
+``backward_block(forward, ...)`` builds a block whose inputs are the forward block's inputs plus the
+gradients of (some of) its outputs (``d<output>``), and whose outputs are the gradients of the
+differentiable inputs (``d<input>``). Its graph is one ``vjp`` op — run by ``torch.autograd`` on the
+forward block's own reference source, which the backward block's source shows in full — and one
+``pick`` per gradient. The built-in planner lowers it from the *forward* graph (``agent/planner/
+backward.py``): recompute what the backward needs, fuse each pairwise/norm backward into the
+epilogue of the GEMM that produces its input, weight gradients on the vendor GEMM.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable  # noqa: F401  (named in vjp's annotation)
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from .block import Block, ShapeSets, TensorSpec, Tolerance
+from .ops import GraphOp
+from .registry import get_block
+
+
+def vjp(
+    forward: "Callable[..., dict[str, torch.Tensor]]",  # noqa: UP037 (shown and exec'd as source)
+    inputs: dict[str, torch.Tensor],
+    cotangents: dict[str, torch.Tensor],
+    wrt: list[str],
+) -> dict[str, torch.Tensor]:
+    """Gradients of ``Σ_o ⟨forward(**inputs)[o], cotangents[o]⟩`` with respect to the inputs named
+    in ``wrt`` (reverse-mode autograd through the forward reference)."""
+    with torch.enable_grad():
+        leaves = {
+            n: t.detach().requires_grad_(n in wrt) if t.is_floating_point() else t
+            for n, t in inputs.items()
+        }
+        outs = forward(**leaves)
+        names = list(cotangents)
+        grads = torch.autograd.grad(
+            [outs[o] for o in names], [leaves[n] for n in wrt], [cotangents[o] for o in names]
+        )
+    return dict(zip(wrt, grads, strict=True))
+
+
+class VJP(GraphOp):
+    """``out = vjp(forward, inputs, cotangents, wrt)``: a dict of gradients of the forward block's
+    inputs, by autograd of its reference."""
+
+    op: Literal["vjp"] = "vjp"
+    helper: ClassVar = staticmethod(vjp)
+    forward: str  # the forward block's name
+    cotangents: dict[str, str]  # forward output -> the input holding its gradient
+    wrt: list[str]  # forward inputs to differentiate
+    # Forward graph values the backward block also receives (saved by the forward pass so that a
+    # program need not recompute them); autograd recomputes them and ignores these inputs.
+    saved: list[str] = []
+
+    def forward_block(self) -> Block:
+        return get_block(self.forward)
+
+    def inputs(self) -> list[str]:
+        return [*self.forward_block().inputs, *self.saved, *self.cotangents.values()]
+
+    def derived_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The saved forward values, from the forward reference on the drawn inputs."""
+        if not self.saved:
+            return {}
+        block = self.forward_block()
+        values = block.values({n: inputs[n] for n in block.inputs})
+        return {n: values[n].detach() for n in self.saved}
+
+    def call(self, values: dict[str, Any]) -> Any:
+        block = self.forward_block()
+        fwd_inputs = {n: values[n] for n in block.inputs}
+        cot = {o: values[g] for o, g in self.cotangents.items()}
+        return vjp(lambda **kw: block.reference(kw), fwd_inputs, cot, list(self.wrt))
+
+    def helper_sources(self) -> list[str]:
+        forward = self.forward_block().reference_source()
+        body = forward.split("\n\n", 1)[1]  # drop the imports; the backward source has them
+        return [body, inspect.getsource(vjp)]
+
+    def source(self) -> str:
+        block = self.forward_block()
+        inputs = ", ".join(f"{n}={n}" for n in block.inputs)
+        cot = ", ".join(f"{o}={g}" for o, g in self.cotangents.items())
+        line = f"{self.out} = vjp({block.name}, dict({inputs}), dict({cot}), wrt={self.wrt!r})"
+        if self.saved:
+            line += f"  # {', '.join(self.saved)}: saved by the forward pass (autograd recomputes)"
+        return line
+
+    def matmuls(self, shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
+        """Each forward product ``(M, N, K)`` has a data gradient ``(M, K, N)`` and a weight
+        gradient ``(N, K, M)`` (recomputation, if a program needs it, is not counted)."""
+        block = self.forward_block()
+        sizes = _sizes_from(block, shapes)
+        return [p for m, n, k in block.matmuls(sizes) for p in ((m, k, n), (n, k, m))]
+
+
+class Pick(GraphOp):
+    """``out = src[key]``: one gradient out of a ``vjp`` result."""
+
+    op: Literal["pick"] = "pick"
+    helper: ClassVar = staticmethod(dict.__getitem__)
+    src: str
+    key: str
+
+    def inputs(self) -> list[str]:
+        return [self.src]
+
+    def call(self, values: dict[str, Any]) -> Any:
+        return values[self.src][self.key]
+
+    def helper_sources(self) -> list[str]:
+        return []
+
+    def source(self) -> str:
+        return f"{self.out} = {self.src}[{self.key!r}]"
+
+
+def _sizes_from(block: Block, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for name, spec in block.inputs.items():
+        for dim, actual in zip(spec.shape, shapes[name], strict=True):
+            if isinstance(dim, str):
+                sizes[dim] = actual
+    return sizes
+
+
+def backward_block(
+    forward: Block,
+    *,
+    name: str,
+    cotangents: dict[str, TensorSpec],
+    wrt: list[str],
+    saved: dict[str, TensorSpec] | None = None,
+    shapes: ShapeSets | None = None,
+    tolerance: Tolerance | None = None,
+) -> Block:
+    """The backward block of ``forward``: inputs = forward inputs, the ``saved`` forward values
+    (drawn consistently: computed by the forward reference), and ``d<output>`` for each output in
+    ``cotangents`` (with its spec); outputs ``d<input>`` for each input in ``wrt``."""
+    grads = {f"d{o}": spec for o, spec in cotangents.items()}
+    saved_specs = {
+        n: spec.model_copy(update={"init": "saved"}) for n, spec in (saved or {}).items()
+    }
+    graph: list[GraphOp] = [
+        VJP(
+            forward=forward.name,
+            cotangents={o: f"d{o}" for o in cotangents},
+            wrt=wrt,
+            saved=list(saved_specs),
+            out="grads",
+        )
+    ]
+    graph += [Pick(src="grads", key=n, out=f"d{n}") for n in wrt]
+    extra = {"tolerance": tolerance} if tolerance is not None else {}
+    return Block(
+        name=name,
+        description=(
+            f"Backward of {forward.name}: gradients of {', '.join(wrt)} given the gradients of "
+            f"{', '.join(cotangents)} (autograd of the forward reference)."
+        ),
+        inputs={**forward.inputs, **saved_specs, **grads},
+        graph=graph,
+        outputs=[f"d{n}" for n in wrt],
+        shapes=shapes or forward.shapes,
+        **extra,
+    )

@@ -1,0 +1,83 @@
+"""Size expressions: integer arithmetic over a program's symbolic sizes (``"Nq + Nkv"``, ``"d"``).
+
+Some primitives need a size that is not the width of the tile they work on — how many leading
+columns RoPE rotates (the Q and K heads of a fused QKV projection), the head width a weight
+permutation works in, the ``d`` that turns a sum into a mean, where a block output's slice starts.
+Sizes are bound from the input shapes when a program runs (``bind_sizes``), so these fields are
+written as small expressions over size names and evaluated at each binding.
+
+Grammar: integers, size names, ``+ - *``, ``//`` and parentheses. Everything else is rejected.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import lru_cache
+from typing import Annotated
+
+from pydantic import AfterValidator
+
+from .errors import ProgramError, did_you_mean
+
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+_OPS[ast.FloorDiv] = lambda a, b: a // b
+
+
+@lru_cache(maxsize=512)
+def _parse(source: str) -> ast.AST:
+    try:
+        tree = ast.parse(source.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ProgramError(f"size expression {source!r} is not valid syntax: {e.msg}") from None
+    for node in ast.walk(tree):
+        allowed = (ast.Name, ast.Load, ast.BinOp, ast.UnaryOp, ast.USub, *_OPS)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            continue
+        if not isinstance(node, allowed):
+            raise ProgramError(
+                f"size expression {source!r}: {type(node).__name__} is not allowed",
+                hint="use integers, size names (e.g. 'd', 'Nq'), + - * // and parentheses",
+            )
+    return tree
+
+
+def check_size_expr(source: str) -> str:
+    """Pydantic validator: the text parses as a size expression."""
+    if not isinstance(source, str) or not source.strip():
+        raise ProgramError("a size expression must be a non-empty string such as 'd' or 'Nq + Nkv'")
+    _parse(source)
+    return source
+
+
+SizeExpr = Annotated[str, AfterValidator(check_size_expr)]
+"""An integer expression over the program's size names, e.g. ``"Nq + Nkv"``."""
+
+
+def size_names(source: str) -> set[str]:
+    return {n.id for n in ast.walk(_parse(source)) if isinstance(n, ast.Name)}
+
+
+def evaluate(source: str, sizes: dict[str, int], *, what: str = "size expression") -> int:
+    """The value of ``source`` at one binding of the sizes; unknown names are named in the error."""
+    for name in sorted(size_names(source)):
+        if name not in sizes:
+            raise ProgramError(
+                f"{what} {source!r} uses size {name!r}, which this program does not bind",
+                hint="sizes are the symbolic dimensions of the inputs; "
+                + did_you_mean(name, sizes),
+            )
+    return _eval(_parse(source), sizes)
+
+
+def _eval(node: ast.AST, sizes: dict[str, int]) -> int:
+    if isinstance(node, ast.Constant):
+        return int(node.value)
+    if isinstance(node, ast.Name):
+        return sizes[node.id]
+    if isinstance(node, ast.UnaryOp):
+        return -_eval(node.operand, sizes)
+    assert isinstance(node, ast.BinOp)
+    left, right = _eval(node.left, sizes), _eval(node.right, sizes)
+    if isinstance(node.op, ast.FloorDiv) and right == 0:
+        raise ProgramError("a size expression divides by zero")
+    return _OPS[type(node.op)](left, right)

@@ -1,0 +1,148 @@
+"""The built-in planner on the paper's ten kernels and the Llama layer blocks, forward and backward:
+it finds a Program for each, the sandbox verifies it on the CPU, and the Program has the CODA shape
+(what is fused where, what never touches memory, what runs on the vendor GEMM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coda.agent.planner import NoRule, lower
+from coda.blocks import Block, Linear, ShapeSets, TensorSpec, get_block
+from coda.blocks.autodiff import backward_block
+from coda.blocks.ops import Matmul, RowRstd
+from coda.primitives.ir import GemmEpilogue, OutputView, Program
+from coda.sandbox import SandboxOptions, evaluate
+from tests.blocks.test_coda_blocks import LAYER_BLOCKS, PAPER_TABLE
+
+FAST = SandboxOptions(isolate=False, seeds=[0])
+
+
+@pytest.mark.parametrize("name", [*PAPER_TABLE, *LAYER_BLOCKS])
+def test_planner_finds_a_verified_program(name: str) -> None:
+    block = get_block(name)
+    program = lower(block)
+    report = evaluate(program, block, FAST)
+    assert report.verified, report.render_text()
+
+
+def _gemms(program: Program) -> list[GemmEpilogue]:
+    return [s for s in program.steps if isinstance(s, GemmEpilogue)]
+
+
+def _ops(step: GemmEpilogue) -> list[str]:
+    return [op.op for op in step.epilogue]
+
+
+def test_each_paper_kernel_is_one_fused_gemm() -> None:
+    for name in PAPER_TABLE:
+        program = lower(get_block(name))
+        (gemm,) = _gemms(program)
+        assert not gemm.is_plain_store, name
+        aux = [s.kind for s in program.steps if not isinstance(s, GemmEpilogue)]
+        assert len(aux) <= 1, (name, aux)  # at most one tiny finishing reduction
+
+
+def test_cross_entropy_never_stores_the_logits() -> None:
+    program = lower(get_block("llama_lm_head_ce"))
+    (gemm,) = _gemms(program)
+    assert _ops(gemm) == ["scale_rows", "select_column", "partial_reduce"]
+    assert [s.kind for s in program.steps] == ["rstd", "gemm", "lse_combine"]
+    assert program.steps[-1].minus is not None  # loss = LSE − target logit
+
+
+def test_attention_input_is_one_gemm_with_rope_and_v_passing_through() -> None:
+    program = lower(get_block("llama_attn_in"))
+    assert [p.kind for p in program.prep] == [
+        "rope_pairs",
+        "rope_pairs",
+        "concat_rows",
+        "fold_norm_weight",
+    ]
+    assert {p.weight for p in program.prep if p.kind == "rope_pairs"} == {"w_q", "w_k"}
+    (gemm,) = _gemms(program)
+    rope = next(op for op in gemm.epilogue if op.op == "rope")
+    assert rope.rotary_cols == "Nq + Nkv"
+
+
+def test_attention_output_writes_the_next_norms_statistic_from_its_epilogue() -> None:
+    program = lower(get_block("llama_attn_out"))
+    (gemm,) = _gemms(program)
+    assert _ops(gemm) == ["add_tile", "partial_reduce", "store"]
+    assert program.steps[-1].kind == "rstd"
+
+
+def test_mlp_backward_schedule() -> None:
+    program = lower(get_block("llama_mlp_bwd"))
+    gemms = _gemms(program)
+    assert [g.is_plain_store for g in gemms] == [False, False, True, False, True]
+    down_bwd, gate_up_bwd = gemms[1], gemms[3]
+    assert "pairwise" in _ops(down_bwd) and "swiglu" in _ops(down_bwd)  # SwiGLU bwd + recompute
+    assert _ops(gate_up_bwd).count("partial_reduce") == 1  # dγ partials
+    assert "add_tile" in _ops(gate_up_bwd)  # the residual's gradient joins dx here
+    assert isinstance(program.outputs["dw_gate"], OutputView)  # de-interleaved by a view
+    assert program.outputs["dw_gate"].step == 2
+
+
+def test_training_forward_saves_what_its_backward_uses() -> None:
+    train = lower(get_block("llama_mlp_train"))
+    gate_up = _gemms(train)[0]
+    assert _ops(gate_up)[:3] == ["scale_rows", "split_pairs", "swiglu"]
+    assert {op.to for op in gate_up.epilogue if op.op == "store"} == {"g", "u", "a"}
+    saved = lower(get_block("llama_mlp_bwd_saved"))
+    gemms = _gemms(saved)
+    assert [g.is_plain_store for g in gemms] == [False, True, False, True]  # no recompute
+    assert gemms[0].a.tensor == "dout" and "join_pairs" in _ops(gemms[0])
+
+
+def test_attention_input_backward_puts_qk_rows_back() -> None:
+    program = lower(get_block("llama_attn_in_bwd"))
+    assert any(s.kind == "unpair_rows" for s in program.steps)
+    first = _gemms(program)[0]
+    rope = next(op for op in first.epilogue if op.op == "rope")
+    assert rope.inverse and rope.rotary_cols == "Nq + Nkv"
+
+
+def _spec(*shape: str, init: str = "activation") -> TensorSpec:
+    return TensorSpec(shape=list(shape), init=init)
+
+
+def test_a_user_block_mixing_old_and_new_ops() -> None:
+    # o-proj + residual + the next norm's rstd, then a plain matmul on the result
+    block = Block(
+        name="user_tail",
+        description="x1 = x + attn @ w_o.T; r = rstd(x1); y = x1 @ b",
+        inputs={
+            "x": _spec("M", "d"),
+            "attn": _spec("M", "d"),
+            "w_o": _spec("d", "d", init="linear_weight"),
+            "b": _spec("d", "n", init="linear_weight"),
+        },
+        graph=[
+            Linear(x="attn", weight="w_o", out="o"),
+            *_add("x", "o", "x1"),
+            RowRstd(x="x1", eps=1e-6, out="r"),
+            Matmul(a="x1", b="b", out="y"),
+        ],
+        outputs=["r", "y"],
+        shapes=ShapeSets(cpu=[{"M": 33, "d": 40, "n": 24}, {"M": 8, "d": 16, "n": 48}]),
+    )
+    program = lower(block)
+    assert evaluate(program, block, FAST).verified
+
+
+def _add(a: str, b: str, out: str) -> list:
+    from coda.blocks import Add
+
+    return [Add(a=a, b=b, out=out)]
+
+
+def test_backward_of_an_unsupported_forward_names_it() -> None:
+    fwd = get_block("gemm_rmsnorm")
+    bwd = backward_block(
+        fwd,
+        name="gemm_rmsnorm_bwd",
+        cotangents={"d": TensorSpec(shape=["M", "N"])},
+        wrt=["a", "b"],
+    )
+    with pytest.raises(NoRule, match="no backward rule for forward block 'gemm_rmsnorm'"):
+        lower(bwd)

@@ -1,0 +1,89 @@
+"""coda.export: Hugging Face's LlamaMLP (+ its RMSNorm and residual) on CODA kernels, forward and
+backward, through the Triton interpreter — outputs and gradients against the original modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda.export import CodaLlamaMLPBlock, llama_mlp_function
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_modules(seed: int = 0, dtype: torch.dtype = torch.float32, **config):  # noqa: ANN003, ANN202
+    """LlamaRMSNorm + LlamaMLP from a random LlamaConfig (no downloads), randomised weights."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    cfg = LlamaConfig(
+        **{"hidden_size": 48, "intermediate_size": 80, "num_attention_heads": 4, **config}
+    )
+    torch.manual_seed(seed)
+    norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+    mlp = LlamaMLP(cfg)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(cfg.hidden_size))
+        for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            proj.weight.normal_(0, proj.in_features**-0.5)
+    return norm.to(dtype), mlp.to(dtype)
+
+
+def _grads(module: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor, forward) -> list:  # noqa: ANN001
+    x = x.detach().clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = forward(x)
+    out.backward(dout)
+    return [out.detach(), x.grad, *[p.grad for p in module.parameters()]]
+
+
+@pytest.mark.parametrize(
+    "eps,saved", [(1e-6, True), (1e-5, False)], ids=["eps1e-6-saved", "eps1e-5-recompute"]
+)
+def test_drop_in_matches_hugging_face_outputs_and_gradients(eps: float, saved: bool) -> None:
+    norm, mlp = _hf_modules(rms_norm_eps=eps)
+    # the new epsilon's Programs are verified by the sandbox once; llama_mlp's are in tests/agent
+    block = CodaLlamaMLPBlock(norm, mlp, verify=eps == 1e-6, saved=saved)
+    x = torch.randn(2, 9, 48)  # [batch, seq, hidden]: 18 tokens, not a tile multiple
+    dout = torch.randn(2, 9, 48)
+    want = _grads(block, x, dout, lambda t: t + mlp(norm(t)))
+    got = _grads(block, x, dout, block)
+    names = ["out", "dx", "dgamma", "dw_gate", "dw_up", "dw_down"]
+    for name, g, w in zip(names, got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5, msg=name)
+
+
+def test_torch_compile_traces_around_the_custom_ops() -> None:
+    norm, mlp = _hf_modules(seed=1, rms_norm_eps=1e-5)
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False)
+    x, dout = torch.randn(11, 48), torch.randn(11, 48)
+    eager = _grads(block, x, dout, block)
+    compiled = torch.compile(lambda t: block(t) * 2, backend="aot_eager", fullgraph=True)
+    got = _grads(block, x, dout, compiled)
+    for g, w in zip(got, eager, strict=True):
+        torch.testing.assert_close(g, w * 2, atol=1e-5, rtol=1e-5)
+
+
+def test_the_custom_op_passes_torch_opcheck() -> None:
+    fn = llama_mlp_function(1e-5, verify=False)
+    norm, mlp = _hf_modules(seed=2)
+    args = (
+        torch.randn(7, 48),
+        norm.weight.detach(),
+        *[p.weight.detach() for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)],
+    )
+    torch.library.opcheck(fn.forward_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_drop_in_rejects_what_the_block_does_not_compute() -> None:
+    norm, mlp = _hf_modules(mlp_bias=True)
+    with pytest.raises(ValueError, match="gate_proj has a bias"):
+        CodaLlamaMLPBlock(norm, mlp, verify=False)
+    norm, mlp = _hf_modules(hidden_act="gelu")
+    with pytest.raises(ValueError, match="uses SiLU"):
+        CodaLlamaMLPBlock(norm, mlp, verify=False)
+    norm, mlp = _hf_modules()
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False)
+    with pytest.raises(TypeError, match="cast the modules to the activation dtype"):
+        block(torch.randn(3, 48, dtype=torch.float64))

@@ -1,0 +1,319 @@
+"""Aux steps (lse_combine, sum_partials, unpair_rows), prep steps (rope_pairs, concat_rows) and
+output views, against independent formulas — Hugging Face's own RoPE and PyTorch's cross-entropy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coda.primitives import Program, ProgramError, analyze
+from coda.primitives.aux.partials import _launch
+from coda.sandbox.compare import assert_close
+from tests.helpers import DTYPE_TOL, make_inputs, rope_tables, run_both
+
+DTYPES = [torch.float32, torch.float16]
+SMALL_TILES = {"block_m": 16, "block_n": 16, "block_k": 16, "group_m": 2, "num_warps": 1}
+
+
+def _program(inputs: dict[str, Any], prep: list, steps: list, outputs: dict[str, Any]) -> Program:
+    return Program.parse(
+        {"block": "test", "inputs": inputs, "prep": prep, "steps": steps, "outputs": outputs}
+    )
+
+
+def _gemm(epilogue: list, a: str = "a", b: str = "b.T", **kw: Any) -> dict[str, Any]:
+    return {"kind": "gemm", "name": kw.pop("name", "k"), "a": a, "b": b, "epilogue": epilogue, **kw}
+
+
+# -- cross-entropy: partial_reduce(lse) + select_column + lse_combine ------------------------------
+CE = _program(
+    {"a": ["M", "K"], "b": ["N", "K"], "t": {"shape": ["M"], "dtype": "int64"}},
+    [],
+    [
+        _gemm(
+            [
+                {"op": "select_column", "src": "acc", "index": "t", "to": "target"},
+                {"op": "partial_reduce", "src": "acc", "kind": "lse", "to": "lse_p"},
+            ],
+            config=SMALL_TILES,
+        ),
+        {"kind": "lse_combine", "src": "lse_p", "minus": "target", "out": "loss"},
+        {"kind": "lse_combine", "src": "lse_p", "out": "lse"},
+    ],
+    {"loss": "loss", "lse": "lse"},
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("sizes", [{"M": 37, "N": 83, "K": 29}, {"M": 5, "N": 160, "K": 48}])
+def test_cross_entropy_from_partials(sizes: dict[str, int], dtype: torch.dtype) -> None:
+    inputs = make_inputs(CE, sizes, dtype)
+    inputs["t"] = inputs["t"].clamp(0, sizes["N"] - 1)  # all targets valid here
+    got, ref, _ = run_both(CE, inputs)
+    logits = inputs["a"].double() @ inputs["b"].double().T
+    want = F.cross_entropy(logits, inputs["t"], reduction="none")
+    atol, rtol = DTYPE_TOL[dtype]
+    assert_close(got["loss"], want, atol=atol * 4, rtol=rtol * 4, what="loss vs F.cross_entropy")
+    assert_close(got["lse"], torch.logsumexp(logits, 1), atol=atol * 4, rtol=rtol * 4, what="lse")
+    assert_close(got["loss"], ref["loss"], atol=atol, rtol=rtol, what="loss vs reference executor")
+
+
+def test_lse_combine_kernel_streams_many_partials() -> None:
+    # more partials than one chunk (256) and a row of -inf-heavy values: the online rescaling path
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(7, 700, generator=gen) * 30
+    p[2, :600] = float("-inf")
+    out = torch.empty(7)
+    _launch(p, out, lse=True)
+    assert_close(out, torch.logsumexp(p.double(), 1), atol=1e-4, rtol=1e-5, what="lse combine")
+    total, q = torch.empty(7), torch.randn(7, 700, generator=gen)
+    _launch(q, total, lse=False, scale=0.5)
+    assert_close(total, q.double().sum(1) * 0.5, atol=1e-4, rtol=1e-5, what="sum of partials")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_sum_partials_rows_and_columns(dtype: torch.dtype) -> None:
+    program = _program(
+        {"a": ["M", "K"], "b": ["N", "K"]},
+        [],
+        [
+            _gemm(
+                [
+                    {"op": "partial_reduce", "src": "acc", "kind": "sum", "to": "rows_p"},
+                    {
+                        "op": "partial_reduce",
+                        "src": "acc",
+                        "kind": "sum",
+                        "axis": "col",
+                        "to": "cp",
+                    },
+                ],
+                config=SMALL_TILES,
+            ),
+            {"kind": "sum_partials", "src": "rows_p", "divide_by": "K + 1", "out": "row_mean"},
+            {"kind": "sum_partials", "src": "cp", "dtype": "act", "out": "col_sum"},
+        ],
+        {"row_mean": "row_mean", "col_sum": "col_sum"},
+    )
+    sizes = {"M": 37, "N": 50, "K": 29}
+    inputs = make_inputs(program, sizes, dtype)
+    got, _, _ = run_both(program, inputs)
+    acc = inputs["a"].double() @ inputs["b"].double().T
+    atol, rtol = DTYPE_TOL[dtype]
+    assert got["row_mean"].dtype == torch.float32 and got["col_sum"].dtype == dtype
+    assert_close(got["row_mean"], acc.sum(1) / 30, atol=atol * 4, rtol=rtol * 4, what="row mean")
+    assert_close(got["col_sum"], acc.sum(0), atol=atol * 40, rtol=rtol * 4, what="column sums")
+
+
+# -- RoPE: prep rope_pairs + epilogue rope == Hugging Face ----------------------------------------
+def _hf_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' own apply_rotary_pos_emb on [M, heads·D] (an independent implementation)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rows, head = q.shape[0], cos.shape[1]
+    q4 = q.reshape(1, rows, -1, head).transpose(1, 2)  # [batch, heads, seq, D]
+    out, _ = apply_rotary_pos_emb(q4, q4, cos[None], sin[None])
+    return out.transpose(1, 2).reshape(rows, -1)
+
+
+def _to_pairs(x: torch.Tensor, head: int) -> torch.Tensor:
+    """Columns of each head from rotate-half to adjacent-pair order."""
+    rows = x.shape[0]
+    return x.reshape(rows, -1, 2, head // 2).transpose(2, 3).reshape(rows, -1)
+
+
+ROPE_QKV = _program(
+    {
+        "x": ["M", "d"],
+        "w_q": ["Nq", "d"],
+        "w_k": ["Nkv", "d"],
+        "w_v": ["Nkv", "d"],
+        "cos": ["M", "D"],
+        "sin": ["M", "D"],
+    },
+    [
+        {"kind": "rope_pairs", "weight": "w_q", "head_dim": "D", "out": "w_q_p"},
+        {"kind": "rope_pairs", "weight": "w_k", "head_dim": "D", "out": "w_k_p"},
+        {"kind": "concat_rows", "tensors": ["w_q_p", "w_k_p", "w_v"], "out": "w_qkv"},
+    ],
+    [
+        _gemm(
+            [
+                {
+                    "op": "rope",
+                    "src": "acc",
+                    "cos": "cos",
+                    "sin": "sin",
+                    "out": "r",
+                    "rotary_cols": "Nq + Nkv",
+                },
+                {"op": "store", "src": "r", "to": "qkv"},
+            ],
+            a="x",
+            b="w_qkv.T",
+        ),
+    ],
+    {
+        "q": {"tensor": "qkv", "dim": 1, "stop": "Nq"},
+        "k": {"tensor": "qkv", "dim": 1, "start": "Nq", "stop": "Nq + Nkv"},
+        "v": {"tensor": "qkv", "dim": 1, "start": "Nq + Nkv"},
+    },
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_rope_pairs_and_rope_match_hugging_face(dtype: torch.dtype) -> None:
+    sizes = {"M": 37, "d": 24, "D": 8, "Nq": 32, "Nkv": 16}  # 4 query heads, 2 KV heads
+    inputs = make_inputs(ROPE_QKV, sizes, dtype)
+    inputs["cos"], inputs["sin"] = rope_tables(sizes["M"], sizes["D"], dtype)
+    info = analyze(ROPE_QKV, sizes)
+    got, _, _ = run_both(ROPE_QKV, inputs)
+    outs = ROPE_QKV.select_outputs(got, info.sizes)
+    x, cos, sin = (inputs[n].double() for n in ("x", "cos", "sin"))
+    atol, rtol = DTYPE_TOL[dtype]
+    for name in ("q", "k"):
+        want = _to_pairs(_hf_rope(x @ inputs[f"w_{name}"].double().T, cos, sin), 8)
+        assert_close(outs[name], want, atol=atol * 4, rtol=rtol * 4, what=f"{name} vs HF RoPE")
+    assert_close(outs["v"], x @ inputs["w_v"].double().T, atol=atol * 4, rtol=rtol * 4, what="v")
+    assert not outs["q"].is_contiguous()  # a view of the fused output: no copy
+
+
+def test_unpair_rows_inverts_rope_pairs() -> None:
+    data = {
+        "block": "test",
+        "inputs": {"w": ["R", "C"], "cos": ["R", "D"]},  # cos binds the head width D
+        "prep": [{"kind": "rope_pairs", "weight": "w", "head_dim": "D", "out": "w_p"}],
+        "steps": [{"kind": "unpair_rows", "src": "w_p", "head_dim": "D", "out": "back"}],
+        "outputs": {"back": "back"},
+    }
+    inputs = {"w": torch.randn(24, 5), "cos": torch.zeros(24, 6)}
+    got, _, _ = run_both(Program.parse(data), inputs)
+    assert torch.equal(got["w_p"], _to_pairs(inputs["w"].T, 6).T)
+    assert torch.equal(got["back"], inputs["w"])
+    data["steps"][0]["rows"] = "D * 2"  # only the first two heads are permuted back
+    got, _, _ = run_both(Program.parse(data), inputs)
+    assert torch.equal(got["back"][:12], inputs["w"][:12])
+    assert torch.equal(got["back"][12:], got["w_p"][12:])
+
+
+# -- errors that name the problem -----------------------------------------------------------------
+def _rope_program(**rope: Any) -> dict[str, Any]:
+    return {
+        "block": "test",
+        "inputs": {"a": ["M", "K"], "b": ["N", "K"], "cos": ["M", "D"], "sin": ["M", "D"]},
+        "steps": [
+            _gemm(
+                [
+                    {"op": "rope", "src": "acc", "cos": "cos", "sin": "sin", "out": "y", **rope},
+                    {"op": "store", "src": "y", "to": "y"},
+                ]
+            )
+        ],
+        "outputs": {"y": "y"},
+    }
+
+
+BAD: dict[str, tuple[dict[str, Any], dict[str, int], list[str]]] = {
+    "rope over a partial head": (
+        _rope_program(),
+        {"M": 4, "K": 8, "N": 20, "D": 8},
+        ["rope rotates 20 columns of 'acc'", "heads of width 8", "rotary_cols"],
+    ),
+    "rope rotary_cols with an unknown size": (
+        _rope_program(rotary_cols="Nq + Nkv"),
+        {"M": 4, "K": 8, "N": 16, "D": 8},
+        ["uses size 'Nkv', which this program does not bind", "known:"],
+    ),
+    "rope rotary_cols past the edge": (
+        _rope_program(rotary_cols="N + D"),
+        {"M": 4, "K": 8, "N": 16, "D": 8},
+        ["rotary_cols 'N + D' = 24 is outside src 'acc''s 16 columns"],
+    ),
+    "select_column with a float index": (
+        {
+            "block": "test",
+            "inputs": {"a": ["M", "K"], "b": ["N", "K"], "t": ["M"]},
+            "steps": [_gemm([{"op": "select_column", "src": "acc", "index": "t", "to": "p"}])],
+            "outputs": {"p": "p"},
+        },
+        {"M": 4, "K": 8, "N": 16},
+        ["index 't' must be an int64 tensor of column indices, but it is act"],
+    ),
+    "pairwise clashes with x0": (
+        {
+            "block": "test",
+            "inputs": {"a": ["M", "K"], "b": ["N", "K"]},
+            "steps": [
+                _gemm(
+                    [
+                        {"op": "map", "expr": "acc * 2", "out": "x0"},
+                        {"op": "pairwise", "src": "acc", "expr0": "x0 * x1", "out": "y"},
+                        {"op": "store", "src": "y", "to": "y"},
+                    ]
+                )
+            ],
+            "outputs": {"y": "y"},
+        },
+        {"M": 4, "K": 8, "N": 16},
+        ["epilogue value 'x0' clashes with the pair member", "rename that value"],
+    ),
+    "pairwise with a full-width neighbour": (
+        {
+            "block": "test",
+            "inputs": {"a": ["M", "K"], "b": ["N", "K"]},
+            "steps": [
+                _gemm(
+                    [
+                        {"op": "pairwise", "src": "acc", "expr0": "x0 * acc", "out": "y"},
+                        {"op": "store", "src": "y", "to": "y"},
+                    ]
+                )
+            ],
+            "outputs": {"y": "y"},
+        },
+        {"M": 4, "K": 8, "N": 16},
+        ["reads 'acc' (tile [M, N])", "must be pair-wide (tile [M, N/2])"],
+    ),
+    "lse_combine of sums of squares": (
+        {
+            "block": "test",
+            "inputs": {"a": ["M", "K"], "b": ["N", "K"]},
+            "steps": [
+                _gemm([{"op": "partial_reduce", "src": "acc", "kind": "sumsq", "to": "p"}]),
+                {"kind": "lse_combine", "src": "p", "out": "l"},
+            ],
+            "outputs": {"l": "l"},
+        },
+        {"M": 4, "K": 8, "N": 16},
+        ["lse_combine needs partials of kind lse, but 'p' is partials(sumsq, axis=row)"],
+    ),
+    "output view outside the tensor": (
+        {
+            "block": "test",
+            "inputs": {"a": ["M", "K"], "b": ["N", "K"]},
+            "steps": [_gemm([{"op": "store", "src": "acc", "to": "c"}])],
+            "outputs": {"c": {"tensor": "c", "dim": 1, "start": "N", "stop": "N + 2"}},
+        },
+        {"M": 4, "K": 8, "N": 16},
+        ["outputs.c", "view [16:18] of 'c' along dim 1 is empty or outside its extent 16"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_new_primitive_use_is_rejected_specifically(name: str) -> None:
+    data, sizes, fragments = BAD[name]
+    with pytest.raises(ProgramError) as err:
+        analyze(Program.parse(data), sizes)
+    for fragment in fragments:
+        assert fragment in str(err.value), f"{fragment!r} not in: {err.value}"
+
+
+def test_size_expressions_are_whitelisted() -> None:
+    with pytest.raises(ProgramError, match="Call is not allowed"):
+        Program.parse(_rope_program(rotary_cols="len(N)"))
+    with pytest.raises(ProgramError, match="not valid syntax"):
+        Program.parse(_rope_program(rotary_cols="N +"))
