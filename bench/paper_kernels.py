@@ -76,6 +76,17 @@ class Bench:
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
+    def compare(self, fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+        """Milliseconds of each function, timed in interleaved rounds on a GPU (clocks drift under
+        load, so back-to-back timings are not comparable: coda.primitives.timing)."""
+        for fn in fns.values():
+            fn()  # warm up: compiles, autotunes and caches outside the timed rounds
+        if self.dry_run:
+            return {name: self.ms(fn) for name, fn in fns.items()}
+        from coda.primitives.timing import interleaved_ms
+
+        return interleaved_ms(fns, rounds=3, warmup=25, rep=100)
+
     def compile(self, fn: Callable) -> Callable:
         import torch
 
@@ -136,16 +147,23 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
     checks = [check(o, outs[o], ref32[o], torch_out[o], block, sizes, bench) for o in block.outputs]
     (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
     reference = bench.compile(lambda **kw: block.reference(kw))
+    times = bench.compare(
+        {
+            "coda": lambda: compiled.run(prepared),
+            "gemm": lambda: gemm.call(inputs),
+            "eager": lambda: block.reference(inputs),
+            "compile": lambda: reference(**inputs),
+        }
+    )
     row = {
         "block": block.name,
         "sizes": sizes,
         "correct": all(c["passed"] for c in checks),
         "checks": checks,
-        "coda_ms": bench.ms(lambda: compiled.run(prepared)),
-        "gemm_ms": bench.ms(lambda: gemm.call(inputs)),
-        "eager_ms": bench.ms(lambda: block.reference(inputs)),
-        "compile_ms": bench.ms(lambda: reference(**inputs)),
+        **{f"{name}_ms": ms for name, ms in times.items()},
         "configs": {n: c.model_dump() for n, c in compiled.configs_for(info).items()},
+        "mainloops": dict(compiled.mainloops_used),
+        "kernel_stats": dict(compiled.kernel_stats),
     }
     row["coda_over_gemm"] = row["coda_ms"] / row["gemm_ms"]
     row["compile_over_gemm"] = row["compile_ms"] / row["gemm_ms"]
@@ -155,10 +173,12 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
     return row
 
 
-def kernel_section(bench: Bench, only: list[str]) -> list[dict[str, Any]]:
+def kernel_section(
+    bench: Bench, only: list[str], save: Callable[[], None] = lambda: None, rows: list | None = None
+) -> list[dict[str, Any]]:
     from coda.blocks.kernels import KERNELS
 
-    rows = []
+    rows = [] if rows is None else rows
     for block in KERNELS:
         if only and block.name not in only:
             continue
@@ -170,6 +190,7 @@ def kernel_section(bench: Bench, only: list[str]) -> list[dict[str, Any]]:
             except Exception as e:  # noqa: BLE001 - one failing kernel must not hide the rest
                 rows.append({"block": block.name, "sizes": sizes, "error": repr(e)[:2000]})
             bench.free()
+            save()
     return rows
 
 
@@ -267,19 +288,25 @@ def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
     ]
     row: dict[str, Any] = {"sizes": sizes, "correct": all(c["passed"] for c in checks)}
     row["checks"] = checks
-    row["gemms_alone_fwd_bwd_ms"] = bench.ms(_six_gemms(sizes, bench))
     leaves = list(inputs.values())
+    fwd, fwd_bwd = {}, {"gemms_alone": _six_gemms(sizes, bench)}
     for name, fn in candidates.items():
         row[f"{name}_fwd_ms"] = row[f"{name}_fwd_bwd_ms"] = None
         if fn is None:
             continue
         try:
-            row[f"{name}_fwd_ms"] = bench.ms(lambda fn=fn: fn(*leaves))
-            row[f"{name}_fwd_bwd_ms"] = bench.ms(_fwd_bwd(fn, inputs, dout))
+            fwd[name] = lambda fn=fn: fn(*leaves)
+            fwd_bwd[name] = _fwd_bwd(fn, inputs, dout)
+            fwd[name](), fwd_bwd[name]()  # a baseline that cannot run is reported, not timed
         except Exception as e:  # noqa: BLE001 - a baseline that fails is reported, not fatal
             if name == "coda":
                 raise
+            fwd.pop(name, None), fwd_bwd.pop(name, None)
             row[f"{name}_error"] = repr(e)[:500]
+    for name, ms in bench.compare(fwd).items():
+        row[f"{name}_fwd_ms"] = ms
+    for name, ms in bench.compare(fwd_bwd).items():
+        row[f"{name}_fwd_bwd_ms"] = ms
     for name in ("eager", "compile", "liger", "coda_recompute"):
         base = row[f"{name}_fwd_bwd_ms"]
         row[f"coda_speedup_vs_{name}"] = None if base is None else base / row["coda_fwd_bwd_ms"]
@@ -287,8 +314,10 @@ def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
     return row
 
 
-def mlp_section(bench: Bench) -> list[dict[str, Any]]:
-    rows = []
+def mlp_section(
+    bench: Bench, save: Callable[[], None] = lambda: None, rows: list | None = None
+) -> list[dict[str, Any]]:
+    rows = [] if rows is None else rows
     for sizes in [{"M": 64, "d": 32, "f": 48}] if bench.dry_run else MLP_SIZES:
         print(f"  llama_mlp fwd+bwd {sizes} ...", flush=True)
         try:
@@ -296,6 +325,7 @@ def mlp_section(bench: Bench) -> list[dict[str, Any]]:
         except Exception as e:  # noqa: BLE001 - report it with the other numbers
             rows.append({"sizes": sizes, "error": repr(e)[:2000]})
         bench.free()
+        save()
     return rows
 
 
@@ -373,13 +403,22 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args.dry_run)
     only = [s for s in args.only.split(",") if s]
     print(f"paper kernels and llama_mlp on {environment(bench, argv)['device']}", flush=True)
-    kernels = [] if args.skip_kernels else kernel_section(bench, only)
-    mlp = [] if args.skip_mlp else mlp_section(bench)
-    text = tables(kernels, mlp)
-    result = {"environment": environment(bench, argv), "kernels": kernels, "llama_mlp": mlp}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "paper_kernels.json").write_text(json.dumps(result, indent=2))
+    kernels: list[dict[str, Any]] = []
+    mlp: list[dict[str, Any]] = []
+    result = {"environment": environment(bench, argv), "kernels": kernels, "llama_mlp": mlp}
+
+    def save() -> None:  # after every row: a run cut short by a time limit keeps its numbers
+        (out / "paper_kernels.json").write_text(json.dumps(result, indent=2))
+
+    # llama_mlp first: the headline comparison, then the ten kernels
+    if not args.skip_mlp:
+        mlp_section(bench, save, mlp)
+    if not args.skip_kernels:
+        kernel_section(bench, only, save, kernels)
+    text = tables(kernels, mlp)
+    save()
     note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
     header = f"# paper kernels and llama_mlp ({result['environment']['date']})\n\n"
     (out / "paper_kernels.md").write_text(header + text + note)
