@@ -48,16 +48,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-kernels", action="store_true", help="only the llama_mlp section")
     p.add_argument("--skip-mlp", action="store_true", help="only the paper kernels")
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: checks the script only")
+    p.add_argument(
+        "--tune",
+        choices=["quick", "full", "none"],
+        default="quick",
+        help="tune each kernel first (quick: 4 candidates; full: the whole space)",
+    )
     return p.parse_args(argv)
 
 
 class Bench:
     """Timing, device and dtype for this run (GPU: do_bench medians; dry run: wall clock)."""
 
-    def __init__(self, dry_run: bool) -> None:
+    def __init__(self, dry_run: bool, tune: str = "none") -> None:
         import torch
 
         self.dry_run = dry_run
+        self.tune = tune
         self.device = "cpu" if dry_run else "cuda"
         # bf16 tl.dot is wrong in the Triton 3.9 interpreter, so a dry run uses float32
         self.dtype = torch.float32 if dry_run else torch.bfloat16
@@ -141,6 +148,10 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
     info = analyze(program, sizes)
     compiled = compile_program(program, info)
     prepared = compiled.prepare(inputs)
+    if bench.tune != "none":
+        from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
+
+        tune_program(compiled, prepared, space=QUICK_SPACE if bench.tune == "quick" else None)
     outs = program.select_outputs(compiled.run(prepared), info.sizes)
     ref32 = block.reference(_upcast(inputs))
     torch_out = block.reference(inputs)
@@ -400,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import coda.primitives  # noqa: F401  (before triton: selects the interpreter in a dry run)
 
-    bench = Bench(args.dry_run)
+    bench = Bench(args.dry_run, args.tune)
     only = [s for s in args.only.split(",") if s]
     print(f"paper kernels and llama_mlp on {environment(bench, argv)['device']}", flush=True)
     out = Path(args.out)

@@ -41,6 +41,18 @@ _HOPPER_SPACE = [
     (128, 128, 64, 4, 4, 2, False, False),
     (128, 128, 128, 8, 3, 2, False, False),
     (64, 256, 64, 4, 4, 2, False, False),
+    # narrow tiles for register-heavy epilogues that must run on the whole tile (reductions)
+    (128, 64, 64, 4, 4, 1, False, False),
+    (64, 128, 64, 4, 4, 1, False, False),
+]
+
+# A small space for sweeps over many kernels (bench/paper_kernels.py): the leaders of the first
+# H200 sweep plus the narrow tiles.
+QUICK_SPACE = [
+    (128, 256, 64, 8, 3, 2, False, False),
+    (128, 128, 64, 8, 4, 2, True, False),
+    (128, 64, 64, 4, 4, 1, False, False),
+    (64, 128, 64, 4, 4, 1, False, False),
 ]
 
 
