@@ -96,3 +96,23 @@ def run_both(program: Program, inputs: dict[str, torch.Tensor], mainloop: str = 
     ref = execute_reference(program, inputs)
     exact = execute_reference(program, inputs, exact=True)
     return got, ref, exact
+
+
+def residual_program(block: Any) -> dict[str, Any]:
+    """``out = x + x @ w.T`` in one fused gemm, for a test block with inputs ``x`` and ``w``."""
+    return {
+        "block": block.name,
+        "inputs": block.program_inputs(),
+        "steps": [
+            {
+                "kind": "gemm",
+                "a": "x",
+                "b": "w.T",
+                "epilogue": [
+                    {"op": "add_tile", "src": "acc", "tensor": "x", "out": "o"},
+                    {"op": "store", "src": "o", "to": "out"},
+                ],
+            }
+        ],
+        "outputs": {"out": "out"},
+    }

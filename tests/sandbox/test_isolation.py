@@ -22,25 +22,11 @@ import torch
 from coda.blocks import load_block_file
 from coda.sandbox import Report, SandboxOptions, evaluate
 from coda.sandbox.faults import classify_exception, describe_exit, refine_by_stderr
+from tests.helpers import residual_program
 
 BLOCK_FILE = str(Path(__file__).with_name("faulty_block.py"))
 (BLOCK,) = load_block_file(BLOCK_FILE)
-PROGRAM = {
-    "block": "faulty",
-    "inputs": BLOCK.program_inputs(),
-    "steps": [
-        {
-            "kind": "gemm",
-            "a": "x",
-            "b": "w.T",
-            "epilogue": [
-                {"op": "add_tile", "src": "acc", "tensor": "x", "out": "o"},
-                {"op": "store", "src": "o", "to": "out"},
-            ],
-        }
-    ],
-    "outputs": {"out": "out"},
-}
+PROGRAM = residual_program(BLOCK)
 QUICK = {"seeds": [0], "dtypes": ["float32"]}
 
 

@@ -15,6 +15,7 @@ from coda.blocks import get_block, load_block_file
 from coda.blocks.block import Tolerance
 from coda.sandbox import SandboxOptions, evaluate
 from coda.sandbox.runner import worker_env
+from tests.helpers import residual_program
 
 BLOCK = get_block("llama_mlp")
 FAST = SandboxOptions(isolate=False)
@@ -133,23 +134,7 @@ def test_worker_crash_becomes_a_failed_stage(tmp_path: Path) -> None:
     path = tmp_path / "crashy.py"
     path.write_text(CRASHY_BLOCK)
     (block,) = load_block_file(path)
-    program = {
-        "block": "crashy",
-        "inputs": block.program_inputs(),
-        "steps": [
-            {
-                "kind": "gemm",
-                "a": "x",
-                "b": "w.T",
-                "epilogue": [
-                    {"op": "add_tile", "src": "acc", "tensor": "x", "out": "o"},
-                    {"op": "store", "src": "o", "to": "out"},
-                ],
-            }
-        ],
-        "outputs": {"out": "out"},
-    }
-    report = evaluate(program, block, SandboxOptions(), block_file=str(path))
+    report = evaluate(residual_program(block), block, SandboxOptions(), block_file=str(path))
     assert not report.verified
     assert report.stage("semantics").status == "passed"  # the parent ran the same reference
     failed = report.failed_stage
