@@ -28,7 +28,7 @@ from .base import (
     answered_call,
     part_text,
 )
-from .http import malformed, server_detail, status_error, unreachable
+from .http import malformed, sdk_errors
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 KEY_VAR = "ANTHROPIC_API_KEY"
@@ -75,7 +75,9 @@ class AnthropicProvider:
     def complete(
         self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
     ) -> AssistantTurn:
-        try:
+        with sdk_errors(
+            anthropic, "Anthropic", key_var=KEY_VAR, model=self.model, base_url=self.base_url
+        ):
             response = self._client.messages.create(
                 model=self.model,
                 max_tokens=self.max_output_tokens,
@@ -86,23 +88,6 @@ class AnthropicProvider:
                     for t in tools
                 ],
             )
-        except anthropic.APIResponseValidationError as e:
-            raise malformed("Anthropic", str(e)) from None
-        except anthropic.APIStatusError as e:
-            detail = server_detail(e.body, e.message)
-            raise status_error(
-                "Anthropic",
-                e.status_code,
-                detail,
-                e.response.headers,
-                key_var=KEY_VAR,
-                model=self.model,
-                base_url=self.base_url,
-            ) from None
-        except anthropic.APIConnectionError as e:
-            raise unreachable("Anthropic", self.base_url, str(e)) from None
-        except json.JSONDecodeError as e:
-            raise malformed("Anthropic", f"the body is not JSON ({e.msg})") from None
         return from_anthropic(response, self.model)
 
 

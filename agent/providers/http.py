@@ -2,12 +2,17 @@
 
 Shared by the Anthropic and OpenAI adapters: both SDKs raise a status error carrying the HTTP
 status, the response headers and the server's message; this module decides which are worth
-retrying and how to word them. SDK exception classes stay in the adapters.
+retrying and how to word them. ``sdk_errors`` translates either SDK's exceptions (both define the
+same classes: ``APIResponseValidationError``, ``APIStatusError``, ``APIConnectionError``); the
+adapters pass their SDK module, so no SDK type leaves them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 from .base import ProviderError
@@ -82,3 +87,30 @@ def malformed(vendor: str, what: str) -> ProviderError:
     return ProviderError(
         f"the {vendor} API returned a malformed response: {what}", kind="malformed"
     )
+
+
+@contextmanager
+def sdk_errors(
+    sdk: ModuleType, vendor: str, *, key_var: str, model: str, base_url: str
+) -> Iterator[None]:
+    """Turn an SDK call's failures into ``ProviderError``s (``sdk``: the ``anthropic`` or
+    ``openai`` module)."""
+    try:
+        yield
+    except sdk.APIResponseValidationError as e:
+        raise malformed(vendor, str(e)) from None
+    except sdk.APIStatusError as e:
+        detail = server_detail(e.body, e.message)
+        raise status_error(
+            vendor,
+            e.status_code,
+            detail,
+            e.response.headers,
+            key_var=key_var,
+            model=model,
+            base_url=base_url,
+        ) from None
+    except sdk.APIConnectionError as e:
+        raise unreachable(vendor, base_url, str(e)) from None
+    except json.JSONDecodeError as e:
+        raise malformed(vendor, f"the body is not JSON ({e.msg})") from None

@@ -27,7 +27,7 @@ from .base import (
     answered_call,
     part_text,
 )
-from .http import malformed, server_detail, status_error, unreachable
+from .http import malformed, sdk_errors
 
 DEFAULT_MODEL = "gpt-4.1"
 KEY_VAR = "OPENAI_API_KEY"
@@ -78,7 +78,9 @@ class OpenAIProvider:
     def complete(
         self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
     ) -> AssistantTurn:
-        try:
+        with sdk_errors(
+            openai, "OpenAI", key_var=KEY_VAR, model=self.model, base_url=self.base_url
+        ):
             completion = self._client.chat.completions.create(
                 model=self.model,
                 messages=to_openai(system, messages),
@@ -94,22 +96,6 @@ class OpenAIProvider:
                     for t in tools
                 ],
             )
-        except openai.APIResponseValidationError as e:
-            raise malformed("OpenAI", str(e)) from None
-        except openai.APIStatusError as e:
-            raise status_error(
-                "OpenAI",
-                e.status_code,
-                server_detail(e.body, e.message),
-                e.response.headers,
-                key_var=KEY_VAR,
-                model=self.model,
-                base_url=self.base_url,
-            ) from None
-        except openai.APIConnectionError as e:
-            raise unreachable("OpenAI", self.base_url, str(e)) from None
-        except json.JSONDecodeError as e:
-            raise malformed("OpenAI", f"the body is not JSON ({e.msg})") from None
         return from_openai(completion, self.model)
 
 
