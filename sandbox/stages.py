@@ -33,7 +33,7 @@ from .compare import OutputCheck, check_output
 from .errors import StageFailure
 from .faults import classify_exception, describe_exception
 from .report import ProfileRow, Stage, StageResult
-from .screen import screen_block, screen_program
+from .screen import reference64, screen_block, screen_program
 
 SEMANTICS_REL_TOL = 1e-9  # float64 algebra: reassociation costs ~1e-15; a wrong program is O(1)
 
@@ -303,7 +303,7 @@ def verify_one(
 ) -> list[OutputCheck]:
     inputs = block.make_inputs(sizes, dtype, seed, device=backend.DEVICE)
     snapshot = {n: t.clone() for n, t in inputs.items()}
-    ref64 = block.reference({n: _to64(t) for n, t in inputs.items()})
+    ref64 = reference64(block, inputs)
     torch_out = block.reference(inputs)
     out = compiled(inputs, poison=True)
     for name, before in snapshot.items():
@@ -331,10 +331,6 @@ def verify_one(
         ).model_copy(update={"mainloop": mainloops})
         for name in block.outputs
     ]
-
-
-def _to64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().double() if t.is_floating_point() else t.detach().cpu()
 
 
 # -- profile ---------------------------------------------------------------------------------------
