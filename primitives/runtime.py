@@ -9,6 +9,7 @@ and launches the steps in order.
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 from collections.abc import Callable
@@ -283,6 +284,7 @@ def compiled_kernel_stats(launched: Any) -> dict[str, int]:
 Mainloop = Literal["auto", "tma", "pointer"]
 
 
+@functools.lru_cache(maxsize=16)
 def tma_available(device: torch.device) -> bool:
     """Tensor descriptors exist in this Triton and the device has a copy engine for them
     (Hopper or newer; the CPU interpreter emulates them)."""
