@@ -95,7 +95,7 @@ class Rope(EpilogueOp):
         z = env.locals[self.src]
         x, y = z[:, 0::2], z[:, 1::2]
         cos, sin = env.load(self.cos), env.load(self.sin)
-        pair = torch.arange(x.shape[1])
+        pair = torch.arange(x.shape[1], device=z.device)
         freq = pair % (cos.shape[1] // 2)
         c, s = cos[:, freq], sin[:, freq]
         if self.rotary_cols is not None:

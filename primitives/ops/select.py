@@ -59,7 +59,7 @@ class SelectColumn(EpilogueOp):
         z = env.locals[self.src]
         index = env.tensors[self.index]
         valid = _in_range(index, z.shape[1])
-        picked = z[torch.arange(z.shape[0]), torch.where(valid, index, 0)]
+        picked = z[torch.arange(z.shape[0], device=z.device), torch.where(valid, index, 0)]
         env.tensors[self.to] = torch.where(valid, picked, 0.0).to(env.partials_dtype)
 
     def emit(self, ctx: EmitContext) -> None:
@@ -103,7 +103,7 @@ class Onehot(EpilogueOp):
 
     def reference(self, env: RefEnv) -> None:
         index = env.tensors[self.index]
-        cols = torch.arange(env.N)
+        cols = torch.arange(env.N, device=index.device)
         env.locals[self.out] = (cols[None, :] == index[:, None]).to(env.compute)
 
     def emit(self, ctx: EmitContext) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from coda.primitives import EpilogueOp
+from coda.primitives.reference import execute_reference
 from coda.sandbox.compare import assert_close
 from tests.helpers import DTYPE_TOL, gemm_program, make_inputs, rope_tables, run_both
 
@@ -466,6 +467,27 @@ def test_partial_reduce_kinds_and_axes(name: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("name", sorted(HALF_SPACE_CASES))
 def test_half_width_space(name: str, dtype: torch.dtype) -> None:
     _run_case(HALF_SPACE_CASES[name], SIZES[0], dtype)
+
+
+ALL_CASES = {**CASES, **EXTRA_CASES, **{f"half_space[{k}]": v for k, v in HALF_SPACE_CASES.items()}}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_CASES))
+def test_reference_executor_stays_on_the_inputs_device(name: str) -> None:
+    """Every tensor a primitive's reference creates lives on its inputs' device: on ``meta``
+    inputs a stray CPU ``torch.arange`` raises here, as it does on a GPU (it once did, for
+    onehot and rope's pass-through columns, and only the GPU suite noticed)."""
+    case = ALL_CASES[name]
+    sizes = {"M": 30, "N": 26, "K": 20}
+    sizes = {**sizes, "N2": 2 * sizes["N"], "Nh": sizes["N"] // 2, "D": _head_dim(sizes["N"])}
+    program = gemm_program(
+        case.epilogue, case.extra, outputs=case.outputs, steps_before=case.steps_before
+    )
+    inputs = make_inputs(program, sizes, torch.float32)
+    if case.rope:
+        inputs["cos"], inputs["sin"] = rope_tables(sizes["M"], sizes["D"], torch.float32)
+    got = execute_reference(program, {n: t.to("meta") for n, t in inputs.items()})
+    assert all(t.device.type == "meta" for t in got.values())
 
 
 @pytest.mark.parametrize("a_t,b_t", [(False, False), (True, False), (True, True), (False, True)])
