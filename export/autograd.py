@@ -12,6 +12,11 @@ backward receives (``saved``): the forward Program returns those too (e.g. ``lla
 Prep steps (weight layouts such as gate/up interleaving) run inside every forward and backward
 call: in training the weights change every step. They move weight-sized tensors once per call,
 which is small next to the GEMMs at training batch sizes.
+
+Mainloop configs are tuned on a GPU the first time each op meets a new set of input shapes
+(``tune``: ``"quick"`` — the four-candidate ``QUICK_SPACE``, the default; ``"full"`` — the whole
+Hopper space; ``"off"`` — the untuned default config). Winners are kept per shape in the op and in
+the tuning cache (``$CODA_CACHE_DIR/tuning.json``), so a later process starts tuned.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -33,6 +38,8 @@ from coda.primitives.types import torch_dtype
 
 _REGISTERED: dict[str, ExportedFunction] = {}
 
+Tuning = Literal["quick", "full", "off"]
+
 
 @dataclass
 class _Runner:
@@ -41,6 +48,8 @@ class _Runner:
     program: Program
     compiled: CompiledProgram | None = None
     names: list[str] = field(default_factory=list)
+    tune: Tuning = "quick"
+    tuned: dict[tuple, dict] = field(default_factory=dict)  # configs per input shapes and dtypes
 
     def __post_init__(self) -> None:
         self.names = list(self.program.inputs)
@@ -53,9 +62,24 @@ class _Runner:
         if self.compiled is None:
             sizes = bind_sizes(self.program, {n: tuple(t.shape) for n, t in inputs.items()})
             self.compiled = compile_program(self.program, analyze(self.program, sizes))
+        if self.tune != "off":
+            self._pin_configs(inputs)
         outs = self.compiled(inputs)
         # An op's outputs may not alias one another (views of one fused gradient would): copy views.
         return [_owned(outs[name]) for name in self.program.outputs]
+
+    def _pin_configs(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Pin the tuned configs of these shapes on the compiled Program (tuning them first if
+        they are new to this op and to the tuning cache)."""
+        from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
+
+        assert self.compiled is not None
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs.values())
+        if key not in self.tuned:
+            space = QUICK_SPACE if self.tune == "quick" else None
+            tune_program(self.compiled, self.compiled.prepare(inputs), space=space)
+            self.tuned[key] = dict(self.compiled.configs)
+        self.compiled.configs = dict(self.tuned[key])
 
     def fake(self, *args: torch.Tensor) -> list[torch.Tensor]:
         """Outputs with the right shapes and dtypes, allocated like ``args`` (meta / fake)."""
@@ -96,7 +120,7 @@ def _op_name(program: Program, kind: str) -> str:
     return f"{re.sub(r'[^0-9a-zA-Z_]', '_', program.block)}_{digest}_{kind}"
 
 
-def _custom_op(program: Program, kind: str) -> Any:
+def _custom_op(program: Program, kind: str) -> tuple[Any, _Runner]:
     """Register one Program as ``coda::<name>`` with a real and a fake implementation."""
     runner = _Runner(program)
     single = len(program.outputs) == 1
@@ -112,7 +136,7 @@ def _custom_op(program: Program, kind: str) -> Any:
     name = f"coda::{_op_name(program, kind)}"
     op = torch.library.custom_op(name, impl, mutates_args=(), schema=_schema(program))
     op.register_fake(fake)
-    return op
+    return op, runner
 
 
 @dataclass
@@ -132,6 +156,19 @@ class ExportedFunction:
     input_names: list[str]
     output_names: list[str]  # what a call returns
     saved_names: list[str] = field(default_factory=list)
+    runners: list[_Runner] = field(default_factory=list, repr=False)
+
+    @property
+    def tune(self) -> Tuning:
+        """How configs are tuned for new shapes on a GPU: ``quick``, ``full`` or ``off``."""
+        return self.runners[0].tune if self.runners else "off"
+
+    @tune.setter
+    def tune(self, mode: Tuning) -> None:
+        if mode not in ("quick", "full", "off"):
+            raise ValueError(f"tune must be 'quick', 'full' or 'off', not {mode!r}")
+        for runner in self.runners:
+            runner.tune = mode
 
     def __call__(self, *args: torch.Tensor) -> Any:
         outs = self.forward_op(*args)
@@ -143,8 +180,11 @@ class ExportedFunction:
         return kept[0] if len(kept) == 1 else kept
 
 
-def export_autograd(forward: Program, backward: Program, backward_block: Block) -> ExportedFunction:
-    """Register ``forward`` + ``backward`` as a differentiable custom op (once per Program pair).
+def export_autograd(
+    forward: Program, backward: Program, backward_block: Block, *, tune: Tuning = "quick"
+) -> ExportedFunction:
+    """Register ``forward`` + ``backward`` as a differentiable custom op (once per Program pair;
+    a second call returns the same function, with ``tune`` set as asked).
 
     ``backward_block`` is the block ``backward`` was verified against: its ``vjp`` op maps forward
     outputs to cotangent inputs (``cotangents``) and names the inputs that get gradients (``wrt``);
@@ -152,10 +192,14 @@ def export_autograd(forward: Program, backward: Program, backward_block: Block) 
     """
     key = _op_name(forward, "fwd") + _op_name(backward, "bwd")
     if key in _REGISTERED:
+        _REGISTERED[key].tune = tune
         return _REGISTERED[key]
     vjp = _vjp_of(backward_block)
     _check_pair(forward, backward, vjp)
-    fwd_op, bwd_op = _custom_op(forward, "fwd"), _custom_op(backward, "bwd")
+    (fwd_op, fwd_runner), (bwd_op, bwd_runner) = (
+        _custom_op(forward, "fwd"),
+        _custom_op(backward, "bwd"),
+    )
     fwd_inputs, fwd_outputs = list(forward.inputs), list(forward.outputs)
     grad_names = {
         p.key: p.out for p in backward_block.graph if isinstance(p, Pick) and p.src == vjp.out
@@ -192,8 +236,16 @@ def export_autograd(forward: Program, backward: Program, backward_block: Block) 
     fwd_op.register_autograd(backward_fn, setup_context=setup_context)
     user_outputs = [n for n in fwd_outputs if n not in saved_names]
     exported = ExportedFunction(
-        forward, backward, fwd_op, bwd_op, fwd_inputs, user_outputs, saved_names
+        forward,
+        backward,
+        fwd_op,
+        bwd_op,
+        fwd_inputs,
+        user_outputs,
+        saved_names,
+        [fwd_runner, bwd_runner],
     )
+    exported.tune = tune
     _REGISTERED[key] = exported
     return exported
 

@@ -21,7 +21,7 @@ from coda.blocks.llama import llama_mlp_family
 from coda.primitives.ir import Program
 from coda.sandbox import SandboxOptions, evaluate
 
-from .autograd import ExportedFunction, export_autograd
+from .autograd import ExportedFunction, Tuning, export_autograd
 
 
 class NotVerified(RuntimeError):
@@ -38,8 +38,9 @@ def verified_program(block: Block, options: LoweringOptions | None = None) -> Pr
     return program
 
 
-@lru_cache(maxsize=16)
-def llama_mlp_function(eps: float, *, verify: bool = True, saved: bool = True) -> ExportedFunction:
+def llama_mlp_function(
+    eps: float, *, verify: bool = True, saved: bool = True, tune: Tuning = "quick"
+) -> ExportedFunction:
     """``f(x, gamma, w_gate, w_up, w_down) -> out`` with autograd, for an RMSNorm epsilon.
 
     ``saved`` (default): the forward is ``llama_mlp_train``, which also stores the gate and up
@@ -47,7 +48,15 @@ def llama_mlp_function(eps: float, *, verify: bool = True, saved: bool = True) -
     otherwise the forward stores nothing extra and ``llama_mlp_bwd`` recomputes the gate/up GEMM
     (less memory, one more GEMM). The Programs come from the built-in planner; with ``verify``
     (default) each is first verified by the sandbox at the block's shape sets, once per process.
+    ``tune``: how mainloop configs are tuned for each new shape on a GPU (``export_autograd``).
     """
+    function = _llama_mlp_function(eps, verify, saved)
+    function.tune = tune
+    return function
+
+
+@lru_cache(maxsize=16)
+def _llama_mlp_function(eps: float, verify: bool, saved: bool) -> ExportedFunction:
     family = llama_mlp_family(eps)
     forward_block = family["train" if saved else "forward"]
     backward_block = family["backward_saved" if saved else "backward"]
@@ -75,10 +84,18 @@ class CodaLlamaMLPBlock(nn.Module):
     when the module is built (default; once per process and epsilon). ``saved``: keep the gate
     and up projections from the forward for the backward (default, CODA_MATH §7), or recompute
     them in the backward (two ``[tokens, intermediate]`` tensors less memory, one GEMM more).
+    ``tune``: mainloop configs tuned per new shape on a GPU — ``quick`` (default), ``full``,
+    ``off`` (``export_autograd``).
     """
 
     def __init__(
-        self, norm: nn.Module, mlp: nn.Module, *, verify: bool = True, saved: bool = True
+        self,
+        norm: nn.Module,
+        mlp: nn.Module,
+        *,
+        verify: bool = True,
+        saved: bool = True,
+        tune: Tuning = "quick",
     ) -> None:
         super().__init__()
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -89,7 +106,7 @@ class CodaLlamaMLPBlock(nn.Module):
         self.norm, self.mlp = norm, mlp
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         # Resolved here, not in forward: torch.compile then sees only the custom op.
-        self.function = llama_mlp_function(eps, verify=verify, saved=saved)
+        self.function = llama_mlp_function(eps, verify=verify, saved=saved, tune=tune)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = [

@@ -87,3 +87,25 @@ def test_drop_in_rejects_what_the_block_does_not_compute() -> None:
     block = CodaLlamaMLPBlock(norm, mlp, verify=False)
     with pytest.raises(TypeError, match="cast the modules to the activation dtype"):
         block(torch.randn(3, 48, dtype=torch.float64))
+
+
+def test_configs_are_tuned_once_per_new_shape_and_tuning_can_be_switched_off() -> None:
+    fn = llama_mlp_function(1e-5, verify=False)  # tune="quick"
+    norm, mlp = _hf_modules(seed=3)
+    weights = [norm.weight, *[p.weight for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]]
+    forward_runner = fn.runners[0]
+    forward_runner.tuned.clear()
+    with torch.no_grad():
+        fn(torch.randn(5, 48), *weights)
+        fn(torch.randn(5, 48), *weights)  # same shapes: no second tuning
+        assert len(forward_runner.tuned) == 1
+        fn(torch.randn(9, 48), *weights)
+        assert len(forward_runner.tuned) == 2
+        (configs,) = [c for k, c in forward_runner.tuned.items() if k[0][0] == (9, 48)]
+        assert set(configs) == {"gate_up", "down"}  # every fused gemm step has its config
+        fn.tune = "off"
+        fn(torch.randn(13, 48), *weights)
+        assert len(forward_runner.tuned) == 2
+    assert llama_mlp_function(1e-5, verify=False).tune == "quick"  # asking again sets it back
+    with pytest.raises(ValueError, match="tune must be 'quick', 'full' or 'off'"):
+        fn.tune = "fast"
