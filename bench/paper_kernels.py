@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tune",
         choices=["quick", "full", "none"],
         default="quick",
-        help="tune each kernel first (quick: 4 candidates; full: the whole space)",
+        help="tune each kernel first (quick: tuning.QUICK_SPACE; full: the whole space)",
     )
     return p.parse_args(argv)
 

@@ -14,7 +14,7 @@ call: in training the weights change every step. They move weight-sized tensors 
 which is small next to the GEMMs at training batch sizes.
 
 Mainloop configs are tuned on a GPU the first time each op meets a new set of input shapes
-(``tune``: ``"quick"`` — the four-candidate ``QUICK_SPACE``, the default; ``"full"`` — the whole
+(``tune``: ``"quick"`` — the five-candidate ``QUICK_SPACE``, the default; ``"full"`` — the whole
 Hopper space; ``"off"`` — the untuned default config). Winners are kept per shape in the op and in
 the tuning cache (``$CODA_CACHE_DIR/tuning.json``), so a later process starts tuned.
 """

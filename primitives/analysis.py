@@ -31,7 +31,7 @@ class GemmInfo:
     writes: dict[str, TensorInfo]  # tensors this kernel creates
     accumulates: set[str]  # existing tensors it adds into
     vendor: bool  # plain store: runs on torch.matmul (cuBLAS on a GPU)
-    reduces_tile: bool = False  # an op reduces across the tile: epilogue_subtiles must be 1
+    reduces_tile: bool = False  # an op reduces across the tile: split-accumulator kernels
 
 
 @dataclass
@@ -126,12 +126,6 @@ def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> G
             "the epilogue writes nothing", hint="end it with store(...) or partial_reduce(...)"
         )
     reduces = [op.op for op in step.epilogue if op.reduces_tile]
-    if reduces and step.config != "auto" and step.config.epilogue_subtiles > 1:
-        raise ProgramError(
-            f"config.epilogue_subtiles={step.config.epilogue_subtiles} with {reduces[0]} in the "
-            "epilogue: ops that reduce across the tile need the whole tile in one epilogue call",
-            hint="use epilogue_subtiles=1 for this step",
-        )
     return GemmInfo(
         name,
         index,

@@ -156,6 +156,7 @@ class CompiledProgram:
             NUM_SMS=grid[0],
             INPUT_PRECISION=precision,
             EPILOGUE_SUBTILES=cfg.epilogue_subtiles,
+            EPI_N=cfg.epilogue_block_n,
             FLATTEN=cfg.flatten,
             WARP_SPECIALIZE=cfg.warp_specialize,
             num_warps=cfg.num_warps,
@@ -257,6 +258,7 @@ def _param_value(
             "BLOCK_SIZE_M": cfg.block_m,
             "BLOCK_SIZE_N": cfg.block_n,
             "BLOCK_SIZE_K": cfg.block_k,
+            "EPI_N": cfg.epilogue_block_n,  # one column slice (split-accumulator kernels)
         }
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [blocks[b] for b in p.block])
     if p.kind == "shape":

@@ -253,7 +253,8 @@ class EmitContext:
 
         ``axis="row"``: one value per row, into column ``start_n // EPI_N`` (this sub-tile's) of
         ``[M, ⌈N/EPI_N⌉]``; ``axis="col"``: one value per column, into column ``pid_m`` of
-        ``[W, ⌈M/BLOCK_SIZE_M⌉]``.
+        ``[W, ⌈M/BLOCK_SIZE_M⌉]``. A sub-tile wholly past the last column (the second half of a
+        ragged last tile) has no slot and stores nothing.
         """
         self.rows()
         if axis == "row":
@@ -265,4 +266,5 @@ class EmitContext:
             f"{self.pointer(tensor)} + {index} * {self.stride(tensor, 0, 'm')}"
             f" + {slot} * {self.stride(tensor, 1, 'n')}"
         )
-        self.line(f"tl.store({ptrs}, {values}, mask={mask})")
+        store = f"tl.store({ptrs}, {values}, mask={mask})"
+        self.line(f"if start_n < N:\n    {store}" if axis == "row" else store)

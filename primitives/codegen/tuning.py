@@ -41,15 +41,17 @@ _HOPPER_SPACE = [
     (128, 128, 64, 4, 4, 2, False, False),
     (128, 128, 128, 8, 3, 2, False, False),
     (64, 256, 64, 4, 4, 2, False, False),
-    # narrow tiles for register-heavy epilogues that must run on the whole tile (reductions)
+    # narrow tiles for register-heavy epilogues
     (128, 64, 64, 4, 4, 1, False, False),
     (64, 128, 64, 4, 4, 1, False, False),
 ]
 
-# A small space for sweeps over many kernels (bench/paper_kernels.py): the leaders of the first
-# H200 sweep plus the narrow tiles.
+# A small space for sweeps over many kernels (bench/paper_kernels.py) and first calls of exported
+# ops: the leaders of the first H200 sweep, 64-column epilogue slices for heavy (reducing)
+# epilogues, and the narrow tiles.
 QUICK_SPACE = [
     (128, 256, 64, 8, 3, 2, False, False),
+    (128, 256, 64, 8, 3, 4, False, False),
     (128, 128, 64, 8, 4, 2, True, False),
     (128, 64, 64, 4, 4, 1, False, False),
     (64, 128, 64, 4, 4, 1, False, False),
@@ -69,18 +71,12 @@ def candidate_configs(
     itemsize: int,
     interpret: bool,
     space: list[tuple] | None = None,
-    whole_tile_epilogue: bool = False,
 ) -> list[MainloopConfig]:
-    """The configs worth timing for one gemm of these sizes.
-
-    ``whole_tile_epilogue``: the epilogue reduces across the tile, so it cannot be sub-tiled (see
-    ``EpilogueOp.reduces_tile``); sub-tiled candidates are run with one sub-tile instead.
-    """
+    """The configs worth timing for one gemm of these sizes."""
     if interpret:
         return [INTERPRETER_DEFAULT]
     out = []
     for bm, bn, bk, warps, stages, subtiles, flatten, ws in space or _HOPPER_SPACE:
-        subtiles = 1 if whole_tile_epilogue else subtiles
         cfg = MainloopConfig(
             block_m=bm,
             block_n=bn,
@@ -265,7 +261,6 @@ def tune_program(
                 itemsize=dtype.itemsize,
                 interpret=False,
                 space=space,
-                whole_tile_epilogue=gemm.reduces_tile,
             ),
             warmup,
             rep,

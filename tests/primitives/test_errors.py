@@ -140,15 +140,6 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], list[str]]] = {
         lambda d: gemm(d, "down").update(config={"block_m": 96}),
         ["steps.2.gemm.config", "block_m", "power of two between 16 and 256"],
     ),
-    "sub-tiled epilogue with a reduction": (
-        lambda d: (
-            gemm(d, "down")["epilogue"].append(
-                {"op": "partial_reduce", "src": "acc", "kind": "sumsq", "to": "s2"}
-            ),
-            gemm(d, "down").update(config={"epilogue_subtiles": 2}),
-        ),
-        ["config.epilogue_subtiles=2 with partial_reduce", "use epilogue_subtiles=1"],
-    ),
     "duplicate step names": (
         lambda d: gemm(d, "down").update(name="gate_up"),
         ["step names must be unique; repeated: gate_up"],

@@ -508,10 +508,24 @@ def test_transposed_operands(a_t: bool, b_t: bool, dtype: torch.dtype) -> None:
 def test_explicit_configs(config: dict[str, int]) -> None:
     _run_case(CASES["swiglu"], SIZES[0], torch.float32, config=config)
     _run_case(HALF_SPACE_CASES["add_tile"], SIZES[0], torch.float16, config=config)
-    whole = {**config, "epilogue_subtiles": 1}  # reductions need the whole tile
-    _run_case(EXTRA_CASES["partial_reduce[sumsq,row]"], SIZES[0], torch.float32, config=whole)
-    _run_case(EXTRA_CASES["partial_reduce[max,col]"], SIZES[0], torch.float32, config=whole)
-    _run_case(HALF_SPACE_CASES["partial_reduce"], SIZES[0], torch.float16, config=whole)
+    # reductions run with the same sub-tiles, as split accumulators (codegen/kernel.py)
+    _run_case(EXTRA_CASES["partial_reduce[sumsq,row]"], SIZES[0], torch.float32, config=config)
+    _run_case(EXTRA_CASES["partial_reduce[max,col]"], SIZES[0], torch.float32, config=config)
+    _run_case(HALF_SPACE_CASES["partial_reduce"], SIZES[0], torch.float16, config=config)
+
+
+REDUCING = sorted(n for n in ALL_CASES if "partial_reduce" in n or n == "select_column")
+
+
+@pytest.mark.parametrize("mainloop", ["tma", "pointer"])
+@pytest.mark.parametrize("subtiles", [2, 4])
+@pytest.mark.parametrize("name", REDUCING)
+def test_reductions_over_split_accumulators(name: str, subtiles: int, mainloop: str) -> None:
+    """Epilogues that reduce keep one accumulator per column slice: partials per slice, a
+    target column found in whichever slice holds it, on both mainloops and ragged edges."""
+    config = {"block_m": 32, "block_n": 64, "block_k": 16, "epilogue_subtiles": subtiles}
+    sizes = {"M": 37, "N": 150, "K": 32}  # ragged M, N; TMA-describable rows
+    _run_case(ALL_CASES[name], sizes, torch.float32, config=config, mainloop=mainloop)
 
 
 # Both mainloops on shapes whose operands TMA can describe (16-byte aligned rows), including
