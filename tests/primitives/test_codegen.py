@@ -135,3 +135,13 @@ def test_gpu_tuning_space_is_well_formed() -> None:
     assert any(c.warp_specialize for c in configs) and any(c.flatten for c in configs)
     small = candidate_configs(8, 64, 64, itemsize=2, interpret=False)
     assert all(c.block_m <= 128 for c in small)
+
+
+def test_split_accumulator_candidates_are_neither_flattened_nor_warp_specialized() -> None:
+    from coda.primitives.codegen.tuning import candidate_configs
+
+    configs = candidate_configs(
+        16384, 16384, 2048, itemsize=2, interpret=False, split_accumulators=True
+    )
+    assert configs and not any(c.flatten or c.warp_specialize for c in configs)
+    assert any(c.epilogue_subtiles > 1 for c in configs)  # reductions may be sub-tiled now
