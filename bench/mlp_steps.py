@@ -1,0 +1,167 @@
+"""Where the time of ``llama_mlp`` forward+backward goes: every step of the two exported Programs.
+
+For ``llama_mlp_train`` (forward, saving g and u) and ``llama_mlp_bwd_saved`` (backward) at
+M = 16384 tokens, d = 2048 / 4096, after tuning (``--tune quick|full|none``): the prep (weight
+layouts), each aux step, and each gemm step timed alone on the tensors of a full run; each gemm
+step next to the cuBLAS GEMM of its shape (interleaved rounds), with its config, mainloop and the
+compiled kernel's registers and spills. The rows add up to the Program's time less launch gaps.
+
+    python3 bench/mlp_steps.py [--out DIR] [--sizes 2048,4096] [--tune quick]
+    python3 bench/mlp_steps.py --dry-run   # CPU, toy sizes, interpreter: checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SIZES = {2048: {"M": 16384, "d": 2048, "f": 8192}, 4096: {"M": 16384, "d": 4096, "f": 14336}}
+PROGRAMS = ["llama_mlp_train", "llama_mlp_bwd_saved"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench/out", help="results folder")
+    p.add_argument("--sizes", default="2048,4096", help="hidden sizes d (f follows Llama)")
+    p.add_argument("--tune", choices=["quick", "full", "none"], default="quick")
+    p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: checks the script only")
+    return p.parse_args(argv)
+
+
+def _timer(dry_run: bool) -> Callable[[dict[str, Callable[[], Any]]], dict[str, float]]:
+    if dry_run:
+        import time
+
+        def wall(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+            out = {}
+            for name, fn in fns.items():
+                fn()
+                start = time.perf_counter()
+                fn()
+                out[name] = (time.perf_counter() - start) * 1e3
+            return out
+
+        return wall
+    from coda.primitives.timing import interleaved_ms
+
+    return lambda fns: interleaved_ms(fns, rounds=2, warmup=10, rep=50)
+
+
+def step_rows(block_name: str, sizes: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from coda.agent.planner import lower
+    from coda.blocks import get_block
+    from coda.primitives import analyze, compile_program
+    from coda.primitives.base import RunEnv
+    from coda.primitives.ir import GemmEpilogue
+
+    device, dtype = ("cpu", torch.float32) if args.dry_run else ("cuda", torch.bfloat16)
+    block = get_block(block_name)
+    program = lower(block)
+    inputs = block.make_inputs(sizes, dtype, seed=0, device=device)
+    compiled = compile_program(program, analyze(program, sizes))
+    prepared = compiled.prepare(inputs)
+    if args.tune != "none":
+        from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
+
+        tune_program(compiled, prepared, space=QUICK_SPACE if args.tune == "quick" else None)
+    tensors = compiled.run(prepared)
+    info = compiled.info_for(inputs)
+    time = _timer(args.dry_run)
+    rows: list[dict[str, Any]] = []
+    whole = time({"program": lambda: compiled(inputs), "prep": lambda: compiled.prepare(inputs)})
+    rows.append({"step": "(prep)", "kind": "prep", "ms": whole["prep"]})
+    env = RunEnv(tensors, info.tensors, sizes=info.sizes)
+    for step, name in zip(program.steps, program.step_names(), strict=True):
+        if not isinstance(step, GemmEpilogue):
+            ms = time({"aux": lambda step=step: step.launch(env)})["aux"]
+            rows.append({"step": name, "kind": step.kind, "ms": ms})
+            continue
+        g = info.gemms[name]
+        a = torch.randn((g.M, g.K), device=device, dtype=dtype)
+        b = torch.randn((g.K, g.N), device=device, dtype=dtype)
+        ms = time(
+            {
+                "step": lambda name=name: compiled.run_gemm_step(name, tensors),
+                "cublas": lambda a=a, b=b: torch.matmul(a, b),
+            }
+        )
+        cfg = compiled.config_for(name, g)
+        rows.append(
+            {
+                "step": name,
+                "kind": "vendor gemm" if g.vendor else "fused gemm",
+                "M": g.M,
+                "N": g.N,
+                "K": g.K,
+                "ms": ms["step"],
+                "cublas_ms": ms["cublas"],
+                "over_cublas": ms["step"] / ms["cublas"],
+                "config": None if g.vendor else cfg.model_dump(),
+                "mainloop": compiled.mainloops_used.get(name),
+                "kernel_stats": compiled.kernel_stats.get(name),
+            }
+        )
+    return {"program": block_name, "sizes": sizes, "program_ms": whole["program"], "steps": rows}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| program | d | step | kind | M×N×K | ms | cuBLAS ms | / cuBLAS | tile, sub-tiles | "
+        "regs / spills |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        d = r["sizes"]["d"]
+        for s in r["steps"]:
+            shape = f"{s['M']}×{s['N']}×{s['K']}" if "M" in s else ""
+            cfg, stats = s.get("config"), s.get("kernel_stats")
+            tile = f"{cfg['block_m']}×{cfg['block_n']}, {cfg['epilogue_subtiles']}" if cfg else ""
+            regs = f"{stats['registers']} / {stats['spills']}" if stats else ""
+            cub, ratio = s.get("cublas_ms"), s.get("over_cublas")
+            cub_text = "" if cub is None else f"{cub:.3f}"
+            ratio_text = "" if ratio is None else f"{ratio:.2f}×"
+            lines.append(
+                f"| {r['program']} | {d} | {s['step']} | {s['kind']} | {shape} | {s['ms']:.3f} | "
+                f"{cub_text} | {ratio_text} | {tile} | {regs} |"
+            )
+        lines.append(f"| {r['program']} | {d} | **whole** | | | {r['program_ms']:.3f} | | | | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench/mlp_steps.py needs a CUDA GPU (or --dry-run on a CPU)", file=sys.stderr)
+        return 2
+    import coda.primitives  # noqa: F401  (before triton: selects the interpreter in a dry run)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    size_sets = (
+        [{"M": 64, "d": 32, "f": 48}]
+        if args.dry_run
+        else [SIZES[int(d)] for d in args.sizes.split(",")]
+    )
+    for sizes in size_sets:
+        for name in PROGRAMS:
+            print(f"  {name} {sizes} ...", flush=True)
+            results.append(step_rows(name, sizes, args))
+            (out / "mlp_steps.json").write_text(json.dumps(results, indent=2))
+    text = table(results)
+    (out / "mlp_steps.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
