@@ -1,6 +1,6 @@
 """Where the time of ``llama_mlp`` forward+backward goes: every step of the two exported Programs.
 
-For ``llama_mlp_train`` (forward, saving g and u) and ``llama_mlp_bwd_saved`` (backward) at
+For ``llama_mlp_train`` (forward, saving g, u and a) and ``llama_mlp_bwd_saved`` (backward) at
 M = 16384 tokens, d = 2048 / 4096, after tuning (``--tune quick|full|none``): the prep (weight
 layouts), each aux step, and each gemm step timed alone on the tensors of a full run; each gemm
 step next to the cuBLAS GEMM of its shape (interleaved rounds), with its config, mainloop and the

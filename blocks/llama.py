@@ -223,18 +223,21 @@ MLP_COTANGENT = {"out": TensorSpec(shape=["M", "d"], doc="gradient of out")}
 MLP_SAVED = {
     "g": TensorSpec(shape=["M", "f"], doc="gate_proj(h), saved by the forward pass"),
     "u": TensorSpec(shape=["M", "f"], doc="up_proj(h), saved by the forward pass"),
+    "a": TensorSpec(shape=["M", "f"], doc="silu(g) * u, saved by the forward pass"),
 }
 
 
 def _mlp_training_pair(forward: Block, name: str) -> tuple[Block, Block]:
-    """``<name>_train`` (the forward that also returns g and u) and ``<name>_bwd_saved`` (the
-    backward that receives them instead of recomputing the gate/up GEMM)."""
+    """``<name>_train`` (the forward that also returns g, u and a = silu(g)·u) and
+    ``<name>_bwd_saved`` (the backward that receives them instead of recomputing the gate/up GEMM
+    and a — what eager PyTorch's autograd keeps too)."""
     train = forward.model_copy(
         update={
             "name": f"{name}_train",
             "description": forward.description
-            + " Training forward: also returns g = gate(h) and u = up(h) for the backward.",
-            "outputs": ["out", "g", "u"],
+            + " Training forward: also returns g = gate(h), u = up(h) and a = silu(g) * u for"
+            " the backward.",
+            "outputs": ["out", "g", "u", "a"],
         }
     )
     saved = backward_block(
@@ -252,7 +255,7 @@ llama_mlp_train, llama_mlp_bwd_saved = _mlp_training_pair(llama_mlp, "llama_mlp"
 
 def llama_mlp_family(eps: float) -> dict[str, Block]:
     """The llama_mlp blocks for an RMSNorm epsilon: ``forward``, ``backward`` (gets the forward
-    inputs), ``train`` (forward that also returns g and u) and ``backward_saved`` (gets them).
+    inputs), ``train`` (forward that also returns g, u, a) and ``backward_saved`` (gets them).
 
     Llama 3 uses eps = 1e-5: the built-in ``llama_mlp``, ``llama_mlp_bwd``, ``llama_mlp_train``,
     ``llama_mlp_bwd_saved``. Another value (Hugging Face's ``LlamaConfig`` defaults to 1e-6)

@@ -43,8 +43,9 @@ def llama_mlp_function(
 ) -> ExportedFunction:
     """``f(x, gamma, w_gate, w_up, w_down) -> out`` with autograd, for an RMSNorm epsilon.
 
-    ``saved`` (default): the forward is ``llama_mlp_train``, which also stores the gate and up
-    projections, and the backward ``llama_mlp_bwd_saved`` uses them (CODA_MATH §7's schedule);
+    ``saved`` (default): the forward is ``llama_mlp_train``, which also keeps the gate and up
+    projections and the SwiGLU output, and the backward ``llama_mlp_bwd_saved`` uses them
+    (CODA_MATH §7's schedule);
     otherwise the forward stores nothing extra and ``llama_mlp_bwd`` recomputes the gate/up GEMM
     (less memory, one more GEMM). The Programs come from the built-in planner; with ``verify``
     (default) each is first verified by the sandbox at the block's shape sets, once per process.
@@ -82,8 +83,9 @@ class CodaLlamaMLPBlock(nn.Module):
     submodules (parameters shared). ``x`` is ``[..., hidden]``; all parameters must have ``x``'s
     dtype (Programs use one activation dtype). ``verify``: verify the Programs in the sandbox
     when the module is built (default; once per process and epsilon). ``saved``: keep the gate
-    and up projections from the forward for the backward (default, CODA_MATH §7), or recompute
-    them in the backward (two ``[tokens, intermediate]`` tensors less memory, one GEMM more).
+    and up projections and the SwiGLU output from the forward for the backward (default,
+    CODA_MATH §7), or recompute them in the backward (three ``[tokens, intermediate]`` tensors
+    less memory, one GEMM more).
     ``tune``: mainloop configs tuned per new shape on a GPU — ``quick`` (default), ``full``,
     ``off`` (``export_autograd``).
     """

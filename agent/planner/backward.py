@@ -229,7 +229,10 @@ class _Backward:
         w_gu = self.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
         if {gate.out, up.out} <= set(self.op.saved):
             r = self.rstd(norm)
-            dz, a, partials = self.swiglu_backward_saved(dout, down.weight, gate.out, up.out)
+            a_saved = glu.out if glu.out in self.op.saved else None
+            dz, a, partials = self.swiglu_backward_saved(
+                dout, down.weight, gate.out, up.out, a_saved
+            )
         else:
             r, dz, a, partials = self.swiglu_backward_recomputed(norm, w_gu, dout, down.weight)
         c = self.statistic(partials, norm)
@@ -240,10 +243,18 @@ class _Backward:
         self.output(gate.weight, {"tensor": dw_gu, "dim": 0, "step": 2})
         self.output(up.weight, {"tensor": dw_gu, "dim": 0, "start": "1", "step": 2})
 
-    def swiglu_backward_saved(self, dout: str, w_down: str, g: str, u: str) -> tuple[str, str, str]:
+    def swiglu_backward_saved(
+        self, dout: str, w_down: str, g: str, u: str, a_saved: str | None = None
+    ) -> tuple[str, str, str]:
         """da = dout W_down with SwiGLU's backward next to the saved g and u (N wide each):
-        dz = [dg, du] interleaved, a recomputed, partial Σ (g·dg + u·du)."""
-        dz, a, partials = self.name("dz"), self.name("a"), self.name("zdz_partials")
+        dz = [dg, du] interleaved, partial Σ (g·dg + u·du), and a = silu(g)·u recomputed for the
+        down projection's weight gradient — unless the forward saved it too (``a_saved``)."""
+        dz, partials = self.name("dz"), self.name("zdz_partials")
+        a = a_saved or self.name("a")
+        recompute_a = [
+            {"op": "map", "expr": "silu(g_tile) * u_tile", "out": a},
+            {"op": "store", "src": a, "to": a},
+        ]
         self.gemm(
             "down_bwd",
             dout,
@@ -259,11 +270,10 @@ class _Backward:
                 },
                 {"op": "map", "expr": "acc * silu(g_tile)", "out": "du"},
                 {"op": "join_pairs", "first": "dg", "second": "du", "out": dz},
-                {"op": "map", "expr": "silu(g_tile) * u_tile", "out": a},
                 {"op": "map", "expr": "g_tile * dg + u_tile * du", "out": "zdz_terms"},
                 {"op": "partial_reduce", "src": "zdz_terms", "kind": "sum", "to": partials},
                 {"op": "store", "src": dz, "to": dz},
-                {"op": "store", "src": a, "to": a},
+                *([] if a_saved else recompute_a),
             ],
         )
         return dz, a, partials

@@ -247,9 +247,9 @@ def test_llama_mlp_epsilon_variants_resolve_by_name() -> None:
 
 
 def test_saved_inputs_are_the_forward_values() -> None:
-    # llama_mlp_bwd_saved receives g and u: drawn consistently with x and the weights
+    # llama_mlp_bwd_saved receives g, u and a: drawn consistently with x and the weights
     block = get_block("llama_mlp_bwd_saved")
     inputs = block.make_inputs(block.shapes.cpu[1], torch.float64, seed=3)
     values = get_block("llama_mlp").values({n: inputs[n] for n in get_block("llama_mlp").inputs})
-    assert torch.equal(inputs["g"], values["g"]) and torch.equal(inputs["u"], values["u"])
-    assert "g, u: saved by the forward pass" in block.reference_source()
+    assert all(torch.equal(inputs[n], values[n]) for n in ("g", "u", "a"))
+    assert "g, u, a: saved by the forward pass" in block.reference_source()
