@@ -317,3 +317,19 @@ def test_size_expressions_are_whitelisted() -> None:
         Program.parse(_rope_program(rotary_cols="len(N)"))
     with pytest.raises(ProgramError, match="not valid syntax"):
         Program.parse(_rope_program(rotary_cols="N +"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fold_norm_weight_in_16_bits_is_the_fp32_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    """The one-pass 16-bit fold (every training step) rounds exactly like fp32-then-round."""
+    from coda.primitives.base import RunEnv
+    from coda.primitives.prep.layout import FoldNormWeight
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(67, 131, generator=gen) * 3).to(dtype)
+    gamma = (torch.randn(131, generator=gen) * torch.logspace(-3, 3, 131)).to(dtype)
+    step = FoldNormWeight(weight="w", gamma="gamma", out="wg")
+    env = RunEnv({"w": w, "gamma": gamma}, {})
+    step.apply(env)
+    want = (w.float() * gamma.float()[None, :]).to(dtype)
+    assert env.tensors["wg"].dtype == dtype and torch.equal(env.tensors["wg"], want)
