@@ -13,6 +13,7 @@ from coda.blocks import get_block
 from coda.export import CodaLlamaMLPBlock
 from coda.sandbox import check_output
 
+pytestmark = pytest.mark.cpu_capable
 transformers = pytest.importorskip("transformers")
 DEVICE = os.environ.get("CODA_TEST_DEVICE", "cuda")
 DTYPE = getattr(torch, os.environ.get("CODA_TEST_DTYPE", "bfloat16"))
@@ -53,7 +54,8 @@ def test_drop_in_matches_hugging_face_in_bf16() -> None:
     norm, mlp = norm.to(DTYPE), mlp.to(DTYPE)
     params = [norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
     hf = _run(lambda t: t + mlp(norm(t)), params, x.to(DTYPE), dout.to(DTYPE))
-    block = CodaLlamaMLPBlock(norm, mlp)
+    # the Programs' verification is tests/gpu/test_blocks_gpu.py's job; the ops tune on first use
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False, tune="quick")
     coda = _run(block, params, x.to(DTYPE), dout.to(DTYPE))
     tol = get_block("llama_mlp").tolerance
     for name, got, want, theirs in zip(
@@ -67,7 +69,7 @@ def test_torch_compile_fullgraph_around_the_custom_ops() -> None:
     hidden, tokens = (48, 21) if TOY else (512, 1000)
     norm, mlp = _hf_modules(hidden=hidden, inter=80 if TOY else 1408)
     norm, mlp = norm.to(DTYPE), mlp.to(DTYPE)
-    block = CodaLlamaMLPBlock(norm, mlp, verify=False)
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False, tune="off")
     params = [norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
     x = torch.randn(tokens, hidden, device=DEVICE, dtype=DTYPE)
     dout = torch.randn(tokens, hidden, device=DEVICE, dtype=DTYPE)
