@@ -54,19 +54,28 @@ def _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexp
     return pid_m, pid_n
 """
 
-# The persistent tile loop shared by both mainloops; {loads} fills the K loop's body.
-_TILE_LOOP = """\
+# Every kernel starts alike: the tile grid, then (after {setup}) the persistent walk over tiles.
+_GRID = """\
 start_pid = tl.program_id(axis=0)
 num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
 num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
 k_tiles = tl.cdiv(K, BLOCK_SIZE_K)
 num_tiles = num_pid_m * num_pid_n
 num_pid_in_group = GROUP_SIZE_M * num_pid_n
+"""
+_WALK = """\
 {setup}
 # Persistent: each program walks output tiles start_pid, start_pid + NUM_SMS, ...
 for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN,
                        warp_specialize=WARP_SPECIALIZE):
     pid_m, pid_n = _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
+"""
+
+# The persistent tile loop shared by both mainloops; {loads} fills the K loop's body.
+_TILE_LOOP = (
+    _GRID
+    + _WALK
+    + """\
     # --- mainloop: accumulator = A[rows of the tile, :] @ B[:, columns of the tile], fp32 ---
 {tile_setup}
     accumulator = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
@@ -77,23 +86,18 @@ for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN,
     # --- epilogue ---
     {epilogue_tile}(accumulator, pid_m, pid_n, {epilogue_args}, {tile_meta})
 """
+)
 
 # The persistent tile loop with one accumulator per column slice (epilogues that reduce).
-_SPLIT_TILE_LOOP = """\
-start_pid = tl.program_id(axis=0)
-num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
-num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
-k_tiles = tl.cdiv(K, BLOCK_SIZE_K)
-num_tiles = num_pid_m * num_pid_n
-num_pid_in_group = GROUP_SIZE_M * num_pid_n
+_SPLIT_TILE_LOOP = (
+    _GRID
+    + """\
 tl.static_assert(EPI_N * EPILOGUE_SUBTILES == BLOCK_SIZE_N, "EPI_N = BLOCK_SIZE_N // SUBTILES")
 tl.static_assert(EPILOGUE_SUBTILES == 1 or EPILOGUE_SUBTILES == 2 or EPILOGUE_SUBTILES == 4,
                  "EPILOGUE_SUBTILES must be 1, 2 or 4")
-{setup}
-# Persistent: each program walks output tiles start_pid, start_pid + NUM_SMS, ...
-for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN,
-                       warp_specialize=WARP_SPECIALIZE):
-    pid_m, pid_n = _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
+"""
+    + _WALK
+    + """\
     # --- mainloop: accumulator j = A[rows of the tile, :] @ B[:, column slice j of the tile],
     # fp32, one per EPI_N columns: the epilogue reduces over columns, and reductions of tl.split
     # sub-tiles miscompile, so the slices are kept apart from the start
@@ -106,6 +110,7 @@ for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN,
     start_n = pid_n * BLOCK_SIZE_N
 {epilogues}
 """
+)
 
 _META = [
     "BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,",

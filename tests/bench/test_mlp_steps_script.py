@@ -3,22 +3,17 @@ writes the breakdown; without a GPU (and no --dry-run) it refuses."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "mlp_steps.py"
+from tests.bench import load_script
 
 
 def _script():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("mlp_steps", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("mlp_steps")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the no-GPU message")

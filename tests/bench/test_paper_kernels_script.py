@@ -3,22 +3,17 @@ code path the GPU run takes — correctness checks, baselines, tables, result fi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "paper_kernels.py"
+from tests.bench import load_script
 
 
 def _script():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("paper_kernels", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("paper_kernels")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the no-GPU message")
