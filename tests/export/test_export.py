@@ -109,3 +109,36 @@ def test_configs_are_tuned_once_per_new_shape_and_tuning_can_be_switched_off() -
     assert llama_mlp_function(1e-5, verify=False).tune == "quick"  # asking again sets it back
     with pytest.raises(ValueError, match="tune must be 'quick', 'full' or 'off'"):
         fn.tune = "fast"
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["saved", "recompute"])
+def test_training_steps_follow_hugging_face(saved: bool) -> None:
+    """A few SGD steps through the drop-in: weights change every step (prep runs per call, the
+    saved g, u, a belong to that step) and land where the original modules' steps land."""
+    import copy
+
+    from torch import nn
+
+    norm, mlp = _hf_modules(seed=4)
+    reference = nn.ModuleDict({"norm": norm, "mlp": mlp})
+    coda = copy.deepcopy(reference)
+    block = CodaLlamaMLPBlock(coda["norm"], coda["mlp"], verify=False, saved=saved)
+    runs = {
+        "hf": (reference, lambda t: t + reference["mlp"](reference["norm"](t))),
+        "coda": (coda, block),
+    }
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randn(2, 9, 48, generator=gen) for _ in range(3)]
+    losses: dict[str, list[float]] = {"hf": [], "coda": []}
+    for name, (modules, forward) in runs.items():
+        opt = torch.optim.SGD(modules.parameters(), lr=0.5)
+        for x in batches:
+            opt.zero_grad()
+            loss = forward(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    torch.testing.assert_close(losses["coda"], losses["hf"], atol=1e-5, rtol=1e-5)
+    assert losses["hf"][0] != losses["hf"][-1]  # the steps moved the weights
+    for (n, want), got in zip(reference.named_parameters(), coda.parameters(), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=n)
