@@ -72,8 +72,11 @@ def profile_shape(
     """Time the program and its baselines (plus ``extra`` ones, e.g. Liger), interleaved."""
     inputs = block.make_inputs(sizes, dtype, seed=0, device="cuda")
     prepared = compiled.prepare(inputs)
+    rejected: dict[str, list[str]] = {}
     if tune:
-        tune_program(compiled, prepared)
+        for name, result in tune_program(compiled, prepared).items():
+            if result.rejected:
+                rejected[name] = [f"{c.model_dump()}: {why}" for c, why in result.rejected]
     errors = _check_at_shape(compiled, block, inputs, prepared)
     n = rotation_count(_nbytes(inputs), torch.device("cuda"))
     sets = [inputs] + [block.make_inputs(sizes, dtype, seed=s, device="cuda") for s in range(1, n)]
@@ -104,6 +107,7 @@ def profile_shape(
         mainloops=dict(compiled.mainloops_used),
         kernel_stats=dict(compiled.kernel_stats),
         input_sets=n,
+        tuning_rejected=rejected,
         **errors,
     )
 

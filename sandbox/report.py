@@ -70,6 +70,8 @@ class ProfileRow(BaseModel):
     eager_rel_err: float | None = None  # eager PyTorch in the same dtype vs the same reference
     baselines_ms: dict[str, float] = {}  # further baselines timed in the same rounds (e.g. Liger)
     kernel_stats: dict[str, dict[str, int]] = {}  # step -> registers, spills, shared_bytes
+    # configs tuning found fastest but rejected for wrong results: step -> "config: what differed"
+    tuning_rejected: dict[str, list[str]] = {}
 
     @property
     def ratio_to_gemms(self) -> float:
@@ -163,6 +165,8 @@ class Report(BaseModel):
                 f"GEMMs alone {r.gemms_ms:.3f} (×{r.ratio_to_gemms:.3f}), eager {eager}, "
                 f"torch.compile {comp}"
             )
+            for step, reasons in r.tuning_rejected.items():
+                lines += [f"    tuning rejected for {step} (wrong results): {w}" for w in reasons]
         return lines
 
     def render_compact(self, max_checks: int = 6) -> str:

@@ -6,6 +6,11 @@ timing). Each surviving candidate is timed on the real tensors with ``triton.tes
 (median, L2 flushed); one that fails to compile is recorded with its error and skipped. The
 winner is pinned on the ``CompiledProgram``, cached in memory and in ``$CODA_CACHE_DIR/tuning.json``
 under a key of (kernel source digest, device, M, N, K, dtype), and returned so reports show it.
+
+A winner is used only if its results are right: the tuned program's tensors are compared with the
+reference executor's (PyTorch, kernel precision, the same tiles), and a step whose tensors differ
+falls back to its next fastest candidate (the default config last). Triton has miscompiled whole
+configs — reductions of ``tl.split`` sub-tiles on an H200 — and a fast wrong kernel must never win.
 """
 
 from __future__ import annotations
@@ -121,6 +126,82 @@ class TuningResult:
     ms: float | None
     cached: bool
     trials: list[Trial] = field(default_factory=list)
+    # configs that were fastest but computed wrong results, with what was wrong
+    rejected: list[tuple[MainloopConfig, str]] = field(default_factory=list)
+
+
+# How far a tuned kernel's tensor may be from the reference executor's at kernel precision, as a
+# fraction of the tensor's largest magnitude: rounding and summation order stay far below this,
+# a miscompiled config is off by the order of the values themselves.
+_CHECK_TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def wrong_steps(compiled, prepared: dict[str, torch.Tensor]) -> dict[str, str]:  # noqa: ANN001
+    """Fused gemm steps of ``compiled`` (with its pinned configs) whose tensors differ from the
+    reference executor's, as ``{step: what differs}``."""
+    from ..reference import execute_reference
+
+    inputs = {n: prepared[n] for n in compiled.program.inputs}
+    info = compiled.info_for(inputs)
+    got = compiled.run(prepared)
+    want = execute_reference(
+        compiled.program, inputs, info=info, configs=compiled.configs_for(info)
+    )
+    wrong: dict[str, str] = {}
+    for name, t in info.tensors.items():
+        if t.producer in compiled.kernels and t.producer not in wrong:
+            why = _mismatch(got[name], want[name])
+            if why:
+                wrong[t.producer] = f"{name}: {why}"
+    return wrong
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)}, the reference's {tuple(want.shape)}"
+    tol = _CHECK_TOL.get(got.dtype, _CHECK_TOL[torch.float32])
+    got, want = got.float(), want.float()
+    finite = torch.isfinite(want)
+    if not torch.equal(torch.isfinite(got), finite):
+        return "non-finite values where the reference has finite ones, or the reverse"
+    if not finite.any():
+        return ""
+    scale = float(want[finite].abs().max())
+    err = float((got - want)[finite].abs().max())
+    if err > tol * max(scale, 1e-30):
+        return f"max |error| {err:.3g} against max |reference| {scale:.3g} (allowed {tol:g} of it)"
+    return ""
+
+
+def _settle(compiled, prepared: dict, results: dict[str, TuningResult], cache) -> None:  # noqa: ANN001
+    """Replace each winner whose results are wrong by the next fastest candidate, until every step
+    is right; the default config comes last, and a step wrong under every config is an error."""
+    from .. import backend
+    from .configs import resolve_config
+
+    while wrong := wrong_steps(compiled, prepared):
+        info = compiled.info_for({n: prepared[n] for n in compiled.program.inputs})
+        for name, why in wrong.items():
+            r = results[name]
+            r.rejected.append((r.best, why))
+            bad = [c for c, _ in r.rejected]
+            timed = sorted(
+                (t for t in r.trials if t.ms is not None and t.config not in bad),
+                key=lambda t: t.final_ms if t.final_ms is not None else t.ms,
+            )
+            g = info.gemms[name]
+            default = resolve_config("auto", g.M, g.N, g.K, interpret=backend.INTERPRET)
+            if timed:
+                r.best, r.ms = timed[0].config, timed[0].final_ms or timed[0].ms
+            elif default not in bad:
+                r.best, r.ms = default, None
+            else:
+                raise RuntimeError(
+                    f"step {name!r} computes wrong results under every config tried: "
+                    + "; ".join(f"{c.model_dump()}: {w}" for c, w in r.rejected)
+                )
+            compiled.configs[name] = r.best
+            cache.put(r.key, r.best, r.ms)
 
 
 class TuningCache:
@@ -229,13 +310,15 @@ def tune_program(
     warmup: int = 10,
     rep: int = 20,
     finalists: int = 4,
+    check: bool = True,
 ) -> dict[str, TuningResult]:  # noqa: ANN001 - a CompiledProgram
     """Pick a config for every fused gemm step of ``compiled`` at the sizes of ``prepared``.
 
     Runs the whole program once so every step's inputs exist; then, per step, screens every
     candidate once and times the ``finalists`` fastest against each other in interleaved rounds
     (clocks drift under load: a one-pass sweep favours whatever runs first). Pins the winners on
-    ``compiled.configs``.
+    ``compiled.configs``. With ``check`` (default), winners whose results differ from the
+    reference executor's are replaced (``TuningResult.rejected`` says why).
     """
     from .. import backend
 
@@ -280,4 +363,6 @@ def tune_program(
         results[name] = TuningResult(
             name, key, best.config, best.final_ms, cached=False, trials=trials
         )
+    if check:
+        _settle(compiled, prepared, results, cache)
     return results

@@ -185,3 +185,23 @@ def test_fp32_output_of_a_half_precision_run_is_held_to_that_runs_bounds() -> No
         "loss", (ref * 1.01).float(), ref, torch_out, tol, sizes={}, seed=0, run_dtype=torch.float16
     )
     assert not worse.passed  # still 2× PyTorch's error at most
+
+
+def test_the_report_names_configs_tuning_rejected_for_wrong_results() -> None:
+    from coda.sandbox.report import ProfileRow, Report
+
+    row = ProfileRow(
+        sizes={"M": 4096},
+        dtype="bfloat16",
+        program_ms=1.0,
+        gemms_ms=1.0,
+        tflops=1.0,
+        tuning_rejected={
+            "down": ["{'block_m': 128}: out: max |error| 3 against max |reference| 2"]
+        },
+    )
+    report = Report(
+        verified=True, block="b", program_hash="h", device="H200", stages=[], profile=[row]
+    )
+    text = report.render_text()
+    assert "tuning rejected for down (wrong results): {'block_m': 128}: out: max |error| 3" in text

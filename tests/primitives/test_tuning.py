@@ -1,0 +1,97 @@
+"""Tuning never keeps a config whose results are wrong: winners are checked against the reference
+executor and replaced by the next fastest right one (Triton has miscompiled whole configs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from coda.agent.planner import lower
+from coda.blocks import get_block
+from coda.primitives import analyze, compile_program
+from coda.primitives.codegen.configs import INTERPRETER_DEFAULT
+from coda.primitives.codegen.tuning import (
+    Trial,
+    TuningCache,
+    TuningResult,
+    _settle,
+    tune_program,
+    wrong_steps,
+)
+from coda.primitives.runtime import CompiledProgram
+
+SMALL = INTERPRETER_DEFAULT.model_copy(update={"block_m": 16, "block_n": 16, "block_k": 16})
+SIZES = {"M": 40, "d": 32, "f": 48}
+
+
+def _compiled(block: str = "llama_mlp_bwd_saved"):  # noqa: ANN202
+    b = get_block(block)
+    program = lower(b)
+    compiled = compile_program(program, analyze(program, SIZES))
+    return compiled, compiled.prepare(b.make_inputs(SIZES, torch.float32, seed=0))
+
+
+@pytest.fixture
+def miscompiled(monkeypatch: pytest.MonkeyPatch) -> set:
+    """Configs in the returned set make every fused step write wrong values (a fake miscompile)."""
+    bad: set = set()
+    run = CompiledProgram._run_gemm
+
+    def corrupting(self, step, gemm, tensors, *args, **kwargs):  # noqa: ANN001, ANN202
+        run(self, step, gemm, tensors, *args, **kwargs)
+        if self.config_for(gemm.name, gemm) in bad:
+            for name in gemm.writes:
+                tensors[name].add_(1.0)
+
+    monkeypatch.setattr(CompiledProgram, "_run_gemm", corrupting)
+    return bad
+
+
+def _result(compiled, name: str, configs: list) -> TuningResult:  # noqa: ANN001
+    """As the GPU screen leaves it: ``configs`` timed fastest first, the first one pinned."""
+    trials = [Trial(c, ms=float(i + 1), final_ms=float(i + 1)) for i, c in enumerate(configs)]
+    compiled.configs[name] = configs[0]
+    return TuningResult(name, f"key-{name}", configs[0], 1.0, cached=False, trials=trials)
+
+
+def test_a_right_program_has_no_wrong_steps() -> None:
+    compiled, prepared = _compiled()
+    assert wrong_steps(compiled, prepared) == {}
+
+
+def test_a_fast_wrong_config_is_replaced_by_the_next_right_one(
+    miscompiled: set, tmp_path: Path
+) -> None:
+    compiled, prepared = _compiled()
+    miscompiled.add(SMALL)
+    results = {n: _result(compiled, n, [SMALL, INTERPRETER_DEFAULT]) for n in compiled.kernels}
+    wrong = wrong_steps(compiled, prepared)
+    assert set(wrong) == {"down_bwd", "gate_up_bwd"} and "max |error|" in wrong["down_bwd"]
+    cache = TuningCache(tmp_path / "tuning.json")
+    _settle(compiled, prepared, results, cache)
+    for name, r in results.items():
+        assert r.best == INTERPRETER_DEFAULT == compiled.configs[name]
+        assert [c for c, _ in r.rejected] == [SMALL]
+        assert cache.get(r.key) == INTERPRETER_DEFAULT  # the wrong winner is not what is cached
+    assert wrong_steps(compiled, prepared) == {}
+
+
+def test_a_step_wrong_under_every_config_is_an_error(miscompiled: set, tmp_path: Path) -> None:
+    compiled, prepared = _compiled("llama_mlp")
+    miscompiled.update({SMALL, INTERPRETER_DEFAULT})
+    results = {n: _result(compiled, n, [SMALL]) for n in compiled.kernels}
+    with pytest.raises(RuntimeError, match="computes wrong results under every config tried"):
+        _settle(compiled, prepared, results, TuningCache(tmp_path / "tuning.json"))
+
+
+def test_tune_program_checks_its_winners(miscompiled: set, tmp_path: Path) -> None:
+    # on the CPU the interpreter's one config "wins"; made wrong, nothing is left to fall back on
+    compiled, prepared = _compiled("llama_mlp")
+    cache = TuningCache(tmp_path / "tuning.json")
+    assert set(tune_program(compiled, prepared, cache=cache)) == {"gate_up", "down"}
+    miscompiled.add(INTERPRETER_DEFAULT)
+    with pytest.raises(RuntimeError, match="wrong results"):
+        tune_program(compiled, prepared, cache=cache)
+    tune_program(compiled, prepared, cache=cache, check=False)  # asked not to check: no error
