@@ -189,8 +189,10 @@ def _settle(compiled, prepared: dict, results: dict[str, TuningResult], cache) -
                 (t for t in r.trials if t.ms is not None and t.config not in bad),
                 key=lambda t: t.final_ms if t.final_ms is not None else t.ms,
             )
-            g = info.gemms[name]
-            default = resolve_config("auto", g.M, g.N, g.K, interpret=backend.INTERPRET)
+            g = info.gemms[name]  # the step's own config, as it runs untuned
+            default = resolve_config(
+                compiled._step(name).config, g.M, g.N, g.K, interpret=backend.INTERPRET
+            )
             if timed:
                 r.best, r.ms = timed[0].config, timed[0].final_ms or timed[0].ms
             elif default not in bad:
