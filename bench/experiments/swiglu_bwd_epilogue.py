@@ -11,15 +11,18 @@ against hand-patched copies of its source, each removing or changing one part of
   tile loads cost;
 * ``prefetch``: g and u loaded *before* the K loop (a helper issues the loads, the epilogue gets
   the tiles), so their latency overlaps the tile's mainloop — the candidate fix;
+* ``acc_only``: the epilogue is one store of the accumulator (what the same mainloop costs as a
+  plain GEMM: the floor any epilogue work starts from);
 
-next to the cuBLAS GEMM of the same shape. ``strided_dz`` and ``prefetch`` are checked against
-the original. (The forward now saves a = silu(g)·u, so the kernel no longer stores it; the
-2026-11-30 RESULTS row "without the store of a" was measured before that change.) Not part of the
-product: a
-measurement to decide what to change in the codegen; the patches assume one epilogue sub-tile or
-two (``EPILOGUE_SUBTILES`` ≤ 2), as the config below has.
+next to the cuBLAS GEMM of the same shape. ``--sweep`` repeats the last three over several
+configs and persistent grids of 1 or 2 programs per SM (2 lets one program's epilogue overlap
+another's mainloop where registers and shared memory allow two), with registers and spills.
+``strided_dz`` and ``prefetch`` are checked against the original. (The forward now saves
+a = silu(g)·u, so the kernel no longer stores it; the 2026-11-30 RESULTS row "without the store
+of a" was measured before that change.) Not part of the product: a measurement to decide what to
+change in the codegen; ``prefetch`` handles one or two epilogue sub-tiles.
 
-    python3 bench/experiments/swiglu_bwd_epilogue.py [--out DIR]
+    python3 bench/experiments/swiglu_bwd_epilogue.py [--out DIR] [--sweep]
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ K_LOOP = re.compile(r"\n(\s*)for ki in range\(0, k_tiles\):")
 EPILOGUE_CALL = re.compile(r"_down_bwd_epilogue\(acc(\d), pid_m, ([^,]+),")
 EPILOGUE_DEF = "def _down_bwd_epilogue(\n    accumulator, pid_m, start_n,"
 PRELUDE = re.compile(r"(    # This sub-tile:.*?\n)(    # --- load_tile)", re.S)
+EPILOGUE_BODY = re.compile(r"(\n    # --- load_tile\(tensor='g'.*?)\n\n\n@triton\.jit", re.S)
 PREFETCH_ARGS = (
     "g_ptr, u_ptr, M, N, stride_g_m, stride_g_n, stride_u_m, stride_u_n, BLOCK_SIZE_M, EPI_N"
 )
@@ -85,6 +89,16 @@ def prefetch(source: str) -> str:
     return EPILOGUE_CALL.sub(r"_down_bwd_epilogue(acc\1, pid_m, \2, g_pre\1, u_pre\1,", source)
 
 
+def acc_only(source: str) -> str:
+    """The epilogue reduced to storing the accumulator into dz's first N columns."""
+    store = (
+        "\n    dz_ptrs = dz_ptr + offs_cm64[:, None] * stride_dz_m + offs_cn[None, :] * stride_dz_n"
+        "\n    tl.store(dz_ptrs, accumulator.to(dz_ptr.dtype.element_ty),"
+        " mask=mask_cm[:, None] & mask_cn[None, :])"
+    )
+    return EPILOGUE_BODY.sub(lambda m: store + "\n\n\n@triton.jit", source, count=1)
+
+
 def strided(match: re.Match) -> str:
     pad = match.group(1)
     mask = "mask=mask_cm[:, None] & mask_cn[None, :]"
@@ -104,63 +118,103 @@ def variants(source: str) -> dict[str, str]:
     out["no_dz"] = DZ_STORE.sub("", base, count=1)
     out["no_loads"] = no_loads(source)
     out["prefetch"] = prefetch(source)
+    out["acc_only"] = acc_only(source)
     for name, text in out.items():
         assert name == "original" or text != source, f"{name}: nothing was patched"
     return out
 
 
+CONFIGS = {  # name: (block_m, block_n, num_warps, num_stages, epilogue_subtiles)
+    "128x128 S2 w8": (128, 128, 8, 4, 2),  # what tuning chose for this step (bench/mlp_steps.py)
+    "128x128 S1 w8": (128, 128, 8, 4, 1),
+    "128x64 S1 w4": (128, 64, 4, 4, 1),
+    "64x128 S1 w4": (64, 128, 4, 4, 1),
+    "128x256 S4 w8": (128, 256, 8, 3, 4),
+}
+
+
+def config_of(name: str):  # noqa: ANN201
+    from coda.primitives.ir import MainloopConfig
+
+    bm, bn, warps, stages, subtiles = CONFIGS[name]
+    return MainloopConfig(
+        block_m=bm,
+        block_n=bn,
+        block_k=64,
+        group_m=8,
+        num_warps=warps,
+        num_stages=stages,
+        epilogue_subtiles=subtiles,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/out")
+    p.add_argument("--sweep", action="store_true", help="every config × 1 and 2 programs per SM")
     args = p.parse_args(argv)
     import torch
 
     from coda.agent.planner import lower
     from coda.blocks import get_block
-    from coda.primitives import analyze, compile_program
-    from coda.primitives.ir import MainloopConfig
+    from coda.primitives import analyze, compile_program, runtime
     from coda.primitives.timing import interleaved_ms
 
     sizes = {"M": 16384, "d": 2048, "f": 8192}
     block = get_block("llama_mlp_bwd_saved")
     program = lower(block)
     inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
-    config = MainloopConfig(
-        block_m=128,
-        block_n=128,
-        block_k=64,
-        group_m=8,
-        num_warps=8,
-        num_stages=4,
-        epilogue_subtiles=2,
-    )  # the config tuning chose for this step (bench/mlp_steps.py)
-    runs, outputs = {}, {}
-    first = compile_program(program, analyze(program, sizes))
-    texts = variants(first.kernels["down_bwd"].source)
-    for name, text in texts.items():
-        compiled = compile_program(program, analyze(program, sizes))
-        compiled.configs["down_bwd"] = config
-        compiled.kernels["down_bwd"] = dataclasses.replace(
-            compiled.kernels["down_bwd"], source=text
-        )
-        tensors = compiled.run(compiled.prepare(inputs))
-        outputs[name] = tensors["dz"].clone()
-        runs[name] = lambda c=compiled, t=tensors: c.run_gemm_step("down_bwd", t)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    texts = variants(compile_program(program, analyze(program, sizes)).kernels["down_bwd"].source)
+    runs, outputs, stats = {}, {}, {}
+    plan = [(c, f) for c in CONFIGS for f in (1, 2)] if args.sweep else [("128x128 S2 w8", 1)]
+    for config_name, per_sm in plan:
+        config = config_of(config_name)
+        runtime._num_sms = lambda device, n=sms * per_sm: n  # the persistent grid's size
+        for name, text in texts.items():
+            if name == "prefetch" and config.epilogue_subtiles > 2:
+                continue  # the patch handles one or two slices
+            if args.sweep and name in ("strided_dz", "no_zdz", "no_dz"):
+                continue
+            key = f"{config_name} ×{per_sm}/SM {name}"
+            compiled = compile_program(program, analyze(program, sizes))
+            compiled.configs["down_bwd"] = config
+            compiled.kernels["down_bwd"] = dataclasses.replace(
+                compiled.kernels["down_bwd"], source=text
+            )
+            try:
+                tensors = compiled.run(compiled.prepare(inputs))
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
+                stats[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                continue
+            outputs[key] = tensors["dz"].clone()
+            stats[key] = dict(compiled.kernel_stats["down_bwd"])
+            runs[key] = lambda c=compiled, t=tensors: c.run_gemm_step("down_bwd", t)
+            ms = interleaved_ms({key: runs[key]}, rounds=1, warmup=5, rep=30)
+            stats[key]["ms_single"] = ms[key]
     a = torch.randn((16384, 2048), device="cuda", dtype=torch.bfloat16)
     b = torch.randn((2048, 8192), device="cuda", dtype=torch.bfloat16)
     runs["cublas"] = lambda: torch.matmul(a, b)
     ms = interleaved_ms(runs, rounds=3, warmup=10, rep=50)
+    reference = next(k for k in outputs if k.endswith(" original"))
     same = {
-        name: bool(torch.equal(outputs[name], outputs["original"]))
-        for name in ("strided_dz", "prefetch")
+        key: bool(torch.equal(outputs[key], outputs[reference]))
+        for key in outputs
+        if key.endswith((" strided_dz", " prefetch", " original"))
     }
-    result = {"sizes": sizes, "config": config.model_dump(), "ms": ms, "equal_to_original": same}
+    result = {"sizes": sizes, "ms": ms, "stats": stats, "equal_to_first_original": same}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "swiglu_bwd_epilogue.json").write_text(json.dumps(result, indent=2))
-    for name, t in ms.items():
-        print(f"{name:12s} {t:.3f} ms  ({t / ms['cublas']:.2f}× cuBLAS)")
-    print(f"outputs identical to the original: {same}")
+    for key, st in stats.items():
+        if "error" in st:
+            print(f"{key:40s} {st['error']}")
+            continue
+        t = ms[key]
+        regs = f"{st.get('registers', '?')} regs, {st.get('spills', '?')} spills"
+        print(f"{key:40s} {t:.3f} ms  ({t / ms['cublas']:.2f}× cuBLAS)  {regs}")
+    print(f"cublas {ms['cublas']:.3f} ms")
+    print(f"outputs identical to {reference}: {same}")
     return 0
 
 
