@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +40,7 @@ class CompiledProgram:
     program: Program
     kernels: dict[str, KernelSource]
     configs: dict[str, MainloopConfig] = field(default_factory=dict)  # pinned per step (tuning)
-    mainloop: Mainloop = "auto"  # "tma" / "pointer" force one mainloop (tests, benchmarks)
+    mainloop: Mainloop = "auto"  # force a kernel variant (tests, benchmarks): choose_mainloop
     use_vendor: bool = True  # plain-store gemms on torch.matmul; False runs them on our mainloop
     mainloops_used: dict[str, str] = field(default_factory=dict)  # step -> mainloop last launched
     kernel_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # step -> regs, spills
@@ -138,7 +138,12 @@ class CompiledProgram:
         cfg = self.config_for(gemm.name, gemm)
         for name, t in gemm.writes.items():
             tensors[name] = _allocate(t, gemm, cfg, act, device, poison)
-        variant = choose_mainloop(self.mainloop, step, tensors, device)
+        tiles = [
+            (tensors[p.tensor], descriptor_block(p, cfg))
+            for p in self.kernels[gemm.name].variants["tma"].params
+            if p.kind == "desc" and p.name not in ("a_desc", "b_desc")  # the operands
+        ]
+        variant = choose_mainloop(self.mainloop, step, tensors, device, epilogue_tiles=tiles)
         self.mainloops_used[gemm.name] = variant
         kernel = self._kernel(gemm.name, variant)
         params = self.kernels[gemm.name].variants[variant].params
@@ -254,18 +259,26 @@ def _param_value(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         t = tensors[p.tensor]
-        blocks = {
-            "BLOCK_SIZE_M": cfg.block_m,
-            "BLOCK_SIZE_N": cfg.block_n,
-            "BLOCK_SIZE_K": cfg.block_k,
-            "EPI_N": cfg.epilogue_block_n,  # one column slice (split-accumulator kernels)
-        }
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [blocks[b] for b in p.block])
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), descriptor_block(p, cfg))
     if p.kind == "shape":
         return tensors[p.tensor].shape[p.dim]
     if p.expr is not None:
         return evaluate_size(p.expr, sizes)
     return {"M": gemm.M, "N": gemm.N, "K": gemm.K}[p.name]
+
+
+def descriptor_block(p: Param, cfg: MainloopConfig) -> list[int]:
+    """The block shape of descriptor parameter ``p`` under ``cfg``, in elements."""
+    epi_n = cfg.epilogue_block_n  # one epilogue sub-tile (a split-accumulator kernel's B slice)
+    blocks = {
+        "BLOCK_SIZE_M": cfg.block_m,
+        "BLOCK_SIZE_N": cfg.block_n,
+        "BLOCK_SIZE_K": cfg.block_k,
+        "EPI_N": epi_n,
+        "EPI_N//2": epi_n // 2,
+        "EPI_N*2": epi_n * 2,
+    }
+    return [blocks[b] for b in p.block or ()]
 
 
 def compiled_kernel_stats(launched: Any) -> dict[str, int]:
@@ -283,7 +296,7 @@ def compiled_kernel_stats(launched: Any) -> dict[str, int]:
 
 
 # -- choosing a mainloop ---------------------------------------------------------------------------
-Mainloop = Literal["auto", "tma", "pointer"]
+Mainloop = Literal["auto", "tma", "tma_mainloop", "pointer"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -310,17 +323,38 @@ def tma_compatible(t: torch.Tensor) -> bool:
     )
 
 
+# The most elements a TMA box spans along one dimension.
+TMA_MAX_BOX = 256
+
+
 def choose_mainloop(
-    mainloop: Mainloop, step: GemmEpilogue, tensors: dict[str, torch.Tensor], device: torch.device
+    mainloop: Mainloop,
+    step: GemmEpilogue,
+    tensors: dict[str, torch.Tensor],
+    device: torch.device,
+    *,
+    epilogue_tiles: Sequence[tuple[torch.Tensor, Sequence[int]]] = (),
 ) -> str:
+    """The kernel variant to launch: ``"tma"`` when descriptors can describe both operands and
+    every tile the epilogue moves (``epilogue_tiles``: tensor and block shape), else
+    ``"tma_mainloop"`` (the Hopper mainloop, pointer epilogue) when they can describe the
+    operands, else ``"pointer"``.
+
+    ``mainloop``: ``"auto"`` as above; ``"tma"`` insists on the Hopper mainloop (an error where
+    the operands cannot be described); ``"tma_mainloop"`` also keeps the pointer epilogue;
+    ``"pointer"`` the portable kernel. A step whose epilogue moves no tile has no separate
+    ``"tma_mainloop"`` kernel: its ``"tma"`` kernel is that."""
     operands = (tensors[step.a.tensor], tensors[step.b.tensor])
     usable = tma_available(device) and all(tma_compatible(t) for t in operands)
-    if mainloop == "tma" and not usable:
+    if mainloop in ("tma", "tma_mainloop") and not usable:
         shapes = [f"{tuple(t.shape)} strides {t.stride()}" for t in operands]
         raise RuntimeError(f"the TMA mainloop was requested but cannot describe {shapes} here")
     if mainloop == "pointer" or not usable:
         return "pointer"
-    return "tma"
+    if not epilogue_tiles:
+        return "tma"
+    tiles_fit = all(tma_compatible(t) and max(b) <= TMA_MAX_BOX for t, b in epilogue_tiles)
+    return "tma" if tiles_fit and mainloop != "tma_mainloop" else "tma_mainloop"
 
 
 def _num_sms(device: torch.device) -> int:

@@ -87,12 +87,20 @@ def rope_tables(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def run_both(program: Program, inputs: dict[str, torch.Tensor], mainloop: str = "auto"):
-    """(kernel tensors, kernel-precision reference tensors, exact float64 reference tensors)."""
+def run_both(
+    program: Program,
+    inputs: dict[str, torch.Tensor],
+    mainloop: str = "auto",
+    variants_used: dict[str, str] | None = None,
+):
+    """(kernel tensors, kernel-precision reference tensors, exact float64 reference tensors);
+    ``variants_used`` receives the kernel variant each fused step launched."""
     info = analyze(program, bind_sizes(program, {n: t.shape for n, t in inputs.items()}))
     compiled = compile_program(program, info)
     compiled.mainloop = mainloop
     got = compiled.run(compiled.prepare(inputs), poison=True)
+    if variants_used is not None:
+        variants_used.update(compiled.mainloops_used)
     ref = execute_reference(program, inputs)
     exact = execute_reference(program, inputs, exact=True)
     return got, ref, exact

@@ -13,11 +13,14 @@ against hand-patched copies of its source, each removing or changing one part of
   the tiles), so their latency overlaps the tile's mainloop — the candidate fix;
 * ``acc_only``: the epilogue is one store of the accumulator (what the same mainloop costs as a
   plain GEMM: the floor any epilogue work starts from);
+* ``tma_epilogue``: the unpatched module's Hopper kernel, whose epilogue moves g, u and dz as TMA
+  tiles (the patches above all run the pointer epilogue behind the same TMA mainloop);
 
-next to the cuBLAS GEMM of the same shape. ``--sweep`` repeats the last three over several
-configs and persistent grids of 1 or 2 programs per SM (2 lets one program's epilogue overlap
-another's mainloop where registers and shared memory allow two), with registers and spills.
-``strided_dz`` and ``prefetch`` are checked against the original. (The forward now saves
+next to the cuBLAS GEMM of the same shape. ``--sweep`` repeats ``original``, ``no_loads``,
+``prefetch``, ``acc_only`` and ``tma_epilogue`` over several configs (``--per-sm 1,2``: also
+persistent grids of 2 programs per SM, so one program's epilogue may overlap another's mainloop
+where registers and shared memory allow two), with registers and spills. ``strided_dz``,
+``prefetch`` and ``tma_epilogue`` are checked against the original. (The forward now saves
 a = silu(g)·u, so the kernel no longer stores it; the 2026-11-30 RESULTS row "without the store
 of a" was measured before that change.) Not part of the product: a measurement to decide what to
 change in the codegen; ``prefetch`` handles one or two epilogue sub-tiles.
@@ -85,7 +88,11 @@ def prefetch(source: str) -> str:
             f"\n{pad}    g_pre1, u_pre1 = " + call.format(start="pre_n + EPI_N") + match.group(0)
         )
 
-    source = K_LOOP.sub(issue, source)
+    # only in the kernels that call the pointer epilogue (not the one with TMA epilogue tiles)
+    functions = source.split("\n@triton.jit\n")
+    source = "\n@triton.jit\n".join(
+        K_LOOP.sub(issue, f) if "_down_bwd_epilogue(acc" in f else f for f in functions
+    )
     return EPILOGUE_CALL.sub(r"_down_bwd_epilogue(acc\1, pid_m, \2, g_pre\1, u_pre\1,", source)
 
 
@@ -151,7 +158,8 @@ def config_of(name: str):  # noqa: ANN201
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/out")
-    p.add_argument("--sweep", action="store_true", help="every config × 1 and 2 programs per SM")
+    p.add_argument("--sweep", action="store_true", help="every config, not only tuning's choice")
+    p.add_argument("--per-sm", default="1", help="persistent programs per SM to try, e.g. 1,2")
     args = p.parse_args(argv)
     import torch
 
@@ -166,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     texts = variants(compile_program(program, analyze(program, sizes)).kernels["down_bwd"].source)
+    texts["tma_epilogue"] = texts["original"]  # launched as the "tma" kernel, the rest are not
     runs, outputs, stats = {}, {}, {}
-    plan = [(c, f) for c in CONFIGS for f in (1, 2)] if args.sweep else [("128x128 S2 w8", 1)]
+    per_sm = [int(f) for f in args.per_sm.split(",")]
+    plan = [(c, f) for c in (CONFIGS if args.sweep else ["128x128 S2 w8"]) for f in per_sm]
     for config_name, per_sm in plan:
         config = config_of(config_name)
         runtime._num_sms = lambda device, n=sms * per_sm: n  # the persistent grid's size
@@ -179,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             key = f"{config_name} ×{per_sm}/SM {name}"
             compiled = compile_program(program, analyze(program, sizes))
             compiled.configs["down_bwd"] = config
+            compiled.mainloop = "tma" if name == "tma_epilogue" else "tma_mainloop"
             compiled.kernels["down_bwd"] = dataclasses.replace(
                 compiled.kernels["down_bwd"], source=text
             )
@@ -200,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     same = {
         key: bool(torch.equal(outputs[key], outputs[reference]))
         for key in outputs
-        if key.endswith((" strided_dz", " prefetch", " original"))
+        if key.endswith((" strided_dz", " prefetch", " original", " tma_epilogue"))
     }
     result = {"sizes": sizes, "ms": ms, "stats": stats, "equal_to_first_original": same}
     out = Path(args.out)

@@ -8,6 +8,11 @@ the Triton variable ``v_z``), the parameters (a tensor ``r`` becomes ``r_ptr`` p
 on first use, at the top of the epilogue. Primitives therefore emit only their own math and never
 spell pointer arithmetic.
 
+With ``tma`` (the epilogue of the Hopper kernel) whole tiles of ``[M, W]`` tensors are loaded and
+written through TMA tensor descriptors (``x_desc``, one sub-tile per block; the copy engine
+zero-fills and clips the edges): one bulk copy per tile instead of per-thread addresses, masks and
+a register-hungry scatter. Rows, columns, gathers and accumulating stores stay pointer accesses.
+
 The scheme is injective: two program names never share a Triton identifier (``stem``), and a
 parameter or load whose name is taken by something else is an error, never a silent reuse.
 """
@@ -54,6 +59,15 @@ _SPACES: dict[Fraction, tuple[str, str, str, str]] = {
 }
 
 
+# The block width of one sub-tile in each column space, as a descriptor's block names it (the
+# runtime maps these names to numbers when it builds the descriptor).
+DESCRIPTOR_BLOCKS: dict[Fraction, str] = {
+    Fraction(1): "EPI_N",
+    Fraction(1, 2): "EPI_N//2",
+    Fraction(2): "EPI_N*2",
+}
+
+
 @dataclass(frozen=True)
 class Param:
     """One kernel parameter and where its launch value comes from.
@@ -88,6 +102,7 @@ class EmitContext:
     params: list[Param]
     body: IndentedBuffer
     preamble: IndentedBuffer
+    tma: bool = False  # whole tiles through TMA descriptors (the Hopper kernel's epilogue)
     _vars: dict[str, str] = field(default_factory=lambda: {"acc": ACC_VAR})
     _spaces: dict[object, Space] = field(default_factory=dict)
     _loads: dict[tuple, str] = field(default_factory=dict)
@@ -179,6 +194,15 @@ class EmitContext:
         """A kernel size parameter holding ``tensor.shape[dim]`` at launch."""
         return self._add(Param(f"{self.base(tensor)}_shape{dim}", "shape", tensor, dim))
 
+    def descriptor(self, tensor: str, scale: Fraction) -> str:
+        """A TMA descriptor of ``tensor`` whose block is one sub-tile in column space ``scale``."""
+        block = ("BLOCK_SIZE_M", DESCRIPTOR_BLOCKS[scale])
+        return self._add(Param(f"{self.base(tensor)}_desc", "desc", tensor, block=block))
+
+    def tile_origin(self, scale: Fraction) -> str:
+        """``[first row, first column]`` of this sub-tile in column space ``scale``."""
+        return f"[pid_m * BLOCK_SIZE_M, {_SPACES[scale][1]}]"
+
     def size(self, expr: str, stem: str) -> str:
         """A kernel size parameter holding a size expression's value at launch."""
         return self._add(Param(f"{stem}_size", "size", expr=expr))
@@ -202,6 +226,10 @@ class EmitContext:
 
     def load_tile(self, tensor: str, scale: Fraction) -> str:
         """An fp32 tile of a program tensor at this output tile (zeros outside the edges)."""
+        if self.tma:
+            desc = self.descriptor(tensor, scale)
+            code = f"{desc}.load({self.tile_origin(scale)}).to(tl.float32)"
+            return self._named_load(("tile", tensor, scale), f"{self.base(tensor)}_tile", code)
         code = (
             f"tl.load({self.tile_ptrs(tensor, scale)}, mask={self.tile_mask(scale)}, other=0.0)"
             ".to(tl.float32)"
@@ -240,6 +268,10 @@ class EmitContext:
     def store_tile(self, tensor: str, value: str, scale: Fraction, *, accumulate: bool) -> None:
         """Store a tile, cast to the destination's dtype; ``accumulate`` adds to what is there."""
         self.rows()
+        if self.tma and not accumulate:
+            desc = self.descriptor(tensor, scale)
+            self.line(f"{desc}.store({self.tile_origin(scale)}, ({value}).to({desc}.dtype))")
+            return
         ptrs, mask = f"{self.base(tensor)}_ptrs", self.tile_mask(scale)
         self.line(f"{ptrs} = {self.tile_ptrs(tensor, scale)}")
         if accumulate:

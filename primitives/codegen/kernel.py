@@ -10,7 +10,11 @@ holds, in order:
 * ``_<step>_epilogue_tile`` — splits the accumulator into ``EPILOGUE_SUBTILES`` column sub-tiles
   (fewer live registers per step of the epilogue) and runs the epilogue on each;
 * ``<step>_kernel`` — the Hopper mainloop: persistent over output tiles, operands through TMA tensor
-  descriptors (out-of-bounds tiles zero-filled by the copy engine, so ragged sizes need no masks);
+  descriptors (out-of-bounds tiles zero-filled by the copy engine, so ragged sizes need no masks),
+  and the epilogue's whole tiles too (``_<step>_epilogue_tma``: loads and stores of ``[M, W]``
+  tensors as bulk copies, not per-thread addresses);
+* ``<step>_kernel_tma_mainloop`` — the same with the pointer epilogue, for epilogue tensors TMA
+  cannot describe (only generated when the epilogue moves tiles);
 * ``<step>_kernel_ptr`` — the same loop with pointer loads, for operands TMA cannot describe (last
   stride not 1, strides not 16-byte aligned), GPUs before Hopper, and Triton without descriptors.
 
@@ -167,10 +171,14 @@ class KernelSource:
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def plan_epilogue(step: GemmEpilogue, gemm: GemmInfo, tensors: dict) -> EmitContext:
-    """Emit every epilogue op into a fresh context (lines, parameters, index spaces)."""
-    ctx = EmitContext(gemm.locals, tensors, [], IndentedBuffer(), IndentedBuffer())
-    ctx.rows()  # every epilogue masks by row
+def plan_epilogue(
+    step: GemmEpilogue, gemm: GemmInfo, tensors: dict, *, tma: bool = False
+) -> EmitContext:
+    """Emit every epilogue op into a fresh context (lines, parameters, index spaces); ``tma``:
+    tiles through TMA descriptors (the Hopper kernel's epilogue)."""
+    ctx = EmitContext(gemm.locals, tensors, [], IndentedBuffer(), IndentedBuffer(), tma=tma)
+    if not tma:
+        ctx.rows()  # pointer epilogues mask by row; the TMA one defines rows where they are used
     for op in step.epilogue:
         ctx.comment(f"--- {op.describe()} ---")
         op.emit(ctx)
@@ -241,7 +249,7 @@ def _wrap_calls(text: str, width: int = 96) -> str:
 
 def _render_epilogue(
     buf: IndentedBuffer,
-    name: str,
+    function: str,
     ctx: EmitContext,
     params: tuple[Param, ...],
     *,
@@ -250,7 +258,7 @@ def _render_epilogue(
     """The epilogue on one sub-tile, and (``tile_function``) the function that splits a whole
     accumulator into sub-tiles for it (split-accumulator kernels call the epilogue directly)."""
     buf.line("@triton.jit")
-    buf.line(f"def _{name}_epilogue(")
+    buf.line(f"def {function}(")
     with buf.indent():
         buf.line("accumulator, pid_m, start_n,")
     _signature(buf, params, ["BLOCK_SIZE_M: tl.constexpr, EPI_N: tl.constexpr,"])
@@ -263,7 +271,7 @@ def _render_epilogue(
     buf.line("")
     buf.line("")
     buf.line("@triton.jit")
-    buf.line(f"def _{name}_epilogue_tile(")
+    buf.line(f"def {function}_tile(")
     with buf.indent():
         buf.line("accumulator, pid_m, pid_n,")
     _signature(
@@ -275,9 +283,7 @@ def _render_epilogue(
         ],
     )
     with buf.indent():
-        buf.line(
-            _wrap_calls(_SUBTILES.format(epi=f"_{name}_epilogue", args=_names(params)).rstrip())
-        )
+        buf.line(_wrap_calls(_SUBTILES.format(epi=function, args=_names(params)).rstrip()))
 
 
 def _operand_dims(step: GemmEpilogue) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -310,15 +316,17 @@ def _dot(j: int) -> str:
     return f"acc{j} = tl.dot(a, b{j}, acc{j}, input_precision=INPUT_PRECISION)"
 
 
-def _split_common(name: str, epi: tuple[Param, ...]) -> dict[str, str]:
+def _split_common(epilogue: str, epi: tuple[Param, ...]) -> dict[str, str]:
     """The parts of a split-accumulator kernel both mainloops share: zeroed accumulators and
     one epilogue call per slice."""
     zeros = _by_slice(
         lambda j: [f"acc{j} = tl.zeros((BLOCK_SIZE_M, {_EPI_N}), dtype=tl.float32)"], 4
     )
-    call = "_{name}_epilogue(acc{j}, pid_m, {start}, {args}, BLOCK_SIZE_M, EPI_N)"
+    call = "{epilogue}(acc{j}, pid_m, {start}, {args}, BLOCK_SIZE_M, EPI_N)"
     epilogues = _by_slice(
-        lambda j: [call.format(name=name, j=j, start=_slice_start("start_n", j), args=_names(epi))],
+        lambda j: [
+            call.format(epilogue=epilogue, j=j, start=_slice_start("start_n", j), args=_names(epi))
+        ],
         4,
     )
     return {"zeros": zeros, "epilogues": epilogues}
@@ -436,7 +444,7 @@ def _render_kernel(
     function: str,
     params: tuple[Param, ...],
     parts: dict,
-    name: str,
+    epilogue: str,
     epi: tuple[Param, ...],
     doc: str,
 ) -> None:
@@ -449,7 +457,7 @@ def _render_kernel(
             text = _SPLIT_TILE_LOOP.format(**parts)
         else:
             text = _TILE_LOOP.format(
-                epilogue_tile=f"_{name}_epilogue_tile",
+                epilogue_tile=f"{epilogue}_tile",
                 epilogue_args=_names(epi),
                 tile_meta="BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILES",
                 **parts,
@@ -465,6 +473,8 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
     name = gemm.name
     ctx = plan_epilogue(step, gemm, tensors)
     epi = _epilogue_params(ctx)
+    ctx_tma = plan_epilogue(step, gemm, tensors, tma=True)
+    epi_tma = _epilogue_params(ctx_tma)
     buf = IndentedBuffer()
     buf.line(f'"""Generated by coda-agent (codegen v{GENERATOR_VERSION}) — do not edit by hand.')
     buf.line("")
@@ -482,26 +492,55 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
     buf.line("")
     buf.line("")
     split = gemm.reduces_tile
-    _render_epilogue(buf, name, ctx, epi, tile_function=not split)
-    variants = {}
-    for kind, function, builder, doc in (
-        ("tma", f"{name}_kernel", _tma_variant, "Hopper mainloop: operands via TMA descriptors."),
+    epilogue = f"_{name}_epilogue"
+    _render_epilogue(buf, epilogue, ctx, epi, tile_function=not split)
+    # The Hopper kernel's epilogue moves whole tiles by TMA; with no tile to move it is the same.
+    epilogue_tma = f"{epilogue}_tma" if epi_tma != epi else epilogue
+    if epilogue_tma != epilogue:
+        buf.line("")
+        buf.line("")
+        _render_epilogue(buf, epilogue_tma, ctx_tma, epi_tma, tile_function=not split)
+    kernels = [
+        (
+            "tma",
+            f"{name}_kernel",
+            _tma_variant,
+            epilogue_tma,
+            epi_tma,
+            "Hopper mainloop: operands (and the epilogue's tiles) via TMA descriptors.",
+        ),
         (
             "pointer",
             f"{name}_kernel_ptr",
             _pointer_variant,
+            epilogue,
+            epi,
             "Portable mainloop: pointer loads (any strides, any GPU, the CPU interpreter).",
         ),
-    ):
-        params, parts = builder(step, epi, split)
+    ]
+    if epilogue_tma != epilogue:  # for epilogue tensors TMA cannot describe (ragged rows)
+        kernels.insert(
+            1,
+            (
+                "tma_mainloop",
+                f"{name}_kernel_tma_mainloop",
+                _tma_variant,
+                epilogue,
+                epi,
+                "Hopper mainloop, operands via TMA descriptors; the epilogue's tiles by pointer.",
+            ),
+        )
+    variants = {}
+    for kind, function, builder, epilogue_fn, epilogue_params, doc in kernels:
+        params, parts = builder(step, epilogue_params, split)
         if split:
-            parts.update(_split_common(name, epi))
+            parts.update(_split_common(epilogue_fn, epilogue_params))
         names = [p.name for p in params]
         if len(set(names)) != len(names):  # the naming scheme is injective: this is a codegen bug
             raise RuntimeError(f"codegen name collision in the signature of {function}: {names}")
         buf.line("")
         buf.line("")
-        _render_kernel(buf, function, params, parts, name, epi, doc)
+        _render_kernel(buf, function, params, parts, epilogue_fn, epilogue_params, doc)
         variants[kind] = KernelVariant(function, params)
     source = buf.getvalue()
     if os.environ.get("CODA_DEBUG_CODEGEN"):

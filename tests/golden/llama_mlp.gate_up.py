@@ -100,7 +100,124 @@ def _gate_up_epilogue_tile(
 
 
 @triton.jit
+def _gate_up_epilogue_tma(
+    accumulator, pid_m, start_n,
+    # TMA descriptors
+    a_tensor_desc,
+    # pointers
+    rstd_h_ptr,
+    # sizes
+    M, N,
+    # strides
+    stride_rstd_h,
+    # meta-parameters
+    BLOCK_SIZE_M: tl.constexpr, EPI_N: tl.constexpr,
+):
+    # This sub-tile: rows of block pid_m; columns [start_n, start_n + EPI_N) of N.
+    offs_cm = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    mask_cm = offs_cm < M
+    offs_cm64 = offs_cm.to(tl.int64)  # row offsets × stride can pass 2**31
+    # --- scale_rows(src='acc', vector='rstd_h', out='gu') ---
+    rstd_h_row = tl.load(rstd_h_ptr + offs_cm * stride_rstd_h, mask=mask_cm, other=0.0).to(tl.float32)[:, None]
+    v_gu = accumulator * rstd_h_row
+    # --- swiglu(src='gu', out='a') ---
+    p_a_gate, p_a_up = tl.split(tl.reshape(v_gu, (BLOCK_SIZE_M, EPI_N // 2, 2)))
+    v_a = p_a_gate * tl.sigmoid(p_a_gate) * p_a_up
+    # --- store(src='a', to='a', dtype='auto', mode='write') ---
+    a_tensor_desc.store([pid_m * BLOCK_SIZE_M, (start_n // 2)], (v_a).to(a_tensor_desc.dtype))
+
+
+@triton.jit
+def _gate_up_epilogue_tma_tile(
+    accumulator, pid_m, pid_n,
+    # TMA descriptors
+    a_tensor_desc,
+    # pointers
+    rstd_h_ptr,
+    # sizes
+    M, N,
+    # strides
+    stride_rstd_h,
+    # meta-parameters
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+    EPILOGUE_SUBTILES: tl.constexpr,
+):
+    # Split the BLOCK_SIZE_M × BLOCK_SIZE_N accumulator into column sub-tiles, epilogue on each.
+    if EPILOGUE_SUBTILES == 1:
+        _gate_up_epilogue_tma(accumulator, pid_m, pid_n * BLOCK_SIZE_N, a_tensor_desc, rstd_h_ptr,
+            M, N, stride_rstd_h, BLOCK_SIZE_M, BLOCK_SIZE_N)
+    elif EPILOGUE_SUBTILES == 2:
+        halves = tl.permute(tl.reshape(accumulator, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 2)),
+            (0, 2, 1))
+        acc0, acc1 = tl.split(halves)
+        start_n = pid_n * BLOCK_SIZE_N
+        _gate_up_epilogue_tma(acc0, pid_m, start_n, a_tensor_desc, rstd_h_ptr, M, N, stride_rstd_h,
+            BLOCK_SIZE_M, BLOCK_SIZE_N // 2)
+        _gate_up_epilogue_tma(acc1, pid_m, start_n + BLOCK_SIZE_N // 2, a_tensor_desc, rstd_h_ptr,
+            M, N, stride_rstd_h, BLOCK_SIZE_M, BLOCK_SIZE_N // 2)
+    else:
+        tl.static_assert(EPILOGUE_SUBTILES == 4, "EPILOGUE_SUBTILES must be 1, 2 or 4")
+        halves = tl.permute(tl.reshape(accumulator, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 2)),
+            (0, 2, 1))
+        left, right = tl.split(halves)
+        quarters = tl.permute(tl.reshape(left, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 4)), (0, 2, 1))
+        acc0, acc1 = tl.split(quarters)
+        quarters = tl.permute(tl.reshape(right, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 4)), (0, 2, 1))
+        acc2, acc3 = tl.split(quarters)
+        start_n = pid_n * BLOCK_SIZE_N
+        _gate_up_epilogue_tma(acc0, pid_m, start_n, a_tensor_desc, rstd_h_ptr, M, N, stride_rstd_h,
+            BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
+        _gate_up_epilogue_tma(acc1, pid_m, start_n + BLOCK_SIZE_N // 4, a_tensor_desc, rstd_h_ptr,
+            M, N, stride_rstd_h, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
+        _gate_up_epilogue_tma(acc2, pid_m, start_n + BLOCK_SIZE_N // 2, a_tensor_desc, rstd_h_ptr,
+            M, N, stride_rstd_h, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
+        _gate_up_epilogue_tma(acc3, pid_m, start_n + 3 * (BLOCK_SIZE_N // 4), a_tensor_desc,
+            rstd_h_ptr, M, N, stride_rstd_h, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
+
+
+@triton.jit
 def gate_up_kernel(
+    # TMA descriptors
+    a_desc, b_desc, a_tensor_desc,
+    # pointers
+    rstd_h_ptr,
+    # sizes
+    M, N, K,
+    # strides
+    stride_rstd_h,
+    # meta-parameters
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, NUM_SMS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EPILOGUE_SUBTILES: tl.constexpr, EPI_N: tl.constexpr,  # EPI_N = BLOCK_SIZE_N // SUBTILES
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """Hopper mainloop: operands (and the epilogue's tiles) via TMA descriptors."""
+    start_pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    k_tiles = tl.cdiv(K, BLOCK_SIZE_K)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    # Persistent: each program walks output tiles start_pid, start_pid + NUM_SMS, ...
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN,
+                           warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
+        # --- mainloop: accumulator = A[rows of the tile, :] @ B[:, columns of the tile], fp32 ---
+        offs_am = pid_m * BLOCK_SIZE_M
+        offs_bn = pid_n * BLOCK_SIZE_N
+        accumulator = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        for ki in range(0, k_tiles):
+            offs_k = ki * BLOCK_SIZE_K
+            a = a_desc.load([offs_am, offs_k])
+            b = b_desc.load([offs_bn, offs_k]).T  # [BLOCK_SIZE_K, BLOCK_SIZE_N]
+            accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+        # --- epilogue ---
+        _gate_up_epilogue_tma_tile(accumulator, pid_m, pid_n, a_tensor_desc, rstd_h_ptr, M, N,
+            stride_rstd_h, BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILES)
+
+
+@triton.jit
+def gate_up_kernel_tma_mainloop(
     # TMA descriptors
     a_desc, b_desc,
     # pointers
@@ -115,7 +232,7 @@ def gate_up_kernel(
     EPILOGUE_SUBTILES: tl.constexpr, EPI_N: tl.constexpr,  # EPI_N = BLOCK_SIZE_N // SUBTILES
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    """Hopper mainloop: operands via TMA descriptors."""
+    """Hopper mainloop, operands via TMA descriptors; the epilogue's tiles by pointer."""
     start_pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)

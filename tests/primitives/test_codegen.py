@@ -40,12 +40,22 @@ def test_one_module_per_gemm_with_one_dot_per_mainloop(llama) -> None:
     fused = [s for s in program.steps if isinstance(s, GemmEpilogue) and not s.is_plain_store]
     assert len(compiled.kernels) == len(fused)
     for kernel in compiled.kernels.values():
-        # _compute_pid, the epilogue, its sub-tiling wrapper, the TMA and the pointer mainloop
-        assert kernel.source.count("@triton.jit") == 5
-        assert set(kernel.variants) == {"tma", "pointer"}
+        # _compute_pid; the epilogue and its sub-tiling wrapper with pointer accesses and with
+        # TMA tiles (every llama_mlp step moves tiles); the TMA mainloop with either epilogue and
+        # the pointer mainloop
+        assert kernel.source.count("@triton.jit") == 8
+        assert set(kernel.variants) == {"tma", "tma_mainloop", "pointer"}
+        epilogue = f"_{kernel.step}_epilogue"
+        tma_body = _kernel_body(kernel.source, kernel.variants["tma"].function)
+        ptr_body = _kernel_body(kernel.source, kernel.variants["pointer"].function)
+        mixed_body = _kernel_body(kernel.source, kernel.variants["tma_mainloop"].function)
+        assert f"{epilogue}_tma_tile(" in tma_body and f"{epilogue}_tile(" in ptr_body
+        assert "a_desc.load(" in mixed_body and f"{epilogue}_tile(" in mixed_body
+        assert "_desc." in _kernel_body(kernel.source, f"{epilogue}_tma")
+        assert "_desc" not in _kernel_body(kernel.source, epilogue)
         for variant in kernel.variants.values():
             assert _kernel_body(kernel.source, variant.function).count("tl.dot(") == 1
-        assert kernel.source.count("tl.dot(") == 2
+        assert kernel.source.count("tl.dot(") == len(kernel.variants)
         assert "torch" not in kernel.source
         compile(kernel.source, kernel.step, "exec")
 
@@ -65,7 +75,7 @@ def test_every_written_tensor_is_stored(llama) -> None:
 def test_banners_name_each_primitive(llama) -> None:
     program, compiled = llama
     gate_up = compiled.kernels["gate_up"].source
-    assert gate_up.count("# --- epilogue ---") == 2  # one call per mainloop
+    assert gate_up.count("# --- epilogue ---") == 3  # one call per mainloop
     for op in program.steps[1].epilogue:
         assert f"# --- {op.describe()} ---" in gate_up
 

@@ -394,6 +394,7 @@ def _run_case(
     config: Any = "auto",
     mainloop: str = "auto",
     device: str = "cpu",
+    expect_variants: set[str] | None = None,
 ) -> None:
     sizes = {**sizes, "N2": 2 * sizes["N"], "Nh": sizes["N"] // 2, "D": _head_dim(sizes["N"])}
     program = gemm_program(
@@ -409,7 +410,10 @@ def _run_case(
     if case.rope:
         inputs["cos"], inputs["sin"] = rope_tables(sizes["M"], sizes["D"], dtype)
     inputs = {n: t.to(device) for n, t in inputs.items()}
-    got, ref, exact = run_both(program, inputs, mainloop=mainloop)
+    used: dict[str, str] = {}
+    got, ref, exact = run_both(program, inputs, mainloop=mainloop, variants_used=used)
+    if expect_variants is not None:
+        assert set(used.values()) <= expect_variants, f"kernel variants launched: {used}"
     atol, rtol = DTYPE_TOL[dtype]
     # (1) codegen ≡ reference executor at kernel precision, for every tensor the step writes
     for name in ref:
@@ -519,14 +523,15 @@ def test_explicit_configs(config: dict[str, int]) -> None:
 REDUCING = sorted(n for n in ALL_CASES if "partial_reduce" in n or n == "select_column")
 
 
-@pytest.mark.parametrize("mainloop", ["tma", "pointer"])
+@pytest.mark.parametrize("mainloop", ["tma", "tma_mainloop", "pointer"])
 @pytest.mark.parametrize("subtiles", [2, 4])
 @pytest.mark.parametrize("name", REDUCING)
 def test_reductions_over_split_accumulators(name: str, subtiles: int, mainloop: str) -> None:
     """Epilogues that reduce keep one accumulator per column slice: partials per slice, a
-    target column found in whichever slice holds it, on both mainloops and ragged edges."""
+    target column found in whichever slice holds it, on every kernel variant and ragged edges
+    (the last tile's last slices lie wholly past N: their TMA stores are clipped away)."""
     config = {"block_m": 32, "block_n": 64, "block_k": 16, "epilogue_subtiles": subtiles}
-    sizes = {"M": 37, "N": 150, "K": 32}  # ragged M, N; TMA-describable rows
+    sizes = {"M": 37, "N": 148, "K": 32}  # ragged M, N; TMA-describable rows in every space
     _run_case(ALL_CASES[name], sizes, torch.float32, config=config, mainloop=mainloop)
 
 
@@ -543,3 +548,22 @@ def test_both_mainloops(mainloop: str, a_t: bool, b_t: bool, dtype: torch.dtype)
     sizes = dict(TMA_SIZES, M=40, N=48) if a_t or not b_t else TMA_SIZES
     _run_case(CASES["add_tile"], sizes, dtype, a_t=a_t, b_t=b_t, mainloop=mainloop)
     _run_case(CASES["swiglu"], sizes, dtype, a_t=a_t, b_t=b_t, mainloop=mainloop)
+
+
+# Ragged M and N whose rows TMA can describe in every column space (N/2, N, 2N; fp32 and fp16).
+TMA_RAGGED = {"M": 37, "N": 80, "K": 32}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", sorted(ALL_CASES))
+def test_tma_epilogue_tiles_on_ragged_edges(name: str, dtype: torch.dtype) -> None:
+    """The Hopper kernel moves the epilogue's whole tiles by TMA: zero-filled loads and clipped
+    stores at ragged edges, in every column space, agree with the reference."""
+    _run_case(ALL_CASES[name], TMA_RAGGED, dtype, expect_variants={"tma"})
+
+
+@pytest.mark.parametrize("name", ["add_tile", "join_pairs", "half_space[add_tile]"])
+def test_epilogue_tiles_tma_cannot_describe_keep_the_tma_mainloop(name: str) -> None:
+    # fp32 rows of 50 (or 25) elements are not 16-byte multiples; the operands' are
+    sizes = {"M": 37, "N": 50, "K": 32}
+    _run_case(ALL_CASES[name], sizes, torch.float32, expect_variants={"tma_mainloop"})
