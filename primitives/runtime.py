@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from . import backend
 from .analysis import GemmInfo, ProgramInfo, analyze, bind_sizes
@@ -46,6 +47,8 @@ class CompiledProgram:
     kernel_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # step -> regs, spills
     _infos: dict[tuple, ProgramInfo] = field(default_factory=dict)
     _loaded: dict[str, Callable] = field(default_factory=dict)
+    # (step, config) whose TMA-epilogue kernel needs more shared memory than the GPU has
+    _tma_epilogue_too_big: set[tuple[str, MainloopConfig]] = field(default_factory=set)
 
     # -- analysis at the call's sizes ------------------------------------------------------------
     def info_for(self, inputs: dict[str, torch.Tensor]) -> ProgramInfo:
@@ -144,7 +147,29 @@ class CompiledProgram:
             if p.kind == "desc" and p.name not in ("a_desc", "b_desc")  # the operands
         ]
         variant = choose_mainloop(self.mainloop, step, tensors, device, epilogue_tiles=tiles)
-        self.mainloops_used[gemm.name] = variant
+        if variant == "tma" and tiles and (gemm.name, cfg) in self._tma_epilogue_too_big:
+            variant = "tma_mainloop"
+        try:
+            self._launch(step, gemm, tensors, cfg, sizes, device, variant)
+        except OutOfResources:
+            # The epilogue's TMA tiles are staged in shared memory next to the mainloop's
+            # pipeline; where both do not fit, the same mainloop with pointer tiles does. The
+            # launch failed before running, so nothing was written.
+            if variant != "tma" or not tiles:
+                raise
+            self._tma_epilogue_too_big.add((gemm.name, cfg))
+            self._launch(step, gemm, tensors, cfg, sizes, device, "tma_mainloop")
+
+    def _launch(
+        self,
+        step: GemmEpilogue,
+        gemm: GemmInfo,
+        tensors: dict[str, torch.Tensor],
+        cfg: MainloopConfig,
+        sizes: dict[str, int],
+        device: torch.device,
+        variant: str,
+    ) -> None:
         kernel = self._kernel(gemm.name, variant)
         params = self.kernels[gemm.name].variants[variant].params
         args = [_param_value(p, tensors, gemm, cfg, sizes) for p in params]
@@ -167,6 +192,7 @@ class CompiledProgram:
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
+        self.mainloops_used[gemm.name] = variant
         self.kernel_stats[gemm.name] = compiled_kernel_stats(launched)
 
     def _run_vendor(

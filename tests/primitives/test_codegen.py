@@ -155,3 +155,49 @@ def test_split_accumulator_candidates_are_neither_flattened_nor_warp_specialized
     )
     assert configs and not any(c.flatten or c.warp_specialize for c in configs)
     assert any(c.epilogue_subtiles > 1 for c in configs)  # reductions may be sub-tiled now
+
+
+def test_a_tma_epilogue_too_big_for_shared_memory_falls_back_to_pointer_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On the H200, TMA-staged epilogue tiles next to a deep mainloop pipeline can need more shared
+    # memory than the SM has (the launch fails before running): the step reruns with pointer tiles
+    # and remembers that for its config.
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    from coda.primitives.runtime import CompiledProgram
+
+    block = get_block("llama_mlp")
+    program = lower(block)
+    inputs = block.make_inputs(block.shapes.cpu[0], torch.float32, seed=0)
+    compiled = compile_program(program, analyze(program, block.shapes.cpu[0]))
+    want = compiled(inputs)  # with the TMA epilogue
+    assert set(compiled.mainloops_used.values()) == {"tma"}
+    compiled = compile_program(program, analyze(program, block.shapes.cpu[0]))
+    launched: list[str] = []
+    launch = CompiledProgram._launch
+
+    def small_smem(self, *args):  # noqa: ANN001, ANN202
+        variant = args[-1]
+        launched.append(variant)
+        if variant == "tma":
+            raise OutOfResources(262160, 232448, "shared memory")
+        return launch(self, *args)
+
+    monkeypatch.setattr(CompiledProgram, "_launch", small_smem)
+    got = compiled(inputs)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    assert set(compiled.mainloops_used.values()) == {"tma_mainloop"}
+    assert launched.count("tma") == len(compiled.kernels)  # tried once per step and config
+    launched.clear()
+    got = compiled(inputs)
+    assert launched == ["tma_mainloop"] * len(compiled.kernels)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    compiled.mainloop = "pointer"  # a forced variant that fails is not replaced
+    monkeypatch.setattr(CompiledProgram, "_launch", lambda self, *a: (_ for _ in ()).throw(
+        OutOfResources(1, 0, "shared memory")))  # fmt: skip
+    with pytest.raises(OutOfResources):
+        compiled(inputs)
