@@ -3,6 +3,8 @@ backward, through the Triton interpreter — outputs and gradients against the o
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -142,3 +144,27 @@ def test_training_steps_follow_hugging_face(saved: bool) -> None:
     assert losses["hf"][0] != losses["hf"][-1]  # the steps moved the weights
     for (n, want), got in zip(reference.named_parameters(), coda.parameters(), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_the_backward_fills_no_zero_gradients_for_the_saved_activations() -> None:
+    # g, u and a are outputs of the forward op that nobody differentiates: autograd must hand the
+    # backward None for them, not zero tensors of the activations' size (a fill each, every step).
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = llama_mlp_function(1e-5, verify=False, tune="off")
+    norm, mlp = _hf_modules(seed=4)
+    weights = [norm.weight, *[p.weight for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]]
+    x = torch.randn(9, 48, requires_grad=True)
+    out = fn(x, *weights)
+    dout = torch.randn_like(out)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        grads = torch.autograd.grad(out, [x, *weights], dout)
+    f = mlp.gate_proj.weight.shape[0]
+    fills = [
+        e.input_shapes
+        for e in prof.events()
+        if e.name in ("aten::zeros", "aten::zeros_like", "aten::fill_", "aten::zero_")
+    ]
+    activation_sized = [s for s in fills if s and s[0] and math.prod(s[0]) >= 9 * f]
+    assert not activation_sized, f"zero fills of activation size: {fills}"
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
