@@ -47,8 +47,9 @@ class CompiledProgram:
     kernel_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # step -> regs, spills
     _infos: dict[tuple, ProgramInfo] = field(default_factory=dict)
     _loaded: dict[str, Callable] = field(default_factory=dict)
-    # (step, config) whose TMA-epilogue kernel needs more shared memory than the GPU has
-    _tma_epilogue_too_big: set[tuple[str, MainloopConfig]] = field(default_factory=set)
+    # (step, config, activation dtype) whose TMA-epilogue kernel needs more shared memory than the
+    # GPU has (the staged tiles' bytes depend on the dtypes)
+    _tma_epilogue_too_big: set[tuple[str, MainloopConfig, torch.dtype]] = field(default_factory=set)
 
     # -- analysis at the call's sizes ------------------------------------------------------------
     def info_for(self, inputs: dict[str, torch.Tensor]) -> ProgramInfo:
@@ -147,7 +148,8 @@ class CompiledProgram:
             if p.kind == "desc" and p.name not in ("a_desc", "b_desc")  # the operands
         ]
         variant = choose_mainloop(self.mainloop, step, tensors, device, epilogue_tiles=tiles)
-        if variant == "tma" and tiles and (gemm.name, cfg) in self._tma_epilogue_too_big:
+        too_big = (gemm.name, cfg, act)
+        if variant == "tma" and tiles and too_big in self._tma_epilogue_too_big:
             variant = "tma_mainloop"
         try:
             self._launch(step, gemm, tensors, cfg, sizes, device, variant)
@@ -157,7 +159,7 @@ class CompiledProgram:
             # launch failed before running, so nothing was written.
             if variant != "tma" or not tiles:
                 raise
-            self._tma_epilogue_too_big.add((gemm.name, cfg))
+            self._tma_epilogue_too_big.add(too_big)
             self._launch(step, gemm, tensors, cfg, sizes, device, "tma_mainloop")
 
     def _launch(
