@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.primitives.test_ops import CASES, EXTRA_CASES, HALF_SPACE_CASES, _run_case
+from tests.primitives.test_ops import ALL_CASES, CASES, EXTRA_CASES, HALF_SPACE_CASES, _run_case
 
-# Ragged everywhere, with K·2 bytes a multiple of 16 (TMA-describable operands)...
+# Ragged everywhere, with K·2 bytes a multiple of 16 (TMA-describable operands; the epilogue's
+# N-wide rows are not, so its tiles move by pointer behind the TMA mainloop)...
 ALIGNED = {"M": 300, "N": 258, "K": 200}
 # ...and K·2 bytes not a multiple of 16: the pointer mainloop is chosen.
 UNALIGNED = {"M": 129, "N": 130, "K": 45}
@@ -94,4 +95,21 @@ def test_small_tiles_gpu() -> None:
         torch.bfloat16,
         config=config,
         device="cuda",
+    )
+
+
+# Ragged M and N whose rows TMA can describe in every column space (N/2, N, 2N in 16 bits): the
+# epilogue's tiles move by TMA too — zero-filled loads and clipped stores at the edges. Two
+# sub-tiles keep the staged tiles within shared memory next to a 3-stage pipeline.
+TMA_TILES = {"M": 300, "N": 272, "K": 200}
+TWO_SLICES = {
+    "block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 3, "epilogue_subtiles": 2
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(ALL_CASES))
+def test_tma_epilogue_tiles_gpu(name: str) -> None:
+    case = ALL_CASES[name]
+    _run_case(
+        case, TMA_TILES, torch.bfloat16, config=TWO_SLICES, device="cuda", expect_variants={"tma"}
     )
