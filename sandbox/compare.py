@@ -28,7 +28,7 @@ class OutputCheck(BaseModel):
     sizes: dict[str, int]
     seed: int
     passed: bool
-    mainloop: str = ""  # the mainloop(s) the kernels ran with: "tma", "pointer", "pointer,tma"
+    mainloop: str = ""  # the kernel variant(s) that ran: "tma", "tma_mainloop", "pointer,tma", ...
     reason: str = ""
     max_abs_err: float | None = None
     torch_max_abs_err: float | None = None  # the block's PyTorch reference in the same dtype

@@ -64,7 +64,7 @@ class ProfileRow(BaseModel):
     compile_ms: float | None = None
     tflops: float
     configs: dict[str, dict[str, int | bool]] = {}
-    mainloops: dict[str, str] = {}  # step -> "tma" | "pointer"
+    mainloops: dict[str, str] = {}  # step -> "tma" | "tma_mainloop" | "pointer" (choose_mainloop)
     input_sets: int = 1  # input sets rotated while timing (more when they fit in L2)
     rel_err: float | None = None  # program vs fp32 reference, at this shape, in this run
     eager_rel_err: float | None = None  # eager PyTorch in the same dtype vs the same reference
