@@ -43,7 +43,7 @@ from ..ir import GemmEpilogue
 from .context import EmitContext, Param
 from .emitter import IndentedBuffer
 
-GENERATOR_VERSION = "4"
+GENERATOR_VERSION = "5"
 
 _COMPUTE_PID = """\
 @triton.jit
