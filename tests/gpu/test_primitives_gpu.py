@@ -16,6 +16,9 @@ from tests.primitives.test_ops import ALL_CASES, CASES, EXTRA_CASES, HALF_SPACE_
 ALIGNED = {"M": 300, "N": 258, "K": 200}
 # ...and K·2 bytes not a multiple of 16: the pointer mainloop is chosen.
 UNALIGNED = {"M": 129, "N": 130, "K": 45}
+# Ragged M and N whose rows TMA can describe in every column space (N/2, N, 2N in 16 bits): the
+# epilogue's tiles move by TMA too — zero-filled loads and clipped stores at the edges.
+TMA_TILES = {"M": 300, "N": 272, "K": 200}
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -75,6 +78,9 @@ HOPPER_CONFIGS = [
 def test_hopper_configs_gpu(config: dict) -> None:
     _run_case(CASES["swiglu"], ALIGNED, torch.bfloat16, config=config, device="cuda")
     _run_case(HALF_SPACE_CASES["add_tile"], ALIGNED, torch.bfloat16, config=config, device="cuda")
+    # the same through TMA epilogue tiles (TMA_TILES below), flattened / warp-specialized too
+    for case in (CASES["swiglu"], HALF_SPACE_CASES["add_tile"], CASES["pairwise"]):
+        _run_case(case, TMA_TILES, torch.bfloat16, config=config, device="cuda")
     # reductions across the tile, with the config's sub-tiles as split accumulators (Triton 3.6
     # miscompiles reductions of tl.split sub-tiles: this is where it would show); not flattened
     # or warp-specialized, which Triton 3.6 cannot compile with split accumulators
@@ -98,10 +104,7 @@ def test_small_tiles_gpu() -> None:
     )
 
 
-# Ragged M and N whose rows TMA can describe in every column space (N/2, N, 2N in 16 bits): the
-# epilogue's tiles move by TMA too — zero-filled loads and clipped stores at the edges. Two
-# sub-tiles keep the staged tiles within shared memory next to a 3-stage pipeline.
-TMA_TILES = {"M": 300, "N": 272, "K": 200}
+# Two sub-tiles keep the staged tiles within shared memory next to a 3-stage pipeline.
 TWO_SLICES = {
     "block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 3, "epilogue_subtiles": 2
 }  # fmt: skip
