@@ -213,9 +213,10 @@ def export_autograd(
         by_name = dict(zip(fwd_outputs, outs, strict=True))
         kept = [by_name[n] for n in saved_names]
         ctx.mark_non_differentiable(*kept)
-        # Outputs nobody differentiated (the saved g, u, a) reach backward_fn as None instead of
-        # zero tensors as large as the activations: 3 fills of M·f values a step (0.24 ms at
-        # d = 2048, 0.42 ms at d = 4096 on the H200, bench/profile_export.py).
+        # Outputs nobody differentiated (saved activations, e.g. llama_mlp's g, u, a) reach
+        # backward_fn as None, not as zero tensors of their size: for llama_mlp 3 fills of M·f
+        # values a step (0.24 ms at d = 2048, 0.42 ms at d = 4096 on the H200,
+        # bench/profile_export.py).
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs, *kept)
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]

@@ -267,11 +267,11 @@ class EmitContext:
 
     def store_tile(self, tensor: str, value: str, scale: Fraction, *, accumulate: bool) -> None:
         """Store a tile, cast to the destination's dtype; ``accumulate`` adds to what is there."""
-        self.rows()
         if self.tma and not accumulate:
             desc = self.descriptor(tensor, scale)
             self.line(f"{desc}.store({self.tile_origin(scale)}, ({value}).to({desc}.dtype))")
             return
+        self.rows()
         ptrs, mask = f"{self.base(tensor)}_ptrs", self.tile_mask(scale)
         self.line(f"{ptrs} = {self.tile_ptrs(tensor, scale)}")
         if accumulate:

@@ -105,9 +105,6 @@ def _down_epilogue_tma(
     BLOCK_SIZE_M: tl.constexpr, EPI_N: tl.constexpr,
 ):
     # This sub-tile: rows of block pid_m; columns [start_n, start_n + EPI_N) of N.
-    offs_cm = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    mask_cm = offs_cm < M
-    offs_cm64 = offs_cm.to(tl.int64)  # row offsets × stride can pass 2**31
     # --- add_tile(src='acc', tensor='x', out='out') ---
     x_tile = x_desc.load([pid_m * BLOCK_SIZE_M, start_n]).to(tl.float32)
     v_out = accumulator + x_tile
