@@ -45,7 +45,9 @@ class CompiledProgram:
     use_vendor: bool = True  # plain-store gemms on torch.matmul; False runs them on our mainloop
     mainloops_used: dict[str, str] = field(default_factory=dict)  # step -> mainloop last launched
     kernel_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # step -> regs, spills
-    _infos: dict[tuple, ProgramInfo] = field(default_factory=dict)
+    _infos: dict[tuple, ProgramInfo] = field(default_factory=dict)  # by bound sizes
+    _infos_by_shapes: dict[tuple, ProgramInfo] = field(default_factory=dict)
+    _gemm_steps: dict[str, GemmEpilogue] = field(default_factory=dict)  # by step name
     _loaded: dict[str, Callable] = field(default_factory=dict)
     # (step, config, activation dtype) whose TMA-epilogue kernel needs more shared memory than the
     # GPU has (the staged tiles' bytes depend on the dtypes)
@@ -53,11 +55,16 @@ class CompiledProgram:
 
     # -- analysis at the call's sizes ------------------------------------------------------------
     def info_for(self, inputs: dict[str, torch.Tensor]) -> ProgramInfo:
-        sizes = bind_sizes(self.program, {n: tuple(t.shape) for n, t in inputs.items()})
-        key = tuple(sorted(sizes.items()))
-        if key not in self._infos:
-            self._infos[key] = analyze(self.program, sizes)
-        return self._infos[key]
+        # Looked up several times per call (host time on every training step): by the inputs'
+        # shapes first, binding sizes only for shapes not seen before.
+        shapes = tuple((n, tuple(t.shape)) for n, t in inputs.items())
+        if shapes not in self._infos_by_shapes:
+            sizes = bind_sizes(self.program, dict(shapes))
+            key = tuple(sorted(sizes.items()))
+            if key not in self._infos:
+                self._infos[key] = analyze(self.program, sizes)
+            self._infos_by_shapes[shapes] = self._infos[key]
+        return self._infos_by_shapes[shapes]
 
     def config_for(self, name: str, gemm: GemmInfo) -> MainloopConfig:
         if name in self.configs:
@@ -69,9 +76,10 @@ class CompiledProgram:
         return {name: self.config_for(name, g) for name, g in info.gemms.items()}
 
     def _step(self, name: str) -> GemmEpilogue:
-        step = self.program.steps[self.program.step_names().index(name)]
-        assert isinstance(step, GemmEpilogue)
-        return step
+        if not self._gemm_steps:
+            named = zip(self.program.step_names(), self.program.steps, strict=True)
+            self._gemm_steps.update((n, s) for n, s in named if isinstance(s, GemmEpilogue))
+        return self._gemm_steps[name]
 
     # -- running ---------------------------------------------------------------------------------
     def prepare(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
