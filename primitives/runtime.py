@@ -27,7 +27,7 @@ from .base import RunEnv
 from .codegen.cache import load_kernel, write_source
 from .codegen.configs import resolve_config
 from .codegen.context import Param
-from .codegen.kernel import KernelSource, generate_kernel
+from .codegen.kernel import OPERAND_DESCRIPTORS, KernelSource, generate_kernel
 from .ir import GemmEpilogue, MainloopConfig, Program
 from .reference import activation_dtype
 from .sizes import evaluate as evaluate_size
@@ -153,7 +153,7 @@ class CompiledProgram:
         tiles = [
             (tensors[p.tensor], descriptor_block(p, cfg))
             for p in self.kernels[gemm.name].variants["tma"].params
-            if p.kind == "desc" and p.name not in ("a_desc", "b_desc")  # the operands
+            if p.kind == "desc" and p.name not in OPERAND_DESCRIPTORS
         ]
         variant = choose_mainloop(self.mainloop, step, tensors, device, epilogue_tiles=tiles)
         too_big = (gemm.name, cfg, act)

@@ -45,6 +45,9 @@ from .emitter import IndentedBuffer
 
 GENERATOR_VERSION = "5"
 
+# The Hopper kernels' operand descriptors; every other descriptor is a tile of the epilogue.
+OPERAND_DESCRIPTORS = ("a_desc", "b_desc")
+
 _COMPUTE_PID = """\
 @triton.jit
 def _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
@@ -356,8 +359,8 @@ def _tma_variant(
 
     params = order_params(
         [
-            Param("a_desc", "desc", step.a.tensor, block=a_block),
-            Param("b_desc", "desc", step.b.tensor, block=b_block),
+            Param(OPERAND_DESCRIPTORS[0], "desc", step.a.tensor, block=a_block),
+            Param(OPERAND_DESCRIPTORS[1], "desc", step.b.tensor, block=b_block),
             *epi,
             Param("K", "size"),
         ]
