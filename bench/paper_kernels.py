@@ -100,6 +100,20 @@ class Bench:
 
         return interleaved_ms(fns, rounds=3, warmup=25, rep=100)
 
+    def graph_ms(self, fn: Callable[[], Any]) -> float | None:
+        """Milliseconds of ``fn`` replayed from a CUDA graph: GPU time with no host launch cost
+        (separates a host-bound launch path from slow kernels). None on a dry run or when ``fn``
+        cannot be captured."""
+        if self.dry_run:
+            return None
+        import triton
+
+        try:
+            return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+        except Exception as e:  # noqa: BLE001 - a diagnostic column, not the measurement
+            print(f"    (no CUDA-graph timing: {e!r:.200})", flush=True)
+            return None
+
     def compile(self, fn: Callable) -> Callable:
         import torch
 
@@ -172,12 +186,18 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
             "compile": lambda: reference(**inputs),
         }
     )
+    # The same two from CUDA graphs (no L2 flush): kernel time without the host's launch path
+    graphs = {
+        "coda_graph_ms": bench.graph_ms(lambda: compiled.run(prepared)),
+        "gemm_graph_ms": bench.graph_ms(lambda: gemm.call(inputs)),
+    }
     row = {
         "block": block.name,
         "sizes": sizes,
         "correct": all(c["passed"] for c in checks),
         "checks": checks,
         **{f"{name}_ms": ms for name, ms in times.items()},
+        **graphs,
         "configs": {n: c.model_dump() for n, c in compiled.configs_for(info).items()},
         "mainloops": dict(compiled.mainloops_used),
         "kernel_stats": dict(compiled.kernel_stats),
@@ -224,6 +244,19 @@ def _mlp_inputs(sizes: dict[str, int], bench: Bench) -> tuple[dict[str, Any], An
         (sizes["M"], sizes["d"]), generator=gen, device=bench.device, dtype=bench.dtype
     )
     return {n: t.requires_grad_() for n, t in inputs.items()}, dout
+
+
+def _packed_gate_up(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The same inputs with gate and up as one interleaved ``[2f, d]`` leaf (``w_gate_up``)."""
+    from coda.export.hf import interleave_gate_up
+
+    fused = interleave_gate_up(inputs["w_gate"].detach(), inputs["w_up"].detach())
+    return {
+        "x": inputs["x"],
+        "gamma": inputs["gamma"],
+        "w_gate_up": fused.requires_grad_(),
+        "w_down": inputs["w_down"],
+    }
 
 
 def _fwd_bwd(fn: Callable, inputs: dict[str, Any], dout: Any) -> Callable[[], Any]:
@@ -287,10 +320,14 @@ def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
     tune = "off" if bench.tune == "none" else bench.tune
     exported = llama_mlp_function(1e-5, verify=False, tune=tune)
     recompute = llama_mlp_function(1e-5, verify=False, saved=False, tune=tune)
+    # gate/up kept as one interleaved tensor (CodaLlamaMLPBlock(fuse_gate_up=True)): no prep copies
+    packed = llama_mlp_function(1e-5, verify=False, tune=tune, packed_gate_up=True)
+    packed_inputs = _packed_gate_up(inputs)
     reference = lambda *a: block.reference(dict(zip(block.inputs, a, strict=True)))["out"]  # noqa: E731
     candidates: dict[str, Callable | None] = {
         "coda": exported,
         "coda_recompute": recompute if bench.recompute else None,
+        "coda_packed": packed,
         "eager": reference,
         "compile": bench.compile(reference),
         "liger": _liger_mlp(sizes, inputs),
@@ -306,17 +343,23 @@ def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
         check(n, g, r, t, block, sizes, bench)
         for n, g, r, t in zip(names, coda, ref32, torch_bf16, strict=True)
     ]
+    out, dx, dgamma, dw_gate_up, dw_down = _fwd_bwd(packed, packed_inputs, dout)()
+    packed_grads = [out, dx, dgamma, dw_gate_up[0::2], dw_gate_up[1::2], dw_down]
+    checks += [
+        check(f"{n} (packed)", g, r, t, block, sizes, bench)
+        for n, g, r, t in zip(names, packed_grads, ref32, torch_bf16, strict=True)
+    ]
     row: dict[str, Any] = {"sizes": sizes, "correct": all(c["passed"] for c in checks)}
     row["checks"] = checks
-    leaves = list(inputs.values())
     fwd, fwd_bwd = {}, {"gemms_alone": _six_gemms(sizes, bench)}
     for name, fn in candidates.items():
         row[f"{name}_fwd_ms"] = row[f"{name}_fwd_bwd_ms"] = None
         if fn is None:
             continue
+        args = packed_inputs if name == "coda_packed" else inputs
         try:
-            fwd[name] = lambda fn=fn: fn(*leaves)
-            fwd_bwd[name] = _fwd_bwd(fn, inputs, dout)
+            fwd[name] = lambda fn=fn, leaves=list(args.values()): fn(*leaves)
+            fwd_bwd[name] = _fwd_bwd(fn, args, dout)
             fwd[name](), fwd_bwd[name]()  # a baseline that cannot run is reported, not timed
         except Exception as e:  # noqa: BLE001 - a baseline that fails is reported, not fatal
             if name == "coda":
@@ -331,6 +374,10 @@ def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
         base = row[f"{name}_fwd_bwd_ms"]
         row[f"coda_speedup_vs_{name}"] = None if base is None else base / row["coda_fwd_bwd_ms"]
     row["coda_over_gemms_alone"] = row["coda_fwd_bwd_ms"] / row["gemms_alone_fwd_bwd_ms"]
+    if row["coda_packed_fwd_bwd_ms"] is not None:
+        ms = row["coda_packed_fwd_bwd_ms"]
+        row["coda_packed_speedup_vs_compile"] = row["compile_fwd_bwd_ms"] / ms
+        row["coda_packed_over_gemms_alone"] = ms / row["gemms_alone_fwd_bwd_ms"]
     return row
 
 
@@ -359,8 +406,8 @@ def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
     if kernels:
         lines += [
             "| kernel | M=N=K | ok | CODA ms | cuBLAS GEMM ms | CODA / GEMM | compile ms | "
-            "compile / GEMM | eager ms | CODA TFLOP/s |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "compile / GEMM | eager ms | CODA TFLOP/s | graphs: CODA / GEMM ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in kernels:
             if "error" in r:
@@ -370,14 +417,16 @@ def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
                 f"| {r['block']} | {r['sizes']['M']} | {'yes' if r['correct'] else 'NO'} | "
                 f"{_f(r['coda_ms'])} | {_f(r['gemm_ms'])} | {_f(r['coda_over_gemm'])}× | "
                 f"{_f(r['compile_ms'])} | {_f(r['compile_over_gemm'])}× | {_f(r['eager_ms'])} | "
-                f"{_f(r['coda_tflops'], '.0f')} |"
+                f"{_f(r['coda_tflops'], '.0f')} | "
+                f"{_f(r.get('coda_graph_ms'))} / {_f(r.get('gemm_graph_ms'))} |"
             )
     if mlp:
         lines += [
             "",
             "| llama_mlp | ok | GEMMs alone fwd+bwd | CODA fwd / fwd+bwd | CODA, recompute | "
-            "eager | compile | Liger | CODA vs compile |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "CODA, packed gate/up | eager | compile | Liger | CODA vs compile | "
+            "packed vs compile |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in mlp:
             s = r["sizes"]
@@ -389,8 +438,9 @@ def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {where} | {'yes' if r['correct'] else 'NO'} | "
                 f"{_f(r['gemms_alone_fwd_bwd_ms'])} | {pair('coda')} | {pair('coda_recompute')} | "
-                f"{pair('eager')} | "
-                f"{pair('compile')} | {pair('liger')} | {_f(r['coda_speedup_vs_compile'])}× |"
+                f"{pair('coda_packed')} | {pair('eager')} | {pair('compile')} | {pair('liger')} | "
+                f"{_f(r['coda_speedup_vs_compile'])}× | "
+                f"{_f(r.get('coda_packed_speedup_vs_compile'))}× |"
             )
     return "\n".join(lines)
 

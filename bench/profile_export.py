@@ -7,7 +7,10 @@ fills, autograd bookkeeping, host gaps — shows up by name. Prints, per hidden 
 one fwd+bwd (CUDA events, median of the profiled iterations), the GPU busy time, and the kernels
 sorted by total GPU time; full tables go to ``profile_export.json`` in ``--out``.
 
-    python3 bench/profile_export.py [--out DIR] [--sizes 2048,4096] [--iters 5]
+    python3 bench/profile_export.py [--out DIR] [--sizes 2048,4096] [--iters 5] [--packed]
+
+``--packed``: gate and up as one interleaved ``[2f, d]`` tensor (``packed_gate_up``, what
+``CodaLlamaMLPBlock(fuse_gate_up=True)`` trains), so no weight layouts move.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/out", help="results folder")
     p.add_argument("--sizes", default="2048,4096", help="hidden sizes d (f follows Llama)")
     p.add_argument("--iters", type=int, default=5, help="profiled fwd+bwd iterations")
+    p.add_argument("--packed", action="store_true", help="gate/up as one interleaved tensor")
     return p.parse_args(argv)
 
 
-def profile_one(sizes: dict[str, int], iters: int) -> dict[str, Any]:
+def profile_one(sizes: dict[str, int], iters: int, packed: bool = False) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -40,9 +44,14 @@ def profile_one(sizes: dict[str, int], iters: int) -> dict[str, Any]:
 
     block = get_block("llama_mlp")
     inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
+    if packed:
+        from coda.export.hf import interleave_gate_up
+
+        gate_up = interleave_gate_up(inputs.pop("w_gate"), inputs.pop("w_up"))
+        inputs = {"x": inputs["x"], "gamma": inputs["gamma"], "w_gate_up": gate_up, **inputs}
     leaves = [t.requires_grad_() for t in inputs.values()]
     dout = torch.randn((sizes["M"], sizes["d"]), device="cuda", dtype=torch.bfloat16)
-    fn = llama_mlp_function(1e-5, verify=False, tune="quick")
+    fn = llama_mlp_function(1e-5, verify=False, tune="quick", packed_gate_up=packed)
 
     def step() -> None:
         out = fn(*leaves)
@@ -81,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench/profile_export.py needs a CUDA GPU (see GPU.md)", file=sys.stderr)
         return 2
-    results = [profile_one(SIZES[int(d)], args.iters) for d in args.sizes.split(",")]
+    results = [profile_one(SIZES[int(d)], args.iters, args.packed) for d in args.sizes.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_export.json").write_text(json.dumps(results, indent=2))

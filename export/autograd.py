@@ -10,8 +10,10 @@ backward receives (``saved``): the forward Program returns those too (e.g. ``lla
 ``g`` and ``u``), autograd keeps them for the backward, and the caller sees only the other outputs.
 
 Prep steps (weight layouts such as gate/up interleaving) run inside every forward and backward
-call: in training the weights change every step. They move weight-sized tensors once per call,
-which is small next to the GEMMs at training batch sizes.
+call: in training the weights change every step. They move weight-sized tensors once per call
+(llama_mlp: gate/up interleaving in both passes, plus copies splitting the fused weight gradient
+— measured in bench/RESULTS.md). ``packed=[PackedRows(...)]`` removes both for a model that
+stores the pair as one interleaved tensor: the op takes it whole and returns its gradient whole.
 
 Mainloop configs are tuned on a GPU the first time each op meets a new set of input shapes
 (``tune``: ``"quick"`` — the five-candidate ``QUICK_SPACE``, the default; ``"full"`` — the whole
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -41,21 +44,57 @@ _REGISTERED: dict[str, ExportedFunction] = {}
 Tuning = Literal["quick", "full", "off"]
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """One op argument standing for two Program inputs stored as its even and odd rows.
+
+    ``PackedRows("w_gate_up", even="w_gate", odd="w_up")``: the op takes ``w_gate_up`` ``[2f, d]``
+    and binds ``w_gate = w_gate_up[0::2]``, ``w_up = w_gate_up[1::2]`` (views: the Program's
+    ``interleave_rows`` prep of the two is then free). Its gradient is the tensor whose even and
+    odd rows the backward Program returns as the two parts' gradients (the interleaved ``dw_gu``
+    of the fused weight-gradient GEMM), returned whole: no per-part copies. A model that keeps one
+    interleaved ``[2f, d]`` parameter thus trains with no weight-layout traffic at all.
+    """
+
+    name: str
+    even: str
+    odd: str
+
+
 @dataclass
 class _Runner:
-    """One Program, compiled on first use (kernels do not depend on sizes), called by position."""
+    """One Program, compiled on first use (kernels do not depend on sizes), called by position.
+
+    ``args``: the op's arguments — the Program's inputs, each ``packed`` pair replaced by its
+    packed tensor at the even part's place. ``whole``: op outputs that are the whole tensor under
+    two view outputs of the Program (op output name → the even and odd rows' output names); the
+    op returns that tensor in the even output's place and drops the odd one.
+    """
 
     program: Program
+    packed: tuple[PackedRows, ...] = ()
+    whole: dict[str, tuple[str, str]] = field(default_factory=dict)
     compiled: CompiledProgram | None = None
-    names: list[str] = field(default_factory=list)
     tune: Tuning = "quick"
     tuned: dict[tuple, dict] = field(default_factory=dict)  # configs per input shapes and dtypes
 
-    def __post_init__(self) -> None:
-        self.names = list(self.program.inputs)
+    @property
+    def args(self) -> list[str]:
+        return _packed_names(list(self.program.inputs), self.packed)
+
+    @property
+    def outputs(self) -> list[str]:
+        """The op's outputs, in order."""
+        pairs = [(even, odd, name) for name, (even, odd) in self.whole.items()]
+        return _packed_names(list(self.program.outputs), [PackedRows(n, e, o) for e, o, n in pairs])
 
     def bind(self, args: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
-        return dict(zip(self.names, args, strict=True))
+        """The Program's inputs for the op's arguments (packed ones as row views)."""
+        by_name = dict(zip(self.args, args, strict=True))
+        for p in self.packed:
+            rows = by_name.pop(p.name)
+            by_name[p.even], by_name[p.odd] = rows[0::2], rows[1::2]
+        return {n: by_name[n] for n in self.program.inputs}
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         inputs = self.bind(args)
@@ -65,8 +104,10 @@ class _Runner:
         if self.tune != "off":
             self._pin_configs(inputs)
         outs = self.compiled(inputs)
+        for name, (even, odd) in self.whole.items():
+            outs[name] = _whole_rows(outs.pop(even), outs.pop(odd), name)
         # An op's outputs may not alias one another (views of one fused gradient would): copy views.
-        return [_owned(outs[name]) for name in self.program.outputs]
+        return [_owned(outs[name]) for name in self.outputs]
 
     def _pin_configs(self, inputs: dict[str, torch.Tensor]) -> None:
         """Pin the tuned configs of these shapes on the compiled Program (tuning them first if
@@ -88,15 +129,44 @@ class _Runner:
         info = analyze(self.program, sizes)
         act = _act_dtype(self.program, inputs)
         device = args[0].device
-        outs = []
+        wholes = {even: name for name, (even, _) in self.whole.items()}
+        outs = {}
         for name, value in self.program.outputs.items():
             tensor = self.program.output_tensor(name)
             t = info.tensors[tensor]
             shape = t.shape
-            if isinstance(value, OutputView):
+            if isinstance(value, OutputView) and name not in wholes:
                 shape = tuple(value.apply(torch.empty(shape, device="meta"), sizes).shape)
-            outs.append(torch.empty(shape, dtype=torch_dtype(t.dtype, act), device=device))
-        return outs
+            outs[wholes.get(name, name)] = torch.empty(
+                shape, dtype=torch_dtype(t.dtype, act), device=device
+            )
+        return [outs[name] for name in self.outputs]
+
+
+def _packed_names(names: list[str], packed: Sequence[PackedRows]) -> list[str]:
+    """``names`` with each packed pair replaced by the packed name at the even part's place."""
+    evens = {p.even: p.name for p in packed}
+    odds = {p.odd for p in packed}
+    return [evens.get(n, n) for n in names if n not in odds]
+
+
+def _whole_rows(even: torch.Tensor, odd: torch.Tensor, name: str) -> torch.Tensor:
+    """The ``[2r, c]`` tensor whose even and odd rows are ``even`` and ``odd`` — their own base
+    tensor when they are its two row views (no copy), else interleaved into a new one."""
+    from coda.primitives.prep.layout import interleaved_buffer
+
+    rows = interleaved_buffer(even, odd)
+    if rows is None:
+        raise RuntimeError(f"{name}: the backward's two gradients are not one tensor's rows")
+    base = even._base
+    if (
+        base is not None
+        and base.shape == rows.shape
+        and base.stride() == rows.stride()
+        and base.data_ptr() == rows.data_ptr()
+    ):
+        return base
+    return rows.clone()
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
@@ -108,22 +178,22 @@ def _act_dtype(program: Program, inputs: dict[str, torch.Tensor]) -> torch.dtype
     return acts[0] if acts else torch.float32
 
 
-def _schema(program: Program) -> str:
-    args = ", ".join(f"Tensor {name}" for name in program.inputs)
-    n = len(program.outputs)
+def _schema(runner: _Runner) -> str:
+    args = ", ".join(f"Tensor {name}" for name in runner.args)
+    n = len(runner.outputs)
     ret = "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
     return f"({args}) -> {ret}"
 
 
-def _op_name(program: Program, kind: str) -> str:
-    digest = hashlib.sha256(program.canonical_json().encode()).hexdigest()[:10]
+def _op_name(program: Program, kind: str, packed: Sequence[PackedRows] = ()) -> str:
+    key = program.canonical_json() + repr(sorted((p.name, p.even, p.odd) for p in packed))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return f"{re.sub(r'[^0-9a-zA-Z_]', '_', program.block)}_{digest}_{kind}"
 
 
-def _custom_op(program: Program, kind: str) -> tuple[Any, _Runner]:
-    """Register one Program as ``coda::<name>`` with a real and a fake implementation."""
-    runner = _Runner(program)
-    single = len(program.outputs) == 1
+def _custom_op(runner: _Runner, kind: str) -> Any:
+    """Register one Program's runner as ``coda::<name>`` with a real and a fake implementation."""
+    single = len(runner.outputs) == 1
 
     def impl(*args: torch.Tensor) -> Any:
         outs = runner(*args)
@@ -133,15 +203,16 @@ def _custom_op(program: Program, kind: str) -> tuple[Any, _Runner]:
         outs = runner.fake(*args)
         return outs[0] if single else tuple(outs)
 
-    name = f"coda::{_op_name(program, kind)}"
-    op = torch.library.custom_op(name, impl, mutates_args=(), schema=_schema(program))
+    name = f"coda::{_op_name(runner.program, kind, runner.packed)}"
+    op = torch.library.custom_op(name, impl, mutates_args=(), schema=_schema(runner))
     op.register_fake(fake)
-    return op, runner
+    return op
 
 
 @dataclass
 class ExportedFunction:
-    """A differentiable function of the forward block's inputs (in the Program's input order).
+    """A differentiable function of the forward block's inputs (``input_names``: the Program's
+    input order, each packed pair as one argument at its even part's place).
 
     Calling it returns the forward outputs other than the saved ones (one tensor, or a tuple in the
     Program's output order); ``torch.autograd`` runs the backward Program for gradients.
@@ -181,31 +252,42 @@ class ExportedFunction:
 
 
 def export_autograd(
-    forward: Program, backward: Program, backward_block: Block, *, tune: Tuning = "quick"
+    forward: Program,
+    backward: Program,
+    backward_block: Block,
+    *,
+    tune: Tuning = "quick",
+    packed: Sequence[PackedRows] = (),
 ) -> ExportedFunction:
-    """Register ``forward`` + ``backward`` as a differentiable custom op (once per Program pair;
-    a second call returns the same function, with ``tune`` set as asked).
+    """Register ``forward`` + ``backward`` as a differentiable custom op (once per Program pair
+    and packing; a second call returns the same function, with ``tune`` set as asked).
 
     ``backward_block`` is the block ``backward`` was verified against: its ``vjp`` op maps forward
     outputs to cotangent inputs (``cotangents``) and names the inputs that get gradients (``wrt``);
     the backward Program's inputs must be the forward inputs followed by those cotangents.
+    ``packed``: pairs of forward inputs the function takes as one tensor of interleaved rows
+    (``PackedRows``); the backward Program must return their gradients as the even and odd rows of
+    one tensor, which becomes the packed tensor's gradient.
     """
-    key = _op_name(forward, "fwd") + _op_name(backward, "bwd")
+    packed = tuple(packed)
+    key = _op_name(forward, "fwd", packed) + _op_name(backward, "bwd", packed)
     if key in _REGISTERED:
         _REGISTERED[key].tune = tune
         return _REGISTERED[key]
     vjp = _vjp_of(backward_block)
     _check_pair(forward, backward, vjp)
-    (fwd_op, fwd_runner), (bwd_op, bwd_runner) = (
-        _custom_op(forward, "fwd"),
-        _custom_op(backward, "bwd"),
-    )
-    fwd_inputs, fwd_outputs = list(forward.inputs), list(forward.outputs)
     grad_names = {
         p.key: p.out for p in backward_block.graph if isinstance(p, Pick) and p.src == vjp.out
     }
-    bwd_outputs = list(backward.outputs)
-
+    _check_packing(forward, backward, grad_names, packed)
+    whole = {f"d{p.name}": (grad_names[p.even], grad_names[p.odd]) for p in packed}
+    for p in packed:
+        grad_names[p.name] = f"d{p.name}"
+    fwd_runner = _Runner(forward, packed)
+    bwd_runner = _Runner(backward, packed, whole)
+    fwd_op, bwd_op = _custom_op(fwd_runner, "fwd"), _custom_op(bwd_runner, "bwd")
+    fwd_inputs, fwd_outputs = fwd_runner.args, fwd_runner.outputs
+    bwd_inputs, bwd_outputs = bwd_runner.args, bwd_runner.outputs
     saved_names = list(vjp.saved)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -232,7 +314,7 @@ def export_autograd(
                 cot[vjp.cotangents[out]] = (
                     torch.zeros(shape, dtype=dtype, device=device) if zero else grad
                 )
-        args = [saved[n] if n in saved else cot[n] for n in backward.inputs]
+        args = [saved[n] if n in saved else cot[n] for n in bwd_inputs]
         result = bwd_op(*args)
         result = result if isinstance(result, tuple) else (result,)
         by_name = dict(zip(bwd_outputs, result, strict=True))
@@ -253,6 +335,42 @@ def export_autograd(
     exported.tune = tune
     _REGISTERED[key] = exported
     return exported
+
+
+def _check_packing(
+    forward: Program, backward: Program, grad_names: dict[str, str], packed: tuple[PackedRows, ...]
+) -> None:
+    """Each packed pair: two forward inputs whose gradients are the even and odd rows of one
+    backward tensor."""
+    taken: set[str] = set()
+    for p in packed:
+        parts = [p.even, p.odd]
+        unknown = [n for n in parts if n not in forward.inputs]
+        if unknown or p.even == p.odd or taken & {*parts, p.name}:
+            raise ValueError(
+                f"cannot pack {p.even!r} and {p.odd!r} as {p.name!r}: each pair must name two "
+                f"distinct, not yet packed forward inputs of {list(forward.inputs)}"
+            )
+        if p.name in forward.inputs:
+            raise ValueError(f"the packed name {p.name!r} is already a forward input")
+        taken |= {*parts, p.name}
+        views = [backward.outputs.get(grad_names.get(n, "")) for n in parts]
+        if not all(isinstance(v, OutputView) for v in views) or not _even_odd_rows(*views):
+            raise ValueError(
+                f"cannot pack {p.even!r} and {p.odd!r}: the backward Program must return their "
+                "gradients as the even and odd rows of one tensor (views step 2 from row 0 and "
+                f"row 1), not {views}"
+            )
+
+
+def _even_odd_rows(even: OutputView, odd: OutputView) -> bool:
+    return (
+        even.tensor == odd.tensor
+        and (even.dim, odd.dim, even.step, odd.step) == (0, 0, 2, 2)
+        and (even.start, odd.start) == ("0", "1")
+        and even.stop is None
+        and odd.stop is None
+    )
 
 
 def _vjp_of(block: Block) -> VJP:

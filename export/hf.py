@@ -5,6 +5,11 @@
 of ``llama_mlp`` / ``llama_mlp_bwd``. It shares the Hugging Face modules' parameters (nothing is
 copied), so optimizers, state dicts and weight tying see the same tensors, and their ``.grad``s are
 filled by the backward Program.
+
+``fuse_gate_up=True`` instead moves ``gate_proj.weight`` and ``up_proj.weight`` into one parameter
+of interleaved rows, ``gate_up_weight`` ``[2f, d]`` — the layout the fused kernels read and the
+fused weight-gradient GEMM writes — so a training step moves no weight layouts at all (build the
+optimizer after wrapping). State dicts keep Hugging Face's keys both ways.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from coda.blocks.llama import llama_mlp_family
 from coda.primitives.ir import Program
 from coda.sandbox import SandboxOptions, evaluate
 
-from .autograd import ExportedFunction, Tuning, export_autograd
+from .autograd import ExportedFunction, PackedRows, Tuning, export_autograd
+
+GATE_UP = PackedRows("w_gate_up", even="w_gate", odd="w_up")
 
 
 class NotVerified(RuntimeError):
@@ -39,9 +46,18 @@ def verified_program(block: Block, options: LoweringOptions | None = None) -> Pr
 
 
 def llama_mlp_function(
-    eps: float, *, verify: bool = True, saved: bool = True, tune: Tuning = "quick"
+    eps: float,
+    *,
+    verify: bool = True,
+    saved: bool = True,
+    tune: Tuning = "quick",
+    packed_gate_up: bool = False,
 ) -> ExportedFunction:
     """``f(x, gamma, w_gate, w_up, w_down) -> out`` with autograd, for an RMSNorm epsilon.
+
+    ``packed_gate_up``: ``f(x, gamma, w_gate_up, w_down)`` instead, ``w_gate_up = [2f, d]`` with
+    ``gate_proj``'s rows at even and ``up_proj``'s at odd indices (``interleave_gate_up``); its
+    gradient comes back in the same layout, as the backward's weight-gradient GEMM writes it.
 
     ``saved`` (default): the forward is ``llama_mlp_train``, which also keeps the gate and up
     projections and the SwiGLU output, and the backward ``llama_mlp_bwd_saved`` uses them
@@ -51,13 +67,18 @@ def llama_mlp_function(
     (default) each is first verified by the sandbox at the block's shape sets, once per process.
     ``tune``: how mainloop configs are tuned for each new shape on a GPU (``export_autograd``).
     """
-    function = _llama_mlp_function(eps, verify, saved)
+    function = _llama_mlp_function(eps, verify, saved, packed_gate_up)
     function.tune = tune
     return function
 
 
+def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """``[2f, d]``: ``w_gate``'s rows at even indices, ``w_up``'s at odd (a new tensor)."""
+    return torch.stack([w_gate, w_up], dim=1).reshape(2 * w_gate.shape[0], w_gate.shape[1])
+
+
 @lru_cache(maxsize=16)
-def _llama_mlp_function(eps: float, verify: bool, saved: bool) -> ExportedFunction:
+def _llama_mlp_function(eps: float, verify: bool, saved: bool, packed: bool) -> ExportedFunction:
     family = llama_mlp_family(eps)
     forward_block = family["train" if saved else "forward"]
     backward_block = family["backward_saved" if saved else "backward"]
@@ -65,7 +86,7 @@ def _llama_mlp_function(eps: float, verify: bool, saved: bool) -> ExportedFuncti
         forward, backward = verified_program(forward_block), verified_program(backward_block)
     else:
         forward, backward = lower(forward_block), lower(backward_block)
-    return export_autograd(forward, backward, backward_block)
+    return export_autograd(forward, backward, backward_block, packed=[GATE_UP] if packed else [])
 
 
 def _is_silu(act: Any) -> bool:
@@ -88,6 +109,12 @@ class CodaLlamaMLPBlock(nn.Module):
     less memory, one GEMM more).
     ``tune``: mainloop configs tuned per new shape on a GPU — ``quick`` (default), ``full``,
     ``off`` (``export_autograd``).
+    ``fuse_gate_up``: move ``mlp.gate_proj.weight`` and ``mlp.up_proj.weight`` into one new
+    parameter ``gate_up_weight`` (``[2f, d]``, gate rows even, up rows odd) that the kernels read
+    and whose gradient the backward writes as is — no per-step interleaving or gradient split.
+    The two projections then hold no weight (``gate_weight``/``up_weight`` are views of it);
+    ``state_dict``/``load_state_dict`` still use Hugging Face's keys. Create the optimizer
+    after wrapping: the old parameters are no longer used.
     """
 
     def __init__(
@@ -98,6 +125,7 @@ class CodaLlamaMLPBlock(nn.Module):
         verify: bool = True,
         saved: bool = True,
         tune: Tuning = "quick",
+        fuse_gate_up: bool = False,
     ) -> None:
         super().__init__()
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -106,17 +134,40 @@ class CodaLlamaMLPBlock(nn.Module):
         if not _is_silu(mlp.act_fn):
             raise ValueError(f"mlp.act_fn is {mlp.act_fn!r}; the llama_mlp block uses SiLU")
         self.norm, self.mlp = norm, mlp
+        self.fused = fuse_gate_up
+        if fuse_gate_up:
+            self._fuse_gate_up()
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         # Resolved here, not in forward: torch.compile then sees only the custom op.
-        self.function = llama_mlp_function(eps, verify=verify, saved=saved, tune=tune)
+        self.function = llama_mlp_function(
+            eps, verify=verify, saved=saved, tune=tune, packed_gate_up=fuse_gate_up
+        )
+
+    # -- the fused gate/up parameter -------------------------------------------------------------
+    _HF_KEYS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+
+    def _fuse_gate_up(self) -> None:
+        gate, up = self.mlp.gate_proj, self.mlp.up_proj
+        with torch.no_grad():
+            fused = interleave_gate_up(gate.weight, up.weight)
+        self.gate_up_weight = nn.Parameter(fused, requires_grad=gate.weight.requires_grad)
+        del gate.weight, up.weight
+        self.register_state_dict_post_hook(_state_dict_with_hf_keys)
+        self.register_load_state_dict_pre_hook(_load_hf_keys)
+
+    @property
+    def gate_weight(self) -> torch.Tensor:
+        """``gate_proj``'s weight ``[f, d]`` (a view of ``gate_up_weight`` when fused)."""
+        return self.gate_up_weight[0::2] if self.fused else self.mlp.gate_proj.weight
+
+    @property
+    def up_weight(self) -> torch.Tensor:
+        """``up_proj``'s weight ``[f, d]`` (a view of ``gate_up_weight`` when fused)."""
+        return self.gate_up_weight[1::2] if self.fused else self.mlp.up_proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = [
-            self.norm.weight,
-            self.mlp.gate_proj.weight,
-            self.mlp.up_proj.weight,
-            self.mlp.down_proj.weight,
-        ]
+        gate_up = [self.gate_up_weight] if self.fused else [self.gate_weight, self.up_weight]
+        weights = [self.norm.weight, *gate_up, self.mlp.down_proj.weight]
         mixed = [w for w in weights if w.dtype != x.dtype]
         if mixed:
             raise TypeError(
@@ -125,3 +176,21 @@ class CodaLlamaMLPBlock(nn.Module):
             )
         flat = x.reshape(-1, x.shape[-1])
         return self.function(flat, *weights).reshape(x.shape)
+
+
+def _state_dict_with_hf_keys(
+    module: CodaLlamaMLPBlock, state: dict[str, Any], prefix: str, _meta: Any
+) -> None:
+    """``gate_up_weight`` saved as Hugging Face's two weights (contiguous copies)."""
+    fused = state.pop(prefix + "gate_up_weight")
+    gate, up = (prefix + k for k in CodaLlamaMLPBlock._HF_KEYS)
+    state[gate], state[up] = fused[0::2].contiguous(), fused[1::2].contiguous()
+
+
+def _load_hf_keys(
+    module: CodaLlamaMLPBlock, state: dict[str, Any], prefix: str, *_args: Any
+) -> None:
+    """Hugging Face's gate and up weights loaded into ``gate_up_weight``."""
+    gate, up = (prefix + k for k in CodaLlamaMLPBlock._HF_KEYS)
+    if gate in state and up in state:
+        state[prefix + "gate_up_weight"] = interleave_gate_up(state.pop(gate), state.pop(up))

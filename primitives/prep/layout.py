@@ -26,6 +26,10 @@ class InterleaveRows(PrepStep):
     For ``nn.Linear`` weights ``[out, in]`` this interleaves output features, so ``x @ outᵀ`` yields
     adjacent column pairs ``(first_k, second_k)`` — e.g. ``first=w_gate, second=w_up`` gives the
     ``[g0, u0, g1, u1, …]`` layout that ``swiglu`` contracts in one fused GEMM.
+
+    Free when the two weights already are the even and odd rows of one ``[2·out, in]`` buffer
+    (``w[0::2]``, ``w[1::2]``, as ``coda.export``'s packed gate/up weight binds them): the output
+    is then that buffer, not a copy.
     """
 
     kind: Literal["interleave_rows"] = "interleave_rows"
@@ -45,7 +49,27 @@ class InterleaveRows(PrepStep):
 
     def apply(self, env: RunEnv) -> None:
         a, b = env.tensors[self.first], env.tensors[self.second]
-        env.tensors[self.out] = torch.stack([a, b], dim=1).reshape(2 * a.shape[0], a.shape[1])
+        packed = interleaved_buffer(a, b)
+        if packed is None:
+            packed = torch.stack([a, b], dim=1).reshape(2 * a.shape[0], a.shape[1])
+        env.tensors[self.out] = packed
+
+
+def interleaved_buffer(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
+    """The row-major ``[2r, c]`` tensor whose even rows are ``first`` and odd rows ``second``, as a
+    view of their shared storage — or None when they are not laid out that way."""
+    if first.dim() != 2 or first.shape != second.shape or first.dtype != second.dtype:
+        return None
+    rows, cols = first.shape
+    if (
+        first.device != second.device
+        or first.stride() != (2 * cols, 1)
+        or second.stride() != (2 * cols, 1)
+        or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+        or second.storage_offset() != first.storage_offset() + cols
+    ):
+        return None
+    return first.as_strided((2 * rows, cols), (cols, 1), first.storage_offset())
 
 
 class FoldNormWeight(PrepStep):

@@ -23,6 +23,10 @@ def test_fails_fast_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture)
     assert not list(tmp_path.iterdir())
 
 
+def table_of(out: Path) -> str:
+    return (out / "paper_kernels.md").read_text()
+
+
 def test_dry_run_writes_tables_and_numbers(tmp_path: Path) -> None:
     code = _script().main(
         ["--dry-run", "--out", str(tmp_path), "--only", "gemm_rmsnorm_swiglu,gemm_rope"]
@@ -33,6 +37,8 @@ def test_dry_run_writes_tables_and_numbers(tmp_path: Path) -> None:
     assert [r["block"] for r in result["kernels"]] == ["gemm_rmsnorm_swiglu", "gemm_rope"]
     assert all(r["correct"] and r["coda_ms"] > 0 and r["compile_ms"] > 0 for r in result["kernels"])
     (mlp,) = result["llama_mlp"]
-    assert mlp["correct"] and len(mlp["checks"]) == 6 and mlp["coda_fwd_bwd_ms"] > 0
-    table = (tmp_path / "paper_kernels.md").read_text()
+    # output + 5 gradients, for the op with separate gate/up weights and for the packed one
+    assert mlp["correct"] and len(mlp["checks"]) == 12 and mlp["coda_fwd_bwd_ms"] > 0
+    assert mlp["coda_packed_fwd_bwd_ms"] > 0 and "packed vs compile" in table_of(tmp_path)
+    table = table_of(tmp_path)
     assert "DRY RUN" in table and "| gemm_rope |" in table

@@ -113,8 +113,10 @@ def test_configs_are_tuned_once_per_new_shape_and_tuning_can_be_switched_off() -
         fn.tune = "fast"
 
 
-@pytest.mark.parametrize("saved", [True, False], ids=["saved", "recompute"])
-def test_training_steps_follow_hugging_face(saved: bool) -> None:
+@pytest.mark.parametrize(
+    "saved,fuse", [(True, False), (False, False), (True, True)], ids=["saved", "recompute", "fused"]
+)
+def test_training_steps_follow_hugging_face(saved: bool, fuse: bool) -> None:
     """A few SGD steps through the drop-in: weights change every step (prep runs per call, the
     saved g, u, a belong to that step) and land where the original modules' steps land."""
     import copy
@@ -124,7 +126,10 @@ def test_training_steps_follow_hugging_face(saved: bool) -> None:
     norm, mlp = _hf_modules(seed=4)
     reference = nn.ModuleDict({"norm": norm, "mlp": mlp})
     coda = copy.deepcopy(reference)
-    block = CodaLlamaMLPBlock(coda["norm"], coda["mlp"], verify=False, saved=saved)
+    block = CodaLlamaMLPBlock(
+        coda["norm"], coda["mlp"], verify=False, saved=saved, fuse_gate_up=fuse
+    )
+    coda = nn.ModuleDict({"block": block})  # the fused parameter lives on the block
     runs = {
         "hf": (reference, lambda t: t + reference["mlp"](reference["norm"](t))),
         "coda": (coda, block),
@@ -142,8 +147,94 @@ def test_training_steps_follow_hugging_face(saved: bool) -> None:
             losses[name].append(loss.item())
     torch.testing.assert_close(losses["coda"], losses["hf"], atol=1e-5, rtol=1e-5)
     assert losses["hf"][0] != losses["hf"][-1]  # the steps moved the weights
-    for (n, want), got in zip(reference.named_parameters(), coda.parameters(), strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=n)
+    got = {k.removeprefix("block."): v for k, v in coda.state_dict().items()}
+    assert sorted(got) == sorted(reference.state_dict())
+    for n, want in reference.state_dict().items():
+        torch.testing.assert_close(got[n], want, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_fused_gate_up_is_one_parameter_with_hugging_face_state_dict_keys() -> None:
+    from coda.export.hf import interleave_gate_up
+
+    norm, mlp = _hf_modules(seed=6)
+    gate, up = mlp.gate_proj.weight.detach().clone(), mlp.up_proj.weight.detach().clone()
+    hf_state = {f"norm.{k}": v.clone() for k, v in norm.state_dict().items()}
+    hf_state |= {f"mlp.{k}": v.clone() for k, v in mlp.state_dict().items()}
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False, fuse_gate_up=True)
+    names = [n for n, _ in block.named_parameters()]
+    assert names == ["gate_up_weight", "norm.weight", "mlp.down_proj.weight"]
+    assert block.gate_up_weight.shape == (160, 48) and block.gate_up_weight.is_contiguous()
+    torch.testing.assert_close(block.gate_weight, gate, atol=0, rtol=0)
+    torch.testing.assert_close(block.up_weight, up, atol=0, rtol=0)
+    assert not hasattr(mlp.gate_proj, "weight")  # the old parameters are gone, not stale
+    # gradients: the interleaved layout of Hugging Face's two, in one contiguous tensor
+    x, dout = torch.randn(13, 48), torch.randn(13, 48)
+    block(x).backward(dout)
+    ref = _hf_modules(seed=6)
+    xr = x.clone().requires_grad_()
+    (xr + ref[1](ref[0](xr))).backward(dout)
+    want = interleave_gate_up(ref[1].gate_proj.weight.grad, ref[1].up_proj.weight.grad)
+    assert block.gate_up_weight.grad.is_contiguous()
+    torch.testing.assert_close(block.gate_up_weight.grad, want, atol=2e-5, rtol=2e-5)
+    # state dicts in Hugging Face's keys, both ways
+    saved = block.state_dict()
+    assert sorted(saved) == sorted(hf_state)
+    for k, v in hf_state.items():
+        torch.testing.assert_close(saved[k], v, atol=0, rtol=0, msg=k)
+    other = CodaLlamaMLPBlock(*_hf_modules(seed=7), verify=False, fuse_gate_up=True)
+    assert not torch.equal(other.gate_up_weight, block.gate_up_weight)
+    other.load_state_dict(hf_state)
+    torch.testing.assert_close(other.gate_up_weight, interleave_gate_up(gate, up), atol=0, rtol=0)
+
+
+def test_packed_gate_up_moves_no_weight_layouts() -> None:
+    """Packed, the op interleaves no weights (the prep sees views of the packed tensor) and splits
+    no weight gradient; unpacked it copies weights into the interleaved layout and back."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from coda.export.hf import interleave_gate_up
+
+    norm, mlp = _hf_modules(seed=8)
+    f, d = mlp.gate_proj.weight.shape
+    w_gate, w_up = mlp.gate_proj.weight, mlp.up_proj.weight
+    packed = interleave_gate_up(w_gate.detach(), w_up.detach()).requires_grad_()
+    calls = {
+        "packed": (True, [norm.weight, packed, mlp.down_proj.weight]),
+        "unpacked": (False, [norm.weight, w_gate, w_up, mlp.down_proj.weight]),
+    }
+    copied = {}
+    for name, (is_packed, weights) in calls.items():
+        fn = llama_mlp_function(1e-5, verify=False, tune="off", packed_gate_up=is_packed)
+        x = torch.randn(9, d, requires_grad=True)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            out = fn(x, *weights)
+            torch.autograd.grad(out, [x, *weights], torch.randn_like(out))
+        copies = ("aten::stack", "aten::cat", "aten::clone", "aten::copy_", "aten::contiguous")
+        weight_sized = ([f, d], [2 * f, d])
+        copied[name] = [
+            e.input_shapes[0]
+            for e in prof.events()
+            if e.name in copies and e.input_shapes and list(e.input_shapes[0]) in weight_sized
+        ]
+    assert copied["unpacked"], "the unpacked op should interleave and split (or this test is blind)"
+    assert not copied["packed"], copied["packed"]
+
+
+def test_packing_needs_two_inputs_whose_gradients_are_one_tensors_rows() -> None:
+    from coda.agent.planner import lower
+    from coda.blocks.llama import llama_mlp_bwd_saved, llama_mlp_train
+    from coda.export import PackedRows, export_autograd
+
+    forward, backward = lower(llama_mlp_train), lower(llama_mlp_bwd_saved)
+    bad = {
+        "w_bias": PackedRows("w", even="w_bias", odd="w_up"),
+        "w_gate": PackedRows("w", even="w_gate", odd="w_gate"),
+        "w_down": PackedRows("w", even="w_gate", odd="w_down"),
+        "forward input": PackedRows("x", even="w_gate", odd="w_up"),
+    }
+    for expected, packing in bad.items():
+        with pytest.raises(ValueError, match=expected if expected != "w_down" else "views step 2"):
+            export_autograd(forward, backward, llama_mlp_bwd_saved, packed=[packing])
 
 
 def test_the_backward_fills_no_zero_gradients_for_the_saved_activations() -> None:

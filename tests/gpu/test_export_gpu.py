@@ -44,7 +44,8 @@ def _run(forward, params: list, x: torch.Tensor, dout: torch.Tensor) -> list:  #
     return [out, *torch.autograd.grad(out, [x, *params], dout)]
 
 
-def test_drop_in_matches_hugging_face_in_bf16() -> None:
+@pytest.mark.parametrize("fuse", [False, True], ids=["hf-params", "fused-gate-up"])
+def test_drop_in_matches_hugging_face_in_bf16(fuse: bool) -> None:
     hidden, tokens = (48, 11) if TOY else (1024, 333)
     norm, mlp = _hf_modules(hidden=hidden, inter=80 if TOY else 2816, eps=1e-6)
     x = torch.randn(3, tokens, hidden, device=DEVICE)  # 999 tokens on the GPU: ragged
@@ -55,8 +56,13 @@ def test_drop_in_matches_hugging_face_in_bf16() -> None:
     params = [norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
     hf = _run(lambda t: t + mlp(norm(t)), params, x.to(DTYPE), dout.to(DTYPE))
     # the Programs' verification is tests/gpu/test_blocks_gpu.py's job; the ops tune on first use
-    block = CodaLlamaMLPBlock(norm, mlp, verify=False, tune="quick")
-    coda = _run(block, params, x.to(DTYPE), dout.to(DTYPE))
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False, tune="quick", fuse_gate_up=fuse)
+    if fuse:  # one interleaved parameter: its gradient's even/odd rows are gate's and up's
+        params = [norm.weight, block.gate_up_weight, mlp.down_proj.weight]
+        out, dx, dgamma, dw_gate_up, dw_down = _run(block, params, x.to(DTYPE), dout.to(DTYPE))
+        coda = [out, dx, dgamma, dw_gate_up[0::2], dw_gate_up[1::2], dw_down]
+    else:
+        coda = _run(block, params, x.to(DTYPE), dout.to(DTYPE))
     tol = get_block("llama_mlp").tolerance
     for name, got, want, theirs in zip(
         ["out", "dx", "dgamma", "dw_gate", "dw_up", "dw_down"], coda, ref32, hf, strict=True

@@ -333,3 +333,33 @@ def test_fold_norm_weight_in_16_bits_is_the_fp32_formula_bit_for_bit(dtype: torc
     step.apply(env)
     want = (w.float() * gamma.float()[None, :]).to(dtype)
     assert env.tensors["wg"].dtype == dtype and torch.equal(env.tensors["wg"], want)
+
+
+def test_interleave_rows_of_one_buffers_views_is_that_buffer() -> None:
+    """``w[0::2]`` and ``w[1::2]`` interleave back into ``w`` itself (no copy); any other pair
+    — separate tensors, swapped, shifted, transposed — gets the copying interleave, same values."""
+    from coda.primitives.base import RunEnv
+    from coda.primitives.prep.layout import InterleaveRows, interleaved_buffer
+
+    w = torch.randn(10, 7)
+    step = InterleaveRows(first="a", second="b", out="ab")
+    env = RunEnv({"a": w[0::2], "b": w[1::2]}, {})
+    step.apply(env)
+    assert env.tensors["ab"].data_ptr() == w.data_ptr() and torch.equal(env.tensors["ab"], w)
+    assert env.tensors["ab"].is_contiguous()
+    offset = torch.randn(11, 7)[1:]  # same layout, storage offset one row in
+    assert interleaved_buffer(offset[0::2], offset[1::2]).data_ptr() == offset.data_ptr()
+    not_one_buffer = {
+        "separate": (w[0::2].clone(), w[1::2].clone()),
+        "swapped": (w[1::2], w[0::2]),
+        "shifted": (w[0:8:2], w[3::2]),
+        "transposed": (w.T[0::2].T, w.T[1::2].T),
+        "other dtype": (w[0::2], w[1::2].double()),
+    }
+    for name, (a, b) in not_one_buffer.items():
+        assert interleaved_buffer(a, b) is None, name
+    a, b = not_one_buffer["swapped"]
+    env = RunEnv({"a": a, "b": b}, {})
+    step.apply(env)
+    assert env.tensors["ab"].data_ptr() != w.data_ptr()
+    assert torch.equal(env.tensors["ab"][0::2], a) and torch.equal(env.tensors["ab"][1::2], b)
