@@ -10,11 +10,13 @@ for launches. This measures, for a few paper kernels:
 * floors: an empty Triton kernel launch with 3 arguments, one ``torch.empty``, one ``torch.sum``;
 * ``sum_partials`` finished by the Triton combine kernel (the primitive) or by two torch ops;
 * at M = N = K = 4096: ``do_bench`` and CUDA-graph milliseconds of the run with each
-  ``sum_partials`` variant, next to the cuBLAS GEMM alone.
+  ``sum_partials`` variant, next to the cuBLAS GEMM alone;
+* ``--cprofile``: where the host time of one fused-GEMM launch goes (``cProfile`` of 200 launches
+  of the first kernel's GEMM step at the tiny size, the 25 functions with the most own time).
 
 Not part of the product: a measurement to decide what to change in the runtime.
 
-    python3 bench/experiments/launch_overhead.py [--out DIR] [--kernels a,b]
+    python3 bench/experiments/launch_overhead.py [--out DIR] [--kernels a,b] [--cprofile]
     python3 bench/experiments/launch_overhead.py --dry-run   # CPU interpreter, toy sizes
 """
 
@@ -38,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/out", help="results folder")
     p.add_argument("--kernels", default=KERNELS, help="comma-separated paper kernel blocks")
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: checks the script")
+    p.add_argument("--cprofile", action="store_true", help="profile one fused-GEMM launch")
     return p.parse_args(argv)
 
 
@@ -157,6 +160,41 @@ def _time_size(block: Any, program: Any, sizes: dict[str, int], host: bool) -> d
     return row
 
 
+def launch_profile(name: str) -> str:
+    """cProfile of 200 launches of ``name``'s fused GEMM step at the tiny size (own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from coda.agent.planner import lower
+    from coda.blocks import get_block
+    from coda.primitives import analyze, compile_program
+    from coda.primitives.ir import GemmEpilogue
+
+    block = get_block(name)
+    program = lower(block)
+    n = 256 if DEVICE == "cuda" else 32
+    sizes = {k: n if k in ("M", "N", "K") else v for k, v in block.shapes.bench[0].items()}
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    inputs = block.make_inputs(sizes, dtype, seed=0, device=DEVICE)
+    compiled = compile_program(program, analyze(program, sizes))
+    tensors = compiled.run(compiled.prepare(inputs))
+    step = next(s for s, _ in zip(program.steps, program.step_names(), strict=True))
+    assert isinstance(step, GemmEpilogue)
+    host_us(lambda: compiled.run_gemm_step(step.name, tensors))  # warm
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(200 if DEVICE == "cuda" else 2):
+        compiled.run_gemm_step(step.name, tensors)
+    profiler.disable()
+    _sync()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
 def _env(compiled: Any, tensors: dict[str, Any]) -> Any:
     from coda.primitives.base import RunEnv
 
@@ -177,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("bench/experiments/launch_overhead.py needs a CUDA GPU (see GPU.md)", file=sys.stderr)
         return 2
+    if args.cprofile:
+        report = launch_profile(args.kernels.split(",")[0])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "launch_profile.txt").write_text(report)
+        print(report)
+        return 0
     result = {"floors_us": floors(), "kernels": [kernel_rows(k) for k in args.kernels.split(",")]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -56,9 +56,10 @@ def test_drop_in_matches_hugging_face_outputs_and_gradients(eps: float, saved: b
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5, msg=name)
 
 
-def test_torch_compile_traces_around_the_custom_ops() -> None:
+@pytest.mark.parametrize("fuse", [False, True], ids=["hf-params", "fused-gate-up"])
+def test_torch_compile_traces_around_the_custom_ops(fuse: bool) -> None:
     norm, mlp = _hf_modules(seed=1, rms_norm_eps=1e-5)
-    block = CodaLlamaMLPBlock(norm, mlp, verify=False)
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False, fuse_gate_up=fuse)
     x, dout = torch.randn(11, 48), torch.randn(11, 48)
     eager = _grads(block, x, dout, block)
     compiled = torch.compile(lambda t: block(t) * 2, backend="aot_eager", fullgraph=True)
@@ -76,6 +77,25 @@ def test_the_custom_op_passes_torch_opcheck() -> None:
         *[p.weight.detach() for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)],
     )
     torch.library.opcheck(fn.forward_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_packed_ops_pass_torch_opcheck() -> None:
+    """Packed gate/up: the forward op takes one [2f, d] weight, the backward op returns its
+    gradient as one [2f, d] tensor — real and fake implementations agree on both."""
+    from coda.export.hf import interleave_gate_up
+
+    fn = llama_mlp_function(1e-5, verify=False, packed_gate_up=True)
+    assert fn.input_names == ["x", "gamma", "w_gate_up", "w_down"]
+    norm, mlp = _hf_modules(seed=2)
+    gate_up = interleave_gate_up(mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach())
+    x, weights = torch.randn(7, 48), [norm.weight.detach(), gate_up, mlp.down_proj.weight.detach()]
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(fn.forward_op, (x, *weights), test_utils=checks)
+    saved = [torch.randn(7, 80) for _ in range(3)]  # g, u, a
+    backward_args = (x, *weights, *saved, torch.randn(7, 48))
+    torch.library.opcheck(fn.backward_op, backward_args, test_utils=checks)
+    dx, dgamma, dw_gate_up, dw_down = fn.backward_op(*backward_args)
+    assert dw_gate_up.shape == (160, 48) and dw_down.shape == (48, 80)
 
 
 def test_drop_in_rejects_what_the_block_does_not_compute() -> None:
