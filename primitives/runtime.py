@@ -52,6 +52,12 @@ class CompiledProgram:
     # (step, config, activation dtype) whose TMA-epilogue kernel needs more shared memory than the
     # GPU has (the staged tiles' bytes depend on the dtypes)
     _tma_epilogue_too_big: set[tuple[str, MainloopConfig, torch.dtype]] = field(default_factory=set)
+    # Host work a launch would otherwise redo on every call (training steps, small shapes):
+    # launch plans by (GemmInfo, variant, config, precision), epilogue tiles by (step, config),
+    # default configs by (step, M, N, K). GemmInfo objects live as long as ``_infos`` holds them.
+    _plans: dict[tuple, _LaunchPlan] = field(default_factory=dict)
+    _tiles: dict[tuple, list[tuple[str, list[int]]]] = field(default_factory=dict)
+    _default_configs: dict[tuple, MainloopConfig] = field(default_factory=dict)
 
     # -- analysis at the call's sizes ------------------------------------------------------------
     def info_for(self, inputs: dict[str, torch.Tensor]) -> ProgramInfo:
@@ -69,8 +75,13 @@ class CompiledProgram:
     def config_for(self, name: str, gemm: GemmInfo) -> MainloopConfig:
         if name in self.configs:
             return self.configs[name]
-        step = self._step(name)
-        return resolve_config(step.config, gemm.M, gemm.N, gemm.K, interpret=backend.INTERPRET)
+        key = (name, gemm.M, gemm.N, gemm.K)
+        if key not in self._default_configs:
+            step = self._step(name)
+            self._default_configs[key] = resolve_config(
+                step.config, gemm.M, gemm.N, gemm.K, interpret=backend.INTERPRET
+            )
+        return self._default_configs[key]
 
     def configs_for(self, info: ProgramInfo) -> dict[str, MainloopConfig]:
         return {name: self.config_for(name, g) for name, g in info.gemms.items()}
@@ -150,11 +161,7 @@ class CompiledProgram:
         cfg = self.config_for(gemm.name, gemm)
         for name, t in gemm.writes.items():
             tensors[name] = _allocate(t, gemm, cfg, act, device, poison)
-        tiles = [
-            (tensors[p.tensor], descriptor_block(p, cfg))
-            for p in self.kernels[gemm.name].variants["tma"].params
-            if p.kind == "desc" and p.name not in OPERAND_DESCRIPTORS
-        ]
+        tiles = [(tensors[name], block) for name, block in self._epilogue_tiles(gemm.name, cfg)]
         variant = choose_mainloop(self.mainloop, step, tensors, device, epilogue_tiles=tiles)
         too_big = (gemm.name, cfg, act)
         if variant == "tma" and tiles and too_big in self._tma_epilogue_too_big:
@@ -170,6 +177,17 @@ class CompiledProgram:
             self._tma_epilogue_too_big.add(too_big)
             self._launch(step, gemm, tensors, cfg, sizes, device, "tma_mainloop")
 
+    def _epilogue_tiles(self, name: str, cfg: MainloopConfig) -> list[tuple[str, list[int]]]:
+        """The tensors step ``name``'s epilogue moves as TMA tiles, with their block shapes."""
+        key = (name, cfg)
+        if key not in self._tiles:
+            self._tiles[key] = [
+                (p.tensor, descriptor_block(p, cfg))
+                for p in self.kernels[name].variants["tma"].params
+                if p.kind == "desc" and p.name not in OPERAND_DESCRIPTORS
+            ]
+        return self._tiles[key]
+
     def _launch(
         self,
         step: GemmEpilogue,
@@ -180,30 +198,44 @@ class CompiledProgram:
         device: torch.device,
         variant: str,
     ) -> None:
-        kernel = self._kernel(gemm.name, variant)
-        params = self.kernels[gemm.name].variants[variant].params
-        args = [_param_value(p, tensors, gemm, cfg, sizes) for p in params]
-        num_tiles = triton.cdiv(gemm.M, cfg.block_m) * triton.cdiv(gemm.N, cfg.block_n)
-        grid = (min(num_tiles, _num_sms(device)),)
         # fp32 operands: full-precision products (not tf32), to match PyTorch's fp32 matmul.
         precision = "ieee" if tensors[step.a.tensor].dtype == torch.float32 else "tf32"
-        launched = kernel[grid](
-            *args,
-            BLOCK_SIZE_M=cfg.block_m,
-            BLOCK_SIZE_N=cfg.block_n,
-            BLOCK_SIZE_K=cfg.block_k,
-            GROUP_SIZE_M=cfg.group_m,
-            NUM_SMS=grid[0],
-            INPUT_PRECISION=precision,
-            EPILOGUE_SUBTILES=cfg.epilogue_subtiles,
-            EPI_N=cfg.epilogue_block_n,
-            FLATTEN=cfg.flatten,
-            WARP_SPECIALIZE=cfg.warp_specialize,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+        key = (id(gemm), variant, cfg, precision)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(gemm, cfg, sizes, device, variant, precision)
+        launched = plan.kernel[plan.grid](*plan.arguments(tensors), **plan.meta)
         self.mainloops_used[gemm.name] = variant
         self.kernel_stats[gemm.name] = compiled_kernel_stats(launched)
+
+    def _plan(
+        self,
+        gemm: GemmInfo,
+        cfg: MainloopConfig,
+        sizes: dict[str, int],
+        device: torch.device,
+        variant: str,
+        precision: str,
+    ) -> _LaunchPlan:
+        params = self.kernels[gemm.name].variants[variant].params
+        num_tiles = triton.cdiv(gemm.M, cfg.block_m) * triton.cdiv(gemm.N, cfg.block_n)
+        grid = (min(num_tiles, _num_sms(device)),)
+        meta = {
+            "BLOCK_SIZE_M": cfg.block_m,
+            "BLOCK_SIZE_N": cfg.block_n,
+            "BLOCK_SIZE_K": cfg.block_k,
+            "GROUP_SIZE_M": cfg.group_m,
+            "NUM_SMS": grid[0],
+            "INPUT_PRECISION": precision,
+            "EPILOGUE_SUBTILES": cfg.epilogue_subtiles,
+            "EPI_N": cfg.epilogue_block_n,
+            "FLATTEN": cfg.flatten,
+            "WARP_SPECIALIZE": cfg.warp_specialize,
+            "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages,
+        }
+        sources = tuple(_argument_source(p, gemm, cfg, sizes) for p in params)
+        return _LaunchPlan(self._kernel(gemm.name, variant), grid, meta, sources)
 
     def _run_vendor(
         self, step: GemmEpilogue, gemm: GemmInfo, tensors: dict[str, torch.Tensor], act: torch.dtype
@@ -280,27 +312,51 @@ def _allocate(
     return _empty(t.shape, torch_dtype(t.dtype, act), device, poison)
 
 
-def _param_value(
-    p: Param,
-    tensors: dict[str, torch.Tensor],
-    gemm: GemmInfo,
-    cfg: MainloopConfig,
-    sizes: dict[str, int],
-) -> Any:
-    if p.kind == "ptr":
-        return tensors[p.tensor]
-    if p.kind == "stride":
-        return tensors[p.tensor].stride(p.dim)
-    if p.kind == "desc":
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """One fused-GEMM launch at one size binding, config and variant: the kernel, its grid and
+    meta-parameters, and where each argument comes from — ``("const", None, value)`` or
+    ``(kind, tensor, detail)`` read from the call's tensors (``ptr``; ``stride``/``shape`` along
+    dim ``detail``; ``desc``, a TMA descriptor with block shape ``detail``)."""
+
+    kernel: Any
+    grid: tuple[int]
+    meta: dict[str, Any]
+    sources: tuple[tuple[str, str | None, Any], ...]
+
+    def arguments(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        t = tensors[p.tensor]
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), descriptor_block(p, cfg))
-    if p.kind == "shape":
-        return tensors[p.tensor].shape[p.dim]
+        args: list[Any] = []
+        for kind, name, detail in self.sources:
+            if kind == "const":
+                args.append(detail)
+                continue
+            t = tensors[name]  # type: ignore[index]
+            if kind == "ptr":
+                args.append(t)
+            elif kind == "desc":
+                args.append(TensorDescriptor(t, list(t.shape), list(t.stride()), detail))
+            elif kind == "stride":
+                args.append(t.stride(detail))
+            else:
+                args.append(t.shape[detail])
+        return args
+
+
+def _argument_source(
+    p: Param, gemm: GemmInfo, cfg: MainloopConfig, sizes: dict[str, int]
+) -> tuple[str, str | None, Any]:
+    """Where parameter ``p``'s launch value comes from (see ``_LaunchPlan``)."""
+    if p.kind == "ptr":
+        return ("ptr", p.tensor, None)
+    if p.kind in ("stride", "shape"):
+        return (p.kind, p.tensor, p.dim)
+    if p.kind == "desc":
+        return ("desc", p.tensor, descriptor_block(p, cfg))
     if p.expr is not None:
-        return evaluate_size(p.expr, sizes)
-    return {"M": gemm.M, "N": gemm.N, "K": gemm.K}[p.name]
+        return ("const", None, evaluate_size(p.expr, sizes))
+    return ("const", None, {"M": gemm.M, "N": gemm.N, "K": gemm.K}[p.name])
 
 
 def descriptor_block(p: Param, cfg: MainloopConfig) -> list[int]:

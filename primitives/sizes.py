@@ -24,6 +24,7 @@ _OPS[ast.FloorDiv] = lambda a, b: a // b
 
 
 @lru_cache(maxsize=512)
+@lru_cache(maxsize=1024)  # runtime steps evaluate the same few expressions every call
 def _parse(source: str) -> ast.AST:
     try:
         tree = ast.parse(source.strip(), mode="eval").body
@@ -54,12 +55,17 @@ SizeExpr = Annotated[str, AfterValidator(check_size_expr)]
 
 
 def size_names(source: str) -> set[str]:
-    return {n.id for n in ast.walk(_parse(source)) if isinstance(n, ast.Name)}
+    return set(_names(source))
+
+
+@lru_cache(maxsize=1024)
+def _names(source: str) -> frozenset[str]:
+    return frozenset(n.id for n in ast.walk(_parse(source)) if isinstance(n, ast.Name))
 
 
 def evaluate(source: str, sizes: dict[str, int], *, what: str = "size expression") -> int:
     """The value of ``source`` at one binding of the sizes; unknown names are named in the error."""
-    for name in sorted(size_names(source)):
+    for name in sorted(_names(source)):
         if name not in sizes:
             raise ProgramError(
                 f"{what} {source!r} uses size {name!r}, which this program does not bind",
@@ -81,3 +87,15 @@ def _eval(node: ast.AST, sizes: dict[str, int]) -> int:
     if isinstance(node.op, ast.FloorDiv) and right == 0:
         raise ProgramError("a size expression divides by zero")
     return _OPS[type(node.op)](left, right)
+
+
+# Plain integer helpers for host code that runs on every launch (``triton.cdiv`` and
+# ``triton.next_power_of_2`` are constexpr functions there: microseconds per call).
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive integers."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ≥ ``n`` (1 for n ≤ 1)."""
+    return 1 << max(n - 1, 0).bit_length()

@@ -142,6 +142,7 @@ def _time_size(block: Any, program: Any, sizes: dict[str, int], host: bool) -> d
                 )
         finally:
             SumPartials.launch = original  # type: ignore[method-assign]
+    row[f"correct[{sizes['M']}]"] = _correct(block, compiled, prepared, inputs, sizes)
     if not host:
         row["gemm_ms"] = triton.testing.do_bench(lambda: gemm.call(inputs), return_mode="median")
         row["gemm_graph_ms"] = triton.testing.do_bench_cudagraph(
@@ -193,6 +194,21 @@ def launch_profile(name: str) -> str:
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
     return text.getvalue()
+
+
+def _correct(block: Any, compiled: Any, prepared: Any, inputs: Any, sizes: dict) -> bool:
+    """The run's outputs against the block's float32 reference (the sandbox's rule)."""
+    from coda.sandbox.compare import check_output
+
+    outs = compiled.program.select_outputs(compiled.run(prepared), sizes)
+    upcast = {n: t.float() if t.is_floating_point() else t for n, t in inputs.items()}
+    ref32, theirs = block.reference(upcast), block.reference(inputs)
+    dtype = next(iter(inputs.values())).dtype
+    return all(
+        check_output(o, outs[o], ref32[o], theirs[o], block.tolerance, sizes=sizes, seed=0,
+                     run_dtype=dtype).passed
+        for o in block.outputs
+    )  # fmt: skip
 
 
 def _env(compiled: Any, tensors: dict[str, Any]) -> Any:

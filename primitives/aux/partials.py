@@ -21,7 +21,7 @@ from .. import backend  # noqa: F401  (selects the interpreter before the kernel
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
-from ..sizes import SizeExpr
+from ..sizes import SizeExpr, cdiv, next_power_of_2
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo, torch_dtype
 
@@ -84,9 +84,9 @@ def _launch(
     minus: torch.Tensor | None = None,
 ) -> None:
     rows, cols = p.shape
-    block_cols = min(triton.next_power_of_2(cols), 256)
-    block_rows = max(1, min(64, 4096 // block_cols, triton.next_power_of_2(rows)))
-    _combine_kernel[(triton.cdiv(rows, block_rows),)](
+    block_cols = min(next_power_of_2(cols), 256)
+    block_rows = max(1, min(64, 4096 // block_cols, next_power_of_2(rows)))
+    _combine_kernel[(cdiv(rows, block_rows),)](
         p,
         minus if minus is not None else p,
         out,

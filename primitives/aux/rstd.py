@@ -18,6 +18,7 @@ from .. import backend  # noqa: F401  (selects the interpreter before the kernel
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
+from ..sizes import cdiv, next_power_of_2
 from ..types import TensorInfo
 
 
@@ -54,8 +55,8 @@ def _rstd_kernel(
 
 
 def _blocks(rows: int, cols: int) -> tuple[int, int]:
-    block_cols = min(triton.next_power_of_2(cols), 1024)
-    block_rows = max(1, min(64, 2048 // block_cols, triton.next_power_of_2(rows)))
+    block_cols = min(next_power_of_2(cols), 1024)
+    block_rows = max(1, min(64, 2048 // block_cols, next_power_of_2(rows)))
     return block_rows, block_cols
 
 
@@ -103,7 +104,7 @@ class Rstd(AuxStep):
         square = partials is None
         n = cols if square else partials.length
         block_rows, block_cols = _blocks(rows, cols)
-        _rstd_kernel[(triton.cdiv(rows, block_rows),)](
+        _rstd_kernel[(cdiv(rows, block_rows),)](
             x,
             out,
             rows,

@@ -18,6 +18,7 @@ def test_dry_run_times_the_run_each_step_and_both_sum_partials(tmp_path: Path) -
     (row,) = result["kernels"]
     wanted = ["triton_combine", "torch_ops", "gemm:ab", "aux:sum_partials1"]
     assert all(row[f"host_us[{k}]"] > 0 for k in wanted), row
+    assert row["correct[32]"] is True
     assert set(result["floors_us"]) == {"triton_empty_kernel", "torch_empty", "torch_sum"}
 
 

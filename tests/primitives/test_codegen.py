@@ -201,3 +201,37 @@ def test_a_tma_epilogue_too_big_for_shared_memory_falls_back_to_pointer_tiles(
         OutOfResources(1, 0, "shared memory")))  # fmt: skip
     with pytest.raises(OutOfResources):
         compiled(inputs)
+
+
+def test_one_compiled_program_reused_across_sizes_configs_and_variants() -> None:
+    # Launch plans (arguments' sources, grid, meta-parameters) are cached per size binding,
+    # config and variant: a program called alternately at two sizes, under two pinned configs and
+    # both kernel variants must match a fresh program every time.
+    import torch
+
+    from coda.primitives.ir import MainloopConfig
+
+    block = get_block("llama_mlp")
+    program = lower(block)
+    small = MainloopConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
+    split = small.model_copy(update={"block_n": 64, "epilogue_subtiles": 2})
+    shared = compile_program(program, analyze(program, block.shapes.cpu[0]))
+    calls = [
+        (block.shapes.cpu[1], None, "auto"),
+        (block.shapes.cpu[0], small, "auto"),
+        (block.shapes.cpu[1], split, "auto"),
+        (block.shapes.cpu[1], split, "pointer"),
+        (block.shapes.cpu[0], split, "auto"),
+        (block.shapes.cpu[1], None, "auto"),
+    ]
+    for i, (sizes, config, mainloop) in enumerate(calls):
+        inputs = block.make_inputs(sizes, torch.float32, seed=i)
+        fresh = compile_program(program, analyze(program, sizes))
+        for compiled in (shared, fresh):
+            compiled.configs = {} if config is None else dict.fromkeys(compiled.kernels, config)
+            compiled.mainloop = mainloop
+        got, want = shared(inputs), fresh(inputs)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=f"call {i}: {name}")
+        assert shared.mainloops_used == fresh.mainloops_used
+    assert len(shared._plans) > len(shared.kernels)  # several plans per step, each reused
