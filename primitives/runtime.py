@@ -53,8 +53,9 @@ class CompiledProgram:
     # GPU has (the staged tiles' bytes depend on the dtypes)
     _tma_epilogue_too_big: set[tuple[str, MainloopConfig, torch.dtype]] = field(default_factory=set)
     # Host work a launch would otherwise redo on every call (training steps, small shapes):
-    # launch plans by (GemmInfo, variant, config, precision), epilogue tiles by (step, config),
-    # default configs by (step, M, N, K). GemmInfo objects live as long as ``_infos`` holds them.
+    # launch plans by (GemmInfo, variant, config, precision, device), epilogue tiles by (step,
+    # config), default configs by (step, M, N, K). GemmInfo objects live as long as ``_infos``
+    # holds them, so their ids stay theirs.
     _plans: dict[tuple, _LaunchPlan] = field(default_factory=dict)
     _tiles: dict[tuple, list[tuple[str, list[int]]]] = field(default_factory=dict)
     _default_configs: dict[tuple, MainloopConfig] = field(default_factory=dict)
@@ -200,7 +201,7 @@ class CompiledProgram:
     ) -> None:
         # fp32 operands: full-precision products (not tf32), to match PyTorch's fp32 matmul.
         precision = "ieee" if tensors[step.a.tensor].dtype == torch.float32 else "tf32"
-        key = (id(gemm), variant, cfg, precision)
+        key = (id(gemm), variant, cfg, precision, device)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(gemm, cfg, sizes, device, variant, precision)
