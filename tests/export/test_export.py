@@ -134,7 +134,9 @@ def test_configs_are_tuned_once_per_new_shape_and_tuning_can_be_switched_off() -
 
 
 @pytest.mark.parametrize(
-    "saved,fuse", [(True, False), (False, False), (True, True)], ids=["saved", "recompute", "fused"]
+    "saved,fuse",
+    [(True, False), (False, False), (True, True), (False, True)],
+    ids=["saved", "recompute", "fused", "fused-recompute"],
 )
 def test_training_steps_follow_hugging_face(saved: bool, fuse: bool) -> None:
     """A few SGD steps through the drop-in: weights change every step (prep runs per call, the
