@@ -36,6 +36,7 @@ from coda.blocks.block import Block
 from coda.primitives import backend  # noqa: F401  (first: selects the interpreter without a GPU)
 from coda.primitives.analysis import analyze, bind_sizes
 from coda.primitives.ir import OutputView, Program
+from coda.primitives.prep.layout import interleaved_buffer
 from coda.primitives.runtime import CompiledProgram, compile_program
 from coda.primitives.types import torch_dtype
 
@@ -151,10 +152,9 @@ def _packed_names(names: list[str], packed: Sequence[PackedRows]) -> list[str]:
 
 
 def _whole_rows(even: torch.Tensor, odd: torch.Tensor, name: str) -> torch.Tensor:
-    """The ``[2r, c]`` tensor whose even and odd rows are ``even`` and ``odd`` — their own base
-    tensor when they are its two row views (no copy), else interleaved into a new one."""
-    from coda.primitives.prep.layout import interleaved_buffer
-
+    """The ``[2r, c]`` tensor whose even and odd rows are ``even`` and ``odd``: their base tensor
+    when they are its two row views (no copy), a copy when those rows lie inside a larger tensor
+    (an op output may not alias it); an error when they are not one tensor's rows."""
     rows = interleaved_buffer(even, odd)
     if rows is None:
         raise RuntimeError(f"{name}: the backward's two gradients are not one tensor's rows")

@@ -24,6 +24,7 @@ from coda.agent.planner import LoweringOptions, lower
 from coda.blocks.block import Block
 from coda.blocks.llama import llama_mlp_family
 from coda.primitives.ir import Program
+from coda.primitives.prep.layout import interleave_rows
 from coda.sandbox import SandboxOptions, evaluate
 
 from .autograd import ExportedFunction, PackedRows, Tuning, export_autograd
@@ -73,8 +74,9 @@ def llama_mlp_function(
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """``[2f, d]``: ``w_gate``'s rows at even indices, ``w_up``'s at odd (a new tensor)."""
-    return torch.stack([w_gate, w_up], dim=1).reshape(2 * w_gate.shape[0], w_gate.shape[1])
+    """``[2f, d]``: ``w_gate``'s rows at even indices, ``w_up``'s at odd (a new tensor), the
+    layout of ``llama_mlp_function(packed_gate_up=True)``'s ``w_gate_up``."""
+    return interleave_rows(w_gate, w_up)
 
 
 @lru_cache(maxsize=16)

@@ -50,9 +50,12 @@ class InterleaveRows(PrepStep):
     def apply(self, env: RunEnv) -> None:
         a, b = env.tensors[self.first], env.tensors[self.second]
         packed = interleaved_buffer(a, b)
-        if packed is None:
-            packed = torch.stack([a, b], dim=1).reshape(2 * a.shape[0], a.shape[1])
-        env.tensors[self.out] = packed
+        env.tensors[self.out] = interleave_rows(a, b) if packed is None else packed
+
+
+def interleave_rows(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """A new ``[2r, c]`` tensor: ``first``'s rows at even indices, ``second``'s at odd."""
+    return torch.stack([first, second], dim=1).reshape(2 * first.shape[0], first.shape[1])
 
 
 def interleaved_buffer(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
