@@ -21,6 +21,11 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host tensor descriptors: pointer kernels only
+    TensorDescriptor = None
+
 from . import backend
 from .analysis import GemmInfo, ProgramInfo, analyze, bind_sizes
 from .base import RunEnv
@@ -326,8 +331,6 @@ class _LaunchPlan:
     sources: tuple[tuple[str, str | None, Any], ...]
 
     def arguments(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         args: list[Any] = []
         for kind, name, detail in self.sources:
             if kind == "const":
@@ -396,9 +399,7 @@ Mainloop = Literal["auto", "tma", "tma_mainloop", "pointer"]
 def tma_available(device: torch.device) -> bool:
     """Tensor descriptors exist in this Triton and the device has a copy engine for them
     (Hopper or newer; the CPU interpreter emulates them)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
+    if TensorDescriptor is None:
         return False
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)[0] >= 9
