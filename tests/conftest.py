@@ -24,3 +24,7 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
             item.add_marker(pytest.mark.gpu)
             if not HAS_GPU and not (on_cpu and item.get_closest_marker("cpu_capable")):
                 item.add_marker(skip_gpu)
+    # Long tests first: xdist hands tests out in collection order, so a long one collected late
+    # would start when the rest are nearly done (the GPU eval cell, ~250 s, did: the whole
+    # tests/gpu run then outlasted a 480 s device call).
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
