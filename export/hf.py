@@ -140,10 +140,24 @@ class CodaLlamaMLPBlock(nn.Module):
         if fuse_gate_up:
             self._fuse_gate_up()
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        self._function_args = {"eps": eps, "verify": verify, "saved": saved}
         # Resolved here, not in forward: torch.compile then sees only the custom op.
-        self.function = llama_mlp_function(
-            eps, verify=verify, saved=saved, tune=tune, packed_gate_up=fuse_gate_up
-        )
+        self.function = self._resolve_function(tune)
+
+    def _resolve_function(self, tune: Tuning) -> ExportedFunction:
+        return llama_mlp_function(**self._function_args, tune=tune, packed_gate_up=self.fused)
+
+    # The exported function holds process-wide registered ops, which neither pickle nor copy:
+    # copies (copy.deepcopy, torch.save) carry how to resolve it and resolve it again.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_tune"] = state.pop("function").tune
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        tune = state.pop("_tune")
+        super().__setstate__(state)
+        self.function = self._resolve_function(tune)
 
     # -- the fused gate/up parameter -------------------------------------------------------------
     _HF_KEYS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
@@ -184,7 +198,7 @@ def _state_dict_with_hf_keys(
     module: CodaLlamaMLPBlock, state: dict[str, Any], prefix: str, _meta: Any
 ) -> None:
     """``gate_up_weight`` saved as Hugging Face's two weights (contiguous copies)."""
-    fused = state.pop(prefix + "gate_up_weight")
+    fused = state.pop(prefix + "gate_up_weight").detach()  # keep_vars=True: no autograd copy
     gate, up = (prefix + k for k in CodaLlamaMLPBlock._HF_KEYS)
     state[gate], state[up] = fused[0::2].contiguous(), fused[1::2].contiguous()
 

@@ -281,3 +281,27 @@ def test_the_backward_fills_no_zero_gradients_for_the_saved_activations() -> Non
     activation_sized = [s for s in fills if s and s[0] and math.prod(s[0]) >= 9 * f]
     assert not activation_sized, f"zero fills of activation size: {fills}"
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["hf-params", "fused-gate-up"])
+def test_the_drop_in_survives_deepcopy_and_torch_save(fuse: bool, tmp_path) -> None:  # noqa: ANN001
+    """Reference models, EMA copies and checkpoints of whole modules: a copy resolves the same
+    exported op again, owns its parameters, and computes what the original does."""
+    import copy
+
+    block = CodaLlamaMLPBlock(*_hf_modules(seed=9), verify=False, fuse_gate_up=fuse, tune="off")
+    torch.save(block, tmp_path / "block.pt")
+    copies = [copy.deepcopy(block), torch.load(tmp_path / "block.pt", weights_only=False)]
+    x, dout = torch.randn(6, 48), torch.randn(6, 48)
+    want = _grads(block, x, dout, block)
+    for clone in copies:
+        assert clone.function is block.function and clone.function.tune == "off"
+        assert all(
+            a is not b and a.data_ptr() != b.data_ptr()
+            for a, b in zip(clone.parameters(), block.parameters(), strict=True)
+        )
+        for got, expected in zip(_grads(clone, x, dout, clone), want, strict=True):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    with torch.no_grad():
+        next(copies[0].parameters()).add_(1.0)
+    assert not torch.equal(copies[0](x), block(x))  # the copy's weights are its own
