@@ -241,6 +241,10 @@ class ExportedFunction:
         for runner in self.runners:
             runner.tune = mode
 
+    def __deepcopy__(self, memo: dict) -> ExportedFunction:
+        # registered once per process (torch.library ops do not copy): a copy is this function
+        return self
+
     def __call__(self, *args: torch.Tensor) -> Any:
         outs = self.forward_op(*args)
         if not self.saved_names:
