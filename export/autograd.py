@@ -217,7 +217,10 @@ class ExportedFunction:
     Calling it returns the forward outputs other than the saved ones (one tensor, or a tuple in the
     Program's output order); ``torch.autograd`` runs the backward Program for gradients.
     ``forward_op``/``backward_op`` are the registered ``torch.ops.coda`` operators (the forward op
-    returns every output of the forward Program, saved ones included).
+    returns every output of the forward Program, saved ones included). ``inference_op``, when
+    given, runs instead of ``forward_op`` where no gradient can flow (``torch.no_grad()``, or no
+    argument requires grad): a Program that computes only what a call returns, so nothing is
+    saved for a backward that will not run.
     """
 
     forward: Program
@@ -228,6 +231,7 @@ class ExportedFunction:
     output_names: list[str]  # what a call returns
     saved_names: list[str] = field(default_factory=list)
     runners: list[_Runner] = field(default_factory=list, repr=False)
+    inference_op: Any = None
 
     @property
     def tune(self) -> Tuning:
@@ -246,6 +250,8 @@ class ExportedFunction:
         return self
 
     def __call__(self, *args: torch.Tensor) -> Any:
+        if self.inference_op is not None and not _needs_grad(args):
+            return self.inference_op(*args)
         outs = self.forward_op(*args)
         if not self.saved_names:
             return outs
@@ -255,6 +261,10 @@ class ExportedFunction:
         return kept[0] if len(kept) == 1 else kept
 
 
+def _needs_grad(args: tuple[torch.Tensor, ...]) -> bool:
+    return torch.is_grad_enabled() and any(a.requires_grad for a in args)
+
+
 def export_autograd(
     forward: Program,
     backward: Program,
@@ -262,6 +272,7 @@ def export_autograd(
     *,
     tune: Tuning = "quick",
     packed: Sequence[PackedRows] = (),
+    inference: Program | None = None,
 ) -> ExportedFunction:
     """Register ``forward`` + ``backward`` as a differentiable custom op (once per Program pair
     and packing; a second call returns the same function, with ``tune`` set as asked).
@@ -271,10 +282,14 @@ def export_autograd(
     the backward Program's inputs must be the forward inputs followed by those cotangents.
     ``packed``: pairs of forward inputs the function takes as one tensor of interleaved rows
     (``PackedRows``); the backward Program must return their gradients as the even and odd rows of
-    one tensor, which becomes the packed tensor's gradient.
+    one tensor, which becomes the packed tensor's gradient. ``inference``: a Program with the
+    forward's inputs and only the outputs a call returns (e.g. ``llama_mlp`` for
+    ``llama_mlp_train``), run when no gradient is needed.
     """
     packed = tuple(packed)
     key = _op_name(forward, "fwd", packed) + _op_name(backward, "bwd", packed)
+    if inference is not None:
+        key += _op_name(inference, "inf", packed)
     if key in _REGISTERED:
         _REGISTERED[key].tune = tune
         return _REGISTERED[key]
@@ -284,6 +299,8 @@ def export_autograd(
         p.key: p.out for p in backward_block.graph if isinstance(p, Pick) and p.src == vjp.out
     }
     _check_packing(forward, backward, grad_names, packed)
+    if inference is not None:
+        _check_inference(forward, inference, [n for n in forward.outputs if n not in vjp.saved])
     whole = {f"d{p.name}": (grad_names[p.even], grad_names[p.odd]) for p in packed}
     for p in packed:
         grad_names[p.name] = f"d{p.name}"
@@ -326,6 +343,11 @@ def export_autograd(
 
     fwd_op.register_autograd(backward_fn, setup_context=setup_context)
     user_outputs = [n for n in fwd_outputs if n not in saved_names]
+    runners = [fwd_runner, bwd_runner]
+    inf_op = None
+    if inference is not None:
+        runners.append(_Runner(inference, packed))
+        inf_op = _custom_op(runners[-1], "inf")
     exported = ExportedFunction(
         forward,
         backward,
@@ -334,11 +356,21 @@ def export_autograd(
         fwd_inputs,
         user_outputs,
         saved_names,
-        [fwd_runner, bwd_runner],
+        runners,
+        inf_op,
     )
     exported.tune = tune
     _REGISTERED[key] = exported
     return exported
+
+
+def _check_inference(forward: Program, inference: Program, returned: list[str]) -> None:
+    if list(inference.inputs) != list(forward.inputs) or list(inference.outputs) != returned:
+        raise ValueError(
+            f"the inference Program must take the forward's inputs {list(forward.inputs)} and "
+            f"return what a call returns, {returned}; it takes {list(inference.inputs)} and "
+            f"returns {list(inference.outputs)}"
+        )
 
 
 def _check_packing(

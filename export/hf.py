@@ -62,7 +62,8 @@ def llama_mlp_function(
 
     ``saved`` (default): the forward is ``llama_mlp_train``, which also keeps the gate and up
     projections and the SwiGLU output, and the backward ``llama_mlp_bwd_saved`` uses them
-    (CODA_MATH §7's schedule);
+    (CODA_MATH §7's schedule) — and a call that needs no gradient (``torch.no_grad()``, nothing
+    requiring grad) runs the plain ``llama_mlp`` forward instead, storing none of them;
     otherwise the forward stores nothing extra and ``llama_mlp_bwd`` recomputes the gate/up GEMM
     (less memory, one more GEMM). The Programs come from the built-in planner; with ``verify``
     (default) each is first verified by the sandbox at the block's shape sets, once per process.
@@ -84,11 +85,17 @@ def _llama_mlp_function(eps: float, verify: bool, saved: bool, packed: bool) -> 
     family = llama_mlp_family(eps)
     forward_block = family["train" if saved else "forward"]
     backward_block = family["backward_saved" if saved else "backward"]
-    if verify:
-        forward, backward = verified_program(forward_block), verified_program(backward_block)
-    else:
-        forward, backward = lower(forward_block), lower(backward_block)
-    return export_autograd(forward, backward, backward_block, packed=[GATE_UP] if packed else [])
+    # Saving g, u, a for the backward: without gradients (evaluation, no_grad) the plain forward
+    # runs instead and stores none of them.
+    blocks = [forward_block, backward_block] + ([family["forward"]] if saved else [])
+    programs = [verified_program(b) if verify else lower(b) for b in blocks]
+    return export_autograd(
+        programs[0],
+        programs[1],
+        backward_block,
+        packed=[GATE_UP] if packed else [],
+        inference=programs[2] if saved else None,
+    )
 
 
 def _is_silu(act: Any) -> bool:

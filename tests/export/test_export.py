@@ -115,7 +115,8 @@ def test_configs_are_tuned_once_per_new_shape_and_tuning_can_be_switched_off() -
     fn = llama_mlp_function(1e-5, verify=False)  # tune="quick"
     norm, mlp = _hf_modules(seed=3)
     weights = [norm.weight, *[p.weight for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]]
-    forward_runner = fn.runners[0]
+    forward_runner = fn.runners[2]  # under no_grad the inference Program runs (nothing to save)
+    assert forward_runner.program.block == "llama_mlp"
     forward_runner.tuned.clear()
     with torch.no_grad():
         fn(torch.randn(5, 48), *weights)
@@ -306,3 +307,30 @@ def test_the_drop_in_survives_deepcopy_and_torch_save(fuse: bool, tmp_path) -> N
     with torch.no_grad():
         next(copies[0].parameters()).add_(1.0)
     assert not torch.equal(copies[0](x), block(x))  # the copy's weights are its own
+
+
+def test_without_gradients_the_plain_forward_runs_and_saves_nothing() -> None:
+    # Evaluation passes (torch.no_grad, or frozen weights and inputs) need no g, u, a: the
+    # inference op (the llama_mlp Program) runs instead of llama_mlp_train, same output.
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = llama_mlp_function(1e-5, verify=False, tune="off")
+    norm, mlp = _hf_modules(seed=10)
+    weights = [norm.weight, *[p.weight for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]]
+    frozen = [w.detach() for w in weights]
+    x = torch.randn(9, 48)
+
+    def ops_run(call) -> tuple[torch.Tensor, set[str]]:  # noqa: ANN001
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = call()
+        return out, {e.name.rsplit("_", 1)[-1] for e in prof.events() if "coda::" in e.name}
+
+    with torch.no_grad():
+        plain, ran = ops_run(lambda: fn(x, *weights))
+    assert ran == {"inf"}
+    _, ran = ops_run(lambda: fn(x, *frozen))  # grad mode on, nothing requires grad
+    assert ran == {"inf"}
+    trained, ran = ops_run(lambda: fn(x.clone().requires_grad_(), *weights))
+    assert ran == {"fwd"} and trained.requires_grad
+    torch.testing.assert_close(plain, trained.detach(), atol=0, rtol=0)
+    assert llama_mlp_function(1e-5, verify=False, saved=False).inference_op is None
