@@ -191,6 +191,7 @@ class CodaLlamaMLPBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = [self.gate_up_weight] if self.fused else [self.gate_weight, self.up_weight]
         weights = [self.norm.weight, *gate_up, self.mlp.down_proj.weight]
+        _check_not_autocast_to_another_dtype(x)
         mixed = [w for w in weights if w.dtype != x.dtype]
         if mixed:
             raise TypeError(
@@ -199,6 +200,19 @@ class CodaLlamaMLPBlock(nn.Module):
             )
         flat = x.reshape(-1, x.shape[-1])
         return self.function(flat, *weights).reshape(x.shape)
+
+
+def _check_not_autocast_to_another_dtype(x: torch.Tensor) -> None:
+    """Under ``torch.autocast`` Hugging Face's modules run their GEMMs in the autocast dtype; the
+    drop-in runs in its inputs' one dtype, so fp32 activations would silently become fp32 GEMMs."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
+        raise TypeError(
+            f"torch.autocast({device!r}, dtype={torch.get_autocast_dtype(device)}) is on but the "
+            f"activations are {x.dtype}: the CODA kernels run in one dtype and do not autocast. "
+            "Cast the model to the autocast dtype (e.g. model.to(torch.bfloat16)) — the residual "
+            "stream is then in that dtype too — or run this block outside autocast"
+        )
 
 
 def _state_dict_with_hf_keys(

@@ -109,6 +109,12 @@ def test_drop_in_rejects_what_the_block_does_not_compute() -> None:
     block = CodaLlamaMLPBlock(norm, mlp, verify=False)
     with pytest.raises(TypeError, match="cast the modules to the activation dtype"):
         block(torch.randn(3, 48, dtype=torch.float64))
+    # autocast would make Hugging Face's GEMMs fp16 while fp32 activations keep these fp32
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(TypeError, match="autocast"):
+        block(torch.randn(3, 48))
+    half = CodaLlamaMLPBlock(*_hf_modules(dtype=torch.float16), verify=False, tune="off")
+    with torch.autocast("cpu", dtype=torch.float16):  # already in the autocast dtype: runs
+        assert half(torch.randn(3, 48, dtype=torch.float16)).dtype == torch.float16
 
 
 def test_configs_are_tuned_once_per_new_shape_and_tuning_can_be_switched_off() -> None:
