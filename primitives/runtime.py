@@ -121,7 +121,8 @@ class CompiledProgram:
                 self._run_gemm(step, info.gemms[name], tensors, act, device, poison, info.sizes)
             else:
                 self._allocate_new(info, name, tensors, act, device, poison)
-                step.launch(env)
+                if any(t.producer == name and math.prod(t.shape) for t in info.tensors.values()):
+                    step.launch(env)  # (an empty batch: nothing to write, nothing to launch)
         return tensors
 
     def run_gemm_step(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -167,6 +168,8 @@ class CompiledProgram:
         cfg = self.config_for(gemm.name, gemm)
         for name, t in gemm.writes.items():
             tensors[name] = _allocate(t, gemm, cfg, act, device, poison)
+        if gemm.M == 0 or gemm.N == 0:
+            return  # an empty batch: every tensor the epilogue writes is empty
         tiles = [(tensors[name], block) for name, block in self._epilogue_tiles(gemm.name, cfg)]
         variant = choose_mainloop(self.mainloop, step, tensors, device, epilogue_tiles=tiles)
         too_big = (gemm.name, cfg, act)

@@ -340,3 +340,19 @@ def test_without_gradients_the_plain_forward_runs_and_saves_nothing() -> None:
     assert ran == {"fwd"} and trained.requires_grad
     torch.testing.assert_close(plain, trained.detach(), atol=0, rtol=0)
     assert llama_mlp_function(1e-5, verify=False, saved=False).inference_op is None
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["hf-params", "fused-gate-up"])
+def test_an_empty_batch_gives_what_hugging_face_gives(fuse: bool) -> None:
+    # No tokens (an empty micro-batch, a rank with nothing routed to it): an empty output, zero
+    # weight gradients — no launch of a kernel over zero rows.
+    norm, mlp = _hf_modules(seed=11)
+    ref = _hf_modules(seed=11)
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False, tune="off", fuse_gate_up=fuse)
+    x, dout = torch.randn(2, 0, 48), torch.randn(2, 0, 48)
+    got = _grads(block, x, dout, block)
+    want = _grads(torch.nn.ModuleList(ref), x, dout, lambda t: t + ref[1](ref[0](t)))
+    assert got[0].shape == (2, 0, 48) and got[1].shape == (2, 0, 48)
+    for g in got[2:]:
+        assert g is not None and not g.any()
+    assert sum(g.numel() for g in got[2:]) == sum(w.numel() for w in want[2:])
