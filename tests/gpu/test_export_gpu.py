@@ -86,3 +86,24 @@ def test_torch_compile_fullgraph_around_the_custom_ops() -> None:
     compiled = _run(compiled_fn, params, x, dout)
     for got, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_evaluation_and_empty_batches_on_the_gpu() -> None:
+    """Without gradients the plain forward runs (nothing saved) and agrees with the training
+    forward, also under torch.compile; an empty batch gives an empty output and zero gradients."""
+    hidden, tokens = (48, 13) if TOY else (1024, 777)
+    norm, mlp = _hf_modules(hidden=hidden, inter=80 if TOY else 2816)
+    norm, mlp = norm.to(DTYPE), mlp.to(DTYPE)
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False, tune="off")
+    x = torch.randn(tokens, hidden, device=DEVICE, dtype=DTYPE)
+    trained = block(x.clone().requires_grad_()).detach()
+    with torch.no_grad():
+        evaluated = block(x)
+        compiled = torch.compile(block, backend=BACKEND, fullgraph=True)(x)
+    torch.testing.assert_close(evaluated, trained, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(compiled, evaluated, atol=0, rtol=0)
+    params = [norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    empty = torch.randn(0, hidden, device=DEVICE, dtype=DTYPE)
+    out, dx, *grads = _run(block, params, empty, torch.randn_like(empty))
+    assert out.shape == (0, hidden) and dx.shape == (0, hidden)
+    assert all(g.shape == p.shape and not g.any() for g, p in zip(grads, params, strict=True))
