@@ -150,34 +150,25 @@ def _launch_overhead() -> Any:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.DEVICE = DEVICE
     return module
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     global DEVICE
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"
-        DEVICE = "cpu"
+    overhead = _launch_overhead()  # its host timer, and its start: device first, then Triton
+    if not overhead.start(args.dry_run, "device_descriptors.py"):
+        return 2
+    DEVICE = overhead.DEVICE
     import torch
     import triton
 
-    import coda  # noqa: F401  (before triton: picks the interpreter without a GPU)
-
-    if not args.dry_run and not torch.cuda.is_available():
-        print("device_descriptors.py needs a CUDA GPU (see GPU.md)", file=sys.stderr)
-        return 2
     # device-side descriptors live in global scratch memory that Triton asks the caller for
     triton.set_allocator(
         lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=DEVICE)
     )
-    overhead = _launch_overhead()
     rows = [kernel_row(k, overhead) for k in args.kernels.split(",")]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "device_descriptors.json").write_text(json.dumps(rows, indent=2))
-    print(json.dumps(rows, indent=1))
+    overhead.save(args.out, "device_descriptors.json", json.dumps(rows, indent=2))
     return 0
 
 

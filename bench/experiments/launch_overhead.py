@@ -218,31 +218,39 @@ def _env(compiled: Any, tensors: dict[str, Any]) -> Any:
     return RunEnv(tensors, info.tensors, sizes=info.sizes)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def start(dry_run: bool, script: str) -> bool:
+    """Pick the device (a dry run: the CPU interpreter) before anything imports Triton; False,
+    with a message, when a real run finds no GPU."""
     global DEVICE
-    if args.dry_run:
+    if dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
         DEVICE = "cpu"
+    import coda  # noqa: F401, I001  (before triton: picks the interpreter without a GPU)
     import torch
 
-    import coda  # noqa: F401  (before triton: picks the interpreter without a GPU)
+    if not dry_run and not torch.cuda.is_available():
+        print(f"bench/experiments/{script} needs a CUDA GPU (see GPU.md)", file=sys.stderr)
+        return False
+    return True
 
-    if not args.dry_run and not torch.cuda.is_available():
-        print("bench/experiments/launch_overhead.py needs a CUDA GPU (see GPU.md)", file=sys.stderr)
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not start(args.dry_run, "launch_overhead.py"):
         return 2
     if args.cprofile:
-        report = launch_profile(args.kernels.split(",")[0])
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "launch_profile.txt").write_text(report)
-        print(report)
+        save(args.out, "launch_profile.txt", launch_profile(args.kernels.split(",")[0]))
         return 0
     result = {"floors_us": floors(), "kernels": [kernel_rows(k) for k in args.kernels.split(",")]}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "launch_overhead.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=1))
+    save(args.out, "launch_overhead.json", json.dumps(result, indent=2))
     return 0
+
+
+def save(folder: str, name: str, text: str) -> None:
+    """Write ``text`` to ``folder/name`` (the folder made if needed) and print it."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / name).write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
