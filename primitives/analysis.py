@@ -31,7 +31,6 @@ class GemmInfo:
     writes: dict[str, TensorInfo]  # tensors this kernel creates
     accumulates: set[str]  # existing tensors it adds into
     vendor: bool  # plain store: runs on torch.matmul (cuBLAS on a GPU)
-    reduces_tile: bool = False  # an op reduces across the tile: split-accumulator kernels
 
 
 @dataclass
@@ -125,14 +124,6 @@ def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> G
         raise ProgramError(
             "the epilogue writes nothing", hint="end it with store(...) or partial_reduce(...)"
         )
-    reduces = [op.op for op in step.epilogue if op.reduces_tile]
-    if reduces and step.config != "auto" and (step.config.flatten or step.config.warp_specialize):
-        raise ProgramError(
-            f"config.flatten / config.warp_specialize with {reduces[0]} in the epilogue: an "
-            "epilogue that reduces runs on split accumulators (one per column slice), and Triton "
-            "3.6 fails to compile those loops flattened or warp-specialized",
-            hint="set flatten=False and warp_specialize=False for this step",
-        )
     return GemmInfo(
         name,
         index,
@@ -143,7 +134,6 @@ def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> G
         cenv.writes,
         cenv.accumulates,
         step.is_plain_store,
-        reduces_tile=bool(reduces),
     )
 
 

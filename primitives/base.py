@@ -145,12 +145,6 @@ class EpilogueOp(Node):
 
     registry: ClassVar[dict[str, type[EpilogueOp]]] = {}
     port: ClassVar[Port]
-    # Ops that reduce across the tile (partial reductions, column selects) must not see `tl.split`
-    # sub-tiles: Triton 3.6 miscompiles reductions of them on an H200 (right in the interpreter,
-    # wrong compiled; seen 2026-11-29). Kernels with such ops keep one accumulator per column
-    # slice instead (codegen/kernel.py, "split accumulators").
-    reduces_tile: ClassVar[bool] = False
-
     op: str  # each subclass narrows this to a Literal: the union's discriminator
 
     @classmethod

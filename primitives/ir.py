@@ -87,10 +87,10 @@ class MainloopConfig(Node):
     ``block_m/n/k``: output tile and K step; ``group_m``: grouped tile order (L2 reuse);
     ``num_warps``, ``num_stages``: Triton launch parameters; ``epilogue_subtiles``: the epilogue
     runs on 1, 2 or 4 column slices of the tile in turn (fewer live registers; an epilogue that
-    reduces gets one accumulator per slice, and its row partials one slot per slice);
+    reduces writes its row partials one slot per slice);
     ``flatten``: let Triton pipeline across output tiles of the persistent loop;
     ``warp_specialize``: producer and consumer warps for the persistent loop (Triton ≥ 3.4; a config
-    that does not compile is pruned). Neither of the last two with an epilogue that reduces.
+    that does not compile is pruned).
     """
 
     block_m: int = 128

@@ -9,21 +9,21 @@ against hand-patched copies of its source, each removing or changing one part of
 * ``no_dz``: without the store of dz (timing only);
 * ``no_loads``: g and u made from the accumulator instead of loaded (timing only): what the two
   tile loads cost;
-* ``prefetch``: g and u loaded *before* the K loop (a helper issues the loads, the epilogue gets
-  the tiles), so their latency overlaps the tile's mainloop — the candidate fix;
 * ``acc_only``: the epilogue is one store of the accumulator (what the same mainloop costs as a
   plain GEMM: the floor any epilogue work starts from);
 * ``tma_epilogue``: the unpatched module's Hopper kernel, whose epilogue moves g, u and dz as TMA
   tiles (the patches above all run the pointer epilogue behind the same TMA mainloop);
 
 next to the cuBLAS GEMM of the same shape. ``--sweep`` repeats ``original``, ``no_loads``,
-``prefetch``, ``acc_only`` and ``tma_epilogue`` over several configs (``--per-sm 1,2``: also
+``acc_only`` and ``tma_epilogue`` over several configs (``--per-sm 1,2``: also
 persistent grids of 2 programs per SM, so one program's epilogue may overlap another's mainloop
-where registers and shared memory allow two), with registers and spills. ``strided_dz``,
-``prefetch`` and ``tma_epilogue`` are checked against the original. (The forward now saves
+where registers and shared memory allow two), with registers and spills. ``strided_dz``
+and ``tma_epilogue`` are checked against the original. (The forward now saves
 a = silu(g)·u, so the kernel no longer stores it; the 2026-11-30 RESULTS row "without the store
 of a" was measured before that change.) Not part of the product: a measurement to decide what to
-change in the codegen; ``prefetch`` handles one or two epilogue sub-tiles.
+change in the codegen. (A ``prefetch`` variant — g and u loaded before the K loop — patched the
+split-accumulator kernels that codegen v6 no longer generates; its RESULTS rows are reproduced by
+this script at commit 8904dc0.)
 
     python3 bench/experiments/swiglu_bwd_epilogue.py [--out DIR] [--sweep]
 """
@@ -42,14 +42,7 @@ JOIN = re.compile(r"\n\s*v_dz = tl\.reshape\(tl\.join\(v_dg, v_du\).*")
 DZ_STORE = re.compile(r"\n(\s*)dz_ptrs = .*\n\s*tl\.store\(dz_ptrs, .*")
 ZDZ_STORE = re.compile(r"\n\s*if start_n < N:\n\s*tl\.store\(zdz_partials_ptr.*")
 LOAD = re.compile(r"\n(\s*)({t}_tile) = tl\.load\((.*)\)\.to\(tl\.float32\)")
-K_LOOP = re.compile(r"\n(\s*)for ki in range\(0, k_tiles\):")
-EPILOGUE_CALL = re.compile(r"_down_bwd_epilogue\(acc(\d), pid_m, ([^,]+),")
-EPILOGUE_DEF = "def _down_bwd_epilogue(\n    accumulator, pid_m, start_n,"
-PRELUDE = re.compile(r"(    # This sub-tile:.*?\n)(    # --- load_tile)", re.S)
 EPILOGUE_BODY = re.compile(r"(\n    # --- load_tile\(tensor='g'.*?)\n\n\n@triton\.jit", re.S)
-PREFETCH_ARGS = (
-    "g_ptr, u_ptr, M, N, stride_g_m, stride_g_n, stride_u_m, stride_u_n, BLOCK_SIZE_M, EPI_N"
-)
 
 
 def no_loads(source: str) -> str:
@@ -57,43 +50,6 @@ def no_loads(source: str) -> str:
     out = LOAD.pattern.format(t="g")
     source = re.sub(out, r"\n\1\2 = accumulator * 0.5 + 1.0", source, count=1)
     return re.sub(LOAD.pattern.format(t="u"), r"\n\1\2 = accumulator * 0.25 - 1.0", source, count=1)
-
-
-def prefetch(source: str) -> str:
-    """Loads of g and u issued before the K loop by ``_down_bwd_prefetch``, passed in."""
-    prelude = PRELUDE.search(source)
-    g, u = (re.search(LOAD.pattern.format(t=t), source) for t in ("g", "u"))
-    assert prelude and g and u, "the epilogue's layout changed: update the patch"
-    helper = (
-        "@triton.jit\ndef _down_bwd_prefetch(\n    pid_m, start_n, g_ptr, u_ptr, M, N, stride_g_m,"
-        " stride_g_n, stride_u_m, stride_u_n,\n    BLOCK_SIZE_M: tl.constexpr, EPI_N: tl.constexpr,"
-        "\n):\n"
-        + prelude.group(1)
-        + f"    g_raw = tl.load({g.group(3)})\n    u_raw = tl.load({u.group(3)})\n"
-        "    return g_raw, u_raw\n\n\n"
-    )
-    source = source.replace("@triton.jit\n" + EPILOGUE_DEF, helper + "@triton.jit\n" + EPILOGUE_DEF)
-    source = source.replace(EPILOGUE_DEF, EPILOGUE_DEF + " g_pre, u_pre,")
-    source = re.sub(LOAD.pattern.format(t="g"), r"\n\1\2 = g_pre.to(tl.float32)", source, count=1)
-    source = re.sub(LOAD.pattern.format(t="u"), r"\n\1\2 = u_pre.to(tl.float32)", source, count=1)
-
-    def issue(match: re.Match) -> str:
-        pad = match.group(1)
-        call = "_down_bwd_prefetch(pid_m, {start}, " + PREFETCH_ARGS + ")"
-        return (
-            f"\n{pad}pre_n = pid_n * BLOCK_SIZE_N"
-            f"\n{pad}g_pre0, u_pre0 = "
-            + call.format(start="pre_n")
-            + f"\n{pad}if EPILOGUE_SUBTILES > 1:"
-            f"\n{pad}    g_pre1, u_pre1 = " + call.format(start="pre_n + EPI_N") + match.group(0)
-        )
-
-    # only in the kernels that call the pointer epilogue (not the one with TMA epilogue tiles)
-    functions = source.split("\n@triton.jit\n")
-    source = "\n@triton.jit\n".join(
-        K_LOOP.sub(issue, f) if "_down_bwd_epilogue(acc" in f else f for f in functions
-    )
-    return EPILOGUE_CALL.sub(r"_down_bwd_epilogue(acc\1, pid_m, \2, g_pre\1, u_pre\1,", source)
 
 
 def acc_only(source: str) -> str:
@@ -124,7 +80,6 @@ def variants(source: str) -> dict[str, str]:
     out["no_zdz"] = ZDZ_STORE.sub("", source, count=1)
     out["no_dz"] = DZ_STORE.sub("", base, count=1)
     out["no_loads"] = no_loads(source)
-    out["prefetch"] = prefetch(source)
     out["acc_only"] = acc_only(source)
     for name, text in out.items():
         assert name == "original" or text != source, f"{name}: nothing was patched"
@@ -182,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         config = config_of(config_name)
         runtime._num_sms = lambda device, n=sms * per_sm: n  # the persistent grid's size
         for name, text in texts.items():
-            if name == "prefetch" and config.epilogue_subtiles > 2:
-                continue  # the patch handles one or two slices
             if args.sweep and name in ("strided_dz", "no_zdz", "no_dz"):
                 continue
             key = f"{config_name} ×{per_sm}/SM {name}"
@@ -211,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     same = {
         key: bool(torch.equal(outputs[key], outputs[reference]))
         for key in outputs
-        if key.endswith((" strided_dz", " prefetch", " original", " tma_epilogue"))
+        if key.endswith((" strided_dz", " original", " tma_epilogue"))
     }
     result = {"sizes": sizes, "ms": ms, "stats": stats, "equal_to_first_original": same}
     out = Path(args.out)

@@ -18,12 +18,13 @@ holds, in order:
 * ``<step>_kernel_ptr`` — the same loop with pointer loads, for operands TMA cannot describe (last
   stride not 1, strides not 16-byte aligned), GPUs before Hopper, and Triton without descriptors.
 
-A step whose epilogue reduces across the tile (``EpilogueOp.reduces_tile``: partial reductions,
-column selects) is built with *split accumulators* instead: the mainloop keeps one accumulator per
-``EPI_N``-wide column slice (B loaded slice by slice) and calls the epilogue on each, so no
-``tl.split`` is involved — Triton 3.6 miscompiles reductions of ``tl.split`` sub-tiles on an H200
-(right in the interpreter, wrong compiled; seen 2026-11-29) — and the epilogue's registers are
-those of one slice, not of the whole tile.
+Epilogues that reduce across the tile (partial reductions, column selects) run on the same
+``tl.split`` sub-tiles as the rest: each sub-tile writes its own slot of row partials. (From
+2026-11-29 to 2026-11-30 they ran on *split accumulators* — one per column slice, B loaded slice by
+slice — after reductions of ``tl.split`` sub-tiles computed wrong values on an H200 under Triton
+3.6; ``bench/experiments/split_reductions.py`` found them right under every config and 1.00–1.23×
+faster, flattened and warp-specialized loops included. Tuning still checks every winning config's
+outputs against the reference executor.)
 
 It imports nothing but triton, so a person can run or edit it alone. Set ``CODA_DEBUG_CODEGEN=1`` to
 print each generated module.
@@ -43,7 +44,7 @@ from ..ir import GemmEpilogue
 from .context import EmitContext, Param
 from .emitter import IndentedBuffer
 
-GENERATOR_VERSION = "5"
+GENERATOR_VERSION = "6"
 
 # The Hopper kernels' operand descriptors; every other descriptor is a tile of the epilogue.
 OPERAND_DESCRIPTORS = ("a_desc", "b_desc")
@@ -92,30 +93,6 @@ _TILE_LOOP = (
 {advance}
     # --- epilogue ---
     {epilogue_tile}(accumulator, pid_m, pid_n, {epilogue_args}, {tile_meta})
-"""
-)
-
-# The persistent tile loop with one accumulator per column slice (epilogues that reduce).
-_SPLIT_TILE_LOOP = (
-    _GRID
-    + """\
-tl.static_assert(EPI_N * EPILOGUE_SUBTILES == BLOCK_SIZE_N, "EPI_N = BLOCK_SIZE_N // SUBTILES")
-tl.static_assert(EPILOGUE_SUBTILES == 1 or EPILOGUE_SUBTILES == 2 or EPILOGUE_SUBTILES == 4,
-                 "EPILOGUE_SUBTILES must be 1, 2 or 4")
-"""
-    + _WALK
-    + """\
-    # --- mainloop: accumulator j = A[rows of the tile, :] @ B[:, column slice j of the tile],
-    # fp32, one per EPI_N columns: the epilogue reduces over columns, and reductions of tl.split
-    # sub-tiles miscompile, so the slices are kept apart from the start
-{tile_setup}
-{zeros}
-    for ki in range(0, k_tiles):
-{loads}
-{advance}
-    # --- epilogue, once per column slice ---
-    start_n = pid_n * BLOCK_SIZE_N
-{epilogues}
 """
 )
 
@@ -255,11 +232,9 @@ def _render_epilogue(
     function: str,
     ctx: EmitContext,
     params: tuple[Param, ...],
-    *,
-    tile_function: bool = True,
 ) -> None:
-    """The epilogue on one sub-tile, and (``tile_function``) the function that splits a whole
-    accumulator into sub-tiles for it (split-accumulator kernels call the epilogue directly)."""
+    """The epilogue on one sub-tile, and the function that splits a whole accumulator into
+    sub-tiles for it."""
     buf.line("@triton.jit")
     buf.line(f"def {function}(")
     with buf.indent():
@@ -269,8 +244,6 @@ def _render_epilogue(
         buf.line("# This sub-tile: rows of block pid_m; columns [start_n, start_n + EPI_N) of N.")
         buf.extend(_reindent(ctx.preamble, buf.level, buf.width))
         buf.extend(_reindent(ctx.body, buf.level, buf.width))
-    if not tile_function:
-        return
     buf.line("")
     buf.line("")
     buf.line("@triton.jit")
@@ -296,66 +269,21 @@ def _operand_dims(step: GemmEpilogue) -> tuple[tuple[int, int], tuple[int, int]]
     return a_dims, b_dims
 
 
-_EPI_N = "EPI_N"
-
-
-def _by_slice(lines_of_slice, indent: int) -> str:
-    """Lines for column slices 0..EPILOGUE_SUBTILES-1 of a split-accumulator kernel: slice 0
-    always, slice 1 under ``EPILOGUE_SUBTILES > 1``, slices 2 and 3 under ``> 2`` (a constexpr
-    condition: Triton compiles only the taken branch)."""
-    pad = " " * indent
-    out = [pad + line for line in lines_of_slice(0)]
-    for guard, slices in (("> 1", (1,)), ("> 2", (2, 3))):
-        out.append(f"{pad}if EPILOGUE_SUBTILES {guard}:")
-        out += [f"{pad}    {line}" for j in slices for line in lines_of_slice(j)]
-    return "\n".join(out)
-
-
-def _slice_start(base: str, j: int) -> str:
-    return base if j == 0 else f"{base} + {j} * {_EPI_N}"
-
-
-def _dot(j: int) -> str:
-    return f"acc{j} = tl.dot(a, b{j}, acc{j}, input_precision=INPUT_PRECISION)"
-
-
-def _split_common(epilogue: str, epi: tuple[Param, ...]) -> dict[str, str]:
-    """The parts of a split-accumulator kernel both mainloops share: zeroed accumulators and
-    one epilogue call per slice."""
-    zeros = _by_slice(
-        lambda j: [f"acc{j} = tl.zeros((BLOCK_SIZE_M, {_EPI_N}), dtype=tl.float32)"], 4
-    )
-    call = "{epilogue}(acc{j}, pid_m, {start}, {args}, BLOCK_SIZE_M, EPI_N)"
-    epilogues = _by_slice(
-        lambda j: [
-            call.format(epilogue=epilogue, j=j, start=_slice_start("start_n", j), args=_names(epi))
-        ],
-        4,
-    )
-    return {"zeros": zeros, "epilogues": epilogues}
-
-
-def _tma_variant(
-    step: GemmEpilogue, epi: tuple[Param, ...], split: bool = False
-) -> tuple[tuple[Param, ...], dict]:
+def _tma_variant(step: GemmEpilogue, epi: tuple[Param, ...]) -> tuple[tuple[Param, ...], dict]:
     # A descriptor describes the operand as stored (its last dim contiguous); a transposed operand
     # is loaded in its stored orientation and transposed in registers/shared memory with `.T`.
-    # With split accumulators, B's descriptor covers one EPI_N-wide column slice.
-    n_block = "EPI_N" if split else "BLOCK_SIZE_N"
     a_block = (
         ("BLOCK_SIZE_K", "BLOCK_SIZE_M") if step.a.transpose else ("BLOCK_SIZE_M", "BLOCK_SIZE_K")
     )
-    b_block = (n_block, "BLOCK_SIZE_K") if step.b.transpose else ("BLOCK_SIZE_K", n_block)
+    b_block = (
+        ("BLOCK_SIZE_N", "BLOCK_SIZE_K") if step.b.transpose else ("BLOCK_SIZE_K", "BLOCK_SIZE_N")
+    )
     a_load = (
         "a_desc.load([offs_k, offs_am]).T" if step.a.transpose else "a_desc.load([offs_am, offs_k])"
     )
-
-    def b_load(col: str) -> str:
-        return (
-            f"b_desc.load([{col}, offs_k]).T"
-            if step.b.transpose
-            else f"b_desc.load([offs_k, {col}])"
-        )
+    b_load = (
+        "b_desc.load([offs_bn, offs_k]).T" if step.b.transpose else "b_desc.load([offs_k, offs_bn])"
+    )
 
     params = order_params(
         [
@@ -370,19 +298,14 @@ def _tma_variant(
         "tile_setup": "    offs_am = pid_m * BLOCK_SIZE_M\n    offs_bn = pid_n * BLOCK_SIZE_N",
         "advance": "",
     }
-    head = f"        offs_k = ki * BLOCK_SIZE_K\n        a = {a_load}\n"
-    if not split:
-        parts["loads"] = head + f"        b = {b_load('offs_bn')}  # [BLOCK_SIZE_K, BLOCK_SIZE_N]"
-    else:
-        parts["loads"] = head + _by_slice(
-            lambda j: [f"b{j} = {b_load(_slice_start('offs_bn', j))}", _dot(j)], 8
-        )
+    parts["loads"] = (
+        f"        offs_k = ki * BLOCK_SIZE_K\n        a = {a_load}\n"
+        f"        b = {b_load}  # [BLOCK_SIZE_K, BLOCK_SIZE_N]"
+    )
     return params, parts
 
 
-def _pointer_variant(
-    step: GemmEpilogue, epi: tuple[Param, ...], split: bool = False
-) -> tuple[tuple[Param, ...], dict]:
+def _pointer_variant(step: GemmEpilogue, epi: tuple[Param, ...]) -> tuple[tuple[Param, ...], dict]:
     a_dims, b_dims = _operand_dims(step)
     params = order_params(
         [
@@ -407,38 +330,20 @@ def _pointer_variant(
         "        k_remaining = K - ki * BLOCK_SIZE_K\n"
         "        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)\n"
     )
-    b_ptrs = "b_ptr + offs_k[:, None] * stride_bk + {offs}.to(tl.int64)[None, :] * stride_bn"
-    parts = {"setup": "offs_k = tl.arange(0, BLOCK_SIZE_K)"}
-    if not split:
-        parts["tile_setup"] = (
+    parts = {
+        "setup": "offs_k = tl.arange(0, BLOCK_SIZE_K)",
+        "tile_setup": (
             a_setup + "    offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)) % N\n"
-            "    b_ptrs = " + b_ptrs.format(offs="offs_bn")
-        )
-        parts["loads"] = (
+            "    b_ptrs = b_ptr + offs_k[:, None] * stride_bk"
+            " + offs_bn.to(tl.int64)[None, :] * stride_bn"
+        ),
+        "loads": (
             a_load + "        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)"
-        )
-        parts["advance"] = (
+        ),
+        "advance": (
             "        a_ptrs += BLOCK_SIZE_K * stride_ak\n        b_ptrs += BLOCK_SIZE_K * stride_bk"
-        )
-        return params, parts
-    first = f"pid_n * BLOCK_SIZE_N + tl.arange(0, {_EPI_N})"
-    parts["tile_setup"] = a_setup + _by_slice(
-        lambda j: [
-            f"offs_bn{j} = ({_slice_start(first, j)}) % N",
-            f"b_ptrs{j} = " + b_ptrs.format(offs=f"offs_bn{j}"),
-        ],
-        4,
-    )
-    parts["loads"] = a_load + _by_slice(
-        lambda j: [
-            f"b{j} = tl.load(b_ptrs{j}, mask=offs_k[:, None] < k_remaining, other=0.0)",
-            _dot(j),
-        ],
-        8,
-    )
-    parts["advance"] = "        a_ptrs += BLOCK_SIZE_K * stride_ak\n" + _by_slice(
-        lambda j: [f"b_ptrs{j} += BLOCK_SIZE_K * stride_bk"], 8
-    )
+        ),
+    }
     return params, parts
 
 
@@ -456,15 +361,12 @@ def _render_kernel(
     _signature(buf, params, _META)
     with buf.indent():
         buf.line(f'"""{doc}"""')
-        if "zeros" in parts:  # split accumulators
-            text = _SPLIT_TILE_LOOP.format(**parts)
-        else:
-            text = _TILE_LOOP.format(
-                epilogue_tile=f"{epilogue}_tile",
-                epilogue_args=_names(epi),
-                tile_meta="BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILES",
-                **parts,
-            )
+        text = _TILE_LOOP.format(
+            epilogue_tile=f"{epilogue}_tile",
+            epilogue_args=_names(epi),
+            tile_meta="BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILES",
+            **parts,
+        )
         body = _wrap_calls(text)
         for line in body.rstrip().split("\n"):
             if line.strip():
@@ -494,15 +396,14 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
     buf.line(_COMPUTE_PID.rstrip())
     buf.line("")
     buf.line("")
-    split = gemm.reduces_tile
     epilogue = f"_{name}_epilogue"
-    _render_epilogue(buf, epilogue, ctx, epi, tile_function=not split)
+    _render_epilogue(buf, epilogue, ctx, epi)
     # The Hopper kernel's epilogue moves whole tiles by TMA; with no tile to move it is the same.
     epilogue_tma = f"{epilogue}_tma" if epi_tma != epi else epilogue
     if epilogue_tma != epilogue:
         buf.line("")
         buf.line("")
-        _render_epilogue(buf, epilogue_tma, ctx_tma, epi_tma, tile_function=not split)
+        _render_epilogue(buf, epilogue_tma, ctx_tma, epi_tma)
     kernels = [
         (
             "tma",
@@ -535,9 +436,7 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
         )
     variants = {}
     for kind, function, builder, epilogue_fn, epilogue_params, doc in kernels:
-        params, parts = builder(step, epilogue_params, split)
-        if split:
-            parts.update(_split_common(epilogue_fn, epilogue_params))
+        params, parts = builder(step, epilogue_params)
         names = [p.name for p in params]
         if len(set(names)) != len(names):  # the naming scheme is injective: this is a codegen bug
             raise RuntimeError(f"codegen name collision in the signature of {function}: {names}")

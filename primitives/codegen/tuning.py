@@ -76,20 +76,12 @@ def candidate_configs(
     itemsize: int,
     interpret: bool,
     space: list[tuple] | None = None,
-    split_accumulators: bool = False,
 ) -> list[MainloopConfig]:
-    """The configs worth timing for one gemm of these sizes.
-
-    ``split_accumulators``: the epilogue reduces (``GemmInfo.reduces_tile``), so the kernel keeps
-    one accumulator per column slice; Triton 3.6 cannot compile those loops flattened or
-    warp-specialized, so such candidates run without.
-    """
+    """The configs worth timing for one gemm of these sizes."""
     if interpret:
         return [INTERPRETER_DEFAULT]
     out = []
     for bm, bn, bk, warps, stages, subtiles, flatten, ws in space or _HOPPER_SPACE:
-        if split_accumulators:
-            flatten = ws = False
         cfg = MainloopConfig(
             block_m=bm,
             block_n=bn,
@@ -359,7 +351,6 @@ def tune_program(
                 itemsize=dtype.itemsize,
                 interpret=False,
                 space=space,
-                split_accumulators=gemm.reduces_tile,
             ),
             warmup,
             rep,

@@ -60,7 +60,6 @@ class PartialReduce(EpilogueOp):
 
     op: Literal["partial_reduce"] = "partial_reduce"
     port: ClassVar = Port.SINK
-    reduces_tile: ClassVar = True
 
     src: Name
     kind: Literal["sum", "sumsq", "max", "lse"]

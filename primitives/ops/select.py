@@ -44,7 +44,6 @@ class SelectColumn(EpilogueOp):
 
     op: Literal["select_column"] = "select_column"
     port: ClassVar = Port.SINK
-    reduces_tile: ClassVar = True
 
     src: Name
     index: Name
@@ -76,11 +75,14 @@ class SelectColumn(EpilogueOp):
         out = f"{ctx.pointer(self.to)} + {rows.offs} * {ctx.stride(self.to, 0, '')}"
         ctx.line(f"tl.store({out}, {p}, mask={rows.mask} & {p}_here)")
         # An index outside [0, W) is held by no tile: the sub-tile holding column 0 (start_n == 0)
-        # writes 0.0 for it, so exactly one program does.
+        # writes 0.0 for it, so exactly one program does. (A mask, not an `if`: Triton 3.6 cannot
+        # flatten a persistent loop around this conditional store — seen on the H200. The
+        # condition on start_n is broadcast to a row tensor: a scalar bool mask breaks the
+        # interpreter.)
         extent = ctx.extent(scale)
-        ctx.line(f"{p}_none = ({p}_index < 0) | ({p}_index >= {extent})")
-        zeros = f"tl.store({out}, tl.zeros_like({p}), mask={rows.mask} & {p}_none)"
-        ctx.line(f"if start_n == 0:\n    {zeros}")
+        first = f"({p}_index * 0 + start_n == 0)"
+        ctx.line(f"{p}_none = (({p}_index < 0) | ({p}_index >= {extent})) & {first}")
+        ctx.line(f"tl.store({out}, tl.zeros_like({p}), mask={rows.mask} & {p}_none)")
 
 
 class Onehot(EpilogueOp):

@@ -147,16 +147,6 @@ def test_gpu_tuning_space_is_well_formed() -> None:
     assert all(c.block_m <= 128 for c in small)
 
 
-def test_split_accumulator_candidates_are_neither_flattened_nor_warp_specialized() -> None:
-    from coda.primitives.codegen.tuning import candidate_configs
-
-    configs = candidate_configs(
-        16384, 16384, 2048, itemsize=2, interpret=False, split_accumulators=True
-    )
-    assert configs and not any(c.flatten or c.warp_specialize for c in configs)
-    assert any(c.epilogue_subtiles > 1 for c in configs)  # reductions may be sub-tiled now
-
-
 def test_a_tma_epilogue_too_big_for_shared_memory_falls_back_to_pointer_tiles(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

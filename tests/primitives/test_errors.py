@@ -140,15 +140,6 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], list[str]]] = {
         lambda d: gemm(d, "down").update(config={"block_m": 96}),
         ["steps.2.gemm.config", "block_m", "power of two between 16 and 256"],
     ),
-    "flattened loop with a reduction": (
-        lambda d: (
-            gemm(d, "down")["epilogue"].append(
-                {"op": "partial_reduce", "src": "acc", "kind": "sumsq", "to": "s2"}
-            ),
-            gemm(d, "down").update(config={"flatten": True}),
-        ),
-        ["config.flatten / config.warp_specialize with partial_reduce", "flatten=False"],
-    ),
     "duplicate step names": (
         lambda d: gemm(d, "down").update(name="gate_up"),
         ["step names must be unique; repeated: gate_up"],

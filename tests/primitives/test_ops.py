@@ -512,12 +512,10 @@ def test_transposed_operands(a_t: bool, b_t: bool, dtype: torch.dtype) -> None:
 def test_explicit_configs(config: dict[str, int]) -> None:
     _run_case(CASES["swiglu"], SIZES[0], torch.float32, config=config)
     _run_case(HALF_SPACE_CASES["add_tile"], SIZES[0], torch.float16, config=config)
-    # reductions run with the same sub-tiles, as split accumulators (codegen/kernel.py), which
-    # are never flattened (Triton 3.6 cannot compile that)
-    split = {**config, "flatten": False}
-    _run_case(EXTRA_CASES["partial_reduce[sumsq,row]"], SIZES[0], torch.float32, config=split)
-    _run_case(EXTRA_CASES["partial_reduce[max,col]"], SIZES[0], torch.float32, config=split)
-    _run_case(HALF_SPACE_CASES["partial_reduce"], SIZES[0], torch.float16, config=split)
+    # reductions across the tile, on the same (possibly flattened) sub-tiled loop
+    _run_case(EXTRA_CASES["partial_reduce[sumsq,row]"], SIZES[0], torch.float32, config=config)
+    _run_case(EXTRA_CASES["partial_reduce[max,col]"], SIZES[0], torch.float32, config=config)
+    _run_case(HALF_SPACE_CASES["partial_reduce"], SIZES[0], torch.float16, config=config)
 
 
 REDUCING = sorted(n for n in ALL_CASES if "partial_reduce" in n or n == "select_column")
@@ -526,10 +524,10 @@ REDUCING = sorted(n for n in ALL_CASES if "partial_reduce" in n or n == "select_
 @pytest.mark.parametrize("mainloop", ["tma", "tma_mainloop", "pointer"])
 @pytest.mark.parametrize("subtiles", [2, 4])
 @pytest.mark.parametrize("name", REDUCING)
-def test_reductions_over_split_accumulators(name: str, subtiles: int, mainloop: str) -> None:
-    """Epilogues that reduce keep one accumulator per column slice: partials per slice, a
-    target column found in whichever slice holds it, on every kernel variant and ragged edges
-    (the last tile's last slices lie wholly past N: their TMA stores are clipped away)."""
+def test_reductions_over_epilogue_subtiles(name: str, subtiles: int, mainloop: str) -> None:
+    """Epilogues that reduce run on the accumulator's column sub-tiles: partials per sub-tile, a
+    target column found in whichever sub-tile holds it, on every kernel variant and ragged edges
+    (the last tile's last sub-tiles lie wholly past N: their partial slots are not written)."""
     config = {"block_m": 32, "block_n": 64, "block_k": 16, "epilogue_subtiles": subtiles}
     sizes = {"M": 37, "N": 148, "K": 32}  # ragged M, N; TMA-describable rows in every space
     _run_case(ALL_CASES[name], sizes, torch.float32, config=config, mainloop=mainloop)
