@@ -252,59 +252,92 @@ def _mlp_training_pair(forward: Block, name: str) -> tuple[Block, Block]:
 
 llama_mlp_train, llama_mlp_bwd_saved = _mlp_training_pair(llama_mlp, "llama_mlp")
 
+# The same sub-layer without its residual add, for a residual stream kept in another dtype than
+# the GEMMs run in (Hugging Face under torch.autocast: fp32 hidden states, bf16 projections): the
+# caller adds x in its own dtype.
+llama_mlp_branch = register(
+    llama_mlp.model_copy(
+        update={
+            "name": "llama_mlp_branch",
+            "description": (
+                "Llama MLP branch of a sub-layer, without the residual add: "
+                "out = down(silu(gate(h)) * up(h)), h = rmsnorm(x) * gamma (the caller adds x, "
+                "e.g. in float32 under torch.autocast)."
+            ),
+            "graph": [*llama_mlp.graph[:-2], Linear(x="a", weight="w_down", out="out")],
+        }
+    )
+)
+llama_mlp_branch_bwd = register(
+    backward_block(
+        llama_mlp_branch, name="llama_mlp_branch_bwd", cotangents=MLP_COTANGENT, wrt=MLP_GRADS
+    )
+)
+llama_mlp_branch_train, llama_mlp_branch_bwd_saved = _mlp_training_pair(
+    llama_mlp_branch, "llama_mlp_branch"
+)
 
-def llama_mlp_family(eps: float) -> dict[str, Block]:
+_FAMILIES = {
+    "llama_mlp": (llama_mlp, llama_mlp_bwd, llama_mlp_train, llama_mlp_bwd_saved),
+    "llama_mlp_branch": (
+        llama_mlp_branch,
+        llama_mlp_branch_bwd,
+        llama_mlp_branch_train,
+        llama_mlp_branch_bwd_saved,
+    ),
+}
+_KEYS = ("forward", "backward", "train", "backward_saved")
+
+
+def llama_mlp_family(eps: float, *, residual: bool = True) -> dict[str, Block]:
     """The llama_mlp blocks for an RMSNorm epsilon: ``forward``, ``backward`` (gets the forward
     inputs), ``train`` (forward that also returns g, u, a) and ``backward_saved`` (gets them).
 
-    Llama 3 uses eps = 1e-5: the built-in ``llama_mlp``, ``llama_mlp_bwd``, ``llama_mlp_train``,
-    ``llama_mlp_bwd_saved``. Another value (Hugging Face's ``LlamaConfig`` defaults to 1e-6)
-    registers ``llama_mlp_eps<eps>`` and its ``_bwd``, ``_train``, ``_bwd_saved`` on first use.
+    ``residual=False``: the ``llama_mlp_branch`` family instead (no residual add; the caller adds
+    x). Llama 3 uses eps = 1e-5: the built-in ``llama_mlp``, ``llama_mlp_bwd``,
+    ``llama_mlp_train``, ``llama_mlp_bwd_saved`` (and ``llama_mlp_branch[...]``). Another value
+    (Hugging Face's ``LlamaConfig`` defaults to 1e-6) registers ``llama_mlp_eps<eps>`` (or
+    ``llama_mlp_branch_eps<eps>``) and its ``_bwd``, ``_train``, ``_bwd_saved`` on first use.
     """
+    base = "llama_mlp" if residual else "llama_mlp_branch"
     if eps == LLAMA_RMS_EPS:
-        forward, backward, train, saved = (
-            llama_mlp,
-            llama_mlp_bwd,
-            llama_mlp_train,
-            llama_mlp_bwd_saved,
+        return dict(zip(_KEYS, _FAMILIES[base], strict=True))
+    name = f"{base}_eps{eps:g}"
+    if name not in _VARIANTS:
+        graph = [
+            op.model_copy(update={"eps": eps}) if isinstance(op, RMSNorm) else op
+            for op in _FAMILIES[base][0].graph
+        ]
+        forward = register(_FAMILIES[base][0].model_copy(update={"name": name, "graph": graph}))
+        backward = backward_block(
+            forward, name=f"{name}_bwd", cotangents=MLP_COTANGENT, wrt=MLP_GRADS
         )
-    else:
-        name = f"{_EPS_PREFIX}{eps:g}"
-        if name not in _VARIANTS:
-            graph = [
-                op.model_copy(update={"eps": eps}) if isinstance(op, RMSNorm) else op
-                for op in llama_mlp.graph
-            ]
-            forward = register(llama_mlp.model_copy(update={"name": name, "graph": graph}))
-            backward = backward_block(
-                forward, name=f"{name}_bwd", cotangents=MLP_COTANGENT, wrt=MLP_GRADS
-            )
-            _VARIANTS[name] = (forward, register(backward), *_mlp_training_pair(forward, name))
-        forward, backward, train, saved = _VARIANTS[name]
-    return {"forward": forward, "backward": backward, "train": train, "backward_saved": saved}
+        _VARIANTS[name] = (forward, register(backward), *_mlp_training_pair(forward, name))
+    return dict(zip(_KEYS, _VARIANTS[name], strict=True))
 
 
-_EPS_PREFIX = "llama_mlp_eps"
 _VARIANTS: dict[str, tuple[Block, Block, Block, Block]] = {}
 _SUFFIXES = {"": "forward", "_bwd": "backward", "_train": "train", "_bwd_saved": "backward_saved"}
 
 
 def _resolve_eps_variant(name: str) -> Block | None:
-    """``llama_mlp_eps<eps>[_bwd|_train|_bwd_saved]`` → that block (a sandbox worker resolves
-    the same names the same way)."""
-    if not name.startswith(_EPS_PREFIX):
-        return None
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        text = name[len(_EPS_PREFIX) :]
-        if suffix and not text.endswith(suffix):
+    """``llama_mlp[_branch]_eps<eps>[_bwd|_train|_bwd_saved]`` → that block (a sandbox worker
+    resolves the same names the same way)."""
+    for base in _FAMILIES:
+        prefix = f"{base}_eps"
+        if not name.startswith(prefix):
             continue
-        text = text.removesuffix(suffix) if suffix else text
-        try:
-            eps = float(text)
-        except ValueError:
-            continue
-        if 0 < eps <= 1 and f"{eps:g}" == text:
-            return llama_mlp_family(eps)[_SUFFIXES[suffix]]
+        for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+            text = name[len(prefix) :]
+            if suffix and not text.endswith(suffix):
+                continue
+            text = text.removesuffix(suffix) if suffix else text
+            try:
+                eps = float(text)
+            except ValueError:
+                continue
+            if 0 < eps <= 1 and f"{eps:g}" == text:
+                return llama_mlp_family(eps, residual=base == "llama_mlp")[_SUFFIXES[suffix]]
     return None
 
 

@@ -53,8 +53,12 @@ def llama_mlp_function(
     saved: bool = True,
     tune: Tuning = "quick",
     packed_gate_up: bool = False,
+    residual: bool = True,
 ) -> ExportedFunction:
     """``f(x, gamma, w_gate, w_up, w_down) -> out`` with autograd, for an RMSNorm epsilon.
+
+    ``residual=False``: ``out`` is the MLP branch alone, without ``x +`` (the
+    ``llama_mlp_branch`` blocks), for a caller that adds the residual in another dtype.
 
     ``packed_gate_up``: ``f(x, gamma, w_gate_up, w_down)`` instead, ``w_gate_up = [2f, d]`` with
     ``gate_proj``'s rows at even and ``up_proj``'s at odd indices (``interleave_gate_up``); its
@@ -69,7 +73,7 @@ def llama_mlp_function(
     (default) each is first verified by the sandbox at the block's shape sets, once per process.
     ``tune``: how mainloop configs are tuned for each new shape on a GPU (``export_autograd``).
     """
-    function = _llama_mlp_function(eps, verify, saved, packed_gate_up)
+    function = _llama_mlp_function(eps, verify, saved, packed_gate_up, residual)
     function.tune = tune
     return function
 
@@ -81,8 +85,10 @@ def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor
 
 
 @lru_cache(maxsize=16)
-def _llama_mlp_function(eps: float, verify: bool, saved: bool, packed: bool) -> ExportedFunction:
-    family = llama_mlp_family(eps)
+def _llama_mlp_function(
+    eps: float, verify: bool, saved: bool, packed: bool, residual: bool
+) -> ExportedFunction:
+    family = llama_mlp_family(eps, residual=residual)
     forward_block = family["train" if saved else "forward"]
     backward_block = family["backward_saved" if saved else "backward"]
     # Saving g, u, a for the backward: without gradients (evaluation, no_grad) the plain forward
@@ -110,10 +116,14 @@ class CodaLlamaMLPBlock(nn.Module):
     """``x + mlp(norm(x))`` for a Hugging Face ``LlamaRMSNorm`` + ``LlamaMLP``, on CODA kernels.
 
     ``norm`` is the layer's ``post_attention_layernorm`` and ``mlp`` its ``mlp``; both are kept as
-    submodules (parameters shared). ``x`` is ``[..., hidden]``; all parameters must have ``x``'s
-    dtype (Programs use one activation dtype). ``verify``: verify the Programs in the sandbox
-    when the module is built (default; once per process and epsilon). ``saved``: keep the gate
-    and up projections and the SwiGLU output from the forward for the backward (default,
+    submodules (parameters shared). ``x`` is ``[..., hidden]``; the parameters must have ``x``'s
+    dtype (the kernels run in one dtype) — except under ``torch.autocast`` with activations in
+    another dtype (Hugging Face's mixed precision: fp32 weights and residual stream, bf16
+    GEMMs), where, like the original modules, the weights and ``x`` are cast to the autocast
+    dtype for the MLP branch (``llama_mlp_branch``) and the residual is added in ``x``'s dtype;
+    gradients reach the parameters in their own dtype. ``verify``: verify the Programs in the
+    sandbox when the module is built (default; once per process and epsilon). ``saved``: keep the
+    gate and up projections and the SwiGLU output from the forward for the backward (default,
     CODA_MATH §7), or recompute them in the backward (three ``[tokens, intermediate]`` tensors
     less memory, one GEMM more).
     ``tune``: mainloop configs tuned per new shape on a GPU — ``quick`` (default), ``full``,
@@ -148,23 +158,32 @@ class CodaLlamaMLPBlock(nn.Module):
             self._fuse_gate_up()
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         self._function_args = {"eps": eps, "verify": verify, "saved": saved}
-        # Resolved here, not in forward: torch.compile then sees only the custom op.
+        # Resolved here, not in forward: torch.compile then sees only the custom op. fp32
+        # parameters are master weights for autocast (or fp32 kernels): the branch is resolved
+        # for autocast too.
         self.function = self._resolve_function(tune)
+        self.branch_function: ExportedFunction | None = None
+        if any(p.dtype == torch.float32 for p in self.parameters()):
+            self.branch_function = self._resolve_function(tune, residual=False)
 
-    def _resolve_function(self, tune: Tuning) -> ExportedFunction:
-        return llama_mlp_function(**self._function_args, tune=tune, packed_gate_up=self.fused)
+    def _resolve_function(self, tune: Tuning, residual: bool = True) -> ExportedFunction:
+        return llama_mlp_function(
+            **self._function_args, tune=tune, packed_gate_up=self.fused, residual=residual
+        )
 
-    # The exported function holds process-wide registered ops, which neither pickle nor copy:
-    # copies (copy.deepcopy, torch.save) carry how to resolve it and resolve it again.
+    # The exported functions hold process-wide registered ops, which neither pickle nor copy:
+    # copies (copy.deepcopy, torch.save) carry how to resolve them and resolve them again.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_tune"] = state.pop("function").tune
+        state["_branch"] = state.pop("branch_function") is not None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        tune = state.pop("_tune")
+        tune, branch = state.pop("_tune"), state.pop("_branch")
         super().__setstate__(state)
         self.function = self._resolve_function(tune)
+        self.branch_function = self._resolve_function(tune, residual=False) if branch else None
 
     # -- the fused gate/up parameter -------------------------------------------------------------
     _HF_KEYS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
@@ -191,28 +210,37 @@ class CodaLlamaMLPBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = [self.gate_up_weight] if self.fused else [self.gate_weight, self.up_weight]
         weights = [self.norm.weight, *gate_up, self.mlp.down_proj.weight]
-        _check_not_autocast_to_another_dtype(x)
+        flat = x.reshape(-1, x.shape[-1])
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
+            out = self._autocast_forward(flat, weights, torch.get_autocast_dtype(device))
+            return out.reshape(x.shape)
         mixed = [w for w in weights if w.dtype != x.dtype]
         if mixed:
             raise TypeError(
                 f"parameters of dtype {mixed[0].dtype} next to activations of dtype {x.dtype}: "
-                "cast the modules to the activation dtype (e.g. model.to(torch.bfloat16))"
+                "cast the modules to the activation dtype (e.g. model.to(torch.bfloat16)), or "
+                "run under torch.autocast"
             )
-        flat = x.reshape(-1, x.shape[-1])
         return self.function(flat, *weights).reshape(x.shape)
 
+    def _autocast_forward(
+        self, x: torch.Tensor, weights: list[torch.Tensor], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """What the Hugging Face modules do under autocast: the projections (and here the whole
+        MLP branch, norm included) in ``dtype``, ``x + branch`` in ``x``'s dtype."""
+        if self.branch_function is None:
+            self.branch_function = _resolve_branch(self)
+        with torch.autocast(x.device.type, enabled=False):
+            branch = self.branch_function(x.to(dtype), *(w.to(dtype) for w in weights))
+            return x + branch
 
-def _check_not_autocast_to_another_dtype(x: torch.Tensor) -> None:
-    """Under ``torch.autocast`` Hugging Face's modules run their GEMMs in the autocast dtype; the
-    drop-in runs in its inputs' one dtype, so fp32 activations would silently become fp32 GEMMs."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
-        raise TypeError(
-            f"torch.autocast({device!r}, dtype={torch.get_autocast_dtype(device)}) is on but the "
-            f"activations are {x.dtype}: the CODA kernels run in one dtype and do not autocast. "
-            "Cast the model to the autocast dtype (e.g. model.to(torch.bfloat16)) — the residual "
-            "stream is then in that dtype too — or run this block outside autocast"
-        )
+
+@torch.compiler.disable
+def _resolve_branch(block: CodaLlamaMLPBlock) -> ExportedFunction:
+    """The branch function for a block built without fp32 parameters and met under autocast
+    later (verification and op registration stay out of torch.compile's graph)."""
+    return block._resolve_function(block.function.tune, residual=False)
 
 
 def _state_dict_with_hf_keys(

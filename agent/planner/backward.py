@@ -211,7 +211,7 @@ class _Backward:
         self.output(norm.weight, dgamma)
         return y
 
-    # -- MLP: x + down(silu(gate(h)) · up(h)) ------------------------------------------------------
+    # -- MLP: x + down(silu(gate(h)) · up(h)), or the branch alone --------------------------------
     def mlp(self) -> None:
         fwd = self.forward
         _, glu = self.find(SwiGLU)
@@ -222,9 +222,14 @@ class _Backward:
             self.fail("gate and up project different inputs")
         norm = self.norm(gate.x)
         add = next((o for o in fwd.graph if isinstance(o, Add) and down.out in o.inputs()), None)
-        if add is None or norm.x not in add.inputs() or add.out not in fwd.outputs:
-            self.fail("the MLP's output must be added to the norm's input (the residual)")
-        dout = self.cotangent(add.out)
+        if add is not None:  # x + mlp(x): the residual's gradient joins the norm's in dx
+            if norm.x not in add.inputs() or add.out not in fwd.outputs:
+                self.fail("the MLP's output must be added to the norm's input (the residual)")
+            dout = self.cotangent(add.out)
+        elif down.out in fwd.outputs:  # the branch alone (llama_mlp_branch): dx is the norm's
+            dout = self.cotangent(down.out)
+        else:
+            self.fail("the MLP's output must be a block output, or added to the norm's input")
         interleave = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
         w_gu = self.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
         if {gate.out, up.out} <= set(self.op.saved):
@@ -237,7 +242,8 @@ class _Backward:
             r, dz, a, partials = self.swiglu_backward_recomputed(norm, w_gu, dout, down.weight)
         c = self.statistic(partials, norm)
         self.output(down.weight, self.plain_gemm("w_down_grad", f"{dout}.T", a, "dw_down"))
-        y = self.norm_backward("gate_up_bwd", dz, w_gu, norm, r, c, residual=dout)
+        residual = dout if add is not None else None
+        y = self.norm_backward("gate_up_bwd", dz, w_gu, norm, r, c, residual=residual)
         dw_gu = self.plain_gemm("w_gate_up_grad", f"{dz}.T", y, "dw_gu")
         # the interleaved gradient's even rows are the gate's, odd rows the up projection's
         self.output(gate.weight, {"tensor": dw_gu, "dim": 0, "step": 2})

@@ -20,6 +20,8 @@ LAYER_BLOCKS = [
     "llama_lm_head_ce_bwd",
     "llama_mlp_train",
     "llama_mlp_bwd_saved",
+    "llama_mlp_branch_train",
+    "llama_mlp_branch_bwd_saved",
 ]
 PAPER_TABLE = [
     "gemm_residual_partial_rmsnorm",
@@ -238,6 +240,10 @@ def test_llama_mlp_epsilon_variants_resolve_by_name() -> None:
         assert get_block(f"llama_mlp_eps1e-06{suffix}") is family[key]
     assert get_block("llama_mlp_eps1e-06_bwd_saved") is family["backward_saved"]
     assert family["backward"].graph[0].forward == "llama_mlp_eps1e-06"
+    branch = llama_mlp_family(1e-6, residual=False)
+    assert get_block("llama_mlp_branch_eps1e-06_bwd") is branch["backward"]
+    assert branch["forward"].name == "llama_mlp_branch_eps1e-06"
+    assert not any(op.op == "add" for op in branch["forward"].graph)  # no residual
     assert family["train"].graph[0].eps == 1e-6
     builtin = llama_mlp_family(1e-5)
     assert builtin["forward"] is get_block("llama_mlp")

@@ -109,10 +109,9 @@ def test_drop_in_rejects_what_the_block_does_not_compute() -> None:
     block = CodaLlamaMLPBlock(norm, mlp, verify=False)
     with pytest.raises(TypeError, match="cast the modules to the activation dtype"):
         block(torch.randn(3, 48, dtype=torch.float64))
-    # autocast would make Hugging Face's GEMMs fp16 while fp32 activations keep these fp32
-    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(TypeError, match="autocast"):
-        block(torch.randn(3, 48))
     half = CodaLlamaMLPBlock(*_hf_modules(dtype=torch.float16), verify=False, tune="off")
+    with pytest.raises(TypeError, match="or run under torch.autocast"):
+        half(torch.randn(3, 48))  # fp16 weights, fp32 activations, no autocast
     with torch.autocast("cpu", dtype=torch.float16):  # already in the autocast dtype: runs
         assert half(torch.randn(3, 48, dtype=torch.float16)).dtype == torch.float16
 
@@ -356,3 +355,57 @@ def test_an_empty_batch_gives_what_hugging_face_gives(fuse: bool) -> None:
     for g in got[2:]:
         assert g is not None and not g.any()
     assert sum(g.numel() for g in got[2:]) == sum(w.numel() for w in want[2:])
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["hf-params", "fused-gate-up"])
+def test_under_autocast_it_runs_like_hugging_face_mixed_precision(fuse: bool) -> None:
+    """fp32 parameters and residual stream under torch.autocast (fp16 here: the interpreter's
+    bf16 dot is wrong; bf16 in tests/gpu): the branch in the autocast dtype, ``x +`` in fp32,
+    gradients in fp32 — held to the sandbox's rule against an fp32 run, next to Hugging Face's
+    own autocast error."""
+    from coda.blocks import get_block
+    from coda.sandbox import check_output
+
+    norm, mlp = _hf_modules(seed=4)
+    block = CodaLlamaMLPBlock(*_hf_modules(seed=4), verify=False, tune="off", fuse_gate_up=fuse)
+    x, dout = torch.randn(2, 9, 48), torch.randn(2, 9, 48)
+    hf_params = [norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+
+    def run(forward, params: list) -> list:  # noqa: ANN001
+        t = x.clone().requires_grad_()
+        out = forward(t)
+        return [out, *torch.autograd.grad(out, [t, *params], dout)]
+
+    ref32 = run(lambda t: t + mlp(norm(t)), hf_params)
+    with torch.autocast("cpu", dtype=torch.float16):
+        theirs = run(lambda t: t + mlp(norm(t)), hf_params)
+        if fuse:
+            params = [block.norm.weight, block.gate_up_weight, block.mlp.down_proj.weight]
+            out, dx, dgamma, dw_gu, dw_down = run(block, params)
+            got = [out, dx, dgamma, dw_gu[0::2], dw_gu[1::2], dw_down]
+        else:
+            params = [block.norm.weight, block.gate_weight, block.up_weight]
+            got = run(block, [*params, block.mlp.down_proj.weight])
+    tol = get_block("llama_mlp").tolerance
+    names = ["out", "dx", "dgamma", "dw_gate", "dw_up", "dw_down"]
+    for name, g, want, hf in zip(names, got, ref32, theirs, strict=True):
+        assert g.dtype == hf.dtype == torch.float32, name  # as Hugging Face's
+        c = check_output(name, g, want, hf, tol, sizes={}, seed=0, run_dtype=torch.float16)
+        assert c.passed, c.summary()
+
+
+def test_autocast_path_compiles_and_resolves_late() -> None:
+    """torch.compile(fullgraph) traces the autocast path to the same values; a block built in
+    fp16 and met under autocast with fp32 activations resolves its branch op then."""
+    block = CodaLlamaMLPBlock(*_hf_modules(seed=5), verify=False, tune="off")
+    x, dout = torch.randn(7, 48), torch.randn(7, 48)
+    with torch.autocast("cpu", dtype=torch.float16):
+        eager = _grads(block, x, dout, block)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+        for g, w in zip(_grads(block, x, dout, compiled), eager, strict=True):
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
+    half = CodaLlamaMLPBlock(*_hf_modules(seed=5, dtype=torch.float16), verify=False, tune="off")
+    assert half.branch_function is None  # no fp32 parameters: not resolved up front
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert half(torch.randn(3, 48)).dtype == torch.float32
+    assert half.branch_function is not None

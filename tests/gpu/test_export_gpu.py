@@ -180,3 +180,27 @@ def test_torch_compile_reduce_overhead_graphs_the_training_step() -> None:
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def test_hugging_face_mixed_precision_under_autocast() -> None:
+    """fp32 master weights and residual stream under torch.autocast (bf16 on the GPU): the
+    branch runs in the autocast dtype, the residual add and the gradients in fp32, held to the
+    sandbox's rule against an fp32 run next to Hugging Face's own autocast error."""
+    amp = torch.float16 if TOY else DTYPE  # the CPU check: fp16 autocast (bf16 dot is wrong)
+    hidden, tokens = (48, 11) if TOY else (1024, 333)
+    norm, mlp = _hf_modules(hidden=hidden, inter=80 if TOY else 2816, eps=1e-6)
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False, tune="off")
+    x = torch.randn(3, tokens, hidden, device=DEVICE)
+    dout = torch.randn(3, tokens, hidden, device=DEVICE)
+    params = [norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    ref32 = _run(lambda t: t + mlp(norm(t)), params, x, dout)
+    with torch.autocast(x.device.type, dtype=amp):
+        hf = _run(lambda t: t + mlp(norm(t)), params, x, dout)
+        coda = _run(block, params, x, dout)
+    tol = get_block("llama_mlp").tolerance
+    for name, got, want, theirs in zip(
+        ["out", "dx", "dgamma", "dw_gate", "dw_up", "dw_down"], coda, ref32, hf, strict=True
+    ):
+        assert got.dtype == theirs.dtype == torch.float32, name
+        c = check_output(name, got, want, theirs, tol, sizes={}, seed=0, run_dtype=amp)
+        assert c.passed, c.summary()
