@@ -6,17 +6,23 @@
 * ``CodaLlamaMLPBlock(norm, mlp)``: ``x + mlp(norm(x))`` for Hugging Face ``LlamaRMSNorm`` +
   ``LlamaMLP`` on the planner's verified ``llama_mlp`` / ``llama_mlp_bwd`` Programs;
   ``fuse_gate_up=True`` keeps gate/up as one interleaved parameter (``PackedRows``).
+* ``patch_llama(model)``: every decoder layer of a Hugging Face Llama model runs its
+  post-attention norm and MLP on CODA kernels, in place (Hugging Face's layer code and keys kept).
 """
 
 from .autograd import ExportedFunction, PackedRows, export_autograd
 from .hf import CodaLlamaMLPBlock, NotVerified, llama_mlp_function, verified_program
+from .patch import CodaLlamaMLP, DeferredRMSNorm, patch_llama
 
 __all__ = [
+    "CodaLlamaMLP",
     "CodaLlamaMLPBlock",
+    "DeferredRMSNorm",
     "ExportedFunction",
     "NotVerified",
     "PackedRows",
     "export_autograd",
     "llama_mlp_function",
+    "patch_llama",
     "verified_program",
 ]

@@ -134,6 +134,9 @@ class CodaLlamaMLPBlock(nn.Module):
     The two projections then hold no weight (``gate_weight``/``up_weight`` are views of it);
     ``state_dict``/``load_state_dict`` still use Hugging Face's keys. Create the optimizer
     after wrapping: the old parameters are no longer used.
+    ``residual=False``: compute ``mlp(norm(x))`` alone (``llama_mlp_branch``), for a caller that
+    adds the residual itself — a Hugging Face decoder layer does (``coda.export.patch_llama``).
+    Under autocast the branch then comes back in the autocast dtype, like ``LlamaMLP``'s output.
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class CodaLlamaMLPBlock(nn.Module):
         saved: bool = True,
         tune: Tuning = "quick",
         fuse_gate_up: bool = False,
+        residual: bool = True,
     ) -> None:
         super().__init__()
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -153,7 +157,7 @@ class CodaLlamaMLPBlock(nn.Module):
         if not _is_silu(mlp.act_fn):
             raise ValueError(f"mlp.act_fn is {mlp.act_fn!r}; the llama_mlp block uses SiLU")
         self.norm, self.mlp = norm, mlp
-        self.fused = fuse_gate_up
+        self.fused, self.residual = fuse_gate_up, residual
         if fuse_gate_up:
             self._fuse_gate_up()
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
@@ -161,9 +165,9 @@ class CodaLlamaMLPBlock(nn.Module):
         # Resolved here, not in forward: torch.compile then sees only the custom op. fp32
         # parameters are master weights for autocast (or fp32 kernels): the branch is resolved
         # for autocast too.
-        self.function = self._resolve_function(tune)
-        self.branch_function: ExportedFunction | None = None
-        if any(p.dtype == torch.float32 for p in self.parameters()):
+        self.function = self._resolve_function(tune, residual=residual)
+        self.branch_function: ExportedFunction | None = None if residual else self.function
+        if residual and any(p.dtype == torch.float32 for p in self.parameters()):
             self.branch_function = self._resolve_function(tune, residual=False)
 
     def _resolve_function(self, tune: Tuning, residual: bool = True) -> ExportedFunction:
@@ -182,8 +186,12 @@ class CodaLlamaMLPBlock(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         tune, branch = state.pop("_tune"), state.pop("_branch")
         super().__setstate__(state)
-        self.function = self._resolve_function(tune)
-        self.branch_function = self._resolve_function(tune, residual=False) if branch else None
+        self.function = self._resolve_function(tune, residual=self.residual)
+        self.branch_function = None
+        if branch:
+            self.branch_function = (
+                self._resolve_function(tune, residual=False) if self.residual else self.function
+            )
 
     # -- the fused gate/up parameter -------------------------------------------------------------
     _HF_KEYS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
@@ -228,12 +236,13 @@ class CodaLlamaMLPBlock(nn.Module):
         self, x: torch.Tensor, weights: list[torch.Tensor], dtype: torch.dtype
     ) -> torch.Tensor:
         """What the Hugging Face modules do under autocast: the projections (and here the whole
-        MLP branch, norm included) in ``dtype``, ``x + branch`` in ``x``'s dtype."""
+        MLP branch, norm included) in ``dtype``, ``x + branch`` in ``x``'s dtype (or the branch
+        alone, in ``dtype``)."""
         if self.branch_function is None:
             self.branch_function = _resolve_branch(self)
         with torch.autocast(x.device.type, enabled=False):
             branch = self.branch_function(x.to(dtype), *(w.to(dtype) for w in weights))
-            return x + branch
+            return x + branch if self.residual else branch
 
 
 @torch.compiler.disable

@@ -204,3 +204,46 @@ def test_hugging_face_mixed_precision_under_autocast() -> None:
         assert got.dtype == theirs.dtype == torch.float32, name
         c = check_output(name, got, want, theirs, tol, sizes={}, seed=0, run_dtype=amp)
         assert c.passed, c.summary()
+
+
+def test_a_patched_llama_model_in_bf16_and_under_autocast() -> None:
+    """patch_llama on a random two-layer LlamaForCausalLM: logits and every gradient against the
+    fp32 model by the sandbox's rule — the model cast to bf16, and fp32 weights under bf16
+    autocast — next to Hugging Face's own error in the same setting."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from coda.export import patch_llama
+
+    hidden, inter, vocab, seq = (48, 80, 96, 9) if TOY else (1024, 2816, 2048, 333)
+    cfg = LlamaConfig(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, vocab_size=vocab,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).to(DEVICE)
+    ids = torch.randint(0, vocab, (2, seq), device=DEVICE)
+
+    def step(model) -> list:  # noqa: ANN001
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return [("logits", out.logits.detach())] + [
+            (n, p.grad) for n, p in model.named_parameters()
+        ]
+
+    ref32 = dict(step(hf))
+    amp = torch.float16 if TOY else DTYPE
+    tol = get_block("llama_mlp").tolerance
+    for setting in ("cast", "autocast"):
+        theirs = copy.deepcopy(hf) if setting == "autocast" else copy.deepcopy(hf).to(amp)
+        coda = patch_llama(copy.deepcopy(theirs), verify=False, tune="off")
+        with torch.autocast(DEVICE, dtype=amp, enabled=setting == "autocast"):
+            want, got = dict(step(theirs)), step(coda)
+        for name, g in got:
+            c = check_output(
+                name, g.float(), ref32[name], want[name].float(), tol, sizes={}, seed=0,
+                run_dtype=amp,
+            )  # fmt: skip
+            assert c.passed, f"{setting}: {c.summary()}"

@@ -1,0 +1,97 @@
+"""Patch a whole Hugging Face Llama model in place: every decoder layer's post-attention norm and
+MLP run on CODA kernels, forward and backward.
+
+``patch_llama(model)`` keeps Hugging Face's own decoder-layer code (attention, caches, gradient
+checkpointing, generation) and its state-dict keys. In each layer it swaps two modules:
+
+* ``post_attention_layernorm`` → ``DeferredRMSNorm``: hands its input through unchanged and keeps
+  the norm's ``weight`` (the same Parameter, the same key) and epsilon — the normalization itself
+  runs in the next module's kernels (CODA_MATH §1: ``r`` scales the GEMM's accumulator);
+* ``mlp`` → ``CodaLlamaMLP``: ``mlp(norm(x))`` on the ``llama_mlp_branch`` Programs (a
+  ``CodaLlamaMLPBlock(residual=False)``), with the original ``gate_proj`` / ``up_proj`` /
+  ``down_proj`` modules as its submodules.
+
+The layer's own ``residual + mlp(...)`` then adds the residual, in the residual stream's dtype —
+which is also why the residual add is not fused here (``CodaLlamaMLPBlock`` fuses it where the
+caller's code can call ``x + mlp(norm(x))`` as one module).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .autograd import Tuning
+from .hf import CodaLlamaMLPBlock
+
+
+class DeferredRMSNorm(nn.Module):
+    """A ``LlamaRMSNorm`` whose normalization runs in the following ``CodaLlamaMLP``: returns its
+    input unchanged. ``weight`` is the original norm's Parameter (same state-dict key, same
+    optimizer state); ``variance_epsilon`` its epsilon."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0)))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, deferred to the MLP"
+
+
+class CodaLlamaMLP(nn.Module):
+    """``mlp(norm(x))`` of one decoder layer on CODA kernels, in place of its ``LlamaMLP``.
+
+    ``gate_proj``, ``up_proj`` and ``down_proj`` are the original modules (Hugging Face's keys);
+    the computation is ``block`` (a ``CodaLlamaMLPBlock(norm, mlp, residual=False)``, held
+    outside the module tree so no parameter is registered twice)."""
+
+    def __init__(self, block: CodaLlamaMLPBlock) -> None:
+        super().__init__()
+        self.gate_proj = block.mlp.gate_proj
+        self.up_proj = block.mlp.up_proj
+        self.down_proj = block.mlp.down_proj
+        self.act_fn = block.mlp.act_fn
+        object.__setattr__(self, "block", block)  # not a submodule: see the class docstring
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def patch_llama(
+    model: nn.Module, *, verify: bool = True, saved: bool = True, tune: Tuning = "quick"
+) -> nn.Module:
+    """Run every decoder layer's ``post_attention_layernorm`` + ``mlp`` on CODA kernels, in place;
+    returns ``model``.
+
+    Layers are the submodules that have both a ``post_attention_layernorm`` and an ``mlp``
+    (``LlamaDecoderLayer``, and the same layout in Llama-like models); layers already patched are
+    left alone. ``verify``, ``saved``, ``tune``: as ``CodaLlamaMLPBlock`` (the Programs are
+    verified once per process and epsilon). Build the optimizer after patching or before — the
+    parameters are the same objects. A layer whose MLP the block cannot compute (a bias, an
+    activation other than SiLU) raises ``ValueError`` before anything is changed.
+    """
+    layers = [
+        m
+        for m in model.modules()
+        if hasattr(m, "post_attention_layernorm") and hasattr(m, "mlp")
+        and not isinstance(m.mlp, CodaLlamaMLP)
+    ]  # fmt: skip
+    if not layers and not any(isinstance(m, CodaLlamaMLP) for m in model.modules()):
+        raise ValueError(
+            f"{type(model).__name__} has no decoder layer with a post_attention_layernorm and an "
+            "mlp: patch_llama patches Llama-style decoder layers"
+        )
+    options: dict[str, Any] = {"verify": verify, "saved": saved, "tune": tune, "residual": False}
+    blocks = [
+        CodaLlamaMLPBlock(layer.post_attention_layernorm, layer.mlp, **options) for layer in layers
+    ]
+    for layer, block in zip(layers, blocks, strict=True):
+        layer.post_attention_layernorm = DeferredRMSNorm(block.norm)
+        layer.mlp = CodaLlamaMLP(block)
+    return model
