@@ -117,3 +117,16 @@ def test_patching_is_checked_before_anything_changes_and_is_idempotent() -> None
     mlps = [layer.mlp for layer in model.model.layers]
     assert patch_llama(model, verify=False) is model
     assert [layer.mlp for layer in model.model.layers] == mlps
+
+
+def test_casting_a_patched_model_casts_what_the_kernels_read() -> None:
+    """model.half() after patching: the blocks read the same (converted) Parameters."""
+    hf = _model(seed=6)
+    patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off").half()
+    layer = patched.model.layers[0]
+    assert layer.mlp.block.norm.weight is layer.post_attention_layernorm.weight
+    assert layer.mlp.block.mlp.gate_proj.weight.dtype == torch.float16
+    ids = torch.randint(0, 96, (1, 6))
+    with torch.no_grad():
+        want, got = hf.half()(input_ids=ids).logits, patched(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
