@@ -104,6 +104,16 @@ def _llama_mlp_function(
     )
 
 
+def check_llama_mlp(mlp: nn.Module) -> None:
+    """``ValueError`` unless ``mlp`` computes what the llama_mlp blocks do: bias-free gate, up
+    and down projections and a SiLU gate."""
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        if getattr(getattr(mlp, proj), "bias", None) is not None:
+            raise ValueError(f"mlp.{proj} has a bias; the llama_mlp block has none")
+    if not _is_silu(mlp.act_fn):
+        raise ValueError(f"mlp.act_fn is {mlp.act_fn!r}; the llama_mlp block uses SiLU")
+
+
 def _is_silu(act: Any) -> bool:
     probe = torch.linspace(-4, 4, 17)
     try:
@@ -151,24 +161,21 @@ class CodaLlamaMLPBlock(nn.Module):
         residual: bool = True,
     ) -> None:
         super().__init__()
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            if getattr(getattr(mlp, proj), "bias", None) is not None:
-                raise ValueError(f"mlp.{proj} has a bias; the llama_mlp block has none")
-        if not _is_silu(mlp.act_fn):
-            raise ValueError(f"mlp.act_fn is {mlp.act_fn!r}; the llama_mlp block uses SiLU")
+        check_llama_mlp(mlp)
         self.norm, self.mlp = norm, mlp
         self.fused, self.residual = fuse_gate_up, residual
-        if fuse_gate_up:
-            self._fuse_gate_up()
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         self._function_args = {"eps": eps, "verify": verify, "saved": saved}
         # Resolved here, not in forward: torch.compile then sees only the custom op. fp32
         # parameters are master weights for autocast (or fp32 kernels): the branch is resolved
-        # for autocast too.
+        # for autocast too. (Before fusing: a Program that fails verification leaves the Hugging
+        # Face modules as they were.)
         self.function = self._resolve_function(tune, residual=residual)
         self.branch_function: ExportedFunction | None = None if residual else self.function
         if residual and any(p.dtype == torch.float32 for p in self.parameters()):
             self.branch_function = self._resolve_function(tune, residual=False)
+        if fuse_gate_up:
+            self._fuse_gate_up()
 
     def _resolve_function(self, tune: Tuning, residual: bool = True) -> ExportedFunction:
         return llama_mlp_function(
@@ -202,8 +209,7 @@ class CodaLlamaMLPBlock(nn.Module):
             fused = interleave_gate_up(gate.weight, up.weight)
         self.gate_up_weight = nn.Parameter(fused, requires_grad=gate.weight.requires_grad)
         del gate.weight, up.weight
-        self.register_state_dict_post_hook(_state_dict_with_hf_keys)
-        self.register_load_state_dict_pre_hook(_load_hf_keys)
+        keep_hf_gate_up_keys(self)
 
     @property
     def gate_weight(self) -> torch.Tensor:
@@ -252,19 +258,24 @@ def _resolve_branch(block: CodaLlamaMLPBlock) -> ExportedFunction:
     return block._resolve_function(block.function.tune, residual=False)
 
 
+def keep_hf_gate_up_keys(module: nn.Module) -> None:
+    """State dicts of ``module`` (which holds ``gate_up_weight``) use Hugging Face's two keys,
+    ``module._HF_KEYS`` (relative to the module), both ways."""
+    module.register_state_dict_post_hook(_state_dict_with_hf_keys)
+    module.register_load_state_dict_pre_hook(_load_hf_keys)
+
+
 def _state_dict_with_hf_keys(
-    module: CodaLlamaMLPBlock, state: dict[str, Any], prefix: str, _meta: Any
+    module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any
 ) -> None:
     """``gate_up_weight`` saved as Hugging Face's two weights (contiguous copies)."""
     fused = state.pop(prefix + "gate_up_weight").detach()  # keep_vars=True: no autograd copy
-    gate, up = (prefix + k for k in CodaLlamaMLPBlock._HF_KEYS)
+    gate, up = (prefix + k for k in module._HF_KEYS)
     state[gate], state[up] = fused[0::2].contiguous(), fused[1::2].contiguous()
 
 
-def _load_hf_keys(
-    module: CodaLlamaMLPBlock, state: dict[str, Any], prefix: str, *_args: Any
-) -> None:
+def _load_hf_keys(module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
     """Hugging Face's gate and up weights loaded into ``gate_up_weight``."""
-    gate, up = (prefix + k for k in CodaLlamaMLPBlock._HF_KEYS)
+    gate, up = (prefix + k for k in module._HF_KEYS)
     if gate in state and up in state:
         state[prefix + "gate_up_weight"] = interleave_gate_up(state.pop(gate), state.pop(up))

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .autograd import Tuning
-from .hf import CodaLlamaMLPBlock
+from .hf import CodaLlamaMLPBlock, check_llama_mlp, keep_hf_gate_up_keys
 
 
 class DeferredRMSNorm(nn.Module):
@@ -49,7 +49,12 @@ class CodaLlamaMLP(nn.Module):
 
     ``gate_proj``, ``up_proj`` and ``down_proj`` are the original modules (Hugging Face's keys);
     the computation is ``block`` (a ``CodaLlamaMLPBlock(norm, mlp, residual=False)``, held
-    outside the module tree so no parameter is registered twice)."""
+    outside the module tree so no parameter is registered twice). A block built with
+    ``fuse_gate_up`` puts its ``gate_up_weight`` here (the projections then hold no weight);
+    state dicts keep ``gate_proj.weight`` / ``up_proj.weight``.
+    """
+
+    _HF_KEYS = ("gate_proj.weight", "up_proj.weight")
 
     def __init__(self, block: CodaLlamaMLPBlock) -> None:
         super().__init__()
@@ -57,6 +62,9 @@ class CodaLlamaMLP(nn.Module):
         self.up_proj = block.mlp.up_proj
         self.down_proj = block.mlp.down_proj
         self.act_fn = block.mlp.act_fn
+        if block.fused:
+            self.gate_up_weight = block.gate_up_weight
+            keep_hf_gate_up_keys(self)
         object.__setattr__(self, "block", block)  # not a submodule: see the class docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,17 +72,24 @@ class CodaLlamaMLP(nn.Module):
 
 
 def patch_llama(
-    model: nn.Module, *, verify: bool = True, saved: bool = True, tune: Tuning = "quick"
+    model: nn.Module,
+    *,
+    verify: bool = True,
+    saved: bool = True,
+    tune: Tuning = "quick",
+    fuse_gate_up: bool = False,
 ) -> nn.Module:
     """Run every decoder layer's ``post_attention_layernorm`` + ``mlp`` on CODA kernels, in place;
     returns ``model``.
 
     Layers are the submodules that have both a ``post_attention_layernorm`` and an ``mlp``
     (``LlamaDecoderLayer``, and the same layout in Llama-like models); layers already patched are
-    left alone. ``verify``, ``saved``, ``tune``: as ``CodaLlamaMLPBlock`` (the Programs are
-    verified once per process and epsilon). Build the optimizer after patching or before — the
-    parameters are the same objects. A layer whose MLP the block cannot compute (a bias, an
-    activation other than SiLU) raises ``ValueError`` before anything is changed.
+    left alone. ``verify``, ``saved``, ``tune``, ``fuse_gate_up``: as ``CodaLlamaMLPBlock`` (the
+    Programs are verified once per process and epsilon). Without ``fuse_gate_up`` the parameters
+    stay the same objects (an optimizer built before patching keeps working); with it each
+    layer's gate and up weights become one new parameter — build the optimizer after. Every
+    layer is checked first: one whose MLP the block cannot compute (a bias, an activation other
+    than SiLU) raises ``ValueError`` before any layer is changed.
     """
     layers = [
         m
@@ -87,7 +102,12 @@ def patch_llama(
             f"{type(model).__name__} has no decoder layer with a post_attention_layernorm and an "
             "mlp: patch_llama patches Llama-style decoder layers"
         )
-    options: dict[str, Any] = {"verify": verify, "saved": saved, "tune": tune, "residual": False}
+    options: dict[str, Any] = {
+        "verify": verify, "saved": saved, "tune": tune, "fuse_gate_up": fuse_gate_up,
+        "residual": False,
+    }  # fmt: skip
+    for layer in layers:
+        check_llama_mlp(layer.mlp)
     blocks = [
         CodaLlamaMLPBlock(layer.post_attention_layernorm, layer.mlp, **options) for layer in layers
     ]

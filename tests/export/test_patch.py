@@ -130,3 +130,48 @@ def test_casting_a_patched_model_casts_what_the_kernels_read() -> None:
     with torch.no_grad():
         want, got = hf.half()(input_ids=ids).logits, patched(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_a_patched_llama_with_fused_gate_up_trains_like_the_original() -> None:
+    """fuse_gate_up: one interleaved parameter per layer whose gradient's even / odd rows are
+    Hugging Face's gate / up gradients; state dicts keep Hugging Face's keys both ways."""
+    hf = _model(seed=7)
+    patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off", fuse_gate_up=True)
+    ids = torch.randint(0, 96, (2, 7))
+    logits, _, grads = _step(hf, ids)
+    got_logits, _, got_grads = _step(patched, ids)
+    torch.testing.assert_close(got_logits, logits, atol=2e-5, rtol=2e-5)
+    for i in range(2):
+        fused = got_grads.pop(f"model.layers.{i}.mlp.gate_up_weight")
+        for rows, proj in ((slice(0, None, 2), "gate_proj"), (slice(1, None, 2), "up_proj")):
+            want = grads.pop(f"model.layers.{i}.mlp.{proj}.weight")
+            torch.testing.assert_close(fused[rows], want, atol=2e-5, rtol=2e-5)
+    assert got_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(got_grads[name], g, atol=2e-5, rtol=2e-5, msg=name)
+    state = patched.state_dict()
+    assert state.keys() == hf.state_dict().keys()
+    assert all(torch.allclose(state[k], v) for k, v in hf.state_dict().items())
+    other = _model(seed=8)
+    patched.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(
+            patched(input_ids=ids).logits, other(input_ids=ids).logits, atol=2e-5, rtol=2e-5
+        )
+
+
+def test_a_failed_patch_leaves_every_layer_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    import coda.export.hf as hf_module
+
+    def unverified(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise hf_module.NotVerified("llama_mlp_branch_train: not verified")
+
+    monkeypatch.setattr(hf_module, "llama_mlp_function", unverified)
+    model = _model(seed=9)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(hf_module.NotVerified):
+        patch_llama(model, fuse_gate_up=True)
+    assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in model.model.layers)
+    assert model.model.layers[0].mlp.gate_proj.weight is not None
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
