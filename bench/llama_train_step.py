@@ -1,0 +1,236 @@
+"""Benchmark whole training steps of a Hugging Face Llama model on a GPU: ``patch_llama`` (every
+post-attention norm + MLP on CODA kernels) against the same model eager, under ``torch.compile``,
+and with Liger-Kernel's Llama patch when it is installed.
+
+The model is a random ``LlamaForCausalLM`` (no downloads) of ``--layers`` layers at Llama 3.2 1B
+widths (hidden 2048, intermediate 8192, 32 heads, 8 KV heads; vocabulary 32000 so the LM head does
+not dominate), ``--batch`` × ``--seq`` tokens. One step is what a training loop does: zero the
+gradients, forward with labels, backward, ``AdamW.step()`` (fused on a GPU). Two settings:
+
+* ``bf16``: the model cast to bf16 (weights and residual stream);
+* ``amp``: fp32 weights under ``torch.autocast(bf16)`` (Hugging Face Trainer's mixed precision).
+
+Variants, each from the same initial weights: ``hf``, ``hf_compile`` (``torch.compile(model)``),
+``coda`` (``patch_llama``), ``coda_fused`` (``patch_llama(fuse_gate_up=True)``), ``coda_compile``
+(``torch.compile`` of the patched model) and ``liger``. Each variant's first loss and gradient norm
+are checked against ``hf``'s (same setting) before timing; step times are medians of interleaved
+rounds (``coda.primitives.timing``), also as tokens per second.
+
+    python3 bench/llama_train_step.py [--out DIR] [--layers 4] [--batch 4] [--seq 2048]
+    python3 bench/llama_train_step.py --dry-run   # CPU interpreter, toy model: checks the script
+
+Writes ``llama_train_step.json`` and ``.md`` into ``--out`` (default ``$OUT``, else ``bench/out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paper_kernels import NEEDS_GPU, Bench, environment  # noqa: E402  (same folder)
+
+VARIANTS = ("hf", "hf_compile", "coda", "coda_fused", "coda_compile", "liger")
+SETTINGS = ("bf16", "amp")
+LLAMA_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "rms_norm_eps": 1e-5,
+}
+TOY = {
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 96,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench/out", help="results folder")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="bf16, amp")
+    p.add_argument("--dry-run", action="store_true", help="CPU, toy model: checks the script")
+    return p.parse_args(argv)
+
+
+def base_model(args: argparse.Namespace, bench: Bench) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    widths = TOY if bench.dry_run else LLAMA_1B
+    config = LlamaConfig(**widths, num_hidden_layers=args.layers)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(bench.device)
+
+
+def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None:
+    """A fresh copy of ``base`` set up as ``name`` (None when it cannot run here)."""
+    from coda.export import patch_llama
+
+    model = copy.deepcopy(base)
+    if setting == "bf16":
+        model = model.to(bench.dtype)
+    tune = "off" if bench.dry_run else "quick"
+    if name in ("coda", "coda_fused", "coda_compile"):
+        model = patch_llama(model, verify=False, tune=tune, fuse_gate_up=name == "coda_fused")
+    if name == "liger":
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError:
+            return None
+        apply_liger_kernel_to_llama(model=model)
+    if name in ("hf_compile", "coda_compile"):
+        model = bench.compile(model)
+    return model
+
+
+def train_step(model: Any, ids: Any, setting: str, bench: Bench) -> Callable[[], Any]:
+    """One optimizer step of ``model`` on ``ids``; returns the loss (detached)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=not bench.dry_run)
+    amp = torch.autocast(bench.device, dtype=_amp_dtype(bench), enabled=setting == "amp")
+
+    def step() -> Any:
+        optimizer.zero_grad(set_to_none=True)
+        with amp:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def _amp_dtype(bench: Bench) -> Any:
+    import torch
+
+    return torch.float16 if bench.dry_run else torch.bfloat16  # interpreter: no bf16 dot
+
+
+def first_step(model: Any, ids: Any, setting: str, bench: Bench) -> dict[str, float]:
+    """Loss and global gradient norm of one forward+backward (no update)."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(bench.device, dtype=_amp_dtype(bench), enabled=setting == "amp"):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return {"loss": float(loss.detach()), "grad_norm": float(torch.stack(grads).norm())}
+
+
+def setting_rows(
+    args: argparse.Namespace, setting: str, base: Any, ids: Any, bench: Bench
+) -> list[dict[str, Any]]:
+    rows, steps = [], {}
+    reference: dict[str, float] | None = None
+    for name in [v for v in args.variants.split(",") if v]:
+        row: dict[str, Any] = {"setting": setting, "variant": name}
+        try:
+            model = make_variant(name, base, setting, bench)
+            if model is None:
+                rows.append({**row, "skipped": "not installed"})
+                continue
+            row |= first_step(model, ids, setting, bench)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not hide the rest
+            rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        reference = reference or {"loss": row["loss"], "grad_norm": row["grad_norm"]}
+        # bf16 end to end: a different kernel schedule moves the loss in the 3rd digit at most
+        tol = 2e-2 if setting == "bf16" and not bench.dry_run else 2e-3
+        row["correct"] = all(
+            abs(row[k] - reference[k]) <= tol * abs(reference[k]) for k in ("loss", "grad_norm")
+        )
+        steps[name] = train_step(model, ids, setting, bench)
+        rows.append(row)
+    times = bench.compare(steps) if steps else {}
+    tokens = ids.numel()
+    for row in rows:
+        if row["variant"] in times:
+            row["step_ms"] = times[row["variant"]]
+            row["tokens_per_s"] = tokens / (row["step_ms"] * 1e-3)
+    hf = next((r.get("step_ms") for r in rows if r["variant"] == "hf"), None)
+    for row in rows:
+        if hf and row.get("step_ms"):
+            row["speedup_vs_hf"] = hf / row["step_ms"]
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| setting | variant | correct | loss | grad norm | step ms | tokens/s | vs hf eager |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            why = r.get("error") or r["skipped"]
+            lines.append(f"| {r['setting']} | {r['variant']} | {why[:90]} ||||||")
+            continue
+        ms, speed = r.get("step_ms"), r.get("speedup_vs_hf")
+        lines.append(
+            f"| {r['setting']} | {r['variant']} | {r['correct']} | {r['loss']:.4f} | "
+            f"{r['grad_norm']:.4f} | {ms:.2f} | {r['tokens_per_s']:,.0f} | "
+            f"{speed:.3f}× |"
+            if ms
+            else f"| {r['setting']} | {r['variant']} | {r['correct']} | {r['loss']:.4f} | "
+            f"{r['grad_norm']:.4f} | — | — | — |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print(NEEDS_GPU.replace("paper_kernels.py", "llama_train_step.py"), file=sys.stderr)
+        return 2
+    import coda.primitives  # noqa: F401  (before triton: selects the interpreter in a dry run)
+
+    bench = Bench(args.dry_run)
+    if args.dry_run:
+        args.layers, args.batch, args.seq = min(args.layers, 2), 2, 9
+    env = environment(bench, argv)
+    print(f"Llama training steps on {env['device']}", flush=True)
+    base = base_model(args, bench)
+    vocab = base.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device=bench.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = {"layers": args.layers, "batch": args.batch, "seq": args.seq, **base.config.to_dict()}
+    result: dict[str, Any] = {"environment": env, "model": shape, "rows": []}
+    for setting in [s for s in args.settings.split(",") if s]:
+        print(f"  {setting} ...", flush=True)
+        result["rows"] += setting_rows(args, setting, base, ids, bench)
+        bench.free()
+        (out / "llama_train_step.json").write_text(json.dumps(result, indent=2, default=str))
+    text = table(result["rows"])
+    note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
+    (out / "llama_train_step.md").write_text(
+        f"# Llama training steps ({env['date']})\n\n{text}{note}"
+    )
+    print(text + note, flush=True)
+    failed = [r for r in result["rows"] if "error" in r or r.get("correct") is False]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
