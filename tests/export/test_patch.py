@@ -175,3 +175,19 @@ def test_a_failed_patch_leaves_every_layer_as_it_was(monkeypatch: pytest.MonkeyP
     assert model.model.layers[0].mlp.gate_proj.weight is not None
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_gradient_checkpointing_recomputes_through_the_patched_layers(reentrant: bool) -> None:
+    """Hugging Face's gradient checkpointing reruns each layer in the backward (the first pass of
+    the reentrant kind without gradients: the inference Program): same loss and gradients."""
+    hf = _model(seed=10).train()
+    patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off")
+    kwargs = {"use_reentrant": reentrant}
+    patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    ids = torch.randint(0, 96, (2, 7))
+    _, loss, grads = _step(hf, ids)
+    _, got_loss, got_grads = _step(patched, ids)
+    torch.testing.assert_close(got_loss, loss, atol=2e-6, rtol=2e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(got_grads[name], g, atol=2e-5, rtol=2e-5, msg=name)
