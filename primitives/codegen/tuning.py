@@ -53,10 +53,12 @@ _HOPPER_SPACE = [
 
 # A small space for sweeps over many kernels (bench/paper_kernels.py) and first calls of exported
 # ops: the leaders of the first H200 sweep, 64-column epilogue slices for heavy (reducing)
-# epilogues, and the narrow tiles.
+# epilogues — also flattened, which helped reducing epilogues in the split-reduction experiment
+# (bench/RESULTS.md, fifth session; this candidate itself not yet timed) — and the narrow tiles.
 QUICK_SPACE = [
     (128, 256, 64, 8, 3, 2, False, False),
     (128, 256, 64, 8, 3, 4, False, False),
+    (128, 256, 64, 8, 3, 4, True, False),
     (128, 128, 64, 8, 4, 2, True, False),
     (128, 64, 64, 4, 4, 1, False, False),
     (64, 128, 64, 4, 4, 1, False, False),
