@@ -206,14 +206,16 @@ llama_attn_in_bwd = register(
     )
 )
 
+LM_HEAD_GRADS = ["x", "gamma", "w_lm"]
+LM_HEAD_COTANGENT = {
+    "loss": TensorSpec(shape=["M"], dtype="float32", doc="gradient of the per-token loss")
+}
 llama_lm_head_ce_bwd = register(
     backward_block(
         llama_lm_head_ce,
         name="llama_lm_head_ce_bwd",
-        cotangents={
-            "loss": TensorSpec(shape=["M"], dtype="float32", doc="gradient of the per-token loss")
-        },
-        wrt=["x", "gamma", "w_lm"],
+        cotangents=LM_HEAD_COTANGENT,
+        wrt=LM_HEAD_GRADS,
     )
 )
 
@@ -289,6 +291,14 @@ _FAMILIES = {
 _KEYS = ("forward", "backward", "train", "backward_saved")
 
 
+def _with_eps(block: Block, eps: float, name: str) -> Block:
+    """``block`` with its RMSNorm's epsilon set to ``eps``, registered as ``name``."""
+    graph = [
+        op.model_copy(update={"eps": eps}) if isinstance(op, RMSNorm) else op for op in block.graph
+    ]
+    return register(block.model_copy(update={"name": name, "graph": graph}))
+
+
 def llama_mlp_family(eps: float, *, residual: bool = True) -> dict[str, Block]:
     """The llama_mlp blocks for an RMSNorm epsilon: ``forward``, ``backward`` (gets the forward
     inputs), ``train`` (forward that also returns g, u, a) and ``backward_saved`` (gets them).
@@ -304,11 +314,7 @@ def llama_mlp_family(eps: float, *, residual: bool = True) -> dict[str, Block]:
         return dict(zip(_KEYS, _FAMILIES[base], strict=True))
     name = f"{base}_eps{eps:g}"
     if name not in _VARIANTS:
-        graph = [
-            op.model_copy(update={"eps": eps}) if isinstance(op, RMSNorm) else op
-            for op in _FAMILIES[base][0].graph
-        ]
-        forward = register(_FAMILIES[base][0].model_copy(update={"name": name, "graph": graph}))
+        forward = _with_eps(_FAMILIES[base][0], eps, name)
         backward = backward_block(
             forward, name=f"{name}_bwd", cotangents=MLP_COTANGENT, wrt=MLP_GRADS
         )
@@ -316,14 +322,35 @@ def llama_mlp_family(eps: float, *, residual: bool = True) -> dict[str, Block]:
     return dict(zip(_KEYS, _VARIANTS[name], strict=True))
 
 
-_VARIANTS: dict[str, tuple[Block, Block, Block, Block]] = {}
+def llama_lm_head_ce_family(eps: float) -> dict[str, Block]:
+    """``forward`` (``llama_lm_head_ce``) and ``backward`` (``llama_lm_head_ce_bwd``) for a final
+    norm's epsilon; another value than 1e-5 registers ``llama_lm_head_ce_eps<eps>[_bwd]``."""
+    if eps == LLAMA_RMS_EPS:
+        return {"forward": llama_lm_head_ce, "backward": llama_lm_head_ce_bwd}
+    name = f"llama_lm_head_ce_eps{eps:g}"
+    if name not in _VARIANTS:
+        forward = _with_eps(llama_lm_head_ce, eps, name)
+        backward = backward_block(
+            forward, name=f"{name}_bwd", cotangents=LM_HEAD_COTANGENT, wrt=LM_HEAD_GRADS
+        )
+        _VARIANTS[name] = (forward, register(backward))
+    return dict(zip(("forward", "backward"), _VARIANTS[name], strict=True))
+
+
+_VARIANTS: dict[str, tuple[Block, ...]] = {}
 _SUFFIXES = {"": "forward", "_bwd": "backward", "_train": "train", "_bwd_saved": "backward_saved"}
+# Block families with an epsilon in their names, by base name: how to make one for an epsilon.
+_EPS_FAMILIES = {
+    "llama_mlp": llama_mlp_family,
+    "llama_mlp_branch": lambda eps: llama_mlp_family(eps, residual=False),
+    "llama_lm_head_ce": llama_lm_head_ce_family,
+}
 
 
 def _resolve_eps_variant(name: str) -> Block | None:
-    """``llama_mlp[_branch]_eps<eps>[_bwd|_train|_bwd_saved]`` → that block (a sandbox worker
-    resolves the same names the same way)."""
-    for base in _FAMILIES:
+    """``<family>_eps<eps>[_bwd|_train|_bwd_saved]`` → that block, for the families of
+    ``_EPS_FAMILIES`` (a sandbox worker resolves the same names the same way)."""
+    for base, family in _EPS_FAMILIES.items():
         prefix = f"{base}_eps"
         if not name.startswith(prefix):
             continue
@@ -337,7 +364,7 @@ def _resolve_eps_variant(name: str) -> Block | None:
             except ValueError:
                 continue
             if 0 < eps <= 1 and f"{eps:g}" == text:
-                return llama_mlp_family(eps, residual=base == "llama_mlp")[_SUFFIXES[suffix]]
+                return family(eps).get(_SUFFIXES[suffix])
     return None
 
 

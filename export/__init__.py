@@ -6,22 +6,28 @@
 * ``CodaLlamaMLPBlock(norm, mlp)``: ``x + mlp(norm(x))`` for Hugging Face ``LlamaRMSNorm`` +
   ``LlamaMLP`` on the planner's verified ``llama_mlp`` / ``llama_mlp_bwd`` Programs;
   ``fuse_gate_up=True`` keeps gate/up as one interleaved parameter (``PackedRows``).
+* ``causal_lm_loss(model, input_ids, labels)`` / ``CodaLlamaLMHeadLoss(norm, lm_head)``: Hugging
+  Face's causal-LM loss with the final norm, LM head and cross-entropy fused (no logits stored).
 * ``patch_llama(model)``: every decoder layer of a Hugging Face Llama model runs its
   post-attention norm and MLP on CODA kernels, in place (Hugging Face's layer code and keys kept).
 """
 
 from .autograd import ExportedFunction, PackedRows, export_autograd
 from .hf import CodaLlamaMLPBlock, NotVerified, llama_mlp_function, verified_program
+from .lm_head import CodaLlamaLMHeadLoss, causal_lm_loss, llama_lm_head_ce_function
 from .patch import CodaLlamaMLP, DeferredRMSNorm, patch_llama
 
 __all__ = [
+    "CodaLlamaLMHeadLoss",
     "CodaLlamaMLP",
     "CodaLlamaMLPBlock",
     "DeferredRMSNorm",
     "ExportedFunction",
     "NotVerified",
     "PackedRows",
+    "causal_lm_loss",
     "export_autograd",
+    "llama_lm_head_ce_function",
     "llama_mlp_function",
     "patch_llama",
     "verified_program",

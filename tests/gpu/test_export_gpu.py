@@ -247,3 +247,51 @@ def test_a_patched_llama_model_in_bf16_and_under_autocast() -> None:
                 run_dtype=amp,
             )  # fmt: skip
             assert c.passed, f"{setting}: {c.summary()}"
+
+
+def test_the_fused_causal_lm_loss_in_bf16_and_under_autocast() -> None:
+    """causal_lm_loss on a random one-layer LlamaForCausalLM (vocabulary 32000): loss and every
+    gradient against the fp32 model by the sandbox's rule, next to Hugging Face's own error —
+    the model cast to bf16, and fp32 weights under bf16 autocast."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from coda.export import causal_lm_loss
+
+    hidden, vocab, seq = (48, 96, 9) if TOY else (1024, 32000, 333)
+    cfg = LlamaConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).to(DEVICE)
+    ids = torch.randint(0, vocab, (2, seq), device=DEVICE)
+    labels = ids.clone()
+    labels[0, : seq // 3] = -100
+
+    def run(model, loss_fn) -> list:  # noqa: ANN001
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model)
+        loss.backward()
+        return [("loss", loss.detach())] + [(n, p.grad) for n, p in model.named_parameters()]
+
+    def hf_loss(model) -> torch.Tensor:  # noqa: ANN001
+        return model(input_ids=ids, labels=labels).loss
+
+    def coda_loss(model) -> torch.Tensor:  # noqa: ANN001
+        return causal_lm_loss(model, ids, labels, verify=False, tune="off")
+
+    ref32 = dict(run(hf, hf_loss))
+    amp = torch.float16 if TOY else DTYPE
+    tol = get_block("llama_lm_head_ce").tolerance
+    for setting in ("cast", "autocast"):
+        model = copy.deepcopy(hf) if setting == "autocast" else copy.deepcopy(hf).to(amp)
+        with torch.autocast(DEVICE, dtype=amp, enabled=setting == "autocast"):
+            want, got = dict(run(model, hf_loss)), run(model, coda_loss)
+        for name, g in got:
+            c = check_output(
+                name, g.float(), ref32[name], want[name].float(), tol, sizes={}, seed=0,
+                run_dtype=amp,
+            )  # fmt: skip
+            assert c.passed, f"{setting}: {c.summary()}"

@@ -1,0 +1,145 @@
+"""The final norm + LM head + cross-entropy of a Hugging Face Llama on CODA kernels: the loss
+without the ``[tokens, vocabulary]`` logits in memory.
+
+``llama_lm_head_ce`` (CODA_MATH §5) computes each token's loss in the LM head GEMM's epilogue
+(target logit + per-tile log-sum-exp, combined by a tiny aux step) and its backward recomputes
+the logits tile by tile (``softmax − onehot``) — so neither pass stores logits; eager PyTorch keeps
+them in fp32 (16384 tokens × 128256 classes: 8 GB).
+
+* ``CodaLlamaLMHeadLoss(norm, lm_head)(hidden, labels)``: Hugging Face's causal-LM loss
+  (``ForCausalLMLoss``: labels shifted by one, ``ignore_index`` -100, mean over the counted
+  tokens or sum / ``num_items_in_batch``) from the hidden states *before* the final norm;
+* ``causal_lm_loss(model, input_ids, labels, ...)``: the same for a ``LlamaForCausalLM``: runs
+  ``model.model`` (its final norm's input taken with a forward pre-hook) and the fused loss — in
+  place of ``model(input_ids, labels=labels).loss``, with the same value and gradients.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+
+from coda.agent.planner import lower
+from coda.blocks.llama import llama_lm_head_ce_family
+
+from .autograd import ExportedFunction, Tuning, export_autograd
+from .hf import verified_program
+
+IGNORE_INDEX = -100
+
+
+def llama_lm_head_ce_function(
+    eps: float, *, verify: bool = True, tune: Tuning = "quick"
+) -> ExportedFunction:
+    """``f(x, gamma, w_lm, target) -> loss``: per-token cross-entropy (fp32, ``[M]``) of
+    ``rmsnorm(x)·γ @ w_lmᵀ`` against ``target`` (class ids in ``[0, V)``), with autograd for
+    ``x``, ``gamma`` and ``w_lm``; the Programs verified by the sandbox first (``verify``)."""
+    function = _lm_head_function(eps, verify)
+    function.tune = tune
+    return function
+
+
+@lru_cache(maxsize=8)
+def _lm_head_function(eps: float, verify: bool) -> ExportedFunction:
+    family = llama_lm_head_ce_family(eps)
+    forward, backward = (
+        verified_program(family[k]) if verify else lower(family[k]) for k in ("forward", "backward")
+    )
+    return export_autograd(forward, backward, family["backward"])
+
+
+class CodaLlamaLMHeadLoss(nn.Module):
+    """Hugging Face's causal-LM loss from the last hidden states before the final norm, for a
+    ``LlamaRMSNorm`` (``model.model.norm``) + ``lm_head``, on CODA kernels (no logits stored).
+
+    ``forward(hidden, labels, num_items_in_batch=None)``: ``hidden`` ``[..., T, d]``, ``labels``
+    ``[..., T]`` (token ids; -100 is ignored); position t predicts ``labels[t + 1]``. The loss is
+    the mean over the counted tokens, or their sum divided by ``num_items_in_batch`` when given —
+    as ``LlamaForCausalLM`` computes it. Parameters must have ``hidden``'s dtype, except under
+    ``torch.autocast`` with fp32 weights, where the head runs in the autocast dtype (as
+    Hugging Face's ``lm_head`` does) and the loss stays fp32.
+    """
+
+    def __init__(
+        self, norm: nn.Module, lm_head: nn.Module, *, verify: bool = True, tune: Tuning = "quick"
+    ) -> None:
+        super().__init__()
+        if getattr(lm_head, "bias", None) is not None:
+            raise ValueError("lm_head has a bias; the llama_lm_head_ce block has none")
+        self.norm, self.lm_head = norm, lm_head
+        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        self.function = llama_lm_head_ce_function(eps, verify=verify, tune=tune)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if labels.shape != hidden.shape[:-1]:
+            raise ValueError(
+                f"labels {tuple(labels.shape)} must have hidden's shape without its last dim, "
+                f"{tuple(hidden.shape[:-1])}"
+            )
+        # position t predicts labels[t + 1]; the last position predicts nothing
+        targets = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+        targets = targets.reshape(-1)
+        counted = targets != IGNORE_INDEX
+        x = hidden.reshape(-1, hidden.shape[-1])
+        weights = [self.norm.weight, self.lm_head.weight]
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
+            dtype = torch.get_autocast_dtype(device)
+            x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+        elif any(w.dtype != x.dtype for w in weights):
+            raise TypeError(
+                f"parameters of dtype {weights[0].dtype}/{weights[1].dtype} next to hidden "
+                f"states of dtype {x.dtype}: cast the modules, or run under torch.autocast"
+            )
+        with torch.autocast(device, enabled=False):
+            # ignored tokens get a valid class (0) and no weight: their gradient is zero
+            per_token = self.function(x, *weights, torch.where(counted, targets, 0))
+            total = (per_token * counted).sum()
+        if num_items_in_batch is None:
+            return total / counted.sum().clamp(min=1)
+        return total / num_items_in_batch
+
+
+# one loss module per model, built on first use (its Programs verified once per process)
+_LOSSES: weakref.WeakKeyDictionary[nn.Module, CodaLlamaLMHeadLoss] = weakref.WeakKeyDictionary()
+
+
+def causal_lm_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    verify: bool = True,
+    tune: Tuning = "quick",
+    **model_kwargs: Any,
+) -> torch.Tensor:
+    """``model(input_ids, labels=labels).loss`` of a Hugging Face ``LlamaForCausalLM`` with the
+    final norm, LM head and cross-entropy fused on CODA kernels (no logits in memory).
+
+    Runs the base model ``model.model`` (attention masks, positions and the like pass through
+    ``model_kwargs``), takes the input of its final norm with a forward pre-hook, and returns
+    ``CodaLlamaLMHeadLoss`` of it: same value, same gradients for every parameter.
+    """
+    base, norm, head = model.model, model.model.norm, model.lm_head
+    if model not in _LOSSES:
+        _LOSSES[model] = CodaLlamaLMHeadLoss(norm, head, verify=verify, tune=tune)
+    loss_module = _LOSSES[model]
+    taken: list[torch.Tensor] = []
+    handle = norm.register_forward_pre_hook(lambda _module, args: taken.append(args[0]))
+    try:
+        base(input_ids=input_ids, **{"use_cache": False, **model_kwargs})
+    finally:
+        handle.remove()
+    if len(taken) != 1:
+        raise RuntimeError(f"the final norm ran {len(taken)} times in one forward; expected once")
+    return loss_module(taken[0], labels, num_items_in_batch)

@@ -1,0 +1,113 @@
+"""coda.export.causal_lm_loss / CodaLlamaLMHeadLoss: Hugging Face's causal-LM loss of a random
+LlamaForCausalLM with the final norm, LM head and cross-entropy fused (no logits stored), through
+the interpreter — value and every parameter's gradient against ``model(..., labels=...).loss``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from coda.export import CodaLlamaLMHeadLoss, causal_lm_loss, patch_llama
+
+from .test_patch import _model
+
+transformers = pytest.importorskip("transformers")
+
+
+def _loss_and_grads(model, loss_fn) -> tuple[torch.Tensor, dict]:  # noqa: ANN001
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _labels(ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt whose tokens are not trained on
+    labels[1, -2] = -100
+    return labels
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_the_fused_loss_equals_hugging_face_s(tied: bool) -> None:
+    model = _model(seed=11, tie_word_embeddings=tied)
+    ids = torch.randint(0, 96, (2, 9))
+    labels = _labels(ids)
+    want, want_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
+    # verified once: the final norm's epsilon (1e-6) makes its own llama_lm_head_ce variant
+    got, grads = _loss_and_grads(model, lambda: causal_lm_loss(model, ids, labels, tune="off"))
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def test_num_items_in_batch_and_masks_pass_through() -> None:
+    model = _model(seed=12)
+    ids = torch.randint(0, 96, (2, 9))
+    labels, mask = _labels(ids), torch.ones(2, 9, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+
+    def hf() -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=40).loss
+
+    def coda() -> torch.Tensor:
+        return causal_lm_loss(
+            model, ids, labels, num_items_in_batch=40, attention_mask=mask, verify=False
+        )
+
+    (want, want_grads), (got, grads) = _loss_and_grads(model, hf), _loss_and_grads(model, coda)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def test_with_patch_llama_the_whole_step_runs_on_coda_kernels() -> None:
+    hf = _model(seed=13)
+    patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off")
+    ids = torch.randint(0, 96, (2, 9))
+    labels = _labels(ids)
+    want, want_grads = _loss_and_grads(hf, lambda: hf(input_ids=ids, labels=labels).loss)
+    got, grads = _loss_and_grads(
+        patched, lambda: causal_lm_loss(patched, ids, labels, verify=False, tune="off")
+    )
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=2e-5, rtol=2e-5, msg=name)
+
+
+def test_under_autocast_the_loss_keeps_hugging_face_precision() -> None:
+    """fp32 weights under fp16 autocast (bf16 on a GPU): loss and gradients held to the sandbox's
+    rule against the fp32 run, next to Hugging Face's own autocast error."""
+    from coda.blocks import get_block
+    from coda.sandbox import check_output
+
+    model = _model(seed=14)
+    ids = torch.randint(0, 96, (2, 9))
+    labels = _labels(ids)
+    ref, ref_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
+    with torch.autocast("cpu", dtype=torch.float16):
+        hf, hf_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
+        got, grads = _loss_and_grads(
+            model, lambda: causal_lm_loss(model, ids, labels, verify=False, tune="off")
+        )
+    tol = get_block("llama_lm_head_ce").tolerance
+    pairs = [("loss", got, ref, hf)] + [(n, grads[n], ref_grads[n], hf_grads[n]) for n in ref_grads]
+    for name, g, want, theirs in pairs:
+        assert g.dtype == theirs.dtype == torch.float32, name
+        c = check_output(name, g, want, theirs, tol, sizes={}, seed=0, run_dtype=torch.float16)
+        assert c.passed, c.summary()
+
+
+def test_bad_input_gets_a_specific_error() -> None:
+    model = _model(seed=15)
+    loss = CodaLlamaLMHeadLoss(model.model.norm, model.lm_head, verify=False, tune="off")
+    with pytest.raises(ValueError, match="must have hidden's shape without its last dim"):
+        loss(torch.randn(2, 9, 48), torch.zeros(2, 8, dtype=torch.long))
+    with pytest.raises(TypeError, match="or run under torch.autocast"):
+        loss(torch.randn(2, 9, 48, dtype=torch.float16), torch.zeros(2, 9, dtype=torch.long))
+    head = torch.nn.Linear(48, 96, bias=True)
+    with pytest.raises(ValueError, match="lm_head has a bias"):
+        CodaLlamaLMHeadLoss(model.model.norm, head, verify=False)
