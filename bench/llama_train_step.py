@@ -11,10 +11,11 @@ gradients, forward with labels, backward, ``AdamW.step()`` (fused on a GPU). Two
 * ``amp``: fp32 weights under ``torch.autocast(bf16)`` (Hugging Face Trainer's mixed precision).
 
 Variants, each from the same initial weights: ``hf``, ``hf_compile`` (``torch.compile(model)``),
-``coda`` (``patch_llama``), ``coda_fused`` (``patch_llama(fuse_gate_up=True)``), ``coda_compile``
-(``torch.compile`` of the patched model) and ``liger``. Each variant's first loss and gradient norm
-are checked against ``hf``'s (same setting) before timing; step times are medians of interleaved
-rounds (``coda.primitives.timing``), also as tokens per second.
+``coda`` (``patch_llama``), ``coda_fused`` (``patch_llama(fuse_gate_up=True)``), ``coda_lm_head``
+(that, and the loss from ``causal_lm_loss``: final norm + LM head + cross-entropy fused),
+``coda_compile`` (``torch.compile`` of the patched model) and ``liger``. Each variant's first
+loss and gradient norm are checked against ``hf``'s (same setting) before timing; step times are
+medians of interleaved rounds (``coda.primitives.timing``), also as tokens per second.
 
     python3 bench/llama_train_step.py [--out DIR] [--layers 4] [--batch 4] [--seq 2048]
     python3 bench/llama_train_step.py --dry-run   # CPU interpreter, toy model: checks the script
@@ -36,7 +37,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paper_kernels import NEEDS_GPU, Bench, environment  # noqa: E402  (same folder)
 
-VARIANTS = ("hf", "hf_compile", "coda", "coda_fused", "coda_compile", "liger")
+VARIANTS = ("hf", "hf_compile", "coda", "coda_fused", "coda_lm_head", "coda_compile", "liger")
 SETTINGS = ("bf16", "amp")
 LLAMA_1B = {
     "hidden_size": 2048,
@@ -86,8 +87,9 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
     if setting == "bf16":
         model = model.to(bench.dtype)
     tune = "off" if bench.dry_run else "quick"
-    if name in ("coda", "coda_fused", "coda_compile"):
-        model = patch_llama(model, verify=False, tune=tune, fuse_gate_up=name == "coda_fused")
+    if name in ("coda", "coda_fused", "coda_lm_head", "coda_compile"):
+        fuse = name in ("coda_fused", "coda_lm_head")
+        model = patch_llama(model, verify=False, tune=tune, fuse_gate_up=fuse)
     if name == "liger":
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -99,7 +101,19 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
     return model
 
 
-def train_step(model: Any, ids: Any, setting: str, bench: Bench) -> Callable[[], Any]:
+def loss_of(name: str, bench: Bench) -> Callable[[Any, Any], Any]:
+    """The variant's loss of a batch: Hugging Face's (``labels=``) or ``causal_lm_loss``."""
+    if name != "coda_lm_head":
+        return lambda model, ids: model(input_ids=ids, labels=ids).loss
+    from coda.export import causal_lm_loss
+
+    tune = "off" if bench.dry_run else "quick"
+    return lambda model, ids: causal_lm_loss(model, ids, ids, verify=False, tune=tune)
+
+
+def train_step(
+    model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench
+) -> Callable[[], Any]:
     """One optimizer step of ``model`` on ``ids``; returns the loss (detached)."""
     import torch
 
@@ -110,7 +124,7 @@ def train_step(model: Any, ids: Any, setting: str, bench: Bench) -> Callable[[],
     def step() -> Any:
         optimizer.zero_grad(set_to_none=True)
         with amp:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = loss_fn(model, ids)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -124,13 +138,15 @@ def _amp_dtype(bench: Bench) -> Any:
     return torch.float16 if bench.dry_run else torch.bfloat16  # interpreter: no bf16 dot
 
 
-def first_step(model: Any, ids: Any, setting: str, bench: Bench) -> dict[str, float]:
+def first_step(
+    model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench
+) -> dict[str, float]:
     """Loss and global gradient norm of one forward+backward (no update)."""
     import torch
 
     model.zero_grad(set_to_none=True)
     with torch.autocast(bench.device, dtype=_amp_dtype(bench), enabled=setting == "amp"):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = loss_fn(model, ids)
     loss.backward()
     grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
@@ -149,7 +165,7 @@ def setting_rows(
             if model is None:
                 rows.append({**row, "skipped": "not installed"})
                 continue
-            row |= first_step(model, ids, setting, bench)
+            row |= first_step(model, loss_of(name, bench), ids, setting, bench)
         except Exception as e:  # noqa: BLE001 - one variant failing must not hide the rest
             rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
@@ -159,7 +175,7 @@ def setting_rows(
         row["correct"] = all(
             abs(row[k] - reference[k]) <= tol * abs(reference[k]) for k in ("loss", "grad_norm")
         )
-        steps[name] = train_step(model, ids, setting, bench)
+        steps[name] = train_step(model, loss_of(name, bench), ids, setting, bench)
         rows.append(row)
     times = bench.compare(steps) if steps else {}
     tokens = ids.numel()
