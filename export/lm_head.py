@@ -134,6 +134,7 @@ def causal_lm_loss(
     if model not in _LOSSES:
         _LOSSES[model] = CodaLlamaLMHeadLoss(norm, head, verify=verify, tune=tune)
     loss_module = _LOSSES[model]
+    loss_module.function.tune = tune
     taken: list[torch.Tensor] = []
     handle = norm.register_forward_pre_hook(lambda _module, args: taken.append(args[0]))
     try:
