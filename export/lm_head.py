@@ -59,7 +59,8 @@ class CodaLlamaLMHeadLoss(nn.Module):
     ``forward(hidden, labels, num_items_in_batch=None)``: ``hidden`` ``[..., T, d]``, ``labels``
     ``[..., T]`` (token ids; -100 is ignored); position t predicts ``labels[t + 1]``. The loss is
     the mean over the counted tokens, or their sum divided by ``num_items_in_batch`` when given —
-    as ``LlamaForCausalLM`` computes it. Parameters must have ``hidden``'s dtype, except under
+    as ``LlamaForCausalLM`` computes it (with no token counted it is 0 with zero gradients, where
+    PyTorch's mean cross-entropy gives NaN). Parameters must have ``hidden``'s dtype, except under
     ``torch.autocast`` with fp32 weights, where the head runs in the autocast dtype (as
     Hugging Face's ``lm_head`` does) and the loss stays fp32.
     """

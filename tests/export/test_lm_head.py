@@ -111,3 +111,14 @@ def test_bad_input_gets_a_specific_error() -> None:
     head = torch.nn.Linear(48, 96, bias=True)
     with pytest.raises(ValueError, match="lm_head has a bias"):
         CodaLlamaLMHeadLoss(model.model.norm, head, verify=False)
+
+
+def test_a_batch_with_no_counted_token_has_zero_loss_and_gradients() -> None:
+    model = _model(seed=16)
+    ids = torch.randint(0, 96, (1, 5))
+    labels = torch.full_like(ids, -100)
+    loss, grads = _loss_and_grads(
+        model, lambda: causal_lm_loss(model, ids, labels, verify=False, tune="off")
+    )
+    assert loss.item() == 0.0
+    assert all(not g.any() for g in grads.values())
