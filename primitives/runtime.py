@@ -368,7 +368,7 @@ def _argument_source(
 
 def descriptor_block(p: Param, cfg: MainloopConfig) -> list[int]:
     """The block shape of descriptor parameter ``p`` under ``cfg``, in elements."""
-    epi_n = cfg.epilogue_block_n  # one epilogue sub-tile (a split-accumulator kernel's B slice)
+    epi_n = cfg.epilogue_block_n  # one epilogue sub-tile (the TMA tiles of the epilogue)
     blocks = {
         "BLOCK_SIZE_M": cfg.block_m,
         "BLOCK_SIZE_N": cfg.block_n,
