@@ -14,7 +14,12 @@
 
 from .autograd import ExportedFunction, PackedRows, export_autograd
 from .hf import CodaLlamaMLPBlock, NotVerified, llama_mlp_function, verified_program
-from .lm_head import CodaLlamaLMHeadLoss, causal_lm_loss, llama_lm_head_ce_function
+from .lm_head import (
+    CodaLlamaLMHeadLoss,
+    causal_lm_loss,
+    fuse_causal_lm_loss,
+    llama_lm_head_ce_function,
+)
 from .patch import CodaLlamaMLP, DeferredRMSNorm, patch_llama
 
 __all__ = [
@@ -27,6 +32,7 @@ __all__ = [
     "PackedRows",
     "causal_lm_loss",
     "export_autograd",
+    "fuse_causal_lm_loss",
     "llama_lm_head_ce_function",
     "llama_mlp_function",
     "patch_llama",

@@ -11,11 +11,14 @@ them in fp32 (16384 tokens × 128256 classes: 8 GB).
   tokens or sum / ``num_items_in_batch``) from the hidden states *before* the final norm;
 * ``causal_lm_loss(model, input_ids, labels, ...)``: the same for a ``LlamaForCausalLM``: runs
   ``model.model`` (its final norm's input taken with a forward pre-hook) and the fused loss — in
-  place of ``model(input_ids, labels=labels).loss``, with the same value and gradients.
+  place of ``model(input_ids, labels=labels).loss``, with the same value and gradients;
+* ``fuse_causal_lm_loss(model)``: ``model(..., labels=...)`` itself uses it in training, so code
+  that only calls the model (the Hugging Face ``Trainer``) gets the fused loss.
 """
 
 from __future__ import annotations
 
+import types
 import weakref
 from functools import lru_cache
 from typing import Any
@@ -145,3 +148,33 @@ def causal_lm_loss(
     if len(taken) != 1:
         raise RuntimeError(f"the final norm ran {len(taken)} times in one forward; expected once")
     return loss_module(taken[0], labels, num_items_in_batch)
+
+
+def fuse_causal_lm_loss(
+    model: nn.Module, *, verify: bool = True, tune: Tuning = "quick"
+) -> nn.Module:
+    """Make ``model(..., labels=...)`` of a ``LlamaForCausalLM`` in training mode compute its loss
+    with ``causal_lm_loss`` and return it with ``logits=None`` (no logits are made — as
+    Liger-Kernel's fused linear cross-entropy does); in eval mode, or without labels, the
+    original forward runs and returns logits (also for ``inputs_embeds`` instead of
+    ``input_ids``). In place; returns ``model``.
+
+    The model's own class forward is called for the rest, so copies (``copy.deepcopy``) keep
+    working on themselves.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    def forward(self: nn.Module, *args: Any, labels: Any = None, **kwargs: Any) -> Any:
+        if labels is None or not self.training or args or kwargs.get("input_ids") is None:
+            return type(self).forward(self, *args, labels=labels, **kwargs)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("logits_to_keep", None)  # no logits are made
+        input_ids = kwargs.pop("input_ids")
+        loss = causal_lm_loss(
+            self, input_ids, labels, num_items_in_batch=num_items, verify=verify, tune=tune,
+            **kwargs,
+        )  # fmt: skip
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    model.forward = types.MethodType(forward, model)
+    return model

@@ -25,6 +25,7 @@ from torch import nn
 
 from .autograd import Tuning
 from .hf import CodaLlamaMLPBlock, check_llama_mlp, keep_hf_gate_up_keys
+from .lm_head import fuse_causal_lm_loss
 
 
 class DeferredRMSNorm(nn.Module):
@@ -78,6 +79,7 @@ def patch_llama(
     saved: bool = True,
     tune: Tuning = "quick",
     fuse_gate_up: bool = False,
+    fused_loss: bool = False,
 ) -> nn.Module:
     """Run every decoder layer's ``post_attention_layernorm`` + ``mlp`` on CODA kernels, in place;
     returns ``model``.
@@ -90,6 +92,8 @@ def patch_llama(
     layer's gate and up weights become one new parameter — build the optimizer after. Every
     layer is checked first: one whose MLP the block cannot compute (a bias, an activation other
     than SiLU) raises ``ValueError`` before any layer is changed.
+    ``fused_loss``: also ``fuse_causal_lm_loss(model)`` — in training, ``model(..., labels=...)``
+    computes the loss with the final norm, LM head and cross-entropy fused and returns no logits.
     """
     layers = [
         m
@@ -114,4 +118,6 @@ def patch_llama(
     for layer, block in zip(layers, blocks, strict=True):
         layer.post_attention_layernorm = DeferredRMSNorm(block.norm)
         layer.mlp = CodaLlamaMLP(block)
+    if fused_loss:
+        fuse_causal_lm_loss(model, verify=verify, tune=tune)
     return model

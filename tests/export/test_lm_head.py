@@ -122,3 +122,30 @@ def test_a_batch_with_no_counted_token_has_zero_loss_and_gradients() -> None:
     )
     assert loss.item() == 0.0
     assert all(not g.any() for g in grads.values())
+
+
+def test_a_fused_loss_model_trains_like_hugging_face_and_evaluates_with_logits() -> None:
+    """patch_llama(fused_loss=True): in training model(..., labels=...) returns the fused loss
+    and no logits (what the Hugging Face Trainer calls); in eval mode, or without labels,
+    logits as before. Copies run on themselves."""
+    hf = _model(seed=17).train()
+    coda = patch_llama(copy.deepcopy(hf), verify=False, tune="off", fused_loss=True)
+    ids = torch.randint(0, 96, (2, 9))
+    labels = _labels(ids)
+
+    def loss_of(model):  # noqa: ANN001, ANN202
+        return lambda: model(input_ids=ids, labels=labels, num_items_in_batch=11).loss
+
+    want, want_grads = _loss_and_grads(hf, loss_of(hf))
+    got, grads = _loss_and_grads(coda, loss_of(coda))
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=2e-5, rtol=2e-5, msg=name)
+    assert coda(input_ids=ids, labels=labels).logits is None  # training: no logits made
+    assert coda(input_ids=ids).logits.shape == (2, 9, 96)  # no labels: logits
+    copied = copy.deepcopy(coda).eval()
+    with torch.no_grad():
+        out, ref = copied(input_ids=ids, labels=labels), hf.eval()(input_ids=ids, labels=labels)
+    assert copied.forward.__self__ is copied
+    torch.testing.assert_close(out.logits, ref.logits, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.loss, ref.loss, atol=2e-6, rtol=2e-6)
