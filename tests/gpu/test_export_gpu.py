@@ -20,6 +20,7 @@ DTYPE = getattr(torch, os.environ.get("CODA_TEST_DTYPE", "bfloat16"))
 BACKEND = os.environ.get("CODA_TEST_COMPILE_BACKEND", "inductor")
 # CODA_TEST_DEVICE=cpu checks this file through the interpreter at toy sizes (no GPU needed).
 TOY = DEVICE == "cpu"
+AMP = torch.float16 if TOY else DTYPE  # autocast dtype; the CPU check: fp16 (bf16 dot is wrong)
 
 
 def _hf_modules(hidden: int = 1024, inter: int = 2816, eps: float = 1e-5):  # noqa: ANN202
@@ -186,7 +187,6 @@ def test_hugging_face_mixed_precision_under_autocast() -> None:
     """fp32 master weights and residual stream under torch.autocast (bf16 on the GPU): the
     branch runs in the autocast dtype, the residual add and the gradients in fp32, held to the
     sandbox's rule against an fp32 run next to Hugging Face's own autocast error."""
-    amp = torch.float16 if TOY else DTYPE  # the CPU check: fp16 autocast (bf16 dot is wrong)
     hidden, tokens = (48, 11) if TOY else (1024, 333)
     norm, mlp = _hf_modules(hidden=hidden, inter=80 if TOY else 2816, eps=1e-6)
     block = CodaLlamaMLPBlock(norm, mlp, verify=False, tune="off")
@@ -194,7 +194,7 @@ def test_hugging_face_mixed_precision_under_autocast() -> None:
     dout = torch.randn(3, tokens, hidden, device=DEVICE)
     params = [norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
     ref32 = _run(lambda t: t + mlp(norm(t)), params, x, dout)
-    with torch.autocast(x.device.type, dtype=amp):
+    with torch.autocast(x.device.type, dtype=AMP):
         hf = _run(lambda t: t + mlp(norm(t)), params, x, dout)
         coda = _run(block, params, x, dout)
     tol = get_block("llama_mlp").tolerance
@@ -202,8 +202,41 @@ def test_hugging_face_mixed_precision_under_autocast() -> None:
         ["out", "dx", "dgamma", "dw_gate", "dw_up", "dw_down"], coda, ref32, hf, strict=True
     ):
         assert got.dtype == theirs.dtype == torch.float32, name
-        c = check_output(name, got, want, theirs, tol, sizes={}, seed=0, run_dtype=amp)
+        c = check_output(name, got, want, theirs, tol, sizes={}, seed=0, run_dtype=AMP)
         assert c.passed, c.summary()
+
+
+def _causal_lm(hidden: int, inter: int, layers: int, vocab: int):  # noqa: ANN202
+    """A random LlamaForCausalLM on DEVICE (fp32 weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(DEVICE)
+
+
+def _low_precision_copies(model):  # noqa: ANN001, ANN202
+    """(setting, copy of ``model``, autocast context): cast to AMP, and fp32 under autocast."""
+    import copy
+
+    yield "cast", copy.deepcopy(model).to(AMP), torch.autocast(DEVICE, enabled=False)
+    yield "autocast", copy.deepcopy(model), torch.autocast(DEVICE, dtype=AMP)
+
+
+def _assert_as_close_as_hugging_face(
+    setting: str, got: list, ref32: dict, theirs: dict, tol
+) -> None:  # noqa: ANN001
+    """Each (name, tensor) of ``got`` within the sandbox's rule of the fp32 values, next to
+    Hugging Face's own error in the same setting."""
+    for name, g in got:
+        c = check_output(
+            name, g.float(), ref32[name], theirs[name].float(), tol, sizes={}, seed=0,
+            run_dtype=AMP,
+        )  # fmt: skip
+        assert c.passed, f"{setting}: {c.summary()}"
 
 
 def test_a_patched_llama_model_in_bf16_and_under_autocast() -> None:
@@ -212,17 +245,10 @@ def test_a_patched_llama_model_in_bf16_and_under_autocast() -> None:
     autocast — next to Hugging Face's own error in the same setting."""
     import copy
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from coda.export import patch_llama
 
     hidden, inter, vocab, seq = (48, 80, 96, 9) if TOY else (1024, 2816, 2048, 333)
-    cfg = LlamaConfig(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, vocab_size=vocab,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(cfg).to(DEVICE)
+    hf = _causal_lm(hidden, inter, 2, vocab)
     ids = torch.randint(0, vocab, (2, seq), device=DEVICE)
 
     def step(model) -> list:  # noqa: ANN001
@@ -234,38 +260,22 @@ def test_a_patched_llama_model_in_bf16_and_under_autocast() -> None:
         ]
 
     ref32 = dict(step(hf))
-    amp = torch.float16 if TOY else DTYPE
     tol = get_block("llama_mlp").tolerance
-    for setting in ("cast", "autocast"):
-        theirs = copy.deepcopy(hf) if setting == "autocast" else copy.deepcopy(hf).to(amp)
+    for setting, theirs, amp in _low_precision_copies(hf):
         coda = patch_llama(copy.deepcopy(theirs), verify=False, tune="off")
-        with torch.autocast(DEVICE, dtype=amp, enabled=setting == "autocast"):
+        with amp:
             want, got = dict(step(theirs)), step(coda)
-        for name, g in got:
-            c = check_output(
-                name, g.float(), ref32[name], want[name].float(), tol, sizes={}, seed=0,
-                run_dtype=amp,
-            )  # fmt: skip
-            assert c.passed, f"{setting}: {c.summary()}"
+        _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)
 
 
 def test_the_fused_causal_lm_loss_in_bf16_and_under_autocast() -> None:
     """causal_lm_loss on a random one-layer LlamaForCausalLM (vocabulary 32000): loss and every
     gradient against the fp32 model by the sandbox's rule, next to Hugging Face's own error —
     the model cast to bf16, and fp32 weights under bf16 autocast."""
-    import copy
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from coda.export import causal_lm_loss
 
     hidden, vocab, seq = (48, 96, 9) if TOY else (1024, 32000, 333)
-    cfg = LlamaConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-        num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(cfg).to(DEVICE)
+    hf = _causal_lm(hidden, 2 * hidden, 1, vocab)
     ids = torch.randint(0, vocab, (2, seq), device=DEVICE)
     labels = ids.clone()
     labels[0, : seq // 3] = -100
@@ -283,15 +293,8 @@ def test_the_fused_causal_lm_loss_in_bf16_and_under_autocast() -> None:
         return causal_lm_loss(model, ids, labels, verify=False, tune="off")
 
     ref32 = dict(run(hf, hf_loss))
-    amp = torch.float16 if TOY else DTYPE
     tol = get_block("llama_lm_head_ce").tolerance
-    for setting in ("cast", "autocast"):
-        model = copy.deepcopy(hf) if setting == "autocast" else copy.deepcopy(hf).to(amp)
-        with torch.autocast(DEVICE, dtype=amp, enabled=setting == "autocast"):
+    for setting, model, amp in _low_precision_copies(hf):
+        with amp:
             want, got = dict(run(model, hf_loss)), run(model, coda_loss)
-        for name, g in got:
-            c = check_output(
-                name, g.float(), ref32[name], want[name].float(), tol, sizes={}, seed=0,
-                run_dtype=amp,
-            )  # fmt: skip
-            assert c.passed, f"{setting}: {c.summary()}"
+        _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)
