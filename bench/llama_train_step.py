@@ -15,7 +15,9 @@ Variants, each from the same initial weights: ``hf``, ``hf_compile`` (``torch.co
 (that, and the loss from ``causal_lm_loss``: final norm + LM head + cross-entropy fused),
 ``coda_compile`` (``torch.compile`` of the patched model) and ``liger``. Each variant's first
 loss and gradient norm are checked against ``hf``'s (same setting) before timing; step times are
-medians of interleaved rounds (``coda.primitives.timing``), also as tokens per second.
+medians of interleaved rounds (``coda.primitives.timing``), also as tokens per second; step memory
+is what one forward+backward allocates beyond the model, gradients and optimizer state (peak
+minus allocated before, on a step after the first).
 
     python3 bench/llama_train_step.py [--out DIR] [--layers 4] [--batch 4] [--seq 2048]
     python3 bench/llama_train_step.py --dry-run   # CPU interpreter, toy model: checks the script
@@ -153,6 +155,29 @@ def first_step(
     return {"loss": float(loss.detach()), "grad_norm": float(torch.stack(grads).norm())}
 
 
+def step_memory_gb(
+    model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench
+) -> float | None:
+    """GPU memory one forward+backward needs beyond what is already allocated (activations,
+    logits, gradients, workspaces), in GB — measured on a step after the first, so compilation
+    and tuning are not counted. None on a dry run."""
+    if bench.dry_run:
+        return None
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast(bench.device, dtype=_amp_dtype(bench), enabled=setting == "amp"):
+        loss = loss_fn(model, ids)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    model.zero_grad(set_to_none=True)
+    return (peak - before) / 1e9
+
+
 def setting_rows(
     args: argparse.Namespace, setting: str, base: Any, ids: Any, bench: Bench
 ) -> list[dict[str, Any]]:
@@ -166,6 +191,7 @@ def setting_rows(
                 rows.append({**row, "skipped": "not installed"})
                 continue
             row |= first_step(model, loss_of(name, bench), ids, setting, bench)
+            row["step_memory_gb"] = step_memory_gb(model, loss_of(name, bench), ids, setting, bench)
         except Exception as e:  # noqa: BLE001 - one variant failing must not hide the rest
             rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
@@ -192,22 +218,20 @@ def setting_rows(
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| setting | variant | correct | loss | grad norm | step ms | tokens/s | vs hf eager |",
-        "|---|---|---|---|---|---|---|---|",
+        "| setting | variant | correct | loss | grad norm | step ms | tokens/s | vs hf eager "
+        "| step memory GB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r or "skipped" in r:
             why = r.get("error") or r["skipped"]
-            lines.append(f"| {r['setting']} | {r['variant']} | {why[:90]} ||||||")
+            lines.append(f"| {r['setting']} | {r['variant']} | {why[:90]} |||||||")
             continue
-        ms, speed = r.get("step_ms"), r.get("speedup_vs_hf")
+        ms, speed, mem = r.get("step_ms"), r.get("speedup_vs_hf"), r.get("step_memory_gb")
+        timing = f"{ms:.2f} | {r['tokens_per_s']:,.0f} | {speed:.3f}×" if ms else "— | — | —"
         lines.append(
             f"| {r['setting']} | {r['variant']} | {r['correct']} | {r['loss']:.4f} | "
-            f"{r['grad_norm']:.4f} | {ms:.2f} | {r['tokens_per_s']:,.0f} | "
-            f"{speed:.3f}× |"
-            if ms
-            else f"| {r['setting']} | {r['variant']} | {r['correct']} | {r['loss']:.4f} | "
-            f"{r['grad_norm']:.4f} | — | — | — |"
+            f"{r['grad_norm']:.4f} | {timing} | {'not measured' if mem is None else f'{mem:.2f}'} |"
         )
     return "\n".join(lines)
 
