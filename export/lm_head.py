@@ -63,7 +63,9 @@ class CodaLlamaLMHeadLoss(nn.Module):
     ``[..., T]`` (token ids; -100 is ignored); position t predicts ``labels[t + 1]``. The loss is
     the mean over the counted tokens, or their sum divided by ``num_items_in_batch`` when given —
     as ``LlamaForCausalLM`` computes it (with no token counted it is 0 with zero gradients, where
-    PyTorch's mean cross-entropy gives NaN). Parameters must have ``hidden``'s dtype, except under
+    PyTorch's mean cross-entropy gives NaN). Labels are not range-checked (that would cost a
+    device sync per step): an id outside ``[0, V)`` other than -100 contributes its log-sum-exp
+    alone, where PyTorch raises. Parameters must have ``hidden``'s dtype, except under
     ``torch.autocast`` with fp32 weights, where the head runs in the autocast dtype (as
     Hugging Face's ``lm_head`` does) and the loss stays fp32.
     """
