@@ -225,17 +225,9 @@ class CodaLlamaMLPBlock(nn.Module):
         gate_up = [self.gate_up_weight] if self.fused else [self.gate_weight, self.up_weight]
         weights = [self.norm.weight, *gate_up, self.mlp.down_proj.weight]
         flat = x.reshape(-1, x.shape[-1])
-        device = x.device.type
-        if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
-            out = self._autocast_forward(flat, weights, torch.get_autocast_dtype(device))
-            return out.reshape(x.shape)
-        mixed = [w for w in weights if w.dtype != x.dtype]
-        if mixed:
-            raise TypeError(
-                f"parameters of dtype {mixed[0].dtype} next to activations of dtype {x.dtype}: "
-                "cast the modules to the activation dtype (e.g. model.to(torch.bfloat16)), or "
-                "run under torch.autocast"
-            )
+        amp = autocast_dtype(x, weights)
+        if amp is not None:
+            return self._autocast_forward(flat, weights, amp).reshape(x.shape)
         return self.function(flat, *weights).reshape(x.shape)
 
     def _autocast_forward(
@@ -249,6 +241,23 @@ class CodaLlamaMLPBlock(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             branch = self.branch_function(x.to(dtype), *(w.to(dtype) for w in weights))
             return x + branch if self.residual else branch
+
+
+def autocast_dtype(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.dtype | None:
+    """The dtype the kernels must run in instead of ``x``'s: ``torch.autocast``'s, when it is on
+    and ``x`` is in another dtype (Hugging Face's mixed precision: the caller casts ``x`` and the
+    weights). None when ``x``'s own dtype is used — then every weight must have it (TypeError)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
+        return torch.get_autocast_dtype(device)
+    mixed = [w for w in weights if w.dtype != x.dtype]
+    if mixed:
+        raise TypeError(
+            f"parameters of dtype {mixed[0].dtype} next to activations of dtype {x.dtype}: "
+            "cast the modules to the activation dtype (e.g. model.to(torch.bfloat16)), or "
+            "run under torch.autocast"
+        )
+    return None
 
 
 @torch.compiler.disable

@@ -30,7 +30,7 @@ from coda.agent.planner import lower
 from coda.blocks.llama import llama_lm_head_ce_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .hf import verified_program
+from .hf import autocast_dtype, verified_program
 
 IGNORE_INDEX = -100
 
@@ -97,16 +97,10 @@ class CodaLlamaLMHeadLoss(nn.Module):
         counted = targets != IGNORE_INDEX
         x = hidden.reshape(-1, hidden.shape[-1])
         weights = [self.norm.weight, self.lm_head.weight]
-        device = x.device.type
-        if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
-            dtype = torch.get_autocast_dtype(device)
-            x, weights = x.to(dtype), [w.to(dtype) for w in weights]
-        elif any(w.dtype != x.dtype for w in weights):
-            raise TypeError(
-                f"parameters of dtype {weights[0].dtype}/{weights[1].dtype} next to hidden "
-                f"states of dtype {x.dtype}: cast the modules, or run under torch.autocast"
-            )
-        with torch.autocast(device, enabled=False):
+        amp = autocast_dtype(x, weights)
+        if amp is not None:  # as Hugging Face's lm_head under autocast
+            x, weights = x.to(amp), [w.to(amp) for w in weights]
+        with torch.autocast(x.device.type, enabled=False):
             # ignored tokens get a valid class (0) and no weight: their gradient is zero
             per_token = self.function(x, *weights, torch.where(counted, targets, 0))
             total = (per_token * counted).sum()
