@@ -286,11 +286,15 @@ class EmitContext:
         ``axis="row"``: one value per row, into column ``start_n // EPI_N`` (this sub-tile's) of
         ``[M, ⌈N/EPI_N⌉]``; ``axis="col"``: one value per column, into column ``pid_m`` of
         ``[W, ⌈M/BLOCK_SIZE_M⌉]``. A sub-tile wholly past the last column (the second half of a
-        ragged last tile) has no slot and stores nothing.
+        ragged last tile) has no slot and stores nothing — by its mask, not an ``if``: Triton 3.6
+        cannot flatten a persistent loop around a conditional store (``TritonGPUFuseNestedLoops``
+        fails; seen on the H200), and the condition is broadcast to the row tensor because a
+        scalar bool in a mask breaks the interpreter.
         """
-        self.rows()
+        rows = self.rows()
         if axis == "row":
-            index, slot, mask = "offs_cm64", "(start_n // EPI_N)", self.rows().mask
+            inside = f"({rows.offs} * 0 + start_n < N)"
+            index, slot, mask = "offs_cm64", "(start_n // EPI_N)", f"{rows.mask} & {inside}"
         else:
             cols = self.cols(scale)
             index, slot, mask = f"{cols.offs}.to(tl.int64)", "pid_m", cols.mask
@@ -298,5 +302,4 @@ class EmitContext:
             f"{self.pointer(tensor)} + {index} * {self.stride(tensor, 0, 'm')}"
             f" + {slot} * {self.stride(tensor, 1, 'n')}"
         )
-        store = f"tl.store({ptrs}, {values}, mask={mask})"
-        self.line(f"if start_n < N:\n    {store}" if axis == "row" else store)
+        self.line(f"tl.store({ptrs}, {values}, mask={mask})")

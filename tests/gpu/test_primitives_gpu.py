@@ -70,6 +70,15 @@ HOPPER_CONFIGS = [
         "flatten": True,
         "warp_specialize": True,
     },
+    # flattened without warp specialization (QUICK_SPACE has two such candidates)
+    {
+        "block_m": 128,
+        "block_n": 128,
+        "block_k": 64,
+        "num_stages": 4,
+        "epilogue_subtiles": 2,
+        "flatten": True,
+    },  # fmt: skip
     {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4},
 ]
 
