@@ -20,6 +20,7 @@ is what one forward+backward allocates beyond the model, gradients and optimizer
 minus allocated before, on a step after the first).
 
     python3 bench/llama_train_step.py [--out DIR] [--layers 4] [--batch 4] [--seq 2048]
+        [--settings bf16,amp] [--variants hf,coda,...] [--profile K]
     python3 bench/llama_train_step.py --dry-run   # CPU interpreter, toy model: checks the script
 
 Writes ``llama_train_step.json`` and ``.md`` into ``--out`` (default ``$OUT``, else ``bench/out``).
@@ -38,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paper_kernels import NEEDS_GPU, Bench, environment  # noqa: E402  (same folder)
+from profile_export import gpu_work  # noqa: E402
 
 VARIANTS = ("hf", "hf_compile", "coda", "coda_fused", "coda_lm_head", "coda_compile", "liger")
 SETTINGS = ("bf16", "amp")
@@ -68,6 +70,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     p.add_argument("--settings", default=",".join(SETTINGS), help="bf16, amp")
     p.add_argument("--dry-run", action="store_true", help="CPU, toy model: checks the script")
+    p.add_argument(
+        "--profile", type=int, default=0, metavar="K",
+        help="also profile each variant's step (torch.profiler): its K longest GPU kernels",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -204,6 +210,10 @@ def setting_rows(
         steps[name] = train_step(model, loss_of(name, bench), ids, setting, bench)
         rows.append(row)
     times = bench.compare(steps) if steps else {}
+    if args.profile:
+        for row in rows:
+            if row["variant"] in steps:
+                row["kernels"] = profile_step(steps[row["variant"]], bench)[: args.profile]
     tokens = ids.numel()
     for row in rows:
         if row["variant"] in times:
@@ -214,6 +224,41 @@ def setting_rows(
         if hf and row.get("step_ms"):
             row["speedup_vs_hf"] = hf / row["step_ms"]
     return rows
+
+
+def profile_step(step: Callable[[], Any], bench: Bench, iters: int = 3) -> list[dict[str, Any]]:
+    """One training step's GPU work by kernel (ms per step, longest first), from ``iters``
+    profiled steps; empty on a dry run (no CUDA events)."""
+    if bench.dry_run:
+        return []
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    return gpu_work(prof.key_averages(), iters)
+
+
+def kernel_tables(rows: list[dict[str, Any]]) -> str:
+    """Per profiled variant: its step's longest kernels and their share of the step."""
+    parts = []
+    for r in rows:
+        if not r.get("kernels"):
+            continue
+        busy, step_ms = sum(k["ms"] for k in r["kernels"]), r.get("step_ms", float("nan"))
+        lines = [
+            f"\n{r['setting']} {r['variant']}: the {len(r['kernels'])} longest kernels "
+            f"({busy:.2f} ms of GPU time in these; the step takes {step_ms:.2f} ms)",
+            "| kernel | calls | ms |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {k['kernel'][:100]} | {k['calls']} | {k['ms']:.3f} |" for k in r["kernels"]]
+        parts.append("\n".join(lines))
+    return "\n".join(parts)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -262,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"] += setting_rows(args, setting, base, ids, bench)
         bench.free()
         (out / "llama_train_step.json").write_text(json.dumps(result, indent=2, default=str))
-    text = table(result["rows"])
+    text = table(result["rows"]) + kernel_tables(result["rows"])
     note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
     (out / "llama_train_step.md").write_text(
         f"# Llama training steps ({env['date']})\n\n{text}{note}"
