@@ -2,9 +2,10 @@
 without the ``[tokens, vocabulary]`` logits in memory.
 
 ``llama_lm_head_ce`` (CODA_MATH §5) computes each token's loss in the LM head GEMM's epilogue
-(target logit + per-tile log-sum-exp, combined by a tiny aux step) and its backward recomputes
-the logits tile by tile (``softmax − onehot``) — so neither pass stores logits; eager PyTorch keeps
-them in fp32 (16384 tokens × 128256 classes: 8 GB).
+(target logit + per-tile log-sum-exp, combined by a tiny aux step); in training it also keeps each
+token's log-sum-exp (``llama_lm_head_ce_train``), and the backward (``_bwd_saved``) recomputes the
+logits tile by tile once, for ``softmax − onehot`` — so neither pass stores logits; eager PyTorch
+keeps them in fp32 (16384 tokens × 128256 classes: 8 GB).
 
 * ``CodaLlamaLMHeadLoss(norm, lm_head)(hidden, labels)``: Hugging Face's causal-LM loss
   (``ForCausalLMLoss``: labels shifted by one, ``ignore_index`` -100, mean over the counted
@@ -48,11 +49,15 @@ def llama_lm_head_ce_function(
 
 @lru_cache(maxsize=8)
 def _lm_head_function(eps: float, verify: bool) -> ExportedFunction:
+    # Training runs llama_lm_head_ce_train, which also returns each row's log-sum-exp (M floats),
+    # and the backward llama_lm_head_ce_bwd_saved takes it instead of recomputing the logits for
+    # it; without gradients the plain forward runs.
     family = llama_lm_head_ce_family(eps)
-    forward, backward = (
-        verified_program(family[k]) if verify else lower(family[k]) for k in ("forward", "backward")
+    keys = ("train", "backward_saved", "forward")
+    train, backward, forward = (
+        verified_program(family[k]) if verify else lower(family[k]) for k in keys
     )
-    return export_autograd(forward, backward, family["backward"])
+    return export_autograd(train, backward, family["backward_saved"], inference=forward)
 
 
 class CodaLlamaLMHeadLoss(nn.Module):

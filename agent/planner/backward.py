@@ -25,7 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 from coda.blocks.autodiff import VJP, Pick
 from coda.blocks.block import Block
-from coda.blocks.ops import Add, Concat, CrossEntropy, GraphOp, Linear, RMSNorm, SwiGLU
+from coda.blocks.ops import (
+    Add,
+    Concat,
+    CrossEntropy,
+    GraphOp,
+    Linear,
+    LogSumExp,
+    RMSNorm,
+    SwiGLU,
+)
 
 from .fusion import SWIGLU_DG, SWIGLU_DU, size_expr_of
 
@@ -384,6 +393,14 @@ class _Backward:
             start = stop
 
     # -- LM head + cross-entropy -------------------------------------------------------------------
+    def saved_logsumexp(self, logits: str) -> str | None:
+        """The input holding ``logsumexp(logits)`` when the forward saved it for the backward
+        (``llama_lm_head_ce_bwd_saved``), else None (the backward recomputes it)."""
+        for op in self.forward.graph:
+            if isinstance(op, LogSumExp) and op.logits == logits and op.out in self.op.saved:
+                return op.out
+        return None
+
     def lm_head_ce(self) -> None:
         _, ce = self.find(CrossEntropy)
         _, head = self.find(Linear, out=ce.logits)
@@ -392,18 +409,20 @@ class _Backward:
             self.fail("the cross-entropy loss must be the block's output")
         dloss = self.cotangent(ce.out)
         r, folded = self.forward_projection(norm, head.weight)
-        # pass 1: the logits' log-sum-exp from per-tile partials (the logits are never stored)
-        lse_partials = self.name("lse_partials")
-        self.gemm(
-            "lm_head_lse",
-            norm.x,
-            f"{folded}.T",
-            [
-                {"op": "scale_rows", "src": "acc", "vector": r, "out": "z"},
-                {"op": "partial_reduce", "src": "z", "kind": "lse", "to": lse_partials},
-            ],
-        )
-        lse = self.aux({"kind": "lse_combine", "src": lse_partials, "out": "lse"})
+        lse = self.saved_logsumexp(ce.logits)
+        if lse is None:
+            # pass 1: the logits' log-sum-exp from per-tile partials (the logits are never stored)
+            lse_partials = self.name("lse_partials")
+            self.gemm(
+                "lm_head_lse",
+                norm.x,
+                f"{folded}.T",
+                [
+                    {"op": "scale_rows", "src": "acc", "vector": r, "out": "z"},
+                    {"op": "partial_reduce", "src": "z", "kind": "lse", "to": lse_partials},
+                ],
+            )
+            lse = self.aux({"kind": "lse_combine", "src": lse_partials, "out": "lse"})
         # pass 2: dz = (softmax(z) − onehot(t)) · dloss, and Σ z·dz, with the logits recomputed
         dz = self.name("dz")
         stats, partials = self.zdz_partials("z", dz)

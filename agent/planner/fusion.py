@@ -171,6 +171,14 @@ def _swiglu_backward(ep: Epilogue, op: SwiGLUPairsBackward) -> None:
 
 
 def _partials(ep: Epilogue, src: str, kind: str, to: str, axis: str = "row") -> str:
+    """The partials buffer of reduction ``kind`` of epilogue value ``src`` along ``axis``: one
+    ``partial_reduce`` per distinct reduction (a cross-entropy and the log-sum-exp of the same
+    logits share theirs), named ``to`` when this is the first."""
+    for node in ep.ops:
+        if node["op"] == "partial_reduce" and (node["src"], node["kind"], node["axis"]) == (
+            src, kind, axis,
+        ):  # fmt: skip
+            return node["to"]
     ep.emit({"op": "partial_reduce", "src": src, "kind": kind, "axis": axis, "to": to})
     return to
 

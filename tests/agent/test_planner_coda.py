@@ -94,6 +94,22 @@ def test_training_forward_saves_what_its_backward_uses() -> None:
     assert gemms[0].a.tensor == "dout" and "join_pairs" in _ops(gemms[0])
 
 
+def test_lm_head_training_forward_keeps_the_logsumexp_for_its_backward() -> None:
+    # the loss and lse share one partial log-sum-exp in the epilogue: no second reduction
+    train = lower(get_block("llama_lm_head_ce_train"))
+    (gemm,) = _gemms(train)
+    assert _ops(gemm) == ["scale_rows", "select_column", "partial_reduce"]
+    combines = [s for s in train.steps if s.kind == "lse_combine"]
+    assert {c.out for c in combines} == {"loss", "lse"}
+    assert len({c.src for c in combines}) == 1
+    # with lse saved the backward recomputes the logits once (dz), not twice (lse, then dz)
+    recompute = lower(get_block("llama_lm_head_ce_bwd"))
+    saved = lower(get_block("llama_lm_head_ce_bwd_saved"))
+    assert [g.name for g in _gemms(recompute)][:2] == ["lm_head_lse", "lm_head_bwd"]
+    assert [g.name for g in _gemms(saved)] == ["lm_head_bwd", "lm_head_dx", "lm_head_grad"]
+    assert "lse" in saved.inputs and not any(s.kind == "lse_combine" for s in saved.steps)
+
+
 def test_attention_input_backward_puts_qk_rows_back() -> None:
     program = lower(get_block("llama_attn_in_bwd"))
     assert any(s.kind == "unpair_rows" for s in program.steps)

@@ -22,6 +22,8 @@ LAYER_BLOCKS = [
     "llama_mlp_bwd_saved",
     "llama_mlp_branch_train",
     "llama_mlp_branch_bwd_saved",
+    "llama_lm_head_ce_train",
+    "llama_lm_head_ce_bwd_saved",
 ]
 PAPER_TABLE = [
     "gemm_residual_partial_rmsnorm",
@@ -252,6 +254,17 @@ def test_llama_mlp_epsilon_variants_resolve_by_name() -> None:
         get_block("llama_mlp_epsilon")
 
 
+def test_lm_head_epsilon_variants_have_a_training_pair() -> None:
+    from coda.blocks.llama import llama_lm_head_ce_family
+
+    family = llama_lm_head_ce_family(1e-6)
+    assert get_block("llama_lm_head_ce_eps1e-06_train") is family["train"]
+    assert get_block("llama_lm_head_ce_eps1e-06_bwd_saved") is family["backward_saved"]
+    assert family["train"].graph[0].eps == 1e-6
+    assert family["backward_saved"].graph[0].forward == "llama_lm_head_ce_eps1e-06_train"
+    assert llama_lm_head_ce_family(1e-5)["train"] is get_block("llama_lm_head_ce_train")
+
+
 def test_saved_inputs_are_the_forward_values() -> None:
     # llama_mlp_bwd_saved receives g, u and a: drawn consistently with x and the weights
     block = get_block("llama_mlp_bwd_saved")
@@ -259,3 +272,8 @@ def test_saved_inputs_are_the_forward_values() -> None:
     values = get_block("llama_mlp").values({n: inputs[n] for n in get_block("llama_mlp").inputs})
     assert all(torch.equal(inputs[n], values[n]) for n in ("g", "u", "a"))
     assert "g, u, a: saved by the forward pass" in block.reference_source()
+    # llama_lm_head_ce_bwd_saved receives each row's log-sum-exp of the logits
+    block = get_block("llama_lm_head_ce_bwd_saved")
+    inputs = block.make_inputs(block.shapes.cpu[0], torch.float64, seed=3)
+    logits = fn.rms_norm(inputs["x"], inputs["gamma"], 1e-5) @ inputs["w_lm"].T
+    assert torch.allclose(inputs["lse"], torch.logsumexp(logits, dim=-1))
