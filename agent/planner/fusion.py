@@ -11,8 +11,9 @@ the original four ops keep the original rules exactly). The rules here:
   (e.g. ``x̂ ⊙ γ`` next to an RMSNorm backward).
 * **statistics as partials + aux**: a row statistic (mean of squares, rstd, log-sum-exp, Σ a·b)
   or a column sum becomes ``partial_reduce`` in the epilogue and a tiny aux step after it; the
-  target logit is ``select_column``; cross-entropy is both, combined by
-  ``lse_combine(minus=target)``.
+  target logit of a Linear's logits is aux ``gather_dot`` (M dot products from the operands),
+  of other logits ``select_column``; cross-entropy is a target logit and LSE partials, combined
+  by ``lse_combine(minus=target)``.
 * **fused QKV with RoPE**: Linears of one input whose results are concatenated — the rotated ones
   through ``pair_layout`` + ``rope_pairs`` first — become one GEMM over ``concat_rows`` of the
   weights (Q/K rows permuted by prep ``rope_pairs``) with ``rope(rotary_cols=…)`` letting V pass
@@ -90,6 +91,9 @@ class Epilogue:
     regs: dict[str, str] = field(default_factory=dict)  # graph value -> epilogue value
     computed: list[str] = field(default_factory=list)  # graph values this epilogue computes
     aux: list[dict[str, Any]] = field(default_factory=list)
+    # epilogue value -> (a, w, row scale or None) when it is [scale_rows of] acc = a @ w.T: one
+    # entry of it per row can then be recomputed from the operands (aux gather_dot)
+    products: dict[str, tuple[str, str, str | None]] = field(default_factory=dict)
     _loaded: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def emit(self, node: dict[str, Any]) -> None:
@@ -194,8 +198,22 @@ def _row_rstd(ep: Epilogue, op: RowRstd) -> None:
     ep.aux.append({"kind": "rstd", "src": p, "eps": op.eps, "out": op.out})
 
 
+def _select_target(ep: Epilogue, logits: str, target: str, to: str) -> None:
+    """``to[i] = logits[i, target[i]]``: recomputed from the GEMM's operands by aux
+    ``gather_dot`` when the logits are ``[r ⊙] a @ w.T`` — M dot products instead of a compare
+    and row reduction over every logit in the epilogue (measured: bench/RESULTS.md) — else
+    ``select_column`` in the epilogue."""
+    src = ep.tile(logits)
+    if src in ep.products:
+        a, w, scale = ep.products[src]
+        node = {"kind": "gather_dot", "a": a, "w": w, "index": target, "out": to}
+        ep.aux.append({**node, "scale": scale} if scale else node)
+        return
+    ep.emit({"op": "select_column", "src": src, "index": target, "to": to})
+
+
 def _target_logit(ep: Epilogue, op: TargetLogit) -> None:
-    ep.emit({"op": "select_column", "src": ep.tile(op.logits), "index": op.target, "to": op.out})
+    _select_target(ep, op.logits, op.target, op.out)
 
 
 def _logsumexp(ep: Epilogue, op: LogSumExp) -> None:
@@ -205,9 +223,9 @@ def _logsumexp(ep: Epilogue, op: LogSumExp) -> None:
 
 def _cross_entropy(ep: Epilogue, op: CrossEntropy) -> None:
     # loss_i = LSE_i − logits[i, t_i]: the target from the tile that holds it, LSE from partials
-    logits, target = ep.tile(op.logits), f"{op.out}_target"
-    ep.emit({"op": "select_column", "src": logits, "index": op.target, "to": target})
-    p = _partials(ep, logits, "lse", f"{op.out}_partials")
+    target = f"{op.out}_target"
+    _select_target(ep, op.logits, op.target, target)
+    p = _partials(ep, ep.tile(op.logits), "lse", f"{op.out}_partials")
     ep.aux.append({"kind": "lse_combine", "src": p, "minus": target, "out": op.out})
 
 
@@ -338,6 +356,9 @@ def emit_gemm(
     fuse(st, ep, gemm_out)
     store_results(st, ep)
     if not any(node["op"] in ("store", "partial_reduce", "select_column") for node in ep.ops):
+        if ep.aux and all(node["kind"] == "gather_dot" for node in ep.aux):
+            st.steps.extend(ep.aux)  # only single entries of the product are wanted: no GEMM
+            return
         raise NoRule(
             i, st.block.graph[i], f"nothing uses {gemm_out!r}: it is no output and feeds no op"
         )
@@ -397,6 +418,7 @@ def _lower_linear(st: _State, i: int, op: Linear) -> None:
         weight = scale[1]
         ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": value})
         cur = value
+    ep.products[cur] = (a, weight, scale[0] if scale is not None else None)
     if glu is not None:
         if {gate.out, up.out} & set(st.block.outputs):
             # the gate and up projections themselves are wanted (saved for a backward pass)

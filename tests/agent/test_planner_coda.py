@@ -9,7 +9,7 @@ import pytest
 from coda.agent.planner import NoRule, lower
 from coda.blocks import Block, Linear, ShapeSets, TensorSpec, get_block
 from coda.blocks.autodiff import backward_block
-from coda.blocks.ops import Matmul, RowRstd
+from coda.blocks.ops import Matmul, RowRstd, TargetLogit
 from coda.primitives.ir import GemmEpilogue, OutputView, Program
 from coda.sandbox import SandboxOptions, evaluate
 from tests.blocks.test_coda_blocks import LAYER_BLOCKS, PAPER_TABLE
@@ -45,9 +45,38 @@ def test_each_paper_kernel_is_one_fused_gemm() -> None:
 def test_cross_entropy_never_stores_the_logits() -> None:
     program = lower(get_block("llama_lm_head_ce"))
     (gemm,) = _gemms(program)
-    assert _ops(gemm) == ["scale_rows", "select_column", "partial_reduce"]
-    assert [s.kind for s in program.steps] == ["rstd", "gemm", "lse_combine"]
-    assert program.steps[-1].minus is not None  # loss = LSE − target logit
+    assert _ops(gemm) == ["scale_rows", "partial_reduce"]
+    assert [s.kind for s in program.steps] == ["rstd", "gemm", "gather_dot", "lse_combine"]
+    # the target logit r_i · x_i · w_folded[t_i] from the operands, not from every logit tile
+    gather = program.steps[2]
+    assert (gather.a, gather.w, gather.scale) == (gemm.a.tensor, gemm.b.tensor, "rstd_h")
+    assert gemm.b.transpose
+    assert program.steps[-1].minus == gather.out  # loss = LSE − target logit
+
+
+def test_target_logit_of_a_weight_without_rows_uses_the_epilogue() -> None:
+    # B given as [K, N]: a gathered column would be a strided read per element, so select_column
+    # takes the target logit from the tile; and a block wanting only target logits needs no GEMM
+    program = lower(get_block("gemm_partial_cross_entropy"))
+    assert _ops(_gemms(program)[0])[0] == "select_column"
+    block = Block(
+        name="target_only",
+        description="the target logit of x @ w.T",
+        inputs={
+            "x": _spec("M", "K"),
+            "w": _spec("N", "K", init="linear_weight"),
+            "t": TensorSpec(shape=["M"], dtype="int64", init="index", high="N"),
+        },
+        graph=[
+            Linear(x="x", weight="w", out="z"),
+            TargetLogit(logits="z", target="t", out="zt"),
+        ],
+        outputs=["zt"],
+        shapes=ShapeSets(cpu=[{"M": 9, "K": 20, "N": 33}], gpu=[{"M": 64, "K": 64, "N": 64}]),
+    )
+    program = lower(block)
+    assert [s.kind for s in program.steps] == ["gather_dot"]
+    assert evaluate(program, block, FAST).verified
 
 
 def test_attention_input_is_one_gemm_with_rope_and_v_passing_through() -> None:
@@ -98,7 +127,7 @@ def test_lm_head_training_forward_keeps_the_logsumexp_for_its_backward() -> None
     # the loss and lse share one partial log-sum-exp in the epilogue: no second reduction
     train = lower(get_block("llama_lm_head_ce_train"))
     (gemm,) = _gemms(train)
-    assert _ops(gemm) == ["scale_rows", "select_column", "partial_reduce"]
+    assert _ops(gemm) == ["scale_rows", "partial_reduce"]
     combines = [s for s in train.steps if s.kind == "lse_combine"]
     assert {c.out for c in combines} == {"loss", "lse"}
     assert len({c.src for c in combines}) == 1

@@ -61,6 +61,66 @@ def test_cross_entropy_from_partials(sizes: dict[str, int], dtype: torch.dtype) 
     assert_close(got["loss"], ref["loss"], atol=atol, rtol=rtol, what="loss vs reference executor")
 
 
+# -- gather_dot: the target logit from the operands ----------------------------------------------
+GATHER = _program(
+    {
+        "a": ["M", "K"],
+        "w": ["N", "K"],
+        "r": {"shape": ["M"], "dtype": "float32"},
+        "t": {"shape": ["M"], "dtype": "int64"},
+    },
+    [],
+    [
+        _gemm(
+            [
+                {"op": "scale_rows", "src": "acc", "vector": "r", "out": "z"},
+                {"op": "select_column", "src": "z", "index": "t", "to": "in_epilogue"},
+                {"op": "partial_reduce", "src": "z", "kind": "lse", "to": "lse_p"},
+            ],
+            b="w.T",
+            config=SMALL_TILES,
+        ),
+        {"kind": "gather_dot", "a": "a", "w": "w", "index": "t", "scale": "r", "out": "scaled"},
+        {"kind": "gather_dot", "a": "a", "w": "w", "index": "t", "out": "plain"},
+        {"kind": "lse_combine", "src": "lse_p", "minus": "scaled", "out": "loss"},
+    ],
+    {"in_epilogue": "in_epilogue", "scaled": "scaled", "plain": "plain", "loss": "loss"},
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "sizes", [{"M": 37, "N": 83, "K": 29}, {"M": 5, "N": 160, "K": 300}, {"M": 70, "N": 3, "K": 1}]
+)
+def test_gather_dot_is_the_target_logit(sizes: dict[str, int], dtype: torch.dtype) -> None:
+    inputs = make_inputs(GATHER, sizes, dtype)
+    t = inputs["t"].clamp(0, sizes["N"] - 1)
+    t[::4] = -100  # ignored tokens
+    t[1::7] = sizes["N"]  # one past the last class
+    inputs["t"] = t
+    got, ref, _ = run_both(GATHER, inputs)
+    a, w, r = inputs["a"].double(), inputs["w"].double(), inputs["r"].double()
+    valid = (t >= 0) & (t < sizes["N"])
+    plain = torch.where(valid, (a * w[torch.where(valid, t, 0)]).sum(1), 0.0)
+    atol, rtol = DTYPE_TOL[dtype]
+    assert got["plain"].dtype == got["scaled"].dtype == torch.float32
+    assert_close(got["plain"], plain, atol=atol * 4, rtol=rtol * 4, what="a·w[t] vs formula")
+    assert_close(got["scaled"], plain * r, atol=atol * 4, rtol=rtol * 4, what="r·a·w[t]")
+    # the same numbers select_column takes from the GEMM's own tiles
+    assert_close(got["scaled"], got["in_epilogue"], atol=atol, rtol=rtol, what="vs epilogue")
+    assert_close(got["loss"], ref["loss"], atol=atol, rtol=rtol, what="loss vs reference executor")
+    z = (a @ w.T) * r[:, None]
+    want = F.cross_entropy(z, torch.where(valid, t, 0), reduction="none")
+    counted = valid.nonzero().flatten()
+    assert_close(got["loss"][counted], want[counted], atol=atol * 4, rtol=rtol * 4, what="CE")
+
+
+def test_gather_dot_of_an_empty_batch() -> None:
+    inputs = make_inputs(GATHER, {"M": 0, "N": 16, "K": 8}, torch.float32)
+    got, _, _ = run_both(GATHER, inputs)
+    assert got["scaled"].shape == (0,)
+
+
 def test_lse_combine_kernel_streams_many_partials() -> None:
     # more partials than one chunk (256) and a row of -inf-heavy values: the online rescaling path
     gen = torch.Generator().manual_seed(0)
@@ -290,6 +350,43 @@ BAD: dict[str, tuple[dict[str, Any], dict[str, int], list[str]]] = {
         {"M": 4, "K": 8, "N": 16},
         ["lse_combine needs partials of kind lse, but 'p' is partials(sumsq, axis=row)"],
     ),
+    "gather_dot with another K": (
+        {
+            "block": "test",
+            "inputs": {"a": ["M", "K"], "w": ["N", "N"], "t": {"shape": ["M"], "dtype": "int64"}},
+            "steps": [{"kind": "gather_dot", "a": "a", "w": "w", "index": "t", "out": "o"}],
+            "outputs": {"o": "o"},
+        },
+        {"M": 4, "K": 8, "N": 16},
+        ["gather_dot needs a [M, K] and w [W, K] with the same K", "given as w.T"],
+    ),
+    "gather_dot with float indices": (
+        {
+            "block": "test",
+            "inputs": {"a": ["M", "K"], "w": ["N", "K"], "t": ["M"]},
+            "steps": [{"kind": "gather_dot", "a": "a", "w": "w", "index": "t", "out": "o"}],
+            "outputs": {"o": "o"},
+        },
+        {"M": 4, "K": 8, "N": 16},
+        ["index 't' must be an int64 tensor of row indices"],
+    ),
+    "gather_dot with a scale of the wrong length": (
+        {
+            "block": "test",
+            "inputs": {
+                "a": ["M", "K"],
+                "w": ["N", "K"],
+                "r": ["N"],
+                "t": {"shape": ["M"], "dtype": "int64"},
+            },
+            "steps": [
+                {"kind": "gather_dot", "a": "a", "w": "w", "index": "t", "scale": "r", "out": "o"}
+            ],
+            "outputs": {"o": "o"},
+        },
+        {"M": 4, "K": 8, "N": 16},
+        ["scale 'r' must be a vector of length 4 (one factor per row of a)"],
+    ),  # fmt: skip
     "output view outside the tensor": (
         {
             "block": "test",
