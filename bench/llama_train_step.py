@@ -1,6 +1,6 @@
 """Benchmark whole training steps of a Hugging Face Llama model on a GPU: ``patch_llama`` (every
-post-attention norm + MLP on CODA kernels) against the same model eager, under ``torch.compile``,
-and with Liger-Kernel's Llama patch when it is installed.
+norm, attention input and MLP on CODA kernels) against the same model eager, under
+``torch.compile``, and with Liger-Kernel's Llama patch when it is installed.
 
 The model is a random ``LlamaForCausalLM`` (no downloads) of ``--layers`` layers at Llama 3.2 1B
 widths (hidden 2048, intermediate 8192, 32 heads, 8 KV heads; vocabulary 32000 so the LM head does
@@ -11,13 +11,15 @@ gradients, forward with labels, backward, ``AdamW.step()`` (fused on a GPU). Two
 * ``amp``: fp32 weights under ``torch.autocast(bf16)`` (Hugging Face Trainer's mixed precision).
 
 Variants, each from the same initial weights: ``hf``, ``hf_compile`` (``torch.compile(model)``),
-``coda`` (``patch_llama``), ``coda_fused`` (``patch_llama(fuse_gate_up=True)``), ``coda_lm_head``
-(that, and the loss from ``causal_lm_loss``: final norm + LM head + cross-entropy fused),
-``coda_compile`` (``torch.compile`` of the patched model) and ``liger``. Each variant's first
-loss and gradient norm are checked against ``hf``'s (same setting) before timing; step times are
-medians of interleaved rounds (``coda.primitives.timing``), also as tokens per second; step memory
-is what one forward+backward allocates beyond the model, gradients and optimizer state (peak
-minus allocated before, on a step after the first).
+``coda_mlp`` (``patch_llama(attention=False, fuse_gate_up=True)``: the MLP half only), ``coda``
+(``patch_llama``: norms, attention input and MLP), ``coda_fused``
+(``patch_llama(fuse_gate_up=True)``), ``coda_lm_head`` (that, and the loss from
+``causal_lm_loss``: final norm + LM head + cross-entropy fused), ``coda_compile``
+(``torch.compile`` of the patched model) and ``liger``. Each variant's first loss and gradient
+norm are checked against ``hf``'s (same setting) before timing; step times are medians of
+interleaved rounds (``coda.primitives.timing``), also as tokens per second; step memory is what
+one forward+backward allocates beyond the model, gradients and optimizer state (peak minus
+allocated before, on a step after the first).
 
     python3 bench/llama_train_step.py [--out DIR] [--layers 4] [--batch 4] [--seq 2048]
         [--settings bf16,amp] [--variants hf,coda,...] [--profile K]
@@ -41,7 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paper_kernels import NEEDS_GPU, Bench, environment  # noqa: E402  (same folder)
 from profile_export import gpu_work  # noqa: E402
 
-VARIANTS = ("hf", "hf_compile", "coda", "coda_fused", "coda_lm_head", "coda_compile", "liger")
+VARIANTS = (
+    "hf", "hf_compile", "coda_mlp", "coda", "coda_fused", "coda_lm_head", "coda_compile", "liger",
+)  # fmt: skip
 SETTINGS = ("bf16", "amp")
 LLAMA_1B = {
     "hidden_size": 2048,
@@ -95,9 +99,10 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
     if setting == "bf16":
         model = model.to(bench.dtype)
     tune = "off" if bench.dry_run else "quick"
-    if name in ("coda", "coda_fused", "coda_lm_head", "coda_compile"):
-        fuse = name in ("coda_fused", "coda_lm_head")
-        model = patch_llama(model, verify=False, tune=tune, fuse_gate_up=fuse)
+    if name.startswith("coda"):
+        fuse = name in ("coda_mlp", "coda_fused", "coda_lm_head")
+        attention = name != "coda_mlp"
+        model = patch_llama(model, verify=False, tune=tune, fuse_gate_up=fuse, attention=attention)
     if name == "liger":
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama

@@ -383,6 +383,28 @@ def llama_lm_head_ce_family(eps: float) -> dict[str, Block]:
     return dict(zip(_KEYS, _VARIANTS[name], strict=True))
 
 
+def llama_attn_in_family(eps: float) -> dict[str, Block]:
+    """``forward`` (``llama_attn_in``) and ``backward`` (``llama_attn_in_bwd``) for an input norm's
+    epsilon; another value than 1e-5 registers ``llama_attn_in_eps<eps>[_bwd]``."""
+    if eps == LLAMA_RMS_EPS:
+        return {"forward": llama_attn_in, "backward": llama_attn_in_bwd}
+    name = f"llama_attn_in_eps{eps:g}"
+    if name not in _VARIANTS:
+        forward = _with_eps(llama_attn_in, eps, name)
+        backward = llama_attn_in_bwd.model_copy(
+            update={
+                "name": f"{name}_bwd",
+                "description": llama_attn_in_bwd.description.replace("llama_attn_in", name, 1),
+                "graph": [
+                    llama_attn_in_bwd.graph[0].model_copy(update={"forward": name}),
+                    *llama_attn_in_bwd.graph[1:],
+                ],
+            }
+        )
+        _VARIANTS[name] = (forward, register(backward))
+    return dict(zip(("forward", "backward"), _VARIANTS[name], strict=True))
+
+
 _VARIANTS: dict[str, tuple[Block, ...]] = {}
 _SUFFIXES = {"": "forward", "_bwd": "backward", "_train": "train", "_bwd_saved": "backward_saved"}
 # Block families with an epsilon in their names, by base name: how to make one for an epsilon.
@@ -390,6 +412,7 @@ _EPS_FAMILIES = {
     "llama_mlp": llama_mlp_family,
     "llama_mlp_branch": lambda eps: llama_mlp_family(eps, residual=False),
     "llama_lm_head_ce": llama_lm_head_ce_family,
+    "llama_attn_in": llama_attn_in_family,
 }
 
 

@@ -8,10 +8,13 @@
   ``fuse_gate_up=True`` keeps gate/up as one interleaved parameter (``PackedRows``).
 * ``causal_lm_loss(model, input_ids, labels)`` / ``CodaLlamaLMHeadLoss(norm, lm_head)``: Hugging
   Face's causal-LM loss with the final norm, LM head and cross-entropy fused (no logits stored).
-* ``patch_llama(model)``: every decoder layer of a Hugging Face Llama model runs its
-  post-attention norm and MLP on CODA kernels, in place (Hugging Face's layer code and keys kept).
+* ``CodaLlamaAttention(attn, norm)`` / ``llama_attn_in_function``: a layer's input norm, Q/K/V
+  projections and RoPE as one GEMM (``llama_attn_in``); attention itself stays Hugging Face's.
+* ``patch_llama(model)``: every decoder layer of a Hugging Face Llama model runs its norms,
+  attention input and MLP on CODA kernels, in place (Hugging Face's layer code and keys kept).
 """
 
+from .attention import CodaLlamaAttention, llama_attn_in_function
 from .autograd import ExportedFunction, PackedRows, export_autograd
 from .hf import CodaLlamaMLPBlock, NotVerified, llama_mlp_function, verified_program
 from .lm_head import (
@@ -23,6 +26,7 @@ from .lm_head import (
 from .patch import CodaLlamaMLP, DeferredRMSNorm, patch_llama
 
 __all__ = [
+    "CodaLlamaAttention",
     "CodaLlamaLMHeadLoss",
     "CodaLlamaMLP",
     "CodaLlamaMLPBlock",
@@ -33,6 +37,7 @@ __all__ = [
     "causal_lm_loss",
     "export_autograd",
     "fuse_causal_lm_loss",
+    "llama_attn_in_function",
     "llama_lm_head_ce_function",
     "llama_mlp_function",
     "patch_llama",

@@ -1,15 +1,19 @@
-"""Patch a whole Hugging Face Llama model in place: every decoder layer's post-attention norm and
-MLP run on CODA kernels, forward and backward.
+"""Patch a whole Hugging Face Llama model in place: every decoder layer's norms, attention input
+(Q/K/V projections + RoPE) and MLP run on CODA kernels, forward and backward.
 
-``patch_llama(model)`` keeps Hugging Face's own decoder-layer code (attention, caches, gradient
-checkpointing, generation) and its state-dict keys. In each layer it swaps two modules:
+``patch_llama(model)`` keeps Hugging Face's own decoder-layer code (attention itself, caches,
+gradient checkpointing, generation) and its state-dict keys. In each layer it swaps modules:
 
-* ``post_attention_layernorm`` → ``DeferredRMSNorm``: hands its input through unchanged and keeps
-  the norm's ``weight`` (the same Parameter, the same key) and epsilon — the normalization itself
-  runs in the next module's kernels (CODA_MATH §1: ``r`` scales the GEMM's accumulator);
+* ``post_attention_layernorm`` (and ``input_layernorm``) → ``DeferredRMSNorm``: hands its input
+  through unchanged and keeps the norm's ``weight`` (the same Parameter, the same key) and
+  epsilon — the normalization itself runs in the next module's kernels (CODA_MATH §1: ``r``
+  scales the GEMM's accumulator);
 * ``mlp`` → ``CodaLlamaMLP``: ``mlp(norm(x))`` on the ``llama_mlp_branch`` Programs (a
   ``CodaLlamaMLPBlock(residual=False)``), with the original ``gate_proj`` / ``up_proj`` /
-  ``down_proj`` modules as its submodules.
+  ``down_proj`` modules as its submodules;
+* ``self_attn`` → ``CodaLlamaAttention`` (``attention=True``): the input norm, the three
+  projections and RoPE as one ``llama_attn_in`` GEMM, then Hugging Face's attention function,
+  cache and ``o_proj``.
 
 The layer's own ``residual + mlp(...)`` then adds the residual, in the residual stream's dtype —
 which is also why the residual add is not fused here (``CodaLlamaMLPBlock`` fuses it where the
@@ -23,15 +27,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention import CodaLlamaAttention, check_llama_attention
 from .autograd import Tuning
 from .hf import CodaLlamaMLPBlock, check_llama_mlp, keep_hf_gate_up_keys
 from .lm_head import fuse_causal_lm_loss
 
 
 class DeferredRMSNorm(nn.Module):
-    """A ``LlamaRMSNorm`` whose normalization runs in the following ``CodaLlamaMLP``: returns its
-    input unchanged. ``weight`` is the original norm's Parameter (same state-dict key, same
-    optimizer state); ``variance_epsilon`` its epsilon."""
+    """A ``LlamaRMSNorm`` whose normalization runs in the module after it (``CodaLlamaMLP``,
+    ``CodaLlamaAttention``): returns its input unchanged. ``weight`` is the original norm's
+    Parameter (same state-dict key, same optimizer state); ``variance_epsilon`` its epsilon."""
 
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
@@ -42,7 +47,8 @@ class DeferredRMSNorm(nn.Module):
         return hidden_states
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, deferred to the MLP"
+        shape, eps = tuple(self.weight.shape), self.variance_epsilon
+        return f"{shape}, eps={eps}, deferred to the next module"
 
 
 class CodaLlamaMLP(nn.Module):
@@ -80,9 +86,12 @@ def patch_llama(
     tune: Tuning = "quick",
     fuse_gate_up: bool = False,
     fused_loss: bool = False,
+    attention: bool = True,
 ) -> nn.Module:
     """Run every decoder layer's ``post_attention_layernorm`` + ``mlp`` on CODA kernels, in place;
-    returns ``model``.
+    returns ``model``. ``attention`` (default): also its ``input_layernorm`` + ``self_attn``'s
+    projections and RoPE (``CodaLlamaAttention``; layers whose attention is no Llama attention —
+    biases, no ``q_proj`` — raise ``ValueError`` before any change).
 
     Layers are the submodules that have both a ``post_attention_layernorm`` and an ``mlp``
     (``LlamaDecoderLayer``, and the same layout in Llama-like models); layers already patched are
@@ -110,14 +119,30 @@ def patch_llama(
         "verify": verify, "saved": saved, "tune": tune, "fuse_gate_up": fuse_gate_up,
         "residual": False,
     }  # fmt: skip
+    attended = [m for m in model.modules() if _unpatched_attention(m)] if attention else []
     for layer in layers:
         check_llama_mlp(layer.mlp)
+    for layer in attended:
+        check_llama_attention(layer.self_attn)
     blocks = [
         CodaLlamaMLPBlock(layer.post_attention_layernorm, layer.mlp, **options) for layer in layers
     ]
+    attns = [
+        CodaLlamaAttention(layer.self_attn, layer.input_layernorm, verify=verify, tune=tune)
+        for layer in attended
+    ]  # every Program verified before the first layer changes
     for layer, block in zip(layers, blocks, strict=True):
         layer.post_attention_layernorm = DeferredRMSNorm(block.norm)
         layer.mlp = CodaLlamaMLP(block)
+    for layer, attn in zip(attended, attns, strict=True):
+        layer.input_layernorm = DeferredRMSNorm(layer.input_layernorm)
+        layer.self_attn = attn
     if fused_loss:
         fuse_causal_lm_loss(model, verify=verify, tune=tune)
     return model
+
+
+def _unpatched_attention(module: nn.Module) -> bool:
+    """A decoder layer with an ``input_layernorm`` and a ``self_attn`` not yet patched."""
+    norm, attn = getattr(module, "input_layernorm", None), getattr(module, "self_attn", None)
+    return norm is not None and attn is not None and not isinstance(attn, CodaLlamaAttention)

@@ -139,6 +139,17 @@ def test_lm_head_training_forward_keeps_the_logsumexp_for_its_backward() -> None
     assert "lse" in saved.inputs and not any(s.kind == "lse_combine" for s in saved.steps)
 
 
+def test_attention_input_epsilon_variants_verify() -> None:
+    # Hugging Face's LlamaConfig defaults to eps 1e-6: patch_llama's attention uses these blocks
+    from coda.blocks.llama import llama_attn_in_family
+
+    family = llama_attn_in_family(1e-6)
+    assert get_block("llama_attn_in_eps1e-06_bwd") is family["backward"]
+    assert family["backward"].graph[0].forward == "llama_attn_in_eps1e-06"
+    for block in family.values():
+        assert evaluate(lower(block), block, FAST).verified, block.name
+
+
 def test_attention_input_backward_puts_qk_rows_back() -> None:
     program = lower(get_block("llama_attn_in_bwd"))
     assert any(s.kind == "unpair_rows" for s in program.steps)

@@ -23,7 +23,7 @@ def test_fails_fast_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture)
 
 
 def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> None:
-    variants = "hf,coda,coda_fused,coda_lm_head,coda_compile"
+    variants = "hf,coda_mlp,coda,coda_fused,coda_lm_head,coda_compile"
     argv = ["--dry-run", "--out", str(tmp_path), "--variants", variants]
     assert load_script("llama_train_step").main(argv) == 0
     result = json.loads((tmp_path / "llama_train_step.json").read_text())

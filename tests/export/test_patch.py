@@ -1,6 +1,7 @@
 """coda.export.patch_llama: a whole Hugging Face LlamaForCausalLM (random LlamaConfig, no
-downloads) with every post-attention norm + MLP on CODA kernels, through the interpreter —
-logits, loss, every parameter's gradient, state dicts and generation against the unpatched model."""
+downloads) with every norm, attention input (Q/K/V + RoPE) and MLP on CODA kernels, through the
+interpreter — logits, loss, every parameter's gradient, state dicts and generation against the
+unpatched model."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from coda.export import CodaLlamaMLP, DeferredRMSNorm, patch_llama
+from coda.export import CodaLlamaAttention, CodaLlamaMLP, DeferredRMSNorm, patch_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,7 +51,9 @@ def test_a_patched_llama_matches_the_original_logits_loss_and_gradients() -> Non
     patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off")
     for layer in patched.model.layers:
         assert isinstance(layer.post_attention_layernorm, DeferredRMSNorm)
+        assert isinstance(layer.input_layernorm, DeferredRMSNorm)
         assert isinstance(layer.mlp, CodaLlamaMLP)
+        assert isinstance(layer.self_attn, CodaLlamaAttention)
     ids = torch.randint(0, 96, (2, 7))
     logits, loss, grads = _step(hf, ids)
     got_logits, got_loss, got_grads = _step(patched, ids)
@@ -59,6 +62,50 @@ def test_a_patched_llama_matches_the_original_logits_loss_and_gradients() -> Non
     assert got_grads.keys() == grads.keys()  # the same parameters, by the same names
     for name, g in grads.items():
         torch.testing.assert_close(got_grads[name], g, atol=2e-5, rtol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"num_key_value_heads": 4},  # multi-head attention
+        {"num_key_value_heads": 1, "attn_implementation": "eager"},  # one KV head, eager
+        {"head_dim": 8, "num_key_value_heads": 2},  # heads narrower than hidden / heads
+    ],
+    ids=["mha", "mqa-eager", "head_dim-8"],
+)
+def test_the_patched_attention_matches_hugging_face(config: dict) -> None:
+    """Padding (left, with an attention mask) and attention weights too: Q and K come in the
+    kernel's pair order, which leaves every score unchanged."""
+    hf = _model(seed=11, **config)
+    patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off", attention=True)
+    ids = torch.randint(0, 96, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    want, got = hf(**kwargs), patched(**kwargs)
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=2e-5)
+    if config.get("attn_implementation") == "eager":  # the module's own attention weights
+        x = torch.randn(2, 7, 48)
+        cos, sin = hf.model.rotary_emb(x, torch.arange(7)[None].expand(2, 7))
+        norm = hf.model.layers[0].input_layernorm
+        _, theirs = hf.model.layers[0].self_attn(norm(x), (cos, sin), None)
+        _, ours = patched.model.layers[0].self_attn(x, (cos, sin), None)
+        torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=2e-5)
+    want.loss.backward()
+    got.loss.backward()
+    for (name, p), q in zip(hf.named_parameters(), patched.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=2e-5, rtol=2e-5, msg=name)
+
+
+def test_attention_false_patches_only_the_mlp_half() -> None:
+    model = patch_llama(_model(), verify=False, tune="off", attention=False)
+    layer = model.model.layers[0]
+    assert type(layer.self_attn).__name__ == "LlamaAttention"
+    assert type(layer.input_layernorm).__name__ == "LlamaRMSNorm"
+    assert isinstance(layer.mlp, CodaLlamaMLP)
+    patch_llama(model, verify=False, tune="off")  # the attention half later
+    assert isinstance(layer.self_attn, CodaLlamaAttention)
+    assert layer.self_attn.norm.weight is layer.input_layernorm.weight
 
 
 def test_state_dicts_keep_hugging_face_keys_both_ways() -> None:
@@ -113,6 +160,12 @@ def test_patching_is_checked_before_anything_changes_and_is_idempotent() -> None
     with pytest.raises(ValueError, match="has a bias"):
         patch_llama(biased, verify=False)
     assert [type(layer.mlp) for layer in biased.model.layers] == before  # untouched
+    biased = _model(attention_bias=True)
+    with pytest.raises(ValueError, match="self_attn.q_proj has a bias"):
+        patch_llama(biased, verify=False)
+    layer = biased.model.layers[0]  # neither half changed
+    assert type(layer.mlp).__name__ == "LlamaMLP"
+    assert type(layer.self_attn).__name__ == "LlamaAttention"
     model = patch_llama(_model(), verify=False, tune="off")
     mlps = [layer.mlp for layer in model.model.layers]
     assert patch_llama(model, verify=False) is model

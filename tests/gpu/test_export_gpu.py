@@ -250,9 +250,10 @@ def _assert_as_close_as_hugging_face(
 
 
 def test_a_patched_llama_model_in_bf16_and_under_autocast() -> None:
-    """patch_llama on a random two-layer LlamaForCausalLM: logits and every gradient against the
-    fp32 model by the sandbox's rule — the model cast to bf16, and fp32 weights under bf16
-    autocast — next to Hugging Face's own error in the same setting."""
+    """patch_llama (norms, attention input, MLP) on a random two-layer LlamaForCausalLM: logits
+    and every gradient against the fp32 model by the sandbox's rule — the model cast to bf16,
+    and fp32 weights under bf16 autocast — next to Hugging Face's own error in the same
+    setting."""
     import copy
 
     from coda.export import patch_llama
@@ -276,6 +277,34 @@ def test_a_patched_llama_model_in_bf16_and_under_autocast() -> None:
         with amp:
             want, got = dict(step(theirs)), step(coda)
         _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)
+
+
+def test_a_patched_model_decodes_from_its_kv_cache() -> None:
+    """The last token's logits from the KV cache (keys stored in the kernel's pair order) against
+    a full forward, next to Hugging Face's own cached-vs-full difference — the cache path of the
+    installed transformers (its Cache.update signature) included."""
+    import copy
+
+    from coda.export import patch_llama
+
+    hidden, inter, vocab, seq = (48, 80, 96, 9) if TOY else (1024, 2816, 2048, 65)
+    hf = _causal_lm(hidden, inter, 2, vocab).to(AMP).eval()
+    coda = patch_llama(copy.deepcopy(hf), verify=False, tune="off")
+    ids = torch.randint(0, vocab, (2, seq), device=DEVICE)
+
+    def cached_and_full(model):  # noqa: ANN001, ANN202
+        with torch.no_grad():
+            full = model(input_ids=ids).logits[:, -1].float()
+            prefix = model(input_ids=ids[:, :-1], use_cache=True)
+            cache = prefix.past_key_values
+            step = model(input_ids=ids[:, -1:], past_key_values=cache).logits[:, -1].float()
+        return step, full
+
+    (ours, ours_full), (theirs, theirs_full) = cached_and_full(coda), cached_and_full(hf)
+    scale = float(theirs_full.abs().max())
+    bound = 2 * float((theirs - theirs_full).abs().max()) + 1e-2 * scale
+    assert float((ours - ours_full).abs().max()) <= bound
+    assert float((ours_full - theirs_full).abs().max()) <= 0.05 * scale  # and near HF's logits
 
 
 def test_the_fused_causal_lm_loss_in_bf16_and_under_autocast() -> None:
