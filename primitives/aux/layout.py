@@ -15,7 +15,7 @@ import torch
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
-from ..prep.layout import pair_order
+from ..prep.layout import row_order_on
 from ..sizes import SizeExpr
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo
@@ -47,19 +47,17 @@ class UnpairRows(AuxStep):
             )
         env.define(self.out, TensorInfo(info.shape, info.dtype, env.where))
 
-    def _order(self, env: RunEnv, total: int) -> torch.Tensor:
+    def _order(self, env: RunEnv, src: torch.Tensor) -> torch.Tensor:
+        total = src.shape[0]
         rows = evaluate_size(self.rows, env.sizes) if self.rows else total
-        pairs = pair_order(rows, evaluate_size(self.head_dim, env.sizes))
-        # pair_order maps new → old; invert it so that out[old] = src[new].
-        inverse = torch.empty_like(pairs)
-        inverse[pairs] = torch.arange(rows)
-        return torch.cat([inverse, torch.arange(rows, total)])
+        head_dim = evaluate_size(self.head_dim, env.sizes)
+        return row_order_on(src.device, rows, head_dim, total, inverse=True)
 
     def reference(self, env: RunEnv) -> None:
         src = env.tensors[self.src]
-        env.tensors[self.out] = src[self._order(env, src.shape[0]).to(src.device)]
+        env.tensors[self.out] = src[self._order(env, src)]
 
     def launch(self, env: RunEnv) -> None:
         src = env.tensors[self.src]
-        order = self._order(env, src.shape[0]).to(src.device)
+        order = self._order(env, src)
         torch.index_select(src, 0, order, out=env.tensors[self.out])

@@ -6,6 +6,7 @@ column per row of ``W``. Prep runs once per weight (not per call) and is not par
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -118,6 +119,22 @@ def pair_order(rows: int, head_dim: int) -> torch.Tensor:
     return (heads + e * half + p).reshape(-1)
 
 
+@lru_cache(maxsize=64)
+def row_order_on(
+    device: torch.device, rows: int, head_dim: int, total: int, inverse: bool
+) -> torch.Tensor:
+    """``pair_order`` (or its inverse) of the first ``rows`` of ``total`` rows, the rest kept, as
+    an index tensor on ``device`` — built once per shape and kept: copying it from host memory
+    on every call would synchronize the stream (a pageable host-to-device copy does), which
+    stalled whole training steps on the H200 (bench/RESULTS.md)."""
+    order = pair_order(rows, head_dim)
+    if inverse:  # pair_order maps new → old; out[old] = src[new]
+        undo = torch.empty_like(order)
+        undo[order] = torch.arange(rows)
+        order = undo
+    return torch.cat([order, torch.arange(rows, total)]).to(device)
+
+
 class RopePairs(PrepStep):
     """Permute an ``nn.Linear`` weight's rows (output features) per head from Hugging Face's
     rotate-half order to adjacent pairs, for ``rope`` in the epilogue.
@@ -146,8 +163,8 @@ class RopePairs(PrepStep):
 
     def apply(self, env: RunEnv) -> None:
         w = env.tensors[self.weight]
-        order = pair_order(w.shape[0], evaluate_size(self.head_dim, env.sizes))
-        env.tensors[self.out] = w[order.to(w.device)]
+        rows, head_dim = w.shape[0], evaluate_size(self.head_dim, env.sizes)
+        env.tensors[self.out] = w[row_order_on(w.device, rows, head_dim, rows, inverse=False)]
 
 
 class ConcatRows(PrepStep):
