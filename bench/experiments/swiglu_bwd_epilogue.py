@@ -40,7 +40,7 @@ from pathlib import Path
 
 JOIN = re.compile(r"\n\s*v_dz = tl\.reshape\(tl\.join\(v_dg, v_du\).*")
 DZ_STORE = re.compile(r"\n(\s*)dz_ptrs = .*\n\s*tl\.store\(dz_ptrs, .*")
-ZDZ_STORE = re.compile(r"\n\s*if start_n < N:\n\s*tl\.store\(zdz_partials_ptr.*")
+ZDZ_STORE = re.compile(r"\n\s*tl\.store\(zdz_partials_ptr.*")
 LOAD = re.compile(r"\n(\s*)({t}_tile) = tl\.load\((.*)\)\.to\(tl\.float32\)")
 EPILOGUE_BODY = re.compile(r"(\n    # --- load_tile\(tensor='g'.*?)\n\n\n@triton\.jit", re.S)
 
