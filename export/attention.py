@@ -31,7 +31,7 @@ from coda.agent.planner import lower
 from coda.blocks.llama import llama_attn_in_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .hf import autocast_dtype, verified_program
+from .hf import autocast_dtype, check_rms_norm, verified_program
 
 
 def llama_attn_in_function(
@@ -55,8 +55,20 @@ def _attn_in_function(eps: float, verify: bool) -> ExportedFunction:
 
 
 def check_llama_attention(attn: nn.Module) -> None:
-    """``ValueError`` unless ``attn`` projects like ``llama_attn_in``: bias-free q/k/v
-    projections, heads of ``head_dim`` with an even width."""
+    """``ValueError`` unless ``attn`` is a Hugging Face ``LlamaAttention`` that projects like
+    ``llama_attn_in``: bias-free q/k/v projections, heads of ``head_dim`` with an even width.
+    Look-alikes differ where the fused kernel cannot see it (Mistral's sliding window, Qwen3's
+    per-head q/k norms before RoPE): they are refused, not silently computed as Llama."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaAttention
+    except ImportError:  # no transformers: no Hugging Face attention to patch either
+        LlamaAttention = None  # noqa: N806
+    if LlamaAttention is None or not isinstance(attn, LlamaAttention):
+        raise ValueError(
+            f"self_attn is a {type(attn).__name__}, not Hugging Face's LlamaAttention: its "
+            "forward may differ from what the llama_attn_in kernel computes (e.g. sliding "
+            "windows, q/k norms); patch with attention=False to keep it"
+        )
     for proj in ("q_proj", "k_proj", "v_proj"):
         if getattr(getattr(attn, proj, None), "weight", None) is None:
             raise ValueError(f"{type(attn).__name__} has no {proj} with a weight")
@@ -88,6 +100,7 @@ class CodaLlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         check_llama_attention(attn)
+        check_rms_norm(norm, "input_layernorm")
         self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
         self.o_proj = attn.o_proj
         for name in ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling"):

@@ -31,7 +31,7 @@ from coda.agent.planner import lower
 from coda.blocks.llama import llama_lm_head_ce_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .hf import autocast_dtype, verified_program
+from .hf import autocast_dtype, check_rms_norm, verified_program
 
 IGNORE_INDEX = -100
 
@@ -81,6 +81,7 @@ class CodaLlamaLMHeadLoss(nn.Module):
         super().__init__()
         if getattr(lm_head, "bias", None) is not None:
             raise ValueError("lm_head has a bias; the llama_lm_head_ce block has none")
+        check_rms_norm(norm, "the final norm")
         self.norm, self.lm_head = norm, lm_head
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         self.function = llama_lm_head_ce_function(eps, verify=verify, tune=tune)

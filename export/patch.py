@@ -29,7 +29,7 @@ from torch import nn
 
 from .attention import CodaLlamaAttention, check_llama_attention
 from .autograd import Tuning
-from .hf import CodaLlamaMLPBlock, check_llama_mlp, keep_hf_gate_up_keys
+from .hf import CodaLlamaMLPBlock, check_llama_mlp, check_rms_norm, keep_hf_gate_up_keys
 from .lm_head import fuse_causal_lm_loss
 
 
@@ -122,8 +122,10 @@ def patch_llama(
     attended = [m for m in model.modules() if _unpatched_attention(m)] if attention else []
     for layer in layers:
         check_llama_mlp(layer.mlp)
+        check_rms_norm(layer.post_attention_layernorm, "post_attention_layernorm")
     for layer in attended:
         check_llama_attention(layer.self_attn)
+        check_rms_norm(layer.input_layernorm, "input_layernorm")
     blocks = [
         CodaLlamaMLPBlock(layer.post_attention_layernorm, layer.mlp, **options) for layer in layers
     ]

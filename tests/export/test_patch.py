@@ -172,6 +172,36 @@ def test_patching_is_checked_before_anything_changes_and_is_idempotent() -> None
     assert [layer.mlp for layer in model.model.layers] == mlps
 
 
+def test_look_alike_layers_are_refused_not_computed_as_llama() -> None:
+    """Qwen3's attention (per-head q/k norms before RoPE) and Mistral's (sliding window) would be
+    computed wrong by the Llama kernel: refused with a hint, nothing changed; their MLP half
+    (Llama's) still patches. Norms are probed: Gemma's x̂·(1 + w) and a LayerNorm are no RMSNorm
+    with weight w."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    from coda.export import CodaLlamaMLPBlock
+
+    small = {
+        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+    }  # fmt: skip
+    qwen = Qwen3ForCausalLM(Qwen3Config(**small, head_dim=8))
+    mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=4))
+    for model, name in ((qwen, "Qwen3Attention"), (mistral, "MistralAttention")):
+        with pytest.raises(ValueError, match=f"self_attn is a {name}, not Hugging Face's Llama"):
+            patch_llama(model, verify=False, tune="off")
+        assert type(model.model.layers[0].mlp).__name__.endswith("MLP")  # untouched
+        patch_llama(model, verify=False, tune="off", attention=False)
+        assert isinstance(model.model.layers[0].mlp, CodaLlamaMLP)
+    mlp = _model().model.layers[0].mlp
+    for norm in (GemmaRMSNorm(48), torch.nn.LayerNorm(48)):
+        with torch.no_grad():
+            norm.weight.normal_()
+        with pytest.raises(ValueError, match="RMSNorm"):
+            CodaLlamaMLPBlock(norm, mlp, verify=False, tune="off")
+
+
 def test_casting_a_patched_model_casts_what_the_kernels_read() -> None:
     """model.half() after patching: the blocks read the same (converted) Parameters."""
     hf = _model(seed=6)
