@@ -231,7 +231,7 @@ def _lm_head_training_pair(forward: Block, name: str) -> tuple[Block, Block]:
     """``<name>_train`` (the forward that also returns each row's log-sum-exp ``lse`` — from the
     partials its loss already reduces, so at no extra cost) and ``<name>_bwd_saved`` (the backward
     that receives it instead of recomputing the logits once more just for it: one GEMM of
-    ``M × V × d`` fewer, what Liger-Kernel's fused linear cross-entropy saves too)."""
+    ``M × V × d`` fewer per training step)."""
     train = register(
         forward.model_copy(
             update={

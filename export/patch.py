@@ -90,8 +90,9 @@ def patch_llama(
 ) -> nn.Module:
     """Run every decoder layer's ``post_attention_layernorm`` + ``mlp`` on CODA kernels, in place;
     returns ``model``. ``attention`` (default): also its ``input_layernorm`` + ``self_attn``'s
-    projections and RoPE (``CodaLlamaAttention``; layers whose attention is no Llama attention —
-    biases, no ``q_proj`` — raise ``ValueError`` before any change).
+    projections and RoPE (``CodaLlamaAttention``; attention that is not Hugging Face's
+    ``LlamaAttention`` or has biases raises ``ValueError`` before any change, as does a norm that
+    is not Llama's RMSNorm).
 
     Layers are the submodules that have both a ``post_attention_layernorm`` and an ``mlp``
     (``LlamaDecoderLayer``, and the same layout in Llama-like models); layers already patched are
