@@ -22,7 +22,7 @@ one forward+backward allocates beyond the model, gradients and optimizer state (
 allocated before, on a step after the first).
 
     python3 bench/llama_train_step.py [--out DIR] [--layers 4] [--batch 4] [--seq 2048]
-        [--settings bf16,amp] [--variants hf,coda,...] [--profile K]
+        [--settings bf16,amp] [--variants hf,coda,...] [--profile K] [--sync-check]
     python3 bench/llama_train_step.py --dry-run   # CPU interpreter, toy model: checks the script
 
 Writes ``llama_train_step.json`` and ``.md`` into ``--out`` (default ``$OUT``, else ``bench/out``).
@@ -77,6 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile", type=int, default=0, metavar="K",
         help="also profile each variant's step (torch.profiler): its K longest GPU kernels",
+    )  # fmt: skip
+    p.add_argument(
+        "--sync-check", action="store_true",
+        help="also run one step per variant under torch.cuda.set_sync_debug_mode('warn') and "
+        "list where it synchronizes the host with the GPU",
     )  # fmt: skip
     return p.parse_args(argv)
 
@@ -215,10 +220,13 @@ def setting_rows(
         steps[name] = train_step(model, loss_of(name, bench), ids, setting, bench)
         rows.append(row)
     times = bench.compare(steps) if steps else {}
-    if args.profile:
-        for row in rows:
-            if row["variant"] in steps:
-                row["kernels"] = profile_step(steps[row["variant"]], bench)[: args.profile]
+    for row in rows:
+        if row["variant"] not in steps:
+            continue
+        if args.profile:
+            row["kernels"] = profile_step(steps[row["variant"]], bench)[: args.profile]
+        if args.sync_check:
+            row["syncs"] = host_syncs(steps[row["variant"]], bench)
     tokens = ids.numel()
     for row in rows:
         if row["variant"] in times:
@@ -229,6 +237,34 @@ def setting_rows(
         if hf and row.get("step_ms"):
             row["speedup_vs_hf"] = hf / row["step_ms"]
     return rows
+
+
+def host_syncs(step: Callable[[], Any], bench: Bench) -> dict[str, int] | None:
+    """Where one training step makes the host wait for the GPU (``.item()``, blocking copies
+    such as a pageable host-to-device index, ``nonzero``…): ``"file:line": count`` from
+    ``torch.cuda.set_sync_debug_mode("warn")``, after a warm-up step. A step that never
+    synchronizes lets the host run ahead and hide its launch costs; None on a dry run."""
+    if bench.dry_run:
+        return None
+    import warnings
+
+    import torch
+
+    step()
+    torch.cuda.synchronize()
+    counts: dict[str, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{Path(w.filename).name}:{w.lineno}"
+            counts[where] = counts.get(where, 0) + 1
+    return counts
 
 
 def profile_step(step: Callable[[], Any], bench: Bench, iters: int = 3) -> list[dict[str, Any]]:
@@ -246,6 +282,18 @@ def profile_step(step: Callable[[], Any], bench: Bench, iters: int = 3) -> list[
             step()
         torch.cuda.synchronize()
     return gpu_work(prof.key_averages(), iters)
+
+
+def sync_lines(rows: list[dict[str, Any]]) -> str:
+    """Per variant checked with ``--sync-check``: where its step synchronizes, or that it
+    does not."""
+    lines = []
+    for r in rows:
+        if r.get("syncs") is None:
+            continue
+        where = ", ".join(f"{k} ×{n}" for k, n in sorted(r["syncs"].items())) or "none"
+        lines.append(f"{r['setting']} {r['variant']}: host syncs per step: {where}")
+    return "\n" + "\n".join(lines) if lines else ""
 
 
 def kernel_tables(rows: list[dict[str, Any]]) -> str:
@@ -312,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"] += setting_rows(args, setting, base, ids, bench)
         bench.free()
         (out / "llama_train_step.json").write_text(json.dumps(result, indent=2, default=str))
-    text = table(result["rows"]) + kernel_tables(result["rows"])
+    text = table(result["rows"]) + kernel_tables(result["rows"]) + sync_lines(result["rows"])
     note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
     (out / "llama_train_step.md").write_text(
         f"# Llama training steps ({env['date']})\n\n{text}{note}"
