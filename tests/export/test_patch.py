@@ -121,6 +121,24 @@ def test_state_dicts_keep_hugging_face_keys_both_ways() -> None:
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def test_a_patched_model_survives_deepcopy_and_torch_save() -> None:
+    """The registered ops do not pickle: copies carry how to resolve them (both halves)."""
+    import io
+
+    model = patch_llama(_model(seed=12), verify=False, tune="off")
+    ids = torch.randint(0, 96, (1, 6))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(model), torch.load(buffer, weights_only=False)]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for other in copies:
+            assert torch.equal(other(input_ids=ids).logits, want)
+            layer = other.model.layers[0]
+            assert layer.self_attn.norm.weight is layer.input_layernorm.weight  # still shared
+
+
 def test_generation_is_unchanged() -> None:
     hf = _model(seed=3)
     patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off")
