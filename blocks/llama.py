@@ -193,12 +193,14 @@ llama_mlp_bwd = register(
     )
 )
 
+ATTN_IN_GRADS = ["x", "gamma", "w_q", "w_k", "w_v"]
+ATTN_IN_COTANGENT = {"qkv": TensorSpec(shape=["M", "Nqkv"], doc="gradient of qkv")}
 llama_attn_in_bwd = register(
     backward_block(
         llama_attn_in,
         name="llama_attn_in_bwd",
-        cotangents={"qkv": TensorSpec(shape=["M", "Nqkv"], doc="gradient of qkv")},
-        wrt=["x", "gamma", "w_q", "w_k", "w_v"],
+        cotangents=ATTN_IN_COTANGENT,
+        wrt=ATTN_IN_GRADS,
         shapes=ShapeSets(
             cpu=[{**s, "Nqkv": s["Nq"] + 2 * s["Nkv"]} for s in llama_attn_in.shapes.cpu],
             gpu=[{**s, "Nqkv": s["Nq"] + 2 * s["Nkv"]} for s in llama_attn_in.shapes.gpu],
@@ -391,15 +393,12 @@ def llama_attn_in_family(eps: float) -> dict[str, Block]:
     name = f"llama_attn_in_eps{eps:g}"
     if name not in _VARIANTS:
         forward = _with_eps(llama_attn_in, eps, name)
-        backward = llama_attn_in_bwd.model_copy(
-            update={
-                "name": f"{name}_bwd",
-                "description": llama_attn_in_bwd.description.replace("llama_attn_in", name, 1),
-                "graph": [
-                    llama_attn_in_bwd.graph[0].model_copy(update={"forward": name}),
-                    *llama_attn_in_bwd.graph[1:],
-                ],
-            }
+        backward = backward_block(
+            forward,
+            name=f"{name}_bwd",
+            cotangents=ATTN_IN_COTANGENT,
+            wrt=ATTN_IN_GRADS,
+            shapes=llama_attn_in_bwd.shapes,  # with Nqkv, as the built-in backward's
         )
         _VARIANTS[name] = (forward, register(backward))
     return dict(zip(("forward", "backward"), _VARIANTS[name], strict=True))
