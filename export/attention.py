@@ -27,11 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from coda.agent.planner import lower
 from coda.blocks.llama import llama_attn_in_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .hf import autocast_dtype, check_rms_norm, verified_program
+from .hf import autocast_dtype, block_program, check_rms_norm
 
 
 def llama_attn_in_function(
@@ -48,9 +47,7 @@ def llama_attn_in_function(
 @lru_cache(maxsize=8)
 def _attn_in_function(eps: float, verify: bool) -> ExportedFunction:
     family = llama_attn_in_family(eps)
-    forward, backward = (
-        verified_program(family[k]) if verify else lower(family[k]) for k in ("forward", "backward")
-    )
+    forward, backward = (block_program(family[k], verify) for k in ("forward", "backward"))
     return export_autograd(forward, backward, family["backward"])
 
 
@@ -100,7 +97,7 @@ class CodaLlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         check_llama_attention(attn)
-        check_rms_norm(norm, "input_layernorm")
+        self.eps = check_rms_norm(norm, "input_layernorm")
         self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
         self.o_proj = attn.o_proj
         for name in ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling"):
@@ -108,7 +105,6 @@ class CodaLlamaAttention(nn.Module):
         self.attention_dropout = float(getattr(attn, "attention_dropout", 0.0))
         self.is_causal = bool(getattr(attn, "is_causal", True))
         object.__setattr__(self, "norm", norm)  # the layer's module: not registered twice
-        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         self._tune = tune
         self.function = llama_attn_in_function(self.eps, verify=verify, tune=tune)
         # looked up here, not in forward: torch.compile traces no import or signature inspection

@@ -46,6 +46,11 @@ def verified_program(block: Block, options: LoweringOptions | None = None) -> Pr
     return program
 
 
+def block_program(block: Block, verify: bool) -> Program:
+    """``verified_program(block)`` when ``verify``, else the planner's Program unverified."""
+    return verified_program(block) if verify else lower(block)
+
+
 def llama_mlp_function(
     eps: float,
     *,
@@ -94,7 +99,7 @@ def _llama_mlp_function(
     # Saving g, u, a for the backward: without gradients (evaluation, no_grad) the plain forward
     # runs instead and stores none of them.
     blocks = [forward_block, backward_block] + ([family["forward"]] if saved else [])
-    programs = [verified_program(b) if verify else lower(b) for b in blocks]
+    programs = [block_program(b, verify) for b in blocks]
     return export_autograd(
         programs[0],
         programs[1],
@@ -114,16 +119,16 @@ def check_llama_mlp(mlp: nn.Module) -> None:
         raise ValueError(f"mlp.act_fn is {mlp.act_fn!r}; the llama_mlp block uses SiLU")
 
 
-def check_rms_norm(norm: nn.Module, where: str) -> None:
-    """``ValueError`` unless ``norm`` computes ``x · rsqrt(mean(x²) + eps) · weight`` (Llama's
-    RMSNorm; not e.g. Gemma's ``· (1 + weight)`` or a LayerNorm), checked on a probe input with
-    its own weight and epsilon — the fused kernels apply exactly that formula."""
+def check_rms_norm(norm: nn.Module, where: str) -> float:
+    """``norm``'s epsilon; ``ValueError`` unless ``norm`` computes ``x · rsqrt(mean(x²) + eps) ·
+    weight`` (Llama's RMSNorm; not e.g. Gemma's ``· (1 + weight)`` or a LayerNorm), checked on a
+    probe input with its own weight and epsilon — the fused kernels apply exactly that formula."""
     weight = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
         raise ValueError(f"{where} ({type(norm).__name__}) is no RMSNorm with a weight and eps")
     if weight.is_meta:
-        return  # nothing to compute with; checked again once the weights exist
+        return float(eps)  # nothing to compute with; checked again once the weights exist
     with torch.no_grad():
         w = weight.detach().float().cpu()
         probe = torch.linspace(-3, 3, 2 * w.numel()).reshape(2, -1)
@@ -137,6 +142,7 @@ def check_rms_norm(norm: nn.Module, where: str) -> None:
             f"{where} ({type(norm).__name__}) is not x · rsqrt(mean(x²) + eps) · weight, the "
             "RMSNorm the fused kernels compute"
         )
+    return float(eps)
 
 
 def _run_on_probe(norm: nn.Module, probe: torch.Tensor) -> torch.Tensor:
@@ -193,10 +199,9 @@ class CodaLlamaMLPBlock(nn.Module):
     ) -> None:
         super().__init__()
         check_llama_mlp(mlp)
-        check_rms_norm(norm, "norm")
+        eps = check_rms_norm(norm, "norm")
         self.norm, self.mlp = norm, mlp
         self.fused, self.residual = fuse_gate_up, residual
-        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         self._function_args = {"eps": eps, "verify": verify, "saved": saved}
         # Resolved here, not in forward: torch.compile then sees only the custom op. fp32
         # parameters are master weights for autocast (or fp32 kernels): the branch is resolved

@@ -27,11 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from coda.agent.planner import lower
 from coda.blocks.llama import llama_lm_head_ce_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .hf import autocast_dtype, check_rms_norm, verified_program
+from .hf import autocast_dtype, block_program, check_rms_norm
 
 IGNORE_INDEX = -100
 
@@ -54,9 +53,7 @@ def _lm_head_function(eps: float, verify: bool) -> ExportedFunction:
     # it; without gradients the plain forward runs.
     family = llama_lm_head_ce_family(eps)
     keys = ("train", "backward_saved", "forward")
-    train, backward, forward = (
-        verified_program(family[k]) if verify else lower(family[k]) for k in keys
-    )
+    train, backward, forward = (block_program(family[k], verify) for k in keys)
     return export_autograd(train, backward, family["backward_saved"], inference=forward)
 
 
@@ -81,9 +78,8 @@ class CodaLlamaLMHeadLoss(nn.Module):
         super().__init__()
         if getattr(lm_head, "bias", None) is not None:
             raise ValueError("lm_head has a bias; the llama_lm_head_ce block has none")
-        check_rms_norm(norm, "the final norm")
+        eps = check_rms_norm(norm, "the final norm")
         self.norm, self.lm_head = norm, lm_head
-        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         self.function = llama_lm_head_ce_function(eps, verify=verify, tune=tune)
 
     def forward(
