@@ -30,7 +30,7 @@ from torch import nn
 from coda.blocks.llama import llama_attn_in_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .hf import autocast_dtype, block_program, check_rms_norm
+from .hf import autocast_dtype, block_program, check_rms_norm, run_in_dtype
 
 
 def llama_attn_in_function(
@@ -128,13 +128,8 @@ class CodaLlamaAttention(nn.Module):
         tables = [
             t.expand(*x.shape[:-1], t.shape[-1]).reshape(flat.shape[0], -1) for t in (cos, sin)
         ]
-        amp = autocast_dtype(x, weights)
-        if amp is None:
-            return self.function(flat, *weights, *(t.to(x.dtype) for t in tables))
-        with torch.autocast(x.device.type, enabled=False):
-            return self.function(
-                flat.to(amp), *(w.to(amp) for w in weights), *(t.to(amp) for t in tables)
-            )
+        dtype = autocast_dtype(x, weights) or x.dtype  # under autocast: as HF's projections
+        return run_in_dtype(self.function, dtype, flat, *weights, *tables)
 
     def forward(
         self,

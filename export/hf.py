@@ -275,9 +275,8 @@ class CodaLlamaMLPBlock(nn.Module):
         alone, in ``dtype``)."""
         if self.branch_function is None:
             self.branch_function = _resolve_branch(self)
-        with torch.autocast(x.device.type, enabled=False):
-            branch = self.branch_function(x.to(dtype), *(w.to(dtype) for w in weights))
-            return x + branch if self.residual else branch
+        branch = run_in_dtype(self.branch_function, dtype, x, *weights)
+        return x + branch if self.residual else branch
 
 
 def autocast_dtype(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.dtype | None:
@@ -295,6 +294,14 @@ def autocast_dtype(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.dtype 
             "run under torch.autocast"
         )
     return None
+
+
+def run_in_dtype(function: ExportedFunction, dtype: torch.dtype, *tensors: torch.Tensor) -> Any:
+    """``function(*tensors)`` with the floating-point tensors cast to ``dtype`` (what autocast
+    would do to a projection's input and weight) and autocast off around the exported op."""
+    cast = [t.to(dtype) if t.is_floating_point() else t for t in tensors]
+    with torch.autocast(cast[0].device.type, enabled=False):
+        return function(*cast)
 
 
 @torch.compiler.disable

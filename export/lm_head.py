@@ -30,7 +30,7 @@ from torch import nn
 from coda.blocks.llama import llama_lm_head_ce_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .hf import autocast_dtype, block_program, check_rms_norm
+from .hf import autocast_dtype, block_program, check_rms_norm, run_in_dtype
 
 IGNORE_INDEX = -100
 
@@ -99,13 +99,11 @@ class CodaLlamaLMHeadLoss(nn.Module):
         counted = targets != IGNORE_INDEX
         x = hidden.reshape(-1, hidden.shape[-1])
         weights = [self.norm.weight, self.lm_head.weight]
-        amp = autocast_dtype(x, weights)
-        if amp is not None:  # as Hugging Face's lm_head under autocast
-            x, weights = x.to(amp), [w.to(amp) for w in weights]
-        with torch.autocast(x.device.type, enabled=False):
-            # ignored tokens get a valid class (0) and no weight: their gradient is zero
-            per_token = self.function(x, *weights, torch.where(counted, targets, 0))
-            total = (per_token * counted).sum()
+        # ignored tokens get a valid class (0) and no weight: their gradient is zero
+        classes = torch.where(counted, targets, 0)
+        amp = autocast_dtype(x, weights)  # under autocast: as Hugging Face's lm_head
+        per_token = run_in_dtype(self.function, amp or x.dtype, x, *weights, classes)
+        total = (per_token * counted).sum()
         if num_items_in_batch is None:
             return total / counted.sum().clamp(min=1)
         return total / num_items_in_batch
