@@ -137,23 +137,25 @@ def train_step(
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=not bench.dry_run)
-    amp = torch.autocast(bench.device, dtype=_amp_dtype(bench), enabled=setting == "amp")
 
     def step() -> Any:
         optimizer.zero_grad(set_to_none=True)
-        with amp:
-            loss = loss_fn(model, ids)
-        loss.backward()
+        loss = forward_backward(model, loss_fn, ids, setting, bench)
         optimizer.step()
         return loss.detach()
 
     return step
 
 
-def _amp_dtype(bench: Bench) -> Any:
+def forward_backward(model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench) -> Any:
+    """The loss of ``ids`` (under autocast in the ``amp`` setting), backpropagated; returns it."""
     import torch
 
-    return torch.float16 if bench.dry_run else torch.bfloat16  # interpreter: no bf16 dot
+    dtype = torch.float16 if bench.dry_run else torch.bfloat16  # interpreter: no bf16 dot
+    with torch.autocast(bench.device, dtype=dtype, enabled=setting == "amp"):
+        loss = loss_fn(model, ids)
+    loss.backward()
+    return loss
 
 
 def first_step(
@@ -163,9 +165,7 @@ def first_step(
     import torch
 
     model.zero_grad(set_to_none=True)
-    with torch.autocast(bench.device, dtype=_amp_dtype(bench), enabled=setting == "amp"):
-        loss = loss_fn(model, ids)
-    loss.backward()
+    loss = forward_backward(model, loss_fn, ids, setting, bench)
     grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
     return {"loss": float(loss.detach()), "grad_norm": float(torch.stack(grads).norm())}
@@ -185,9 +185,7 @@ def step_memory_gb(
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    with torch.autocast(bench.device, dtype=_amp_dtype(bench), enabled=setting == "amp"):
-        loss = loss_fn(model, ids)
-    loss.backward()
+    forward_backward(model, loss_fn, ids, setting, bench)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     model.zero_grad(set_to_none=True)
