@@ -66,10 +66,8 @@ def check_llama_attention(attn: nn.Module) -> None:
             "forward may differ from what the llama_attn_in kernel computes (e.g. sliding "
             "windows, q/k norms); patch with attention=False to keep it"
         )
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        if getattr(getattr(attn, proj, None), "weight", None) is None:
-            raise ValueError(f"{type(attn).__name__} has no {proj} with a weight")
-        if getattr(getattr(attn, proj), "bias", None) is not None:
+    for proj in ("q_proj", "k_proj", "v_proj"):  # a LlamaAttention has all three
+        if getattr(attn, proj).bias is not None:
             raise ValueError(f"self_attn.{proj} has a bias; the llama_attn_in block has none")
     head = getattr(attn, "head_dim", None)
     if not isinstance(head, int) or head % 2:
