@@ -16,7 +16,7 @@ call: in training the weights change every step. They move weight-sized tensors 
 stores the pair as one interleaved tensor: the op takes it whole and returns its gradient whole.
 
 Mainloop configs are tuned on a GPU the first time each op meets a new set of input shapes
-(``tune``: ``"quick"`` — the five-candidate ``QUICK_SPACE``, the default; ``"full"`` — the whole
+(``tune``: ``"quick"`` — the eight-candidate ``QUICK_SPACE``, the default; ``"full"`` — the whole
 Hopper space; ``"off"`` — the untuned default config). Winners are kept per shape in the op and in
 the tuning cache (``$CODA_CACHE_DIR/tuning.json``), so a later process starts tuned.
 """

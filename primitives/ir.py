@@ -90,7 +90,12 @@ class MainloopConfig(Node):
     reduces writes its row partials one slot per slice);
     ``flatten``: let Triton pipeline across output tiles of the persistent loop;
     ``warp_specialize``: producer and consumer warps for the persistent loop (Triton ≥ 3.4; a config
-    that does not compile is pruned).
+    that does not compile is pruned);
+    ``programs_per_sm``: persistent programs launched per SM (2: where registers and shared memory
+    let two be resident, one program's epilogue runs while the other's mainloop keeps the tensor
+    cores busy — the overlap a warp-specialized "ping-pong" GEMM gets from two consumer
+    warpgroups); ``maxnreg``: cap on registers per thread (``None``: the compiler's choice), the
+    lever that lets two programs of a register-heavy epilogue fit on one SM.
     """
 
     block_m: int = 128
@@ -102,6 +107,8 @@ class MainloopConfig(Node):
     epilogue_subtiles: Literal[1, 2, 4] = 1
     flatten: bool = False
     warp_specialize: bool = False
+    programs_per_sm: Literal[1, 2] = 1
+    maxnreg: int | None = Field(None, ge=32, le=255)
 
     _m = field_validator("block_m", "block_n")(_power_of_two(16, 256))
     _k = field_validator("block_k")(_power_of_two(16, 256))

@@ -228,13 +228,13 @@ class CompiledProgram:
     ) -> _LaunchPlan:
         params = self.kernels[gemm.name].variants[variant].params
         num_tiles = triton.cdiv(gemm.M, cfg.block_m) * triton.cdiv(gemm.N, cfg.block_n)
-        grid = (min(num_tiles, _num_sms(device)),)
+        grid = (min(num_tiles, cfg.programs_per_sm * _num_sms(device)),)
         meta = {
             "BLOCK_SIZE_M": cfg.block_m,
             "BLOCK_SIZE_N": cfg.block_n,
             "BLOCK_SIZE_K": cfg.block_k,
             "GROUP_SIZE_M": cfg.group_m,
-            "NUM_SMS": grid[0],
+            "NUM_PROGRAMS": grid[0],
             "INPUT_PRECISION": precision,
             "EPILOGUE_SUBTILES": cfg.epilogue_subtiles,
             "EPI_N": cfg.epilogue_block_n,
@@ -243,6 +243,8 @@ class CompiledProgram:
             "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages,
         }
+        if cfg.maxnreg is not None:
+            meta["maxnreg"] = cfg.maxnreg
         sources = tuple(_argument_source(p, gemm, cfg, sizes) for p in params)
         return _LaunchPlan(self._kernel(gemm.name, variant), grid, meta, sources)
 

@@ -158,6 +158,10 @@ class EmitContext:
         """Interleave two tiles column by column into one of space ``scale`` (twice as wide)."""
         return f"tl.reshape(tl.join({first}, {second}), (BLOCK_SIZE_M, {self.block(scale)}))"
 
+    def col_start(self, scale: Fraction) -> str:
+        """The first column of this sub-tile in a column space, as kernel code."""
+        return _SPACES[scale][1]
+
     def extent(self, scale: Fraction) -> str:
         """The number of columns of a column space, as kernel code (``N``, ``(N // 2)``, ...)."""
         return _SPACES[scale][3]

@@ -45,7 +45,7 @@ from ..ir import GemmEpilogue
 from .context import EmitContext, Param
 from .emitter import IndentedBuffer
 
-GENERATOR_VERSION = "6"
+GENERATOR_VERSION = "7"
 
 # The Hopper kernels' operand descriptors; every other descriptor is a tile of the epilogue.
 OPERAND_DESCRIPTORS = ("a_desc", "b_desc")
@@ -74,8 +74,9 @@ num_pid_in_group = GROUP_SIZE_M * num_pid_n
 """
 _WALK = """\
 {setup}
-# Persistent: each program walks output tiles start_pid, start_pid + NUM_SMS, ...
-for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN,
+# Persistent: each program walks output tiles start_pid, start_pid + NUM_PROGRAMS, ...
+# (one or two programs per SM: MainloopConfig.programs_per_sm)
+for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN,
                        warp_specialize=WARP_SPECIALIZE):
     pid_m, pid_n = _compute_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
 """
@@ -99,7 +100,7 @@ _TILE_LOOP = (
 
 _META = [
     "BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,",
-    "GROUP_SIZE_M: tl.constexpr, NUM_SMS: tl.constexpr, INPUT_PRECISION: tl.constexpr,",
+    "GROUP_SIZE_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, INPUT_PRECISION: tl.constexpr,",
     "EPILOGUE_SUBTILES: tl.constexpr, EPI_N: tl.constexpr,  # EPI_N = BLOCK_SIZE_N // SUBTILES",
     "FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,",
 ]

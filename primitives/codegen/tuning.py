@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -28,46 +29,75 @@ from .configs import INTERPRETER_DEFAULT
 # Hopper, 16-bit operands: 228 KB of shared memory per SM (a little is reserved).
 SMEM_LIMIT = 220 * 1024
 
-# (block_m, block_n, block_k, num_warps, num_stages, epilogue_subtiles, flatten, warp_specialize)
+
+class Candidate(NamedTuple):
+    """One point of a tuning space (``MainloopConfig`` fields, positionally)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    epilogue_subtiles: int
+    flatten: bool = False
+    warp_specialize: bool = False
+    programs_per_sm: int = 1
+    maxnreg: int | None = None
+
+
 # Measured on an H200 (bench/RESULTS.md): 128×256×64 with 3 stages and 2 epilogue sub-tiles led
 # every shape tried in the first sweep; the rest cover small problems (wave quantisation), short K
-# (pipelining across tiles) and register pressure.
+# (pipelining across tiles) and register pressure. The two-programs-per-SM candidates (one
+# warpgroup on a 128×128 tile, each program under half the SM's registers and shared memory)
+# overlap one program's epilogue with the other's mainloop: measured 1.07× → 1.01× the cuBLAS
+# GEMM on residual + partial RMSNorm, 1.15× → 1.08× on RMSNorm + partial cross-entropy (8192³,
+# ``bench/experiments/occupancy.py``, seventh session).
 _HOPPER_SPACE = [
-    (128, 256, 64, 8, 3, 2, False, False),
-    (128, 256, 64, 8, 4, 2, False, False),
-    (128, 256, 64, 8, 3, 4, False, False),
-    (128, 256, 64, 8, 3, 1, False, False),
-    (128, 256, 64, 8, 3, 2, True, False),
-    (128, 256, 64, 8, 3, 2, True, True),
-    (256, 128, 64, 8, 3, 2, False, False),
-    (256, 128, 64, 8, 4, 2, False, False),
-    (128, 128, 64, 8, 4, 1, False, False),
-    (128, 128, 64, 8, 4, 2, True, False),
-    (128, 128, 64, 4, 4, 2, False, False),
-    (128, 128, 128, 8, 3, 2, False, False),
-    (64, 256, 64, 4, 4, 2, False, False),
+    Candidate(128, 256, 64, 8, 3, 2),
+    Candidate(128, 256, 64, 8, 4, 2),
+    Candidate(128, 256, 64, 8, 3, 4),
+    Candidate(128, 256, 64, 8, 3, 1),
+    Candidate(128, 256, 64, 8, 3, 2, flatten=True),
+    Candidate(128, 256, 64, 8, 3, 2, flatten=True, warp_specialize=True),
+    Candidate(256, 128, 64, 8, 3, 2),
+    Candidate(256, 128, 64, 8, 4, 2),
+    Candidate(128, 128, 64, 8, 4, 1),
+    Candidate(128, 128, 64, 8, 4, 2, flatten=True),
+    Candidate(128, 128, 64, 4, 4, 2),
+    Candidate(128, 128, 128, 8, 3, 2),
+    Candidate(64, 256, 64, 4, 4, 2),
+    # two programs per SM
+    Candidate(128, 128, 64, 4, 3, 2, programs_per_sm=2),
+    Candidate(128, 128, 64, 4, 3, 4, programs_per_sm=2),
+    Candidate(128, 128, 32, 4, 4, 2, programs_per_sm=2),
+    Candidate(128, 128, 64, 8, 3, 4, programs_per_sm=2, maxnreg=128),
     # narrow tiles for register-heavy epilogues
-    (128, 64, 64, 4, 4, 1, False, False),
-    (64, 128, 64, 4, 4, 1, False, False),
+    Candidate(128, 64, 64, 4, 4, 1),
+    Candidate(64, 128, 64, 4, 4, 1),
 ]
 
 # A small space for sweeps over many kernels (bench/paper_kernels.py) and first calls of exported
 # ops: the leaders of the first H200 sweep, 64-column epilogue slices for heavy (reducing)
 # epilogues — also flattened, which helped reducing epilogues in the split-reduction experiment
-# (bench/RESULTS.md, fifth session; this candidate itself not yet timed) — and the narrow tiles.
+# (bench/RESULTS.md, fifth session) — the two leading two-programs-per-SM candidates, and the
+# narrow tiles.
 QUICK_SPACE = [
-    (128, 256, 64, 8, 3, 2, False, False),
-    (128, 256, 64, 8, 3, 4, False, False),
-    (128, 256, 64, 8, 3, 4, True, False),
-    (128, 128, 64, 8, 4, 2, True, False),
-    (128, 64, 64, 4, 4, 1, False, False),
-    (64, 128, 64, 4, 4, 1, False, False),
+    Candidate(128, 256, 64, 8, 3, 2),
+    Candidate(128, 256, 64, 8, 3, 4),
+    Candidate(128, 256, 64, 8, 3, 4, flatten=True),
+    Candidate(128, 128, 64, 8, 4, 2, flatten=True),
+    Candidate(128, 128, 64, 4, 3, 2, programs_per_sm=2),
+    Candidate(128, 128, 32, 4, 4, 2, programs_per_sm=2),
+    Candidate(128, 64, 64, 4, 4, 1),
+    Candidate(64, 128, 64, 4, 4, 1),
 ]
 
 
 def smem_bytes(cfg: MainloopConfig, itemsize: int) -> int:
-    """Shared memory of the mainloop's pipeline: num_stages copies of an A and a B tile."""
-    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * itemsize
+    """Shared memory of the mainloop's pipeline: num_stages copies of an A and a B tile, for
+    each program resident on the SM."""
+    per_program = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * itemsize
+    return cfg.programs_per_sm * per_program
 
 
 def candidate_configs(
@@ -83,20 +113,11 @@ def candidate_configs(
     if interpret:
         return [INTERPRETER_DEFAULT]
     out = []
-    for bm, bn, bk, warps, stages, subtiles, flatten, ws in space or _HOPPER_SPACE:
-        cfg = MainloopConfig(
-            block_m=bm,
-            block_n=bn,
-            block_k=bk,
-            group_m=8,
-            num_warps=warps,
-            num_stages=stages,
-            epilogue_subtiles=subtiles,
-            flatten=flatten,
-            warp_specialize=ws,
-        )
+    for entry in space or _HOPPER_SPACE:
+        cfg = MainloopConfig(group_m=8, **Candidate(*entry)._asdict())
         if smem_bytes(cfg, itemsize) > SMEM_LIMIT:
             continue
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         if bm > 2 * max(M, 64) or bn > 2 * max(N, 64) or bk > max(K, 16):
             continue  # mostly padding
         if cfg not in out:

@@ -93,8 +93,11 @@ class PartialReduce(EpilogueOp):
         kind = _KINDS[self.kind]
         scale = ctx.type_of(self.src).scale
         v = kind.value.format(v=ctx.var(self.src))
-        masked = f"tl.where({ctx.tile_mask(scale)}, {v}, {kind.neutral_code})"
         dim = 1 if self.axis == "row" else 0
+        # Only the reduced axis needs its edge masked: partials of lanes past the other edge are
+        # never stored (the store masks them), so masking them too is work for nothing.
+        edge = f"{ctx.cols(scale).mask}[None, :]" if dim == 1 else f"{ctx.rows().mask}[:, None]"
+        masked = f"tl.where({edge}, {v}, {kind.neutral_code})"
         partial = f"p_{self.to}"
         if self.kind == "lse":
             _emit_lse(ctx, partial, masked, dim)

@@ -67,11 +67,16 @@ class SelectColumn(EpilogueOp):
         p = f"p_{self.to}"
         ptrs = f"{ctx.pointer(self.index)} + {rows.offs} * {ctx.stride(self.index, 0, '')}"
         ctx.line(f"{p}_index = tl.load({ptrs}, mask={rows.mask}, other=-1)")
-        hit = f"({cols.offs}[None, :] == {p}_index[:, None]) & {ctx.tile_mask(scale)}"
-        ctx.line(f"{p}_hit = {hit}")
+        # No edge masks: a column past N can only match an index ≥ N, and `here` below keeps
+        # such rows (and rows past M, by the store's mask) from being written.
+        ctx.line(f"{p}_hit = {cols.offs}[None, :] == {p}_index[:, None]")
         # At most one column of the row matches, so the masked sum is that element.
         ctx.line(f"{p} = tl.sum(tl.where({p}_hit, {ctx.var(self.src)}, 0.0), axis=1)")
-        ctx.line(f"{p}_here = tl.sum({p}_hit.to(tl.int32), axis=1) > 0")
+        # The row's index falls in this sub-tile's columns: range arithmetic on the row vector,
+        # not a second reduction over the tile (one fewer tile of live values in the epilogue).
+        start, extent = ctx.col_start(scale), ctx.extent(scale)
+        in_tile = f"({p}_index >= {start}) & ({p}_index < {start} + {ctx.block(scale)})"
+        ctx.line(f"{p}_here = {in_tile} & ({p}_index < {extent})")
         out = f"{ctx.pointer(self.to)} + {rows.offs} * {ctx.stride(self.to, 0, '')}"
         ctx.line(f"tl.store({out}, {p}, mask={rows.mask} & {p}_here)")
         # An index outside [0, W) is held by no tile: the sub-tile holding column 0 (start_n == 0)
@@ -79,7 +84,6 @@ class SelectColumn(EpilogueOp):
         # flatten a persistent loop around this conditional store — seen on the H200. The
         # condition on start_n is broadcast to a row tensor: a scalar bool mask breaks the
         # interpreter.)
-        extent = ctx.extent(scale)
         first = f"({p}_index * 0 + start_n == 0)"
         ctx.line(f"{p}_none = (({p}_index < 0) | ({p}_index >= {extent})) & {first}")
         ctx.line(f"tl.store({out}, tl.zeros_like({p}), mask={rows.mask} & {p}_none)")

@@ -80,6 +80,16 @@ HOPPER_CONFIGS = [
         "flatten": True,
     },  # fmt: skip
     {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4},
+    # two programs per SM, one with a register cap (the tuning space's occupancy candidates)
+    {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2},
+    {
+        "block_m": 128,
+        "block_n": 128,
+        "num_stages": 3,
+        "epilogue_subtiles": 4,
+        "programs_per_sm": 2,
+        "maxnreg": 128,
+    },
 ]
 
 

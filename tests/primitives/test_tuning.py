@@ -107,3 +107,61 @@ def test_tune_program_checks_its_winners(miscompiled: set, tmp_path: Path) -> No
     with pytest.raises(RuntimeError, match="wrong results"):
         tune_program(compiled, prepared, cache=cache)
     tune_program(compiled, prepared, cache=cache, check=False)  # asked not to check: no error
+
+
+def test_two_programs_per_sm_need_twice_the_pipeline_s_shared_memory() -> None:
+    from coda.primitives.codegen.tuning import (
+        QUICK_SPACE,
+        SMEM_LIMIT,
+        Candidate,
+        candidate_configs,
+        smem_bytes,
+    )
+
+    fits = Candidate(128, 128, 64, 4, 3, 2, programs_per_sm=2)  # 2 × 96 KB
+    too_big = Candidate(128, 256, 64, 8, 3, 2, programs_per_sm=2)  # 2 × 144 KB
+    configs = candidate_configs(
+        8192, 8192, 8192, itemsize=2, interpret=False, space=[fits, too_big]
+    )
+    assert [(c.block_n, c.programs_per_sm) for c in configs] == [(128, 2)]
+    assert smem_bytes(configs[0], 2) == 2 * 3 * (128 + 128) * 64 * 2 <= SMEM_LIMIT
+    # the quick space keeps its occupancy candidates at the paper-kernel sizes
+    quick = candidate_configs(8192, 8192, 8192, itemsize=2, interpret=False, space=QUICK_SPACE)
+    assert len(quick) == len(QUICK_SPACE)
+    assert {c.programs_per_sm for c in quick} == {1, 2}
+    # the old positional 8-field tuples (bench/llama_mlp.py's space) still read as candidates
+    (old,) = candidate_configs(
+        4096, 4096, 4096, itemsize=2, interpret=False, space=[(128, 256, 64, 8, 3, 2, True, False)]
+    )
+    assert old.flatten and old.programs_per_sm == 1 and old.maxnreg is None
+
+
+def test_register_caps_are_validated() -> None:
+    from pydantic import ValidationError
+
+    from coda.primitives.ir import MainloopConfig
+
+    assert MainloopConfig(maxnreg=128).maxnreg == 128
+    with pytest.raises(ValidationError, match="maxnreg"):
+        MainloopConfig(maxnreg=512)
+    with pytest.raises(ValidationError, match="programs_per_sm"):
+        MainloopConfig(programs_per_sm=3)
+
+
+@pytest.mark.parametrize("per_sm", [1, 2])
+def test_programs_walk_every_tile_when_fewer_programs_than_tiles(
+    per_sm: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a GPU the persistent grid is programs_per_sm × SMs; the interpreter normally launches one
+    # program per tile. With "3 SMs" each program walks several tiles (the path every GPU launch
+    # takes), and the reducing epilogues (row partials of g·dg + u·du, the column sums) must still
+    # match the reference executor.
+    from coda.primitives import runtime
+
+    monkeypatch.setattr(runtime, "_num_sms", lambda device: 3)
+    compiled, prepared = _compiled()
+    for name in compiled.kernels:
+        compiled.configs[name] = SMALL.model_copy(update={"programs_per_sm": per_sm})
+    assert wrong_steps(compiled, prepared) == {}
+    grids = {plan.grid for plan in compiled._plans.values()}
+    assert grids == {(3 * per_sm,)}
