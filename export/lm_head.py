@@ -129,6 +129,12 @@ def causal_lm_loss(
     Runs the base model ``model.model`` (attention masks, positions and the like pass through
     ``model_kwargs``), takes the input of its final norm with a forward pre-hook, and returns
     ``CodaLlamaLMHeadLoss`` of it: same value, same gradients for every parameter.
+
+    ``use_cache`` is left to the model's config, as ``model(...)`` leaves it: with
+    ``use_cache=False`` and no attention mask, Hugging Face checks the position ids for packed
+    sequences with a ``.all()`` that makes the host wait for the GPU every step (measured on an
+    H200, 4-layer training step: the GPU idled 5.3 ms of a 36.7 ms step with it, 1.3 of 34.5 for
+    the same patched model's own forward, which keeps the cache).
     """
     base, norm, head = model.model, model.model.norm, model.lm_head
     if model not in _LOSSES:
@@ -138,7 +144,7 @@ def causal_lm_loss(
     taken: list[torch.Tensor] = []
     handle = norm.register_forward_pre_hook(lambda _module, args: taken.append(args[0]))
     try:
-        base(input_ids=input_ids, **{"use_cache": False, **model_kwargs})
+        base(input_ids=input_ids, **model_kwargs)
     finally:
         handle.remove()
     if len(taken) != 1:

@@ -149,3 +149,30 @@ def test_a_fused_loss_model_trains_like_hugging_face_and_evaluates_with_logits()
     assert copied.forward.__self__ is copied
     torch.testing.assert_close(out.logits, ref.logits, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out.loss, ref.loss, atol=2e-6, rtol=2e-6)
+
+
+def test_the_loss_builds_masks_as_the_model_s_own_forward_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With use_cache=False and no attention mask, Hugging Face looks for packed sequences in the
+    # position ids with a `.all()` — a host sync each training step (5 ms of GPU idle per step on
+    # the H200). model(input_ids, labels=...) keeps the config's cache and skips that check, and
+    # so must the fused loss.
+    from transformers import masking_utils
+
+    calls: list[int] = []
+    real = masking_utils.find_packed_sequence_indices
+
+    def counted(position_ids: torch.Tensor) -> torch.Tensor | None:
+        calls.append(1)
+        return real(position_ids)
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", counted)
+    model = _model(seed=13)
+    ids = torch.randint(0, 96, (2, 9))
+    model(input_ids=ids, labels=ids)
+    assert calls == []
+    causal_lm_loss(model, ids, ids, verify=False, tune="off")
+    assert calls == []
+    causal_lm_loss(model, ids, ids, verify=False, tune="off", use_cache=False)  # asked for
+    assert calls == [1]
