@@ -177,10 +177,7 @@ def bench_llama(sizes: dict[str, int], space) -> dict:  # noqa: ANN001
 
 
 def _trials(result) -> list[dict]:  # noqa: ANN001
-    return [
-        {"config": t.config.model_dump(), "ms": t.ms, "final_ms": t.final_ms, "error": t.error}
-        for t in result.trials
-    ]
+    return [t.as_dict() for t in result.trials]
 
 
 def tables(results: dict) -> str:

@@ -168,10 +168,12 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
     info = analyze(program, sizes)
     compiled = compile_program(program, info)
     prepared = compiled.prepare(inputs)
+    tuning = {}
     if bench.tune != "none":
         from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
 
-        tune_program(compiled, prepared, space=QUICK_SPACE if bench.tune == "quick" else None)
+        space = QUICK_SPACE if bench.tune == "quick" else None
+        tuning = tune_program(compiled, prepared, space=space)
     outs = program.select_outputs(compiled.run(prepared), info.sizes)
     ref32 = block.reference(_upcast(inputs))
     torch_out = block.reference(inputs)
@@ -201,6 +203,8 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
         "configs": {n: c.model_dump() for n, c in compiled.configs_for(info).items()},
         "mainloops": dict(compiled.mainloops_used),
         "kernel_stats": dict(compiled.kernel_stats),
+        # every candidate the tuner timed (screening and final-round ms), to see what won by how much
+        "tuning": {step: [t.as_dict() for t in r.trials] for step, r in tuning.items()},
     }
     row["coda_over_gemm"] = row["coda_ms"] / row["gemm_ms"]
     row["compile_over_gemm"] = row["compile_ms"] / row["gemm_ms"]

@@ -132,6 +132,11 @@ class Trial:
     error: str = ""
     final_ms: float | None = None  # the interleaved final round, for the finalists
 
+    def as_dict(self) -> dict:
+        """JSON-ready: the config's fields that differ from the defaults, and the times."""
+        config = self.config.model_dump(exclude_defaults=True)
+        return {"config": config, "ms": self.ms, "final_ms": self.final_ms, "error": self.error}
+
 
 @dataclass
 class TuningResult:

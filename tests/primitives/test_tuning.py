@@ -165,3 +165,17 @@ def test_programs_walk_every_tile_when_fewer_programs_than_tiles(
     assert wrong_steps(compiled, prepared) == {}
     grids = {plan.grid for plan in compiled._plans.values()}
     assert grids == {(3 * per_sm,)}
+
+
+def test_a_trial_reads_as_json_with_the_config_s_non_default_fields() -> None:
+    import json
+
+    from coda.primitives.ir import MainloopConfig
+
+    trial = Trial(MainloopConfig(block_n=256, programs_per_sm=2), ms=1.5, final_ms=1.25)
+    assert json.loads(json.dumps(trial.as_dict())) == {
+        "config": {"block_n": 256, "programs_per_sm": 2},
+        "ms": 1.5,
+        "final_ms": 1.25,
+        "error": "",
+    }
