@@ -262,7 +262,7 @@ def host_syncs(step: Callable[[], Any], bench: Bench) -> dict[str, int] | None:
             torch.cuda.set_sync_debug_mode("default")
     for w in caught:
         if "synchroniz" in str(w.message):
-            where = f"{Path(w.filename).name}:{w.lineno}"
+            where = f"{'/'.join(Path(w.filename).parts[-2:])}:{w.lineno}"  # package/file:line
             counts[where] = counts.get(where, 0) + 1
     return counts
 

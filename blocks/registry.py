@@ -12,7 +12,8 @@ from .block import Block
 
 _BLOCKS: dict[str, Block] = {}
 # Families of blocks made on demand from their name (e.g. ``llama_mlp_eps1e-06``): each resolver
-# returns the (registered) block for a name it owns, or None. A sandbox worker resolves the same
+# returns the (registered) block for a name it owns, or None — possibly a block of another name
+# (``llama_mlp_eps1e-05`` is the built-in ``llama_mlp``). A sandbox worker resolves the same
 # names the same way, so such blocks need no block file.
 _RESOLVERS: list[Callable[[str], Block | None]] = []
 
@@ -39,9 +40,12 @@ def _load_builtin() -> None:
 
 def get_block(name: str) -> Block:
     _load_builtin()
+    if name in _BLOCKS:
+        return _BLOCKS[name]
     for resolver in _RESOLVERS:
-        if name not in _BLOCKS:
-            resolver(name)
+        block = resolver(name)
+        if block is not None:
+            return block
     if name not in _BLOCKS:
         close = difflib.get_close_matches(name, list(_BLOCKS), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""

@@ -51,7 +51,8 @@ class Candidate(NamedTuple):
 # warpgroup on a 128×128 tile, each program under half the SM's registers and shared memory)
 # overlap one program's epilogue with the other's mainloop: measured 1.07× → 1.01× the cuBLAS
 # GEMM on residual + partial RMSNorm, 1.15× → 1.08× on RMSNorm + partial cross-entropy (8192³,
-# ``bench/experiments/occupancy.py``, seventh session).
+# codegen v6, ``bench/experiments/occupancy.py``, seventh session; with v7's lighter epilogue the
+# cross-entropy kernels' tuner picks one program of 128×256 instead).
 _HOPPER_SPACE = [
     Candidate(128, 256, 64, 8, 3, 2),
     Candidate(128, 256, 64, 8, 4, 2),
@@ -148,6 +149,20 @@ class TuningResult:
     trials: list[Trial] = field(default_factory=list)
     # configs that were fastest but computed wrong results, with what was wrong
     rejected: list[tuple[MainloopConfig, str]] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the winner, whether it came from the cache, every trial and every
+        rejected config (configs as their non-default fields)."""
+        return {
+            "best": self.best.model_dump(exclude_defaults=True),
+            "ms": self.ms,
+            "cached": self.cached,
+            "trials": [t.as_dict() for t in self.trials],
+            "rejected": [
+                {"config": c.model_dump(exclude_defaults=True), "why": why}
+                for c, why in self.rejected
+            ],
+        }
 
 
 # How far a tuned kernel's tensor may be from the reference executor's at kernel precision, as a

@@ -250,6 +250,10 @@ def test_llama_mlp_epsilon_variants_resolve_by_name() -> None:
     builtin = llama_mlp_family(1e-5)
     assert builtin["forward"] is get_block("llama_mlp")
     assert builtin["backward_saved"] is get_block("llama_mlp_bwd_saved")
+    # Llama 3's own epsilon written out names the built-in blocks
+    assert get_block("llama_mlp_eps1e-05") is builtin["forward"]
+    assert get_block("llama_mlp_eps1e-05_bwd_saved") is builtin["backward_saved"]
+    assert get_block("llama_attn_in_eps1e-05_bwd") is get_block("llama_attn_in_bwd")
     with pytest.raises(BlockNotFound):
         get_block("llama_mlp_epsilon")
 

@@ -179,3 +179,20 @@ def test_a_trial_reads_as_json_with_the_config_s_non_default_fields() -> None:
         "final_ms": 1.25,
         "error": "",
     }
+
+
+def test_a_tuning_result_reads_as_json_with_its_rejections(
+    miscompiled: set, tmp_path: Path
+) -> None:
+    import json
+
+    compiled, prepared = _compiled()
+    fast_wrong = SMALL.model_copy(update={"num_stages": 2})
+    miscompiled.add(fast_wrong)
+    results = {n: _result(compiled, n, [fast_wrong, SMALL]) for n in compiled.kernels}
+    _settle(compiled, prepared, results, TuningCache(tmp_path / "t.json"))
+    record = json.loads(json.dumps(results["down_bwd"].as_dict()))
+    assert record["best"] == SMALL.model_dump(exclude_defaults=True)
+    assert [t["final_ms"] for t in record["trials"]] == [1.0, 2.0]
+    (rejected,) = record["rejected"]
+    assert rejected["config"]["num_stages"] == 2 and "max |error|" in rejected["why"]
