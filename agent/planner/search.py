@@ -33,12 +33,24 @@ from coda.primitives.ir import MainloopConfig, Program
 from .lowering import LoweringOptions, NoRule, lower
 
 # Explicit tiles tried on the fastest decomposition when timings exist (``auto`` is tried first).
-# The shapes of Triton's persistent-matmul tutorial configs for Hopper-class GPUs; which wins
-# depends on the shapes and the epilogue, which is why they are measured rather than chosen.
+# The shapes of Triton's persistent-matmul tutorial configs for Hopper-class GPUs, and one with two
+# programs per SM (an epilogue that reduces overlaps the other program's mainloop; see
+# bench/RESULTS.md, seventh session); which wins depends on the shapes and the epilogue, which is
+# why they are measured rather than chosen.
 TUNING_CONFIGS: tuple[MainloopConfig, ...] = (
     MainloopConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
     MainloopConfig(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
     MainloopConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
+    MainloopConfig(
+        block_m=128,
+        block_n=128,
+        block_k=64,
+        group_m=8,
+        num_warps=4,
+        num_stages=3,
+        epilogue_subtiles=2,
+        programs_per_sm=2,
+    ),
     MainloopConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4),
     MainloopConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
 )
@@ -100,11 +112,17 @@ def describe(program: Program) -> str:
 
 
 def _config_text(c: MainloopConfig) -> str:
-    return f"{c.block_m}×{c.block_n}×{c.block_k} w{c.num_warps} s{c.num_stages}"
+    text = f"{c.block_m}×{c.block_n}×{c.block_k} w{c.num_warps} s{c.num_stages}"
+    if c.epilogue_subtiles > 1:
+        text += f" e{c.epilogue_subtiles}"
+    if c.programs_per_sm > 1:
+        text += f" {c.programs_per_sm}/SM"
+    return text
 
 
 def _smem(c: MainloopConfig) -> int:
-    """Relative shared memory a config's pipeline needs: (A tile + B tile) × stages."""
+    """Relative shared memory one program's pipeline needs: (A tile + B tile) × stages (a
+    launch fails on what one program needs, however many share the SM)."""
     return (c.block_m + c.block_n) * c.block_k * c.num_stages
 
 

@@ -62,7 +62,16 @@ def test_with_timings_it_times_decompositions_then_tile_configs() -> None:
         assert "γ stored as a side output" in p.label and "tile config" in p.why
         tried.append(outcome(p, True, 2.5))
     assert configs == list(TUNING_CONFIGS)
-    assert "fastest of 9 candidates" in p.reason and "2.000 ms" in p.reason
+    two_programs = next(c for c in TUNING_CONFIGS if c.programs_per_sm == 2)
+    labels = [p.label for p in search.decompositions]
+    assert "mainloop auto" in labels[0]
+    assert (
+        "128×128×64 w4 s3 e2 2/SM"
+        in search._with_config(search.decompositions[0], two_programs).label
+    )
+    # the four decompositions, then every explicit config on the fastest one
+    assert f"fastest of {4 + len(TUNING_CONFIGS)} candidates" in p.reason
+    assert "2.000 ms" in p.reason
 
 
 def test_a_config_that_fails_to_compile_prunes_larger_ones() -> None:
