@@ -259,6 +259,68 @@ def test_unpair_rows_inverts_rope_pairs() -> None:
     assert torch.equal(got["back"][12:], got["w_p"][12:])
 
 
+# -- rope_rows: the rotation on a whole tensor, and the inverse with a row dot -------------------
+ROPE_ROWS = _program(
+    {"a": ["M", "K"], "b": ["N", "K"], "cos": ["M", "D"], "sin": ["M", "D"], "g": ["M", "N"]},
+    [],
+    [
+        _gemm(
+            [
+                {"op": "rope", "src": "acc", "cos": "cos", "sin": "sin", "out": "r",
+                 "rotary_cols": "N - D"},
+                {"op": "store", "src": "acc", "to": "z"},
+                {"op": "store", "src": "r", "to": "in_epilogue"},
+            ],
+            config=SMALL_TILES,
+        ),
+        {"kind": "rope_rows", "src": "z", "cos": "cos", "sin": "sin", "out": "rotated",
+         "rotary_cols": "N - D"},
+        {"kind": "rope_rows", "src": "g", "cos": "cos", "sin": "sin", "out": "back",
+         "inverse": True, "rotary_cols": "N - D", "dot": "in_epilogue", "dot_out": "c",
+         "divide_by": "K"},
+        {"kind": "rope_rows", "src": "g", "cos": "cos", "sin": "sin", "out": "all"},
+    ],
+    {"z": "z", "in_epilogue": "in_epilogue", "rotated": "rotated", "back": "back", "c": "c",
+     "all": "all"},
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "sizes", [{"M": 37, "N": 48, "K": 20, "D": 8}, {"M": 70, "N": 272, "K": 9, "D": 16}]
+)
+def test_rope_rows_is_the_epilogue_rotation_and_its_inverse(
+    sizes: dict[str, int], dtype: torch.dtype
+) -> None:
+    inputs = make_inputs(ROPE_ROWS, sizes, dtype)
+    inputs["cos"], inputs["sin"] = rope_tables(sizes["M"], sizes["D"], dtype)
+    got, ref, _ = run_both(ROPE_ROWS, inputs)
+    atol, rtol = DTYPE_TOL[dtype]
+    # the same rotation as the epilogue op on the GEMM's tile (the last head passes through)
+    assert_close(got["rotated"], got["in_epilogue"], atol=atol, rtol=rtol, what="vs epilogue rope")
+    # the inverse, against the transpose of each pair's rotation written out
+    g, cos, sin = (inputs[n].double() for n in ("g", "cos", "sin"))
+    k = torch.arange(sizes["N"] // 2)
+    c, s = cos[:, k % (sizes["D"] // 2)], sin[:, k % (sizes["D"] // 2)]
+    last = 2 * k >= sizes["N"] - sizes["D"]
+    c, s = torch.where(last, 1.0, c), torch.where(last, 0.0, s)
+    x, y = g[:, 0::2], g[:, 1::2]
+    want = torch.stack((x * c + y * s, y * c - x * s), dim=2).reshape(g.shape)
+    assert_close(got["back"], want, atol=atol * 2, rtol=rtol * 2, what="inverse vs formula")
+    # rotations keep dot products: Σ g·rope(z) = Σ rope⁻¹(g)·z
+    z = got["z"].double()
+    assert_close(got["c"], (want * z).sum(1) / sizes["K"], atol=atol * 8, rtol=rtol * 8, what="c")
+    assert got["c"].dtype == torch.float32 and got["back"].dtype == dtype
+    for name in ("rotated", "back", "c", "all"):
+        assert_close(got[name], ref[name], atol=atol, rtol=rtol, what=f"{name} vs reference")
+
+
+def test_rope_rows_of_an_empty_batch() -> None:
+    inputs = make_inputs(ROPE_ROWS, {"M": 0, "N": 16, "K": 8, "D": 8}, torch.float32)
+    got, _, _ = run_both(ROPE_ROWS, inputs)
+    assert got["back"].shape == (0, 16) and got["c"].shape == (0,)
+
+
 # -- errors that name the problem -----------------------------------------------------------------
 def _rope_program(**rope: Any) -> dict[str, Any]:
     return {
@@ -271,6 +333,17 @@ def _rope_program(**rope: Any) -> dict[str, Any]:
                     {"op": "store", "src": "y", "to": "y"},
                 ]
             )
+        ],
+        "outputs": {"y": "y"},
+    }
+
+
+def _rope_rows_program(**step: Any) -> dict[str, Any]:
+    return {
+        "block": "test",
+        "inputs": {"g": ["M", "N"], "cos": ["M", "D"], "sin": ["M", "D"]},
+        "steps": [
+            {"kind": "rope_rows", "src": "g", "cos": "cos", "sin": "sin", "out": "y", **step}
         ],
         "outputs": {"y": "y"},
     }
@@ -387,6 +460,31 @@ BAD: dict[str, tuple[dict[str, Any], dict[str, int], list[str]]] = {
         {"M": 4, "K": 8, "N": 16},
         ["scale 'r' must be a vector of length 4 (one factor per row of a)"],
     ),  # fmt: skip
+    "rope_rows over a partial head": (
+        _rope_rows_program(),
+        {"M": 4, "N": 20, "D": 8},
+        ["rope_rows rotates 20 of 'g''s 20 columns", "heads of width 8", "rotary_cols"],
+    ),
+    "rope_rows with a table of other rows": (
+        {**_rope_rows_program(), "inputs": {"g": ["M", "N"], "cos": ["N", "D"], "sin": ["N", "D"]}},
+        {"M": 4, "N": 16, "D": 8},
+        ["rope_rows table 'cos' is", "with M = 4 rows (one per row of 'g')"],
+    ),
+    "rope_rows dot of another shape": (
+        _rope_rows_program(dot="cos", dot_out="c"),
+        {"M": 4, "N": 16, "D": 8},
+        ["rope_rows dot 'cos'", "must have the shape of src 'g'"],
+    ),
+    "rope_rows dot without a name for its sums": (
+        _rope_rows_program(dot="g"),
+        {"M": 4, "N": 16, "D": 8},
+        ["rope_rows with dot needs dot_out"],
+    ),
+    "rope_rows divide_by without dot": (
+        _rope_rows_program(divide_by="N"),
+        {"M": 4, "N": 16, "D": 8},
+        ["dot_out and divide_by need dot"],
+    ),
     "output view outside the tensor": (
         {
             "block": "test",

@@ -1,0 +1,231 @@
+"""Aux ``rope_rows``: RoPE's rotation of adjacent column pairs on a whole tensor, outside a GEMM.
+
+The epilogue op ``rope`` rotates a GEMM's output tile. The backward of a fused QKV projection with
+RoPE needs the inverse rotation of the incoming gradient ``dqkv`` (the A operand of ``dh = dz W``)
+and the RMSNorm statistic ``c = Σ z·dz / d``. When the forward's output ``qkv`` is saved, neither
+needs the projection again: a rotation preserves dot products pair by pair, so
+``Σ z·dz = Σ qkv·dqkv``, and ``dz = R⁻¹ dqkv`` is a pass over ``dqkv`` — instead of recomputing
+the ``M × (Nq + 2·Nkv) × d`` GEMM only to host that epilogue.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import backend  # noqa: F401  (selects the interpreter before the kernel is defined)
+from ..base import AuxStep, Name, RunEnv
+from ..checking import ProgramEnv
+from ..errors import ProgramError
+from ..sizes import SizeExpr, cdiv, next_power_of_2
+from ..sizes import evaluate as evaluate_size
+from ..types import TensorInfo
+
+
+@triton.jit
+def _rope_rows_kernel(
+    src_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    dot_ptr,
+    dot_out_ptr,
+    rows,
+    pairs,
+    rotary_pairs,
+    half,
+    stride_sm,
+    stride_sn,
+    stride_tm,
+    stride_tn,
+    stride_om,
+    stride_on,
+    stride_dm,
+    stride_dn,
+    scale,
+    INVERSE: tl.constexpr,
+    HAS_DOT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
+):
+    # One program: BLOCK_ROWS rows, all their column pairs in chunks of BLOCK_PAIRS.
+    pid = tl.program_id(axis=0)
+    offs_r = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask_r = offs_r < rows
+    r64 = offs_r.to(tl.int64)[:, None]
+    total = tl.zeros((BLOCK_ROWS, BLOCK_PAIRS), dtype=tl.float32)
+    for start in range(0, pairs, BLOCK_PAIRS):
+        k = start + tl.arange(0, BLOCK_PAIRS)
+        mask = mask_r[:, None] & (k < pairs)[None, :]
+        col = (2 * k)[None, :]
+        x_ptrs = src_ptr + r64 * stride_sm + col * stride_sn
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(x_ptrs + stride_sn, mask=mask, other=0.0).to(tl.float32)
+        # Pair k uses frequency k mod D/2; pairs from rotary_pairs on pass through (cos 1, sin 0).
+        table = r64 * stride_tm + (k % half)[None, :] * stride_tn
+        rotated = mask & (k < rotary_pairs)[None, :]
+        c = tl.load(cos_ptr + table, mask=rotated, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + table, mask=rotated, other=0.0).to(tl.float32)
+        if INVERSE:
+            s = -s
+        out_ptrs = out_ptr + r64 * stride_om + col * stride_on
+        tl.store(out_ptrs, (x * c - y * s).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs + stride_on, (y * c + x * s).to(out_ptr.dtype.element_ty), mask=mask)
+        if HAS_DOT:
+            d_ptrs = dot_ptr + r64 * stride_dm + col * stride_dn
+            a = tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(d_ptrs + stride_dn, mask=mask, other=0.0).to(tl.float32)
+            total += x * a + y * b
+    if HAS_DOT:
+        tl.store(dot_out_ptr + offs_r, tl.sum(total, axis=1) * scale, mask=mask_r)
+
+
+def _blocks(rows: int, pairs: int) -> tuple[int, int]:
+    block_pairs = min(next_power_of_2(max(pairs, 1)), 128)
+    block_rows = max(1, min(32, 2048 // block_pairs, next_power_of_2(rows)))
+    return block_rows, block_pairs
+
+
+class RopeRows(AuxStep):
+    """Rotate adjacent column pairs of a whole ``[M, W]`` tensor by per-token angles (RoPE), as the
+    epilogue op ``rope`` does to a tile — for a tensor no GEMM produces here, e.g. the gradient
+    ``dqkv`` arriving at a fused QKV projection's backward (``inverse=True``).
+
+    Pair k = columns ``(2k, 2k+1)`` of ``src``, frequency ``p = k mod D/2``, ``c = cos[i, p]``,
+    ``s = sin[i, p]`` (``cos``/``sin``: ``[M, D]`` tables as Hugging Face's rotary embedding returns
+    them); ``out[:, 2k] = x·c − y·s``, ``out[:, 2k+1] = y·c + x·s``; ``inverse`` negates ``s``.
+    ``rotary_cols`` (a size expression, e.g. ``"Nq + Nkv"``): leading columns rotated, a multiple
+    of D; the rest (V) are copied. ``out`` has src's shape and dtype.
+
+    ``dot`` (optional, src's shape): also write ``dot_out[i] = Σ_j src[i, j] · dot[i, j]``
+    (fp32, length M), divided by ``divide_by`` (a size expression) if given — with ``dot`` = the
+    saved forward output, the RMSNorm backward's ``c = Σ z·dz / d`` (rotations keep dot products).
+    """
+
+    kind: Literal["rope_rows"] = "rope_rows"
+    src: Name
+    cos: Name
+    sin: Name
+    out: Name
+    inverse: bool = False
+    rotary_cols: SizeExpr | None = None
+    dot: Name | None = None
+    dot_out: Name | None = None
+    divide_by: SizeExpr | None = None
+
+    def check(self, env: ProgramEnv) -> None:
+        info = env.matrix(self.src, role="src")
+        rows, width = info.shape
+        if width % 2:
+            raise ProgramError(
+                f"rope_rows rotates column pairs, but {self.src!r} ({info.describe()}) has an odd "
+                "number of columns"
+            )
+        head_dim = self._check_tables(env, rows)
+        rotated = width
+        if self.rotary_cols is not None:
+            rotated = env.size(self.rotary_cols, what="rope_rows rotary_cols")
+        if not 0 <= rotated <= width or rotated % head_dim:
+            raise ProgramError(
+                f"rope_rows rotates {rotated} of {self.src!r}'s {width} columns, which is not a "
+                f"whole number of heads of width {head_dim} (the width of {self.cos!r})",
+                hint="set rotary_cols to the Q and K columns only (e.g. 'Nq + Nkv')",
+            )
+        env.define(self.out, TensorInfo(info.shape, info.dtype, env.where))
+        self._check_dot(env, info)
+
+    def _check_tables(self, env: ProgramEnv, rows: int) -> int:
+        shapes = []
+        for name in (self.cos, self.sin):
+            table = env.matrix(name, role="table")
+            if table.shape[0] != rows or table.shape[1] % 2 or table.shape[1] == 0:
+                raise ProgramError(
+                    f"rope_rows table {name!r} is {table.describe()}; it must be [M, head_dim] "
+                    f"with M = {rows} rows (one per row of {self.src!r}) and an even head_dim"
+                )
+            shapes.append(table.shape)
+        if shapes[0] != shapes[1]:
+            raise ProgramError(f"rope_rows tables {self.cos!r} and {self.sin!r} differ in shape")
+        return shapes[0][1]
+
+    def _check_dot(self, env: ProgramEnv, src: TensorInfo) -> None:
+        if self.dot is None:
+            if self.dot_out is not None or self.divide_by is not None:
+                raise ProgramError(
+                    "rope_rows dot_out and divide_by need dot (the tensor to multiply src with)"
+                )
+            return
+        info = env.matrix(self.dot, role="dot")
+        if info.shape != src.shape:
+            raise ProgramError(
+                f"rope_rows dot {self.dot!r} is {info.describe()}, but it must have the shape of "
+                f"src {self.src!r}, {src.describe()}"
+            )
+        if self.dot_out is None:
+            raise ProgramError("rope_rows with dot needs dot_out (the name of the row sums)")
+        if self.divide_by is not None and env.size(self.divide_by, what="divide_by") <= 0:
+            raise ProgramError(f"divide_by {self.divide_by!r} must be positive")
+        env.define(self.dot_out, TensorInfo((src.shape[0],), "float32", env.where))
+
+    def _rotary_pairs(self, env: RunEnv, width: int) -> int:
+        rotated = evaluate_size(self.rotary_cols, env.sizes) if self.rotary_cols else width
+        return rotated // 2
+
+    def _scale(self, env: RunEnv) -> float:
+        return 1.0 / evaluate_size(self.divide_by, env.sizes) if self.divide_by else 1.0
+
+    def reference(self, env: RunEnv) -> None:
+        src = env.tensors[self.src]
+        z = src.to(env.compute)
+        x, y = z[:, 0::2], z[:, 1::2]
+        cos, sin = (env.tensors[n].to(env.compute) for n in (self.cos, self.sin))
+        pair = torch.arange(x.shape[1], device=z.device)
+        c, s = cos[:, pair % (cos.shape[1] // 2)], sin[:, pair % (cos.shape[1] // 2)]
+        keep = (pair < self._rotary_pairs(env, z.shape[1]))[None, :]
+        c, s = torch.where(keep, c, 1.0), torch.where(keep, s, 0.0)
+        if self.inverse:
+            s = -s
+        out = torch.stack((x * c - y * s, y * c + x * s), dim=2).reshape(z.shape)
+        exact = env.compute == torch.float64
+        env.tensors[self.out] = out if exact else out.to(src.dtype)
+        if self.dot is not None:
+            dot = (z * env.tensors[self.dot].to(env.compute)).sum(dim=1) * self._scale(env)
+            env.tensors[self.dot_out] = dot if exact else dot.to(torch.float32)
+
+    def launch(self, env: RunEnv) -> None:
+        src, out = env.tensors[self.src], env.tensors[self.out]
+        cos, sin = env.tensors[self.cos], env.tensors[self.sin]
+        rows, width = src.shape
+        if rows == 0:
+            return
+        dot = env.tensors[self.dot] if self.dot is not None else src  # unread without dot
+        dot_out = env.tensors[self.dot_out] if self.dot_out is not None else out
+        block_rows, block_pairs = _blocks(rows, width // 2)
+        _rope_rows_kernel[(cdiv(rows, block_rows),)](
+            src,
+            cos,
+            sin,
+            out,
+            dot,
+            dot_out,
+            rows,
+            width // 2,
+            self._rotary_pairs(env, width),
+            cos.shape[1] // 2,
+            src.stride(0),
+            src.stride(1),
+            cos.stride(0),
+            cos.stride(1),
+            out.stride(0),
+            out.stride(1),
+            dot.stride(0),
+            dot.stride(1),
+            self._scale(env),
+            INVERSE=self.inverse,
+            HAS_DOT=self.dot is not None,
+            BLOCK_ROWS=block_rows,
+            BLOCK_PAIRS=block_pairs,
+        )
