@@ -195,6 +195,9 @@ llama_mlp_bwd = register(
 
 ATTN_IN_GRADS = ["x", "gamma", "w_q", "w_k", "w_v"]
 ATTN_IN_COTANGENT = {"qkv": TensorSpec(shape=["M", "Nqkv"], doc="gradient of qkv")}
+# The forward's own output, kept by the caller (attention keeps q, k, v for its backward anyway):
+# the backward then needs no recomputation of the QKV projection (llama_attn_in_bwd_saved).
+ATTN_IN_SAVED = {"qkv": TensorSpec(shape=["M", "Nqkv"], doc="the forward's output qkv")}
 llama_attn_in_bwd = register(
     backward_block(
         llama_attn_in,
@@ -206,6 +209,16 @@ llama_attn_in_bwd = register(
             gpu=[{**s, "Nqkv": s["Nq"] + 2 * s["Nkv"]} for s in llama_attn_in.shapes.gpu],
             bench=[{**s, "Nqkv": s["Nq"] + 2 * s["Nkv"]} for s in llama_attn_in.shapes.bench],
         ),
+    )
+)
+llama_attn_in_bwd_saved = register(
+    backward_block(
+        llama_attn_in,
+        name="llama_attn_in_bwd_saved",
+        cotangents=ATTN_IN_COTANGENT,
+        wrt=ATTN_IN_GRADS,
+        saved=ATTN_IN_SAVED,
+        shapes=llama_attn_in_bwd.shapes,
     )
 )
 
@@ -385,23 +398,33 @@ def llama_lm_head_ce_family(eps: float) -> dict[str, Block]:
     return dict(zip(_KEYS, _VARIANTS[name], strict=True))
 
 
+_ATTN_KEYS = ("forward", "backward", "backward_saved")
+
+
 def llama_attn_in_family(eps: float) -> dict[str, Block]:
-    """``forward`` (``llama_attn_in``) and ``backward`` (``llama_attn_in_bwd``) for an input norm's
-    epsilon; another value than 1e-5 registers ``llama_attn_in_eps<eps>[_bwd]``."""
+    """``forward`` (``llama_attn_in``), ``backward`` (``llama_attn_in_bwd``: gets the forward
+    inputs, recomputes the projection) and ``backward_saved`` (``llama_attn_in_bwd_saved``: also
+    gets the forward's output ``qkv``) for an input norm's epsilon; another value than 1e-5
+    registers ``llama_attn_in_eps<eps>``, ``_bwd`` and ``_bwd_saved``."""
     if eps == LLAMA_RMS_EPS:
-        return {"forward": llama_attn_in, "backward": llama_attn_in_bwd}
+        builtin = (llama_attn_in, llama_attn_in_bwd, llama_attn_in_bwd_saved)
+        return dict(zip(_ATTN_KEYS, builtin, strict=True))
     name = f"llama_attn_in_eps{eps:g}"
     if name not in _VARIANTS:
         forward = _with_eps(llama_attn_in, eps, name)
-        backward = backward_block(
-            forward,
-            name=f"{name}_bwd",
-            cotangents=ATTN_IN_COTANGENT,
-            wrt=ATTN_IN_GRADS,
-            shapes=llama_attn_in_bwd.shapes,  # with Nqkv, as the built-in backward's
-        )
-        _VARIANTS[name] = (forward, register(backward))
-    return dict(zip(("forward", "backward"), _VARIANTS[name], strict=True))
+        backwards = [
+            backward_block(
+                forward,
+                name=f"{name}{suffix}",
+                cotangents=ATTN_IN_COTANGENT,
+                wrt=ATTN_IN_GRADS,
+                saved=saved,
+                shapes=llama_attn_in_bwd.shapes,  # with Nqkv, as the built-in backward's
+            )
+            for suffix, saved in (("_bwd", None), ("_bwd_saved", ATTN_IN_SAVED))
+        ]
+        _VARIANTS[name] = (forward, *map(register, backwards))
+    return dict(zip(_ATTN_KEYS, _VARIANTS[name], strict=True))
 
 
 _VARIANTS: dict[str, tuple[Block, ...]] = {}

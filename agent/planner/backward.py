@@ -360,24 +360,14 @@ class _Backward:
             weights.append(w)
         node = {"kind": "concat_rows", "tensors": weights, "out": "w_qkv"}
         w_qkv = self.prep(("concat", *weights), node)
-        r, folded = self.forward_projection(norm, w_qkv)
         widths = [size_expr_of(self.st, p.linear[1].weight, 0) for p in group.parts]
         rot_cols = " + ".join(widths[: len(rotated)]) if len(rotated) < len(group.parts) else None
-        # z = r ⊙ (x W_qkvᵀ) recomputed next to dqkv; dz = the inverse rotation of dqkv
-        dz = self.name("dz")
-        stats, partials = self.zdz_partials("z", dz)
-        rope = {"op": "rope", "src": "dqkv_tile", "cos": cos, "sin": sin, "inverse": True}
-        if rot_cols:
-            rope["rotary_cols"] = rot_cols
-        epilogue = [
-            {"op": "scale_rows", "src": "acc", "vector": r, "out": "z"},
-            {"op": "load_tile", "tensor": dqkv, "out": "dqkv_tile"},
-            {**rope, "out": dz} if rotated else {"op": "map", "expr": "dqkv_tile", "out": dz},
-            *stats,
-            {"op": "store", "src": dz, "to": dz},
-        ]
-        self.gemm("qkv_rope_bwd", norm.x, f"{folded}.T", epilogue)
-        c = self.statistic(partials, norm)
+        if concat.out in self.op.saved:
+            r, dz, c = self.qkv_backward_saved(norm, concat.out, dqkv, cos, sin, rot_cols)
+        else:
+            r, dz, c = self.qkv_backward_recomputed(
+                norm, w_qkv, dqkv, cos, sin, rot_cols, rotated=bool(rotated)
+            )
         y = self.norm_backward("qkv_bwd", dz, w_qkv, norm, r, c, residual=None)
         dw = self.plain_gemm("w_qkv_grad", f"{dz}.T", y, "dw_qkv_pairs" if rotated else "dw_qkv")
         if rotated:
@@ -391,6 +381,58 @@ class _Backward:
             view = {"tensor": dw, "dim": 0, "start": start, "stop": stop}
             self.output(part.linear[1].weight, view)
             start = stop
+
+    def qkv_backward_saved(
+        self, norm: RMSNorm, qkv: str, dqkv: str, cos: str, sin: str, rot_cols: str | None
+    ) -> tuple[str, str, str]:
+        """(r, dz, c) from the saved output, in one pass and no GEMM: dz = the inverse rotation of
+        dqkv, c = Σ qkv·dqkv / d (a rotation keeps dot products: Σ z·dz = Σ qkv·dqkv)."""
+        if not cos:
+            self.fail("a saved QKV output is lowered only with RoPE (rope_rows inverts it)")
+        r = self.rstd(norm)
+        node = {
+            "kind": "rope_rows",
+            "src": dqkv,
+            "cos": cos,
+            "sin": sin,
+            "inverse": True,
+            "dot": qkv,
+            "dot_out": self.name("c"),
+            "divide_by": size_expr_of(self.st, norm.x, 1),
+            "out": "dz",
+        }
+        if rot_cols:
+            node["rotary_cols"] = rot_cols
+        return r, self.aux(node), node["dot_out"]
+
+    def qkv_backward_recomputed(
+        self,
+        norm: RMSNorm,
+        w_qkv: str,
+        dqkv: str,
+        cos: str,
+        sin: str,
+        rot_cols: str | None,
+        *,
+        rotated: bool,
+    ) -> tuple[str, str, str]:
+        """(r, dz, c): z = r ⊙ (x W_qkvᵀ) recomputed next to dqkv, dz = the inverse rotation of
+        dqkv in that GEMM's epilogue, with partial sums of z·dz for c."""
+        r, folded = self.forward_projection(norm, w_qkv)
+        dz = self.name("dz")
+        stats, partials = self.zdz_partials("z", dz)
+        rope = {"op": "rope", "src": "dqkv_tile", "cos": cos, "sin": sin, "inverse": True}
+        if rot_cols:
+            rope["rotary_cols"] = rot_cols
+        epilogue = [
+            {"op": "scale_rows", "src": "acc", "vector": r, "out": "z"},
+            {"op": "load_tile", "tensor": dqkv, "out": "dqkv_tile"},
+            {**rope, "out": dz} if rotated else {"op": "map", "expr": "dqkv_tile", "out": dz},
+            *stats,
+            {"op": "store", "src": dz, "to": dz},
+        ]
+        self.gemm("qkv_rope_bwd", norm.x, f"{folded}.T", epilogue)
+        return r, dz, self.statistic(partials, norm)
 
     # -- LM head + cross-entropy -------------------------------------------------------------------
     def saved_logsumexp(self, logits: str) -> str | None:

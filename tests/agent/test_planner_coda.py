@@ -158,6 +158,16 @@ def test_attention_input_backward_puts_qk_rows_back() -> None:
     assert rope.inverse and rope.rotary_cols == "Nq + Nkv"
 
 
+def test_attention_input_backward_from_the_saved_output_recomputes_no_projection() -> None:
+    # qkv kept by the forward: the inverse rotation and c = Σ qkv·dqkv / d in one rope_rows pass,
+    # then only the dx GEMM (norm backward in its epilogue) and the weight gradient
+    program = lower(get_block("llama_attn_in_bwd_saved"))
+    (rope,) = [s for s in program.steps if s.kind == "rope_rows"]
+    assert (rope.src, rope.dot, rope.divide_by) == ("dqkv", "qkv", "d") and rope.inverse
+    assert [g.name for g in _gemms(program)] == ["qkv_bwd", "w_qkv_grad"]
+    assert not any(p.kind == "fold_norm_weight" for p in program.prep)
+
+
 def _spec(*shape: str, init: str = "activation") -> TensorSpec:
     return TensorSpec(shape=list(shape), init=init)
 

@@ -24,6 +24,7 @@ LAYER_BLOCKS = [
     "llama_mlp_branch_bwd_saved",
     "llama_lm_head_ce_train",
     "llama_lm_head_ce_bwd_saved",
+    "llama_attn_in_bwd_saved",
 ]
 PAPER_TABLE = [
     "gemm_residual_partial_rmsnorm",
