@@ -2,10 +2,11 @@
 projections + RoPE as one GEMM (``llama_attn_in``, CODA_MATH §2–3), and its backward.
 
 * ``llama_attn_in_function(eps)``: ``f(x, gamma, w_q, w_k, w_v, cos, sin) -> qkv`` with autograd
-  for ``x``, ``gamma`` and the three weights. ``qkv = [q | k | v]`` ``[tokens, Nq + 2·Nkv]``; Q and
-  K are rotated and come in the per-head adjacent-pair column order the fused kernel writes
-  (``[r0, r_{D/2}, r1, r_{D/2+1}, …]`` of Hugging Face's rotate-half layout) — the attention
-  scores, and so the attention output, are the same, because Q and K share the order.
+  for ``x``, ``gamma`` and the three weights; the backward (``llama_attn_in_bwd_saved``) takes
+  the returned ``qkv`` and recomputes no projection. ``qkv = [q | k | v]`` ``[tokens, Nq +
+  2·Nkv]``; Q and K are rotated and come in the per-head adjacent-pair column order the fused
+  kernel writes (``[r0, r_{D/2}, r1, r_{D/2+1}, …]`` of Hugging Face's rotate-half layout) — the
+  attention scores, and so the attention output, are the same, because Q and K share the order.
 * ``CodaLlamaAttention(attn, norm)``: a ``LlamaAttention`` whose input norm (the layer's
   ``input_layernorm``, which ``patch_llama`` turns into a ``DeferredRMSNorm``), projections and
   rotary embedding run in that one kernel; attention itself (Hugging Face's configured
@@ -46,9 +47,11 @@ def llama_attn_in_function(
 
 @lru_cache(maxsize=8)
 def _attn_in_function(eps: float, verify: bool) -> ExportedFunction:
+    # The backward takes the forward's output qkv (kept alive by attention anyway) instead of
+    # recomputing the QKV projection GEMM for RoPE's inverse and the norm's statistic.
     family = llama_attn_in_family(eps)
-    forward, backward = (block_program(family[k], verify) for k in ("forward", "backward"))
-    return export_autograd(forward, backward, family["backward"])
+    forward, backward = (block_program(family[k], verify) for k in ("forward", "backward_saved"))
+    return export_autograd(forward, backward, family["backward_saved"])
 
 
 def check_llama_attention(attn: nn.Module) -> None:

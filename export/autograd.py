@@ -8,6 +8,8 @@ them together with ``torch.library.register_autograd``. The backward block's ``v
 forward output each cotangent belongs to, which inputs get gradients, and which forward values the
 backward receives (``saved``): the forward Program returns those too (e.g. ``llama_mlp_train``'s
 ``g`` and ``u``), autograd keeps them for the backward, and the caller sees only the other outputs.
+A saved value may also be an output the caller gets and differentiates (``llama_attn_in``'s
+``qkv``, which ``llama_attn_in_bwd_saved`` takes instead of recomputing the projection).
 
 Prep steps (weight layouts such as gate/up interleaving) run inside every forward and backward
 call: in training the weights change every step. They move weight-sized tensors once per call
@@ -107,8 +109,7 @@ class _Runner:
         outs = self.compiled(inputs)
         for name, (even, odd) in self.whole.items():
             outs[name] = _whole_rows(outs.pop(even), outs.pop(odd), name)
-        # An op's outputs may not alias one another (views of one fused gradient would): copy views.
-        return [_owned(outs[name]) for name in self.outputs]
+        return _unaliased([outs[name] for name in self.outputs], args)
 
     def _pin_configs(self, inputs: dict[str, torch.Tensor]) -> None:
         """Pin the tuned configs of these shapes on the compiled Program (tuning them first if
@@ -169,8 +170,19 @@ def _whole_rows(even: torch.Tensor, odd: torch.Tensor, name: str) -> torch.Tenso
     return rows.clone()
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    return t.clone(memory_format=torch.contiguous_format) if t._base is not None else t
+def _unaliased(outs: list[torch.Tensor], args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``outs`` with every view, and every tensor that shares memory with an argument or an
+    earlier output, copied: a custom op's outputs may alias neither (views of one fused weight
+    gradient, e.g. the Q, K and V rows of ``dw_qkv``, would). Memory is compared, not only
+    ``_base``: under a dispatch mode such as ``opcheck``'s a view need not report its base."""
+    taken = {t.untyped_storage().data_ptr() for t in args}
+    owned = []
+    for t in outs:
+        if t._base is not None or t.untyped_storage().data_ptr() in taken:
+            t = t.clone(memory_format=torch.contiguous_format)
+        taken.add(t.untyped_storage().data_ptr())
+        owned.append(t)
+    return owned
 
 
 def _act_dtype(program: Program, inputs: dict[str, torch.Tensor]) -> torch.dtype:
@@ -299,8 +311,12 @@ def export_autograd(
         p.key: p.out for p in backward_block.graph if isinstance(p, Pick) and p.src == vjp.out
     }
     _check_packing(forward, backward, grad_names, packed)
+    # Saved values that are not also differentiable outputs (e.g. llama_mlp's g, u, a) are extra
+    # outputs a call does not return; a saved output that is returned too (llama_attn_in's qkv,
+    # which its backward takes instead of recomputing) stays an ordinary output.
+    saved_only = [n for n in vjp.saved if n not in vjp.cotangents]
     if inference is not None:
-        _check_inference(forward, inference, [n for n in forward.outputs if n not in vjp.saved])
+        _check_inference(forward, inference, [n for n in forward.outputs if n not in saved_only])
     whole = {f"d{p.name}": (grad_names[p.even], grad_names[p.odd]) for p in packed}
     for p in packed:
         grad_names[p.name] = f"d{p.name}"
@@ -315,7 +331,7 @@ def export_autograd(
         outs = output if isinstance(output, tuple) else (output,)
         by_name = dict(zip(fwd_outputs, outs, strict=True))
         kept = [by_name[n] for n in saved_names]
-        ctx.mark_non_differentiable(*kept)
+        ctx.mark_non_differentiable(*(by_name[n] for n in saved_only))
         # Outputs nobody differentiated (saved activations, e.g. llama_mlp's g, u, a) reach
         # backward_fn as None, not as zero tensors of their size: for llama_mlp 3 fills of M·f
         # values a step (0.24 ms at d = 2048, 0.42 ms at d = 4096 on the H200,
@@ -342,7 +358,7 @@ def export_autograd(
         return tuple(by_name.get(grad_names.get(n, "")) for n in fwd_inputs)
 
     fwd_op.register_autograd(backward_fn, setup_context=setup_context)
-    user_outputs = [n for n in fwd_outputs if n not in saved_names]
+    user_outputs = [n for n in fwd_outputs if n not in saved_only]
     runners = [fwd_runner, bwd_runner]
     inf_op = None
     if inference is not None:

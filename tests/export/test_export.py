@@ -77,6 +77,10 @@ def test_the_custom_op_passes_torch_opcheck() -> None:
         *[p.weight.detach() for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)],
     )
     torch.library.opcheck(fn.forward_op, args, test_utils=("test_schema", "test_faketensor"))
+    # the backward returns dw_gate and dw_up from one interleaved gradient: copies, not aliases
+    saved = [torch.randn(7, 80) for _ in range(3)]  # g, u, a
+    backward_args = (*args, *saved, torch.randn(7, 48))
+    torch.library.opcheck(fn.backward_op, backward_args, test_utils=("test_schema",))
 
 
 def test_the_packed_ops_pass_torch_opcheck() -> None:
@@ -409,3 +413,35 @@ def test_autocast_path_compiles_and_resolves_late() -> None:
     with torch.autocast("cpu", dtype=torch.float16):
         assert half(torch.randn(3, 48)).dtype == torch.float32
     assert half.branch_function is not None
+
+
+def test_the_attention_input_keeps_its_output_for_a_backward_without_the_projection() -> None:
+    """llama_attn_in's qkv is both what a call returns (and differentiates) and what its backward
+    takes (llama_attn_in_bwd_saved): gradients match autograd of the PyTorch reference, the ops
+    pass opcheck, and the backward Program runs no GEMM of the forward projection."""
+    from coda.blocks import get_block
+    from coda.export import llama_attn_in_function
+    from tests.helpers import rope_tables
+
+    fn = llama_attn_in_function(1e-5, verify=False, tune="off")
+    assert fn.output_names == ["qkv"] and fn.saved_names == ["qkv"]
+    assert [s.name for s in fn.backward.steps if s.kind == "gemm"] == ["qkv_bwd", "w_qkv_grad"]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 24, generator=gen)
+    gamma = 1 + 0.1 * torch.randn(24, generator=gen)
+    w_q, w_k, w_v = (torch.randn(n, 24, generator=gen) / 5 for n in (32, 16, 16))
+    cos, sin = rope_tables(9, 8, torch.float32)
+    leaves = [t.requires_grad_() for t in (x, gamma, w_q, w_k, w_v)]
+    dqkv = torch.randn(9, 64, generator=gen)
+    got = fn(*leaves, cos, sin)
+    got_grads = torch.autograd.grad(got, leaves, dqkv)
+    inputs = dict(zip(("x", "gamma", "w_q", "w_k", "w_v"), leaves, strict=True))
+    want = get_block("llama_attn_in").reference({**inputs, "cos": cos, "sin": sin})["qkv"]
+    want_grads = torch.autograd.grad(want, leaves, dqkv)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    checks = ("test_schema", "test_faketensor")
+    args = [t.detach() for t in (*leaves, cos, sin)]
+    torch.library.opcheck(fn.forward_op, tuple(args), test_utils=checks)
+    torch.library.opcheck(fn.backward_op, (*args, got.detach(), dqkv), test_utils=checks)
