@@ -39,6 +39,8 @@ def _rope_rows_kernel(
     half,
     stride_sm,
     stride_sn,
+    stride_cm,
+    stride_cn,
     stride_tm,
     stride_tn,
     stride_om,
@@ -65,10 +67,12 @@ def _rope_rows_kernel(
         x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(x_ptrs + stride_sn, mask=mask, other=0.0).to(tl.float32)
         # Pair k uses frequency k mod D/2; pairs from rotary_pairs on pass through (cos 1, sin 0).
-        table = r64 * stride_tm + (k % half)[None, :] * stride_tn
+        freq = (k % half)[None, :]
         rotated = mask & (k < rotary_pairs)[None, :]
-        c = tl.load(cos_ptr + table, mask=rotated, other=1.0).to(tl.float32)
-        s = tl.load(sin_ptr + table, mask=rotated, other=0.0).to(tl.float32)
+        c_ptrs = cos_ptr + r64 * stride_cm + freq * stride_cn
+        c = tl.load(c_ptrs, mask=rotated, other=1.0).to(tl.float32)
+        s_ptrs = sin_ptr + r64 * stride_tm + freq * stride_tn
+        s = tl.load(s_ptrs, mask=rotated, other=0.0).to(tl.float32)
         if INVERSE:
             s = -s
         out_ptrs = out_ptr + r64 * stride_om + col * stride_on
@@ -219,6 +223,8 @@ class RopeRows(AuxStep):
             src.stride(1),
             cos.stride(0),
             cos.stride(1),
+            sin.stride(0),
+            sin.stride(1),
             out.stride(0),
             out.stride(1),
             dot.stride(0),

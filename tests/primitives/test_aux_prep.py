@@ -315,6 +315,19 @@ def test_rope_rows_is_the_epilogue_rotation_and_its_inverse(
         assert_close(got[name], ref[name], atol=atol, rtol=rtol, what=f"{name} vs reference")
 
 
+def test_rope_rows_reads_each_tensor_with_its_own_strides() -> None:
+    # a transposed gradient, a sin table that is a column slice of a wider one, a strided dot
+    sizes = {"M": 21, "N": 48, "K": 20, "D": 8}
+    inputs = make_inputs(ROPE_ROWS, sizes, torch.float32)
+    cos, sin = rope_tables(sizes["M"], sizes["D"], torch.float32)
+    inputs["cos"], inputs["sin"] = cos, torch.cat([sin, sin], dim=1)[:, : sizes["D"]]
+    inputs["g"] = inputs["g"].T.contiguous().T
+    assert not inputs["g"].is_contiguous() and not inputs["sin"].is_contiguous()
+    got, ref, _ = run_both(ROPE_ROWS, inputs)
+    for name in ("rotated", "back", "c", "all"):
+        assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, what=f"{name} vs reference")
+
+
 def test_rope_rows_of_an_empty_batch() -> None:
     inputs = make_inputs(ROPE_ROWS, {"M": 0, "N": 16, "K": 8, "D": 8}, torch.float32)
     got, _, _ = run_both(ROPE_ROWS, inputs)
