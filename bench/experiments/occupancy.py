@@ -34,25 +34,30 @@ KERNELS = (
     "gemm_swiglu,gemm_residual_partial_rmsnorm,gemm_partial_cross_entropy,"
     "gemm_rmsnorm_partial_cross_entropy,gemm_residual_partial_rmsnorm_bwd,gemm_partial_swiglu_bwd"
 )
-# (name, block_m, block_n, block_k, warps, stages, sub-tiles, programs per SM, maxnreg, flatten)
+# (name, positional fields, keyword fields) of the product's tuning-space ``Candidate``s:
+# block_m, block_n, block_k, num_warps, num_stages, epilogue_subtiles, then by keyword.
 CONFIGS = [
-    ("256w_sub2", 128, 256, 64, 8, 3, 2, 1, None, False),
-    ("256w_sub4", 128, 256, 64, 8, 3, 4, 1, None, False),
-    ("128_4w_s3", 128, 128, 64, 4, 3, 2, 1, None, False),
-    ("128_4w_s3_x2", 128, 128, 64, 4, 3, 2, 2, None, False),
-    ("128_4w_s2_x2", 128, 128, 64, 4, 2, 2, 2, None, False),
-    ("128_4w_k32s4_x2", 128, 128, 32, 4, 4, 2, 2, None, False),
-    ("128_4w_s3_x2_flat", 128, 128, 64, 4, 3, 2, 2, None, True),
-    ("128_8w_s3_x2_r128", 128, 128, 64, 8, 3, 2, 2, 128, False),
-    ("64x256_4w_s3_x2", 64, 256, 64, 4, 3, 2, 2, None, False),
+    ("256w_sub2", (128, 256, 64, 8, 3, 2), {}),
+    ("256w_sub4", (128, 256, 64, 8, 3, 4), {}),
+    ("128_4w_s3", (128, 128, 64, 4, 3, 2), {}),
+    ("128_4w_s3_x2", (128, 128, 64, 4, 3, 2), {"programs_per_sm": 2}),
+    ("128_4w_s2_x2", (128, 128, 64, 4, 2, 2), {"programs_per_sm": 2}),
+    ("128_4w_k32s4_x2", (128, 128, 32, 4, 4, 2), {"programs_per_sm": 2}),
+    ("128_4w_s3_x2_flat", (128, 128, 64, 4, 3, 2), {"flatten": True, "programs_per_sm": 2}),
+    ("128_8w_s3_x2_r128", (128, 128, 64, 8, 3, 2), {"programs_per_sm": 2, "maxnreg": 128}),
+    ("64x256_4w_s3_x2", (64, 256, 64, 4, 3, 2), {"programs_per_sm": 2}),
     # second round (after the first showed two resident programs pay where nothing spills):
     # narrower epilogue slices for the spilling epilogues, shallower pipelines for shared memory
-    ("128_4w_s3_x2_sub4", 128, 128, 64, 4, 3, 4, 2, None, False),
-    ("128_4w_k32s4_x2_sub4", 128, 128, 32, 4, 4, 4, 2, None, False),
-    ("128_4w_k32s3_x2", 128, 128, 32, 4, 3, 2, 2, None, False),
-    ("128_4w_k32s3_x2_sub4", 128, 128, 32, 4, 3, 4, 2, None, False),
-    ("128_8w_s3_x2_r128_sub4", 128, 128, 64, 8, 3, 4, 2, 128, False),
-    ("128_8w_k32s4_x2_r128_sub4", 128, 128, 32, 8, 4, 4, 2, 128, False),
+    ("128_4w_s3_x2_sub4", (128, 128, 64, 4, 3, 4), {"programs_per_sm": 2}),
+    ("128_4w_k32s4_x2_sub4", (128, 128, 32, 4, 4, 4), {"programs_per_sm": 2}),
+    ("128_4w_k32s3_x2", (128, 128, 32, 4, 3, 2), {"programs_per_sm": 2}),
+    ("128_4w_k32s3_x2_sub4", (128, 128, 32, 4, 3, 4), {"programs_per_sm": 2}),
+    ("128_8w_s3_x2_r128_sub4", (128, 128, 64, 8, 3, 4), {"programs_per_sm": 2, "maxnreg": 128}),
+    (
+        "128_8w_k32s4_x2_r128_sub4",
+        (128, 128, 32, 8, 4, 4),
+        {"programs_per_sm": 2, "maxnreg": 128},
+    ),
 ]
 # Hopper: 64K 32-bit registers and 228 KB of shared memory per SM (1 KB of it reserved per block).
 REGISTERS_PER_SM = 65536
@@ -71,21 +76,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def mainloop_config(entry: tuple) -> Any:
+def mainloop_config(fields: tuple, extra: dict[str, Any]) -> Any:
+    from coda.primitives.codegen.tuning import Candidate
     from coda.primitives.ir import MainloopConfig
 
-    _, bm, bn, bk, warps, stages, subtiles, per_sm, maxnreg, flatten = entry
-    return MainloopConfig(
-        block_m=bm,
-        block_n=bn,
-        block_k=bk,
-        num_warps=warps,
-        num_stages=stages,
-        epilogue_subtiles=subtiles,
-        programs_per_sm=per_sm,
-        maxnreg=maxnreg,
-        flatten=flatten,
-    )
+    return MainloopConfig(**Candidate(*fields, **extra)._asdict())
 
 
 def resident_programs(stats: dict[str, int], num_warps: int) -> int | None:
@@ -123,13 +118,13 @@ def kernel_rows(name: str, size: int, configs: list[tuple], rounds: int) -> list
     program = lower(block)
     (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
     rows, runs = [], {"cublas": lambda: gemm.call(inputs)}
-    for entry in configs:
-        cfg = mainloop_config(entry)
+    for label, fields, extra in configs:
+        cfg = mainloop_config(fields, extra)
         compiled = compile_program(program, analyze(program, sizes))
         prepared = compiled.prepare(inputs)
         (step,) = compiled.kernels
         compiled.configs[step] = cfg
-        row: dict[str, Any] = {"kernel": name, "size": size, "config": entry[0], **cfg.model_dump()}
+        row: dict[str, Any] = {"kernel": name, "size": size, "config": label, **cfg.model_dump()}
         try:
             row["wrong"] = wrong_steps(compiled, prepared)
         except Exception as e:  # noqa: BLE001  (a config that does not compile is a result)
@@ -140,7 +135,7 @@ def kernel_rows(name: str, size: int, configs: list[tuple], rounds: int) -> list
         row.update(stats, mainloop=compiled.mainloops_used[step])
         row["resident"] = resident_programs(stats, cfg.num_warps)
         rows.append(row)
-        runs[entry[0]] = lambda c=compiled, p=prepared: c.run(p)
+        runs[label] = lambda c=compiled, p=prepared: c.run(p)
     times = timed(runs, rounds)
     for row in rows:
         if row["config"] in times:
@@ -203,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [c for c in args.configs.split(",") if c]
     configs = [c for c in CONFIGS if not wanted or c[0] in wanted]
     if args.dry_run:  # the interpreter: 32×32 tiles in two sub-tiles, one round
-        configs = [(c[0], 32, 32, 32, 4, 1, 2, *c[7:]) for c in configs]
+        configs = [(n, (32, 32, 32, 4, 1, 2), extra) for n, _, extra in configs]
         args.size, args.rounds = 64, 1
     rows: list[dict[str, Any]] = []
     out = Path(args.out)

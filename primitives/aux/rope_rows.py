@@ -20,6 +20,7 @@ from .. import backend  # noqa: F401  (selects the interpreter before the kernel
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
+from ..ops.rope import check_rope_tables, rotate_pairs
 from ..sizes import SizeExpr, cdiv, next_power_of_2
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo
@@ -142,18 +143,11 @@ class RopeRows(AuxStep):
         self._check_dot(env, info)
 
     def _check_tables(self, env: ProgramEnv, rows: int) -> int:
-        shapes = []
-        for name in (self.cos, self.sin):
-            table = env.matrix(name, role="table")
-            if table.shape[0] != rows or table.shape[1] % 2 or table.shape[1] == 0:
-                raise ProgramError(
-                    f"rope_rows table {name!r} is {table.describe()}; it must be [M, head_dim] "
-                    f"with M = {rows} rows (one per row of {self.src!r}) and an even head_dim"
-                )
-            shapes.append(table.shape)
-        if shapes[0] != shapes[1]:
-            raise ProgramError(f"rope_rows tables {self.cos!r} and {self.sin!r} differ in shape")
-        return shapes[0][1]
+        def table(name: str) -> TensorInfo:
+            return env.matrix(name, role="table")
+
+        doc = f"one per row of {self.src!r}"
+        return check_rope_tables(table, self.cos, self.sin, rows, "rope_rows", doc)
 
     def _check_dot(self, env: ProgramEnv, src: TensorInfo) -> None:
         if self.dot is None:
@@ -184,15 +178,9 @@ class RopeRows(AuxStep):
     def reference(self, env: RunEnv) -> None:
         src = env.tensors[self.src]
         z = src.to(env.compute)
-        x, y = z[:, 0::2], z[:, 1::2]
         cos, sin = (env.tensors[n].to(env.compute) for n in (self.cos, self.sin))
-        pair = torch.arange(x.shape[1], device=z.device)
-        c, s = cos[:, pair % (cos.shape[1] // 2)], sin[:, pair % (cos.shape[1] // 2)]
-        keep = (pair < self._rotary_pairs(env, z.shape[1]))[None, :]
-        c, s = torch.where(keep, c, 1.0), torch.where(keep, s, 0.0)
-        if self.inverse:
-            s = -s
-        out = torch.stack((x * c - y * s, y * c + x * s), dim=2).reshape(z.shape)
+        rotated = 2 * self._rotary_pairs(env, z.shape[1])
+        out = rotate_pairs(z, cos, sin, rotated, inverse=self.inverse)
         exact = env.compute == torch.float64
         env.tensors[self.out] = out if exact else out.to(src.dtype)
         if self.dot is not None:

@@ -12,6 +12,7 @@ frequency ``p = k mod D/2``. The result is Hugging Face's rotated head in that s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fractions import Fraction
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -27,6 +28,43 @@ if TYPE_CHECKING:
     from ..checking import CheckEnv
     from ..codegen.context import EmitContext
     from ..reference import RefEnv
+    from ..types import TensorInfo
+
+
+def check_rope_tables(
+    table: Callable[[str], TensorInfo], cos: str, sin: str, rows: int, op: str, row_doc: str
+) -> int:
+    """The head width D of RoPE tables ``cos``/``sin`` (each ``[rows, D]``, D even, the same
+    shapes), or a ``ProgramError`` naming the table; ``table`` looks a name up."""
+    shapes = []
+    for name in (cos, sin):
+        info = table(name)
+        if info.shape[0] != rows or info.shape[1] % 2 or info.shape[1] == 0:
+            raise ProgramError(
+                f"{op} table {name!r} is {info.describe()}; it must be [M, head_dim] with "
+                f"M = {rows} rows ({row_doc}) and an even head_dim"
+            )
+        shapes.append(info.shape)
+    if shapes[0] != shapes[1]:
+        raise ProgramError(f"{op} tables {cos!r} and {sin!r} differ in shape")
+    return shapes[0][1]
+
+
+def rotate_pairs(
+    z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int, *, inverse: bool
+) -> torch.Tensor:
+    """RoPE on adjacent column pairs of ``z`` in PyTorch (the references of ``rope`` and aux
+    ``rope_rows``): pair k uses column ``k mod D/2`` of the tables; columns from ``rotated`` on
+    pass through; ``inverse`` rotates by the negative angle."""
+    x, y = z[:, 0::2], z[:, 1::2]
+    pair = torch.arange(x.shape[1], device=z.device)
+    freq = pair % (cos.shape[1] // 2)
+    keep = (2 * pair < rotated)[None, :]
+    c = torch.where(keep, cos[:, freq], 1.0)
+    s = torch.where(keep, sin[:, freq], 0.0)
+    if inverse:
+        s = -s
+    return interleave(x * c - y * s, y * c + x * s)
 
 
 class Rope(EpilogueOp):
@@ -77,34 +115,17 @@ class Rope(EpilogueOp):
         env.define_local(self.out, t)
 
     def _check_tables(self, env: CheckEnv) -> int:
-        shapes = []
-        for name in (self.cos, self.sin):
+        def table(name: str) -> TensorInfo:
             env.tensor(name, role="table")
-            info = env.program.matrix(name, role="table")
-            if info.shape[0] != env.M or info.shape[1] % 2:
-                raise ProgramError(
-                    f"rope table {name!r} is {info.describe()}; it must be [M, head_dim] with "
-                    f"M = {env.M} rows (one per token) and an even head_dim"
-                )
-            shapes.append(info.shape)
-        if shapes[0] != shapes[1]:
-            raise ProgramError(f"rope tables {self.cos!r} and {self.sin!r} differ in shape")
-        return shapes[0][1]
+            return env.program.matrix(name, role="table")
+
+        return check_rope_tables(table, self.cos, self.sin, env.M, "rope", "one per token")
 
     def reference(self, env: RefEnv) -> None:
         z = env.locals[self.src]
-        x, y = z[:, 0::2], z[:, 1::2]
+        rotated = evaluate_size(self.rotary_cols, env.sizes) if self.rotary_cols else z.shape[1]
         cos, sin = env.load(self.cos), env.load(self.sin)
-        pair = torch.arange(x.shape[1], device=z.device)
-        freq = pair % (cos.shape[1] // 2)
-        c, s = cos[:, freq], sin[:, freq]
-        if self.rotary_cols is not None:
-            rotated = evaluate_size(self.rotary_cols, env.sizes)
-            keep = (2 * pair < rotated)[None, :]
-            c, s = torch.where(keep, c, 1.0), torch.where(keep, s, 0.0)
-        if self.inverse:
-            s = -s
-        env.locals[self.out] = interleave(x * c - y * s, y * c + x * s)
+        env.locals[self.out] = rotate_pairs(z, cos, sin, rotated, inverse=self.inverse)
 
     def emit(self, ctx: EmitContext) -> None:
         scale: Fraction = ctx.type_of(self.src).scale
