@@ -195,8 +195,8 @@ llama_mlp_bwd = register(
 
 ATTN_IN_GRADS = ["x", "gamma", "w_q", "w_k", "w_v"]
 ATTN_IN_COTANGENT = {"qkv": TensorSpec(shape=["M", "Nqkv"], doc="gradient of qkv")}
-# The forward's own output, kept by the caller (attention keeps q, k, v for its backward anyway):
-# the backward then needs no recomputation of the QKV projection (llama_attn_in_bwd_saved).
+# The forward's own output, kept for the backward (q, k, v are views of it): the backward then
+# needs no recomputation of the QKV projection (llama_attn_in_bwd_saved).
 ATTN_IN_SAVED = {"qkv": TensorSpec(shape=["M", "Nqkv"], doc="the forward's output qkv")}
 llama_attn_in_bwd = register(
     backward_block(

@@ -47,8 +47,9 @@ def llama_attn_in_function(
 
 @lru_cache(maxsize=8)
 def _attn_in_function(eps: float, verify: bool) -> ExportedFunction:
-    # The backward takes the forward's output qkv (kept alive by attention anyway) instead of
-    # recomputing the QKV projection GEMM for RoPE's inverse and the norm's statistic.
+    # The backward takes the forward's output qkv instead of recomputing the QKV projection GEMM
+    # for RoPE's inverse and the norm's statistic (q, k, v are views of it, which attention's own
+    # backward may hold too; the memory this costs is not yet measured).
     family = llama_attn_in_family(eps)
     forward, backward = (block_program(family[k], verify) for k in ("forward", "backward_saved"))
     return export_autograd(forward, backward, family["backward_saved"])
