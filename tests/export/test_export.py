@@ -445,3 +445,10 @@ def test_the_attention_input_keeps_its_output_for_a_backward_without_the_project
     args = [t.detach() for t in (*leaves, cos, sin)]
     torch.library.opcheck(fn.forward_op, tuple(args), test_utils=checks)
     torch.library.opcheck(fn.backward_op, (*args, got.detach(), dqkv), test_utils=checks)
+    # traced whole (a saved output through AOT autograd): the same values and gradients
+    compiled = torch.compile(lambda *t: fn(*t) * 2, backend="aot_eager", fullgraph=True)
+    twice = compiled(*leaves, cos, sin)
+    twice_grads = torch.autograd.grad(twice, leaves, dqkv)
+    torch.testing.assert_close(twice, got * 2)
+    for g, w in zip(twice_grads, got_grads, strict=True):
+        torch.testing.assert_close(g, w * 2)
