@@ -226,8 +226,9 @@ class ExportedFunction:
     """A differentiable function of the forward block's inputs (``input_names``: the Program's
     input order, each packed pair as one argument at its even part's place).
 
-    Calling it returns the forward outputs other than the saved ones (one tensor, or a tuple in the
-    Program's output order); ``torch.autograd`` runs the backward Program for gradients.
+    Calling it returns the forward outputs except those saved only for the backward (one tensor,
+    or a tuple in the Program's output order); ``torch.autograd`` runs the backward Program for
+    gradients.
     ``forward_op``/``backward_op`` are the registered ``torch.ops.coda`` operators (the forward op
     returns every output of the forward Program, saved ones included). ``inference_op``, when
     given, runs instead of ``forward_op`` where no gradient can flow (``torch.no_grad()``, or no
@@ -265,7 +266,7 @@ class ExportedFunction:
         if self.inference_op is not None and not _needs_grad(args):
             return self.inference_op(*args)
         outs = self.forward_op(*args)
-        if not self.saved_names:
+        if len(self.output_names) == len(self.forward.outputs):  # none held for the backward only
             return outs
         outs = outs if isinstance(outs, tuple) else (outs,)
         every = list(self.forward.outputs)

@@ -168,9 +168,8 @@ class RopeRows(AuxStep):
             raise ProgramError(f"divide_by {self.divide_by!r} must be positive")
         env.define(self.dot_out, TensorInfo((src.shape[0],), "float32", env.where))
 
-    def _rotary_pairs(self, env: RunEnv, width: int) -> int:
-        rotated = evaluate_size(self.rotary_cols, env.sizes) if self.rotary_cols else width
-        return rotated // 2
+    def _rotated_cols(self, env: RunEnv, width: int) -> int:
+        return evaluate_size(self.rotary_cols, env.sizes) if self.rotary_cols else width
 
     def _scale(self, env: RunEnv) -> float:
         return 1.0 / evaluate_size(self.divide_by, env.sizes) if self.divide_by else 1.0
@@ -179,7 +178,7 @@ class RopeRows(AuxStep):
         src = env.tensors[self.src]
         z = src.to(env.compute)
         cos, sin = (env.tensors[n].to(env.compute) for n in (self.cos, self.sin))
-        rotated = 2 * self._rotary_pairs(env, z.shape[1])
+        rotated = self._rotated_cols(env, z.shape[1])
         out = rotate_pairs(z, cos, sin, rotated, inverse=self.inverse)
         exact = env.compute == torch.float64
         env.tensors[self.out] = out if exact else out.to(src.dtype)
@@ -205,7 +204,7 @@ class RopeRows(AuxStep):
             dot_out,
             rows,
             width // 2,
-            self._rotary_pairs(env, width),
+            self._rotated_cols(env, width) // 2,
             cos.shape[1] // 2,
             src.stride(0),
             src.stride(1),
