@@ -63,7 +63,8 @@ class ProfileRow(BaseModel):
     eager_ms: float | None = None
     compile_ms: float | None = None
     tflops: float
-    configs: dict[str, dict[str, int | bool]] = {}
+    # step -> its MainloopConfig as a dict (maxnreg None: the compiler's register choice)
+    configs: dict[str, dict[str, int | bool | None]] = {}
     mainloops: dict[str, str] = {}  # step -> "tma" | "tma_mainloop" | "pointer" (choose_mainloop)
     input_sets: int = 1  # input sets rotated while timing (more when they fit in L2)
     rel_err: float | None = None  # program vs fp32 reference, at this shape, in this run

@@ -187,6 +187,26 @@ def test_fp32_output_of_a_half_precision_run_is_held_to_that_runs_bounds() -> No
     assert not worse.passed  # still 2× PyTorch's error at most
 
 
+def test_a_profile_row_holds_every_mainloop_config_field() -> None:
+    """The profile stage stores each step's config dump; ``maxnreg`` is None unless a config caps
+    registers (a row that refused None failed every GPU profile once maxnreg existed)."""
+    from coda.primitives import MainloopConfig
+    from coda.sandbox.report import ProfileRow
+
+    configs = {"default": MainloopConfig(), "capped": MainloopConfig(maxnreg=128)}
+    row = ProfileRow(
+        sizes={"M": 64},
+        dtype="bfloat16",
+        program_ms=1.0,
+        gemms_ms=1.0,
+        tflops=1.0,
+        configs={n: c.model_dump() for n, c in configs.items()},
+    )
+    assert row.configs["default"]["maxnreg"] is None and row.configs["capped"]["maxnreg"] == 128
+    again = ProfileRow.model_validate_json(row.model_dump_json())
+    assert {n: MainloopConfig(**c) for n, c in again.configs.items()} == configs
+
+
 def test_the_report_names_configs_tuning_rejected_for_wrong_results() -> None:
     from coda.sandbox.report import ProfileRow, Report
 
