@@ -287,7 +287,12 @@ ROPE_ROWS = _program(
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize(
-    "sizes", [{"M": 37, "N": 48, "K": 20, "D": 8}, {"M": 70, "N": 272, "K": 9, "D": 16}]
+    "sizes",
+    [
+        {"M": 37, "N": 48, "K": 20, "D": 8},
+        {"M": 70, "N": 272, "K": 9, "D": 16},
+        {"M": 9, "N": 1040, "K": 5, "D": 16},  # the kernel's 512-column chunks, the last partial
+    ],
 )
 def test_rope_rows_is_the_epilogue_rotation_and_its_inverse(
     sizes: dict[str, int], dtype: torch.dtype
