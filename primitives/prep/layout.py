@@ -1,4 +1,5 @@
-"""Weight-layout prep: make pairwise epilogues possible, fuse projections, fold norm weights.
+"""Weight-layout prep: make pairwise epilogues possible and fuse projections (γ folding: prep
+``fold_norm_weight``).
 
 Weights use ``nn.Linear``'s layout ``[out_features, in_features]``; a GEMM ``x @ Wᵀ`` has one output
 column per row of ``W``. Prep runs once per weight (not per call) and is not part of kernel timings.
@@ -74,39 +75,6 @@ def interleaved_buffer(first: torch.Tensor, second: torch.Tensor) -> torch.Tenso
     ):
         return None
     return first.as_strided((2 * rows, cols), (cols, 1), first.storage_offset())
-
-
-class FoldNormWeight(PrepStep):
-    """Fold a norm weight γ into the following ``nn.Linear`` weight: ``out = weight · diag(γ)``.
-
-    ``weight`` is ``[out, in]`` and ``gamma`` has length ``in``: ``out[o, i] = weight[o, i] *
-    γ[i]``, computed in fp32 and rounded once to the weight's dtype. Then ``rmsnorm(x) @ weightᵀ ==
-    diag(r) · (x @ outᵀ)``: the norm becomes ``rstd`` + ``scale_rows`` (CODA_MATH §1).
-    """
-
-    kind: Literal["fold_norm_weight"] = "fold_norm_weight"
-    weight: Name
-    gamma: Name
-    out: Name
-
-    def check(self, env: ProgramEnv) -> None:
-        w = env.matrix(self.weight, role="weight")
-        env.vector(self.gamma, w.shape[1], role="gamma", what="one value per input feature")
-        env.define(self.out, TensorInfo(w.shape, w.dtype, env.where))
-
-    def apply(self, env: RunEnv) -> None:
-        w, gamma = env.tensors[self.weight], env.tensors[self.gamma]
-        if w.dtype in _HALF and gamma.dtype == w.dtype and env.compute != torch.float64:
-            # PyTorch multiplies 16-bit tensors in fp32 and rounds once, and the product of two
-            # 16-bit floats is exact in fp32: the same bits as the fp32 formula below, in one
-            # pass over the weight instead of four (no fp32 copies; this runs every training step)
-            env.tensors[self.out] = w * gamma[None, :]
-            return
-        compute = torch.promote_types(env.compute, torch.float32)
-        env.tensors[self.out] = (w.to(compute) * gamma.to(compute)[None, :]).to(w.dtype)
-
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 def pair_order(rows: int, head_dim: int) -> torch.Tensor:

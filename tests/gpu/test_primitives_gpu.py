@@ -133,3 +133,22 @@ def test_tma_epilogue_tiles_gpu(name: str) -> None:
     _run_case(
         case, TMA_TILES, torch.bfloat16, config=TWO_SLICES, device="cuda", expect_variants={"tma"}
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_fold_prep_kernel_rounds_like_pytorch_gpu(dtype: torch.dtype) -> None:
+    """Prep ``fold_norm_weight`` on the GPU (the Triton kernel): bit for bit the fp32 formula and
+    PyTorch's own 16-bit multiply, at the LM head's shape and a ragged one."""
+    from coda.primitives.base import RunEnv
+    from coda.primitives.prep.fold_norm_weight import FoldNormWeight
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows, cols in [(32000, 2048), (301, 37)]:
+        w = (torch.randn(rows, cols, device="cuda", generator=gen) * 3).to(dtype)
+        scale = torch.logspace(-3, 3, cols, device="cuda")
+        gamma = (torch.randn(cols, device="cuda", generator=gen) * scale).to(dtype)
+        env = RunEnv({"w": w, "gamma": gamma}, {})
+        FoldNormWeight(weight="w", gamma="gamma", out="wg").apply(env)
+        got = env.tensors["wg"]
+        assert torch.equal(got, (w.float() * gamma.float()[None, :]).to(dtype))
+        assert torch.equal(got, w * gamma[None, :])

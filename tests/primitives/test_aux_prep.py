@@ -536,7 +536,7 @@ def test_size_expressions_are_whitelisted() -> None:
 def test_fold_norm_weight_in_16_bits_is_the_fp32_formula_bit_for_bit(dtype: torch.dtype) -> None:
     """The one-pass 16-bit fold (every training step) rounds exactly like fp32-then-round."""
     from coda.primitives.base import RunEnv
-    from coda.primitives.prep.layout import FoldNormWeight
+    from coda.primitives.prep.fold_norm_weight import FoldNormWeight
 
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(67, 131, generator=gen) * 3).to(dtype)
@@ -546,6 +546,42 @@ def test_fold_norm_weight_in_16_bits_is_the_fp32_formula_bit_for_bit(dtype: torc
     step.apply(env)
     want = (w.float() * gamma.float()[None, :]).to(dtype)
     assert env.tensors["wg"].dtype == dtype and torch.equal(env.tensors["wg"], want)
+
+
+@pytest.mark.parametrize(
+    "w_dtype,g_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+    ],
+    ids=["bf16", "fp16", "fp32", "bf16-fp32-gamma"],
+)
+def test_the_fold_kernel_is_the_fp32_formula_bit_for_bit(
+    w_dtype: torch.dtype, g_dtype: torch.dtype
+) -> None:
+    """The GPU fold (Triton) on odd shapes spanning several tiles, a transposed weight and a
+    strided γ: the same bits as fp32-then-round. The interpreter casts fp32 to bf16 by truncation
+    (the GPU rounds to nearest even), so there bf16 results may sit one bf16 step toward zero;
+    tests/gpu checks bf16 bit for bit."""
+    from coda.primitives import backend
+    from coda.primitives.prep.fold_norm_weight import scale_columns
+
+    gen = torch.Generator().manual_seed(1)
+    for rows, cols in [(37, 301), (1, 5), (0, 7)]:
+        w = (torch.randn(cols, rows, generator=gen) * 3).to(w_dtype).T  # not contiguous
+        wide = torch.randn(2 * cols, generator=gen) * torch.logspace(-3, 3, 2 * cols)
+        gamma = wide.to(g_dtype)[::2]  # stride 2
+        got = scale_columns(w, gamma)
+        exact = w.float() * gamma.float()[None, :]
+        want = exact.to(w_dtype)
+        assert got.dtype == w_dtype and got.shape == (rows, cols)
+        if w_dtype == torch.bfloat16 and backend.INTERPRET:
+            truncated = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(w_dtype)
+            assert torch.equal(got, truncated) or torch.equal(got, want)
+        else:
+            assert torch.equal(got, want)
 
 
 def test_interleave_rows_of_one_buffers_views_is_that_buffer() -> None:
