@@ -14,9 +14,9 @@ projections + RoPE as one GEMM (``llama_attn_in``, CODA_MATH §2–3), and its b
 
 Keys in a KV cache are stored in the pair order too, consistently for every later query — a
 cache filled by the unpatched model cannot be continued by the patched one (or the reverse).
-``CodaLlamaAttention`` returns the attention weights as ``LlamaAttention`` does, but it is no
-``LlamaAttention``, so ``model(..., output_attentions=True)`` does not collect them (Hugging
-Face records that class's outputs).
+``CodaLlamaAttention`` is a ``LlamaAttention`` (a subclass, when transformers is installed) and
+returns the attention weights as it does, so ``model(..., output_attentions=True)`` collects them:
+Hugging Face records the outputs of modules of that class.
 """
 
 from __future__ import annotations
@@ -81,7 +81,16 @@ def check_llama_attention(attn: nn.Module) -> None:
             raise ValueError(f"self_attn.{proj} has no whole number of heads of width {head}")
 
 
-class CodaLlamaAttention(nn.Module):
+def _hf_llama_attention() -> type[nn.Module]:
+    """Hugging Face's ``LlamaAttention`` class, or ``nn.Module`` without transformers."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaAttention
+    except ImportError:
+        return nn.Module
+    return LlamaAttention
+
+
+class CodaLlamaAttention(_hf_llama_attention()):
     """``self_attn(input_layernorm(x))`` of one decoder layer with the norm, Q/K/V projections and
     RoPE in one CODA kernel (``llama_attn_in``), in place of its ``LlamaAttention``.
 
@@ -97,7 +106,7 @@ class CodaLlamaAttention(nn.Module):
     def __init__(
         self, attn: nn.Module, norm: nn.Module, *, verify: bool = True, tune: Tuning = "quick"
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not LlamaAttention's: it would build new projections
         check_llama_attention(attn)
         self.eps = check_rms_norm(norm, "input_layernorm")
         self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj

@@ -136,13 +136,35 @@ def patch_llama(
     ]  # every Program verified before the first layer changes
     for layer, block in zip(layers, blocks, strict=True):
         layer.post_attention_layernorm = DeferredRMSNorm(block.norm)
-        layer.mlp = CodaLlamaMLP(block)
+        mlp = CodaLlamaMLP(block)
+        _carry_forward_hooks(layer.mlp, mlp)
+        layer.mlp = mlp
     for layer, attn in zip(attended, attns, strict=True):
         layer.input_layernorm = DeferredRMSNorm(layer.input_layernorm)
+        _carry_forward_hooks(layer.self_attn, attn)
         layer.self_attn = attn
     if fused_loss:
         fuse_causal_lm_loss(model, verify=verify, tune=tune)
     return model
+
+
+_FORWARD_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _carry_forward_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Forward (pre-)hooks registered on a module being replaced run on its replacement, which
+    takes the same inputs and returns the same outputs: Hugging Face's output recorders (installed
+    on the first call that asked for ``output_attentions``) and a user's own hooks keep working.
+    (A handle returned when such a hook was registered no longer removes it: it points at the
+    replaced module.)"""
+    for attr in _FORWARD_HOOKS:
+        getattr(new, attr).update(getattr(old, attr))
 
 
 def _unpatched_attention(module: nn.Module) -> bool:

@@ -97,6 +97,31 @@ def test_the_patched_attention_matches_hugging_face(config: dict) -> None:
         torch.testing.assert_close(q.grad, p.grad, atol=2e-5, rtol=2e-5, msg=name)
 
 
+@pytest.mark.parametrize("called_before", [False, True], ids=["patched-fresh", "called-first"])
+def test_output_attentions_and_forward_hooks_survive_patching(called_before: bool) -> None:
+    """``output_attentions=True`` returns every layer's weights once, equal to the unpatched
+    model's, whether Hugging Face installed its output recorders before the patch (a call asked
+    for them first) or after; a user's forward hook on a replaced module keeps running."""
+    hf = _model(seed=5, attn_implementation="eager")
+    model = copy.deepcopy(hf)
+    ids = torch.randint(0, 96, (2, 6))
+    if called_before:
+        model(input_ids=ids, output_attentions=True)
+    seen: list[str] = []
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_hook(lambda m, a, out, i=i: seen.append(f"mlp{i}"))
+        layer.self_attn.register_forward_pre_hook(lambda m, a, i=i: seen.append(f"attn{i}"))
+    patch_llama(model, verify=False, tune="off")
+    want = hf(input_ids=ids, output_attentions=True, output_hidden_states=True)
+    got = model(input_ids=ids, output_attentions=True, output_hidden_states=True)
+    assert seen == ["attn0", "mlp0", "attn1", "mlp1"]
+    assert len(got.attentions) == len(want.attentions) == 2
+    for ours, theirs in zip(got.attentions, want.attentions, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=2e-5)
+    assert len(got.hidden_states) == len(want.hidden_states)
+    assert model(input_ids=ids).attentions is None
+
+
 def test_attention_false_patches_only_the_mlp_half() -> None:
     model = patch_llama(_model(), verify=False, tune="off", attention=False)
     layer = model.model.layers[0]
