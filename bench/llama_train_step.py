@@ -113,10 +113,53 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
             from liger_kernel.transformers import apply_liger_kernel_to_llama
         except ImportError:
             return None
-        apply_liger_kernel_to_llama(model=model)
+        from transformers.models.llama import modeling_llama
+
+        apply = apply_liger_kernel_to_llama
+        model = contained_module_patches(model, modeling_llama, lambda: apply(model=model))
     if name in ("hf_compile", "coda_compile"):
         model = bench.compile(model)
     return model
+
+
+def contained_module_patches(model: Any, module: Any, apply: Callable[[], None]) -> Any:
+    """Run ``apply()`` (which patches ``model`` and may also reassign ``module``'s globals), undo
+    its global reassignments, and have ``model``'s forward see them only while it runs.
+
+    Liger's ``apply_liger_kernel_to_llama(model=m)`` also replaces ``modeling_llama``'s
+    ``apply_rotary_pos_emb`` for every Llama in the process: the ``hf`` and ``hf_compile``
+    variants, timed interleaved with ``liger``, ran Liger's RoPE kernel (``_triton_rope`` in their
+    profiles) until this was contained (bench/RESULTS.md, eighth session)."""
+    before = dict(vars(module))
+    apply()
+    after = dict(vars(module))
+    patched = {k: v for k, v in after.items() if before.get(k, _MISSING) is not v}
+    for k in patched:
+        if k in before:
+            setattr(module, k, before[k])
+        else:
+            delattr(module, k)
+    if not patched:
+        return model
+    forward = model.forward
+
+    def forward_with_patches(*args: Any, **kwargs: Any) -> Any:
+        saved = {k: vars(module).get(k, _MISSING) for k in patched}
+        vars(module).update(patched)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for k, v in saved.items():
+                if v is _MISSING:
+                    delattr(module, k)
+                else:
+                    setattr(module, k, v)
+
+    model.forward = forward_with_patches
+    return model
+
+
+_MISSING = object()
 
 
 def loss_of(name: str, bench: Bench) -> Callable[[Any, Any], Any]:

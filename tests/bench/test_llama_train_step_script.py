@@ -35,3 +35,34 @@ def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> No
     assert all(r["syncs"] is None for r in rows)  # GPU only: not measured in a dry run
     assert result["model"]["num_hidden_layers"] == 2
     assert "DRY RUN" in (tmp_path / "llama_train_step.md").read_text()
+
+
+def test_a_variants_module_patches_apply_only_inside_its_own_forward() -> None:
+    """Liger's patch also reassigns globals of ``modeling_llama`` (its RoPE), which every other
+    variant in the process would then run; contained, the patched model's forward sees them and
+    nothing else does, even when its forward raises."""
+    import types
+
+    script = load_script("llama_train_step")
+    module = types.ModuleType("fake_modeling")
+    module.rope = lambda: "hf"
+
+    class Model(torch.nn.Module):
+        def forward(self, fail: bool = False) -> tuple[str, bool]:
+            if fail:
+                raise ValueError("boom")
+            return module.rope(), hasattr(module, "extra")
+
+    def apply() -> None:
+        module.rope = lambda: "liger"
+        module.extra = 1
+
+    model = script.contained_module_patches(Model(), module, apply)
+    assert module.rope() == "hf" and not hasattr(module, "extra")
+    assert model() == ("liger", True)
+    assert module.rope() == "hf" and not hasattr(module, "extra")
+    with pytest.raises(ValueError, match="boom"):
+        model(fail=True)
+    assert module.rope() == "hf" and not hasattr(module, "extra")
+    untouched = Model()
+    assert script.contained_module_patches(untouched, module, lambda: None) is untouched
