@@ -98,7 +98,7 @@ class FoldNormWeight(PrepStep):
         if env.compute == torch.float64:  # the exact reference executor
             env.tensors[self.out] = (w.double() * gamma.double()[None, :]).to(w.dtype)
         elif w.is_cuda:
-            # the fp32 formula below, bit for bit, in one pass (every training step, both passes)
+            # the fp32 formula of the last branch, bit for bit, in one pass (every training step)
             env.tensors[self.out] = scale_columns(w, gamma)
         elif w.dtype in _HALF and gamma.dtype == w.dtype:
             # PyTorch multiplies 16-bit tensors in fp32 and rounds once, and the product of two

@@ -2,7 +2,8 @@
 ``fold_norm_weight``).
 
 Weights use ``nn.Linear``'s layout ``[out_features, in_features]``; a GEMM ``x @ Wᵀ`` has one output
-column per row of ``W``. Prep runs once per weight (not per call) and is not part of kernel timings.
+column per row of ``W``. Prep runs at the start of each Program call, before its GEMMs: in training
+the weights change every step, so it is part of every step's time.
 """
 
 from __future__ import annotations
