@@ -34,6 +34,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -267,6 +268,7 @@ def setting_rows(
         if args.profile:
             kernels = profile_step(steps[row["variant"]], bench)
             row["gpu_busy_ms"] = sum(k["ms"] for k in kernels)  # all of the step's GPU work
+            row["families"] = kernel_families(kernels)
             row["kernels"] = kernels[: args.profile]
         if args.sync_check:
             row["syncs"] = host_syncs(steps[row["variant"]], bench)
@@ -339,6 +341,88 @@ def sync_lines(rows: list[dict[str, Any]]) -> str:
     return "\n" + "\n".join(lines) if lines else ""
 
 
+FAMILIES = (
+    "CODA fused GEMMs", "cuBLAS GEMMs", "Liger Triton", "inductor Triton", "attention", "AdamW",
+    "copies, cat, gather", "embedding backward", "CODA aux + prep", "other",
+)  # fmt: skip
+_CODA_FUSED = re.compile(r"^[a-z][a-z0-9_]*_kernel$")  # generated: "<step name>_kernel"
+
+
+def coda_small_kernels() -> frozenset[str]:
+    """Names of the Triton kernels of CODA's aux and prep steps (rstd, combines, rope_rows, …),
+    read from the primitives package so a new one is counted without a change here."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import KernelInterface  # compiled or interpreted kernels alike
+
+    import coda.primitives.aux as aux
+    import coda.primitives.prep as prep
+
+    names = set()
+    for package in (aux, prep):
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            names |= {n for n, v in vars(module).items() if isinstance(v, KernelInterface)}
+    return frozenset(names)
+
+
+def kernel_family(name: str, coda_small: frozenset[str]) -> str:
+    """Which family of ``FAMILIES`` a profiled GPU kernel belongs to, by its name."""
+    low = name.lower()
+    if low.startswith("nvjet") or any(k in low for k in ("cutlass", "splitkreduce", "xmma")):
+        return "cuBLAS GEMMs"
+    if name.startswith("triton_"):
+        return "inductor Triton"
+    if name in coda_small:
+        return "CODA aux + prep"
+    if name.startswith("_") or "liger" in low:
+        return "Liger Triton"
+    if _CODA_FUSED.match(name):
+        return "CODA fused GEMMs"
+    if any(k in low for k in ("cudnn", "flash", "fmha", "sdpa", "attention")):
+        return "attention"
+    if "multi_tensor_apply" in low:
+        return "AdamW"
+    if any(k in low for k in ("scatter", "grad_weight", "radix", "unique", "segment", "scan")):
+        return "embedding backward"
+    if any(k in low for k in ("cat", "gather", "copy", "memcpy")):
+        return "copies, cat, gather"
+    return "other"
+
+
+def kernel_families(kernels: list[dict[str, Any]]) -> dict[str, float]:
+    """Milliseconds per step of each kernel family (every kernel of the step, not just the
+    longest ones the table lists)."""
+    small = coda_small_kernels()
+    out = dict.fromkeys(FAMILIES, 0.0)
+    for k in kernels:
+        out[kernel_family(k["kernel"], small)] += k["ms"]
+    return out
+
+
+def family_table(rows: list[dict[str, Any]]) -> str:
+    """Where each profiled step's GPU time goes, by kernel family."""
+    profiled = [r for r in rows if r.get("families")]
+    if not profiled:
+        return ""
+    used = [f for f in FAMILIES if any(r["families"][f] for r in profiled)]
+    lines = [
+        "\n\nGPU time per step by kernel family (ms):\n",
+        "| setting | variant | step | GPU busy | " + " | ".join(used) + " |",
+        "|---|---|---|---|" + "---|" * len(used),
+    ]
+    for r in profiled:
+        cells = [f"{r['families'][f]:.2f}" if r["families"][f] else "–" for f in used]
+        step = f"{r['step_ms']:.2f}" if r.get("step_ms") else "—"
+        lines.append(
+            f"| {r['setting']} | {r['variant']} | {step} | {r['gpu_busy_ms']:.2f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def kernel_tables(rows: list[dict[str, Any]]) -> str:
     """Per profiled variant: its step's longest kernels and their share of the step."""
     parts = []
@@ -404,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"] += setting_rows(args, setting, base, ids, bench)
         bench.free()
         (out / "llama_train_step.json").write_text(json.dumps(result, indent=2, default=str))
-    text = table(result["rows"]) + kernel_tables(result["rows"]) + sync_lines(result["rows"])
+    rows = result["rows"]
+    text = table(rows) + family_table(rows) + kernel_tables(rows) + sync_lines(rows)
     note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
     (out / "llama_train_step.md").write_text(
         f"# Llama training steps ({env['date']})\n\n{text}{note}"

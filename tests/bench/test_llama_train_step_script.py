@@ -66,3 +66,59 @@ def test_a_variants_module_patches_apply_only_inside_its_own_forward() -> None:
     assert module.rope() == "hf" and not hasattr(module, "extra")
     untouched = Model()
     assert script.contained_module_patches(untouched, module, lambda: None) is untouched
+
+
+# Kernel names as torch.profiler reported them in the H200 train-step profiles (eighth session).
+PROFILED = {
+    "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "cuBLAS GEMMs",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "cuBLAS GEMMs",
+    "void cutlass::Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nn_align1>": "cuBLAS GEMMs",
+    "gate_up_kernel": "CODA fused GEMMs",
+    "lm_head_dx_kernel": "CODA fused GEMMs",
+    "q_k_v_kernel": "CODA fused GEMMs",
+    "_rope_rows_kernel": "CODA aux + prep",
+    "_scale_columns_kernel": "CODA aux + prep",
+    "_rstd_kernel": "CODA aux + prep",
+    "_swiglu_backward_kernel": "Liger Triton",
+    "liger_cross_entropy_kernel": "Liger Triton",
+    "_triton_rope": "Liger Triton",
+    "triton_poi_fused__unsafe_view_mul_silu_silu_backward_view_2": "inductor Triton",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+    "void cudnn::fusion::fmha_reduce_head<true>(void const*, void*)": "attention",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::": "AdamW",
+    "void at::native::(anonymous namespace)::CatArrayBatchedCopy_vectorized<at::na": (
+        "copies, cat, gather"
+    ),
+    "void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*)": (
+        "copies, cat, gather"
+    ),
+    "Memcpy DtoD (Device -> Device)": "copies, cat, gather",
+    "void at::native::(anonymous namespace)::sum_and_scatter<c10::BFloat16, long>": (
+        "embedding backward"
+    ),
+    "void at_cuda_detail::cub::detail::radix_sort::DeviceRadixSortOnesweepKernel<": (
+        "embedding backward"
+    ),
+    "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<": "other",
+    "Memset (Device)": "other",
+}
+
+
+def test_profiled_kernels_fall_into_their_families() -> None:
+    script = load_script("llama_train_step")
+    small = script.coda_small_kernels()
+    # every aux / prep kernel of the package, read from it
+    assert {"_rstd_kernel", "_combine_kernel", "_rope_rows_kernel", "_gather_dot_kernel",
+            "_scale_columns_kernel"} <= small  # fmt: skip
+    assert {script.kernel_family(n, small) for n in small} == {"CODA aux + prep"}
+    for name, family in PROFILED.items():
+        assert script.kernel_family(name, small) == family, name
+    kernels = [{"kernel": n, "calls": 1, "ms": 0.5} for n in PROFILED]
+    families = script.kernel_families(kernels)
+    assert list(families) == list(script.FAMILIES)
+    assert abs(sum(families.values()) - 0.5 * len(PROFILED)) < 1e-9
+    assert families["CODA fused GEMMs"] == 1.5 and families["Liger Triton"] == 1.5
+    rows = [{"setting": "bf16", "variant": "x", "step_ms": 30.0, "gpu_busy_ms": 12.0,
+             "families": families}]  # fmt: skip
+    text = script.family_table(rows)
+    assert "| bf16 | x | 30.00 | 12.00 | 1.50 |" in text and "Liger Triton" in text
