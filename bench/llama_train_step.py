@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import re
@@ -133,34 +134,34 @@ def contained_module_patches(model: Any, module: Any, apply: Callable[[], None])
     profiles) until this was contained (bench/RESULTS.md, eighth session)."""
     before = dict(vars(module))
     apply()
-    after = dict(vars(module))
-    patched = {k: v for k, v in after.items() if before.get(k, _MISSING) is not v}
-    for k in patched:
-        if k in before:
-            setattr(module, k, before[k])
-        else:
-            delattr(module, k)
+    patched = {k: v for k, v in vars(module).items() if before.get(k, _MISSING) is not v}
+    _assign_globals(module, {k: before.get(k, _MISSING) for k in patched})
     if not patched:
         return model
     forward = model.forward
 
     def forward_with_patches(*args: Any, **kwargs: Any) -> Any:
-        saved = {k: vars(module).get(k, _MISSING) for k in patched}
-        vars(module).update(patched)
+        current = {k: vars(module).get(k, _MISSING) for k in patched}
+        _assign_globals(module, patched)
         try:
             return forward(*args, **kwargs)
         finally:
-            for k, v in saved.items():
-                if v is _MISSING:
-                    delattr(module, k)
-                else:
-                    setattr(module, k, v)
+            _assign_globals(module, current)
 
     model.forward = forward_with_patches
     return model
 
 
 _MISSING = object()
+
+
+def _assign_globals(module: Any, values: dict[str, Any]) -> None:
+    """Set each of ``module``'s globals to its value; ``_MISSING`` deletes it."""
+    for k, v in values.items():
+        if v is _MISSING:
+            delattr(module, k)
+        else:
+            setattr(module, k, v)
 
 
 def loss_of(name: str, bench: Bench) -> Callable[[Any, Any], Any]:
@@ -348,6 +349,7 @@ FAMILIES = (
 _CODA_FUSED = re.compile(r"^[a-z][a-z0-9_]*_kernel$")  # generated: "<step name>_kernel"
 
 
+@functools.cache
 def coda_small_kernels() -> frozenset[str]:
     """Names of the Triton kernels of CODA's aux and prep steps (rstd, combines, rope_rows, …),
     read from the primitives package so a new one is counted without a change here."""
