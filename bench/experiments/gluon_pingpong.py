@@ -1,0 +1,658 @@
+"""Experiment: can ping-pong consumer warpgroups hide the epilogue traffic the three over-target
+paper kernels move?
+
+The generated kernels (``primitives/codegen``) run the mainloop and the epilogue of a tile in the
+same warps, one after the other: the tensor cores idle while a tile's epilogue loads and stores
+whole extra ``[M, N]`` tiles (RESULTS, eighth session: +2 / +3 / +4 tiles, no-overlap floors
+1.038× / 1.058× / 1.077× the GEMM at 8192). This file writes the other schedule by hand in Gluon
+(``triton.experimental.gluon``, Triton 3.6), after CUTLASS's Hopper "ping-pong" kernel:
+
+* one **producer** warp streams A and B tiles through a ring of ``STAGES`` shared-memory slots
+  with TMA, for every output tile the program owns, in order;
+* two **consumer** warpgroups take the program's tiles in turn (even / odd). Each runs its
+  tile's K loop on ``wgmma`` (128 × 128 fp32 accumulator, 128 registers a thread), then its
+  epilogue: epilogue tiles arrive and leave by TMA through the consumer's own shared-memory
+  buffers, ``EPI_N`` columns at a time. Because the producer fills the ring in tile order, the
+  other consumer's K loop runs while this one is in its epilogue — the epilogue's memory traffic
+  and latency overlap the next tile's tensor-core work instead of stalling it.
+
+Kernels (``EPILOGUE``): ``store`` (plain GEMM, D = A Bᵀ: what the schedule costs with nothing to
+hide), ``swiglu_bwd`` (``gemm_partial_swiglu_bwd``: dZ, O and per-tile Σ z·dz from the saved
+interleaved Z = [G, U]) and ``residual_rmsnorm`` (``gemm_residual_partial_rmsnorm``: D = A B + C,
+O = D ⊙ γ, per-tile Σ d²). Each is checked against the block's fp32 reference semantics and
+timed interleaved against the cuBLAS GEMM of the same shape. Not part of the product: a
+measurement that decides whether the codegen grows a Gluon ping-pong backend.
+
+    python3 bench/experiments/gluon_pingpong.py [--sizes 4096,8192] [--out DIR]
+
+``--compile-only`` compiles every kernel for sm_90 without a GPU (a stand-in driver; Triton 3.6),
+printing shared memory — the way these kernels were written on a machine without one.
+"""
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate
+
+EPILOGUES = ("store", "swiglu_bwd", "residual_rmsnorm")
+
+
+@aggregate
+class Mainloop:
+    """What the producer and both consumers share: the operand ring and its barriers."""
+
+    a_desc: tma.tensor_descriptor
+    b_desc: tma.tensor_descriptor
+    a_bufs: gl.shared_memory_descriptor
+    b_bufs: gl.shared_memory_descriptor
+    ready_bars: gl.shared_memory_descriptor
+    empty_bars: gl.shared_memory_descriptor
+    M: gl.tensor
+    N: gl.tensor
+    K: gl.tensor
+    NUM_PROGRAMS: gl.constexpr
+    GROUP_M: gl.constexpr
+    B_NK: gl.constexpr  # B given as [N, K] (an nn.Linear weight: A Bᵀ) rather than [K, N]
+
+    @triton.constexpr_function
+    def __init__(
+        self,
+        a_desc,
+        b_desc,
+        a_bufs,
+        b_bufs,
+        ready_bars,
+        empty_bars,
+        M,
+        N,
+        K,
+        NUM_PROGRAMS,
+        GROUP_M,
+        B_NK,
+    ):
+        self.a_desc, self.b_desc = a_desc, b_desc
+        self.a_bufs, self.b_bufs = a_bufs, b_bufs
+        self.ready_bars, self.empty_bars = ready_bars, empty_bars
+        self.M, self.N, self.K = M, N, K
+        self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
+        self.GROUP_M = gl.constexpr(GROUP_M)
+        self.B_NK = gl.constexpr(B_NK)
+
+
+@aggregate
+class Epilogue:
+    """The epilogue's tensors and each consumer's shared-memory buffers (leading dim: consumer)."""
+
+    in_desc: tma.tensor_descriptor  # tile read: z (swiglu_bwd), c (residual_rmsnorm)
+    out_desc: tma.tensor_descriptor  # tile written from in_bufs: dz / d / d (store)
+    o_desc: tma.tensor_descriptor  # second tile written: o
+    in_bufs: gl.shared_memory_descriptor
+    o_bufs: gl.shared_memory_descriptor
+    in_bars: gl.shared_memory_descriptor
+    vec_ptr: gl.tensor  # γ (residual_rmsnorm)
+    partials_ptr: gl.tensor  # [M, cdiv(N, BN)] fp32 row partials
+    KIND: gl.constexpr
+    EPI_N: gl.constexpr
+
+    @triton.constexpr_function
+    def __init__(
+        self,
+        in_desc,
+        out_desc,
+        o_desc,
+        in_bufs,
+        o_bufs,
+        in_bars,
+        vec_ptr,
+        partials_ptr,
+        KIND,
+        EPI_N,
+    ):
+        self.in_desc, self.out_desc, self.o_desc = in_desc, out_desc, o_desc
+        self.in_bufs, self.o_bufs, self.in_bars = in_bufs, o_bufs, in_bars
+        self.vec_ptr, self.partials_ptr = vec_ptr, partials_ptr
+        self.KIND = gl.constexpr(KIND)
+        self.EPI_N = gl.constexpr(EPI_N)
+
+
+@gluon.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    # Grouped ordering, as the generated kernels: GROUP_M row-tiles advance together along N.
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _producer(m, e, WHICH: gl.constexpr):
+    """One warp: TMA loads of every k-step of every tile this program owns, in tile order."""
+    BM: gl.constexpr = m.a_desc.block_type.shape[0]
+    BK: gl.constexpr = m.a_desc.block_type.shape[1]
+    if m.B_NK:
+        BN: gl.constexpr = m.b_desc.block_type.shape[0]
+    else:
+        BN: gl.constexpr = m.b_desc.block_type.shape[1]
+    STAGES: gl.constexpr = m.a_bufs.type.shape[0]
+    nbytes: gl.constexpr = m.a_desc.block_type.nbytes + m.b_desc.block_type.nbytes
+    num_pid_m = gl.cdiv(m.M, BM)
+    num_pid_n = gl.cdiv(m.N, BN)
+    k_tiles = gl.cdiv(m.K, BK)
+    q = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, m.NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, m.GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        for kk in range(k_tiles):
+            slot = q % STAGES
+            phase = (q // STAGES) & 1
+            # Slots start free: the first pass waits on the phase before the barrier's first.
+            mbarrier.wait(m.empty_bars.index(slot), phase ^ 1)
+            bar = m.ready_bars.index(slot)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(m.a_desc, [off_m, kk * BK], bar, m.a_bufs.index(slot))
+            if m.B_NK:
+                tma.async_copy_global_to_shared(
+                    m.b_desc, [off_n, kk * BK], bar, m.b_bufs.index(slot)
+                )
+            else:
+                tma.async_copy_global_to_shared(
+                    m.b_desc, [kk * BK, off_n], bar, m.b_bufs.index(slot)
+                )
+            q += 1
+
+
+@gluon.jit
+def _split_columns(acc, PIECES: gl.constexpr):
+    """Split a [BM, BN] register tile into PIECES column blocks (no data movement: each thread of a
+    wgmma accumulator holds columns in every block)."""
+    pieces = (acc,)
+    for _ in gl.static_range(PIECES.bit_length() - 1):
+        halves = ()
+        for j in gl.static_range(len(pieces)):
+            x = pieces[j]
+            halves += x.reshape([x.shape[0], 2, x.shape[1] // 2]).permute(0, 2, 1).split()
+        pieces = halves
+    return pieces
+
+
+@gluon.jit
+def _epilogue_store(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, N, count):
+    """D = acc: each EPI_N-column piece through the consumer's buffer and out by TMA."""
+    BN: gl.constexpr = acc.shape[1]
+    pieces = _split_columns(acc, BN // e.EPI_N)
+    buf = e.in_bufs.index(C)
+    for s in gl.static_range(len(pieces)):
+        tma.store_wait(0)  # the previous piece's store has read the buffer
+        buf.store(pieces[s].to(e.out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(e.out_desc, [off_m, off_n + s * e.EPI_N], buf)
+    return count
+
+
+@gluon.jit
+def _epilogue_swiglu_bwd(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, N, count):
+    """da = acc; from the saved interleaved z = [g, u]: dz = [da·u·σ(g)(1 + g(1 − σ(g))),
+    da·silu(g)] interleaved, o = silu(g)·u, and this tile's Σ_k (g dg + u du) per row."""
+    BM: gl.constexpr = acc.shape[0]
+    BN: gl.constexpr = acc.shape[1]
+    EPI_N: gl.constexpr = e.EPI_N
+    pieces = _split_columns(acc, BN // EPI_N)
+    z_buf = e.in_bufs.index(C)
+    o_buf = e.o_bufs.index(C)
+    bar = e.in_bars.index(C)
+    zdz = gl.sum(gl.zeros_like(pieces[0]), axis=1)
+    # z read so that each thread holds the (g, u) pairs of the da columns it holds.
+    z_layout: gl.constexpr = gl.join(pieces[0], pieces[0]).reshape([BM, 2 * EPI_N]).type.layout
+    for s in gl.static_range(len(pieces)):
+        da = pieces[s]
+        col = off_n + s * EPI_N
+        tma.store_wait(0)  # the previous piece's dz and o have left the buffers
+        mbarrier.expect(bar, e.in_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(e.in_desc, [off_m, 2 * col], bar, z_buf)
+        mbarrier.wait(bar, count & 1)
+        count += 1
+        z = z_buf.load(z_layout)
+        g, u = z.reshape([BM, EPI_N, 2]).split()
+        g = gl.convert_layout(g.to(gl.float32), da.type.layout)
+        u = gl.convert_layout(u.to(gl.float32), da.type.layout)
+        sig = 1.0 / (1.0 + gl.exp(-g))
+        silu = g * sig
+        du = da * silu
+        dg = da * u * sig * (1.0 + g * (1.0 - sig))
+        zdz += gl.sum(g * dg + u * du, axis=1)
+        dz = gl.join(dg.to(e.out_desc.dtype), du.to(e.out_desc.dtype))
+        z_buf.store(dz.reshape([BM, 2 * EPI_N]))
+        o_buf.store((silu * u).to(e.o_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(e.out_desc, [off_m, 2 * col], z_buf)
+        tma.async_copy_shared_to_global(e.o_desc, [off_m, col], o_buf)
+    _store_row_partials(e, zdz, off_m, pid_n, M, N, BM, BN)
+    return count
+
+
+@gluon.jit
+def _epilogue_residual_rmsnorm(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, N, count):
+    """d = acc + c; o = d ⊙ γ; this tile's Σ_k d² per row."""
+    BM: gl.constexpr = acc.shape[0]
+    BN: gl.constexpr = acc.shape[1]
+    EPI_N: gl.constexpr = e.EPI_N
+    pieces = _split_columns(acc, BN // EPI_N)
+    c_buf = e.in_bufs.index(C)
+    o_buf = e.o_bufs.index(C)
+    bar = e.in_bars.index(C)
+    ss = gl.sum(gl.zeros_like(pieces[0]), axis=1)
+    for s in gl.static_range(len(pieces)):
+        ab = pieces[s]
+        col = off_n + s * EPI_N
+        tma.store_wait(0)
+        mbarrier.expect(bar, e.in_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(e.in_desc, [off_m, col], bar, c_buf)
+        mbarrier.wait(bar, count & 1)
+        count += 1
+        d = ab + c_buf.load(ab.type.layout).to(gl.float32)
+        cols = col + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, ab.type.layout))
+        gamma = gl.load(e.vec_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
+        d_out = d.to(e.out_desc.dtype)
+        ss += gl.sum(d * d, axis=1)
+        c_buf.store(d_out)
+        o_buf.store((d_out.to(gl.float32) * gl.expand_dims(gamma, 0)).to(e.o_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(e.out_desc, [off_m, col], c_buf)
+        tma.async_copy_shared_to_global(e.o_desc, [off_m, col], o_buf)
+    _store_row_partials(e, ss, off_m, pid_n, M, N, BM, BN)
+    return count
+
+
+@gluon.jit
+def _store_row_partials(e, values, off_m, pid_n, M, N, BM: gl.constexpr, BN: gl.constexpr):
+    rows = off_m + gl.arange(0, BM, layout=values.type.layout)
+    gl.store(e.partials_ptr + rows * gl.cdiv(N, BN) + pid_n, values, mask=rows < M)
+
+
+@gluon.jit
+def _consumer(m, e, C: gl.constexpr):
+    """One warpgroup: tiles C, C + 2, ... of this program — K loop on wgmma, then epilogue."""
+    BM: gl.constexpr = m.a_desc.block_type.shape[0]
+    BK: gl.constexpr = m.a_desc.block_type.shape[1]
+    if m.B_NK:
+        BN: gl.constexpr = m.b_desc.block_type.shape[0]
+    else:
+        BN: gl.constexpr = m.b_desc.block_type.shape[1]
+    STAGES: gl.constexpr = m.a_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+    )
+    num_pid_m = gl.cdiv(m.M, BM)
+    num_pid_n = gl.cdiv(m.N, BN)
+    k_tiles = gl.cdiv(m.K, BK)
+    pid = gl.program_id(0)
+    count = 0  # epilogue loads waited on so far (the phase of this consumer's in_bar)
+    for tile_id in range(pid + C * m.NUM_PROGRAMS, num_pid_m * num_pid_n, 2 * m.NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, m.GROUP_M)
+        q = ((tile_id - pid) // m.NUM_PROGRAMS) * k_tiles  # this tile's first ring position
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        prev_slot = 0
+        for kk in range(k_tiles):
+            slot = q % STAGES
+            mbarrier.wait(m.ready_bars.index(slot), (q // STAGES) & 1)
+            b = m.b_bufs.index(slot).permute((1, 0)) if m.B_NK else m.b_bufs.index(slot)
+            acc = warpgroup_mma(m.a_bufs.index(slot), b, acc, is_async=True)
+            # One wgmma in flight: the previous k-step's has finished reading its slot.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(m.empty_bars.index(prev_slot), pred=kk > 0)
+            prev_slot = slot
+            q += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(m.empty_bars.index(prev_slot))
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        if e.KIND == "swiglu_bwd":
+            count = _epilogue_swiglu_bwd(acc, e, C, off_m, off_n, pid_n, m.M, m.N, count)
+        elif e.KIND == "residual_rmsnorm":
+            count = _epilogue_residual_rmsnorm(acc, e, C, off_m, off_n, pid_n, m.M, m.N, count)
+        else:
+            count = _epilogue_store(acc, e, C, off_m, off_n, pid_n, m.M, m.N, count)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def pingpong_kernel(
+    a_desc,
+    b_desc,
+    in_desc,
+    out_desc,
+    o_desc,
+    vec_ptr,
+    partials_ptr,
+    M,
+    N,
+    K,
+    NUM_PROGRAMS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    B_NK: gl.constexpr,
+    STAGES: gl.constexpr,
+    KIND: gl.constexpr,
+    EPI_N: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    a_bufs = gl.allocate_shared_memory(
+        a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout
+    )
+    b_bufs = gl.allocate_shared_memory(
+        b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout
+    )
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=1)
+    # Each consumer's epilogue buffers: in (read, then overwritten with the first output) and o.
+    in_bufs = gl.allocate_shared_memory(
+        in_desc.dtype, [2] + in_desc.block_type.shape, in_desc.layout
+    )
+    if KIND == "store":
+        o_bufs = in_bufs
+    else:
+        o_bufs = gl.allocate_shared_memory(
+            o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout
+        )
+    in_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(in_bars.index(i), count=1)
+
+    m = Mainloop(
+        a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, NUM_PROGRAMS, GROUP_M, B_NK
+    )
+    e = Epilogue(
+        in_desc, out_desc, o_desc, in_bufs, o_bufs, in_bars, vec_ptr, partials_ptr, KIND, EPI_N
+    )
+    gl.warp_specialize(
+        [(_consumer, (m, e, 0)), (_consumer, (m, e, 1)), (_producer, (m, e, 0))],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def _desc(t, block):
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def _gl_dtype(dtype):
+    import torch
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[
+        dtype
+    ]
+
+
+def launch(
+    kind,
+    a,
+    b,
+    *,
+    b_nk,
+    z=None,
+    c=None,
+    gamma=None,
+    BM=128,
+    BN=128,
+    BK=64,
+    STAGES=4,
+    EPI_N=64,
+    GROUP_M=8,
+    num_programs=None,
+    warmup=False,
+):
+    """Run one ping-pong kernel; returns its outputs as a dict (``partials`` unreduced)."""
+    import torch
+
+    M, K = a.shape
+    N = b.shape[0] if b_nk else b.shape[1]
+    dev = a.device
+    num_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    if num_programs is None:
+        num_programs = min(_num_sms(dev), num_tiles)
+    partials = torch.empty(M, triton.cdiv(N, BN), device=dev, dtype=torch.float32)
+    out = {}
+    if kind == "store":
+        d = torch.empty(M, N, device=dev, dtype=a.dtype)
+        in_desc = out_desc = o_desc = _desc(d, [BM, EPI_N])
+        vec = partials
+        out["d"] = d
+    elif kind == "swiglu_bwd":
+        dz = torch.empty(M, 2 * N, device=dev, dtype=a.dtype)
+        o = torch.empty(M, N, device=dev, dtype=a.dtype)
+        in_desc = _desc(z, [BM, 2 * EPI_N])
+        out_desc = _desc(dz, [BM, 2 * EPI_N])
+        o_desc = _desc(o, [BM, EPI_N])
+        vec = partials
+        out.update(dz=dz, o=o, partials=partials)
+    elif kind == "residual_rmsnorm":
+        d = torch.empty(M, N, device=dev, dtype=a.dtype)
+        o = torch.empty(M, N, device=dev, dtype=a.dtype)
+        in_desc = _desc(c, [BM, EPI_N])
+        out_desc = _desc(d, [BM, EPI_N])
+        o_desc = _desc(o, [BM, EPI_N])
+        vec = gamma
+        out.update(d=d, o=o, partials=partials)
+    else:
+        raise ValueError(f"unknown epilogue {kind!r}; one of {EPILOGUES}")
+    a_desc = _desc(a, [BM, BK])
+    b_desc = _desc(b, [BN, BK] if b_nk else [BK, BN])
+    args = (a_desc, b_desc, in_desc, out_desc, o_desc, vec, partials, M, N, K)
+    meta = dict(
+        NUM_PROGRAMS=num_programs,
+        GROUP_M=GROUP_M,
+        B_NK=b_nk,
+        STAGES=STAGES,
+        KIND=kind,
+        EPI_N=EPI_N,
+        PRODUCER_REGS=40,
+        CONSUMER_REGS=232,
+        num_warps=4,
+        maxnreg=168,
+    )
+    if warmup:
+        return pingpong_kernel.warmup(*args, grid=(num_programs,), **meta)
+    pingpong_kernel[(num_programs,)](*args, **meta)
+    return out
+
+
+def _num_sms(device):
+    import torch
+
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ---------------------------------------------------------------------------------------------
+# References (the blocks' semantics, fp32 from the bf16 inputs)
+
+
+def reference(kind, a, b, *, b_nk, z=None, c=None, gamma=None):
+    ab = a.float() @ (b.float().t() if b_nk else b.float())
+    if kind == "store":
+        return {"d": ab}
+    if kind == "swiglu_bwd":
+        g, u = z.float()[:, 0::2], z.float()[:, 1::2]
+        sig = g.sigmoid()
+        dg = ab * u * sig * (1 + g * (1 - sig))
+        du = ab * g * sig
+        dz = torch_interleave(dg, du)
+        return {"dz": dz, "o": g * sig * u, "zdz": (g * dg + u * du).sum(1)}
+    d = ab + c.float()
+    return {"d": d, "o": d * gamma.float(), "ss": (d * d).sum(1)}
+
+
+def torch_interleave(x, y):
+    import torch
+
+    return torch.stack([x, y], dim=-1).reshape(x.shape[0], -1)
+
+
+def finished(kind, out):
+    """The kernel's outputs with the row partials summed (what the block's aux step does)."""
+    got = {k: v for k, v in out.items() if k != "partials"}
+    if kind == "swiglu_bwd":
+        got["zdz"] = out["partials"].sum(1)
+    elif kind == "residual_rmsnorm":
+        got["ss"] = out["partials"].sum(1)
+    return got
+
+
+def inputs(kind, M, N, K, device, seed=0):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(torch.bfloat16)
+
+    a = randn(M, K)
+    if kind == "residual_rmsnorm":
+        return dict(a=a, b=randn(K, N, scale=K**-0.5), b_nk=False, c=randn(M, N), gamma=randn(N))
+    kw = dict(a=a, b=randn(N, K, scale=K**-0.5), b_nk=True)
+    if kind == "swiglu_bwd":
+        kw["z"] = randn(M, 2 * N)
+    return kw
+
+
+def check(kind, M, N, K, device, **cfg):
+    """Largest error of every output, relative to the reference's largest magnitude."""
+    kw = inputs(kind, M, N, K, device)
+    got = finished(kind, launch(kind, **kw, **cfg))
+    want = reference(kind, **kw)
+    errors = {}
+    for name, ref in want.items():
+        scale = ref.abs().max().clamp_min(1e-6)
+        errors[name] = float((got[name].float() - ref).abs().max() / scale)
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def bench(sizes, configs, out_dir):
+    import torch
+
+    dev = torch.device("cuda")
+    rows = []
+    for size in sizes:
+        M = N = K = size
+        for kind, cfg in configs:
+            kw = inputs(kind, M, N, K, dev)
+            errors = check(kind, 1000 if size > 2048 else size, 1024, 1000, dev, **cfg)
+            bt = kw["b"] if kw["b_nk"] else kw["b"].t().contiguous()
+            cublas = functools.partial(torch.nn.functional.linear, kw["a"], bt)
+            ours = functools.partial(launch, kind, **kw, **cfg)
+            t = _interleaved({"cublas": cublas, "pingpong": ours})
+            row = dict(
+                kind=kind,
+                size=size,
+                config=cfg,
+                errors=errors,
+                cublas_ms=t["cublas"],
+                pingpong_ms=t["pingpong"],
+                ratio=t["pingpong"] / t["cublas"],
+            )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "gluon_pingpong.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _interleaved(fns, rounds=5):
+    """Median ms of each function, timed in alternation so clock drift hits all alike."""
+    from triton.testing import do_bench
+
+    for fn in fns.values():
+        fn()
+    samples = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            samples[k].append(do_bench(fn, warmup=25, rep=100))
+    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling without a GPU
+
+
+class _StandInDriver:
+    """Just enough of Triton's driver for ``JITFunction.warmup`` to compile for sm_90 on a machine
+    without a GPU."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def compile_only(configs):
+    import torch
+
+    triton.runtime.driver.set_active(_StandInDriver())
+    dev = torch.device("cpu")
+    for kind, cfg in configs:
+        kw = inputs(kind, 256, 256, 256, dev)
+        k = launch(kind, **kw, **cfg, warmup=True)
+        print(kind, cfg, "shared bytes:", k.metadata.shared, flush=True)
+
+
+DEFAULT_CONFIGS = [
+    ("store", dict(STAGES=4, EPI_N=64)),
+    ("swiglu_bwd", dict(STAGES=3, EPI_N=64)),
+    ("swiglu_bwd", dict(STAGES=4, EPI_N=32)),
+    ("residual_rmsnorm", dict(STAGES=4, EPI_N=64)),
+]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="4096,8192")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--compile-only", action="store_true")
+    args = parser.parse_args(argv)
+    if args.compile_only:
+        compile_only(DEFAULT_CONFIGS)
+        return 0
+    bench([int(s) for s in args.sizes.split(",")], DEFAULT_CONFIGS, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
