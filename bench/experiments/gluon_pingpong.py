@@ -32,6 +32,7 @@ printing shared memory — the way these kernels were written on a machine witho
 import argparse
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -67,6 +68,7 @@ class Mainloop:
     NUM_PROGRAMS: gl.constexpr
     GROUP_M: gl.constexpr
     B_NK: gl.constexpr  # B given as [N, K] (an nn.Linear weight: A Bᵀ) rather than [K, N]
+    CONSUMERS: gl.constexpr  # 2: ping-pong; 1: the second warpgroup idles (a control)
 
     @triton.constexpr_function
     def __init__(
@@ -83,6 +85,7 @@ class Mainloop:
         NUM_PROGRAMS,
         GROUP_M,
         B_NK,
+        CONSUMERS,
     ):
         self.a_desc, self.b_desc = a_desc, b_desc
         self.a_bufs, self.b_bufs = a_bufs, b_bufs
@@ -91,6 +94,7 @@ class Mainloop:
         self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
         self.GROUP_M = gl.constexpr(GROUP_M)
         self.B_NK = gl.constexpr(B_NK)
+        self.CONSUMERS = gl.constexpr(CONSUMERS)
 
 
 @aggregate
@@ -305,7 +309,11 @@ def _consumer(m, e, C: gl.constexpr):
     k_tiles = gl.cdiv(m.K, BK)
     pid = gl.program_id(0)
     count = 0  # epilogue loads waited on so far (the phase of this consumer's in_bar)
-    for tile_id in range(pid + C * m.NUM_PROGRAMS, num_pid_m * num_pid_n, 2 * m.NUM_PROGRAMS):
+    num_tiles = num_pid_m * num_pid_n
+    first = (
+        pid + C * m.NUM_PROGRAMS if C < m.CONSUMERS else num_tiles
+    )  # CONSUMERS = 1: no ping-pong
+    for tile_id in range(first, num_tiles, m.CONSUMERS * m.NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, m.GROUP_M)
         q = ((tile_id - pid) // m.NUM_PROGRAMS) * k_tiles  # this tile's first ring position
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
@@ -353,6 +361,7 @@ def pingpong_kernel(
     EPI_N: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(
         a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout
@@ -380,7 +389,19 @@ def pingpong_kernel(
         mbarrier.init(in_bars.index(i), count=1)
 
     m = Mainloop(
-        a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, NUM_PROGRAMS, GROUP_M, B_NK
+        a_desc,
+        b_desc,
+        a_bufs,
+        b_bufs,
+        ready_bars,
+        empty_bars,
+        M,
+        N,
+        K,
+        NUM_PROGRAMS,
+        GROUP_M,
+        B_NK,
+        CONSUMERS,
     )
     e = Epilogue(
         in_desc, out_desc, o_desc, in_bufs, o_bufs, in_bars, vec_ptr, partials_ptr, KIND, EPI_N
@@ -424,6 +445,7 @@ def launch(
     STAGES=4,
     EPI_N=64,
     GROUP_M=8,
+    CONSUMERS=2,
     num_programs=None,
     warmup=False,
 ):
@@ -473,6 +495,7 @@ def launch(
         EPI_N=EPI_N,
         PRODUCER_REGS=40,
         CONSUMER_REGS=232,
+        CONSUMERS=CONSUMERS,
         num_warps=4,
         maxnreg=168,
     )
@@ -634,6 +657,7 @@ def compile_only(configs):
 
 
 DEFAULT_CONFIGS = [
+    ("store", dict(STAGES=4, EPI_N=64, CONSUMERS=1)),
     ("store", dict(STAGES=4, EPI_N=64)),
     ("swiglu_bwd", dict(STAGES=3, EPI_N=64)),
     ("swiglu_bwd", dict(STAGES=4, EPI_N=32)),
@@ -641,15 +665,59 @@ DEFAULT_CONFIGS = [
 ]
 
 
+def check_grids(configs, shape=(1000, 1024, 1000)):
+    """Every config under persistent grids from one tile per program down to many: each case in
+    its own process (a kernel fault ends the CUDA context), errors or the failure printed."""
+    import subprocess
+
+    M, N, K = shape
+    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
+    ok = True
+    for kind, cfg in configs:
+        for programs in sorted({tiles, tiles // 2, tiles // 4, 7, 1}):
+            case = json.dumps([kind, cfg, programs, shape])
+            try:
+                r = subprocess.run(
+                    [sys.executable, __file__, "--one", case],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"},
+                )
+            except subprocess.TimeoutExpired:
+                ok = False
+                print(f"{kind} {cfg} programs={programs}: TIMEOUT (hang?)", flush=True)
+                continue
+            tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or ["(no output)"]
+            ok &= r.returncode == 0
+            print(f"{kind} {cfg} programs={programs}: rc={r.returncode} {tail[0]}", flush=True)
+    return ok
+
+
+def _one(case):
+    import torch
+
+    kind, cfg, programs, (M, N, K) = json.loads(case)
+    errors = check(kind, M, N, K, torch.device("cuda"), num_programs=programs, **cfg)
+    print(json.dumps(errors))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4096,8192")
     parser.add_argument("--out", default=None)
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--check-grids", action="store_true")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compile_only:
         compile_only(DEFAULT_CONFIGS)
         return 0
+    if args.one:
+        _one(args.one)
+        return 0
+    if args.check_grids:
+        return 0 if check_grids(DEFAULT_CONFIGS) else 1
     bench([int(s) for s in args.sizes.split(",")], DEFAULT_CONFIGS, args.out)
     return 0
 
