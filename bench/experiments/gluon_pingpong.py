@@ -68,7 +68,8 @@ class Mainloop:
     NUM_PROGRAMS: gl.constexpr
     GROUP_M: gl.constexpr
     B_NK: gl.constexpr  # B given as [N, K] (an nn.Linear weight: A Bᵀ) rather than [K, N]
-    CONSUMERS: gl.constexpr  # 2: ping-pong; 1: the second warpgroup idles (a control)
+    CONSUMERS: gl.constexpr  # 2: ping-pong; 1: one consumer warpgroup
+    ISOLATE: gl.constexpr  # fault hunting: 1 = consumer 1 skips its epilogue, 2 = its wgmma
 
     @triton.constexpr_function
     def __init__(
@@ -86,6 +87,7 @@ class Mainloop:
         GROUP_M,
         B_NK,
         CONSUMERS,
+        ISOLATE,
     ):
         self.a_desc, self.b_desc = a_desc, b_desc
         self.a_bufs, self.b_bufs = a_bufs, b_bufs
@@ -95,6 +97,7 @@ class Mainloop:
         self.GROUP_M = gl.constexpr(GROUP_M)
         self.B_NK = gl.constexpr(B_NK)
         self.CONSUMERS = gl.constexpr(CONSUMERS)
+        self.ISOLATE = gl.constexpr(ISOLATE)
 
 
 @aggregate
@@ -322,9 +325,10 @@ def _consumer(m, e, C: gl.constexpr):
             slot = q % STAGES
             mbarrier.wait(m.ready_bars.index(slot), (q // STAGES) & 1)
             b = m.b_bufs.index(slot).permute((1, 0)) if m.B_NK else m.b_bufs.index(slot)
-            acc = warpgroup_mma(m.a_bufs.index(slot), b, acc, is_async=True)
-            # One wgmma in flight: the previous k-step's has finished reading its slot.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if not (C == 1 and m.ISOLATE == 2):
+                acc = warpgroup_mma(m.a_bufs.index(slot), b, acc, is_async=True)
+                # One wgmma in flight: the previous k-step's has finished reading its slot.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             mbarrier.arrive(m.empty_bars.index(prev_slot), pred=kk > 0)
             prev_slot = slot
             q += 1
@@ -332,7 +336,9 @@ def _consumer(m, e, C: gl.constexpr):
         mbarrier.arrive(m.empty_bars.index(prev_slot))
         off_m = pid_m * BM
         off_n = pid_n * BN
-        if e.KIND == "swiglu_bwd":
+        if C == 1 and m.ISOLATE == 1:
+            pass
+        elif e.KIND == "swiglu_bwd":
             count = _epilogue_swiglu_bwd(acc, e, C, off_m, off_n, pid_n, m.M, m.N, count)
         elif e.KIND == "residual_rmsnorm":
             count = _epilogue_residual_rmsnorm(acc, e, C, off_m, off_n, pid_n, m.M, m.N, count)
@@ -362,6 +368,7 @@ def pingpong_kernel(
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     CONSUMERS: gl.constexpr,
+    ISOLATE: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(
         a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout
@@ -402,6 +409,7 @@ def pingpong_kernel(
         GROUP_M,
         B_NK,
         CONSUMERS,
+        ISOLATE,
     )
     e = Epilogue(
         in_desc, out_desc, o_desc, in_bufs, o_bufs, in_bars, vec_ptr, partials_ptr, KIND, EPI_N
@@ -453,6 +461,7 @@ def launch(
     GROUP_M=8,
     CONSUMERS=2,
     PER_SM=1,
+    ISOLATE=0,
     num_programs=None,
     warmup=False,
 ):
@@ -505,6 +514,7 @@ def launch(
         PRODUCER_REGS=40 if CONSUMERS == 2 else 24,
         CONSUMER_REGS=232,
         CONSUMERS=CONSUMERS,
+        ISOLATE=ISOLATE,
         num_warps=4,
         maxnreg=168 if CONSUMERS == 2 else 128,
     )
@@ -688,7 +698,7 @@ DEFAULT_CONFIGS = [
 ]
 
 
-def check_grids(configs, shape=(1000, 1024, 1000)):
+def check_grids(configs, shape=(1000, 1024, 1000), grids=None):
     """Every config under persistent grids from one tile per program down to many: each case in
     its own process (a kernel fault ends the CUDA context), errors or the failure printed."""
     import subprocess
@@ -697,7 +707,7 @@ def check_grids(configs, shape=(1000, 1024, 1000)):
     tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
     ok = True
     for kind, cfg in configs:
-        for programs in sorted({tiles, tiles // 2, tiles // 4, 7, 1}):
+        for programs in grids or sorted({tiles, tiles // 2, tiles // 4, 7, 1}):
             case = json.dumps([kind, cfg, programs, shape])
             try:
                 r = subprocess.run(
@@ -731,6 +741,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--check-grids", action="store_true")
+    parser.add_argument("--isolate-fault", action="store_true")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compile_only:
@@ -741,6 +752,12 @@ def main(argv=None):
         return 0
     if args.check_grids:
         return 0 if check_grids(DEFAULT_CONFIGS) else 1
+    if args.isolate_fault:
+        # Which part of the second consumer faults: its epilogue (ISOLATE=1 skips it) or its
+        # wgmma (ISOLATE=2 skips it)? Errors are expected for the skipped work; faults are not.
+        cases = [(k, dict(c, ISOLATE=i)) for k, c in PINGPONG_CONFIGS[:2] for i in (0, 1, 2)]
+        check_grids(cases, grids=[7])
+        return 0
     bench([int(s) for s in args.sizes.split(",")], DEFAULT_CONFIGS, args.out)
     return 0
 
