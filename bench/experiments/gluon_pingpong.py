@@ -62,6 +62,7 @@ class Mainloop:
     b_bufs: gl.shared_memory_descriptor
     ready_bars: gl.shared_memory_descriptor
     empty_bars: gl.shared_memory_descriptor
+    order_bars: gl.shared_memory_descriptor  # [2, 1]: consumer c has issued its tile's K loop
     M: gl.tensor
     N: gl.tensor
     K: gl.tensor
@@ -69,7 +70,6 @@ class Mainloop:
     GROUP_M: gl.constexpr
     B_NK: gl.constexpr  # B given as [N, K] (an nn.Linear weight: A Bᵀ) rather than [K, N]
     CONSUMERS: gl.constexpr  # 2: ping-pong; 1: one consumer warpgroup
-    ISOLATE: gl.constexpr  # fault hunting: 1 = consumer 1 skips its epilogue, 2 = its wgmma
 
     @triton.constexpr_function
     def __init__(
@@ -80,6 +80,7 @@ class Mainloop:
         b_bufs,
         ready_bars,
         empty_bars,
+        order_bars,
         M,
         N,
         K,
@@ -87,17 +88,15 @@ class Mainloop:
         GROUP_M,
         B_NK,
         CONSUMERS,
-        ISOLATE,
     ):
         self.a_desc, self.b_desc = a_desc, b_desc
         self.a_bufs, self.b_bufs = a_bufs, b_bufs
-        self.ready_bars, self.empty_bars = ready_bars, empty_bars
+        self.ready_bars, self.empty_bars, self.order_bars = ready_bars, empty_bars, order_bars
         self.M, self.N, self.K = M, N, K
         self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
         self.GROUP_M = gl.constexpr(GROUP_M)
         self.B_NK = gl.constexpr(B_NK)
         self.CONSUMERS = gl.constexpr(CONSUMERS)
-        self.ISOLATE = gl.constexpr(ISOLATE)
 
 
 @aggregate
@@ -319,26 +318,36 @@ def _consumer(m, e, C: gl.constexpr):
     for tile_id in range(first, num_tiles, m.CONSUMERS * m.NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, m.GROUP_M)
         q = ((tile_id - pid) // m.NUM_PROGRAMS) * k_tiles  # this tile's first ring position
+        i = (tile_id - first) // (m.CONSUMERS * m.NUM_PROGRAMS)  # this consumer's tiles so far
+        if m.CONSUMERS == 2:
+            # Take turns: start this tile's K loop once the other consumer has issued the
+            # previous tile's. Besides making the K loops alternate (ping-pong), this keeps every
+            # ready-barrier wait at most one phase behind: a parity wait cannot tell phase n from
+            # n + 2, and without the turn the second consumer, a whole tile ahead in the ring,
+            # passed its waits on stale phases and consumed slots before they were loaded.
+            if C == 1:
+                mbarrier.wait(m.order_bars.index(0), i & 1)
+            else:
+                mbarrier.wait(m.order_bars.index(1), (i - 1) & 1, pred=i > 0)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         prev_slot = 0
         for kk in range(k_tiles):
             slot = q % STAGES
             mbarrier.wait(m.ready_bars.index(slot), (q // STAGES) & 1)
             b = m.b_bufs.index(slot).permute((1, 0)) if m.B_NK else m.b_bufs.index(slot)
-            if not (C == 1 and m.ISOLATE == 2):
-                acc = warpgroup_mma(m.a_bufs.index(slot), b, acc, is_async=True)
-                # One wgmma in flight: the previous k-step's has finished reading its slot.
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            acc = warpgroup_mma(m.a_bufs.index(slot), b, acc, is_async=True)
+            # One wgmma in flight: the previous k-step's has finished reading its slot.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             mbarrier.arrive(m.empty_bars.index(prev_slot), pred=kk > 0)
             prev_slot = slot
             q += 1
+        if m.CONSUMERS == 2:
+            mbarrier.arrive(m.order_bars.index(C))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(m.empty_bars.index(prev_slot))
         off_m = pid_m * BM
         off_n = pid_n * BN
-        if C == 1 and m.ISOLATE == 1:
-            pass
-        elif e.KIND == "swiglu_bwd":
+        if e.KIND == "swiglu_bwd":
             count = _epilogue_swiglu_bwd(acc, e, C, off_m, off_n, pid_n, m.M, m.N, count)
         elif e.KIND == "residual_rmsnorm":
             count = _epilogue_residual_rmsnorm(acc, e, C, off_m, off_n, pid_n, m.M, m.N, count)
@@ -368,7 +377,6 @@ def pingpong_kernel(
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     CONSUMERS: gl.constexpr,
-    ISOLATE: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(
         a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout
@@ -381,6 +389,9 @@ def pingpong_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)
+    order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(order_bars.index(i), count=1)
     # Each consumer's epilogue buffers: in (read, then overwritten with the first output) and o.
     in_bufs = gl.allocate_shared_memory(
         in_desc.dtype, [CONSUMERS] + in_desc.block_type.shape, in_desc.layout
@@ -402,6 +413,7 @@ def pingpong_kernel(
         b_bufs,
         ready_bars,
         empty_bars,
+        order_bars,
         M,
         N,
         K,
@@ -409,7 +421,6 @@ def pingpong_kernel(
         GROUP_M,
         B_NK,
         CONSUMERS,
-        ISOLATE,
     )
     e = Epilogue(
         in_desc, out_desc, o_desc, in_bufs, o_bufs, in_bars, vec_ptr, partials_ptr, KIND, EPI_N
@@ -461,7 +472,6 @@ def launch(
     GROUP_M=8,
     CONSUMERS=2,
     PER_SM=1,
-    ISOLATE=0,
     num_programs=None,
     warmup=False,
 ):
@@ -514,7 +524,6 @@ def launch(
         PRODUCER_REGS=40 if CONSUMERS == 2 else 24,
         CONSUMER_REGS=232,
         CONSUMERS=CONSUMERS,
-        ISOLATE=ISOLATE,
         num_warps=4,
         maxnreg=168 if CONSUMERS == 2 else 128,
     )
@@ -676,16 +685,15 @@ def compile_only(configs):
         print(kind, cfg, "shared bytes:", k.metadata.shared, flush=True)
 
 
-# CONSUMERS=2 (two consumer warpgroups in one program) faults on the H200 under Triton 3.6 whenever
-# the worker-partition consumer runs a tile (RESULTS, ninth session); CONSUMERS=1 with two programs
-# per SM is the schedule measured.
+# Two consumer warpgroups in one program (ping-pong), then one consumer with one or two programs
+# per SM.
 PINGPONG_CONFIGS = [
     ("store", dict(STAGES=4, EPI_N=64)),
     ("swiglu_bwd", dict(STAGES=4, EPI_N=32)),
     ("residual_rmsnorm", dict(STAGES=4, EPI_N=64)),
 ]
 ONE_CONSUMER = dict(CONSUMERS=1)
-DEFAULT_CONFIGS = [
+DEFAULT_CONFIGS = PINGPONG_CONFIGS + [
     ("store", dict(ONE_CONSUMER, STAGES=4, EPI_N=64)),
     ("store", dict(ONE_CONSUMER, STAGES=2, EPI_N=64, PER_SM=2)),
     ("store", dict(ONE_CONSUMER, BK=32, STAGES=4, EPI_N=64, PER_SM=2)),
@@ -741,9 +749,15 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--check-grids", action="store_true")
-    parser.add_argument("--isolate-fault", action="store_true")
+    parser.add_argument(
+        "--grids", default="", help="--check-grids: program counts (default: several)"
+    )
+    parser.add_argument(
+        "--configs", choices=["all", "pingpong"], default="all", help="pingpong: two consumers only"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    configs = PINGPONG_CONFIGS if args.configs == "pingpong" else DEFAULT_CONFIGS
     if args.compile_only:
         compile_only(DEFAULT_CONFIGS)
         return 0
@@ -751,14 +765,9 @@ def main(argv=None):
         _one(args.one)
         return 0
     if args.check_grids:
-        return 0 if check_grids(DEFAULT_CONFIGS) else 1
-    if args.isolate_fault:
-        # Which part of the second consumer faults: its epilogue (ISOLATE=1 skips it) or its
-        # wgmma (ISOLATE=2 skips it)? Errors are expected for the skipped work; faults are not.
-        cases = [(k, dict(c, ISOLATE=i)) for k, c in PINGPONG_CONFIGS[:2] for i in (0, 1, 2)]
-        check_grids(cases, grids=[7])
-        return 0
-    bench([int(s) for s in args.sizes.split(",")], DEFAULT_CONFIGS, args.out)
+        grids = [int(g) for g in args.grids.split(",") if g]
+        return 0 if check_grids(configs, grids=grids or None) else 1
+    bench([int(s) for s in args.sizes.split(",")], configs, args.out)
     return 0
 
 
