@@ -692,6 +692,13 @@ PINGPONG_CONFIGS = [
     ("swiglu_bwd", dict(STAGES=4, EPI_N=32)),
     ("residual_rmsnorm", dict(STAGES=4, EPI_N=64)),
 ]
+# Deeper rings and wider epilogue pieces for the two-consumer program (shared memory: ≤ 227 KB).
+PINGPONG_SWEEP = [
+    ("store", dict(STAGES=5, EPI_N=64)),
+    ("swiglu_bwd", dict(STAGES=3, EPI_N=64)),
+    ("swiglu_bwd", dict(STAGES=5, EPI_N=32)),
+    ("residual_rmsnorm", dict(STAGES=5, EPI_N=32)),
+]
 ONE_CONSUMER = dict(CONSUMERS=1)
 DEFAULT_CONFIGS = PINGPONG_CONFIGS + [
     ("store", dict(ONE_CONSUMER, STAGES=4, EPI_N=64)),
@@ -753,11 +760,16 @@ def main(argv=None):
         "--grids", default="", help="--check-grids: program counts (default: several)"
     )
     parser.add_argument(
-        "--configs", choices=["all", "pingpong"], default="all", help="pingpong: two consumers only"
+        "--configs",
+        choices=["all", "pingpong", "sweep"],
+        default="all",
+        help="pingpong: two consumers only; sweep: two consumers, other rings and pieces",
     )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    configs = PINGPONG_CONFIGS if args.configs == "pingpong" else DEFAULT_CONFIGS
+    configs = {"pingpong": PINGPONG_CONFIGS, "sweep": PINGPONG_SWEEP}.get(
+        args.configs, DEFAULT_CONFIGS
+    )
     if args.compile_only:
         compile_only(DEFAULT_CONFIGS)
         return 0
