@@ -49,6 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
+# Triton 3.6 (the GPU machine's) names the TMA copies async_copy_global_to_shared and
+# async_copy_shared_to_global; later releases (this machine's 3.9) async_load and async_store.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
 EPILOGUES = ("store", "swiglu_bwd", "residual_rmsnorm")
 
 
@@ -173,15 +178,11 @@ def _producer(m, e, WHICH: gl.constexpr):
             mbarrier.wait(m.empty_bars.index(slot), phase ^ 1)
             bar = m.ready_bars.index(slot)
             mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(m.a_desc, [off_m, kk * BK], bar, m.a_bufs.index(slot))
+            _tma_load(m.a_desc, [off_m, kk * BK], bar, m.a_bufs.index(slot))
             if m.B_NK:
-                tma.async_copy_global_to_shared(
-                    m.b_desc, [off_n, kk * BK], bar, m.b_bufs.index(slot)
-                )
+                _tma_load(m.b_desc, [off_n, kk * BK], bar, m.b_bufs.index(slot))
             else:
-                tma.async_copy_global_to_shared(
-                    m.b_desc, [kk * BK, off_n], bar, m.b_bufs.index(slot)
-                )
+                _tma_load(m.b_desc, [kk * BK, off_n], bar, m.b_bufs.index(slot))
             q += 1
 
 
@@ -209,7 +210,7 @@ def _epilogue_store(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, N, count):
         tma.store_wait(0)  # the previous piece's store has read the buffer
         buf.store(pieces[s].to(e.out_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(e.out_desc, [off_m, off_n + s * e.EPI_N], buf)
+        _tma_store(e.out_desc, [off_m, off_n + s * e.EPI_N], buf)
     return count
 
 
@@ -232,7 +233,7 @@ def _epilogue_swiglu_bwd(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, N, cou
         col = off_n + s * EPI_N
         tma.store_wait(0)  # the previous piece's dz and o have left the buffers
         mbarrier.expect(bar, e.in_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(e.in_desc, [off_m, 2 * col], bar, z_buf)
+        _tma_load(e.in_desc, [off_m, 2 * col], bar, z_buf)
         mbarrier.wait(bar, count & 1)
         count += 1
         z = z_buf.load(z_layout)
@@ -248,8 +249,8 @@ def _epilogue_swiglu_bwd(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, N, cou
         z_buf.store(dz.reshape([BM, 2 * EPI_N]))
         o_buf.store((silu * u).to(e.o_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(e.out_desc, [off_m, 2 * col], z_buf)
-        tma.async_copy_shared_to_global(e.o_desc, [off_m, col], o_buf)
+        _tma_store(e.out_desc, [off_m, 2 * col], z_buf)
+        _tma_store(e.o_desc, [off_m, col], o_buf)
     _store_row_partials(e, zdz, off_m, pid_n, M, N, BM, BN)
     return count
 
@@ -270,7 +271,7 @@ def _epilogue_residual_rmsnorm(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, 
         col = off_n + s * EPI_N
         tma.store_wait(0)
         mbarrier.expect(bar, e.in_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(e.in_desc, [off_m, col], bar, c_buf)
+        _tma_load(e.in_desc, [off_m, col], bar, c_buf)
         mbarrier.wait(bar, count & 1)
         count += 1
         d = ab + c_buf.load(ab.type.layout).to(gl.float32)
@@ -281,8 +282,8 @@ def _epilogue_residual_rmsnorm(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, 
         c_buf.store(d_out)
         o_buf.store((d_out.to(gl.float32) * gl.expand_dims(gamma, 0)).to(e.o_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(e.out_desc, [off_m, col], c_buf)
-        tma.async_copy_shared_to_global(e.o_desc, [off_m, col], o_buf)
+        _tma_store(e.out_desc, [off_m, col], c_buf)
+        _tma_store(e.o_desc, [off_m, col], o_buf)
     _store_row_partials(e, ss, off_m, pid_n, M, N, BM, BN)
     return count
 
@@ -674,15 +675,37 @@ class _StandInDriver:
         return 0
 
 
+# Hopper: 228 KB of shared memory an SM, at most 227 KB a program, 1 KB reserved per program.
+SM_SHARED_BYTES = 228 * 1024
+MAX_PROGRAM_SHARED_BYTES = 227 * 1024
+
+
+def fits(shared_bytes, per_sm):
+    """Whether ``per_sm`` programs of this much shared memory can be resident on one SM."""
+    per_program = min(MAX_PROGRAM_SHARED_BYTES, SM_SHARED_BYTES // per_sm - 1024)
+    return shared_bytes <= per_program
+
+
 def compile_only(configs):
+    """Compile every config for sm_90 through a stand-in driver; one JSON line each (shared
+    memory, and whether the programs per SM it asks for fit)."""
     import torch
 
+    previous = triton.runtime.driver._active  # None until a driver was first asked for
     triton.runtime.driver.set_active(_StandInDriver())
-    dev = torch.device("cpu")
-    for kind, cfg in configs:
-        kw = inputs(kind, 256, 256, 256, dev)
-        k = launch(kind, **kw, **cfg, warmup=True)
-        print(kind, cfg, "shared bytes:", k.metadata.shared, flush=True)
+    rows = []
+    try:
+        for kind, cfg in configs:
+            kw = inputs(kind, 256, 256, 256, torch.device("cpu"))
+            kernel = launch(kind, **kw, **cfg, warmup=True)
+            shared = kernel.metadata.shared
+            row = dict(kind=kind, config=cfg, shared_bytes=shared)
+            row["fits"] = fits(shared, cfg.get("PER_SM", 1))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        triton.runtime.driver.set_active(previous)
+    return rows
 
 
 # Two consumer warpgroups in one program (ping-pong), then one consumer with one or two programs
@@ -771,8 +794,7 @@ def main(argv=None):
         args.configs, DEFAULT_CONFIGS
     )
     if args.compile_only:
-        compile_only(DEFAULT_CONFIGS)
-        return 0
+        return 0 if all(r["fits"] for r in compile_only(configs)) else 1
     if args.one:
         _one(args.one)
         return 0
