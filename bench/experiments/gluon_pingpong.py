@@ -722,6 +722,14 @@ PINGPONG_SWEEP = [
     ("swiglu_bwd", dict(STAGES=5, EPI_N=32)),
     ("residual_rmsnorm", dict(STAGES=5, EPI_N=32)),
 ]
+# Deeper still: narrower epilogue pieces leave room for a sixth ring slot.
+PINGPONG_DEEP = [
+    ("store", dict(STAGES=6, EPI_N=32)),
+    ("swiglu_bwd", dict(STAGES=5, EPI_N=16)),
+    ("swiglu_bwd", dict(STAGES=6, EPI_N=16)),
+    ("residual_rmsnorm", dict(STAGES=6, EPI_N=16)),
+    ("residual_rmsnorm", dict(STAGES=6, EPI_N=32)),
+]
 ONE_CONSUMER = dict(CONSUMERS=1)
 DEFAULT_CONFIGS = PINGPONG_CONFIGS + [
     ("store", dict(ONE_CONSUMER, STAGES=4, EPI_N=64)),
@@ -784,15 +792,14 @@ def main(argv=None):
     )
     parser.add_argument(
         "--configs",
-        choices=["all", "pingpong", "sweep"],
+        choices=["all", "pingpong", "sweep", "deep"],
         default="all",
-        help="pingpong: two consumers only; sweep: two consumers, other rings and pieces",
+        help="pingpong: two consumers only; sweep, deep: two consumers, other rings and pieces",
     )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    configs = {"pingpong": PINGPONG_CONFIGS, "sweep": PINGPONG_SWEEP}.get(
-        args.configs, DEFAULT_CONFIGS
-    )
+    named = {"pingpong": PINGPONG_CONFIGS, "sweep": PINGPONG_SWEEP, "deep": PINGPONG_DEEP}
+    configs = named.get(args.configs, DEFAULT_CONFIGS)
     if args.compile_only:
         return 0 if all(r["fits"] for r in compile_only(configs)) else 1
     if args.one:
