@@ -12,21 +12,31 @@ whole extra ``[M, N]`` tiles (RESULTS, eighth session: +2 / +3 / +4 tiles, no-ov
 * two **consumer** warpgroups take the program's tiles in turn (even / odd). Each runs its
   tile's K loop on ``wgmma`` (128 × 128 fp32 accumulator, 128 registers a thread), then its
   epilogue: epilogue tiles arrive and leave by TMA through the consumer's own shared-memory
-  buffers, ``EPI_N`` columns at a time. Because the producer fills the ring in tile order, the
-  other consumer's K loop runs while this one is in its epilogue — the epilogue's memory traffic
-  and latency overlap the next tile's tensor-core work instead of stalling it.
+  buffers, ``EPI_N`` columns at a time. The consumers take turns through two order barriers, so
+  one's K loop runs while the other is in its epilogue — the epilogue's memory traffic and
+  latency overlap tensor-core work instead of stalling it.
 
-Kernels (``EPILOGUE``): ``store`` (plain GEMM, D = A Bᵀ: what the schedule costs with nothing to
+``CONSUMERS=1`` is the control: one consumer warpgroup and the producer, at one or two programs
+per SM (``PER_SM``; two let the warp scheduler overlap one program's epilogue with the other's K
+loop, where shared memory allows).
+
+Kernels (``KIND``): ``store`` (plain GEMM, D = A Bᵀ: what the schedule costs with nothing to
 hide), ``swiglu_bwd`` (``gemm_partial_swiglu_bwd``: dZ, O and per-tile Σ z·dz from the saved
 interleaved Z = [G, U]) and ``residual_rmsnorm`` (``gemm_residual_partial_rmsnorm``: D = A B + C,
 O = D ⊙ γ, per-tile Σ d²). Each is checked against the block's fp32 reference semantics and
 timed interleaved against the cuBLAS GEMM of the same shape. Not part of the product: a
-measurement that decides whether the codegen grows a Gluon ping-pong backend.
+measurement that decides whether the codegen grows a Gluon ping-pong backend. Found (RESULTS,
+ninth session): ping-pong takes the SwiGLU backward from the generated kernel's 1.126× to 1.081×
+of cuBLAS at 8192 and leaves residual + partial RMSNorm at 1.06×; its own plain GEMM runs at
+1.035×, which is now the floor.
 
-    python3 bench/experiments/gluon_pingpong.py [--sizes 4096,8192] [--out DIR]
+    python3 bench/experiments/gluon_pingpong.py [--sizes 4096,8192] [--configs pingpong|sweep|deep]
+    python3 bench/experiments/gluon_pingpong.py --check-grids [--grids 7,16,64]   # faults too
+    python3 bench/experiments/gluon_pingpong.py --compile-only   # no GPU needed
 
-``--compile-only`` compiles every kernel for sm_90 without a GPU (a stand-in driver; Triton 3.6),
-printing shared memory — the way these kernels were written on a machine without one.
+``--compile-only`` compiles every config for sm_90 through a stand-in driver (Triton 3.6 or 3.9;
+the TMA copy names are looked up for either), printing shared memory and whether the programs
+per SM asked for fit — the way these kernels were written on a machine without a GPU.
 """
 
 import argparse
