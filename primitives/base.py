@@ -5,7 +5,7 @@
   questions itself: ``check`` (types and shapes), ``reference`` (PyTorch semantics on whole
   tensors) and ``emit`` (its Triton snippet). Neither the verifier nor codegen switches on op types.
 * ``AuxStep`` — a tiny finishing kernel between GEMMs (e.g. ``rstd`` from partial sums of squares).
-* ``PrepStep`` — a weight-layout transform run once per weight, not per call.
+* ``PrepStep`` — a weight-layout transform of the inputs, run at the start of every call.
 
 Subclassing registers a node: its ``op``/``kind`` literal is collected into the discriminated unions
 that ``Program`` is built from, so adding a primitive is one module (plus its test). A node defined
@@ -209,7 +209,8 @@ class AuxStep(Node):
 
 
 class PrepStep(Node):
-    """A weight-layout transform, run once per weight. Subclasses set ``kind`` (a Literal)."""
+    """A weight-layout transform, run at the start of every call (chains fused by the runtime).
+    Subclasses set ``kind`` (a Literal)."""
 
     registry: ClassVar[dict[str, type[PrepStep]]] = {}
 

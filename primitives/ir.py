@@ -214,9 +214,10 @@ class Program(Node):
     """A GEMM-epilogue program implementing one block.
 
     ``inputs``: the block's tensors (exactly as the block declares them). ``prep``: weight-layout
-    steps, run once per weight. ``steps``: ``gemm`` kernels and aux steps, in order; each may read
-    inputs, prep results and tensors written by earlier steps. ``outputs``: block output name →
-    program tensor that holds it, or an ``OutputView`` (a row or column slice of one).
+    steps, run at the start of every call. ``steps``: ``gemm`` kernels and aux steps, in order;
+    each may read inputs, prep results and tensors written by earlier steps. ``outputs``: block
+    output name → program tensor that holds it, or an ``OutputView`` (a row or column slice of
+    one).
     """
 
     block: str

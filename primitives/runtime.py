@@ -1,4 +1,4 @@
-"""Run a Program with its generated Triton kernels: prep once, then allocate, launch, return.
+"""Run a Program with its generated Triton kernels: prep, then allocate, launch, return.
 
 ``compile_program`` generates one module per fused gemm step (plain-store gemms run on
 ``torch.matmul``, i.e. cuBLAS on a GPU) and returns a ``CompiledProgram``. Calling it binds the
@@ -34,6 +34,7 @@ from .codegen.configs import resolve_config
 from .codegen.context import Param
 from .codegen.kernel import OPERAND_DESCRIPTORS, KernelSource, generate_kernel
 from .ir import GemmEpilogue, MainloopConfig, Program
+from .prep.fusion import names_in, run_prep
 from .reference import activation_dtype
 from .sizes import evaluate as evaluate_size
 from .types import TensorInfo, partials_shape, torch_dtype
@@ -100,12 +101,21 @@ class CompiledProgram:
 
     # -- running ---------------------------------------------------------------------------------
     def prepare(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Inputs plus prep results (weight layouts), computed once per set of weights."""
+        """Inputs plus the prep results (weight layouts) the steps and outputs read — chains of
+        prep steps fused (``prep/fusion.py``), so an intermediate only a chain reads is not kept.
+        Computed once per set of weights (in training: every call)."""
         info = self.info_for(inputs)
         env = RunEnv(dict(inputs), info.tensors, sizes=info.sizes)
-        for prep in self.program.prep:
-            prep.apply(env)
+        run_prep(self.program.prep, env, self.read_by_steps)
         return env.tensors
+
+    @functools.cached_property
+    def read_by_steps(self) -> frozenset[str]:
+        """Names the steps and outputs may read (every string in their dumps: a superset)."""
+        names = names_in([step.model_dump() for step in self.program.steps])
+        for value in self.program.outputs.values():
+            names.add(value if isinstance(value, str) else value.tensor)
+        return frozenset(names)
 
     def run(
         self, prepared: dict[str, torch.Tensor], *, poison: bool = False

@@ -1,4 +1,5 @@
-"""Prep steps: weight-layout transforms run once per weight. Importing this registers them all."""
+"""Prep steps: weight-layout transforms run at the start of each Program call (in training, every
+step), chains of them fused by the runtime (``fusion.py``). Importing this registers them all."""
 
 import importlib
 import pkgutil

@@ -2,8 +2,10 @@
 
 In training this runs in every forward and backward call (the weights change every step), over
 weights as large as the LM head's: on the GPU it is one Triton pass that reads the weight once and
-writes it once, vectorized along rows — PyTorch's broadcasting multiply (``w * γ[None, :]``) takes
-a slower, unvectorized path for the broadcast operand.
+writes it once, vectorized along rows (``prep/rows.py``) — PyTorch's broadcasting multiply
+(``w * γ[None, :]``) takes a slower, unvectorized path for the broadcast operand. After
+``rope_pairs`` / ``concat_rows`` the runtime folds in the same pass that gathers and stacks the
+rows (``prep/fusion.py``).
 """
 
 from __future__ import annotations
@@ -11,68 +13,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import triton
-import triton.language as tl
 
-from .. import backend  # noqa: F401  (selects the interpreter before the kernel is defined)
 from ..base import Name, PrepStep, RunEnv
 from ..checking import ProgramEnv
-from ..sizes import cdiv
 from ..types import TensorInfo
-
-
-@triton.jit
-def _scale_columns_kernel(
-    w_ptr,
-    g_ptr,
-    out_ptr,
-    rows,
-    cols,
-    stride_wm,
-    stride_wn,
-    stride_g,
-    stride_om,
-    stride_on,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-):
-    # One program: a BLOCK_ROWS × BLOCK_COLS tile of out = w · diag(g), the product in fp32 and
-    # rounded once to out's dtype.
-    offs_r = tl.program_id(axis=0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    offs_c = tl.program_id(axis=1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    mask_c = offs_c < cols
-    mask = (offs_r < rows)[:, None] & mask_c[None, :]
-    r64 = offs_r.to(tl.int64)[:, None]
-    g = tl.load(g_ptr + offs_c * stride_g, mask=mask_c, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + r64 * stride_wm + offs_c[None, :] * stride_wn, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * g[None, :]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + r64 * stride_om + offs_c[None, :] * stride_on, out, mask=mask)
-
-
-def scale_columns(w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """``w · diag(γ)`` in ``w``'s dtype — each product formed in fp32 and rounded once — by the
-    Triton kernel (on ``w``'s device; on the CPU only under the interpreter)."""
-    out = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    rows, cols = w.shape
-    if out.numel() == 0:
-        return out
-    block_rows, block_cols = 16, 256
-    grid = (cdiv(rows, block_rows), cdiv(cols, block_cols))
-    _scale_columns_kernel[grid](
-        w,
-        gamma,
-        out,
-        rows,
-        cols,
-        w.stride(0),
-        w.stride(1),
-        gamma.stride(0),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_ROWS=block_rows,
-        BLOCK_COLS=block_cols,
-    )
-    return out
+from .rows import scale_columns
 
 
 class FoldNormWeight(PrepStep):
@@ -95,17 +40,22 @@ class FoldNormWeight(PrepStep):
 
     def apply(self, env: RunEnv) -> None:
         w, gamma = env.tensors[self.weight], env.tensors[self.gamma]
-        if env.compute == torch.float64:  # the exact reference executor
-            env.tensors[self.out] = (w.double() * gamma.double()[None, :]).to(w.dtype)
-        elif w.is_cuda:
-            # the fp32 formula of the last branch, bit for bit, in one pass (every training step)
-            env.tensors[self.out] = scale_columns(w, gamma)
-        elif w.dtype in _HALF and gamma.dtype == w.dtype:
-            # PyTorch multiplies 16-bit tensors in fp32 and rounds once, and the product of two
-            # 16-bit floats is exact in fp32: the same bits as the fp32 formula, without fp32 copies
-            env.tensors[self.out] = w * gamma[None, :]
-        else:
-            env.tensors[self.out] = (w.float() * gamma.float()[None, :]).to(w.dtype)
+        env.tensors[self.out] = fold_columns(w, gamma, env.compute)
+
+
+def fold_columns(w: torch.Tensor, gamma: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """``w · diag(γ)`` in ``w``'s dtype: exact in float64 for the reference executor
+    (``compute=float64``), else each product formed in fp32 and rounded once."""
+    if compute == torch.float64:  # the exact reference executor
+        return (w.double() * gamma.double()[None, :]).to(w.dtype)
+    if w.is_cuda:
+        # the fp32 formula of the last branch, bit for bit, in one pass (every training step)
+        return scale_columns(w, gamma)
+    if w.dtype in _HALF and gamma.dtype == w.dtype:
+        # PyTorch multiplies 16-bit tensors in fp32 and rounds once, and the product of two
+        # 16-bit floats is exact in fp32: the same bits as the fp32 formula, without fp32 copies
+        return w * gamma[None, :]
+    return (w.float() * gamma.float()[None, :]).to(w.dtype)
 
 
 _HALF = (torch.bfloat16, torch.float16)

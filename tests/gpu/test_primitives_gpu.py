@@ -152,3 +152,23 @@ def test_the_fold_prep_kernel_rounds_like_pytorch_gpu(dtype: torch.dtype) -> Non
         got = env.tensors["wg"]
         assert torch.equal(got, (w.float() * gamma.float()[None, :]).to(dtype))
         assert torch.equal(got, w * gamma[None, :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("block", ["llama_attn_in", "llama_attn_in_bwd_saved"])
+def test_fused_prep_chains_are_the_steps_bit_for_bit_gpu(block: str, dtype: torch.dtype) -> None:
+    """The attention input's ``rope_pairs`` → ``concat_rows`` (→ ``fold_norm_weight``) chain run
+    fused on the GPU (``prep/fusion.py``: the row kernel gathers, scales and places each part) —
+    the same bits as the steps one by one, at the block's GPU shapes, with GQA."""
+    from coda.primitives.analysis import analyze, bind_sizes
+    from coda.primitives.runtime import compile_program
+    from tests.primitives.test_prep_fusion import _block_case, _one_by_one, _shapes
+
+    program, inputs = _block_case(block, dtype, shapes="gpu")
+    inputs = {n: t.cuda() for n, t in inputs.items()}
+    compiled = compile_program(program, analyze(program, bind_sizes(program, _shapes(inputs))))
+    prepared = compiled.prepare(inputs)
+    eager = _one_by_one(program, inputs, compiled.info_for(inputs).sizes)
+    last = program.prep[-1].out
+    assert prepared[last].is_cuda and torch.equal(prepared[last], eager[last])
+    assert not any(step.out in prepared for step in program.prep[:-1])

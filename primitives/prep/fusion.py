@@ -1,0 +1,131 @@
+"""Running a Program's prep steps with their chains fused: a weight assembled by ``rope_pairs`` →
+``concat_rows`` → ``fold_norm_weight`` is written once, each source weight read once.
+
+Run one by one, the attention input's prep — Q and K rows permuted into RoPE pairs, stacked with
+V into one QKV weight, γ folded in — reads and writes the QKV weight three times in four launches,
+in every training step's forward and again (without the fold) in its backward. ``run_prep``
+instead describes what these steps produce as a ``RowStack`` (which rows of which sources, and the
+γ to scale the columns by), composes descriptions along the chain, and writes a stack only where a
+tensor is needed: by a later prep step that cannot take a description, by a GEMM or aux step, or
+as a block output — an intermediate only the chain reads is never written. Each stack is written
+part by part into its slice of the result: one pass per source (``prep/rows.py`` on the GPU).
+
+The values are those of running the steps one by one, bit for bit: gathers and stacking copy, and
+the fold forms each product in fp32 and rounds once either way. The reference executor runs the
+steps one by one (it keeps every intermediate for diagnosis).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..base import PrepStep, RunEnv
+from ..sizes import evaluate as evaluate_size
+from .fold_norm_weight import FoldNormWeight, fold_columns
+from .layout import ConcatRows, RopePairs, row_order_on
+from .rows import assemble_rows
+
+
+@dataclass(frozen=True)
+class RowStack:
+    """A prepared weight not yet written: the rows of each part stacked in order — part ``(src,
+    rows)`` contributes ``src[rows]`` (``src`` whole if ``rows`` is None) — with every column then
+    scaled by ``gamma`` when given."""
+
+    parts: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]
+    gamma: torch.Tensor | None = None
+
+    def write(self, compute: torch.dtype) -> torch.Tensor:
+        """The tensor this stack describes."""
+        first = self.parts[0][0]
+        if len(self.parts) == 1 and self.parts[0][1] is None and self.gamma is None:
+            return first
+        if first.is_cuda and compute != torch.float64:
+            return self._write_in_place()
+        pieces = [src if rows is None else src.index_select(0, rows) for src, rows in self.parts]
+        stacked = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        return stacked if self.gamma is None else fold_columns(stacked, self.gamma, compute)
+
+    def _write_in_place(self) -> torch.Tensor:
+        first = self.parts[0][0]
+        n_rows = sum(src.shape[0] if rows is None else rows.shape[0] for src, rows in self.parts)
+        out = torch.empty((n_rows, first.shape[1]), dtype=first.dtype, device=first.device)
+        start = 0
+        for src, rows in self.parts:
+            n = src.shape[0] if rows is None else rows.shape[0]
+            if rows is None and self.gamma is None:
+                out[start : start + n].copy_(src)
+            else:
+                assemble_rows(out[start : start + n], src, rows, self.gamma)
+            start += n
+        return out
+
+
+def run_prep(steps: Sequence[PrepStep], env: RunEnv, needed: Collection[str]) -> None:
+    """Apply ``steps`` to ``env``, fusing ``rope_pairs`` / ``concat_rows`` / ``fold_norm_weight``
+    chains; afterwards ``env.tensors`` holds every prep result named in ``needed`` (what the
+    Program's steps and outputs read), and no intermediate that only a fused chain read."""
+    pending: dict[str, RowStack] = {}
+    for step in steps:
+        stack = _describe(step, env, pending)
+        if stack is not None:
+            pending[step.out] = stack  # type: ignore[attr-defined]
+            continue
+        for name in names_in(step.model_dump(exclude={"kind"})):
+            if name in pending:  # a step that reads tensors: write what it reads first
+                env.tensors[name] = pending.pop(name).write(env.compute)
+        step.apply(env)
+    for name, stack in pending.items():
+        if name in needed:
+            env.tensors[name] = stack.write(env.compute)
+
+
+def _describe(step: PrepStep, env: RunEnv, pending: dict[str, RowStack]) -> RowStack | None:
+    """What ``step`` produces as a ``RowStack``, or None where it must run as itself."""
+    if isinstance(step, RopePairs) and step.weight in env.tensors:
+        w = env.tensors[step.weight]
+        rows, head_dim = w.shape[0], evaluate_size(step.head_dim, env.sizes)
+        return RowStack(((w, row_order_on(w.device, rows, head_dim, rows, inverse=False)),))
+    if isinstance(step, ConcatRows):
+        parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for name in step.tensors:
+            stack = _unscaled(name, env, pending)
+            if stack is None:
+                return None
+            parts += stack.parts
+        return RowStack(tuple(parts))
+    if isinstance(step, FoldNormWeight) and step.gamma in env.tensors:
+        stack = _unscaled(step.weight, env, pending)
+        return None if stack is None else RowStack(stack.parts, env.tensors[step.gamma])
+    return None
+
+
+def _unscaled(name: str, env: RunEnv, pending: dict[str, RowStack]) -> RowStack | None:
+    """Tensor ``name`` as an unscaled stack (a written tensor is one whole part), or None."""
+    if name in pending:
+        stack = pending[name]
+        return stack if stack.gamma is None else None
+    return RowStack(((env.tensors[name], None),))
+
+
+def names_in(value: Any) -> set[str]:
+    """Every string inside a node's dump — a superset of the tensor names it reads (a size
+    expression or op name that happens to equal a tensor's name only makes that tensor written)."""
+    if isinstance(value, str):
+        return {value}
+    if isinstance(value, dict):
+        return _union(names_in(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return _union(names_in(v) for v in value)
+    return set()
+
+
+def _union(sets: Iterable[set[str]]) -> set[str]:
+    out: set[str] = set()
+    for s in sets:
+        out |= s
+    return out

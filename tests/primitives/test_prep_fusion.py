@@ -1,0 +1,186 @@
+"""Fused prep chains (``prep/fusion.py``): the same bits as running the steps one by one, with
+only what the steps and outputs read written; and the row-assembly kernel (``prep/rows.py``)
+through the interpreter on odd shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda.agent.planner import lower
+from coda.blocks.registry import get_block
+from coda.primitives import backend
+from coda.primitives.analysis import analyze, bind_sizes
+from coda.primitives.base import PrepStep, RunEnv
+from coda.primitives.ir import Program
+from coda.primitives.prep.fusion import RowStack, run_prep
+from coda.primitives.prep.rows import assemble_rows
+from coda.primitives.runtime import compile_program
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+IDS = ["fp32", "bf16", "fp16"]
+
+
+def _one_by_one(
+    program: Program, inputs: dict[str, torch.Tensor], sizes: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    env = RunEnv(dict(inputs), {}, sizes=sizes)
+    for step in program.prep:
+        step.apply(env)
+    return env.tensors
+
+
+def _block_case(
+    name: str, dtype: torch.dtype, shapes: str = "cpu"
+) -> tuple[Program, dict[str, torch.Tensor]]:
+    block = get_block(name)
+    sizes = getattr(block.shapes, shapes)[0]
+    return lower(block), block.make_inputs(sizes, dtype, seed=5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("block", ["llama_attn_in", "llama_attn_in_bwd_saved"])
+def test_the_attention_inputs_fused_prep_is_the_steps_bit_for_bit(
+    block: str, dtype: torch.dtype
+) -> None:
+    program, inputs = _block_case(block, dtype)
+    kinds = [step.kind for step in program.prep]
+    assert kinds[:3] == ["rope_pairs", "rope_pairs", "concat_rows"]  # the chain this fuses
+    compiled = compile_program(program, analyze(program, bind_sizes(program, _shapes(inputs))))
+    prepared = compiled.prepare(inputs)
+    sizes = compiled.info_for(inputs).sizes
+    eager = _one_by_one(program, inputs, sizes)
+    last = program.prep[-1].out
+    assert last in prepared and torch.equal(prepared[last], eager[last])
+    assert prepared[last].dtype == dtype
+    # the chain's intermediates are never written: only the steps read the last one
+    for step in program.prep[:-1]:
+        assert step.out not in prepared, step.out
+    # and the fused program computes what the one-by-one program does
+    outs = compiled(inputs)
+    for name, value in program.select_outputs(compiled.run(eager), sizes).items():
+        assert torch.equal(outs[name], value), name
+
+
+def _shapes(inputs: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t.shape) for n, t in inputs.items()}
+
+
+def _weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return {
+        "wq": (torch.randn(8, 6, generator=gen) * 3).to(dtype),
+        "wk": (torch.randn(4, 6, generator=gen) * 3).to(dtype),
+        "wv": (torch.randn(4, 6, generator=gen) * 3).to(dtype),
+        "g": (torch.randn(6, generator=gen) * torch.logspace(-2, 2, 6)).to(dtype),
+        "g2": torch.randn(6, generator=gen).to(dtype),
+    }
+
+
+def _steps(*nodes: dict) -> list[PrepStep]:
+    return [PrepStep.registry[node["kind"]](**node) for node in nodes]
+
+
+CHAINS = {
+    # a step that cannot take a description (interleave_rows) gets the stacks it reads written
+    "interleave after rope": [
+        {"kind": "rope_pairs", "weight": "wq", "head_dim": "4", "out": "q_p"},
+        {"kind": "rope_pairs", "weight": "wk", "head_dim": "4", "out": "k_p"},
+        {"kind": "concat_rows", "tensors": ["q_p", "wv"], "out": "qv"},
+        {"kind": "interleave_rows", "first": "k_p", "second": "wv", "out": "kv"},
+        {"kind": "fold_norm_weight", "weight": "kv", "gamma": "g", "out": "kv_g"},
+    ],
+    # a fold of a fold scales twice, rounding in between: the second runs on a written tensor
+    "fold of a fold": [
+        {"kind": "concat_rows", "tensors": ["wq", "wk"], "out": "qk"},
+        {"kind": "fold_norm_weight", "weight": "qk", "gamma": "g", "out": "qk_g"},
+        {"kind": "fold_norm_weight", "weight": "qk_g", "gamma": "g2", "out": "qk_gg"},
+    ],
+    # rope_pairs of a stack (rows of a concatenation) runs as itself
+    "rope of a concat": [
+        {"kind": "concat_rows", "tensors": ["wq", "wk"], "out": "qk"},
+        {"kind": "rope_pairs", "weight": "qk", "head_dim": "4", "out": "qk_p"},
+        {"kind": "fold_norm_weight", "weight": "qk_p", "gamma": "g", "out": "qk_pg"},
+    ],
+    # a fold straight on an input, and a concat of inputs only
+    "fold then concat": [
+        {"kind": "fold_norm_weight", "weight": "wv", "gamma": "g", "out": "v_g"},
+        {"kind": "concat_rows", "tensors": ["wq", "v_g", "wk"], "out": "qvk"},
+    ],
+}
+
+
+# Per chain: the intermediates only a fused step read (so never written).
+ABSORBED = {
+    "interleave after rope": {"q_p"},  # k_p is written for interleave_rows
+    "fold of a fold": {"qk"},  # qk_g is written for the second fold
+    "rope of a concat": set(),  # qk is written for rope_pairs, qk_p is needed
+    "fold then concat": set(),  # v_g is written for concat_rows (a scaled stack)
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_every_chain_is_the_steps_and_writes_what_is_needed(chain: str, dtype: torch.dtype) -> None:
+    steps = _steps(*CHAINS[chain])
+    inputs = _weights(dtype)
+    eager = RunEnv(dict(inputs), {})
+    for step in steps:
+        step.apply(eager)
+    last = steps[-1].out
+    # needed: the last result and one intermediate (a GEMM would read it too)
+    middle = steps[len(steps) // 2].out
+    fused = RunEnv(dict(inputs), {})
+    run_prep(steps, fused, needed={last, middle})
+    for name in (last, middle):
+        assert torch.equal(fused.tensors[name], eager.tensors[name]), name
+    # what a fused chain absorbed and nothing else reads is never written; the rest is, and equal
+    written = set(fused.tensors) - set(inputs)
+    assert written == {s.out for s in steps} - ABSORBED[chain]
+    for name in written:
+        assert torch.equal(fused.tensors[name], eager.tensors[name]), name
+
+
+def test_a_stack_of_one_whole_part_is_its_tensor() -> None:
+    w = torch.randn(3, 4)
+    assert RowStack(((w, None),)).write(torch.float32) is w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=IDS)
+def test_the_row_kernel_gathers_scales_and_places(dtype: torch.dtype) -> None:
+    """``assemble_rows`` (Triton; the interpreter here) into a row slice of a larger output, from a
+    transposed source, with a row order and a strided γ — or without either: the gather copies,
+    the fold is fp32-then-round (the interpreter truncates fp32 to bf16; tests/gpu has bf16 bit
+    for bit)."""
+    gen = torch.Generator().manual_seed(4)
+    for rows, cols in [(37, 301), (1, 5), (0, 7)]:
+        src = (torch.randn(cols, rows + 3, generator=gen) * 3).to(dtype).T  # not contiguous
+        order = torch.randperm(rows + 3, generator=gen)[:rows]
+        gamma = (torch.randn(2 * cols, generator=gen) * 10).to(dtype)[::2]
+        for use_rows in (False, True):
+            for use_gamma in (False, True):
+                out = torch.full((rows + 5, cols), -7.0, dtype=dtype)
+                picked = src[order] if use_rows else src[:rows]
+                exact = picked.float() * (gamma.float() if use_gamma else 1.0)
+                want = exact.to(dtype)
+                assemble_rows(
+                    out[2 : 2 + rows],
+                    src if use_rows else src[:rows],
+                    order if use_rows else None,
+                    gamma if use_gamma else None,
+                )
+                got = out[2 : 2 + rows]
+                assert (out[:2] == -7).all() and (out[2 + rows :] == -7).all()
+                if use_gamma and dtype == torch.bfloat16 and backend.INTERPRET:
+                    truncated = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32)
+                    assert torch.equal(got, truncated.to(dtype)) or torch.equal(got, want)
+                else:
+                    assert torch.equal(got, want)
+
+
+def test_the_row_kernel_refuses_mismatched_rows() -> None:
+    out = torch.empty(4, 3)
+    with pytest.raises(ValueError, match="3 row indices for 4 output rows"):
+        assemble_rows(out, torch.randn(9, 3), torch.arange(3))
+    with pytest.raises(ValueError, match="source"):
+        assemble_rows(out, torch.randn(5, 3))
