@@ -127,8 +127,11 @@ def causal_lm_loss(
     final norm, LM head and cross-entropy fused on CODA kernels (no logits in memory).
 
     Runs the base model ``model.model`` (attention masks, positions and the like pass through
-    ``model_kwargs``), takes the input of its final norm with a forward pre-hook, and returns
-    ``CodaLlamaLMHeadLoss`` of it: same value, same gradients for every parameter.
+    ``model_kwargs``) with its final norm's forward replaced, for that call, by one that takes
+    the norm's input and returns it — the normalization runs in the fused loss's kernels, and the
+    base model's output is not used, so Hugging Face's norm would only cost its kernels — and
+    returns ``CodaLlamaLMHeadLoss`` of it: same value, same gradients for every parameter. (Hooks
+    on the final norm still run; a forward hook there sees the un-normalized states.)
 
     ``use_cache`` is left to the model's config, as ``model(...)`` leaves it: with
     ``use_cache=False`` and no attention mask, Hugging Face checks the position ids for packed
@@ -142,11 +145,16 @@ def causal_lm_loss(
     loss_module = _LOSSES[model]
     loss_module.function.tune = tune
     taken: list[torch.Tensor] = []
-    handle = norm.register_forward_pre_hook(lambda _module, args: taken.append(args[0]))
+
+    def take(hidden_states: torch.Tensor) -> torch.Tensor:
+        taken.append(hidden_states)
+        return hidden_states
+
+    norm.forward = take  # an instance attribute, removed again below: the class forward returns
     try:
         base(input_ids=input_ids, **model_kwargs)
     finally:
-        handle.remove()
+        del norm.forward
     if len(taken) != 1:
         raise RuntimeError(f"the final norm ran {len(taken)} times in one forward; expected once")
     return loss_module(taken[0], labels, num_items_in_batch)

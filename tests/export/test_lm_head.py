@@ -176,3 +176,37 @@ def test_the_loss_builds_masks_as_the_model_s_own_forward_does(
     assert calls == []
     causal_lm_loss(model, ids, ids, verify=False, tune="off", use_cache=False)  # asked for
     assert calls == [1]
+
+
+def test_the_final_norm_is_not_computed_twice() -> None:
+    """The fused loss normalizes in its own kernels: Hugging Face's final norm does not run its
+    math in ``causal_lm_loss`` (its output was discarded), and is itself again afterwards — also
+    when the base model raises."""
+    model = _model(seed=14)
+    ids = torch.randint(0, 96, (2, 9))
+    norm = model.model.norm
+    calls: list[int] = []
+    real = type(norm).forward
+
+    def counted(self, hidden_states):  # noqa: ANN001, ANN202
+        calls.append(1)
+        return real(self, hidden_states)
+
+    causal_lm_loss(model, ids, ids, verify=False, tune="off")  # built once (it probes the norm)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(norm), "forward", counted)
+        model(input_ids=ids)
+        assert len(calls) == 1 + 2 * model.config.num_hidden_layers  # HF's own forward
+        calls.clear()
+        loss = causal_lm_loss(model, ids, ids, verify=False, tune="off")
+        # the layers' norms run as before; the final one does not
+        assert len(calls) == 2 * model.config.num_hidden_layers
+    assert "forward" not in vars(norm) and torch.isfinite(loss)
+    loss.backward()
+    assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+    embeds = torch.zeros(2, 9, model.config.hidden_size)
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        causal_lm_loss(model, ids, ids, verify=False, tune="off", inputs_embeds=embeds)
+    assert "forward" not in vars(norm)
+    d = model.config.hidden_size  # the norm normalizes again: rms of ones is one
+    torch.testing.assert_close(norm(torch.ones(1, d)), norm.weight.detach().expand(1, d))
