@@ -456,7 +456,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['setting']} | {r['variant']} | {why[:90]} |||||||")
             continue
         ms, speed, mem = r.get("step_ms"), r.get("speedup_vs_hf"), r.get("step_memory_gb")
-        timing = f"{ms:.2f} | {r['tokens_per_s']:,.0f} | {speed:.3f}×" if ms else "— | — | —"
+        versus = "—" if speed is None else f"{speed:.3f}×"  # no hf row: nothing to compare
+        timing = f"{ms:.2f} | {r['tokens_per_s']:,.0f} | {versus}" if ms else "— | — | —"
         lines.append(
             f"| {r['setting']} | {r['variant']} | {r['correct']} | {r['loss']:.4f} | "
             f"{r['grad_norm']:.4f} | {timing} | {'not measured' if mem is None else f'{mem:.2f}'} |"

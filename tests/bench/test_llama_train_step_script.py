@@ -123,3 +123,15 @@ def test_profiled_kernels_fall_into_their_families() -> None:
              "families": families}]  # fmt: skip
     text = script.family_table(rows)
     assert "| bf16 | x | 30.00 | 12.00 | 1.50 |" in text and "Liger Triton" in text
+
+
+def test_the_table_without_an_eager_row_has_no_ratio() -> None:
+    """``--variants`` without ``hf``: rows carry no speed-up, and the table says so (it raised)."""
+    script = load_script("llama_train_step")
+    row = {
+        "setting": "bf16", "variant": "liger", "correct": True, "loss": 10.8, "grad_norm": 2.9,
+        "step_ms": 32.9, "tokens_per_s": 248861.0, "speedup_vs_hf": None, "step_memory_gb": 2.82,
+    }  # fmt: skip
+    assert "| bf16 | liger | True | 10.8000 | 2.9000 | 32.90 | 248,861 | — | 2.82 |" in (
+        script.table([row])
+    )
