@@ -103,7 +103,7 @@ class CompiledProgram:
     def prepare(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Inputs plus the prep results (weight layouts) the steps and outputs read — chains of
         prep steps fused (``prep/fusion.py``), so an intermediate only a chain reads is not kept.
-        Computed once per set of weights (in training: every call)."""
+        Every call prepares anew: in training the weights change between calls."""
         info = self.info_for(inputs)
         env = RunEnv(dict(inputs), info.tensors, sizes=info.sizes)
         run_prep(self.program.prep, env, self.read_by_steps)

@@ -210,3 +210,7 @@ def test_the_final_norm_is_not_computed_twice() -> None:
     assert "forward" not in vars(norm)
     d = model.config.hidden_size  # the norm normalizes again: rms of ones is one
     torch.testing.assert_close(norm(torch.ones(1, d)), norm.weight.detach().expand(1, d))
+    # a forward another patch set on the instance is put back as it was
+    marker = norm.forward = lambda hidden_states: hidden_states * 2
+    causal_lm_loss(model, ids, ids, verify=False, tune="off")
+    assert vars(norm)["forward"] is marker
