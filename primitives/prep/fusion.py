@@ -17,16 +17,15 @@ steps one by one (it keeps every intermediate for diagnosis).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..base import PrepStep, RunEnv
-from ..sizes import evaluate as evaluate_size
 from .fold_norm_weight import FoldNormWeight, fold_columns
-from .layout import ConcatRows, RopePairs, row_order_on
+from .layout import ConcatRows, RopePairs
 from .rows import assemble_rows
 
 
@@ -52,16 +51,13 @@ class RowStack:
 
     def _write_in_place(self) -> torch.Tensor:
         first = self.parts[0][0]
-        n_rows = sum(src.shape[0] if rows is None else rows.shape[0] for src, rows in self.parts)
-        out = torch.empty((n_rows, first.shape[1]), dtype=first.dtype, device=first.device)
-        start = 0
-        for src, rows in self.parts:
-            n = src.shape[0] if rows is None else rows.shape[0]
+        lengths = [src.shape[0] if rows is None else rows.shape[0] for src, rows in self.parts]
+        out = torch.empty((sum(lengths), first.shape[1]), dtype=first.dtype, device=first.device)
+        for (src, rows), part in zip(self.parts, out.split(lengths), strict=True):
             if rows is None and self.gamma is None:
-                out[start : start + n].copy_(src)
+                part.copy_(src)
             else:
-                assemble_rows(out[start : start + n], src, rows, self.gamma)
-            start += n
+                assemble_rows(part, src, rows, self.gamma)
         return out
 
 
@@ -75,8 +71,8 @@ def run_prep(steps: Sequence[PrepStep], env: RunEnv, needed: Collection[str]) ->
         if stack is not None:
             pending[step.out] = stack  # type: ignore[attr-defined]
             continue
-        for name in names_in(step.model_dump(exclude={"kind"})):
-            if name in pending:  # a step that reads tensors: write what it reads first
+        if pending:  # a step that reads tensors: write the stacks it reads first
+            for name in names_in(step.model_dump(exclude={"kind"})) & pending.keys():
                 env.tensors[name] = pending.pop(name).write(env.compute)
         step.apply(env)
     for name, stack in pending.items():
@@ -88,8 +84,7 @@ def _describe(step: PrepStep, env: RunEnv, pending: dict[str, RowStack]) -> RowS
     """What ``step`` produces as a ``RowStack``, or None where it must run as itself."""
     if isinstance(step, RopePairs) and step.weight in env.tensors:
         w = env.tensors[step.weight]
-        rows, head_dim = w.shape[0], evaluate_size(step.head_dim, env.sizes)
-        return RowStack(((w, row_order_on(w.device, rows, head_dim, rows, inverse=False)),))
+        return RowStack(((w, step.row_order(w, env)),))
     if isinstance(step, ConcatRows):
         parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for name in step.tensors:
@@ -118,14 +113,7 @@ def names_in(value: Any) -> set[str]:
     if isinstance(value, str):
         return {value}
     if isinstance(value, dict):
-        return _union(names_in(v) for v in value.values())
+        value = list(value.values())
     if isinstance(value, list | tuple):
-        return _union(names_in(v) for v in value)
+        return set().union(*map(names_in, value))
     return set()
-
-
-def _union(sets: Iterable[set[str]]) -> set[str]:
-    out: set[str] = set()
-    for s in sets:
-        out |= s
-    return out

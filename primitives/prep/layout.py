@@ -132,8 +132,12 @@ class RopePairs(PrepStep):
 
     def apply(self, env: RunEnv) -> None:
         w = env.tensors[self.weight]
+        env.tensors[self.out] = w[self.row_order(w, env)]
+
+    def row_order(self, w: torch.Tensor, env: RunEnv) -> torch.Tensor:
+        """Which row of ``w`` each output row takes (an index tensor on ``w``'s device)."""
         rows, head_dim = w.shape[0], evaluate_size(self.head_dim, env.sizes)
-        env.tensors[self.out] = w[row_order_on(w.device, rows, head_dim, rows, inverse=False)]
+        return row_order_on(w.device, rows, head_dim, rows, inverse=False)
 
 
 class ConcatRows(PrepStep):

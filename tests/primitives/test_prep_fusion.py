@@ -184,3 +184,16 @@ def test_the_row_kernel_refuses_mismatched_rows() -> None:
         assemble_rows(out, torch.randn(9, 3), torch.arange(3))
     with pytest.raises(ValueError, match="source"):
         assemble_rows(out, torch.randn(5, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_the_gpu_writer_places_every_part_like_the_torch_one(dtype: torch.dtype) -> None:
+    """``RowStack``'s in-place writer (what runs on the GPU: the row kernel per part, a copy for a
+    whole unscaled part) through the interpreter, against its PyTorch writer (the CPU's)."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(n, 7, generator=gen).to(dtype) for n in (8, 4, 5))
+    order = torch.randperm(8, generator=gen)
+    gamma = torch.randn(7, generator=gen).to(dtype)
+    parts = ((q, order), (k, None), (v, torch.arange(4, -1, -1)))
+    for stack in (RowStack(parts), RowStack(parts, gamma), RowStack(((k, None), (v, None)))):
+        assert torch.equal(stack._write_in_place(), stack.write(torch.float32))
