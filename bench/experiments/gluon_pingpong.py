@@ -85,6 +85,11 @@ class Mainloop:
     GROUP_M: gl.constexpr
     B_NK: gl.constexpr  # B given as [N, K] (an nn.Linear weight: A Bᵀ) rather than [K, N]
     CONSUMERS: gl.constexpr  # 2: ping-pong; 1: one consumer warpgroup
+    # derived from the descriptors and the ring: the output tile, the K step, the ring's slots
+    BM: gl.constexpr
+    BN: gl.constexpr
+    BK: gl.constexpr
+    STAGES: gl.constexpr
 
     @triton.constexpr_function
     def __init__(
@@ -112,6 +117,10 @@ class Mainloop:
         self.GROUP_M = gl.constexpr(GROUP_M)
         self.B_NK = gl.constexpr(B_NK)
         self.CONSUMERS = gl.constexpr(CONSUMERS)
+        self.BM = gl.constexpr(a_desc.block_type.shape[0])
+        self.BK = gl.constexpr(a_desc.block_type.shape[1])
+        self.BN = gl.constexpr(b_desc.block_type.shape[0 if self.B_NK else 1])
+        self.STAGES = gl.constexpr(a_bufs.type.shape[0])
 
 
 @aggregate
@@ -165,13 +174,10 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def _producer(m, e, WHICH: gl.constexpr):
     """One warp: TMA loads of every k-step of every tile this program owns, in tile order."""
-    BM: gl.constexpr = m.a_desc.block_type.shape[0]
-    BK: gl.constexpr = m.a_desc.block_type.shape[1]
-    if m.B_NK:
-        BN: gl.constexpr = m.b_desc.block_type.shape[0]
-    else:
-        BN: gl.constexpr = m.b_desc.block_type.shape[1]
-    STAGES: gl.constexpr = m.a_bufs.type.shape[0]
+    BM: gl.constexpr = m.BM
+    BN: gl.constexpr = m.BN
+    BK: gl.constexpr = m.BK
+    STAGES: gl.constexpr = m.STAGES
     nbytes: gl.constexpr = m.a_desc.block_type.nbytes + m.b_desc.block_type.nbytes
     num_pid_m = gl.cdiv(m.M, BM)
     num_pid_n = gl.cdiv(m.N, BN)
@@ -307,13 +313,10 @@ def _store_row_partials(e, values, off_m, pid_n, M, N, BM: gl.constexpr, BN: gl.
 @gluon.jit
 def _consumer(m, e, C: gl.constexpr):
     """One warpgroup: tiles C, C + 2, ... of this program — K loop on wgmma, then epilogue."""
-    BM: gl.constexpr = m.a_desc.block_type.shape[0]
-    BK: gl.constexpr = m.a_desc.block_type.shape[1]
-    if m.B_NK:
-        BN: gl.constexpr = m.b_desc.block_type.shape[0]
-    else:
-        BN: gl.constexpr = m.b_desc.block_type.shape[1]
-    STAGES: gl.constexpr = m.a_bufs.type.shape[0]
+    BM: gl.constexpr = m.BM
+    BN: gl.constexpr = m.BN
+    BK: gl.constexpr = m.BK
+    STAGES: gl.constexpr = m.STAGES
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
     )
