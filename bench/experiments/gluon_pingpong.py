@@ -173,7 +173,8 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 @gluon.jit
 def _producer(m, e, WHICH: gl.constexpr):
-    """One warp: TMA loads of every k-step of every tile this program owns, in tile order."""
+    """One warp: TMA loads of every k-step of every tile this program owns, in tile order.
+    (``e`` and ``WHICH`` unused: worker partitions take the same arguments as the consumer.)"""
     BM: gl.constexpr = m.BM
     BN: gl.constexpr = m.BN
     BK: gl.constexpr = m.BK
