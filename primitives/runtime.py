@@ -34,6 +34,7 @@ from .codegen.configs import resolve_config
 from .codegen.context import Param
 from .codegen.kernel import OPERAND_DESCRIPTORS, KernelSource, generate_kernel
 from .ir import GemmEpilogue, MainloopConfig, Program
+from .launch import launch_kernel
 from .prep.fusion import names_in, run_prep
 from .reference import activation_dtype
 from .sizes import evaluate as evaluate_size
@@ -223,7 +224,7 @@ class CompiledProgram:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(gemm, cfg, sizes, device, variant, precision)
-        launched = plan.kernel[plan.grid](*plan.arguments(tensors), **plan.meta)
+        launched = launch_kernel(plan.kernel, plan.grid, *plan.arguments(tensors), **plan.meta)
         self.mainloops_used[gemm.name] = variant
         self.kernel_stats[gemm.name] = compiled_kernel_stats(launched)
 

@@ -20,6 +20,7 @@ from .. import backend  # noqa: F401  (selects the interpreter before the kernel
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
+from ..launch import launch_kernel
 from ..sizes import cdiv, next_power_of_2
 from ..types import TensorInfo
 
@@ -136,7 +137,9 @@ class GatherDot(AuxStep):
         if rows == 0:
             return
         block_rows, block_cols = _blocks(rows, cols)
-        _gather_dot_kernel[(cdiv(rows, block_rows),)](
+        launch_kernel(
+            _gather_dot_kernel,
+            (cdiv(rows, block_rows),),
             a,
             w,
             index,

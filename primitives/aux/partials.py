@@ -21,6 +21,7 @@ from .. import backend  # noqa: F401  (selects the interpreter before the kernel
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
+from ..launch import launch_kernel
 from ..sizes import SizeExpr, cdiv, next_power_of_2
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo, torch_dtype
@@ -86,7 +87,9 @@ def _launch(
     rows, cols = p.shape
     block_cols = min(next_power_of_2(cols), 256)
     block_rows = max(1, min(64, 4096 // block_cols, next_power_of_2(rows)))
-    _combine_kernel[(cdiv(rows, block_rows),)](
+    launch_kernel(
+        _combine_kernel,
+        (cdiv(rows, block_rows),),
         p,
         minus if minus is not None else p,
         out,

@@ -20,6 +20,7 @@ from .. import backend  # noqa: F401  (selects the interpreter before the kernel
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
+from ..launch import launch_kernel
 from ..ops.rope import check_rope_tables, rotate_pairs
 from ..sizes import SizeExpr, cdiv, next_power_of_2
 from ..sizes import evaluate as evaluate_size
@@ -195,7 +196,9 @@ class RopeRows(AuxStep):
         dot = env.tensors[self.dot] if self.dot is not None else src  # unread without dot
         dot_out = env.tensors[self.dot_out] if self.dot_out is not None else out
         block_rows, block_cols = _blocks(rows, width)
-        _rope_rows_kernel[(cdiv(rows, block_rows),)](
+        launch_kernel(
+            _rope_rows_kernel,
+            (cdiv(rows, block_rows),),
             src,
             cos,
             sin,

@@ -18,6 +18,7 @@ from .. import backend  # noqa: F401  (selects the interpreter before the kernel
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
+from ..launch import launch_kernel
 from ..sizes import cdiv, next_power_of_2
 from ..types import TensorInfo
 
@@ -104,7 +105,9 @@ class Rstd(AuxStep):
         square = partials is None
         n = cols if square else partials.length
         block_rows, block_cols = _blocks(rows, cols)
-        _rstd_kernel[(cdiv(rows, block_rows),)](
+        launch_kernel(
+            _rstd_kernel,
+            (cdiv(rows, block_rows),),
             x,
             out,
             rows,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import backend  # noqa: F401  (selects the interpreter before the kernel is defined)
+from ..launch import launch_kernel
 from ..sizes import cdiv
 
 
@@ -74,7 +75,9 @@ def assemble_rows(
         return
     block_rows, block_cols = 16, 256
     grid = (cdiv(n_rows, block_rows), cdiv(cols, block_cols))
-    _assemble_rows_kernel[grid](
+    launch_kernel(
+        _assemble_rows_kernel,
+        grid,
         src,
         src if rows is None else rows,  # never read without HAS_ROWS
         src if gamma is None else gamma,  # never read without HAS_GAMMA
