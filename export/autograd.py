@@ -17,6 +17,14 @@ call: in training the weights change every step. They move weight-sized tensors 
 — measured in bench/RESULTS.md). ``packed=[PackedRows(...)]`` removes both for a model that
 stores the pair as one interleaved tensor: the op takes it whole and returns its gradient whole.
 
+Eager calls skip the dispatcher: where nothing traces (no ``torch.compile``, no fake or
+functional tensors, no dispatch mode such as ``opcheck``'s), a call runs the same runners through
+a plain ``torch.autograd.Function`` with the same saving and backward logic — a ``torch.library``
+custom op costs tens of microseconds of host time per call (its Python dispatch, autograd wrapper
+and aliasing check), which a training step pays twice per exported block (bench/RESULTS.md, tenth
+session). Anything that traces still sees the registered ops; ``CODA_DISPATCH_OPS=1`` in the
+environment sends every call through them (to compare the two).
+
 Mainloop configs are tuned on a GPU the first time each op meets a new set of input shapes
 (``tune``: ``"quick"`` — the eight-candidate ``QUICK_SPACE``, the default; ``"full"`` — the whole
 Hopper space; ``"off"`` — the untuned default config). Winners are kept per shape in the op and in
@@ -26,6 +34,7 @@ the tuning cache (``$CODA_CACHE_DIR/tuning.json``), so a later process starts tu
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +52,7 @@ from coda.primitives.runtime import CompiledProgram, compile_program
 from coda.primitives.types import torch_dtype
 
 _REGISTERED: dict[str, ExportedFunction] = {}
+EAGER_CALLS = os.environ.get("CODA_DISPATCH_OPS") != "1"
 
 Tuning = Literal["quick", "full", "off"]
 
@@ -80,6 +90,7 @@ class _Runner:
     compiled: CompiledProgram | None = None
     tune: Tuning = "quick"
     tuned: dict[tuple, dict] = field(default_factory=dict)  # configs per input shapes and dtypes
+    op_name: str = ""  # its registered op, coda::<name> (set by _custom_op)
 
     @property
     def args(self) -> list[str]:
@@ -110,6 +121,12 @@ class _Runner:
         for name, (even, odd) in self.whole.items():
             outs[name] = _whole_rows(outs.pop(even), outs.pop(odd), name)
         return _unaliased([outs[name] for name in self.outputs], args)
+
+    def as_op(self, *args: torch.Tensor) -> Any:
+        """What its op returns for ``args`` (one tensor, or a tuple), run without the dispatcher;
+        profiles name the call as the op."""
+        with torch.profiler.record_function(self.op_name):
+            return _op_result(self(*args))
 
     def _pin_configs(self, inputs: dict[str, torch.Tensor]) -> None:
         """Pin the tuned configs of these shapes on the compiled Program (tuning them first if
@@ -205,17 +222,15 @@ def _op_name(program: Program, kind: str, packed: Sequence[PackedRows] = ()) -> 
 
 def _custom_op(runner: _Runner, kind: str) -> Any:
     """Register one Program's runner as ``coda::<name>`` with a real and a fake implementation."""
-    single = len(runner.outputs) == 1
 
     def impl(*args: torch.Tensor) -> Any:
-        outs = runner(*args)
-        return outs[0] if single else tuple(outs)
+        return _op_result(runner(*args))
 
     def fake(*args: torch.Tensor) -> Any:
-        outs = runner.fake(*args)
-        return outs[0] if single else tuple(outs)
+        return _op_result(runner.fake(*args))
 
     name = f"coda::{_op_name(runner.program, kind, runner.packed)}"
+    runner.op_name = name
     op = torch.library.custom_op(name, impl, mutates_args=(), schema=_schema(runner))
     op.register_fake(fake)
     return op
@@ -245,6 +260,8 @@ class ExportedFunction:
     saved_names: list[str] = field(default_factory=list)
     runners: list[_Runner] = field(default_factory=list, repr=False)
     inference_op: Any = None
+    # The same forward and backward as a plain autograd.Function, for calls nothing traces.
+    eager: Any = field(default=None, repr=False)
 
     @property
     def tune(self) -> Tuning:
@@ -263,9 +280,10 @@ class ExportedFunction:
         return self
 
     def __call__(self, *args: torch.Tensor) -> Any:
+        eager = EAGER_CALLS and self.eager is not None and not _traced(args)
         if self.inference_op is not None and not _needs_grad(args):
-            return self.inference_op(*args)
-        outs = self.forward_op(*args)
+            return self.runners[-1].as_op(*args) if eager else self.inference_op(*args)
+        outs = self.eager.apply(*args) if eager else self.forward_op(*args)
         if len(self.output_names) == len(self.forward.outputs):  # none held for the backward only
             return outs
         outs = outs if isinstance(outs, tuple) else (outs,)
@@ -276,6 +294,27 @@ class ExportedFunction:
 
 def _needs_grad(args: tuple[torch.Tensor, ...]) -> bool:
     return torch.is_grad_enabled() and any(a.requires_grad for a in args)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _traced(args: tuple[torch.Tensor, ...]) -> bool:
+    """Whether something may be tracing this call — ``torch.compile``, fake or functional tensors
+    (tensor subclasses), a dispatch mode (``opcheck``, ``make_fx``, FakeTensorMode) — so it must go
+    through the registered custom op rather than the eager ``autograd.Function``."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (
+        torch.compiler.is_compiling()
+        or any(type(a) not in _PLAIN for a in args)
+        or _get_current_dispatch_mode() is not None
+    )
+
+
+def _op_result(outs: list[torch.Tensor]) -> Any:
+    """A runner's outputs as an op returns them: one tensor, or a tuple."""
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def export_autograd(
@@ -342,6 +381,9 @@ def export_autograd(
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
 
     def backward_fn(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        return backward_with(bwd_op, ctx, grads)
+
+    def backward_with(run_backward: Any, ctx: Any, grads: tuple) -> tuple:
         saved = dict(zip([*fwd_inputs, *saved_names], ctx.saved_tensors, strict=True))
         cot = {}
         for (out, grad), (shape, dtype, device) in zip(
@@ -353,7 +395,7 @@ def export_autograd(
                     torch.zeros(shape, dtype=dtype, device=device) if zero else grad
                 )
         args = [saved[n] if n in saved else cot[n] for n in bwd_inputs]
-        result = bwd_op(*args)
+        result = run_backward(*args)
         result = result if isinstance(result, tuple) else (result,)
         by_name = dict(zip(bwd_outputs, result, strict=True))
         return tuple(by_name.get(grad_names.get(n, "")) for n in fwd_inputs)
@@ -365,6 +407,18 @@ def export_autograd(
     if inference is not None:
         runners.append(_Runner(inference, packed))
         inf_op = _custom_op(runners[-1], "inf")
+
+    eager = type(
+        f"Eager_{_op_name(forward, 'fwd', packed)}",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(fwd_runner.as_op),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(
+                lambda ctx, *grads: backward_with(bwd_runner.as_op, ctx, grads)
+            ),
+        },
+    )
     exported = ExportedFunction(
         forward,
         backward,
@@ -375,6 +429,7 @@ def export_autograd(
         saved_names,
         runners,
         inf_op,
+        eager,
     )
     exported.tune = tune
     _REGISTERED[key] = exported

@@ -345,6 +345,50 @@ def test_without_gradients_the_plain_forward_runs_and_saves_nothing() -> None:
     assert llama_mlp_function(1e-5, verify=False, saved=False).inference_op is None
 
 
+def test_eager_calls_skip_the_dispatcher_and_traced_calls_use_the_ops(monkeypatch) -> None:  # noqa: ANN001
+    """Eager calls (the training loop's) run the runners through a plain autograd.Function, same
+    bits as the registered ops; fake tensors (what torch.compile and opcheck trace with) still go
+    through the ops, whose fake implementations give the shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fn = llama_mlp_function(1e-5, verify=False, tune="off")
+    norm, mlp = _hf_modules(seed=11)
+    weights = [norm.weight, *[p.weight for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]]
+    x = torch.randn(9, 48, requires_grad=True)
+    dout = torch.randn(9, 48)
+    op_out = fn.forward_op(x.detach(), *[w.detach() for w in weights])[0]
+    op_grads = fn.backward_op(
+        x.detach(),
+        *[w.detach() for w in weights],
+        *[t.detach() for t in fn.forward_op(x.detach(), *[w.detach() for w in weights])[1:]],
+        dout,
+    )
+
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("an eager call went through the dispatcher")
+
+    with monkeypatch.context() as patched:
+        for attr in ("forward_op", "backward_op", "inference_op"):
+            patched.setattr(fn, attr, refuse)
+        out = fn(x, *weights)
+        out.backward(dout)
+        with torch.no_grad():
+            plain = fn(x, *weights)
+    assert torch.equal(out.detach(), op_out) and torch.equal(plain, op_out)
+    for got, want in zip([x.grad, *[w.grad for w in weights]], op_grads, strict=True):
+        assert torch.equal(got, want)
+    with FakeTensorMode() as mode:
+        fake = fn(mode.from_tensor(x), *[mode.from_tensor(w) for w in weights])
+    assert fake.shape == (9, 48) and fake.dtype == torch.float32
+    from coda.export import autograd
+
+    with monkeypatch.context() as patched:  # CODA_DISPATCH_OPS=1: every call through the ops
+        patched.setattr(autograd, "EAGER_CALLS", False)
+        patched.setattr(fn, "forward_op", refuse)
+        with pytest.raises(AssertionError, match="dispatcher"):
+            fn(x, *weights)
+
+
 @pytest.mark.parametrize("fuse", [False, True], ids=["hf-params", "fused-gate-up"])
 def test_an_empty_batch_gives_what_hugging_face_gives(fuse: bool) -> None:
     # No tokens (an empty micro-batch, a rank with nothing routed to it): an empty output, zero
