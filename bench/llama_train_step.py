@@ -14,7 +14,9 @@ Variants, each from the same initial weights: ``hf``, ``hf_compile`` (``torch.co
 ``coda_mlp`` (``patch_llama(attention=False, fuse_gate_up=True)``: the MLP half only), ``coda``
 (``patch_llama``: norms, attention input and MLP), ``coda_fused``
 (``patch_llama(fuse_gate_up=True)``), ``coda_lm_head`` (that, and the loss from
-``causal_lm_loss``: final norm + LM head + cross-entropy fused), ``coda_compile``
+``causal_lm_loss``: final norm + LM head + cross-entropy fused), ``coda_lm_head_ops`` (the same
+with every call through the registered custom ops and every launch through Triton's own path —
+the host's work before the tenth session, timed interleaved with the rest), ``coda_compile``
 (``torch.compile`` of the patched model) and ``liger``. Each variant's first loss and gradient
 norm are checked against ``hf``'s (same setting) before timing; step times are medians of
 interleaved rounds (``coda.primitives.timing``), also as tokens per second; step memory is what
@@ -46,7 +48,8 @@ from paper_kernels import NEEDS_GPU, Bench, environment  # noqa: E402  (same fol
 from profile_export import gpu_work  # noqa: E402
 
 VARIANTS = (
-    "hf", "hf_compile", "coda_mlp", "coda", "coda_fused", "coda_lm_head", "coda_compile", "liger",
+    "hf", "hf_compile", "coda_mlp", "coda", "coda_fused", "coda_lm_head", "coda_lm_head_ops",
+    "coda_compile", "liger",
 )  # fmt: skip
 SETTINGS = ("bf16", "amp")
 LLAMA_1B = {
@@ -81,6 +84,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also profile each variant's step (torch.profiler): its K longest GPU kernels",
     )  # fmt: skip
     p.add_argument(
+        "--host", action="store_true",
+        help="also measure each variant's host time per step: the wall time of step() from a "
+        "synchronized GPU until it returns (no sync inside), against its GPU busy time",
+    )  # fmt: skip
+    p.add_argument(
+        "--cprofile", default="", metavar="VARIANTS",
+        help="comma-separated variants whose steps also run under cProfile (host hot spots, "
+        "top functions into cprofile-<setting>-<variant>.txt)",
+    )  # fmt: skip
+    p.add_argument(
         "--sync-check", action="store_true",
         help="also run one step per variant under torch.cuda.set_sync_debug_mode('warn') and "
         "list where it synchronizes the host with the GPU",
@@ -107,7 +120,7 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
         model = model.to(bench.dtype)
     tune = "off" if bench.dry_run else "quick"
     if name.startswith("coda"):
-        fuse = name in ("coda_mlp", "coda_fused", "coda_lm_head")
+        fuse = name in ("coda_mlp", "coda_fused", "coda_lm_head", "coda_lm_head_ops")
         attention = name != "coda_mlp"
         model = patch_llama(model, verify=False, tune=tune, fuse_gate_up=fuse, attention=attention)
     if name == "liger":
@@ -166,7 +179,7 @@ def _assign_globals(module: Any, values: dict[str, Any]) -> None:
 
 def loss_of(name: str, bench: Bench) -> Callable[[Any, Any], Any]:
     """The variant's loss of a batch: Hugging Face's (``labels=``) or ``causal_lm_loss``."""
-    if name != "coda_lm_head":
+    if name not in ("coda_lm_head", "coda_lm_head_ops"):
         return lambda model, ids: model(input_ids=ids, labels=ids).loss
     from coda.export import causal_lm_loss
 
@@ -190,6 +203,24 @@ def train_step(
         return loss.detach()
 
     return step
+
+
+def through_ops(step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step`` with every exported call through its registered custom op and every kernel
+    launch through Triton's own path (what ``CODA_DISPATCH_OPS=1 CODA_TRITON_LAUNCH=1`` select
+    for a whole process), so both host paths can be timed interleaved in one process."""
+    from coda.export import autograd
+    from coda.primitives import launch
+
+    def slow_step() -> Any:
+        eager, direct = autograd.EAGER_CALLS, launch.DIRECT
+        autograd.EAGER_CALLS = launch.DIRECT = False
+        try:
+            return step()
+        finally:
+            autograd.EAGER_CALLS, launch.DIRECT = eager, direct
+
+    return slow_step
 
 
 def forward_backward(model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench) -> Any:
@@ -261,6 +292,8 @@ def setting_rows(
             abs(row[k] - reference[k]) <= tol * abs(reference[k]) for k in ("loss", "grad_norm")
         )
         steps[name] = train_step(model, loss_of(name, bench), ids, setting, bench)
+        if name.endswith("_ops"):
+            steps[name] = through_ops(steps[name])
         rows.append(row)
     times = bench.compare(steps) if steps else {}
     for row in rows:
@@ -271,6 +304,11 @@ def setting_rows(
             row["gpu_busy_ms"] = sum(k["ms"] for k in kernels)  # all of the step's GPU work
             row["families"] = kernel_families(kernels)
             row["kernels"] = kernels[: args.profile]
+        if args.host:
+            row["host_ms"] = host_ms(steps[row["variant"]], bench)
+        if row["variant"] in args.cprofile.split(","):
+            name = f"cprofile-{setting}-{row['variant']}.txt"
+            (Path(args.out) / name).write_text(host_profile(steps[row["variant"]], bench))
         if args.sync_check:
             row["syncs"] = host_syncs(steps[row["variant"]], bench)
     tokens = ids.numel()
@@ -311,6 +349,45 @@ def host_syncs(step: Callable[[], Any], bench: Bench) -> dict[str, int] | None:
             where = f"{'/'.join(Path(w.filename).parts[-2:])}:{w.lineno}"  # package/file:line
             counts[where] = counts.get(where, 0) + 1
     return counts
+
+
+def host_ms(step: Callable[[], Any], bench: Bench) -> float:
+    """Median host milliseconds of one step: from a synchronized, idle GPU until ``step()``
+    returns, without synchronizing inside (the time the host needs to issue the step's work).
+    When it reaches the step's time the GPU waits on the host: the step is host-bound."""
+    import statistics
+    import time
+
+    samples = []
+    for _ in range(2 if bench.dry_run else 10):  # the interpreter is slow; a dry run checks code
+        bench.synchronize()
+        start = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - start) * 1e3)
+    bench.synchronize()
+    return statistics.median(samples)
+
+
+def host_profile(step: Callable[[], Any], bench: Bench, top: int = 60) -> str:
+    """cProfile of a few steps: the ``top`` functions by cumulative and by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    iters = 1 if bench.dry_run else 5
+    step()
+    bench.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        step()
+    bench.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    return f"profiled steps: {iters}\n" + text.getvalue()
 
 
 def profile_step(step: Callable[[], Any], bench: Bench, iters: int = 3) -> list[dict[str, Any]]:
@@ -447,20 +524,21 @@ def kernel_tables(rows: list[dict[str, Any]]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| setting | variant | correct | loss | grad norm | step ms | tokens/s | vs hf eager "
-        "| step memory GB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| step memory GB | host ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r or "skipped" in r:
             why = r.get("error") or r["skipped"]
-            lines.append(f"| {r['setting']} | {r['variant']} | {why[:90]} |||||||")
+            lines.append(f"| {r['setting']} | {r['variant']} | {why[:90]} ||||||||")
             continue
         ms, speed, mem = r.get("step_ms"), r.get("speedup_vs_hf"), r.get("step_memory_gb")
         versus = "—" if speed is None else f"{speed:.3f}×"  # no hf row: nothing to compare
         timing = f"{ms:.2f} | {r['tokens_per_s']:,.0f} | {versus}" if ms else "— | — | —"
         lines.append(
             f"| {r['setting']} | {r['variant']} | {r['correct']} | {r['loss']:.4f} | "
-            f"{r['grad_norm']:.4f} | {timing} | {'not measured' if mem is None else f'{mem:.2f}'} |"
+            f"{r['grad_norm']:.4f} | {timing} | {'not measured' if mem is None else f'{mem:.2f}'} "
+            f"| {f'{host:.2f}' if (host := r.get('host_ms')) is not None else '—'} |"
         )
     return "\n".join(lines)
 

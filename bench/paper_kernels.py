@@ -122,6 +122,13 @@ class Bench:
         torch.compiler.reset()
         return torch.compile(fn, backend=self.compile_backend)
 
+    def synchronize(self) -> None:
+        """Wait for the GPU's queued work (nothing to wait for on a dry run)."""
+        if not self.dry_run:
+            import torch
+
+            torch.cuda.synchronize()
+
     def free(self) -> None:
         import gc
 

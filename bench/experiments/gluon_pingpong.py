@@ -30,7 +30,8 @@ ninth session): ping-pong takes the SwiGLU backward from the generated kernel's 
 of cuBLAS at 8192 and leaves residual + partial RMSNorm at 1.06×; its own plain GEMM runs at
 1.035×, which is now the floor.
 
-    python3 bench/experiments/gluon_pingpong.py [--sizes 4096,8192] [--configs pingpong|sweep|deep]
+    python3 bench/experiments/gluon_pingpong.py [--sizes 4096,8192,8192x8192x2048]
+        [--configs pingpong|sweep|deep]
     python3 bench/experiments/gluon_pingpong.py --check-grids [--grids 7,16,64]   # faults too
     python3 bench/experiments/gluon_pingpong.py --compile-only   # no GPU needed
 
@@ -630,7 +631,7 @@ def bench(sizes, configs, out_dir):
     dev = torch.device("cuda")
     rows = []
     for size in sizes:
-        M = N = K = size
+        M, N, K = size
         for kind, cfg in configs:
             kw = inputs(kind, M, N, K, dev)
             # Ragged, and 7 programs so each walks several tiles.
@@ -795,9 +796,17 @@ def _one(case):
     print(json.dumps(errors))
 
 
+def parse_size(text):
+    """``8192`` (M = N = K) or ``MxNxK`` (e.g. ``8192x8192x2048``, a training step's shape)."""
+    dims = [int(d) for d in text.lower().split("x")]
+    if len(dims) not in (1, 3):
+        raise ValueError(f"size {text!r}: one number or MxNxK")
+    return tuple(dims * 3 if len(dims) == 1 else dims)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="4096,8192")
+    parser.add_argument("--sizes", default="4096,8192", help="comma-separated N or MxNxK")
     parser.add_argument("--out", default=None)
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--check-grids", action="store_true")
@@ -822,7 +831,7 @@ def main(argv=None):
     if args.check_grids:
         grids = [int(g) for g in args.grids.split(",") if g]
         return 0 if check_grids(configs, grids=grids or None) else 1
-    bench([int(s) for s in args.sizes.split(",")], configs, args.out)
+    bench([parse_size(s) for s in args.sizes.split(",")], configs, args.out)
     return 0
 
 

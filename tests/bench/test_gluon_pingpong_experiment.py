@@ -95,3 +95,11 @@ def test_finished_sums_the_row_partials() -> None:
     out = experiment.finished("swiglu_bwd", {"dz": torch.zeros(1), "partials": partials})
     assert set(out) == {"dz", "zdz"}
     torch.testing.assert_close(out["zdz"], partials.sum(1))
+
+
+def test_sizes_are_cubes_or_training_shapes() -> None:
+    script = experiment
+    assert script.parse_size("4096") == (4096, 4096, 4096)
+    assert script.parse_size("8192x8192x2048") == (8192, 8192, 2048)
+    with pytest.raises(ValueError, match="MxNxK"):
+        script.parse_size("8192x2048")

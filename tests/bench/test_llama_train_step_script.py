@@ -25,14 +25,20 @@ def test_fails_fast_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture)
 def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> None:
     variants = "hf,coda_mlp,coda,coda_fused,coda_lm_head,coda_compile"
     argv = ["--dry-run", "--out", str(tmp_path), "--variants", variants, "--sync-check"]
+    argv += ["--host", "--cprofile", "coda_lm_head"]
     assert load_script("llama_train_step").main(argv) == 0
     result = json.loads((tmp_path / "llama_train_step.json").read_text())
     rows = result["rows"]
     assert [(r["setting"], r["variant"]) for r in rows] == [
         (s, v) for s in ("bf16", "amp") for v in variants.split(",")
     ]
-    assert all(r["correct"] and r["step_ms"] > 0 for r in rows)
+    assert all(r["correct"] and r["step_ms"] > 0 and r["host_ms"] > 0 for r in rows)
     assert all(r["syncs"] is None for r in rows)  # GPU only: not measured in a dry run
+    for setting in ("bf16", "amp"):  # the patched step's host hot spots, by cumulative time
+        profile = (tmp_path / f"cprofile-{setting}-coda_lm_head.txt").read_text()
+        assert "profiled steps: 1" in profile and "cumulative" in profile
+        assert "causal_lm_loss" in profile
+    assert not list(tmp_path.glob("cprofile-*-hf.txt"))
     assert result["model"]["num_hidden_layers"] == 2
     assert "DRY RUN" in (tmp_path / "llama_train_step.md").read_text()
 
