@@ -10,9 +10,10 @@ every fused GEMM and every small aux kernel of a training step (bench/RESULTS.md
 signature* and keeps the compiled kernel Triton returned; later launches with the same signature
 call its launcher directly. The signature is at least as fine as Triton's specialization, so the
 kernel it finds is the one Triton would have: per tensor its dtype and whether its address is
-16-byte aligned; per integer its value (Triton only distinguishes 1 and multiples of 16); per
-tensor descriptor its base's dtype and alignment, block shape, shape and strides; floats by type
-(Triton passes them as fp32 whatever the value); the meta-parameters and the current device.
+16-byte aligned; per integer, float, bool or string its value and type (a constexpr parameter
+compiles per value; Triton specializes other integers only on 1 and multiples of 16); per tensor
+descriptor its base's dtype and alignment, block shape, shape and strides; the meta-parameters
+(the same way) and the current device.
 Anything else (an argument type it does not know) takes Triton's own path every time, as does the
 CPU interpreter, which compiles nothing.
 
@@ -41,17 +42,19 @@ class _Unknown(Exception):
 
 
 def _signature(args: tuple[Any, ...]) -> tuple:
-    """The arguments' part of the key (one loop: it runs on every launch)."""
+    """The key of positional arguments, or of ``(name, value)`` meta-parameters (one loop: it
+    runs on every launch)."""
     key: list[Any] = []
     for arg in args:
+        if type(arg) is tuple:  # a (name, value) meta-parameter
+            key.append(arg[0])
+            arg = arg[1]
         kind = type(arg)
-        if kind is int or kind is bool or arg is None or kind is str:
-            key.append(arg)
-            key.append(kind)  # True and 1 are different specializations
+        if kind is int or kind is bool or kind is float or arg is None or kind is str:
+            key.append(arg)  # by value: a constexpr parameter compiles per value
+            key.append(kind)  # True, 1 and 1.0 are different specializations
         elif isinstance(arg, torch.Tensor):
             key.append((arg.dtype, arg.data_ptr() % 16 == 0))
-        elif kind is float:
-            key.append(float)
         elif TensorDescriptor is not None and kind is TensorDescriptor:
             base = arg.base
             key.append(
@@ -99,7 +102,7 @@ def launch_kernel(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> 
         return kernel[grid](*args, **meta)
     try:
         device, stream = _device_and_stream()
-        key = (kernel, tuple(meta.items()), device, _signature(args))
+        key = (kernel, _signature(tuple(meta.items())), device, _signature(args))
     except _Unknown:
         return kernel[grid](*args, **meta)
     entry = _CACHE.get(key, False)

@@ -59,23 +59,23 @@ def test_a_signature_launches_through_triton_once_then_directly(on_a_gpu: None) 
     x = torch.zeros(64)
     assert launch_kernel(kernel, (4,), x, 64, 0.5, BLOCK=16, FLAG=True) is kernel.compiled
     assert len(kernel.triton_launches) == 1 and not kernel.compiled.runs
-    launch_kernel(kernel, (8, 2), x, 64, 0.25, BLOCK=16, FLAG=True)  # another grid, float
+    launch_kernel(kernel, (8, 2), x, 64, 0.5, BLOCK=16, FLAG=True)  # another grid
     assert len(kernel.triton_launches) == 1
     (run,) = kernel.compiled.runs
     from triton import knobs
 
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    assert run == (8, 2, 1, 1234, "function", "packed", None, *hooks, x, 64, 0.25, 16, True)
+    assert run == (8, 2, 1, 1234, "function", "packed", None, *hooks, x, 64, 0.5, 16, True)
 
 
 @pytest.mark.parametrize(
     "change",
-    ["dtype", "misaligned", "integer", "meta", "option"],
+    ["dtype", "misaligned", "integer", "float", "meta", "option"],
 )
 def test_what_triton_specializes_on_goes_through_triton_again(on_a_gpu: None, change: str) -> None:
-    kernel = FakeKernel(["x_ptr", "n", "BLOCK"])
+    kernel = FakeKernel(["x_ptr", "n", "eps", "BLOCK"])
     x = torch.zeros(64)
-    args, meta = [x, 64], {"BLOCK": 16, "num_warps": 4}
+    args, meta = [x, 64, 1e-5], {"BLOCK": 16, "num_warps": 4}
     launch_kernel(kernel, (1,), *args, **meta)
     if change == "dtype":
         args[0] = torch.zeros(64, dtype=torch.float16)
@@ -83,6 +83,8 @@ def test_what_triton_specializes_on_goes_through_triton_again(on_a_gpu: None, ch
         args[0] = x[1:]  # 4 bytes past a 16-byte boundary
     elif change == "integer":
         args[1] = 63
+    elif change == "float":  # a constexpr float compiles per value
+        args[2] = 1e-6
     elif change == "meta":
         meta["BLOCK"] = 32
     else:
@@ -138,3 +140,11 @@ def test_coda_triton_launch_sends_every_launch_through_triton(
     for _ in range(2):
         launch_kernel(kernel, (1,), torch.zeros(4), BLOCK=4)
     assert len(kernel.triton_launches) == 2 and not kernel.compiled.runs
+
+
+def test_a_meta_parameter_of_another_type_is_another_signature(on_a_gpu: None) -> None:
+    # True == 1 in Python; to Triton a constexpr True and a constexpr 1 are different kernels
+    kernel = FakeKernel(["x_ptr", "FLAG"])
+    launch_kernel(kernel, (1,), torch.zeros(4), FLAG=True)
+    launch_kernel(kernel, (1,), torch.zeros(4), FLAG=1)
+    assert len(kernel.triton_launches) == 2
