@@ -25,6 +25,7 @@ allocated before, on a step after the first).
 
     python3 bench/llama_train_step.py [--out DIR] [--layers 4] [--batch 4] [--seq 2048]
         [--settings bf16,amp] [--variants hf,coda,...] [--profile K] [--sync-check]
+        [--host] [--cprofile VARIANTS]
     python3 bench/llama_train_step.py --dry-run   # CPU interpreter, toy model: checks the script
 
 Writes ``llama_train_step.json`` and ``.md`` into ``--out`` (default ``$OUT``, else ``bench/out``).
