@@ -300,16 +300,23 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _traced(args: tuple[torch.Tensor, ...]) -> bool:
-    """Whether something may be tracing this call — ``torch.compile``, fake or functional tensors
-    (tensor subclasses), a dispatch mode (``opcheck``, ``make_fx``, FakeTensorMode) — so it must go
-    through the registered custom op rather than the eager ``autograd.Function``."""
+    """Whether something may be tracing or transforming this call — ``torch.compile``, fake or
+    functional tensors (tensor subclasses), a dispatch mode (``opcheck``, ``make_fx``,
+    FakeTensorMode), a ``torch.func`` transform (its wrapped tensors are of type ``Tensor``) —
+    so it must go through the registered custom op rather than the eager ``autograd.Function``."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return (
         torch.compiler.is_compiling()
         or any(type(a) not in _PLAIN for a in args)
         or _get_current_dispatch_mode() is not None
+        or _functorch_active()
     )
+
+
+def _functorch_active() -> bool:
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active and active())
 
 
 def _op_result(outs: list[torch.Tensor]) -> Any:

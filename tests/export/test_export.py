@@ -382,6 +382,10 @@ def test_eager_calls_skip_the_dispatcher_and_traced_calls_use_the_ops(monkeypatc
     assert fake.shape == (9, 48) and fake.dtype == torch.float32
     from coda.export import autograd
 
+    with monkeypatch.context() as patched:  # under a torch.func transform: through the ops
+        patched.setattr(fn, "forward_op", refuse)
+        with pytest.raises(AssertionError, match="dispatcher"):
+            torch.func.grad(lambda t: fn(t, *weights).sum())(x.detach())
     with monkeypatch.context() as patched:  # CODA_DISPATCH_OPS=1: every call through the ops
         patched.setattr(autograd, "EAGER_CALLS", False)
         patched.setattr(fn, "forward_op", refuse)
