@@ -106,8 +106,14 @@ def test_what_it_cannot_reproduce_always_takes_triton_s_path(on_a_gpu: None) -> 
         assert len(kernel.triton_launches) == 3 and not kernel.compiled.runs
 
 
-def test_the_interpreter_always_takes_triton_s_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launch_module.backend, "INTERPRET", True)
+@pytest.mark.parametrize("why", ["interpreter", "CODA_TRITON_LAUNCH=1"])
+def test_every_launch_takes_triton_s_path(
+    on_a_gpu: None, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    if why == "interpreter":  # it compiles nothing
+        monkeypatch.setattr(launch_module.backend, "INTERPRET", True)
+    else:
+        monkeypatch.setattr(launch_module, "DIRECT", False)
     kernel = FakeKernel(["x_ptr", "BLOCK"])
     for _ in range(2):
         launch_kernel(kernel, (1,), torch.zeros(4), BLOCK=4)
@@ -130,16 +136,6 @@ def test_a_descriptor_s_block_shape_and_base_are_part_of_the_signature(on_a_gpu:
     launch_kernel(kernel, (1,), desc(x.half(), [16, 16]), BLOCK=16)
     launch_kernel(kernel, (1,), desc(torch.zeros(32, 64), [16, 16]), BLOCK=16)
     assert len(kernel.triton_launches) == 4
-
-
-def test_coda_triton_launch_sends_every_launch_through_triton(
-    on_a_gpu: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(launch_module, "DIRECT", False)
-    kernel = FakeKernel(["x_ptr", "BLOCK"])
-    for _ in range(2):
-        launch_kernel(kernel, (1,), torch.zeros(4), BLOCK=4)
-    assert len(kernel.triton_launches) == 2 and not kernel.compiled.runs
 
 
 def test_a_meta_parameter_of_another_type_is_another_signature(on_a_gpu: None) -> None:
