@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from coda.blocks.autodiff import VJP, Pick
 from coda.blocks.block import Block
@@ -282,7 +283,8 @@ class ExportedFunction:
     def __call__(self, *args: torch.Tensor) -> Any:
         eager = EAGER_CALLS and self.eager is not None and not _traced(args)
         if self.inference_op is not None and not _needs_grad(args):
-            return self.runners[-1].as_op(*args) if eager else self.inference_op(*args)
+            inference = self.runners[-1]  # export_autograd appends it last
+            return inference.as_op(*args) if eager else self.inference_op(*args)
         outs = self.eager.apply(*args) if eager else self.forward_op(*args)
         if len(self.output_names) == len(self.forward.outputs):  # none held for the backward only
             return outs
@@ -304,8 +306,6 @@ def _traced(args: tuple[torch.Tensor, ...]) -> bool:
     functional tensors (tensor subclasses), a dispatch mode (``opcheck``, ``make_fx``,
     FakeTensorMode), a ``torch.func`` transform (its wrapped tensors are of type ``Tensor``) —
     so it must go through the registered custom op rather than the eager ``autograd.Function``."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return (
         torch.compiler.is_compiling()
         or any(type(a) not in _PLAIN for a in args)

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from triton import knobs
+from triton.runtime.driver import driver
 
 from . import backend
 
@@ -74,8 +76,6 @@ def _signature(args: tuple[Any, ...]) -> tuple:
 
 def _device_and_stream() -> tuple[int, int]:
     """The current CUDA device and stream, as Triton's launch takes them."""
-    from triton.runtime.driver import driver
-
     device = driver.active.get_current_device()
     return device, driver.active.get_current_stream(device)
 
@@ -128,8 +128,6 @@ def _entry(kernel: Any, compiled: Any, n_args: int, meta: dict[str, Any]) -> _En
 
 
 def _run(entry: _Entry, grid: Sequence[int], stream: int, args: list[Any]) -> Any:
-    from triton import knobs
-
     compiled = entry.compiled
     g0 = grid[0]
     g1 = grid[1] if len(grid) > 1 else 1
