@@ -14,9 +14,11 @@ Variants, each from the same initial weights: ``hf``, ``hf_compile`` (``torch.co
 ``coda_mlp`` (``patch_llama(attention=False, fuse_gate_up=True)``: the MLP half only), ``coda``
 (``patch_llama``: norms, attention input and MLP), ``coda_fused``
 (``patch_llama(fuse_gate_up=True)``), ``coda_lm_head`` (that, and the loss from
-``causal_lm_loss``: final norm + LM head + cross-entropy fused), ``coda_lm_head_ops`` (the same
-with every call through the registered custom ops and every launch through Triton's own path —
-the host's work before the tenth session, timed interleaved with the rest), ``coda_compile``
+``causal_lm_loss``: final norm + LM head + cross-entropy fused), ``coda_lm_head_decide`` (the
+same deciding every run anew — no run plans: the host's work of the tenth session),
+``coda_lm_head_ops`` (that, and every call through the registered custom ops and every launch
+through Triton's own path: the host's work before the tenth session; both timed interleaved with
+the rest), ``coda_compile``
 (``torch.compile`` of the patched model) and ``liger``. Each variant's first loss and gradient
 norm are checked against ``hf``'s (same setting) before timing; step times are medians of
 interleaved rounds (``coda.primitives.timing``), also as tokens per second; step memory is what
@@ -49,8 +51,8 @@ from paper_kernels import NEEDS_GPU, Bench, environment  # noqa: E402  (same fol
 from profile_export import gpu_work  # noqa: E402
 
 VARIANTS = (
-    "hf", "hf_compile", "coda_mlp", "coda", "coda_fused", "coda_lm_head", "coda_lm_head_ops",
-    "coda_compile", "liger",
+    "hf", "hf_compile", "coda_mlp", "coda", "coda_fused", "coda_lm_head", "coda_lm_head_decide",
+    "coda_lm_head_ops", "coda_compile", "liger",
 )  # fmt: skip
 SETTINGS = ("bf16", "amp")
 LLAMA_1B = {
@@ -121,7 +123,7 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
         model = model.to(bench.dtype)
     tune = "off" if bench.dry_run else "quick"
     if name.startswith("coda"):
-        fuse = name in ("coda_mlp", "coda_fused", "coda_lm_head", "coda_lm_head_ops")
+        fuse = name in ("coda_mlp", "coda_fused") or name.startswith("coda_lm_head")
         attention = name != "coda_mlp"
         model = patch_llama(model, verify=False, tune=tune, fuse_gate_up=fuse, attention=attention)
     if name == "liger":
@@ -180,7 +182,7 @@ def _assign_globals(module: Any, values: dict[str, Any]) -> None:
 
 def loss_of(name: str, bench: Bench) -> Callable[[Any, Any], Any]:
     """The variant's loss of a batch: Hugging Face's (``labels=``) or ``causal_lm_loss``."""
-    if name not in ("coda_lm_head", "coda_lm_head_ops"):
+    if not name.startswith("coda_lm_head"):
         return lambda model, ids: model(input_ids=ids, labels=ids).loss
     from coda.export import causal_lm_loss
 
@@ -206,22 +208,26 @@ def train_step(
     return step
 
 
-def through_ops(step: Callable[[], Any]) -> Callable[[], Any]:
-    """``step`` with every exported call through its registered custom op and every kernel
-    launch through Triton's own path (what ``CODA_DISPATCH_OPS=1 CODA_TRITON_LAUNCH=1`` select
-    for a whole process), so both host paths can be timed interleaved in one process."""
+def with_host_paths(step: Callable[[], Any], *, ops: bool) -> Callable[[], Any]:
+    """``step`` with no run plans (every ``CompiledProgram.run`` decides anew, as
+    ``CODA_DECIDE_EVERY_RUN=1`` selects for a whole process) and, with ``ops``, every exported
+    call through its registered custom op and every kernel launch through Triton's own path
+    (``CODA_DISPATCH_OPS=1 CODA_TRITON_LAUNCH=1``): earlier sessions' host paths, timed
+    interleaved with today's in one process."""
     from coda.export import autograd
-    from coda.primitives import launch
+    from coda.primitives import launch, runtime
 
-    def slow_step() -> Any:
-        eager, direct = autograd.EAGER_CALLS, launch.DIRECT
-        autograd.EAGER_CALLS = launch.DIRECT = False
+    def older_step() -> Any:
+        saved = autograd.EAGER_CALLS, launch.DIRECT, runtime.REPLAY
+        runtime.REPLAY = False
+        if ops:
+            autograd.EAGER_CALLS = launch.DIRECT = False
         try:
             return step()
         finally:
-            autograd.EAGER_CALLS, launch.DIRECT = eager, direct
+            autograd.EAGER_CALLS, launch.DIRECT, runtime.REPLAY = saved
 
-    return slow_step
+    return older_step
 
 
 def forward_backward(model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench) -> Any:
@@ -293,8 +299,8 @@ def setting_rows(
             abs(row[k] - reference[k]) <= tol * abs(reference[k]) for k in ("loss", "grad_norm")
         )
         steps[name] = train_step(model, loss_of(name, bench), ids, setting, bench)
-        if name.endswith("_ops"):
-            steps[name] = through_ops(steps[name])
+        if name.endswith(("_ops", "_decide")):
+            steps[name] = with_host_paths(steps[name], ops=name.endswith("_ops"))
         rows.append(row)
     times = bench.compare(steps) if steps else {}
     for row in rows:

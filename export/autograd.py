@@ -53,6 +53,7 @@ from coda.primitives.runtime import CompiledProgram, compile_program
 from coda.primitives.types import torch_dtype
 
 _REGISTERED: dict[str, ExportedFunction] = {}
+_profiler_enabled = torch._C._autograd._profiler_enabled
 EAGER_CALLS = os.environ.get("CODA_DISPATCH_OPS") != "1"
 
 Tuning = Literal["quick", "full", "off"]
@@ -125,7 +126,10 @@ class _Runner:
 
     def as_op(self, *args: torch.Tensor) -> Any:
         """What its op returns for ``args`` (one tensor, or a tuple), run without the dispatcher;
-        profiles name the call as the op."""
+        a profile names the call as the op (a record_function range, opened only while a
+        profiler runs: it costs host time on every call)."""
+        if not _profiler_enabled():
+            return _op_result(self(*args))
         with torch.profiler.record_function(self.op_name):
             return _op_result(self(*args))
 
@@ -415,12 +419,18 @@ def export_autograd(
         runners.append(_Runner(inference, packed))
         inf_op = _custom_op(runners[-1], "inf")
 
+    def eager_forward(ctx: Any, *args: torch.Tensor) -> Any:
+        # forward(ctx, *args) rather than a separate setup_context: with one, every
+        # Function.apply binds its arguments through inspect.signature (host time per call)
+        output = fwd_runner.as_op(*args)
+        setup_context(ctx, args, output)
+        return output
+
     eager = type(
         f"Eager_{_op_name(forward, 'fwd', packed)}",
         (torch.autograd.Function,),
         {
-            "forward": staticmethod(fwd_runner.as_op),
-            "setup_context": staticmethod(setup_context),
+            "forward": staticmethod(eager_forward),
             "backward": staticmethod(
                 lambda ctx, *grads: backward_with(bwd_runner.as_op, ctx, grads)
             ),

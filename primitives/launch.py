@@ -17,6 +17,10 @@ descriptor its base's dtype and alignment, block shape, shape and strides; the m
 Anything else (an argument type it does not know) takes Triton's own path every time, as does the
 CPU interpreter, which compiles nothing.
 
+``PinnedLaunch(kernel, grid, **meta)`` goes one step further for a caller that knows every later
+call has the first one's signature (``CompiledProgram``'s run plans key their launches by the
+tensors' dtypes, layouts and alignments): after the first launch it skips the signature too.
+
 ``CODA_TRITON_LAUNCH=1`` in the environment makes every launch take Triton's path (to compare the
 two, or to rule this module out when a launch misbehaves).
 """
@@ -146,6 +150,36 @@ def _run(entry: _Entry, grid: Sequence[int], stream: int, args: list[Any]) -> An
         *args,
     )
     return compiled
+
+
+class PinnedLaunch:
+    """One launch site of ``kernel`` with a fixed grid and meta-parameters whose arguments always
+    have the signature of its first call (the caller guarantees it): the first call goes through
+    ``launch_kernel``, later ones straight to the compiled kernel's launcher — no signature, no
+    cache lookup. Where ``launch_kernel`` would take Triton's path (the interpreter,
+    ``CODA_TRITON_LAUNCH=1``, a kernel it cannot relaunch) every call does, as does a call on
+    another current device than the first."""
+
+    __slots__ = ("kernel", "grid", "meta", "entry", "device")
+
+    def __init__(self, kernel: Any, grid: Sequence[int], **meta: Any) -> None:
+        self.kernel, self.grid, self.meta = kernel, tuple(grid), meta
+        self.entry: _Entry | None = None
+        self.device: int | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        """Launch on ``args``; returns the compiled kernel (see ``launch_kernel``)."""
+        if self.entry is None or not DIRECT:
+            compiled = launch_kernel(self.kernel, self.grid, *args, **self.meta)
+            if DIRECT and not backend.INTERPRET:
+                self.device = _device_and_stream()[0]
+                self.entry = _entry(self.kernel, compiled, len(args), self.meta)
+            return compiled
+        device, stream = _device_and_stream()
+        if device != self.device:
+            return launch_kernel(self.kernel, self.grid, *args, **self.meta)
+        entry = self.entry
+        return _run(entry, self.grid, stream, [*args, *(self.meta[n] for n in entry.tail)])
 
 
 def clear() -> None:

@@ -23,7 +23,8 @@ def test_fails_fast_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture)
 
 
 def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> None:
-    variants = "hf,coda_mlp,coda,coda_fused,coda_lm_head,coda_lm_head_ops,coda_compile"
+    variants = "hf,coda_mlp,coda,coda_fused,coda_lm_head,coda_lm_head_decide,coda_lm_head_ops"
+    variants += ",coda_compile"
     argv = ["--dry-run", "--out", str(tmp_path), "--variants", variants, "--sync-check"]
     argv += ["--host", "--cprofile", "coda_lm_head"]
     assert load_script("llama_train_step").main(argv) == 0
@@ -40,9 +41,10 @@ def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> No
         assert "causal_lm_loss" in profile
     assert not list(tmp_path.glob("cprofile-*-hf.txt"))
     from coda.export import autograd
-    from coda.primitives import launch
+    from coda.primitives import launch, runtime
 
-    assert autograd.EAGER_CALLS and launch.DIRECT  # coda_lm_head_ops switched them back
+    # coda_lm_head_decide and coda_lm_head_ops switched them back
+    assert autograd.EAGER_CALLS and launch.DIRECT and runtime.REPLAY
     assert result["model"]["num_hidden_layers"] == 2
     assert "DRY RUN" in (tmp_path / "llama_train_step.md").read_text()
 

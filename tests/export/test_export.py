@@ -393,6 +393,21 @@ def test_eager_calls_skip_the_dispatcher_and_traced_calls_use_the_ops(monkeypatc
             fn(x, *weights)
 
 
+def test_an_eager_call_is_named_as_its_op_in_a_profile() -> None:
+    # the record_function range opens only while a profiler runs (it costs host time per call)
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = llama_mlp_function(1e-5, verify=False, tune="off")
+    norm, mlp = _hf_modules(seed=12)
+    weights = [norm.weight, *[p.weight for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]]
+    x = torch.randn(9, 48, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(x, *weights).sum().backward()
+    names = {e.name for e in prof.events()}
+    forward, backward = (r.op_name for r in fn.runners[:2])
+    assert forward.startswith("coda::") and {forward, backward} <= names
+
+
 @pytest.mark.parametrize("fuse", [False, True], ids=["hf-params", "fused-gate-up"])
 def test_an_empty_batch_gives_what_hugging_face_gives(fuse: bool) -> None:
     # No tokens (an empty micro-batch, a rank with nothing routed to it): an empty output, zero

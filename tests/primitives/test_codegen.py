@@ -182,7 +182,11 @@ def test_a_tma_epilogue_too_big_for_shared_memory_falls_back_to_pointer_tiles(
     assert set(compiled.mainloops_used.values()) == {"tma_mainloop"}
     assert launched.count("tma") == len(compiled.kernels)  # tried once per step and config
     launched.clear()
-    got = compiled(inputs)
+    got = compiled(inputs)  # the same run signature: its plan replays, deciding nothing
+    assert launched == []
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    got = compiled(inputs, poison=True)  # a new run signature decides anew, remembering
     assert launched == ["tma_mainloop"] * len(compiled.kernels)
     for name in want:
         torch.testing.assert_close(got[name], want[name])

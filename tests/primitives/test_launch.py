@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coda.primitives import launch as launch_module
-from coda.primitives.launch import launch_kernel
+from coda.primitives.launch import PinnedLaunch, launch_kernel
 
 
 class FakeCompiled:
@@ -144,3 +144,32 @@ def test_a_meta_parameter_of_another_type_is_another_signature(on_a_gpu: None) -
     launch_kernel(kernel, (1,), torch.zeros(4), FLAG=True)
     launch_kernel(kernel, (1,), torch.zeros(4), FLAG=1)
     assert len(kernel.triton_launches) == 2
+
+
+def test_a_pinned_launch_relaunches_without_a_signature(
+    on_a_gpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel = FakeKernel(["x_ptr", "n", "BLOCK"])
+    pinned = PinnedLaunch(kernel, (4,), BLOCK=16)
+    x = torch.zeros(64)
+    assert pinned(x, 64) is kernel.compiled
+    assert len(kernel.triton_launches) == 1
+    monkeypatch.setattr(launch_module, "_signature", None)  # a relaunch computes none
+    y = torch.ones(64)
+    pinned(y, 64)
+    (run,) = kernel.compiled.runs
+    assert run[:4] == (4, 1, 1, 1234) and run[-3:] == (y, 64, 16)
+
+
+def test_a_pinned_launch_on_another_device_or_off_the_direct_path_asks_triton(
+    on_a_gpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel = FakeKernel(["x_ptr", "BLOCK"])
+    pinned = PinnedLaunch(kernel, (1,), BLOCK=4)
+    pinned(torch.zeros(4))
+    monkeypatch.setattr(launch_module, "_device_and_stream", lambda: (1, 99))
+    pinned(torch.zeros(4))  # device 1: launch_kernel, which compiles there through Triton
+    assert len(kernel.triton_launches) == 2 and not kernel.compiled.runs
+    monkeypatch.setattr(launch_module, "DIRECT", False)
+    pinned(torch.zeros(4))
+    assert len(kernel.triton_launches) == 3 and not kernel.compiled.runs

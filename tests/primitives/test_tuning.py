@@ -41,10 +41,16 @@ def miscompiled(monkeypatch: pytest.MonkeyPatch) -> set:
     run = CompiledProgram._run_gemm
 
     def corrupting(self, step, gemm, tensors, *args, **kwargs):  # noqa: ANN001, ANN202
-        run(self, step, gemm, tensors, *args, **kwargs)
-        if self.config_for(gemm.name, gemm) in bad:
-            for name in gemm.writes:
-                tensors[name].add_(1.0)
+        actions = run(self, step, gemm, tensors, *args, **kwargs)
+        config = self.config_for(gemm.name, gemm)
+
+        def corrupt(tensors, env) -> None:  # noqa: ANN001  (run by every replay of the step too)
+            if config in bad:
+                for name in gemm.writes:
+                    tensors[name].add_(1.0)
+
+        corrupt(tensors, None)
+        return [*actions, corrupt]
 
     monkeypatch.setattr(CompiledProgram, "_run_gemm", corrupting)
     return bad

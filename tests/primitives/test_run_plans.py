@@ -1,0 +1,123 @@
+"""CompiledProgram.run records its decisions at each run signature and replays them: a replay
+decides nothing (no step is planned again), allocates fresh tensors, and matches a program that
+decides anew; anything a decision depends on — a tensor's dtype, layout or alignment, the
+pinned configs, the mainloop asked for — is part of the signature and records a new plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda.agent.planner import lower
+from coda.blocks import get_block
+from coda.primitives import analyze, compile_program
+from coda.primitives.ir import MainloopConfig
+from coda.primitives.runtime import CompiledProgram
+
+
+@pytest.fixture
+def mlp():  # noqa: ANN201
+    block = get_block("llama_mlp")
+    program = lower(block)
+    sizes = block.shapes.cpu[0]
+    return block, program, sizes
+
+
+def _decisions(monkeypatch: pytest.MonkeyPatch, compiled: CompiledProgram) -> list[str]:
+    """Names of the gemm steps ``compiled`` decides (plans) from now on."""
+    decided: list[str] = []
+    run_gemm = CompiledProgram._run_gemm
+
+    def recording(self, step, gemm, *args, **kwargs):  # noqa: ANN001, ANN202
+        if self is compiled:
+            decided.append(gemm.name)
+        return run_gemm(self, step, gemm, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledProgram, "_run_gemm", recording)
+    return decided
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor whose address is 4 bytes past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+def test_a_replay_decides_nothing_and_matches_deciding_anew(
+    mlp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    block, program, sizes = mlp
+    compiled = compile_program(program, analyze(program, sizes))
+    decided = _decisions(monkeypatch, compiled)
+    first = compiled(block.make_inputs(sizes, torch.float32, seed=0))
+    assert decided == list(compiled.kernels)  # the fused gemm steps
+    used = dict(compiled.mainloops_used)
+    decided.clear()
+    for seed in (1, 2):
+        inputs = block.make_inputs(sizes, torch.float32, seed=seed)
+        got = compiled(inputs)
+        want = compile_program(program, analyze(program, sizes))(inputs)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name])
+            assert got[name].data_ptr() != first[name].data_ptr()  # allocated anew
+    assert decided == [] and compiled.mainloops_used == used
+
+
+@pytest.mark.parametrize("change", ["dtype", "alignment", "config", "mainloop", "poison"])
+def test_what_a_decision_depends_on_records_a_new_plan(
+    mlp, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    block, program, sizes = mlp
+    compiled = compile_program(program, analyze(program, sizes))
+    inputs = block.make_inputs(sizes, torch.float32, seed=0)
+    compiled(inputs)
+    decided = _decisions(monkeypatch, compiled)
+    kwargs = {}
+    if change == "dtype":
+        inputs = {n: t.half() for n, t in inputs.items()}
+    elif change == "alignment":  # the weight's rows can no longer be a TMA descriptor's
+        inputs["w_down"] = _misaligned(inputs["w_down"])
+    elif change == "config":
+        small = MainloopConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4)
+        compiled.configs = {"down": small}
+    elif change == "mainloop":
+        compiled.mainloop = "pointer"
+    else:
+        kwargs["poison"] = True
+    got = compiled(inputs, **kwargs)
+    assert decided == list(compiled.kernels)  # the fused gemm steps
+    fresh = compile_program(program, analyze(program, sizes))
+    fresh.configs, fresh.mainloop = dict(compiled.configs), compiled.mainloop
+    want = fresh(inputs)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    assert compiled.mainloops_used == fresh.mainloops_used
+    if change == "alignment":
+        assert compiled.mainloops_used["down"] == "pointer"
+
+
+def test_a_replay_s_descriptors_equal_checked_ones() -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from coda.primitives.runtime import _unchecked_descriptor
+
+    t = torch.zeros(64, 32)
+    args = (t, [64, 32], [32, 1], [16, 32])
+    unchecked = _unchecked_descriptor(*args)
+    assert type(unchecked) is TensorDescriptor and unchecked == TensorDescriptor(*args)
+
+
+def test_with_replays_off_every_call_decides_anew(mlp, monkeypatch: pytest.MonkeyPatch) -> None:
+    from coda.primitives import runtime
+
+    block, program, sizes = mlp
+    compiled = compile_program(program, analyze(program, sizes))
+    inputs = block.make_inputs(sizes, torch.float32, seed=0)
+    want = compiled(inputs)
+    monkeypatch.setattr(runtime, "REPLAY", False)  # CODA_DECIDE_EVERY_RUN=1
+    decided = _decisions(monkeypatch, compiled)
+    for _ in range(2):
+        got = compiled(inputs)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=0, rtol=0)
+    assert decided == list(compiled.kernels) * 2
