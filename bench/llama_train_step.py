@@ -19,7 +19,10 @@ same deciding every run anew — no run plans: the host's work of the tenth sess
 ``coda_lm_head_ops`` (that, and every call through the registered custom ops and every launch
 through Triton's own path: the host's work before the tenth session; both timed interleaved with
 the rest), ``coda_compile``
-(``torch.compile`` of the patched model) and ``liger``. Each variant's first loss and gradient
+(``torch.compile`` of the patched model) and ``liger``; and ``hf_graph``,
+``coda_lm_head_graph``, ``liger_graph``: those steps — forward, backward, ``AdamW.step()`` —
+captured once in one CUDA graph and replayed (the remedy for a host-bound step: one launch per
+step, whatever Python runs at capture). Each variant's first loss and gradient
 norm are checked against ``hf``'s (same setting) before timing; step times are medians of
 interleaved rounds (``coda.primitives.timing``), also as tokens per second; step memory is what
 one forward+backward allocates beyond the model, gradients and optimizer state (peak minus
@@ -52,8 +55,20 @@ from profile_export import gpu_work  # noqa: E402
 
 VARIANTS = (
     "hf", "hf_compile", "coda_mlp", "coda", "coda_fused", "coda_lm_head", "coda_lm_head_decide",
-    "coda_lm_head_ops", "coda_compile", "liger",
+    "coda_lm_head_ops", "coda_compile", "liger", "hf_graph", "coda_lm_head_graph", "liger_graph",
 )  # fmt: skip
+# Variants that run a base variant's step another way: earlier host paths, or a CUDA graph.
+STEP_MODES = ("_decide", "_ops", "_graph")
+
+
+def split_variant(name: str) -> tuple[str, str]:
+    """``(base variant, step mode)``: ``"coda_lm_head_graph"`` → ``("coda_lm_head", "graph")``."""
+    for suffix in STEP_MODES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)], suffix[1:]
+    return name, ""
+
+
 SETTINGS = ("bf16", "amp")
 LLAMA_1B = {
     "hidden_size": 2048,
@@ -118,12 +133,13 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
     """A fresh copy of ``base`` set up as ``name`` (None when it cannot run here)."""
     from coda.export import patch_llama
 
+    name = split_variant(name)[0]
     model = copy.deepcopy(base)
     if setting == "bf16":
         model = model.to(bench.dtype)
     tune = "off" if bench.dry_run else "quick"
     if name.startswith("coda"):
-        fuse = name in ("coda_mlp", "coda_fused") or name.startswith("coda_lm_head")
+        fuse = name in ("coda_mlp", "coda_fused", "coda_lm_head")
         attention = name != "coda_mlp"
         model = patch_llama(model, verify=False, tune=tune, fuse_gate_up=fuse, attention=attention)
     if name == "liger":
@@ -182,7 +198,7 @@ def _assign_globals(module: Any, values: dict[str, Any]) -> None:
 
 def loss_of(name: str, bench: Bench) -> Callable[[Any, Any], Any]:
     """The variant's loss of a batch: Hugging Face's (``labels=``) or ``causal_lm_loss``."""
-    if not name.startswith("coda_lm_head"):
+    if split_variant(name)[0] != "coda_lm_head":
         return lambda model, ids: model(input_ids=ids, labels=ids).loss
     from coda.export import causal_lm_loss
 
@@ -191,13 +207,15 @@ def loss_of(name: str, bench: Bench) -> Callable[[Any, Any], Any]:
 
 
 def train_step(
-    model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench
+    model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench, *, graph: bool = False
 ) -> Callable[[], Any]:
-    """One optimizer step of ``model`` on ``ids``; returns the loss (detached)."""
+    """One optimizer step of ``model`` on ``ids``; returns the loss (detached). ``graph``: the
+    step captured in a CUDA graph, each call a replay (the plain step on a dry run)."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=not bench.dry_run)
+    graph = graph and not bench.dry_run
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=not bench.dry_run, capturable=graph)
 
     def step() -> Any:
         optimizer.zero_grad(set_to_none=True)
@@ -205,7 +223,32 @@ def train_step(
         optimizer.step()
         return loss.detach()
 
-    return step
+    return captured(step, optimizer) if graph else step
+
+
+def captured(step: Callable[[], Any], optimizer: Any) -> Callable[[], Any]:
+    """``step`` captured in a CUDA graph after three warm-up steps on a side stream (tuning and
+    run plans happen there, outside the capture); returns a replay that gives the loss. The
+    gradients live in the graph's memory and are overwritten by each replay (PyTorch's
+    whole-network capture recipe, with a capturable optimizer)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = step()
+
+    def replay() -> Any:
+        graph.replay()
+        return loss
+
+    return replay
 
 
 def with_host_paths(step: Callable[[], Any], *, ops: bool) -> Callable[[], Any]:
@@ -298,9 +341,16 @@ def setting_rows(
         row["correct"] = all(
             abs(row[k] - reference[k]) <= tol * abs(reference[k]) for k in ("loss", "grad_norm")
         )
-        steps[name] = train_step(model, loss_of(name, bench), ids, setting, bench)
-        if name.endswith(("_ops", "_decide")):
-            steps[name] = with_host_paths(steps[name], ops=name.endswith("_ops"))
+        mode = split_variant(name)[1]
+        try:
+            steps[name] = train_step(
+                model, loss_of(name, bench), ids, setting, bench, graph=mode == "graph"
+            )
+        except Exception as e:  # noqa: BLE001 - e.g. a model that cannot be captured
+            rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        if mode in ("ops", "decide"):
+            steps[name] = with_host_paths(steps[name], ops=mode == "ops")
         rows.append(row)
     times = bench.compare(steps) if steps else {}
     for row in rows:

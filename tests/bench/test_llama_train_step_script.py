@@ -24,7 +24,7 @@ def test_fails_fast_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture)
 
 def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> None:
     variants = "hf,coda_mlp,coda,coda_fused,coda_lm_head,coda_lm_head_decide,coda_lm_head_ops"
-    variants += ",coda_compile"
+    variants += ",coda_compile,coda_lm_head_graph"  # (a graph is GPU-only: the plain step here)
     argv = ["--dry-run", "--out", str(tmp_path), "--variants", variants, "--sync-check"]
     argv += ["--host", "--cprofile", "coda_lm_head"]
     assert load_script("llama_train_step").main(argv) == 0
@@ -147,3 +147,11 @@ def test_the_table_without_an_eager_row_has_no_ratio() -> None:
     assert "| bf16 | liger | True | 10.8000 | 2.9000 | 32.90 | 248,861 | — | 2.82 |" in (
         script.table([row])
     )
+
+
+def test_a_variant_name_is_a_base_variant_and_a_step_mode() -> None:
+    split = load_script("llama_train_step").split_variant
+    assert split("coda_lm_head_graph") == ("coda_lm_head", "graph")
+    assert split("coda_lm_head_ops") == ("coda_lm_head", "ops")
+    assert split("liger") == ("liger", "")
+    assert split("hf_compile") == ("hf_compile", "")
