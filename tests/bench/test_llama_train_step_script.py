@@ -155,3 +155,14 @@ def test_a_variant_name_is_a_base_variant_and_a_step_mode() -> None:
     assert split("coda_lm_head_ops") == ("coda_lm_head", "ops")
     assert split("liger") == ("liger", "")
     assert split("hf_compile") == ("hf_compile", "")
+
+
+def test_two_captured_steps_in_one_process_are_refused(capsys: pytest.CaptureFixture) -> None:
+    parse = load_script("llama_train_step").parse_args
+    with pytest.raises(SystemExit):
+        parse(["--variants", "hf_graph,coda_lm_head_graph", "--settings", "bf16"])
+    assert "at most one step per process" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--variants", "coda_lm_head_graph", "--settings", "bf16,amp"])
+    assert parse(["--variants", "hf,coda_lm_head_graph", "--settings", "bf16"]).variants
+    assert "_graph" not in parse([]).variants  # not run by default
