@@ -172,3 +172,39 @@ def test_fused_prep_chains_are_the_steps_bit_for_bit_gpu(block: str, dtype: torc
     last = program.prep[-1].out
     assert prepared[last].is_cuda and torch.equal(prepared[last], eager[last])
     assert not any(step.out in prepared for step in program.prep[:-1])
+
+
+def test_run_plans_replay_on_the_gpu() -> None:
+    """CompiledProgram's run plans with the direct launch path (``PinnedLaunch``, unchecked
+    descriptors): calls alternating between TMA-describable inputs and a misaligned weight (the
+    pointer kernel) and between two dtypes replay their own plans and give a fresh program's
+    bits each time."""
+    from coda.agent.planner import lower
+    from coda.blocks import get_block
+    from coda.primitives import analyze, compile_program
+
+    block = get_block("llama_mlp")
+    program = lower(block)
+    sizes = block.shapes.gpu[0]
+    shared = compile_program(program, analyze(program, sizes))
+
+    def misaligned(t: torch.Tensor) -> torch.Tensor:
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+        return flat.view(t.shape).copy_(t)
+
+    calls = []
+    for i, (dtype, skew) in enumerate(
+        [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)] * 2
+    ):
+        inputs = block.make_inputs(sizes, dtype, seed=i, device="cuda")
+        if skew:
+            inputs["w_down"] = misaligned(inputs["w_down"])
+        fresh = compile_program(program, analyze(program, sizes))
+        got, want = shared(inputs), fresh(inputs)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (i, name)
+        assert shared.mainloops_used == fresh.mainloops_used
+        calls.append(dict(shared.mainloops_used))
+    assert calls[1]["down"] == "pointer" and calls[0]["down"] != "pointer"
+    assert calls[:3] == calls[3:]  # the replays chose what their recordings chose
+    assert len(shared._run_plans) == 3
