@@ -16,6 +16,12 @@ whole extra ``[M, N]`` tiles (RESULTS, eighth session: +2 / +3 / +4 tiles, no-ov
   one's K loop runs while the other is in its epilogue — the epilogue's memory traffic and
   latency overlap tensor-core work instead of stalling it.
 
+``PREFETCH=1`` (``--configs prefetch``) gives the epilogue two slots of every buffer: the next
+piece's load is in flight while this one computes, the tile's first piece is loaded while its K
+loop runs, and two pieces' stores may be outstanding — against the latency-bound one-piece-at-a-
+time epilogue measured in the tenth session (RESULTS). Written and compiled for sm_90 on a machine
+without a GPU (eleventh session); not yet run on one.
+
 ``CONSUMERS=1`` is the control: one consumer warpgroup and the producer, at one or two programs
 per SM (``PER_SM``; two let the warp scheduler overlap one program's epilogue with the other's K
 loop, where shared memory allows).
@@ -31,7 +37,7 @@ of cuBLAS at 8192 and leaves residual + partial RMSNorm at 1.06×; its own plain
 1.035×, which is now the floor.
 
     python3 bench/experiments/gluon_pingpong.py [--sizes 4096,8192,8192x8192x2048]
-        [--configs pingpong|sweep|deep]
+        [--configs pingpong|sweep|deep|prefetch]
     python3 bench/experiments/gluon_pingpong.py --check-grids [--grids 7,16,64]   # faults too
     python3 bench/experiments/gluon_pingpong.py --compile-only   # no GPU needed
 
@@ -129,15 +135,21 @@ class Epilogue:
     """The epilogue's tensors and each consumer's shared-memory buffers (leading dim: consumer)."""
 
     in_desc: tma.tensor_descriptor  # tile read: z (swiglu_bwd), c (residual_rmsnorm)
-    out_desc: tma.tensor_descriptor  # tile written from in_bufs: dz / d / d (store)
+    out_desc: tma.tensor_descriptor  # tile written from out_bufs: dz / d / d (store)
     o_desc: tma.tensor_descriptor  # second tile written: o
     in_bufs: gl.shared_memory_descriptor
+    out_bufs: gl.shared_memory_descriptor  # in_bufs itself unless PREFETCH
     o_bufs: gl.shared_memory_descriptor
     in_bars: gl.shared_memory_descriptor
     vec_ptr: gl.tensor  # γ (residual_rmsnorm)
     partials_ptr: gl.tensor  # [M, cdiv(N, BN)] fp32 row partials
     KIND: gl.constexpr
     EPI_N: gl.constexpr
+    # 0: one piece at a time (load, wait, compute, store, wait for the store before the buffer
+    # is reused). 1: two slots per consumer for every buffer — the next piece's load is in
+    # flight while this one computes, the tile's first piece is loaded before its K loop, and
+    # two pieces' stores may be outstanding.
+    PREFETCH: gl.constexpr
 
     @triton.constexpr_function
     def __init__(
@@ -146,18 +158,22 @@ class Epilogue:
         out_desc,
         o_desc,
         in_bufs,
+        out_bufs,
         o_bufs,
         in_bars,
         vec_ptr,
         partials_ptr,
         KIND,
         EPI_N,
+        PREFETCH,
     ):
         self.in_desc, self.out_desc, self.o_desc = in_desc, out_desc, o_desc
-        self.in_bufs, self.o_bufs, self.in_bars = in_bufs, o_bufs, in_bars
+        self.in_bufs, self.out_bufs, self.o_bufs = in_bufs, out_bufs, o_bufs
+        self.in_bars = in_bars
         self.vec_ptr, self.partials_ptr = vec_ptr, partials_ptr
         self.KIND = gl.constexpr(KIND)
         self.EPI_N = gl.constexpr(EPI_N)
+        self.PREFETCH = gl.constexpr(PREFETCH)
 
 
 @gluon.jit
@@ -233,28 +249,69 @@ def _epilogue_store(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, N, count):
 
 
 @gluon.jit
+def _in_slot(e, C: gl.constexpr, count):
+    """The buffer slot of consumer C's ``count``-th epilogue input piece (and of its outputs)."""
+    if e.PREFETCH:
+        return C * 2 + count % 2
+    else:
+        return C
+
+
+@gluon.jit
+def _in_col(e, off_n, s: gl.constexpr):
+    """The first column of piece ``s``'s input tile (z is interleaved: twice the output's)."""
+    if e.KIND == "swiglu_bwd":
+        return 2 * (off_n + s * e.EPI_N)
+    else:
+        return off_n + s * e.EPI_N
+
+
+@gluon.jit
+def _load_piece(e, C: gl.constexpr, count, off_m, col):
+    """Issue the TMA load of consumer C's ``count``-th input piece into its slot."""
+    slot = _in_slot(e, C, count)
+    bar = e.in_bars.index(slot)
+    mbarrier.expect(bar, e.in_desc.block_type.nbytes)
+    _tma_load(e.in_desc, [off_m, col], bar, e.in_bufs.index(slot))
+
+
+@gluon.jit
+def _next_piece(e, C: gl.constexpr, count, off_m, off_n, s: gl.constexpr, PIECES: gl.constexpr):
+    """Make piece ``s`` (the ``count``-th) ready to read; returns its slot. One at a time: wait
+    for the last stores to leave the buffers, load, wait. PREFETCH: issue piece s + 1's load
+    (piece 0's was issued before the K loop), wait for piece s's, and for the stores two pieces
+    back (the slot this piece's outputs will use; two stores a piece)."""
+    slot = _in_slot(e, C, count)
+    if e.PREFETCH:
+        if s + 1 < PIECES:
+            _load_piece(e, C, count + 1, off_m, _in_col(e, off_n, s + 1))
+        mbarrier.wait(e.in_bars.index(slot), (count // 2) & 1)
+        tma.store_wait(2)
+    else:
+        tma.store_wait(0)
+        _load_piece(e, C, count, off_m, _in_col(e, off_n, s))
+        mbarrier.wait(e.in_bars.index(slot), count & 1)
+    return slot
+
+
+@gluon.jit
 def _epilogue_swiglu_bwd(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, N, count):
     """da = acc; from the saved interleaved z = [g, u]: dz = [da·u·σ(g)(1 + g(1 − σ(g))),
     da·silu(g)] interleaved, o = silu(g)·u, and this tile's Σ_k (g dg + u du) per row."""
     BM: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
     EPI_N: gl.constexpr = e.EPI_N
-    pieces = _split_columns(acc, BN // EPI_N)
-    z_buf = e.in_bufs.index(C)
-    o_buf = e.o_bufs.index(C)
-    bar = e.in_bars.index(C)
+    PIECES: gl.constexpr = BN // EPI_N
+    pieces = _split_columns(acc, PIECES)
     zdz = gl.sum(gl.zeros_like(pieces[0]), axis=1)
     # z read so that each thread holds the (g, u) pairs of the da columns it holds.
     z_layout: gl.constexpr = gl.join(pieces[0], pieces[0]).reshape([BM, 2 * EPI_N]).type.layout
-    for s in gl.static_range(len(pieces)):
+    for s in gl.static_range(PIECES):
         da = pieces[s]
         col = off_n + s * EPI_N
-        tma.store_wait(0)  # the previous piece's dz and o have left the buffers
-        mbarrier.expect(bar, e.in_desc.block_type.nbytes)
-        _tma_load(e.in_desc, [off_m, 2 * col], bar, z_buf)
-        mbarrier.wait(bar, count & 1)
+        slot = _next_piece(e, C, count, off_m, off_n, s, PIECES)
         count += 1
-        z = z_buf.load(z_layout)
+        z = e.in_bufs.index(slot).load(z_layout)
         g, u = z.reshape([BM, EPI_N, 2]).split()
         g = gl.convert_layout(g.to(gl.float32), da.type.layout)
         u = gl.convert_layout(u.to(gl.float32), da.type.layout)
@@ -264,10 +321,12 @@ def _epilogue_swiglu_bwd(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, N, cou
         dg = da * u * sig * (1.0 + g * (1.0 - sig))
         zdz += gl.sum(g * dg + u * du, axis=1)
         dz = gl.join(dg.to(e.out_desc.dtype), du.to(e.out_desc.dtype))
-        z_buf.store(dz.reshape([BM, 2 * EPI_N]))
+        out_buf = e.out_bufs.index(slot)
+        o_buf = e.o_bufs.index(slot)
+        out_buf.store(dz.reshape([BM, 2 * EPI_N]))
         o_buf.store((silu * u).to(e.o_desc.dtype))
         fence_async_shared()
-        _tma_store(e.out_desc, [off_m, 2 * col], z_buf)
+        _tma_store(e.out_desc, [off_m, 2 * col], out_buf)
         _tma_store(e.o_desc, [off_m, col], o_buf)
     _store_row_partials(e, zdz, off_m, pid_n, M, N, BM, BN)
     return count
@@ -279,28 +338,25 @@ def _epilogue_residual_rmsnorm(acc, e, C: gl.constexpr, off_m, off_n, pid_n, M, 
     BM: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
     EPI_N: gl.constexpr = e.EPI_N
-    pieces = _split_columns(acc, BN // EPI_N)
-    c_buf = e.in_bufs.index(C)
-    o_buf = e.o_bufs.index(C)
-    bar = e.in_bars.index(C)
+    PIECES: gl.constexpr = BN // EPI_N
+    pieces = _split_columns(acc, PIECES)
     ss = gl.sum(gl.zeros_like(pieces[0]), axis=1)
-    for s in gl.static_range(len(pieces)):
+    for s in gl.static_range(PIECES):
         ab = pieces[s]
         col = off_n + s * EPI_N
-        tma.store_wait(0)
-        mbarrier.expect(bar, e.in_desc.block_type.nbytes)
-        _tma_load(e.in_desc, [off_m, col], bar, c_buf)
-        mbarrier.wait(bar, count & 1)
+        slot = _next_piece(e, C, count, off_m, off_n, s, PIECES)
         count += 1
-        d = ab + c_buf.load(ab.type.layout).to(gl.float32)
+        d = ab + e.in_bufs.index(slot).load(ab.type.layout).to(gl.float32)
         cols = col + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, ab.type.layout))
         gamma = gl.load(e.vec_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
         d_out = d.to(e.out_desc.dtype)
         ss += gl.sum(d * d, axis=1)
-        c_buf.store(d_out)
+        out_buf = e.out_bufs.index(slot)
+        o_buf = e.o_bufs.index(slot)
+        out_buf.store(d_out)
         o_buf.store((d_out.to(gl.float32) * gl.expand_dims(gamma, 0)).to(e.o_desc.dtype))
         fence_async_shared()
-        _tma_store(e.out_desc, [off_m, col], c_buf)
+        _tma_store(e.out_desc, [off_m, col], out_buf)
         _tma_store(e.o_desc, [off_m, col], o_buf)
     _store_row_partials(e, ss, off_m, pid_n, M, N, BM, BN)
     return count
@@ -345,6 +401,11 @@ def _consumer(m, e, C: gl.constexpr):
                 mbarrier.wait(m.order_bars.index(0), i & 1)
             else:
                 mbarrier.wait(m.order_bars.index(1), (i - 1) & 1, pred=i > 0)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        if e.PREFETCH and e.KIND != "store":
+            # the tile's first epilogue piece arrives while its K loop runs
+            _load_piece(e, C, count, off_m, _in_col(e, off_n, 0))
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         prev_slot = 0
         for kk in range(k_tiles):
@@ -361,8 +422,6 @@ def _consumer(m, e, C: gl.constexpr):
             mbarrier.arrive(m.order_bars.index(C))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(m.empty_bars.index(prev_slot))
-        off_m = pid_m * BM
-        off_n = pid_n * BN
         if e.KIND == "swiglu_bwd":
             count = _epilogue_swiglu_bwd(acc, e, C, off_m, off_n, pid_n, m.M, m.N, count)
         elif e.KIND == "residual_rmsnorm":
@@ -393,6 +452,7 @@ def pingpong_kernel(
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     CONSUMERS: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(
         a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout
@@ -408,18 +468,27 @@ def pingpong_kernel(
     order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(order_bars.index(i), count=1)
-    # Each consumer's epilogue buffers: in (read, then overwritten with the first output) and o.
+    # Each consumer's epilogue buffers: in (read, then overwritten with the first output) and o;
+    # PREFETCH: two slots of each, and the first output in buffers of its own (out).
+    SLOTS: gl.constexpr = CONSUMERS * (2 if PREFETCH else 1)
     in_bufs = gl.allocate_shared_memory(
-        in_desc.dtype, [CONSUMERS] + in_desc.block_type.shape, in_desc.layout
+        in_desc.dtype, [SLOTS] + in_desc.block_type.shape, in_desc.layout
     )
     if KIND == "store":
         o_bufs = in_bufs
+        out_bufs = in_bufs
     else:
         o_bufs = gl.allocate_shared_memory(
-            o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout
+            o_desc.dtype, [SLOTS] + o_desc.block_type.shape, o_desc.layout
         )
-    in_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
+        if PREFETCH:
+            out_bufs = gl.allocate_shared_memory(
+                out_desc.dtype, [SLOTS] + out_desc.block_type.shape, out_desc.layout
+            )
+        else:
+            out_bufs = in_bufs
+    in_bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(SLOTS):
         mbarrier.init(in_bars.index(i), count=1)
 
     m = Mainloop(
@@ -439,7 +508,18 @@ def pingpong_kernel(
         CONSUMERS,
     )
     e = Epilogue(
-        in_desc, out_desc, o_desc, in_bufs, o_bufs, in_bars, vec_ptr, partials_ptr, KIND, EPI_N
+        in_desc,
+        out_desc,
+        o_desc,
+        in_bufs,
+        out_bufs,
+        o_bufs,
+        in_bars,
+        vec_ptr,
+        partials_ptr,
+        KIND,
+        EPI_N,
+        PREFETCH,
     )
     if CONSUMERS == 2:
         gl.warp_specialize(
@@ -488,6 +568,7 @@ def launch(
     GROUP_M=8,
     CONSUMERS=2,
     PER_SM=1,
+    PREFETCH=0,
     num_programs=None,
     warmup=False,
 ):
@@ -540,6 +621,7 @@ def launch(
         PRODUCER_REGS=40 if CONSUMERS == 2 else 24,
         CONSUMER_REGS=232,
         CONSUMERS=CONSUMERS,
+        PREFETCH=PREFETCH,
         num_warps=4,
         maxnreg=168 if CONSUMERS == 2 else 128,
     )
@@ -745,6 +827,14 @@ PINGPONG_DEEP = [
     ("residual_rmsnorm", dict(STAGES=6, EPI_N=16)),
     ("residual_rmsnorm", dict(STAGES=6, EPI_N=32)),
 ]
+# The epilogue prefetching (two slots of every epilogue buffer: next piece's load in flight,
+# first piece loaded during the K loop, two pieces' stores outstanding).
+PINGPONG_PREFETCH = [
+    ("swiglu_bwd", dict(STAGES=4, EPI_N=16, PREFETCH=1)),
+    ("swiglu_bwd", dict(STAGES=3, EPI_N=16, PREFETCH=1)),
+    ("residual_rmsnorm", dict(STAGES=4, EPI_N=32, PREFETCH=1)),
+    ("residual_rmsnorm", dict(STAGES=4, EPI_N=16, PREFETCH=1)),
+]
 ONE_CONSUMER = dict(CONSUMERS=1)
 DEFAULT_CONFIGS = PINGPONG_CONFIGS + [
     ("store", dict(ONE_CONSUMER, STAGES=4, EPI_N=64)),
@@ -815,13 +905,19 @@ def main(argv=None):
     )
     parser.add_argument(
         "--configs",
-        choices=["all", "pingpong", "sweep", "deep"],
+        choices=["all", "pingpong", "sweep", "deep", "prefetch"],
         default="all",
-        help="pingpong: two consumers only; sweep, deep: two consumers, other rings and pieces",
+        help="pingpong: two consumers only; sweep, deep: two consumers, other rings and pieces; "
+        "prefetch: two consumers whose epilogues prefetch",
     )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    named = {"pingpong": PINGPONG_CONFIGS, "sweep": PINGPONG_SWEEP, "deep": PINGPONG_DEEP}
+    named = {
+        "pingpong": PINGPONG_CONFIGS,
+        "sweep": PINGPONG_SWEEP,
+        "deep": PINGPONG_DEEP,
+        "prefetch": PINGPONG_PREFETCH,
+    }
     configs = named.get(args.configs, DEFAULT_CONFIGS)
     if args.compile_only:
         return 0 if all(r["fits"] for r in compile_only(configs)) else 1

@@ -28,13 +28,14 @@ def _has_gluon_hopper() -> bool:
 
 
 @pytest.mark.skipif(not _has_gluon_hopper(), reason="this Triton has no Gluon Hopper language")
-def test_every_two_consumer_config_compiles_for_sm90_and_fits() -> None:
+@pytest.mark.parametrize("configs", ["sweep", "prefetch"])
+def test_every_two_consumer_config_compiles_for_sm90_and_fits(configs: str) -> None:
     # Compiled in a process of its own without the interpreter (the test session runs Triton's
     # interpreter, which never reaches the sm_90 backend).
     script = BENCH / "experiments" / "gluon_pingpong.py"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run(
-        [sys.executable, str(script), "--compile-only", "--configs", "sweep"],
+        [sys.executable, str(script), "--compile-only", "--configs", configs],
         capture_output=True,
         text=True,
         env=env,
@@ -42,9 +43,8 @@ def test_every_two_consumer_config_compiles_for_sm90_and_fits() -> None:
     )
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [(row["kind"], row["config"]) for row in rows] == [
-        (kind, cfg) for kind, cfg in experiment.PINGPONG_SWEEP
-    ]
+    named = {"sweep": experiment.PINGPONG_SWEEP, "prefetch": experiment.PINGPONG_PREFETCH}
+    assert [(row["kind"], row["config"]) for row in rows] == list(named[configs])
     for row in rows:
         cfg = row["config"]
         ring = cfg["STAGES"] * (128 * 64 + 128 * 64) * 2  # A and B slots, bf16, BK = 64
