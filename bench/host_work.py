@@ -1,0 +1,156 @@
+"""The Python side of a patched Llama training step, on the CPU, with every kernel launch
+stubbed out: what ``coda.export``'s eager path costs the host apart from the launches themselves.
+
+A training step on a small batch is host-bound (bench/RESULTS.md, tenth and eleventh sessions),
+and most of what the patched model adds to eager Hugging Face's host work is Python — binding
+arguments, planning and replaying runs, preparing weights, allocating, building launch arguments.
+That part can be measured and profiled without a GPU: this script runs a random 4-layer
+``LlamaForCausalLM`` at toy widths (``patch_llama(fuse_gate_up=True)`` + ``causal_lm_loss``, no
+tuning) and the same model unpatched, forward + backward on a few tokens, with ``launch_kernel``
+replaced by a no-op everywhere it is called (``primitives/launch.py`` and every module that imports
+it) — so the numbers are the host's Python and PyTorch-on-CPU work, not Triton's launcher and not
+a GPU's. Vendor GEMMs and PyTorch ops still run (on tiny CPU tensors). The outputs are garbage,
+nothing is checked: it times, it does not verify.
+
+    python3 bench/host_work.py [--layers 4] [--tokens 32] [--rounds 5] [--steps 40]
+        [--profile N] [--out DIR]
+
+Prints the minimum ms per step of each (minimum of ``--rounds`` rounds of ``--steps`` steps,
+alternating), and with ``--profile N`` the patched step's N hottest functions by cumulative and
+own time; ``host_work.json`` goes to ``--out``. Compare runs on one machine only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+WIDTHS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 96,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (min taken)")
+    p.add_argument("--steps", type=int, default=40, help="steps per round")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile: N functions")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench/out", help="results folder")
+    return p.parse_args(argv)
+
+
+@contextmanager
+def launches_stubbed() -> Any:
+    """``launch_kernel`` a no-op in ``coda.primitives.launch`` and every ``coda`` module that
+    imported it by name (restored on exit)."""
+    from coda.primitives import launch
+
+    def no_launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
+        return None
+
+    targets = [launch] + [
+        m
+        for name, m in sys.modules.items()
+        if name.startswith("coda.") and getattr(m, "launch_kernel", None) is launch.launch_kernel
+    ]
+    real = launch.launch_kernel
+    for module in targets:
+        module.launch_kernel = no_launch
+    try:
+        yield
+    finally:
+        for module in targets:
+            module.launch_kernel = real
+
+
+def training_steps(layers: int, tokens: int) -> dict[str, Callable[[], None]]:
+    """Forward + backward of Hugging Face's model and of its patched copy (same weights)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from coda.export import causal_lm_loss, patch_llama
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**WIDTHS, num_hidden_layers=layers))
+    patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off", fuse_gate_up=True)
+    ids = torch.randint(0, WIDTHS["vocab_size"], (1, tokens))
+
+    def step(model: Any, loss: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            loss().backward()
+
+        return run
+
+    return {
+        "hf": step(hf, lambda: hf(input_ids=ids, labels=ids).loss),
+        "coda": step(patched, lambda: causal_lm_loss(patched, ids, ids, verify=False, tune="off")),
+    }
+
+
+def min_ms(steps: dict[str, Callable[[], None]], rounds: int, per_round: int) -> dict[str, float]:
+    """The fastest ms per step of each, over alternating rounds (after two warm-up steps)."""
+    for fn in steps.values():
+        fn(), fn()
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            for _ in range(per_round):
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    return best
+
+
+def profile(step: Callable[[], None], top: int, iters: int = 10) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        step()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    return f"profiled steps: {iters}\n" + text.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import coda.primitives  # noqa: F401  (selects the interpreter: kernels would run on the CPU)
+
+    steps = training_steps(args.layers, args.tokens)
+    with launches_stubbed():
+        ms = min_ms(steps, args.rounds, args.steps)
+        report = profile(steps["coda"], args.profile) if args.profile else ""
+    result = {"layers": args.layers, "tokens": args.tokens, "min_ms_per_step": ms}
+    print(f"host work per step (CPU, launches stubbed): hf {ms['hf']:.2f} ms, "
+          f"coda {ms['coda']:.2f} ms")  # fmt: skip
+    if report:
+        print(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "host_work.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""bench/host_work.py: times the patched step's Python with every launch stubbed out, and puts
+the real launcher back afterwards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from . import load_script
+
+script = load_script("host_work")
+
+
+def test_it_times_both_steps_and_profiles_the_patched_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    argv = ["--layers", "1", "--tokens", "8", "--rounds", "1", "--steps", "2", "--profile", "8"]
+    assert script.main([*argv, "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "host_work.json").read_text())
+    assert result["layers"] == 1 and set(result["min_ms_per_step"]) == {"hf", "coda"}
+    assert all(ms > 0 for ms in result["min_ms_per_step"].values())
+    printed = capsys.readouterr().out
+    assert "launches stubbed" in printed and "causal_lm_loss" in printed
+
+
+def test_the_stub_covers_every_importer_and_is_undone() -> None:
+    import coda.primitives.aux.rstd as rstd
+    import coda.primitives.runtime as runtime
+    from coda.primitives import launch
+
+    real = launch.launch_kernel
+    with script.launches_stubbed():
+        assert launch.launch_kernel is not real
+        assert rstd.launch_kernel is launch.launch_kernel and runtime.launch_kernel is not real
+        assert launch.launch_kernel(None, (1,), 1, X=2) is None  # launches nothing
+    assert launch.launch_kernel is real and rstd.launch_kernel is real
+    assert runtime.launch_kernel is real
