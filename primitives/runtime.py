@@ -35,7 +35,7 @@ from .codegen.cache import load_kernel, write_source
 from .codegen.configs import resolve_config
 from .codegen.context import Param
 from .codegen.kernel import OPERAND_DESCRIPTORS, KernelSource, generate_kernel
-from .ir import GemmEpilogue, MainloopConfig, Program
+from .ir import GemmEpilogue, MainloopConfig, OutputView, Program
 from .launch import PinnedLaunch, launch_kernel
 from .prep.fusion import names_in, run_prep
 from .reference import activation_dtype
@@ -69,6 +69,7 @@ class CompiledProgram:
     _tiles: dict[tuple, list[tuple[str, list[int]]]] = field(default_factory=dict)
     _default_configs: dict[tuple, MainloopConfig] = field(default_factory=dict)
     _run_plans: dict[tuple, _RunPlan] = field(default_factory=dict)  # by run signature (``run``)
+    _views: dict[int, list[tuple[str, str, Any]]] = field(default_factory=dict)  # by id(info)
 
     # -- analysis at the call's sizes ------------------------------------------------------------
     def info_for(self, inputs: dict[str, torch.Tensor]) -> ProgramInfo:
@@ -214,7 +215,39 @@ class CompiledProgram:
     ) -> dict[str, torch.Tensor]:
         info = self.info_for(inputs)
         tensors = self.run(self._prepare(inputs, info), poison=poison)
-        return self.program.select_outputs(tensors, info.sizes)
+        outputs = {}
+        for name, tensor, view in self._output_views(info):
+            t = tensors[tensor]
+            if isinstance(view, OutputView):  # of a partials tensor: its own extent
+                t = view.apply(t, info.sizes)
+            elif view is not None:
+                dim, start, length, index = view
+                t = t.narrow(dim, start, length)[index]
+            outputs[name] = t
+        return outputs
+
+    def _output_views(self, info: ProgramInfo) -> list[tuple[str, str, Any]]:
+        """Each block output: its program tensor and, for an ``OutputView``, the (dim, start,
+        length, step index) that cut it at ``info``'s sizes — ``Program.select_outputs``'s
+        views, their size expressions evaluated once per binding (a view of a partials tensor,
+        whose allocated extent is not its declared one, stays an ``OutputView``)."""
+        key = id(info)  # infos live as long as _infos holds them
+        if key not in self._views:
+            views = []
+            for name, value in self.program.outputs.items():
+                if isinstance(value, str):
+                    views.append((name, value, None))
+                    continue
+                t = info.tensors[value.tensor]
+                if t.partials is not None:
+                    views.append((name, value.tensor, value))
+                    continue
+                extent = t.shape[value.dim]
+                start, stop = value.bounds(info.sizes, extent)
+                index = (slice(None),) * value.dim + (slice(None, None, value.step),)
+                views.append((name, value.tensor, (value.dim, start, stop - start, index)))
+            self._views[key] = views
+        return self._views[key]
 
     def _run_gemm(
         self,

@@ -121,3 +121,22 @@ def test_with_replays_off_every_call_decides_anew(mlp, monkeypatch: pytest.Monke
         for name in want:
             torch.testing.assert_close(got[name], want[name], atol=0, rtol=0)
     assert decided == list(compiled.kernels) * 2
+
+
+def test_output_views_cut_once_per_binding_match_select_outputs() -> None:
+    # llama_attn_in_bwd_saved returns dw_q, dw_k, dw_v as row views of one fused gradient
+    from coda.primitives.analysis import bind_sizes
+
+    block = get_block("llama_attn_in_bwd_saved")
+    program = lower(block)
+    assert any(not isinstance(v, str) for v in program.outputs.values())
+    compiled = compile_program(program, analyze(program, block.shapes.cpu[0]))
+    for i, sizes in enumerate([block.shapes.cpu[0], block.shapes.cpu[1], block.shapes.cpu[0]]):
+        inputs = block.make_inputs(sizes, torch.float32, seed=i)
+        got = compiled(inputs)
+        bound = bind_sizes(program, {n: tuple(t.shape) for n, t in inputs.items()})
+        want = program.select_outputs(compiled.run(compiled.prepare(inputs)), bound)
+        assert list(got) == list(want)
+        for name in want:
+            assert got[name].shape == want[name].shape and got[name].stride() == want[name].stride()
+            torch.testing.assert_close(got[name], want[name], atol=0, rtol=0)
