@@ -5,11 +5,12 @@ A training step on a small batch is host-bound (bench/RESULTS.md, tenth and elev
 and most of what the patched model adds to eager Hugging Face's host work is Python — binding
 arguments, planning and replaying runs, preparing weights, allocating, building launch arguments.
 That part can be measured and profiled without a GPU: this script runs a random 4-layer
-``LlamaForCausalLM`` at toy widths (``patch_llama(fuse_gate_up=True)`` + ``causal_lm_loss``, no
-tuning) and the same model unpatched, forward + backward on a few tokens, with ``launch_kernel``
-replaced by a no-op everywhere it is called (``primitives/launch.py`` and every module that imports
-it) — so the numbers are the host's Python and PyTorch-on-CPU work, not Triton's launcher and not
-a GPU's. Vendor GEMMs and PyTorch ops still run (on tiny CPU tensors). The outputs are garbage,
+``LlamaForCausalLM`` at ``llama_train_step.py``'s toy widths (``patch_llama(fuse_gate_up=True)``
++ ``causal_lm_loss``, no tuning) and the same model unpatched, forward + backward on a few
+tokens, with ``launch_kernel`` replaced by a no-op everywhere it is called
+(``primitives/launch.py`` and every module that imports it) — so the numbers are the host's
+Python and PyTorch-on-CPU work, not Triton's launcher and not a GPU's. Vendor GEMMs and PyTorch
+ops still run (on tiny CPU tensors). The outputs are garbage,
 nothing is checked: it times, it does not verify.
 
     python3 bench/host_work.py [--layers 4] [--tokens 32] [--rounds 5] [--steps 40]
@@ -24,11 +25,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
 import time
 from collections.abc import Callable
@@ -36,14 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-WIDTHS = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 96,
-    "rms_norm_eps": 1e-5,
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_train_step import TOY, cprofile_report  # noqa: E402  (same folder)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,9 +81,9 @@ def training_steps(layers: int, tokens: int) -> dict[str, Callable[[], None]]:
     from coda.export import causal_lm_loss, patch_llama
 
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**WIDTHS, num_hidden_layers=layers))
+    hf = LlamaForCausalLM(LlamaConfig(**TOY, num_hidden_layers=layers))
     patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off", fuse_gate_up=True)
-    ids = torch.randint(0, WIDTHS["vocab_size"], (1, tokens))
+    ids = torch.randint(0, TOY["vocab_size"], (1, tokens))
 
     def step(model: Any, loss: Callable[[], Any]) -> Callable[[], None]:
         def run() -> None:
@@ -121,16 +113,11 @@ def min_ms(steps: dict[str, Callable[[], None]], rounds: int, per_round: int) ->
 
 
 def profile(step: Callable[[], None], top: int, iters: int = 10) -> str:
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(iters):
-        step()
-    profiler.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("cumulative").print_stats(top)
-    stats.sort_stats("tottime").print_stats(top)
-    return f"profiled steps: {iters}\n" + text.getvalue()
+    def steps() -> None:
+        for _ in range(iters):
+            step()
+
+    return cprofile_report(steps, iters, top)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -440,25 +440,36 @@ def host_ms(step: Callable[[], Any], bench: Bench) -> float:
 
 
 def host_profile(step: Callable[[], Any], bench: Bench, top: int = 60) -> str:
-    """cProfile of a few steps: the ``top`` functions by cumulative and by own time."""
+    """cProfile of a few steps (after one outside it): the ``top`` functions by cumulative and by
+    own time."""
+    iters = 1 if bench.dry_run else 5
+    step()
+    bench.synchronize()
+
+    def steps() -> None:
+        for _ in range(iters):
+            step()
+        bench.synchronize()
+
+    return cprofile_report(steps, iters, top)
+
+
+def cprofile_report(run: Callable[[], Any], steps: int, top: int = 60) -> str:
+    """``run()`` (``steps`` training steps) under cProfile: the ``top`` functions by cumulative
+    and by own time."""
     import cProfile
     import io
     import pstats
 
-    iters = 1 if bench.dry_run else 5
-    step()
-    bench.synchronize()
     profiler = cProfile.Profile()
     profiler.enable()
-    for _ in range(iters):
-        step()
-    bench.synchronize()
+    run()
     profiler.disable()
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(top)
     stats.sort_stats("tottime").print_stats(top)
-    return f"profiled steps: {iters}\n" + text.getvalue()
+    return f"profiled steps: {steps}\n" + text.getvalue()
 
 
 def profile_step(step: Callable[[], Any], bench: Bench, iters: int = 3) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ script = load_script("host_work")
 def test_it_times_both_steps_and_profiles_the_patched_one(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    argv = ["--layers", "1", "--tokens", "8", "--rounds", "1", "--steps", "2", "--profile", "8"]
+    argv = ["--layers", "1", "--tokens", "8", "--rounds", "1", "--steps", "2", "--profile", "40"]
     assert script.main([*argv, "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "host_work.json").read_text())
     assert result["layers"] == 1 and set(result["min_ms_per_step"]) == {"hf", "coda"}
