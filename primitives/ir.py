@@ -202,12 +202,17 @@ class OutputView(Node):
             )
         return start, stop
 
+    def cut(self, sizes: dict[str, int], extent: int) -> tuple[int, int, int, tuple]:
+        """``(dim, start, length, index)`` at one binding, of a tensor ``extent`` long along
+        ``dim``: the view is ``tensor.narrow(dim, start, length)[index]``."""
+        start, stop = self.bounds(sizes, extent)
+        index = (slice(None),) * self.dim + (slice(None, None, self.step),)
+        return self.dim, start, stop - start, index
+
     def apply(self, tensor: Any, sizes: dict[str, int]) -> Any:
         """The view of ``tensor`` (a torch tensor) at these sizes."""
-        start, stop = self.bounds(sizes, tensor.shape[self.dim])
-        return tensor.narrow(self.dim, start, stop - start)[
-            (slice(None),) * self.dim + (slice(None, None, self.step),)
-        ]
+        dim, start, length, index = self.cut(sizes, tensor.shape[self.dim])
+        return tensor.narrow(dim, start, length)[index]
 
 
 class Program(Node):

@@ -242,10 +242,7 @@ class CompiledProgram:
                 if t.partials is not None:
                     views.append((name, value.tensor, value))
                     continue
-                extent = t.shape[value.dim]
-                start, stop = value.bounds(info.sizes, extent)
-                index = (slice(None),) * value.dim + (slice(None, None, value.step),)
-                views.append((name, value.tensor, (value.dim, start, stop - start, index)))
+                views.append((name, value.tensor, value.cut(info.sizes, t.shape[value.dim])))
             self._views[key] = views
         return self._views[key]
 
