@@ -316,7 +316,7 @@ class CompiledProgram:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(gemm, cfg, sizes, device, variant, precision)
-        launched = plan(tensors, None)
+        launched = plan.launch(tensors)
         self.mainloops_used[gemm.name] = variant
         self.kernel_stats[gemm.name] = compiled_kernel_stats(launched)
         return plan
@@ -478,7 +478,7 @@ class _RunPlan:
 
 
 @dataclass(frozen=True)
-class _LaunchPlan(_Action):
+class _LaunchPlan:
     """One fused-GEMM launch at one size binding, config and variant: the kernel, its grid and
     meta-parameters, and where each argument comes from — ``("const", None, value)`` or
     ``(kind, tensor, detail)`` read from the call's tensors (``ptr``; ``stride``/``shape`` along
@@ -489,8 +489,9 @@ class _LaunchPlan(_Action):
     meta: dict[str, Any]
     sources: tuple[tuple[str, str | None, Any], ...]
 
-    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> Any:
-        """Launch on ``tensors`` through ``launch_kernel``; returns the compiled kernel."""
+    def launch(self, tensors: dict[str, torch.Tensor]) -> Any:
+        """Launch on ``tensors`` through ``launch_kernel``; returns the compiled kernel (a run's
+        replay relaunches through ``_Relaunch`` instead)."""
         return launch_kernel(self.kernel, self.grid, *self.arguments(tensors), **self.meta)
 
     def arguments(self, tensors: dict[str, torch.Tensor], *, checked: bool = True) -> list[Any]:
