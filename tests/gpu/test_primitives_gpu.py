@@ -182,15 +182,12 @@ def test_run_plans_replay_on_the_gpu() -> None:
     from coda.agent.planner import lower
     from coda.blocks import get_block
     from coda.primitives import analyze, compile_program
+    from tests.primitives.test_run_plans import misaligned
 
     block = get_block("llama_mlp")
     program = lower(block)
     sizes = block.shapes.gpu[0]
     shared = compile_program(program, analyze(program, sizes))
-
-    def misaligned(t: torch.Tensor) -> torch.Tensor:
-        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
-        return flat.view(t.shape).copy_(t)
 
     calls = []
     for i, (dtype, skew) in enumerate(

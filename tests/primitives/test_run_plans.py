@@ -37,9 +37,10 @@ def _decisions(monkeypatch: pytest.MonkeyPatch, compiled: CompiledProgram) -> li
     return decided
 
 
-def _misaligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values in a tensor whose address is 4 bytes past a 16-byte boundary."""
-    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor whose address is 2–4 bytes past a 16-byte boundary (on
+    ``t``'s device)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
     return flat.view(t.shape).copy_(t)
 
 
@@ -76,7 +77,7 @@ def test_what_a_decision_depends_on_records_a_new_plan(
     if change == "dtype":
         inputs = {n: t.half() for n, t in inputs.items()}
     elif change == "alignment":  # the weight's rows can no longer be a TMA descriptor's
-        inputs["w_down"] = _misaligned(inputs["w_down"])
+        inputs["w_down"] = misaligned(inputs["w_down"])
     elif change == "config":
         small = MainloopConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4)
         compiled.configs = {"down": small}
