@@ -19,8 +19,10 @@ whole extra ``[M, N]`` tiles (RESULTS, eighth session: +2 / +3 / +4 tiles, no-ov
 ``PREFETCH=1`` (``--configs prefetch``) gives the epilogue two slots of every buffer: the next
 piece's load is in flight while this one computes, the tile's first piece is loaded while its K
 loop runs, and two pieces' stores may be outstanding — against the latency-bound one-piece-at-a-
-time epilogue measured in the tenth session (RESULTS). Written and compiled for sm_90 on a machine
-without a GPU (eleventh session); not yet run on one.
+time epilogue measured in the tenth session (RESULTS). Written on a machine without a GPU
+(eleventh session); measured in the twelfth: correct, and no faster — the SwiGLU backward at the
+training step's 8192×8192×2048 takes 0.744 ms (1.79× cuBLAS) against the generated kernel's
+0.59–0.62 ms, so the Gluon backend is not worth building on this schedule.
 
 ``CONSUMERS=1`` is the control: one consumer warpgroup and the producer, at one or two programs
 per SM (``PER_SM``; two let the warp scheduler overlap one program's epilogue with the other's K

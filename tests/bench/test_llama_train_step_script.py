@@ -86,6 +86,11 @@ PROFILED = {
     "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "cuBLAS GEMMs",
     "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "cuBLAS GEMMs",
     "void cutlass::Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nn_align1>": "cuBLAS GEMMs",
+    # PyTorch's own flash and memory-efficient attention are CUTLASS templates, not GEMMs
+    "fmha_cutlassB_bf16_aligned_64x64_k64_seqaligned_sm80(PyTorchMemEffAttention::": "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel": (
+        "attention"
+    ),
     "gate_up_kernel": "CODA fused GEMMs",
     "lm_head_dx_kernel": "CODA fused GEMMs",
     "q_k_v_kernel": "CODA fused GEMMs",
@@ -157,12 +162,36 @@ def test_a_variant_name_is_a_base_variant_and_a_step_mode() -> None:
     assert split("hf_compile") == ("hf_compile", "")
 
 
-def test_two_captured_steps_in_one_process_are_refused(capsys: pytest.CaptureFixture) -> None:
+def test_graph_variants_are_not_run_by_default_and_may_share_a_process() -> None:
     parse = load_script("llama_train_step").parse_args
-    with pytest.raises(SystemExit):
-        parse(["--variants", "hf_graph,coda_lm_head_graph", "--settings", "bf16"])
-    assert "at most one step per process" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse(["--variants", "coda_lm_head_graph", "--settings", "bf16,amp"])
-    assert parse(["--variants", "hf,coda_lm_head_graph", "--settings", "bf16"]).variants
-    assert "_graph" not in parse([]).variants  # not run by default
+    assert "_graph" not in parse([]).variants
+    both = ["--variants", "hf,hf_graph,coda_lm_head_graph", "--settings", "bf16,amp"]
+    assert parse(both).variants == "hf,hf_graph,coda_lm_head_graph"
+    assert parse([*both, "--no-cudnn-attention"]).no_cudnn_attention
+
+
+def test_a_replay_holds_what_its_graph_reads_and_writes() -> None:
+    """A captured step's graph addresses the model's, gradients' and optimizer's memory: the
+    replay keeps them alive (it did not, and a later capture's empty_cache() freed them)."""
+    import gc
+    import weakref
+
+    script = load_script("llama_train_step")
+
+    class Graph:
+        replays = 0
+
+        def replay(self) -> None:
+            Graph.replays += 1
+
+    class Model:
+        pass
+
+    def train_step(model: Model) -> tuple[object, weakref.ref]:
+        return (lambda: model), weakref.ref(model)  # the step is what holds the model
+
+    step, held = train_step(Model())
+    replay = script.Replay(Graph(), "loss", step, optimizer=object())
+    del step
+    gc.collect()
+    assert held() is not None and replay() == "loss" and Graph.replays == 1
