@@ -6,7 +6,8 @@ and most of what the patched model adds to eager Hugging Face's host work is Pyt
 arguments, planning and replaying runs, preparing weights, allocating, building launch arguments.
 That part can be measured and profiled without a GPU: this script runs a random 4-layer
 ``LlamaForCausalLM`` at ``llama_train_step.py``'s toy widths (``patch_llama(fuse_gate_up=True)``
-+ ``causal_lm_loss``, no tuning) and the same model unpatched, forward + backward on a few
++ ``causal_lm_loss``, no tuning; ``coda_hf_residual``: also ``fuse_residual=False``) and the same
+model unpatched, forward + backward on a few
 tokens, with ``launch_kernel`` replaced by a no-op everywhere it is called
 (``primitives/launch.py`` and every module that imports it) — so the numbers are the host's
 Python and PyTorch-on-CPU work, not Triton's launcher and not a GPU's. Vendor GEMMs and PyTorch
@@ -83,6 +84,9 @@ def training_steps(layers: int, tokens: int) -> dict[str, Callable[[], None]]:
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**TOY, num_hidden_layers=layers))
     patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off", fuse_gate_up=True)
+    unfused = patch_llama(
+        copy.deepcopy(hf), verify=False, tune="off", fuse_gate_up=True, fuse_residual=False
+    )
     ids = torch.randint(0, TOY["vocab_size"], (1, tokens))
 
     def step(model: Any, loss: Callable[[], Any]) -> Callable[[], None]:
@@ -95,6 +99,9 @@ def training_steps(layers: int, tokens: int) -> dict[str, Callable[[], None]]:
     return {
         "hf": step(hf, lambda: hf(input_ids=ids, labels=ids).loss),
         "coda": step(patched, lambda: causal_lm_loss(patched, ids, ids, verify=False, tune="off")),
+        "coda_hf_residual": step(
+            unfused, lambda: causal_lm_loss(unfused, ids, ids, verify=False, tune="off")
+        ),
     }
 
 
@@ -129,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         ms = min_ms(steps, args.rounds, args.steps)
         report = profile(steps["coda"], args.profile) if args.profile else ""
     result = {"layers": args.layers, "tokens": args.tokens, "min_ms_per_step": ms}
-    print(f"host work per step (CPU, launches stubbed): hf {ms['hf']:.2f} ms, "
-          f"coda {ms['coda']:.2f} ms")  # fmt: skip
+    each = ", ".join(f"{name} {t:.2f} ms" for name, t in ms.items())
+    print(f"host work per step (CPU, launches stubbed): {each}")
     if report:
         print(report)
     out = Path(args.out)

@@ -14,7 +14,9 @@ Variants, each from the same initial weights: ``hf``, ``hf_compile`` (``torch.co
 ``coda_mlp`` (``patch_llama(attention=False, fuse_gate_up=True)``: the MLP half only), ``coda``
 (``patch_llama``: norms, attention input and MLP), ``coda_fused``
 (``patch_llama(fuse_gate_up=True)``), ``coda_lm_head`` (that, and the loss from
-``causal_lm_loss``: final norm + LM head + cross-entropy fused), ``coda_lm_head_decide`` (the
+``causal_lm_loss``: final norm + LM head + cross-entropy fused; every ``coda`` variant adds the
+MLP half's residual in its kernels), ``coda_lm_head_hf_residual`` (``coda_lm_head`` with
+``fuse_residual=False``: Hugging Face's residual add), ``coda_lm_head_decide`` (the
 same deciding every run anew — no run plans: the host's work of the tenth session),
 ``coda_lm_head_ops`` (that, and every call through the registered custom ops and every launch
 through Triton's own path: the host's work before the tenth session; both timed interleaved with
@@ -57,8 +59,9 @@ from paper_kernels import NEEDS_GPU, Bench, environment  # noqa: E402  (same fol
 from profile_export import gpu_work  # noqa: E402
 
 VARIANTS = (
-    "hf", "hf_compile", "coda_mlp", "coda", "coda_fused", "coda_lm_head", "coda_lm_head_decide",
-    "coda_lm_head_ops", "coda_compile", "liger", "hf_graph", "coda_lm_head_graph",
+    "hf", "hf_compile", "coda_mlp", "coda", "coda_fused", "coda_lm_head",
+    "coda_lm_head_hf_residual", "coda_lm_head_decide", "coda_lm_head_ops", "coda_compile", "liger",
+    "hf_graph", "coda_lm_head_graph",
 )  # fmt: skip
 # Variants that run a base variant's step another way: earlier host paths, or a CUDA graph.
 STEP_MODES = ("_decide", "_ops", "_graph")
@@ -149,9 +152,11 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
         model = model.to(bench.dtype)
     tune = "off" if bench.dry_run else "quick"
     if name.startswith("coda"):
-        fuse = name in ("coda_mlp", "coda_fused", "coda_lm_head")
-        attention = name != "coda_mlp"
-        model = patch_llama(model, verify=False, tune=tune, fuse_gate_up=fuse, attention=attention)
+        fuse = name in ("coda_mlp", "coda_fused") or name.startswith("coda_lm_head")
+        model = patch_llama(
+            model, verify=False, tune=tune, fuse_gate_up=fuse, attention=name != "coda_mlp",
+            fuse_residual=name != "coda_lm_head_hf_residual",
+        )  # fmt: skip
     if name == "liger":
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -208,7 +213,7 @@ def _assign_globals(module: Any, values: dict[str, Any]) -> None:
 
 def loss_of(name: str, bench: Bench) -> Callable[[Any, Any], Any]:
     """The variant's loss of a batch: Hugging Face's (``labels=``) or ``causal_lm_loss``."""
-    if split_variant(name)[0] != "coda_lm_head":
+    if not split_variant(name)[0].startswith("coda_lm_head"):
         return lambda model, ids: model(input_ids=ids, labels=ids).loss
     from coda.export import causal_lm_loss
 

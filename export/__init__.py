@@ -11,7 +11,8 @@
 * ``CodaLlamaAttention(attn, norm)`` / ``llama_attn_in_function``: a layer's input norm, Q/K/V
   projections and RoPE as one GEMM (``llama_attn_in``); attention itself stays Hugging Face's.
 * ``patch_llama(model)``: every decoder layer of a Hugging Face Llama model runs its norms,
-  attention input and MLP on CODA kernels, in place (Hugging Face's layer code and keys kept).
+  attention input and MLP on CODA kernels, in place (Hugging Face's attention and keys kept),
+  the MLP half's residual add inside its kernels (``CodaLlamaDecoderLayer``).
 """
 
 from .attention import CodaLlamaAttention, llama_attn_in_function
@@ -23,10 +24,11 @@ from .lm_head import (
     fuse_causal_lm_loss,
     llama_lm_head_ce_function,
 )
-from .patch import CodaLlamaMLP, DeferredRMSNorm, patch_llama
+from .patch import CodaLlamaDecoderLayer, CodaLlamaMLP, DeferredRMSNorm, patch_llama
 
 __all__ = [
     "CodaLlamaAttention",
+    "CodaLlamaDecoderLayer",
     "CodaLlamaLMHeadLoss",
     "CodaLlamaMLP",
     "CodaLlamaMLPBlock",

@@ -258,14 +258,32 @@ class CodaLlamaMLPBlock(nn.Module):
         """``up_proj``'s weight ``[f, d]`` (a view of ``gate_up_weight`` when fused)."""
         return self.gate_up_weight[1::2] if self.fused else self.mlp.up_proj.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def weights(self) -> list[torch.Tensor]:
+        """What the kernels read besides ``x``: γ, the gate and up weights (or the fused one),
+        the down weight."""
         gate_up = [self.gate_up_weight] if self.fused else [self.gate_weight, self.up_weight]
-        weights = [self.norm.weight, *gate_up, self.mlp.down_proj.weight]
+        return [self.norm.weight, *gate_up, self.mlp.down_proj.weight]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.weights()
         flat = x.reshape(-1, x.shape[-1])
         amp = autocast_dtype(x, weights)
         if amp is not None:
             return self._autocast_forward(flat, weights, amp).reshape(x.shape)
         return self.function(flat, *weights).reshape(x.shape)
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """``mlp(norm(x))`` alone — what ``forward`` computes with ``residual=False`` — from a
+        block built either way (one built with ``residual=True`` resolves the branch Programs
+        on first use, unless it already has them for autocast)."""
+        if not self.residual:
+            return self(x)
+        if self.branch_function is None:
+            self.branch_function = _resolve_branch(self)
+        weights = self.weights()
+        dtype = autocast_dtype(x, weights) or x.dtype
+        flat = x.reshape(-1, x.shape[-1])
+        return run_in_dtype(self.branch_function, dtype, flat, *weights).reshape(x.shape)
 
     def _autocast_forward(
         self, x: torch.Tensor, weights: list[torch.Tensor], dtype: torch.dtype

@@ -1,27 +1,34 @@
 """Patch a whole Hugging Face Llama model in place: every decoder layer's norms, attention input
 (Q/K/V projections + RoPE) and MLP run on CODA kernels, forward and backward.
 
-``patch_llama(model)`` keeps Hugging Face's own decoder-layer code (attention itself, caches,
-gradient checkpointing, generation) and its state-dict keys. In each layer it swaps modules:
+``patch_llama(model)`` keeps Hugging Face's attention, caches, gradient checkpointing, generation
+and state-dict keys. In each layer it swaps modules:
 
 * ``post_attention_layernorm`` (and ``input_layernorm``) → ``DeferredRMSNorm``: hands its input
   through unchanged and keeps the norm's ``weight`` (the same Parameter, the same key) and
   epsilon — the normalization itself runs in the next module's kernels (CODA_MATH §1: ``r``
   scales the GEMM's accumulator);
-* ``mlp`` → ``CodaLlamaMLP``: ``mlp(norm(x))`` on the ``llama_mlp_branch`` Programs (a
-  ``CodaLlamaMLPBlock(residual=False)``), with the original ``gate_proj`` / ``up_proj`` /
-  ``down_proj`` modules as its submodules;
+* ``mlp`` → ``CodaLlamaMLP``: ``mlp(norm(x))``, or ``x + mlp(norm(x))`` in one call, on the
+  ``llama_mlp`` Programs (a ``CodaLlamaMLPBlock``), with the original ``gate_proj`` /
+  ``up_proj`` / ``down_proj`` modules as its submodules;
 * ``self_attn`` → ``CodaLlamaAttention`` (``attention=True``): the input norm, the three
   projections and RoPE as one ``llama_attn_in`` GEMM, then Hugging Face's attention function,
-  cache and ``o_proj``.
+  cache and ``o_proj``;
 
-The layer's own ``residual + mlp(...)`` then adds the residual, in the residual stream's dtype —
-which is also why the residual add is not fused here (``CodaLlamaMLPBlock`` fuses it where the
-caller's code can call ``x + mlp(norm(x))`` as one module).
+and, with ``fuse_residual`` (default), the layer's forward: a Hugging Face ``LlamaDecoderLayer``
+becomes a ``CodaLlamaDecoderLayer`` (its class swapped in place — same modules, hooks and keys)
+that hands the MLP half's residual to the MLP, so ``h + mlp(norm(h))`` is one ``llama_mlp`` call:
+the add happens in the down projection's epilogue and, in the backward, the residual's gradient
+is accumulated in the RMSNorm-backward epilogue (CODA_MATH §3) — two elementwise passes over the
+residual stream less per layer and step. Under ``torch.autocast`` the add stays in the residual
+stream's dtype, as Hugging Face's. The attention half's residual is still the layer's own add.
+Other Llama-like layer classes keep their forward (their MLP half patches all the same).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -55,8 +62,8 @@ class CodaLlamaMLP(nn.Module):
     """``mlp(norm(x))`` of one decoder layer on CODA kernels, in place of its ``LlamaMLP``.
 
     ``gate_proj``, ``up_proj`` and ``down_proj`` are the original modules (Hugging Face's keys);
-    the computation is ``block`` (a ``CodaLlamaMLPBlock(norm, mlp, residual=False)``, held
-    outside the module tree so no parameter is registered twice). A block built with
+    the computation is ``block`` (a ``CodaLlamaMLPBlock(norm, mlp)``, built with or without its
+    residual; held outside the module tree so no parameter is registered twice). A block built with
     ``fuse_gate_up`` puts its ``gate_up_weight`` here (the projections then hold no weight);
     state dicts keep ``gate_proj.weight`` / ``up_proj.weight``.
     """
@@ -74,8 +81,58 @@ class CodaLlamaMLP(nn.Module):
             keep_hf_gate_up_keys(self)
         object.__setattr__(self, "block", block)  # not a submodule: see the class docstring
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, residual: bool = False) -> torch.Tensor:
+        """``mlp(norm(x))``, as the ``LlamaMLP`` it replaces returns after its norm; with
+        ``residual``, ``x + mlp(norm(x))`` in one call (``CodaLlamaDecoderLayer``'s), which
+        needs a block built with ``residual=True``."""
+        if not residual:
+            return self.block.branch(x)
+        if not self.block.residual:
+            raise ValueError(
+                "CodaLlamaMLP(residual=True) needs a block built with residual=True "
+                "(patch_llama(fuse_residual=True) builds one)"
+            )
         return self.block(x)
+
+
+def _hf_llama_decoder_layer() -> type[nn.Module]:
+    """Hugging Face's ``LlamaDecoderLayer`` class, or ``nn.Module`` without transformers."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    except ImportError:
+        return nn.Module
+    return LlamaDecoderLayer
+
+
+_LlamaDecoderLayer = _hf_llama_decoder_layer()
+
+
+class CodaLlamaDecoderLayer(_LlamaDecoderLayer):
+    """A ``LlamaDecoderLayer`` whose MLP half adds its residual inside the MLP's kernels.
+
+    Never constructed: ``patch_llama(fuse_residual=True)`` swaps a patched layer's class to this
+    one, so the layer keeps its modules, parameters, hooks and state-dict keys (and stays an
+    instance of ``LlamaDecoderLayer``). ``forward`` is Hugging Face's — input norm (deferred),
+    attention, ``residual +`` — except its last lines: ``mlp(h, residual=True)`` computes
+    ``h + mlp(post_attention_layernorm(h))`` as one ``llama_mlp`` call (the norm is deferred
+    into it). Arguments after ``hidden_states`` go to ``self_attn`` by name, as Hugging Face's
+    layer passes them.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:  # positional arguments by the original forward's names
+            kwargs.update(zip(_layer_parameters(_LlamaDecoderLayer), args, strict=False))
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+        return self.mlp(residual + hidden_states, residual=True)
+
+
+@functools.cache
+def _layer_parameters(cls: type) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s parameters after ``hidden_states``, in order."""
+    names = list(inspect.signature(cls.forward).parameters)
+    return tuple(n for n in names[2:] if n not in ("args", "kwargs"))
 
 
 def patch_llama(
@@ -87,6 +144,7 @@ def patch_llama(
     fuse_gate_up: bool = False,
     fused_loss: bool = False,
     attention: bool = True,
+    fuse_residual: bool = True,
 ) -> nn.Module:
     """Run every decoder layer's ``post_attention_layernorm`` + ``mlp`` on CODA kernels, in place;
     returns ``model``. ``attention`` (default): also its ``input_layernorm`` + ``self_attn``'s
@@ -104,6 +162,10 @@ def patch_llama(
     than SiLU) raises ``ValueError`` before any layer is changed.
     ``fused_loss``: also ``fuse_causal_lm_loss(model)`` — in training, ``model(..., labels=...)``
     computes the loss with the final norm, LM head and cross-entropy fused and returns no logits.
+    ``fuse_residual`` (default): each Hugging Face ``LlamaDecoderLayer`` becomes a
+    ``CodaLlamaDecoderLayer`` (class swapped in place), whose MLP half adds its residual in the
+    down projection's epilogue (and its gradient in the backward's); ``False`` keeps Hugging
+    Face's forward and its add.
     """
     layers = [
         m
@@ -118,7 +180,7 @@ def patch_llama(
         )
     options: dict[str, Any] = {
         "verify": verify, "saved": saved, "tune": tune, "fuse_gate_up": fuse_gate_up,
-        "residual": False,
+        "residual": fuse_residual,
     }  # fmt: skip
     attended = [m for m in model.modules() if _unpatched_attention(m)] if attention else []
     for layer in layers:
@@ -139,6 +201,8 @@ def patch_llama(
         mlp = CodaLlamaMLP(block)
         _carry_forward_hooks(layer.mlp, mlp)
         layer.mlp = mlp
+        if fuse_residual and type(layer) is _LlamaDecoderLayer:
+            layer.__class__ = CodaLlamaDecoderLayer
     for layer, attn in zip(attended, attns, strict=True):
         layer.input_layernorm = DeferredRMSNorm(layer.input_layernorm)
         _carry_forward_hooks(layer.self_attn, attn)

@@ -10,7 +10,13 @@ import copy
 import pytest
 import torch
 
-from coda.export import CodaLlamaAttention, CodaLlamaMLP, DeferredRMSNorm, patch_llama
+from coda.export import (
+    CodaLlamaAttention,
+    CodaLlamaDecoderLayer,
+    CodaLlamaMLP,
+    DeferredRMSNorm,
+    patch_llama,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,6 +56,7 @@ def test_a_patched_llama_matches_the_original_logits_loss_and_gradients() -> Non
     hf = _model()
     patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off")
     for layer in patched.model.layers:
+        assert type(layer) is CodaLlamaDecoderLayer and layer.mlp.block.residual
         assert isinstance(layer.post_attention_layernorm, DeferredRMSNorm)
         assert isinstance(layer.input_layernorm, DeferredRMSNorm)
         assert isinstance(layer.mlp, CodaLlamaMLP)
@@ -95,6 +102,41 @@ def test_the_patched_attention_matches_hugging_face(config: dict) -> None:
     got.loss.backward()
     for (name, p), q in zip(hf.named_parameters(), patched.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, atol=2e-5, rtol=2e-5, msg=name)
+
+
+def test_the_mlp_residual_is_fused_unless_asked_not_to() -> None:
+    """``fuse_residual`` (default) swaps each ``LlamaDecoderLayer``'s class: its MLP half is one
+    ``x + mlp(norm(x))`` call (the ``llama_mlp`` Programs); ``fuse_residual=False`` keeps Hugging
+    Face's forward and add (``llama_mlp_branch``). Both equal the original, forward and backward;
+    the fused layer still takes positional arguments, and ``mlp(x)`` alone is still the branch."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    hf = _model(seed=2)
+    fused = patch_llama(copy.deepcopy(hf), verify=False, tune="off")
+    unfused = patch_llama(copy.deepcopy(hf), verify=False, tune="off", fuse_residual=False)
+    for layer in unfused.model.layers:
+        assert type(layer) is LlamaDecoderLayer and not layer.mlp.block.residual
+    ids = torch.randint(0, 96, (2, 7))
+    logits, loss, grads = _step(hf, ids)
+    for model in (fused, unfused):
+        got_logits, got_loss, got_grads = _step(model, ids)
+        torch.testing.assert_close(got_logits, logits, atol=2e-5, rtol=2e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(got_grads[name], g, atol=2e-5, rtol=2e-5, msg=name)
+
+    layer, ref = fused.model.layers[0], hf.model.layers[0]
+    assert isinstance(layer, LlamaDecoderLayer)  # Hugging Face's output recorders still find it
+    x = torch.randn(2, 7, 48)
+    rope = hf.model.rotary_emb(x, torch.arange(7)[None])
+    with torch.no_grad():
+        # positionally, as the original forward's parameters: (hidden, mask, position_ids, ...)
+        want = ref(x, None, None, position_embeddings=rope)
+        torch.testing.assert_close(layer(x, None, None, position_embeddings=rope), want)
+        branch = ref.mlp(ref.post_attention_layernorm(x))
+        torch.testing.assert_close(layer.mlp(x), branch, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(layer.mlp(x, residual=True), x + branch, atol=2e-5, rtol=2e-5)
+        with pytest.raises(ValueError, match="needs a block built with residual=True"):
+            unfused.model.layers[0].mlp(x, residual=True)
 
 
 @pytest.mark.parametrize("called_before", [False, True], ids=["patched-fresh", "called-first"])
