@@ -638,20 +638,30 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def start(args: argparse.Namespace, script: str) -> Bench | None:
+    """The run's ``Bench``, or None after saying why (no GPU and no ``--dry-run``); applies
+    ``--no-cudnn-attention`` and shrinks a dry run's model (``args.layers``, ``batch``, ``seq``)."""
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
-        print(NEEDS_GPU.replace("paper_kernels.py", "llama_train_step.py"), file=sys.stderr)
-        return 2
+        print(NEEDS_GPU.replace("paper_kernels.py", script), file=sys.stderr)
+        return None
     import coda.primitives  # noqa: F401  (before triton: selects the interpreter in a dry run)
 
-    bench = Bench(args.dry_run)
     if args.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)
     if args.dry_run:
         args.layers, args.batch, args.seq = min(args.layers, 2), 2, 9
+    return Bench(args.dry_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench = start(args, "llama_train_step.py")
+    if bench is None:
+        return 2
+    import torch
+
     env = environment(bench, argv)
     print(f"Llama training steps on {env['device']}", flush=True)
     base = base_model(args, bench)

@@ -31,12 +31,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llama_train_step import (  # noqa: E402  (bench/)
-    NEEDS_GPU,
-    Bench,
     base_model,
     loss_of,
     make_variant,
     split_variant,
+    start,
     train_step,
 )
 
@@ -60,18 +59,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    bench = start(args, "experiments/two_graphs.py")
+    if bench is None:
+        return 2
     import torch
 
-    if not args.dry_run and not torch.cuda.is_available():
-        print(NEEDS_GPU.replace("paper_kernels.py", "experiments/two_graphs.py"), file=sys.stderr)
-        return 2
-    import coda.primitives  # noqa: F401  (before triton: selects the interpreter in a dry run)
-
-    bench = Bench(args.dry_run)
-    if args.no_cudnn_attention:
-        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.dry_run:
-        args.layers, args.batch, args.seq, args.rounds = min(args.layers, 2), 2, 9, 2
+        args.rounds = 2
     base = base_model(args, bench)
     ids = torch.randint(0, base.config.vocab_size, (args.batch, args.seq), device=bench.device)
     result: dict[str, Any] = {"variants": args.variants, "stages": []}
