@@ -118,7 +118,9 @@ def test_the_mlp_residual_is_fused_unless_asked_not_to() -> None:
         assert type(layer) is LlamaDecoderLayer and not layer.mlp.block.residual
     ids = torch.randint(0, 96, (2, 7))
     logits, loss, grads = _step(hf, ids)
-    for model in (fused, unfused):
+    mlp_only = patch_llama(copy.deepcopy(hf), verify=False, tune="off", attention=False)
+    assert type(mlp_only.model.layers[0]) is CodaLlamaDecoderLayer  # over HF's own attention
+    for model in (fused, unfused, mlp_only):
         got_logits, got_loss, got_grads = _step(model, ids)
         torch.testing.assert_close(got_logits, logits, atol=2e-5, rtol=2e-5)
         for name, g in grads.items():
