@@ -278,12 +278,9 @@ class CodaLlamaMLPBlock(nn.Module):
         on first use, unless it already has them for autocast)."""
         if not self.residual:
             return self(x)
-        if self.branch_function is None:
-            self.branch_function = _resolve_branch(self)
         weights = self.weights()
         dtype = autocast_dtype(x, weights) or x.dtype
-        flat = x.reshape(-1, x.shape[-1])
-        return run_in_dtype(self.branch_function, dtype, flat, *weights).reshape(x.shape)
+        return self._run_branch(x.reshape(-1, x.shape[-1]), weights, dtype).reshape(x.shape)
 
     def _autocast_forward(
         self, x: torch.Tensor, weights: list[torch.Tensor], dtype: torch.dtype
@@ -291,10 +288,16 @@ class CodaLlamaMLPBlock(nn.Module):
         """What the Hugging Face modules do under autocast: the projections (and here the whole
         MLP branch, norm included) in ``dtype``, ``x + branch`` in ``x``'s dtype (or the branch
         alone, in ``dtype``)."""
+        branch = self._run_branch(x, weights, dtype)
+        return x + branch if self.residual else branch
+
+    def _run_branch(
+        self, x: torch.Tensor, weights: list[torch.Tensor], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The branch Programs on ``x`` ``[tokens, d]`` in ``dtype`` (resolved on first use)."""
         if self.branch_function is None:
             self.branch_function = _resolve_branch(self)
-        branch = run_in_dtype(self.branch_function, dtype, x, *weights)
-        return x + branch if self.residual else branch
+        return run_in_dtype(self.branch_function, dtype, x, *weights)
 
 
 def autocast_dtype(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.dtype | None:
