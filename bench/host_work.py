@@ -7,12 +7,11 @@ arguments, planning and replaying runs, preparing weights, allocating, building 
 That part can be measured and profiled without a GPU: this script runs a random 4-layer
 ``LlamaForCausalLM`` at ``llama_train_step.py``'s toy widths (``patch_llama(fuse_gate_up=True)``
 + ``causal_lm_loss``, no tuning; ``coda_hf_residual``: also ``fuse_residual=False``) and the same
-model unpatched, forward + backward on a few
-tokens, with ``launch_kernel`` replaced by a no-op everywhere it is called
-(``primitives/launch.py`` and every module that imports it) — so the numbers are the host's
-Python and PyTorch-on-CPU work, not Triton's launcher and not a GPU's. Vendor GEMMs and PyTorch
-ops still run (on tiny CPU tensors). The outputs are garbage,
-nothing is checked: it times, it does not verify.
+model unpatched, forward + backward on a few tokens, with ``launch_kernel`` replaced by a no-op
+everywhere it is called (``primitives/launch.py`` and every module that imports it) — so the
+numbers are the host's Python and PyTorch-on-CPU work, not Triton's launcher and not a GPU's.
+Vendor GEMMs and PyTorch ops still run (on tiny CPU tensors). The outputs are garbage, nothing is
+checked: it times, it does not verify.
 
     python3 bench/host_work.py [--layers 4] [--tokens 32] [--rounds 5] [--steps 40]
         [--profile N] [--out DIR]
@@ -83,10 +82,6 @@ def training_steps(layers: int, tokens: int) -> dict[str, Callable[[], None]]:
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**TOY, num_hidden_layers=layers))
-    patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off", fuse_gate_up=True)
-    unfused = patch_llama(
-        copy.deepcopy(hf), verify=False, tune="off", fuse_gate_up=True, fuse_residual=False
-    )
     ids = torch.randint(0, TOY["vocab_size"], (1, tokens))
 
     def step(model: Any, loss: Callable[[], Any]) -> Callable[[], None]:
@@ -96,12 +91,15 @@ def training_steps(layers: int, tokens: int) -> dict[str, Callable[[], None]]:
 
         return run
 
+    def patched(**options: Any) -> Callable[[], None]:
+        model = copy.deepcopy(hf)
+        patch_llama(model, verify=False, tune="off", fuse_gate_up=True, **options)
+        return step(model, lambda: causal_lm_loss(model, ids, ids, verify=False, tune="off"))
+
     return {
         "hf": step(hf, lambda: hf(input_ids=ids, labels=ids).loss),
-        "coda": step(patched, lambda: causal_lm_loss(patched, ids, ids, verify=False, tune="off")),
-        "coda_hf_residual": step(
-            unfused, lambda: causal_lm_loss(unfused, ids, ids, verify=False, tune="off")
-        ),
+        "coda": patched(),
+        "coda_hf_residual": patched(fuse_residual=False),
     }
 
 
