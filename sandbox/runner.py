@@ -1,7 +1,9 @@
 """``evaluate``: run a candidate Program through every sandbox stage and return a Report.
 
-validate and semantics run here (pure PyTorch on the CPU, no generated code is produced or run);
-compile (code generation included), verify and profile run in a fresh worker subprocess per
+validate runs here: it parses and type-checks the program and sizes every tensor at every shape
+set, allocating nothing (a program that would build a too-large tensor is refused here, in
+milliseconds). Everything that allocates or runs the program — semantics (the reference executor),
+compile (code generation included), verify and profile — runs in a fresh worker subprocess per
 candidate: its own process group (killed whole on timeout, and swept when it exits), its own Triton
 and kernel caches, a memory cap, no provider secrets in its environment. A hang, crash, exception,
 out-of-memory or CUDA fault in a candidate becomes a failed stage in the Report, with its cause and
@@ -35,7 +37,7 @@ from coda.primitives.plugins import PluginError, load_plugins
 from .compare import OutputCheck
 from .faults import WORKER_ENV, describe_exit, refine_by_stderr, stderr_tail
 from .report import STAGES, Cause, ProfileRow, Report, Stage, StageResult
-from .stages import SandboxOptions, run_worker_stages, semantics, validate
+from .stages import WORKER_STAGES, SandboxOptions, run_worker_stages, validate
 
 # An environment variable whose name contains one of these never reaches a worker.
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "COOKIE")
@@ -124,12 +126,12 @@ class _Collected:
         return any(r.status == "failed" for r in self.results)
 
     def current_stage(self) -> Stage:
-        """The stage a worker that died now was in (setup counts as compile)."""
+        """The stage a worker that died now was in (setup counts as its first stage)."""
         if self.started in STAGES:
             return self.started  # type: ignore[return-value]
-        last = next((r.stage for r in reversed(self.results) if r.stage in STAGES[2:]), None)
+        last = next((r.stage for r in reversed(self.results) if r.stage in WORKER_STAGES), None)
         if self.started == "setup" or last is None:
-            return "compile"
+            return WORKER_STAGES[0]
         return STAGES[min(STAGES.index(last) + 1, len(STAGES) - 1)]
 
 
@@ -164,10 +166,8 @@ def evaluate(
         size_sets += options.profile_shapes(block)
     program = None
     if _load_plugins(options, results):
-        program, _infos = validate(data, block, size_sets, results)
+        program, _infos = validate(data, block, size_sets, results, options)
     if program is not None:
-        semantics(program, block, block.shapes.cpu, results)
-    if program is not None and results[-1].status == "passed":
         _run_stages(program, block, options, block_file, collected)
         if kernels_dir is not None:
             _write_kernels(collected.kernels, kernels_dir)
