@@ -427,9 +427,16 @@ def verify_cmd(
     block: str = typer.Option(None, "--block", "-b"),
     block_file: Path = typer.Option(None, "--block-file"),
     as_json: bool = typer.Option(False, "--json"),
+    timeout: float = typer.Option(
+        None,
+        "--timeout",
+        min=1,
+        help="seconds the sandbox worker may run (semantics to profile; default 600)",
+    ),
 ) -> None:
     """Run one Program through the sandbox and print its Report."""
     blk = resolve_block(block, block_file)
+    options = SandboxOptions() if timeout is None else SandboxOptions(timeout_s=timeout)
     try:
         text = program_file.read_text()
     except OSError as e:
@@ -437,7 +444,7 @@ def verify_cmd(
     report = evaluate(
         text,
         blk,
-        SandboxOptions(),
+        options,
         block_file=str(block_file) if block_file else None,
         on_stage=None if as_json else (lambda s: console.print(_stage_line("  ", s))),
     )
