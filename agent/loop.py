@@ -3,7 +3,8 @@
 One turn:
 
 1. Check the budgets (``Budgets``): turns, tokens, dollars, wall-clock time.
-2. ``provider.complete(system, messages, tools)``, with bounded retries (``providers/retry.py``).
+2. ``provider.complete(system, messages, tools)``, with bounded retries (``providers/retry.py``),
+   each request cut off when the run's wall-clock budget ends (a ``timeout`` stop).
 3. Answer every tool call: ``submit_program`` runs the sandbox and returns its Report rendered
    compactly (the full Report rides along as data); ``describe_primitive`` returns a primitive's
    documentation; ``finish`` ends the run. A malformed call (bad JSON, unknown tool, missing field)
@@ -45,6 +46,7 @@ from .events import (
 from .prompting import UnknownPrimitive, describe_primitive, system_prompt, task_prompt
 from .providers.base import (
     AssistantTurn,
+    DeadlineExceeded,
     Provider,
     ProviderError,
     RetryPromptPart,
@@ -285,6 +287,12 @@ class AgentLoop:
             )
         except TranscriptExhausted as e:
             return Stop("end_of_transcript", e.message)
+        except DeadlineExceeded as e:
+            return Stop(
+                "timeout",
+                f"ran out of wall-clock time (--timeout {self.budgets.timeout_s:g} s) waiting for "
+                f"the provider: {e.message}",
+            )
         except ProviderError as e:
             return Stop("provider_error", e.message, exit_code=e.exit_code)
         seconds = time.monotonic() - began

@@ -28,7 +28,7 @@ from .base import (
     answered_call,
     part_text,
 )
-from .http import malformed, sdk_errors
+from .http import malformed, request_timeout, sdk_errors
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 KEY_VAR = "ANTHROPIC_API_KEY"
@@ -68,17 +68,24 @@ class AnthropicProvider:
         self.model = model or DEFAULT_MODEL
         self.base_url = base_url or os.environ.get("ANTHROPIC_BASE_URL") or DEFAULT_BASE_URL
         self.max_output_tokens = max_output_tokens
+        self.request_timeout_s = request_timeout_s
         self._client = anthropic.Anthropic(
             api_key=key, base_url=self.base_url, max_retries=0, timeout=request_timeout_s
         )
 
     def complete(
-        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+        self,
+        system: str,
+        messages: list[UserMessage | AssistantTurn],
+        tools: list[ToolSpec],
+        *,
+        timeout_s: float | None = None,
     ) -> AssistantTurn:
         with sdk_errors(
             anthropic, "Anthropic", key_var=KEY_VAR, model=self.model, base_url=self.base_url
         ):
             response = self._client.messages.create(
+                timeout=request_timeout(self.request_timeout_s, timeout_s),
                 model=self.model,
                 max_tokens=self.max_output_tokens,
                 system=system,

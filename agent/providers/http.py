@@ -74,6 +74,18 @@ def status_error(
     )
 
 
+def request_timeout(configured_s: float, left_s: float | None) -> float:
+    """One request's timeout: the configured one, cut to the run's remaining time when that is
+    shorter (never zero: a request with no time left fails at once as a timeout).
+
+    The SDKs hand it to httpx, which applies it to connecting and to each wait for data: a server
+    that accepts and never answers is dropped after this long.
+    """
+    if left_s is None:
+        return configured_s
+    return max(min(configured_s, left_s), 0.001)
+
+
 def unreachable(vendor: str, base_url: str, cause: str) -> ProviderError:
     return ProviderError(
         f"cannot reach the {vendor} API at {base_url} ({cause}) — check the network, and that "

@@ -27,7 +27,7 @@ from .base import (
     answered_call,
     part_text,
 )
-from .http import malformed, sdk_errors
+from .http import malformed, request_timeout, sdk_errors
 
 DEFAULT_MODEL = "gpt-4.1"
 KEY_VAR = "OPENAI_API_KEY"
@@ -68,6 +68,7 @@ class OpenAIProvider:
             )
         self.model = model or DEFAULT_MODEL
         self.base_url = base_url or DEFAULT_BASE_URL
+        self.request_timeout_s = request_timeout_s
         self._client = openai.OpenAI(
             api_key=key or PLACEHOLDER_KEY,
             base_url=self.base_url,
@@ -76,12 +77,18 @@ class OpenAIProvider:
         )
 
     def complete(
-        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+        self,
+        system: str,
+        messages: list[UserMessage | AssistantTurn],
+        tools: list[ToolSpec],
+        *,
+        timeout_s: float | None = None,
     ) -> AssistantTurn:
         with sdk_errors(
             openai, "OpenAI", key_var=KEY_VAR, model=self.model, base_url=self.base_url
         ):
             completion = self._client.chat.completions.create(
+                timeout=request_timeout(self.request_timeout_s, timeout_s),
                 model=self.model,
                 messages=to_openai(system, messages),
                 tools=[

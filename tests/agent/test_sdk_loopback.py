@@ -3,17 +3,20 @@
 End to end: a broken program, its Report as the tool result, the fix, ``finish`` — asserting what
 the loop sent (system prompt, tool schema, tool results) and what it counted. Then the failures a
 live API produces: 429 then success, 5xx, an unreachable server, a malformed body, a rejected or
-missing key, a refusal. No network is used.
+missing key, a refusal, a server that never answers (the run's --timeout bounds the request).
+No network is used.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from coda.agent.loop import Budgets
 from coda.agent.providers import ProviderError
 from coda.agent.providers.anthropic import AnthropicProvider
 from coda.agent.providers.openai import OpenAIProvider
@@ -21,6 +24,7 @@ from coda.agent.providers.retry import RetryPolicy
 from coda.agent.synthesize import synthesize
 
 from .fake_llm import (
+    STALL,
     FakeLLM,
     Reply,
     anthropic_message,
@@ -55,8 +59,10 @@ VENDORS = {
 }
 
 
-def run(provider: Any, tmp_path: Path):  # noqa: ANN201
-    return synthesize(BLOCK, tmp_path, provider=provider, sandbox=FAST, retry=QUICK_RETRY)
+def run(provider: Any, tmp_path: Path, budgets: Budgets | None = None):  # noqa: ANN201
+    return synthesize(
+        BLOCK, tmp_path, provider=provider, sandbox=FAST, retry=QUICK_RETRY, budgets=budgets
+    )
 
 
 def refs(node: Any) -> Iterator[str]:
@@ -221,3 +227,20 @@ def test_refusals_end_the_run(server: FakeLLM, tmp_path: Path) -> None:
     server.replies = [openai_completion(refusal="I can't help with that.", finish="stop")]
     result = run(openai_at(server.url), tmp_path / "b")
     assert result.stop.kind == "refused" and "I can't help with that." in result.stop.message
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_a_server_that_never_answers_is_cut_off_at_the_runs_timeout(
+    server: FakeLLM, tmp_path: Path, vendor: str
+) -> None:
+    provider, _, _ = VENDORS[vendor]
+    server.replies = [STALL] * 4  # the provider's own request timeout is 600 s
+    start = time.monotonic()
+    result = run(provider(server.url), tmp_path, Budgets(timeout_s=3))
+    assert time.monotonic() - start < 6
+    assert result.stop.kind == "timeout" and result.turns == 0, result.stop
+    assert result.stop.message.startswith(
+        "ran out of wall-clock time (--timeout 3 s) waiting for the provider: the request was "
+        "cut off when it ran out"
+    )
+    assert len(server.requests) == 1  # no retry past the deadline
