@@ -28,7 +28,7 @@ from .base import (
     answered_call,
     part_text,
 )
-from .http import malformed, request_timeout, sdk_errors
+from .http import malformed, request_timeout, sdk_errors, token_count
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 KEY_VAR = "ANTHROPIC_API_KEY"
@@ -168,11 +168,19 @@ def from_anthropic(response: Any, model: str) -> AssistantTurn:
 
 
 def _usage(usage: Any) -> Usage:
+    """The turn's tokens; every count present must be a whole number ≥ 0 (``token_count``)."""
     tokens = [getattr(usage, k, None) for k in ("input_tokens", "output_tokens")]
-    if not all(isinstance(t, int) for t in tokens):
+    if any(t is None for t in tokens):
         raise malformed("Anthropic", "no `usage` with `input_tokens` and `output_tokens`")
-    cached = sum(
-        getattr(usage, k, None) or 0
-        for k in ("cache_creation_input_tokens", "cache_read_input_tokens")
+    counted = {
+        k: token_count("Anthropic", f"usage.{k}", v)
+        for k in ("input_tokens", "output_tokens", *_CACHE_FIELDS)
+        if (v := getattr(usage, k, None)) is not None
+    }
+    cached = sum(counted.get(k, 0) for k in _CACHE_FIELDS)
+    return Usage(
+        input_tokens=counted["input_tokens"] + cached, output_tokens=counted["output_tokens"]
     )
-    return Usage(input_tokens=tokens[0] + cached, output_tokens=tokens[1])
+
+
+_CACHE_FIELDS = ("cache_creation_input_tokens", "cache_read_input_tokens")

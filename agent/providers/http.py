@@ -86,6 +86,18 @@ def request_timeout(configured_s: float, left_s: float | None) -> float:
     return max(min(configured_s, left_s), 0.001)
 
 
+def token_count(vendor: str, field: str, value: Any) -> int:
+    """A token count the server reported, checked: a whole number ≥ 0, or ``malformed`` naming
+    the field (a negative count would lower the run's total and defeat ``--max-tokens``)."""
+    if type(value) is not int or value < 0:
+        raise malformed(
+            vendor,
+            f"`{field}` is {value!r}, not a token count (a whole number ≥ 0); the turn is not "
+            "counted — check that --base-url points at a server that reports usage correctly",
+        )
+    return value
+
+
 def unreachable(vendor: str, base_url: str, cause: str) -> ProviderError:
     return ProviderError(
         f"cannot reach the {vendor} API at {base_url} ({cause}) — check the network, and that "

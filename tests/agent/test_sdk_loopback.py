@@ -3,8 +3,8 @@
 End to end: a broken program, its Report as the tool result, the fix, ``finish`` — asserting what
 the loop sent (system prompt, tool schema, tool results) and what it counted. Then the failures a
 live API produces: 429 then success, 5xx, an unreachable server, a malformed body, a rejected or
-missing key, a refusal, a server that never answers (the run's --timeout bounds the request).
-No network is used.
+missing key, a refusal, a server that never answers (the run's --timeout bounds the request),
+impossible token counts. No network is used.
 """
 
 from __future__ import annotations
@@ -244,3 +244,35 @@ def test_a_server_that_never_answers_is_cut_off_at_the_runs_timeout(
         "cut off when it ran out"
     )
     assert len(server.requests) == 1  # no retry past the deadline
+
+
+BAD_USAGE = [
+    ((-999_999, 30), "input_tokens", "prompt_tokens", "-999999"),
+    ((120, 2.5), "output_tokens", "completion_tokens", "2.5"),
+]
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+@pytest.mark.parametrize("usage,anthropic_field,openai_field,shown", BAD_USAGE)
+def test_impossible_token_counts_stop_the_run_uncounted(
+    server: FakeLLM,
+    tmp_path: Path,
+    vendor: str,
+    usage: tuple,
+    anthropic_field: str,
+    openai_field: str,
+    shown: str,
+) -> None:
+    provider, tool, _ = VENDORS[vendor]
+    bad = (
+        anthropic_message(usage=usage)
+        if vendor == "anthropic"
+        else openai_completion(content="hi", finish="stop", usage=usage)
+    )
+    server.replies = [tool("t1", "describe_primitive", {"name": "swiglu"}), bad]
+    result = run(provider(server.url), tmp_path, Budgets(max_tokens=10_000, max_cost=1.0))
+    assert result.stop.kind == "provider_error" and result.stop.exit_code == 1
+    field = anthropic_field if vendor == "anthropic" else openai_field
+    assert f"`usage.{field}` is {shown}, not a token count" in result.stop.message
+    assert result.turns == 1 and result.usage.total == 150  # only the good turn is counted
+    assert result.cost_usd is not None and result.cost_usd > 0
