@@ -98,6 +98,7 @@ class _Collected:
         self.kernels: dict[str, str] = {}  # step -> generated source
         self.started: str | None = None
         self.started_at = time.monotonic()
+        self.ready = False  # the worker finished starting up (imports, plugins, block, program)
         self.done = False
 
     def absorb(self, kind: str, data: Any) -> None:
@@ -118,6 +119,8 @@ class _Collected:
             self.kernels.update(data)
         elif kind == "started":
             self.started, self.started_at = data, time.monotonic()
+        elif kind == "ready":
+            self.ready = True
         elif kind == "done":
             self.done = True
 
@@ -262,7 +265,10 @@ def _run_isolated(
             _attach_stderr(collected.results, stderr)
             return  # the worker reported everything (a fault it caught is already a stage)
         stage, since = collected.current_stage(), collected.started_at
-        collected.results.append(_death(stage, proc.returncode, timed_out, options, stderr, since))
+        death = _death(
+            stage, proc.returncode, timed_out, options, stderr, since, began=collected.ready
+        )
+        collected.results.append(death)
 
 
 def _attach_stderr(results: list[StageResult], stderr: str) -> None:
@@ -294,6 +300,21 @@ def _watch(proc: subprocess.Popen, stream: Any, collected: _Collected, deadline:
     return timed_out
 
 
+_SLOW_START = (
+    "the worker was still starting up (Python, torch and Triton imports, plugins, the block "
+    "file) and never began {stage}: raise SandboxOptions.timeout_s"
+)
+_SLOW_KERNEL = (
+    "a kernel or step does not finish: look for a loop that never ends, or raise "
+    "SandboxOptions.timeout_s for large shapes"
+)
+_SLOW_SEMANTICS = (
+    "the program's float64 reference run at the block's CPU shapes does not finish: remove work "
+    "the outputs do not need (extra steps, tensors built larger than the block's), or raise "
+    "SandboxOptions.timeout_s for large shapes"
+)
+
+
 def _death(
     stage: Stage,
     returncode: int,
@@ -301,17 +322,20 @@ def _death(
     options: SandboxOptions,
     stderr: str,
     start: float,
+    *,
+    began: bool = True,
 ) -> StageResult:
-    """The failed stage of a worker that died without reporting a result."""
+    """The failed stage of a worker that died without reporting a result (``began``: it had
+    started ``stage``, not only its own start-up)."""
     tail = stderr_tail(stderr)
     cause: Cause
     if timed_out:
         cause = "timeout"
-        what = (
-            f"timed out after {options.timeout_s:g} s (with its whole process group) — a kernel "
-            "or step does not finish: look for a loop that never ends, or raise "
-            "SandboxOptions.timeout_s for large shapes"
-        )
+        if not began:
+            why = _SLOW_START.format(stage=stage)
+        else:
+            why = _SLOW_SEMANTICS if stage == "semantics" else _SLOW_KERNEL
+        what = f"timed out after {options.timeout_s:g} s (with its whole process group) — {why}"
     elif returncode == 0:
         cause, what = "crash", "exited (code 0) before it finished: something called exit()"
     else:

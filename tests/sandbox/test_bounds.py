@@ -127,6 +127,9 @@ def test_semantics_runs_in_the_worker_and_is_stopped_at_its_timeout() -> None:
     failed = report.failed_stage
     assert (failed.stage, failed.cause) == ("semantics", "timeout"), failed
     assert "the worker was killed during semantics: timed out after 6 s" in failed.message
+    assert "the program's float64 reference run at the block's CPU shapes does not finish" in (
+        failed.message
+    )
     assert announced == ["validate:passed", "semantics:failed"]
 
 

@@ -94,6 +94,7 @@ def test_worker_timeout_becomes_a_failed_stage(program_json: dict) -> None:
     failed = report.failed_stage
     # killed while still starting up: the first stage the worker runs is semantics
     assert failed.stage == "semantics" and "timed out after" in failed.message
+    assert "the worker was still starting up" in failed.message
     assert "the worker was killed" in failed.message
 
 
