@@ -166,7 +166,12 @@ def synthesize_cmd(
     max_turns: int = typer.Option(None, "--max-turns", min=1, help="default 20"),
     max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="input + output tokens"),
     max_cost: float = typer.Option(None, "--max-cost", min=0, help="USD, from the price table"),
-    timeout: float = typer.Option(None, "--timeout", min=1, help="wall-clock seconds"),
+    timeout: float = typer.Option(
+        None,
+        "--timeout",
+        min=1,
+        help="wall-clock seconds; bounds each provider request and sandbox worker too",
+    ),
     patience: int = typer.Option(
         None, "--patience", min=1, help="stop after N turns without improving (default 3)"
     ),
