@@ -166,7 +166,12 @@ def synthesize_cmd(
     max_turns: int = typer.Option(None, "--max-turns", min=1, help="default 20"),
     max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="input + output tokens"),
     max_cost: float = typer.Option(None, "--max-cost", min=0, help="USD, from the price table"),
-    timeout: float = typer.Option(None, "--timeout", min=1, help="wall-clock seconds"),
+    timeout: float = typer.Option(
+        None,
+        "--timeout",
+        min=1,
+        help="wall-clock seconds; bounds each provider request and sandbox worker too",
+    ),
     patience: int = typer.Option(
         None, "--patience", min=1, help="stop after N turns without improving (default 3)"
     ),
@@ -427,9 +432,16 @@ def verify_cmd(
     block: str = typer.Option(None, "--block", "-b"),
     block_file: Path = typer.Option(None, "--block-file"),
     as_json: bool = typer.Option(False, "--json"),
+    timeout: float = typer.Option(
+        None,
+        "--timeout",
+        min=1,
+        help="seconds the sandbox worker may run (semantics to profile; default 600)",
+    ),
 ) -> None:
     """Run one Program through the sandbox and print its Report."""
     blk = resolve_block(block, block_file)
+    options = SandboxOptions() if timeout is None else SandboxOptions(timeout_s=timeout)
     try:
         text = program_file.read_text()
     except OSError as e:
@@ -437,7 +449,7 @@ def verify_cmd(
     report = evaluate(
         text,
         blk,
-        SandboxOptions(),
+        options,
         block_file=str(block_file) if block_file else None,
         on_stage=None if as_json else (lambda s: console.print(_stage_line("  ", s))),
     )

@@ -3,11 +3,14 @@
 One turn:
 
 1. Check the budgets (``Budgets``): turns, tokens, dollars, wall-clock time.
-2. ``provider.complete(system, messages, tools)``, with bounded retries (``providers/retry.py``).
-3. Answer every tool call: ``submit_program`` runs the sandbox and returns its Report rendered
-   compactly (the full Report rides along as data); ``describe_primitive`` returns a primitive's
-   documentation; ``finish`` ends the run. A malformed call (bad JSON, unknown tool, missing field)
-   is answered with the error, so the model can fix it; a reply with no tool call gets a reminder.
+2. ``provider.complete(system, messages, tools)``, with bounded retries (``providers/retry.py``),
+   each request cut off when the run's wall-clock budget ends (a ``timeout`` stop).
+3. Cut any reply part past ``clipping.MAX_PART_CHARS`` before it is recorded (a cut tool call
+   is answered with an error, not run). Answer every tool call: ``submit_program`` runs the
+   sandbox and returns its Report rendered compactly (the full Report rides along as data);
+   ``describe_primitive`` returns a primitive's documentation; ``finish`` ends the run. A
+   malformed call (bad JSON, unknown tool, missing field) is answered with the error, so the
+   model can fix it; a reply with no tool call gets a reminder.
 4. Stop when the model finishes or refuses, when a verified candidate has not been improved on for
    ``patience`` turns, when a budget runs out, after ``max_malformed`` unusable replies in a row,
    or when the provider fails for good.
@@ -30,6 +33,7 @@ from coda.sandbox.report import Report
 from coda.sandbox.runner import evaluate
 from coda.sandbox.stages import SandboxOptions
 
+from .clipping import Cut, call_note, clip_reply, text_note
 from .events import (
     CandidateDone,
     CandidateStarted,
@@ -45,6 +49,7 @@ from .events import (
 from .prompting import UnknownPrimitive, describe_primitive, system_prompt, task_prompt
 from .providers.base import (
     AssistantTurn,
+    DeadlineExceeded,
     Provider,
     ProviderError,
     RetryPromptPart,
@@ -158,6 +163,7 @@ class AgentLoop:
         self.started = time.monotonic()
         self._pending: list[ToolCallPart] = []
         self._finish: str | None = None
+        self._cuts: list[Cut] = []  # what was cut from the reply being answered
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -285,9 +291,16 @@ class AgentLoop:
             )
         except TranscriptExhausted as e:
             return Stop("end_of_transcript", e.message)
+        except DeadlineExceeded as e:
+            return Stop(
+                "timeout",
+                f"ran out of wall-clock time (--timeout {self.budgets.timeout_s:g} s) waiting for "
+                f"the provider: {e.message}",
+            )
         except ProviderError as e:
             return Stop("provider_error", e.message, exit_code=e.exit_code)
         seconds = time.monotonic() - began
+        reply, self._cuts = clip_reply(reply)
         cost = self._cost(reply)
         self.n.turns = turn_no
         self.n.usage = self.n.usage + reply.usage
@@ -317,6 +330,7 @@ class AgentLoop:
                 "Reply with a tool call: `submit_program` to try a Program, `describe_primitive` "
                 "for a primitive's schema, or `finish` to end the run."
             )
+        note = " ".join([*(text_note(c) for c in self._cuts if c.call is None), note])
         self._record(UserMessage(parts=[RetryPromptPart(content=note)]))
         self.emit(ToolAnswered("(no tool call)", False, note))
         if self.n.unusable_streak >= self.budgets.max_malformed:
@@ -328,7 +342,14 @@ class AgentLoop:
     def _answer(self, calls: list[ToolCallPart]) -> Stop | None:
         parts: list[Any] = []
         usable = False
+        cut_calls = {c.call.id: c for c in self._cuts if c.call is not None}
         for call in calls:
+            if call.id in cut_calls:  # its arguments are no longer whole: not run
+                self.n.tool_errors += 1
+                note = call_note(cut_calls[call.id])
+                self.emit(ToolAnswered(call.name, False, note))
+                parts.append(RetryPromptPart(content=note, tool_call_id=call.id, name=call.name))
+                continue
             request = parse_call(call)
             if isinstance(request, RetryPromptPart):
                 self.n.tool_errors += 1
@@ -347,6 +368,7 @@ class AgentLoop:
                         tool_call_id=call.id, name=call.name, content=text, is_error=True
                     )
                 )
+        parts += [RetryPromptPart(content=text_note(c)) for c in self._cuts if c.call is None]
         self._record(UserMessage(parts=parts))
         self.n.unusable_streak = 0 if usable else self.n.unusable_streak + 1
         if self._finish is not None:

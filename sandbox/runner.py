@@ -1,7 +1,9 @@
 """``evaluate``: run a candidate Program through every sandbox stage and return a Report.
 
-validate and semantics run here (pure PyTorch on the CPU, no generated code is produced or run);
-compile (code generation included), verify and profile run in a fresh worker subprocess per
+validate runs here: it parses and type-checks the program and sizes every tensor at every shape
+set, allocating nothing (a program that would build a too-large tensor is refused here, in
+milliseconds). Everything that allocates or runs the program — semantics (the reference executor),
+compile (code generation included), verify and profile — runs in a fresh worker subprocess per
 candidate: its own process group (killed whole on timeout, and swept when it exits), its own Triton
 and kernel caches, a memory cap, no provider secrets in its environment. A hang, crash, exception,
 out-of-memory or CUDA fault in a candidate becomes a failed stage in the Report, with its cause and
@@ -35,7 +37,7 @@ from coda.primitives.plugins import PluginError, load_plugins
 from .compare import OutputCheck
 from .faults import WORKER_ENV, describe_exit, refine_by_stderr, stderr_tail
 from .report import STAGES, Cause, ProfileRow, Report, Stage, StageResult
-from .stages import SandboxOptions, run_worker_stages, semantics, validate
+from .stages import WORKER_STAGES, SandboxOptions, run_worker_stages, validate
 
 # An environment variable whose name contains one of these never reaches a worker.
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "COOKIE")
@@ -96,6 +98,7 @@ class _Collected:
         self.kernels: dict[str, str] = {}  # step -> generated source
         self.started: str | None = None
         self.started_at = time.monotonic()
+        self.ready = False  # the worker finished starting up (imports, plugins, block, program)
         self.done = False
 
     def absorb(self, kind: str, data: Any) -> None:
@@ -116,6 +119,8 @@ class _Collected:
             self.kernels.update(data)
         elif kind == "started":
             self.started, self.started_at = data, time.monotonic()
+        elif kind == "ready":
+            self.ready = True
         elif kind == "done":
             self.done = True
 
@@ -124,12 +129,12 @@ class _Collected:
         return any(r.status == "failed" for r in self.results)
 
     def current_stage(self) -> Stage:
-        """The stage a worker that died now was in (setup counts as compile)."""
+        """The stage a worker that died now was in (setup counts as its first stage)."""
         if self.started in STAGES:
             return self.started  # type: ignore[return-value]
-        last = next((r.stage for r in reversed(self.results) if r.stage in STAGES[2:]), None)
+        last = next((r.stage for r in reversed(self.results) if r.stage in WORKER_STAGES), None)
         if self.started == "setup" or last is None:
-            return "compile"
+            return WORKER_STAGES[0]
         return STAGES[min(STAGES.index(last) + 1, len(STAGES) - 1)]
 
 
@@ -164,10 +169,8 @@ def evaluate(
         size_sets += options.profile_shapes(block)
     program = None
     if _load_plugins(options, results):
-        program, _infos = validate(data, block, size_sets, results)
+        program, _infos = validate(data, block, size_sets, results, options)
     if program is not None:
-        semantics(program, block, block.shapes.cpu, results)
-    if program is not None and results[-1].status == "passed":
         _run_stages(program, block, options, block_file, collected)
         if kernels_dir is not None:
             _write_kernels(collected.kernels, kernels_dir)
@@ -262,7 +265,10 @@ def _run_isolated(
             _attach_stderr(collected.results, stderr)
             return  # the worker reported everything (a fault it caught is already a stage)
         stage, since = collected.current_stage(), collected.started_at
-        collected.results.append(_death(stage, proc.returncode, timed_out, options, stderr, since))
+        death = _death(
+            stage, proc.returncode, timed_out, options, stderr, since, began=collected.ready
+        )
+        collected.results.append(death)
 
 
 def _attach_stderr(results: list[StageResult], stderr: str) -> None:
@@ -294,6 +300,21 @@ def _watch(proc: subprocess.Popen, stream: Any, collected: _Collected, deadline:
     return timed_out
 
 
+_SLOW_START = (
+    "the worker was still starting up (Python, torch and Triton imports, plugins, the block "
+    "file) and never began {stage}: raise SandboxOptions.timeout_s"
+)
+_SLOW_KERNEL = (
+    "a kernel or step does not finish: look for a loop that never ends, or raise "
+    "SandboxOptions.timeout_s for large shapes"
+)
+_SLOW_SEMANTICS = (
+    "the program's float64 reference run at the block's CPU shapes does not finish: remove work "
+    "the outputs do not need (extra steps, tensors built larger than the block's), or raise "
+    "SandboxOptions.timeout_s for large shapes"
+)
+
+
 def _death(
     stage: Stage,
     returncode: int,
@@ -301,17 +322,20 @@ def _death(
     options: SandboxOptions,
     stderr: str,
     start: float,
+    *,
+    began: bool = True,
 ) -> StageResult:
-    """The failed stage of a worker that died without reporting a result."""
+    """The failed stage of a worker that died without reporting a result (``began``: it had
+    started ``stage``, not only its own start-up)."""
     tail = stderr_tail(stderr)
     cause: Cause
     if timed_out:
         cause = "timeout"
-        what = (
-            f"timed out after {options.timeout_s:g} s (with its whole process group) — a kernel "
-            "or step does not finish: look for a loop that never ends, or raise "
-            "SandboxOptions.timeout_s for large shapes"
-        )
+        if not began:
+            why = _SLOW_START.format(stage=stage)
+        else:
+            why = _SLOW_SEMANTICS if stage == "semantics" else _SLOW_KERNEL
+        what = f"timed out after {options.timeout_s:g} s (with its whole process group) — {why}"
     elif returncode == 0:
         cause, what = "crash", "exited (code 0) before it finished: something called exit()"
     else:

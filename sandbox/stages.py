@@ -23,6 +23,7 @@ from coda.blocks.block import Block
 from coda.primitives import backend
 from coda.primitives.analysis import ProgramInfo, analyze_all
 from coda.primitives.errors import ProgramError
+from coda.primitives.footprint import check_footprint
 from coda.primitives.ir import Program
 from coda.primitives.plugins import normalize, plugins_from_env
 from coda.primitives.reference import execute_reference, outputs_of
@@ -35,6 +36,9 @@ from .faults import classify_exception, describe_exception
 from .report import ProfileRow, Stage, StageResult
 from .screen import reference64, screen_block, screen_program
 
+# What runs after validate, in the worker subprocess (or in-process with isolate=False).
+WORKER_STAGES: tuple[Stage, ...] = ("semantics", "compile", "verify", "profile")
+
 SEMANTICS_REL_TOL = 1e-9  # float64 algebra: reassociation costs ~1e-15; a wrong program is O(1)
 
 # The worker's memory cap under the interpreter (RLIMIT_DATA: heap and private writable mappings).
@@ -42,6 +46,15 @@ SEMANTICS_REL_TOL = 1e-9  # float64 algebra: reassociation costs ~1e-15; a wrong
 # 4 GiB leaves room for a user's larger CPU shapes and stops a runaway allocation long before it
 # takes the machine. On a CUDA GPU "auto" sets no host cap: see ``worker.apply_memory_cap``.
 DEFAULT_INTERPRETER_MEMORY_MB = 4096
+
+# Caps on what validate lets a program allocate (``primitives/footprint.py``; float32 bytes per
+# activation element), per tensor and in all, at every shape set it is checked at. The largest
+# built-in block tensor at any CPU, GPU or bench shape set is llama_lm_head_ce_bwd's [16384,
+# 128256] logit gradient (7.8 GiB), the largest total its 14.5 GiB there: the caps leave 4× and 9×
+# of room for larger user shapes (a 256k vocabulary, wider models), and refuse a program that
+# would build terabytes before anything runs.
+DEFAULT_MAX_TENSOR_GIB = 32.0
+DEFAULT_MAX_TOTAL_GIB = 128.0
 
 
 class SandboxOptions(BaseModel):
@@ -55,12 +68,15 @@ class SandboxOptions(BaseModel):
     bench_shapes: list[dict[str, int]] | None = None  # default: block.shapes.bench
     tune: bool = True  # tune mainloop configs before timing (GPU only)
     timeout_s: float = 600.0
-    isolate: bool = (
-        True  # compile/verify/profile in a worker subprocess (False: trusted, no fences)
-    )
+    # semantics/compile/verify/profile in a worker subprocess (False: trusted, no fences)
+    isolate: bool = True
     # Host memory cap of the worker in MiB: "auto" (DEFAULT_INTERPRETER_MEMORY_MB under the
     # interpreter, none on a CUDA GPU), an explicit number (applied on any Linux machine), or None.
     memory_limit_mb: Literal["auto"] | int | None = "auto"
+    # validate refuses a program whose largest tensor, or all of whose tensors, would take more
+    # than this many GiB at some shape set (None: no cap).
+    max_tensor_gib: float | None = DEFAULT_MAX_TENSOR_GIB
+    max_total_gib: float | None = DEFAULT_MAX_TOTAL_GIB
     # Modules or .py files defining extra primitives, loaded by the caller and by the worker.
     plugins: list[str] = Field(default_factory=plugins_from_env)
 
@@ -69,6 +85,13 @@ class SandboxOptions(BaseModel):
     def _positive(cls, value: Any) -> Any:
         if isinstance(value, int) and value < 64:
             raise ValueError("memory_limit_mb must be at least 64 (MiB), 'auto' or None")
+        return value
+
+    @field_validator("max_tensor_gib", "max_total_gib")
+    @classmethod
+    def _positive_cap(cls, value: float | None) -> float | None:
+        if value is not None and not value > 0:
+            raise ValueError("max_tensor_gib and max_total_gib must be positive (GiB) or None")
         return value
 
     @field_validator("plugins")
@@ -81,6 +104,10 @@ class SandboxOptions(BaseModel):
         if self.memory_limit_mb == "auto":
             return DEFAULT_INTERPRETER_MEMORY_MB if backend.INTERPRET else None
         return self.memory_limit_mb
+
+    def byte_caps(self) -> tuple[int | None, int | None]:
+        """(per tensor, total) caps in bytes for validate."""
+        return _gib(self.max_tensor_gib), _gib(self.max_total_gib)
 
     def verify_shapes(self, block: Block) -> list[dict[str, int]]:
         if self.shapes is not None:
@@ -95,6 +122,10 @@ class SandboxOptions(BaseModel):
 
     def profile_shapes(self, block: Block) -> list[dict[str, int]]:
         return self.bench_shapes if self.bench_shapes is not None else block.shapes.bench
+
+
+def _gib(value: float | None) -> int | None:
+    return None if value is None else int(value * (1 << 30))
 
 
 @contextmanager
@@ -164,12 +195,27 @@ def validate(
     block: Block,
     size_sets: list[dict[str, int]],
     results: list[StageResult],
+    options: SandboxOptions | None = None,
 ) -> tuple[Program | None, list[ProgramInfo]]:
+    """Parse, match the block, type-check at every shape set, and size every tensor there.
+
+    ``options`` gives the size caps (``max_tensor_gib``, ``max_total_gib``; without it, the
+    defaults).
+    """
     program, infos = None, []
+    max_tensor, max_total = (options or SandboxOptions()).byte_caps()
     with timed("validate", results) as box:
         program = data if isinstance(data, Program) else Program.parse(data)
         check_against_block(program, block)
         infos = analyze_all(program, size_sets)
+        for info in infos:
+            check_footprint(
+                program,
+                info.tensors,
+                info.sizes,
+                max_tensor_bytes=max_tensor,
+                max_total_bytes=max_total,
+            )
         box["message"] = f"{len(program.steps)} steps; checked at {len(size_sets)} shape sets"
     return (program if results[-1].status == "passed" else None), infos
 
@@ -387,9 +433,15 @@ def run_worker_stages(
     options: SandboxOptions,
     emit: Callable[[str, Any], None],
 ) -> None:
-    """compile → verify → profile, reporting each result through ``emit`` as it finishes."""
+    """semantics → compile → verify → profile (``WORKER_STAGES``) for a validated program,
+    reporting the start and the result of each through ``emit``; the first failure stops."""
     results: list[StageResult] = []
     shapes = options.verify_shapes(block)
+    emit("started", "semantics")
+    semantics(program, block, block.shapes.cpu, results)
+    emit("stage", results[-1])
+    if results[-1].status != "passed":
+        return
     emit("started", "compile")
     compiled = compile_stage(
         program, info, block, shapes[0], results, on_kernels=lambda k: emit("kernels", k)

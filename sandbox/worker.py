@@ -1,4 +1,5 @@
-"""The worker subprocess: compile, verify and profile one candidate, reporting as it goes.
+"""The worker subprocess: semantics, compile, verify and profile of one validated candidate,
+reporting as it goes.
 
 Run as ``python -m coda.sandbox.worker REQUEST.json EVENTS.jsonl``. Each finished stage (and the
 start of each stage) is appended to the events file and flushed, so when a candidate hangs, crashes

@@ -28,7 +28,7 @@ from .base import (
     answered_call,
     part_text,
 )
-from .http import malformed, sdk_errors
+from .http import malformed, request_timeout, sdk_errors, token_count
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 KEY_VAR = "ANTHROPIC_API_KEY"
@@ -68,17 +68,24 @@ class AnthropicProvider:
         self.model = model or DEFAULT_MODEL
         self.base_url = base_url or os.environ.get("ANTHROPIC_BASE_URL") or DEFAULT_BASE_URL
         self.max_output_tokens = max_output_tokens
+        self.request_timeout_s = request_timeout_s
         self._client = anthropic.Anthropic(
             api_key=key, base_url=self.base_url, max_retries=0, timeout=request_timeout_s
         )
 
     def complete(
-        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+        self,
+        system: str,
+        messages: list[UserMessage | AssistantTurn],
+        tools: list[ToolSpec],
+        *,
+        timeout_s: float | None = None,
     ) -> AssistantTurn:
         with sdk_errors(
             anthropic, "Anthropic", key_var=KEY_VAR, model=self.model, base_url=self.base_url
         ):
             response = self._client.messages.create(
+                timeout=request_timeout(self.request_timeout_s, timeout_s),
                 model=self.model,
                 max_tokens=self.max_output_tokens,
                 system=system,
@@ -161,11 +168,19 @@ def from_anthropic(response: Any, model: str) -> AssistantTurn:
 
 
 def _usage(usage: Any) -> Usage:
+    """The turn's tokens; every count present must be a whole number ≥ 0 (``token_count``)."""
     tokens = [getattr(usage, k, None) for k in ("input_tokens", "output_tokens")]
-    if not all(isinstance(t, int) for t in tokens):
+    if any(t is None for t in tokens):
         raise malformed("Anthropic", "no `usage` with `input_tokens` and `output_tokens`")
-    cached = sum(
-        getattr(usage, k, None) or 0
-        for k in ("cache_creation_input_tokens", "cache_read_input_tokens")
+    counted = {
+        k: token_count("Anthropic", f"usage.{k}", v)
+        for k in ("input_tokens", "output_tokens", *_CACHE_FIELDS)
+        if (v := getattr(usage, k, None)) is not None
+    }
+    cached = sum(counted.get(k, 0) for k in _CACHE_FIELDS)
+    return Usage(
+        input_tokens=counted["input_tokens"] + cached, output_tokens=counted["output_tokens"]
     )
-    return Usage(input_tokens=tokens[0] + cached, output_tokens=tokens[1])
+
+
+_CACHE_FIELDS = ("cache_creation_input_tokens", "cache_read_input_tokens")

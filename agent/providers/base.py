@@ -178,6 +178,14 @@ class ProviderError(Exception):
         return 2 if self.kind in ("config", "auth", "not_found") else 1
 
 
+class DeadlineExceeded(ProviderError):
+    """The run's wall-clock budget (``--timeout``) ran out before or during a provider request,
+    or left no time to retry one: the loop stops the run as a timeout, not a provider failure."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="network")
+
+
 class TranscriptExhausted(ProviderError):
     """A replayed transcript has no more recorded turns."""
 
@@ -190,13 +198,23 @@ class TranscriptExhausted(ProviderError):
 
 @runtime_checkable
 class Provider(Protocol):
-    """A model: given the system prompt, the history and the tools, produce the next turn."""
+    """A model: given the system prompt, the history and the tools, produce the next turn.
+
+    ``timeout_s`` is the longest this one request may take (the run's remaining wall-clock time;
+    ``None``: no run limit): a provider that makes requests bounds each by it (and by its own
+    request timeout); a local one may ignore it.
+    """
 
     name: str  # "builtin", "anthropic", "openai", "replay", ...
     model: str  # the model identifier used for pricing and records
 
     def complete(
-        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+        self,
+        system: str,
+        messages: list[UserMessage | AssistantTurn],
+        tools: list[ToolSpec],
+        *,
+        timeout_s: float | None = None,
     ) -> AssistantTurn: ...
 
 

@@ -41,7 +41,12 @@ class BuiltinProvider:
         self.search = PlanSearch(block, configs)
 
     def complete(
-        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+        self,
+        system: str,
+        messages: list[UserMessage | AssistantTurn],
+        tools: list[ToolSpec],
+        *,
+        timeout_s: float | None = None,  # nothing here waits on a server
     ) -> AssistantTurn:
         step = self.search.propose(outcomes(messages))
         call_id = f"builtin_{len(tool_call_ids(messages)) + 1}"

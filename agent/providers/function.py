@@ -19,6 +19,11 @@ class FunctionProvider:
         self.model = model
 
     def complete(
-        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+        self,
+        system: str,
+        messages: list[UserMessage | AssistantTurn],
+        tools: list[ToolSpec],
+        *,
+        timeout_s: float | None = None,  # nothing here waits on a server
     ) -> AssistantTurn:
         return self.fn(system, messages, tools)

@@ -74,6 +74,30 @@ def status_error(
     )
 
 
+def request_timeout(configured_s: float, left_s: float | None) -> float:
+    """One request's timeout: the configured one, cut to the run's remaining time when that is
+    shorter (never zero: a request with no time left fails at once as a timeout).
+
+    The SDKs hand it to httpx, which applies it to connecting and to each wait for data: a server
+    that accepts and never answers is dropped after this long.
+    """
+    if left_s is None:
+        return configured_s
+    return max(min(configured_s, left_s), 0.001)
+
+
+def token_count(vendor: str, field: str, value: Any) -> int:
+    """A token count the server reported, checked: a whole number ≥ 0, or ``malformed`` naming
+    the field (a negative count would lower the run's total and defeat ``--max-tokens``)."""
+    if type(value) is not int or value < 0:
+        raise malformed(
+            vendor,
+            f"`{field}` is {value!r}, not a token count (a whole number ≥ 0); the turn is not "
+            "counted — check that --base-url points at a server that reports usage correctly",
+        )
+    return value
+
+
 def unreachable(vendor: str, base_url: str, cause: str) -> ProviderError:
     return ProviderError(
         f"cannot reach the {vendor} API at {base_url} ({cause}) — check the network, and that "

@@ -27,7 +27,7 @@ from .base import (
     answered_call,
     part_text,
 )
-from .http import malformed, sdk_errors
+from .http import malformed, request_timeout, sdk_errors, token_count
 
 DEFAULT_MODEL = "gpt-4.1"
 KEY_VAR = "OPENAI_API_KEY"
@@ -68,6 +68,7 @@ class OpenAIProvider:
             )
         self.model = model or DEFAULT_MODEL
         self.base_url = base_url or DEFAULT_BASE_URL
+        self.request_timeout_s = request_timeout_s
         self._client = openai.OpenAI(
             api_key=key or PLACEHOLDER_KEY,
             base_url=self.base_url,
@@ -76,12 +77,18 @@ class OpenAIProvider:
         )
 
     def complete(
-        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+        self,
+        system: str,
+        messages: list[UserMessage | AssistantTurn],
+        tools: list[ToolSpec],
+        *,
+        timeout_s: float | None = None,
     ) -> AssistantTurn:
         with sdk_errors(
             openai, "OpenAI", key_var=KEY_VAR, model=self.model, base_url=self.base_url
         ):
             completion = self._client.chat.completions.create(
+                timeout=request_timeout(self.request_timeout_s, timeout_s),
                 model=self.model,
                 messages=to_openai(system, messages),
                 tools=[
@@ -178,9 +185,12 @@ def _text(arguments: Any) -> str:
 
 
 def _usage(usage: Any) -> Usage:
-    """Token counts; servers that report none (some local ones) count as zero tokens."""
+    """Token counts; servers that report none (some local ones) count as zero tokens, and a
+    count that is reported must be a whole number ≥ 0 (``token_count``)."""
     prompt, completion = (getattr(usage, k, None) for k in ("prompt_tokens", "completion_tokens"))
     return Usage(
-        input_tokens=prompt if isinstance(prompt, int) else 0,
-        output_tokens=completion if isinstance(completion, int) else 0,
+        input_tokens=0 if prompt is None else token_count("OpenAI", "usage.prompt_tokens", prompt),
+        output_tokens=0
+        if completion is None
+        else token_count("OpenAI", "usage.completion_tokens", completion),
     )

@@ -45,7 +45,12 @@ class ReplayProvider:
         self._next = skip
 
     def complete(
-        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+        self,
+        system: str,
+        messages: list[UserMessage | AssistantTurn],
+        tools: list[ToolSpec],
+        *,
+        timeout_s: float | None = None,  # nothing here waits on a server
     ) -> AssistantTurn:
         if self._next > 0 and messages and isinstance(messages[-1], UserMessage):
             self._compare(self._next - 1, messages[-1])

@@ -4,6 +4,9 @@ The SDK clients are built with their own retries off (``max_retries=0``) so that
 decided here, announced to the user, and written to the transcript. Only errors a provider marks
 ``retryable`` (HTTP 429, 5xx and overloaded servers, dropped connections, timeouts) are retried;
 a server that asks for a longer wait than the policy allows ends the run with a message saying so.
+Every request and every wait fits in the run's remaining wall-clock time: a request gets that time
+as its timeout, and when it runs out (before a request, or leaving no time for a retry) the
+attempt ends with ``DeadlineExceeded``, which the loop reports as the run's timeout.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 
-from .base import AssistantTurn, Provider, ProviderError, ToolSpec
+from .base import AssistantTurn, DeadlineExceeded, Provider, ProviderError, ToolSpec
 
 
 @dataclass(frozen=True)
@@ -71,16 +74,27 @@ def complete_with_retries(
     """``provider.complete`` with retries; raises the last ``ProviderError`` when they run out.
 
     ``on_retry(attempt, delay_s, error)`` is called before each wait; ``time_left()`` (seconds, or
-    ``None`` for no limit) stops retrying when the wait would outlast the run's wall-clock budget.
+    ``None`` for no limit) is each request's timeout, and stops retrying (``DeadlineExceeded``)
+    when no time is left or the wait would outlast the run's wall-clock budget.
     """
     failures = 0
     while True:
+        left = time_left()
+        if left is not None and left <= 0:
+            raise DeadlineExceeded("no time was left for a request")
         try:
-            return provider.complete(system, messages, tools)
+            return provider.complete(system, messages, tools, timeout_s=left)
+        except DeadlineExceeded:
+            raise
         except ProviderError as e:
             failures += 1
             if not e.retryable:
                 raise
+            left = time_left()
+            if left is not None and left <= 0:
+                raise DeadlineExceeded(
+                    f"the request was cut off when it ran out ({e.message})"
+                ) from None
             if e.retry_after is not None and e.retry_after > policy.max_delay_s:
                 raise ProviderError(
                     f"{e.message}; the server asks to wait {e.retry_after:.0f} s, longer than "
@@ -93,11 +107,9 @@ def complete_with_retries(
                     f"{e.message} (gave up after {failures} attempts)", kind=e.kind
                 ) from None
             wait = policy.delay(failures, e.retry_after)
-            left = time_left()
             if left is not None and wait >= left:
-                raise ProviderError(
-                    f"{e.message} (no retry: the run's time budget ends in {left:.0f} s)",
-                    kind=e.kind,
+                raise DeadlineExceeded(
+                    f"{e.message} (no retry: the run's time budget ends in {max(left, 0):.0f} s)"
                 ) from None
             if on_retry is not None:
                 on_retry(failures, wait, e)

@@ -1,6 +1,7 @@
 """A scripted LLM API on 127.0.0.1 for the SDK loopback tests: it speaks Anthropic's
 ``/v1/messages`` and OpenAI's ``/v1/chat/completions`` wire formats, answers each POST with the
-next scripted response, and records every request (path, headers, JSON body)."""
+next scripted response, and records every request (path, headers, JSON body). A ``STALL`` reply
+accepts the request and never answers (until the server closes)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ class Reply:
     status: int = 200
     body: Any = None  # a dict is sent as JSON, a str as is
     headers: dict[str, str] = field(default_factory=dict)
+    stall: bool = False  # read the request, send nothing
+
+
+STALL = Reply(stall=True)
 
 
 @dataclass
@@ -30,6 +35,7 @@ class FakeLLM:
     def __init__(self) -> None:
         self.replies: list[Reply] = []
         self.requests: list[Seen] = []
+        self.closing = threading.Event()
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -41,6 +47,9 @@ class FakeLLM:
                 reply = (
                     owner.replies.pop(0) if owner.replies else Reply(500, {"error": "unscripted"})
                 )
+                if reply.stall:
+                    owner.closing.wait(60)
+                    return
                 data = reply.body if isinstance(reply.body, str) else json.dumps(reply.body)
                 raw = data.encode()
                 self.send_response(reply.status)
@@ -63,6 +72,7 @@ class FakeLLM:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def close(self) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 

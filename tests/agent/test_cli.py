@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from typer.testing import CliRunner
 
 from coda.agent.cli import app
 from coda.agent.planner import lower
-from coda.blocks import get_block
+from coda.blocks import get_block, load_block_file
 
 runner = CliRunner()
 
@@ -177,3 +178,23 @@ def test_a_provider_failure_is_a_clean_error_with_a_resume_hint(tmp_path: Path) 
     (run,) = tmp_path.iterdir()
     assert f"coda-agent synthesize --resume {run}" in text
     assert "NOT VERIFIED llama_mlp" in text
+
+
+def test_verify_timeout_stops_a_hanging_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.helpers import residual_program
+
+    block_file = Path(__file__).parents[1] / "sandbox" / "faulty_block.py"
+    monkeypatch.setenv("CODA_TEST_FAULT", "hang")  # the worker's verify stage sleeps 600 s
+    monkeypatch.setenv("CODA_TEST_CHILD_PID_FILE", str(tmp_path / "child"))
+    program = tmp_path / "program.json"
+    (block,) = load_block_file(block_file)
+    program.write_text(json.dumps(residual_program(block)))
+    start = time.monotonic()
+    args = ["verify", str(program), "--block-file", str(block_file), "--timeout", "5"]
+    result = runner.invoke(app, args)
+    assert time.monotonic() - start < 25
+    assert result.exit_code == 1, result.output
+    assert "FAILED at verify" in result.output, result.output
+    assert "the worker was killed during verify: timed out after 5 s" in result.output

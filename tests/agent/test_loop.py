@@ -17,7 +17,8 @@ from coda.agent.providers import (
     ToolResultPart,
     UserMessage,
 )
-from coda.agent.providers.retry import RetryPolicy
+from coda.agent.providers.base import DeadlineExceeded
+from coda.agent.providers.retry import RetryPolicy, complete_with_retries
 from coda.agent.runs import RunDir
 from coda.agent.synthesize import BudgetError, resume, synthesize
 from coda.agent.transcript import read_records
@@ -278,3 +279,40 @@ def test_ctrl_c_records_the_interruption_and_the_run_resumes(tmp_path: Path) -> 
     assert result.stop.kind == "finished" and result.turns == 1
     state = RunDir.open(folder).state()
     assert state.resumes == 1 and state.model == "other-model" and state.end.reason == "finished"
+
+
+class _Timed:
+    """A provider whose requests fail retryably after ``takes`` seconds of a fake clock; it
+    records the timeout each request was given."""
+
+    name, model = "timed", "timed"
+
+    def __init__(self, clock: list[float], takes: float) -> None:
+        self.clock, self.takes, self.timeouts = clock, takes, []
+
+    def complete(self, system, messages, tools, *, timeout_s=None):  # noqa: ANN001, ANN201
+        self.timeouts.append(timeout_s)
+        self.clock[0] += min(self.takes, timeout_s if timeout_s is not None else self.takes)
+        raise ProviderError("the server failed (HTTP 503)", kind="server", retryable=True)
+
+
+def test_each_request_gets_the_remaining_time_and_retries_stop_at_the_deadline() -> None:
+    clock = [0.0]
+    provider = _Timed(clock, takes=1.0)
+    policy = RetryPolicy(attempts=10, base_delay_s=0.5, max_delay_s=0.5)
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    with pytest.raises(DeadlineExceeded, match="no retry: the run's time budget ends in 0 s"):
+        complete_with_retries(
+            provider, "", [], [], policy, time_left=lambda: 4.2 - clock[0], sleep=sleep
+        )
+    # requests at t = 0, 1.5 and 3.0, each bounded by what was left of the 4.2 s; the third
+    # failed at t = 4.0, too late for a 0.5 s wait
+    assert provider.timeouts == pytest.approx([4.2, 2.7, 1.2])
+    clock[0] = 0.0
+    stalled = _Timed(clock, takes=600.0)  # never answers: cut off at the deadline, not retried
+    with pytest.raises(DeadlineExceeded, match="the request was cut off when it ran out"):
+        complete_with_retries(stalled, "", [], [], policy, time_left=lambda: 4.0 - clock[0])
+    assert stalled.timeouts == [4.0]

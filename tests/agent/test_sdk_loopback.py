@@ -3,17 +3,22 @@
 End to end: a broken program, its Report as the tool result, the fix, ``finish`` — asserting what
 the loop sent (system prompt, tool schema, tool results) and what it counted. Then the failures a
 live API produces: 429 then success, 5xx, an unreachable server, a malformed body, a rejected or
-missing key, a refusal. No network is used.
+missing key, a refusal, a server that never answers (the run's --timeout bounds the request),
+impossible token counts, a 10 MB reply. No network is used.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from coda.agent.clipping import MAX_PART_CHARS
+from coda.agent.loop import Budgets
 from coda.agent.providers import ProviderError
 from coda.agent.providers.anthropic import AnthropicProvider
 from coda.agent.providers.openai import OpenAIProvider
@@ -21,6 +26,7 @@ from coda.agent.providers.retry import RetryPolicy
 from coda.agent.synthesize import synthesize
 
 from .fake_llm import (
+    STALL,
     FakeLLM,
     Reply,
     anthropic_message,
@@ -55,8 +61,10 @@ VENDORS = {
 }
 
 
-def run(provider: Any, tmp_path: Path):  # noqa: ANN201
-    return synthesize(BLOCK, tmp_path, provider=provider, sandbox=FAST, retry=QUICK_RETRY)
+def run(provider: Any, tmp_path: Path, budgets: Budgets | None = None):  # noqa: ANN201
+    return synthesize(
+        BLOCK, tmp_path, provider=provider, sandbox=FAST, retry=QUICK_RETRY, budgets=budgets
+    )
 
 
 def refs(node: Any) -> Iterator[str]:
@@ -221,3 +229,100 @@ def test_refusals_end_the_run(server: FakeLLM, tmp_path: Path) -> None:
     server.replies = [openai_completion(refusal="I can't help with that.", finish="stop")]
     result = run(openai_at(server.url), tmp_path / "b")
     assert result.stop.kind == "refused" and "I can't help with that." in result.stop.message
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_a_server_that_never_answers_is_cut_off_at_the_runs_timeout(
+    server: FakeLLM, tmp_path: Path, vendor: str
+) -> None:
+    provider, _, _ = VENDORS[vendor]
+    server.replies = [STALL] * 4  # the provider's own request timeout is 600 s
+    start = time.monotonic()
+    result = run(provider(server.url), tmp_path, Budgets(timeout_s=3))
+    assert time.monotonic() - start < 6
+    assert result.stop.kind == "timeout" and result.turns == 0, result.stop
+    assert result.stop.message.startswith(
+        "ran out of wall-clock time (--timeout 3 s) waiting for the provider: the request was "
+        "cut off when it ran out"
+    )
+    assert len(server.requests) == 1  # no retry past the deadline
+
+
+BAD_USAGE = [
+    ((-999_999, 30), "input_tokens", "prompt_tokens", "-999999"),
+    ((120, 2.5), "output_tokens", "completion_tokens", "2.5"),
+]
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+@pytest.mark.parametrize("usage,anthropic_field,openai_field,shown", BAD_USAGE)
+def test_impossible_token_counts_stop_the_run_uncounted(
+    server: FakeLLM,
+    tmp_path: Path,
+    vendor: str,
+    usage: tuple,
+    anthropic_field: str,
+    openai_field: str,
+    shown: str,
+) -> None:
+    provider, tool, _ = VENDORS[vendor]
+    bad = (
+        anthropic_message(usage=usage)
+        if vendor == "anthropic"
+        else openai_completion(content="hi", finish="stop", usage=usage)
+    )
+    server.replies = [tool("t1", "describe_primitive", {"name": "swiglu"}), bad]
+    result = run(provider(server.url), tmp_path, Budgets(max_tokens=10_000, max_cost=1.0))
+    assert result.stop.kind == "provider_error" and result.stop.exit_code == 1
+    field = anthropic_field if vendor == "anthropic" else openai_field
+    assert f"`usage.{field}` is {shown}, not a token count" in result.stop.message
+    assert result.turns == 1 and result.usage.total == 150  # only the good turn is counted
+    assert result.cost_usd is not None and result.cost_usd > 0
+
+
+def transcript_messages(tmp_path: Path) -> list[dict[str, Any]]:
+    (run_dir,) = tmp_path.iterdir()
+    lines = (run_dir / "transcript.jsonl").read_text().splitlines()
+    assert sum(map(len, lines)) < 2 * MAX_PART_CHARS + 200_000  # not the 10 MB
+    return [r["message"] for r in map(json.loads, lines) if r["event"] == "message"]
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_a_10_mb_tool_call_is_cut_in_the_transcript_and_answered_with_an_error(
+    server: FakeLLM, tmp_path: Path, vendor: str
+) -> None:
+    provider, tool, _ = VENDORS[vendor]
+    huge = {"program": {"block": "llama_mlp", "steps": ["x" * 10_000_000]}}
+    server.replies = [tool("t1", "submit_program", huge), tool("t2", "finish", {"reason": "ok"})]
+    result = run(provider(server.url), tmp_path)
+    assert result.stop.kind == "finished" and result.candidates == [] and result.tool_errors == 1
+    recorded = transcript_messages(tmp_path)[1]["parts"][-1]["arguments"]
+    sent = len(json.dumps(huge))  # both adapters keep the arguments as this JSON text
+    assert recorded.startswith('{"program": {"block": "llama_mlp", "steps": ["xxx')
+    assert recorded.endswith(
+        f"[… {sent - MAX_PART_CHARS} characters cut: a reply part is kept up to "
+        f"{MAX_PART_CHARS} characters]"
+    )
+    second = json.dumps(server.requests[1].body)
+    assert len(second) < 2 * MAX_PART_CHARS + 100_000  # the history sent back is cut too
+    assert f"its arguments were {sent} characters, over the {MAX_PART_CHARS}-character" in second
+
+
+def test_a_10_mb_text_is_cut_in_the_transcript_and_the_model_is_told(
+    server: FakeLLM, tmp_path: Path
+) -> None:
+    text = "blah " * 2_000_000
+    server.replies = [
+        anthropic_message({"type": "text", "text": text}, stop="end_turn"),
+        anthropic_tool("t1", "finish", {"reason": "ok"}),
+    ]
+    result = run(anthropic_at(server.url), tmp_path)
+    assert result.stop.kind == "finished" and result.tool_errors == 1
+    messages = transcript_messages(tmp_path)
+    kept = messages[1]["parts"][0]["text"]
+    assert kept.startswith("blah blah") and f"[… {len(text) - MAX_PART_CHARS} characters" in kept
+    (note,) = messages[2]["parts"]
+    assert note["content"].startswith(
+        f"Your reply's text was {len(text)} characters, over the {MAX_PART_CHARS}-character limit"
+    )
+    assert "Reply with a tool call" in note["content"]

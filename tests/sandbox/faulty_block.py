@@ -1,8 +1,9 @@
 """A block file for fault tests: ``out = x + x @ w.T`` whose Add misbehaves inside a sandbox worker.
 
 What it does there is chosen by ``$CODA_TEST_FAULT`` (the worker inherits the environment; outside
-a worker the block is well-behaved, so the caller's semantics stage passes and the fault hits the
-worker's verify stage). ``$CODA_TEST_PID_FILE``, if set, collects the pid of every worker that ran
+a worker the block is well-behaved). It misbehaves only in the kernel dtypes: the worker's float64
+semantics stage passes and the fault hits its verify stage, which also runs the reference in the
+dtype under test. ``$CODA_TEST_PID_FILE``, if set, collects the pid of every worker that ran
 the reference (one line each); the ``hang`` fault writes its child's pid to
 ``$CODA_TEST_CHILD_PID_FILE``.
 """
@@ -23,8 +24,8 @@ from coda.blocks.ops import GraphOp
 
 
 def faulty_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A residual connection (that misbehaves on purpose inside a sandbox worker)."""
-    if os.environ.get("CODA_SANDBOX_WORKER") == "1":
+    """A residual connection (that misbehaves on purpose inside a sandbox worker, below float64)."""
+    if os.environ.get("CODA_SANDBOX_WORKER") == "1" and a.dtype != torch.float64:
         _record_pid()
         _fault(os.environ.get("CODA_TEST_FAULT", "none"))
     return a + b

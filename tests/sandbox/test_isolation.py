@@ -2,11 +2,12 @@
 names the stage, the cause and the evidence — and the next candidate runs in a fresh worker.
 
 The faults are provoked from a user block file (``faulty_block.py``) that the worker imports: its
-residual add misbehaves only inside a worker, so the caller's own stages pass and the fault hits
-the worker's verify stage. What is real here: SIGSEGV, SIGABRT, exit(), Python exceptions, a hang
-with a child process (the whole process group is killed), and an allocation over the worker's
-memory cap. What is simulated: a CUDA fault (no GPU) — the tests raise CUDA's error text, or abort
-after printing it, and check that the sandbox names it, discards the worker and starts a fresh one.
+residual add misbehaves only inside a worker and only below float64, so the float64 semantics stage
+passes and the fault hits the worker's verify stage. What is real here: SIGSEGV, SIGABRT, exit(),
+Python exceptions, a hang with a child process (the whole process group is killed), and an
+allocation over the worker's memory cap. What is simulated: a CUDA fault (no GPU) — the tests raise
+CUDA's error text, or abort after printing it, and check that the sandbox names it, discards the
+worker and starts a fresh one.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def run(monkeypatch: pytest.MonkeyPatch, fault: str, **options: object) -> Repor
 
 def failed_in_verify(report: Report, cause: str) -> str:
     assert not report.verified
-    assert report.stage("semantics").status == "passed"  # the caller ran the same block fine
+    assert report.stage("semantics").status == "passed"  # the same block, in float64, was fine
     failed = report.failed_stage
     assert (failed.stage, failed.cause) == ("verify", cause), failed
     assert report.stages[-1] is failed  # nothing after the first failure
