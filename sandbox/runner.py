@@ -3,7 +3,8 @@
 validate and semantics run here (pure PyTorch on the CPU, no generated code is produced or run);
 compile (code generation included), verify and profile run in a fresh worker subprocess per
 candidate: its own process group (killed whole on timeout, and swept when it exits), its own Triton
-and kernel caches, a memory cap, no provider secrets in its environment. A hang, crash, exception,
+and kernel caches, a memory cap, an environment built from an allowlist, and no way to read this
+process's ``/proc`` files (``fences``). A hang, crash, exception,
 out-of-memory or CUDA fault in a candidate becomes a failed stage in the Report, with its cause and
 the worker's last stderr lines — never an exception here.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import platform
 import signal
@@ -34,11 +36,9 @@ from coda.primitives.plugins import PluginError, load_plugins
 
 from .compare import OutputCheck
 from .faults import WORKER_ENV, describe_exit, refine_by_stderr, stderr_tail
+from .fences import caller_undumpable, worker_environment
 from .report import STAGES, Cause, ProfileRow, Report, Stage, StageResult
 from .stages import SandboxOptions, run_worker_stages, semantics, validate
-
-# An environment variable whose name contains one of these never reaches a worker.
-SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "COOKIE")
 
 
 def program_hash(data: Program | dict | str) -> str:
@@ -70,6 +70,7 @@ def versions() -> dict[str, str]:
     }
 
 
+log = logging.getLogger(__name__)
 OnStage = Callable[[StageResult], None]
 
 
@@ -118,6 +119,10 @@ class _Collected:
             self.started, self.started_at = data, time.monotonic()
         elif kind == "done":
             self.done = True
+        elif kind == "limits" and "not dropped" in str(data):
+            log.warning(
+                "worker isolation: %s; the worker may read this process's /proc files", data
+            )
 
     @property
     def failed(self) -> bool:
@@ -214,8 +219,9 @@ def _run_stages(
 
 
 def worker_env(tmp: Path) -> dict[str, str]:
-    """The worker's environment: no secrets, private caches, unbuffered output."""
-    env = {k: v for k, v in os.environ.items() if not any(m in k.upper() for m in SECRET_MARKERS)}
+    """The worker's environment: the allowed variables of ours (``fences.allowed``), private
+    caches, unbuffered output."""
+    env = worker_environment(os.environ)
     env.update(
         TRITON_CACHE_DIR=str(tmp / "triton"),
         CODA_CACHE_DIR=str(tmp / "coda"),
@@ -251,11 +257,17 @@ def _run_isolated(
             open(tmp / "stderr", "wb") as err,
             open(events) as stream,
         ):
-            proc = subprocess.Popen(
-                cmd, cwd=tmp, env=worker_env(tmp), stdout=out, stderr=err, start_new_session=True
-            )
-            deadline = time.monotonic() + options.timeout_s
-            timed_out = _watch(proc, stream, collected, deadline)
+            with caller_undumpable():  # the worker cannot read our /proc/<pid>/environ
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=tmp,
+                    env=worker_env(tmp),
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                )
+                deadline = time.monotonic() + options.timeout_s
+                timed_out = _watch(proc, stream, collected, deadline)
             _drain(stream, collected.absorb)
         stderr = (tmp / "stderr").read_text(errors="replace")
         if collected.done or collected.failed:
