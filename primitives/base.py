@@ -44,13 +44,14 @@ _BLOCK_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 
 
 def _check_name(name: str) -> str:
-    if len(name) > 64:
-        raise ValueError(f"name {name[:20]!r}… is longer than 64 characters")
     if not _NAME.fullmatch(name) or keyword.iskeyword(name):
+        shown = repr(name) if len(name) <= 40 else repr(name[:37]) + "…"
         raise ValueError(
-            f"{name!r} is not a valid name: use only the ASCII letters A-Z and a-z, digits and "
+            f"{shown} is not a valid name: use only the ASCII letters A-Z and a-z, digits and "
             "'_' ([A-Za-z_][A-Za-z0-9_]*), not starting with a digit, and not a Python keyword"
         )
+    if len(name) > 64:
+        raise ValueError(f"name {name[:20]!r}… is longer than 64 characters")
     return name
 
 

@@ -106,14 +106,16 @@ def _parse_cached(source: str) -> Expr:
 
 
 def _check_text(source: str) -> None:
-    """NUL and lone surrogates cannot be compiled (Python raises ValueError or SyntaxError,
-    depending on its version): name them instead."""
+    """Plain ASCII only. NUL and lone surrogates cannot be compiled (Python raises ValueError or
+    SyntaxError, depending on its version), and Python folds other characters of identifiers by
+    NFKC ('ｏ' would silently read the value 'o'): name the first such character instead."""
     for column, char in enumerate(source, start=1):
-        if char == "\x00" or "\ud800" <= char <= "\udfff":
+        if not char.isascii() or char == "\x00":
             raise ProgramError(
                 f"expression {source.encode('utf-8', 'backslashreplace').decode()!r} is not valid "
-                f"text: character U+{ord(char):04X} at column {column}",
-                hint="write expressions in plain ASCII",
+                f"text: character U+{ord(char):04X} at column {column} is not ASCII"
+                + (" (NUL)" if char == "\x00" else ""),
+                hint="write expressions in plain ASCII: value names use A-Z, a-z, digits and '_'",
             )
 
 
@@ -164,12 +166,6 @@ def _convert(node: ast.AST, src: str, *, in_where_cond: bool) -> tuple:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return _number(node, src)
     if isinstance(node, ast.Name):
-        if not node.id.isascii():
-            raise _reject(
-                src,
-                f"the name {node.id!r} is not ASCII",
-                hint="value names use only the letters A-Z, a-z, digits and '_'",
-            )
         if node.id in ALLOWED_FUNCTIONS:
             raise _reject(src, f"{node.id!r} is a function; call it, e.g. {node.id}(x)")
         return ("var", node.id)

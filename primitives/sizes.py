@@ -56,7 +56,15 @@ _PREC_NEG, _PREC_ATOM = 3, 4
 
 def canonical_size_expr(source: str) -> str:
     """The size expression re-printed from its parsed tree (comments, spacing and redundant
-    parentheses gone): a validated Program keeps this text, never the submitted one."""
+    parentheses gone): a validated Program keeps this text, never the submitted one. ASCII only:
+    Python folds identifiers by NFKC, so 'ｄ' would silently be the size 'd'."""
+    if not source.isascii():
+        char = next(c for c in source if not c.isascii())
+        raise ProgramError(
+            f"size expression {source.encode('utf-8', 'backslashreplace').decode()!r}: character "
+            f"U+{ord(char):04X} is not ASCII",
+            hint="size names use only the letters A-Z, a-z, digits and '_'",
+        )
     return _print(_parse(source), source)
 
 
@@ -74,11 +82,6 @@ def _print(node: ast.AST, source: str) -> str:
     if isinstance(node, ast.Constant):
         return str(int(node.value))
     if isinstance(node, ast.Name):
-        if not node.id.isascii():
-            raise ProgramError(
-                f"size expression {source!r}: the size name {node.id!r} is not ASCII",
-                hint="size names use only the letters A-Z, a-z, digits and '_'",
-            )
         return node.id
     if isinstance(node, ast.UnaryOp):
         return f"-{wrap(node.operand, _PREC_NEG)}"

@@ -118,7 +118,9 @@ class _Auditor:
             self.statement(statement)
 
     def bind(self, node: ast.AST, name: str) -> None:
-        if _dunder(name) or name in self.protected:
+        """A parameter or local (any name but the module's functions, ``tl``, ``triton`` and the
+        callable builtins: a local of the same name would change what a call runs)."""
+        if name in self.protected:
             raise self.refuse(node, f"assignment to {name!r}")
         self.locals.add(name)
 
