@@ -390,7 +390,7 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
     buf.line("")
     with buf.indent():
         for line in gemm_to_python(step):
-            buf.line(line)
+            buf.line(_in_docstring(line))
     buf.line('"""')
     buf.line("import triton")
     buf.line("import triton.language as tl")
@@ -452,6 +452,13 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
     if os.environ.get("CODA_DEBUG_CODEGEN"):
         print(source)
     return KernelSource(name, source, variants)
+
+
+def _in_docstring(text: str) -> str:
+    """``text`` as it may stand inside the module's ``\"\"\"`` docstring: built-in fields are
+    canonical and cannot end it, but a plugin's free-text field printed by ``repr`` could (a
+    backslash or three quotes); escaped, it stays text."""
+    return text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
 
 
 def _check_no_parameter_reassigned(source: str) -> None:

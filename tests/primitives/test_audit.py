@@ -4,6 +4,7 @@ built-in blocks passes; hand-written hostile modules are refused, naming what th
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from coda.primitives.analysis import analyze
 from coda.primitives.codegen import cache
 from coda.primitives.codegen.audit import GeneratedCodeError, check_generated_module
 from coda.primitives.codegen.cache import load_kernel
-from coda.primitives.codegen.kernel import KernelSource
+from coda.primitives.codegen.kernel import KernelSource, _in_docstring
 from coda.primitives.runtime import compile_program
 
 GOLDEN = (Path(__file__).parent.parent / "golden" / "llama_mlp.down.py").read_text()
@@ -141,3 +142,11 @@ def test_load_kernel_executes_the_checked_text_not_a_changed_file(
     assert load_kernel(kernel, "down_kernel_ptr") is not None
     assert not canary.exists()
     assert path.read_text() == GOLDEN
+
+
+@pytest.mark.parametrize("text", ['s=\'"""; import os\'', "s='\\\\'", "s='\"\"'\"'", "plain"])
+def test_docstring_lines_stay_text(text: str) -> None:
+    """A plugin's free-text field, printed by repr into the module docstring, cannot end it."""
+    module = ast.parse(f'"""{_in_docstring(text)}"""\n')
+    (statement,) = module.body
+    assert statement.value.value == text
