@@ -119,7 +119,8 @@ class _Collected:
             self.started, self.started_at = data, time.monotonic()
         elif kind == "done":
             self.done = True
-        elif kind == "limits" and "not dropped" in str(data):
+        elif kind == "limits" and ("not dropped" in str(data) or "unchanged" in str(data)):
+            # capabilities kept, or droppable only until an exec (root regains the bounding set)
             log.warning(
                 "worker isolation: %s; the worker may read this process's /proc files", data
             )

@@ -5,6 +5,7 @@ the ``snoop`` fault of ``faulty_block.py`` records what it finds — plus the al
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -102,3 +103,23 @@ def test_drop_ptrace_degrades_to_a_sentence(monkeypatch: pytest.MonkeyPatch) -> 
     assert drop_ptrace() == "CAP_SYS_PTRACE not dropped: no prctl on darwin"
     with caller_undumpable() as note:
         assert note == "caller left dumpable: no prctl on darwin"
+
+
+@pytest.mark.parametrize(
+    "note,warned",
+    [
+        ("CAP_SYS_PTRACE/CAP_SYS_ADMIN/CAP_PERFMON dropped; dropped from the bounding set", False),
+        ("CAP_SYS_PTRACE/CAP_SYS_ADMIN/CAP_PERFMON not dropped: Operation not permitted", True),
+        ("CAP_SYS_PTRACE/... dropped; bounding set unchanged (Operation not permitted)", True),
+    ],
+)
+def test_the_caller_warns_when_the_worker_kept_its_capabilities(
+    note: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from coda.sandbox.runner import _Collected
+
+    with caplog.at_level(logging.WARNING, logger="coda.sandbox.runner"):
+        _Collected([]).absorb("limits", note)
+    assert bool(caplog.records) == warned
+    if warned:
+        assert note in caplog.text and "may read this process's /proc files" in caplog.text
