@@ -130,6 +130,17 @@ class _Counters:
     retries: int = 0
 
 
+# Sandbox options a transcript never chooses on resume: which code is imported here and in the
+# worker (plugins) and whether candidates leave this process at all. They come from whoever
+# resumes (``$CODA_PLUGINS``, the defaults), so a tampered transcript cannot pick them.
+CALLER_ONLY_OPTIONS = frozenset({"plugins", "isolate"})
+
+
+def recorded_sandbox(recorded: dict[str, Any]) -> SandboxOptions:
+    """The recorded sandbox options of a run, less ``CALLER_ONLY_OPTIONS``."""
+    return SandboxOptions(**{k: v for k, v in recorded.items() if k not in CALLER_ONLY_OPTIONS})
+
+
 class AgentLoop:
     """Drives one run of ``provider`` on ``block``; ``run()`` returns the ``AgentResult``.
 
@@ -240,7 +251,7 @@ class AgentLoop:
             tools=start.tools,
             messages=list(state.messages),
             budgets=budgets or Budgets(**start.budgets),
-            sandbox=sandbox or SandboxOptions(**start.sandbox),
+            sandbox=sandbox or recorded_sandbox(start.sandbox),
             block_file=start.block_file,
             retry=retry or RetryPolicy(),
             on_event=on_event,

@@ -17,6 +17,7 @@ is already taken by another class is refused: a plugin can add primitives, never
 from __future__ import annotations
 
 import keyword
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -36,19 +37,39 @@ if TYPE_CHECKING:
 RESERVED = frozenset({"acc", "tl", "triton", "torch", "math"})
 
 
+# ASCII only: Python folds identifiers by NFKC, so 'ｏ' (U+FF4F) and 'o' are one variable in
+# generated code although they are two names in a Program.
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_BLOCK_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+
+
 def _check_name(name: str) -> str:
-    if not name.isidentifier() or keyword.iskeyword(name):
+    if not _NAME.fullmatch(name) or keyword.iskeyword(name):
+        shown = repr(name) if len(name) <= 40 else repr(name[:37]) + "…"
         raise ValueError(
-            f"{name!r} is not a valid name: use letters, digits and '_', not starting with a "
-            "digit, and not a Python keyword"
+            f"{shown} is not a valid name: use only the ASCII letters A-Z and a-z, digits and "
+            "'_' ([A-Za-z_][A-Za-z0-9_]*), not starting with a digit, and not a Python keyword"
         )
     if len(name) > 64:
         raise ValueError(f"name {name[:20]!r}… is longer than 64 characters")
     return name
 
 
+def _check_block_name(name: str) -> str:
+    if len(name) > 64 or not _BLOCK_NAME.fullmatch(name):
+        shown = name if len(name) <= 40 else name[:37] + "..."
+        raise ValueError(
+            f"{shown!r} is not a valid block name: use at most 64 ASCII letters, digits, '_', "
+            "'.' and '-' ([A-Za-z_][A-Za-z0-9_.-]*), as the block is registered"
+        )
+    return name
+
+
 Name = Annotated[str, AfterValidator(_check_name)]
-"""A tensor or epilogue-value name: a Python identifier, ≤ 64 characters."""
+"""A tensor or epilogue-value name: an ASCII Python identifier, ≤ 64 characters."""
+
+BlockName = Annotated[str, AfterValidator(_check_block_name)]
+"""The name of the block a Program implements: ASCII letters, digits, ``_ . -``, ≤ 64 characters."""
 
 
 class Node(BaseModel):

@@ -12,7 +12,9 @@ Names are epilogue values (tiles, row vectors, column vectors; they broadcast li
 in fp32. Anything else — attribute access, subscripts, other functions, strings, lambdas — is
 rejected with a message saying what is allowed. Expressions nest at most ``MAX_DEPTH`` levels (the
 converters and printers recurse; a long flat chain ``x+x+…`` is a deep left-leaning tree). One
-parsed ``Expr`` has two printers: Triton source and a PyTorch evaluation.
+parsed ``Expr`` has three printers: Triton source, a PyTorch evaluation, and ``canonical`` — the
+expression re-printed from its tree (comments, spacing and redundant parentheses gone), which is the
+only form of an expression a validated Program keeps.
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ class Expr:
     def evaluate(self, values: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return _torch(self.tree, values, dtype)
 
+    def canonical(self) -> str:
+        """The expression re-printed from its tree; ``parse(e.canonical()).tree == e.tree``."""
+        return _source(self.tree)
+
+
+def canonical(source: str) -> str:
+    """Pydantic-validator form: parse ``source`` (raising ``ProgramError`` on anything outside the
+    grammar) and return its canonical text, so no submitted character survives validation."""
+    return parse(source).canonical()
+
 
 def parse(source: str) -> Expr:
     """Parse and whitelist ``source``; raise ``ProgramError`` naming the offending construct."""
@@ -94,14 +106,16 @@ def _parse_cached(source: str) -> Expr:
 
 
 def _check_text(source: str) -> None:
-    """NUL and lone surrogates cannot be compiled (Python raises ValueError or SyntaxError,
-    depending on its version): name them instead."""
+    """Plain ASCII only. NUL and lone surrogates cannot be compiled (Python raises ValueError or
+    SyntaxError, depending on its version), and Python folds other characters of identifiers by
+    NFKC ('ｏ' would silently read the value 'o'): name the first such character instead."""
     for column, char in enumerate(source, start=1):
-        if char == "\x00" or "\ud800" <= char <= "\udfff":
+        if not char.isascii() or char == "\x00":
             raise ProgramError(
                 f"expression {source.encode('utf-8', 'backslashreplace').decode()!r} is not valid "
-                f"text: character U+{ord(char):04X} at column {column}",
-                hint="write expressions in plain ASCII",
+                f"text: character U+{ord(char):04X} at column {column} is not ASCII"
+                + (" (NUL)" if char == "\x00" else ""),
+                hint="write expressions in plain ASCII: value names use A-Z, a-z, digits and '_'",
             )
 
 
@@ -249,6 +263,55 @@ def _triton(t: tuple, var: Callable[[str], str]) -> str:
         return BINARY_FN[t[1]][0].format(_triton(t[2], var), _triton(t[3], var))
     if kind == "where":
         return f"tl.where({_triton(t[1], var)}, {_triton(t[2], var)}, {_triton(t[3], var)})"
+    raise AssertionError(kind)
+
+
+# Binding strength of each printed construct (Python's): atoms and calls bind tightest.
+_PREC_SUM, _PREC_PRODUCT, _PREC_NEG, _PREC_POW, _PREC_ATOM = 1, 2, 3, 4, 5
+_PREC_ARITH = {"+": _PREC_SUM, "-": _PREC_SUM, "*": _PREC_PRODUCT, "/": _PREC_PRODUCT}
+
+
+def _precedence(t: tuple) -> int:
+    kind = t[0]
+    if kind == "bin":
+        return _PREC_ARITH[t[1]]
+    if kind == "cmp":
+        return 0
+    return {"neg": _PREC_NEG, "pow": _PREC_POW}.get(kind, _PREC_ATOM)
+
+
+def _number_text(value: float) -> str:
+    """Integral values print as integers (``2``, not ``2.0``); others as Python's shortest repr."""
+    if value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return repr(value)
+
+
+def _source(t: tuple) -> str:
+    """Print a tree as expression-language text with only the parentheses its structure needs."""
+    kind = t[0]
+
+    def wrap(child: tuple, tighter_than: int) -> str:
+        text = _source(child)
+        return f"({text})" if _precedence(child) <= tighter_than else text
+
+    if kind == "num":
+        return _number_text(t[1])
+    if kind == "var":
+        return t[1]
+    if kind == "neg":  # -(-x) and -(a + b) keep their parentheses; -x ** 2 is -(x ** 2)
+        return f"-{wrap(t[1], _PREC_NEG)}"
+    if kind == "bin":  # left-associative: a - (b - c) needs them on the right, not the left
+        prec = _PREC_ARITH[t[1]]
+        return f"{wrap(t[2], prec - 1)} {t[1]} {wrap(t[3], prec)}"
+    if kind == "cmp":
+        return f"{_source(t[2])} {t[1]} {_source(t[3])}"
+    if kind == "pow":
+        return f"{wrap(t[1], _PREC_POW)} ** {t[2]}"
+    if kind in ("fn", "fn2", "where"):
+        name = "where" if kind == "where" else t[1]
+        args = t[1:] if kind == "where" else t[2:]
+        return f"{name}({', '.join(_source(a) for a in args)})"
     raise AssertionError(kind)
 
 

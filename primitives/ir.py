@@ -18,7 +18,7 @@ from pydantic import Field, GetCoreSchemaHandler, ValidationError, field_validat
 from pydantic_core import CoreSchema
 
 from . import aux, ops, prep  # noqa: F401  (importing registers every node)
-from .base import AuxStep, EpilogueOp, Name, Node, PrepStep, on_registry_change
+from .base import AuxStep, BlockName, EpilogueOp, Name, Node, PrepStep, on_registry_change
 from .errors import ProgramError, did_you_mean
 from .sizes import SizeExpr
 from .sizes import evaluate as evaluate_size
@@ -225,7 +225,7 @@ class Program(Node):
     one).
     """
 
-    block: str
+    block: BlockName
     inputs: dict[Name, TensorDecl]
     prep: list[PrepUnion] = Field(default_factory=list, max_length=32)  # type: ignore[valid-type]
     steps: list[StepUnion] = Field(min_length=1, max_length=32)  # type: ignore[valid-type]

@@ -46,8 +46,48 @@ def check_size_expr(source: str) -> str:
     """Pydantic validator: the text parses as a size expression."""
     if not isinstance(source, str) or not source.strip():
         raise ProgramError("a size expression must be a non-empty string such as 'd' or 'Nq + Nkv'")
-    _parse(source)
-    return source
+    return canonical_size_expr(source)
+
+
+# Printed forms and binding strengths of the operators (Python's), for ``canonical_size_expr``.
+_SYMBOLS = {ast.Add: ("+", 1), ast.Sub: ("-", 1), ast.Mult: ("*", 2), ast.FloorDiv: ("//", 2)}
+_PREC_NEG, _PREC_ATOM = 3, 4
+
+
+def canonical_size_expr(source: str) -> str:
+    """The size expression re-printed from its parsed tree (comments, spacing and redundant
+    parentheses gone): a validated Program keeps this text, never the submitted one. ASCII only:
+    Python folds identifiers by NFKC, so 'ｄ' would silently be the size 'd'."""
+    if not source.isascii():
+        char = next(c for c in source if not c.isascii())
+        raise ProgramError(
+            f"size expression {source.encode('utf-8', 'backslashreplace').decode()!r}: character "
+            f"U+{ord(char):04X} is not ASCII",
+            hint="size names use only the letters A-Z, a-z, digits and '_'",
+        )
+    return _print(_parse(source), source)
+
+
+def _print_prec(node: ast.AST) -> int:
+    if isinstance(node, ast.BinOp):
+        return _SYMBOLS[type(node.op)][1]
+    return _PREC_NEG if isinstance(node, ast.UnaryOp) else _PREC_ATOM
+
+
+def _print(node: ast.AST, source: str) -> str:
+    def wrap(child: ast.AST, tighter_than: int) -> str:
+        text = _print(child, source)
+        return f"({text})" if _print_prec(child) <= tighter_than else text
+
+    if isinstance(node, ast.Constant):
+        return str(int(node.value))
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.UnaryOp):
+        return f"-{wrap(node.operand, _PREC_NEG)}"
+    assert isinstance(node, ast.BinOp)
+    symbol, prec = _SYMBOLS[type(node.op)]
+    return f"{wrap(node.left, prec - 1)} {symbol} {wrap(node.right, prec)}"
 
 
 SizeExpr = Annotated[str, AfterValidator(check_size_expr)]

@@ -5,7 +5,8 @@ set, allocating nothing (a program that would build a too-large tensor is refuse
 milliseconds). Everything that allocates or runs the program — semantics (the reference executor),
 compile (code generation included), verify and profile — runs in a fresh worker subprocess per
 candidate: its own process group (killed whole on timeout, and swept when it exits), its own Triton
-and kernel caches, a memory cap, no provider secrets in its environment. A hang, crash, exception,
+and kernel caches, a memory cap, an environment built from an allowlist, and no way to read this
+process's ``/proc`` files (``fences``). A hang, crash, exception,
 out-of-memory or CUDA fault in a candidate becomes a failed stage in the Report, with its cause and
 the worker's last stderr lines — never an exception here.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import platform
 import signal
@@ -36,11 +38,9 @@ from coda.primitives.plugins import PluginError, load_plugins
 
 from .compare import OutputCheck
 from .faults import WORKER_ENV, describe_exit, refine_by_stderr, stderr_tail
+from .fences import caller_undumpable, worker_environment
 from .report import STAGES, Cause, ProfileRow, Report, Stage, StageResult
 from .stages import WORKER_STAGES, SandboxOptions, run_worker_stages, validate
-
-# An environment variable whose name contains one of these never reaches a worker.
-SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "COOKIE")
 
 
 def program_hash(data: Program | dict | str) -> str:
@@ -72,6 +72,7 @@ def versions() -> dict[str, str]:
     }
 
 
+log = logging.getLogger(__name__)
 OnStage = Callable[[StageResult], None]
 
 
@@ -123,6 +124,11 @@ class _Collected:
             self.ready = True
         elif kind == "done":
             self.done = True
+        elif kind == "limits" and ("not dropped" in str(data) or "unchanged" in str(data)):
+            # capabilities kept, or droppable only until an exec (root regains the bounding set)
+            log.warning(
+                "worker isolation: %s; the worker may read this process's /proc files", data
+            )
 
     @property
     def failed(self) -> bool:
@@ -217,8 +223,9 @@ def _run_stages(
 
 
 def worker_env(tmp: Path) -> dict[str, str]:
-    """The worker's environment: no secrets, private caches, unbuffered output."""
-    env = {k: v for k, v in os.environ.items() if not any(m in k.upper() for m in SECRET_MARKERS)}
+    """The worker's environment: the allowed variables of ours (``fences.allowed``), private
+    caches, unbuffered output."""
+    env = worker_environment(os.environ)
     env.update(
         TRITON_CACHE_DIR=str(tmp / "triton"),
         CODA_CACHE_DIR=str(tmp / "coda"),
@@ -254,11 +261,17 @@ def _run_isolated(
             open(tmp / "stderr", "wb") as err,
             open(events) as stream,
         ):
-            proc = subprocess.Popen(
-                cmd, cwd=tmp, env=worker_env(tmp), stdout=out, stderr=err, start_new_session=True
-            )
-            deadline = time.monotonic() + options.timeout_s
-            timed_out = _watch(proc, stream, collected, deadline)
+            with caller_undumpable():  # the worker cannot read our /proc/<pid>/environ
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=tmp,
+                    env=worker_env(tmp),
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                )
+                deadline = time.monotonic() + options.timeout_s
+                timed_out = _watch(proc, stream, collected, deadline)
             _drain(stream, collected.absorb)
         stderr = (tmp / "stderr").read_text(errors="replace")
         if collected.done or collected.failed:

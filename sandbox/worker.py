@@ -10,7 +10,9 @@ One worker serves one candidate and then exits: nothing a candidate did (a CUDA 
 corrupted allocator) can reach the next one. The price is the start-up (Python, torch, Triton and a
 CUDA context: about 1–2 s) and Triton's compile cache, which is private to each worker.
 
-Before any candidate work the worker caps its own memory (``apply_memory_cap``) and loads the
+First of all the worker gives up ``CAP_SYS_PTRACE`` (``fences.drop_ptrace``: with its caller
+non-dumpable meanwhile, it cannot read the caller's ``/proc/<pid>/environ``). Before any candidate
+work it caps its own memory (``apply_memory_cap``) and loads the
 plugins the caller loaded, so a plugin's primitives parse here exactly as they did there.
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .faults import MEMORY_CAP_ENV
+from .fences import drop_ptrace
 
 
 def _jsonable(value: Any) -> Any:
@@ -66,6 +69,7 @@ def apply_memory_cap(megabytes: int | None) -> str:
 
 
 def main(request_path: str, events_path: str) -> int:
+    fence = drop_ptrace()  # first: nothing of the candidate has been read or imported yet
     request = json.loads(Path(request_path).read_text())
     with open(events_path, "a", buffering=1) as events:
 
@@ -74,6 +78,7 @@ def main(request_path: str, events_path: str) -> int:
             events.flush()
 
         emit("started", "setup")
+        emit("limits", fence)
         # Imports happen here, after the parent set TRITON_INTERPRET and the cache directories in
         # our environment.
         from coda.blocks import get_block, load_block_file

@@ -4,17 +4,24 @@ A module's file name carries the hash of its text, the generator version and the
 (``KernelSource.digest``), so a changed primitive, template or Triton can never reuse a stale file.
 Files live in ``$CODA_CACHE_DIR`` (default ``~/.cache/coda-agent/kernels``); the sandbox gives each
 worker its own directory and copies the files a run used into the run's ``kernels/`` folder.
+
+``load_kernel`` is the one place generated modules are imported (the sandbox's worker,
+``compile_program`` in the caller's process, the export path): it checks the text against
+``audit``'s allowlist first and executes exactly the text it checked, never a file someone may have
+changed since.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import linecache
 import os
 import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
 
+from .audit import check_generated_module
 from .kernel import KernelSource
 
 _LOADED: dict[str, ModuleType] = {}
@@ -28,10 +35,10 @@ def cache_dir() -> Path:
 
 
 def write_source(kernel: KernelSource, directory: Path | None = None) -> Path:
-    """Write the module once (atomically) and return its path."""
+    """Write the module (atomically) unless the file already holds exactly its text; its path."""
     directory = directory or cache_dir()
     path = directory / f"{kernel.step}_{kernel.digest}.py"
-    if not path.exists():
+    if not path.exists() or path.read_text() != kernel.source:
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(kernel.source)
@@ -40,16 +47,24 @@ def write_source(kernel: KernelSource, directory: Path | None = None) -> Path:
 
 
 def load_kernel(kernel: KernelSource, function: str):  # noqa: ANN201 - a triton JITFunction
-    """Import the generated module (from its file, so Triton can read the source) and return one
-    of its kernel functions."""
-    path = write_source(kernel)
+    """Check the generated module against the allowlist (``audit.GeneratedCodeError`` if it holds
+    anything codegen does not write), import it and return one of its kernel functions.
+
+    The module runs from the checked text itself; the file (which Triton reads the source from)
+    gets that same text, pinned in ``linecache`` so a later change on disk is never read back.
+    """
     name = f"coda_generated_{kernel.step}_{kernel.digest}"
     module = _LOADED.get(name)
     if module is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
+        check_generated_module(kernel.source, name=f"{kernel.step}_{kernel.digest}.py")
+        path = write_source(kernel)
+        lines = kernel.source.splitlines(keepends=True)
+        linecache.cache[str(path)] = (len(kernel.source), None, lines, str(path))
+        spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
+        assert spec is not None
         module = importlib.util.module_from_spec(spec)
+        module.__file__ = str(path)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        exec(compile(kernel.source, str(path), "exec"), module.__dict__)  # noqa: S102 - checked
         _LOADED[name] = module
     return getattr(module, function)

@@ -38,12 +38,13 @@ def _plain(tensor: str) -> bool:
 
     Not plain: template stems; ``a_tensor``/``b_tensor`` (what ``a``/``b`` become); ``v_``
     (epilogue values), ``p_`` (partials and pair temporaries) and ``esc_`` (escaped stems)
-    prefixes; ``_m``/``_n`` suffixes (``stride_<x>_m`` is a tile's stride, ``stride_<x_m>`` a
-    vector's).
+    prefixes, and the bare stems ``v``, ``p`` and ``esc`` whose derived names (``v_tile``,
+    ``p_ptr``) would enter those prefixes' spaces; ``_m``/``_n`` suffixes (``stride_<x>_m`` is a
+    tile's stride, ``stride_<x_m>`` a vector's).
     """
     return (
         tensor not in _TEMPLATE_STEMS
-        and tensor not in ("a_tensor", "b_tensor")
+        and tensor not in ("a_tensor", "b_tensor", "v", "p", "esc")
         and not tensor.startswith(("v_", "p_", "esc_"))
         and not tensor.endswith(("_m", "_n"))
     )

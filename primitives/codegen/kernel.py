@@ -33,6 +33,7 @@ print each generated module.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 from dataclasses import dataclass
@@ -389,7 +390,7 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
     buf.line("")
     with buf.indent():
         for line in gemm_to_python(step):
-            buf.line(line)
+            buf.line(_in_docstring(line))
     buf.line('"""')
     buf.line("import triton")
     buf.line("import triton.language as tl")
@@ -447,9 +448,37 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
         _render_kernel(buf, function, params, parts, epilogue_fn, epilogue_params, doc)
         variants[kind] = KernelVariant(function, params)
     source = buf.getvalue()
+    _check_no_parameter_reassigned(source)
     if os.environ.get("CODA_DEBUG_CODEGEN"):
         print(source)
     return KernelSource(name, source, variants)
+
+
+def _in_docstring(text: str) -> str:
+    """``text`` as it may stand inside the module's ``\"\"\"`` docstring: built-in fields are
+    canonical and cannot end it, but a plugin's free-text field printed by ``repr`` could (a
+    backslash or three quotes); escaped, it stays text."""
+    return text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+
+
+def _check_no_parameter_reassigned(source: str) -> None:
+    """A local that shares a parameter's name (``p_ptr`` the partials of tensor ``ptr``, and the
+    pointer of tensor ``p``) would silently replace it: the naming scheme is injective, so this is
+    a codegen bug, reported as one."""
+    for function in ast.parse(source).body:
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        params = {a.arg for a in function.args.args}
+        stored = {
+            n.id
+            for n in ast.walk(function)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id in params
+        }
+        if stored:
+            raise RuntimeError(
+                f"codegen name collision in {function.name}: local {sorted(stored)} reassigns a "
+                "parameter of the same name"
+            )
 
 
 def _reindent(inner: IndentedBuffer, level: int, width: int) -> IndentedBuffer:

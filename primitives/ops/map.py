@@ -37,8 +37,9 @@ class Map(EpilogueOp):
     @field_validator("expr")
     @classmethod
     def _parses(cls, value: str) -> str:
-        expr_lang.parse(value)  # raises ProgramError (a ValueError) with the offending construct
-        return value
+        # Raises ProgramError (a ValueError) naming the offending construct; the Program keeps the
+        # expression re-printed from its parsed tree, never the submitted text.
+        return expr_lang.canonical(value)
 
     def result_type(self, env: CheckEnv) -> LocalType:
         parsed = expr_lang.parse(self.expr)

@@ -132,9 +132,8 @@ class Pairwise(EpilogueOp):
     @field_validator("expr0", "expr1")
     @classmethod
     def _parses(cls, value: str | None) -> str | None:
-        if value is not None:
-            expr_lang.parse(value)
-        return value
+        """The expression re-printed from its parsed tree (``Map._parses``)."""
+        return None if value is None else expr_lang.canonical(value)
 
     def check(self, env: CheckEnv) -> None:
         half = contract_pairs(env, self.src, "pairwise")

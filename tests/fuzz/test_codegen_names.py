@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from coda.primitives import Program
+from coda.primitives.errors import ProgramError
 from coda.sandbox import assert_close
 from tests.helpers import make_inputs, run_both
 
@@ -62,6 +63,27 @@ CASES = {
             {"op": "store", "src": "y1", "to": "y"},
         ],
     ),
+    # a tensor's tile is loaded into <name>_tile: tensor v's tile was v_tile, which is also the
+    # variable of an epilogue value named tile (v_<name>)
+    "tensor v and value tile": _gemm(
+        {"v": ["M", "N"]},
+        [
+            {"op": "add_tile", "src": "acc", "tensor": "v", "out": "tile"},
+            {"op": "map", "expr": "tile * 2", "out": "y1"},
+            {"op": "add_tile", "src": "y1", "tensor": "v", "out": "y2"},
+            {"op": "store", "src": "y2", "to": "y"},
+        ],
+    ),
+    # the same for partials (p_<tensor>): tensor p's pointer p_ptr was overwritten by the partials
+    # of a tensor named ptr before p was loaded
+    "tensor p and partials into ptr": _gemm(
+        {"p": ["M", "N"]},
+        [
+            {"op": "partial_reduce", "src": "acc", "kind": "sum", "to": "ptr"},
+            {"op": "add_tile", "src": "acc", "tensor": "p", "out": "y1"},
+            {"op": "store", "src": "y1", "to": "y"},
+        ],
+    ),
 }
 
 
@@ -71,3 +93,17 @@ def test_kernels_match_the_reference_whatever_the_names(name: str) -> None:
     inputs = make_inputs(program, {"M": 37, "N": 40}, torch.float32)
     got, ref, _ = run_both(program, inputs)
     assert_close(got["y"], ref["y"], atol=2e-5, rtol=2e-5, what=name)
+
+
+@pytest.mark.parametrize("name", ["ｏ", "é", "x\u200b", "ℌ"])
+def test_names_are_ascii(name: str) -> None:
+    """Python folds identifiers by NFKC ('ｏ' is 'o' in generated code): a non-ASCII name would
+    share a variable with its ASCII twin, so names are ASCII only, and the error says so."""
+    with pytest.raises(ProgramError, match=r"ASCII letters A-Z and a-z.*\[A-Za-z_\]"):
+        _gemm(
+            {"o": ["M", "N"], name: ["M", "N"]},
+            [
+                {"op": "add_tile", "src": "acc", "tensor": "o", "out": "y1"},
+                {"op": "store", "src": "y1", "to": "y"},
+            ],
+        )

@@ -5,11 +5,14 @@ a worker the block is well-behaved). It misbehaves only in the kernel dtypes: th
 semantics stage passes and the fault hits its verify stage, which also runs the reference in the
 dtype under test. ``$CODA_TEST_PID_FILE``, if set, collects the pid of every worker that ran
 the reference (one line each); the ``hang`` fault writes its child's pid to
-``$CODA_TEST_CHILD_PID_FILE``.
+``$CODA_TEST_CHILD_PID_FILE``. The ``snoop`` fault is a candidate after secrets: it records the
+worker's environment, its capabilities and what reading its caller's ``/proc/<ppid>/environ``
+gave, as JSON in ``$CODA_TEST_SNOOP_FILE``, then computes correctly.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -61,6 +64,21 @@ def _fault(kind: str) -> None:
         os.abort()
     elif kind == "exit0":
         os._exit(0)
+    elif kind == "snoop":
+        _snoop(os.environ["CODA_TEST_SNOOP_FILE"])
+
+
+def _snoop(path: str) -> None:
+    parent = f"/proc/{os.getppid()}/environ"
+    try:
+        with open(parent, "rb") as f:
+            got = f"read {len(f.read())} bytes"
+    except OSError as e:
+        got = f"{type(e).__name__}: {e.strerror}"
+    with open(f"/proc/{os.getpid()}/status") as f:
+        caps = {k: v.strip() for k, _, v in (line.partition(":") for line in f) if "Cap" in k}
+    with open(path, "w") as f:
+        json.dump({"env": dict(os.environ), "parent_environ": got, "caps": caps}, f)
 
 
 class FaultyAdd(GraphOp):
