@@ -9,6 +9,9 @@
 * ``cells/<cell id>/`` — the cell's run folder(s) (``<time>-<block>/``, see ``coda.agent.runs``),
   and ``log.txt`` when the cell ran in a worker process;
 * ``results.md``, ``speedup.png``, ``errors.png`` — written by ``report.py`` after every run.
+
+``EvalDir.create`` creates ``eval.json`` exclusively: two evals started at once never share a
+folder (and never overwrite each other's spec).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from coda.agent.runs import unique_dir
 
 from .metrics import CellNumbers
 from .spec import EvalSpec
@@ -98,14 +103,27 @@ class EvalDir:
         return self.path / "cells" / cell_id
 
     @classmethod
-    def create(cls, path: Path, spec: EvalSpec) -> EvalDir:
-        if (path / SPEC_FILE).exists():
+    def create(cls, path: Path, spec: EvalSpec, *, unique: bool = False) -> EvalDir:
+        """A new eval in ``path``, its spec written. ``eval.json`` is created exclusively, so two
+        evals never share a folder: the second gets an ``EvalDirError`` — or, with ``unique``
+        (a default folder name), the folder ``path-2`` (``-3``, …) made atomically instead."""
+        try:
+            if path.exists() and not path.is_dir():
+                raise EvalDirError(f"{path} is a file, not a folder: choose another --out")
+            if unique:
+                path = unique_dir(path)
+            path.mkdir(parents=True, exist_ok=True)
+            with open(path / SPEC_FILE, "x", encoding="utf-8") as f:
+                f.write(spec.model_dump_json(indent=2) + "\n")
+        except FileExistsError:
             raise EvalDirError(
                 f"{path} already holds an eval: continue it with `coda-agent eval --resume "
                 f"{path}`, or choose another --out"
-            )
-        path.mkdir(parents=True, exist_ok=True)
-        (path / SPEC_FILE).write_text(spec.model_dump_json(indent=2) + "\n")
+            ) from None
+        except OSError as e:
+            raise EvalDirError(
+                f"cannot create the eval folder {path}: {e.strerror or e} — choose another --out"
+            ) from None
         return cls(path)
 
     @classmethod
