@@ -19,8 +19,6 @@ rolled back, so the transcript never keeps half a line.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -33,6 +31,7 @@ from pydantic import BaseModel
 from coda.primitives.ir import Program
 from coda.sandbox.report import Report
 
+from .jsonl import append_line, repair_tail
 from .transcript import TranscriptError, read_transcript, record_line
 
 if TYPE_CHECKING:
@@ -116,17 +115,8 @@ class RunDir:
         """
         if not self._repaired:
             self.repair_tail()
-        data = (record_line(record) + "\n").encode("utf-8")
-        with writing(self.transcript, "append to"), open(self.transcript, "ab") as f:
-            end = f.seek(0, os.SEEK_END)
-            try:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            except OSError:
-                with contextlib.suppress(OSError):
-                    f.truncate(end)
-                raise
+        with writing(self.transcript, "append to"):
+            append_line(self.transcript, (record_line(record) + "\n").encode("utf-8"))
 
     def repair_tail(self) -> str | None:
         """Cut a torn last line off the transcript before anything is appended after it.
@@ -137,39 +127,11 @@ class RunDir:
         ``transcript.torn``. Returns a note saying what was done (also kept in ``notes``), or
         ``None`` when the tail was whole."""
         self._repaired = True
-        if not self.transcript.is_file():
-            return None
-        with writing(self.transcript, "repair the end of"), open(self.transcript, "r+b") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = _last_line_start(f, size)
-            f.seek(start)
-            tail = f.read()
-            note = self._mend(f, start, tail)
+        with writing(self.transcript, "repair the end of"):
+            note = repair_tail(self.transcript, self.path / TORN)
         if note is not None:
             self.notes.append(note)
         return note
-
-    def _mend(self, f: Any, start: int, tail: bytes) -> str | None:
-        """Fix the torn ``tail`` (the bytes from offset ``start``) of the open transcript."""
-        whole = tail.endswith(b"\n")
-        if tail.strip() == b"" or (whole and _is_json(tail)):
-            return None
-        if not whole and _is_json(tail):
-            f.write(b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-            return f"{self.transcript}: the last record had lost its newline; it was added back"
-        with writing(self.path / TORN, "save the torn tail to"), open(self.path / TORN, "ab") as t:
-            t.write(tail if whole else tail + b"\n")
-            t.flush()
-            os.fsync(t.fileno())
-        f.truncate(start)
-        f.flush()
-        os.fsync(f.fileno())
-        return (
-            f"{self.transcript}: cut off a torn last line ({len(tail)} bytes at byte {start}, "
-            f"left by a run that stopped mid-write); the bytes are kept in {self.path / TORN}"
-        )
 
     def records(self) -> list[Any]:
         return read_transcript(self.transcript).records
@@ -204,27 +166,3 @@ class RunDir:
     def write_summary(self, text: str) -> None:
         with writing(self.path / "summary.md", "write"):
             (self.path / "summary.md").write_text(text)
-
-
-def _last_line_start(f: Any, size: int) -> int:
-    """The offset where the file's last line starts (the byte after the last-but-one newline,
-    ignoring a final newline)."""
-    pos, block = size, 1 << 16
-    end = size - 1 if size else 0  # a final newline belongs to the last line
-    while pos > 0:
-        step = min(block, pos)
-        pos -= step
-        f.seek(pos)
-        chunk = f.read(step)
-        found = chunk.rfind(b"\n", 0, max(0, end - pos))
-        if found >= 0:
-            return pos + found + 1
-    return 0
-
-
-def _is_json(line: bytes) -> bool:
-    try:
-        json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return False
-    return True

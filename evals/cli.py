@@ -260,6 +260,8 @@ def _run(edir: EvalDir, parallel: int, ray: str | None, retries: int) -> None:
 
         if isinstance(e, HarnessError | RayUnavailable):
             raise _fail(str(e)) from None
+        if isinstance(e, EvalDirError):  # results.jsonl could not be written (a full disk)
+            raise _fail(str(e), code=1) from None
         raise
     _summary(edir, results)
 

@@ -80,3 +80,26 @@ def test_concurrent_evals_never_share_a_folder(tmp_path: Path) -> None:
     with ThreadPoolExecutor(max_workers=16) as pool:  # a default --out: a suffix each
         made = list(pool.map(lambda _: EvalDir.create(out, spec, unique=True).path, range(32)))
     assert len(set(made)) == 32 and out not in made
+
+
+def test_an_eval_resumed_after_a_torn_results_line_stays_readable(tmp_path: Path) -> None:
+    from coda.evals.results import TORN_FILE, CellResult
+
+    edir = EvalDir.create(tmp_path / "ev", _spec())
+
+    def result(cell: str) -> CellResult:
+        return CellResult(
+            cell=cell, block="llama_mlp", provider="builtin", model="m", seed=0, status="done"
+        )
+
+    edir.append(result("a"))
+    whole = edir.results_file.read_bytes()
+    edir.results_file.write_bytes(whole + b'{"cell": "b", "blo')  # died mid-write
+    assert set(EvalDir.open(edir.path).results()) == {"a"}
+    resumed = EvalDir.open(edir.path)
+    resumed.append(result("b"))  # the resume: not glued onto the torn bytes
+    assert set(EvalDir.open(edir.path).results()) == {"a", "b"}
+    assert (edir.path / TORN_FILE).read_bytes() == b'{"cell": "b", "blo\n'
+    edir.results_file.write_bytes(whole + b"\xff\xfe\n" + whole)
+    with pytest.raises(EvalDirError, match=r"results.jsonl:2: not a cell result"):
+        EvalDir.open(edir.path).results()
