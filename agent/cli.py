@@ -92,29 +92,32 @@ def block_file_path(block_file: Path | None, as_json: bool = False) -> Path | No
     return path
 
 
-def resolve_block(block: str | None, block_file: Path | None, as_json: bool = False) -> Block:
-    """The block to work on: ``--block NAME``, or the one block of ``--block-file`` (``block_file``
-    already absolute: ``block_file_path``). The file is imported in a subprocess first, so one that
-    exits or crashes when imported is a usage error, not the end of this process; what it prints
-    goes to stderr."""
+def load_blocks(block_file: Path, as_json: bool = False) -> list[Block]:
+    """Register the blocks of ``block_file`` (absolute: ``block_file_path``). The file is imported
+    in a subprocess first, so one that exits or crashes when imported is a usage error, not the
+    end of this process; what it prints goes to stderr."""
     try:
-        if block_file is not None:
-            with contextlib.redirect_stdout(sys.stderr):
-                found = load_block_file(block_file, probe=True)
-            if block is None:
-                if len(found) > 1:
-                    names = ", ".join(b.name for b in found)
-                    raise _fail(
-                        f"{block_file} defines several blocks ({names}); pick one with --block",
-                        as_json=as_json,
-                    )
-                return found[0]
-        if block is None:
-            raise _fail(
-                "give --block NAME or --block-file FILE (see `coda-agent blocks`)", as_json=as_json
-            )
+        with contextlib.redirect_stdout(sys.stderr):
+            return load_block_file(block_file, probe=True)
+    except (FileNotFoundError, ImportError, ValueError) as e:
+        raise _fail(str(e), as_json=as_json) from None
+
+
+def resolve_block(block: str | None, block_file: Path | None, as_json: bool = False) -> Block:
+    """The block to work on: ``--block NAME``, or the one block of ``--block-file``."""
+    found = load_blocks(block_file, as_json) if block_file is not None else []
+    if block is None and len(found) > 1:
+        names = ", ".join(b.name for b in found)
+        raise _fail(
+            f"{block_file} defines several blocks ({names}); pick one with --block", 2, as_json
+        )
+    if block is None and found:
+        return found[0]
+    if block is None:
+        raise _fail("give --block NAME or --block-file FILE (see `coda-agent blocks`)", 2, as_json)
+    try:
         return get_block(block)
-    except (BlockNotFound, FileNotFoundError, ImportError, ValueError) as e:
+    except (BlockNotFound, ValueError) as e:
         raise _fail(str(e), as_json=as_json) from None
 
 
@@ -585,7 +588,7 @@ def _read_program(path: Path, as_json: bool) -> str:
 def blocks_cmd(block_file: Path = typer.Option(None, "--block-file")) -> None:
     """List the blocks that can be synthesized."""
     if block_file is not None:
-        resolve_block(None, block_file_path(block_file))
+        load_blocks(block_file_path(block_file))
     table = Table(title="blocks")
     for col in ("name", "inputs", "outputs", "description"):
         table.add_column(col)

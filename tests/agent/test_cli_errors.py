@@ -157,3 +157,12 @@ def test_the_eval_commands_report_bad_files_and_folders(tmp_path: Path) -> None:
     done = coda("regress", "--store", "no-store", "--json", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert json.loads(done.stdout)["exit_code"] == 2
+
+
+def test_blocks_lists_every_block_of_a_file_that_defines_several(tmp_path: Path) -> None:
+    second = SMALL_BLOCK.replace('name="proj_residual"', 'name="proj_residual_2"')
+    (tmp_path / "two.py").write_text(SMALL_BLOCK + second.replace("proj_residual =", "other ="))
+    done = coda("blocks", "--block-file", "two.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "proj_residual_2" in done.stdout and "proj_residual " in done.stdout
+    assert "[imported]" not in done.stdout  # the file's own print went to stderr
