@@ -314,7 +314,8 @@ def _start(
                 base_url=base_url,
                 transcript=str(transcript) if transcript else None,
                 on_event=progress,
-            )
+            ),
+            as_json,
         )
     except BudgetError as e:
         raise _fail(str(e), as_json=as_json) from None
@@ -370,14 +371,17 @@ def _make_provider(
         raise _fail(getattr(e, "message", str(e)), as_json=as_json) from None
 
 
-def _interruptible(fn: Any) -> AgentResult:
+def _interruptible(fn: Any, as_json: bool = False) -> AgentResult:
     try:
         return fn()
     except KeyboardInterrupt:
-        Console(stderr=True).print(
-            "[yellow]interrupted[/]: the transcript is saved; continue with "
+        message = (
+            "interrupted: the transcript is saved; continue with "
             "`coda-agent synthesize --resume RUN_DIR`"
         )
+        Console(stderr=True).print(f"[yellow]interrupted[/]{message.removeprefix('interrupted')}")
+        if as_json:
+            print(json.dumps({"error": message, "exit_code": 130}))
         raise typer.Exit(130) from None
 
 
@@ -443,7 +447,9 @@ def _resume(
             f"{state.turns} turns and {len(state.candidates)} candidates so far"
         )
     try:
-        result = _interruptible(lambda: resume(run, blk, prov, budgets=budgets, on_event=progress))
+        result = _interruptible(
+            lambda: resume(run, blk, prov, budgets=budgets, on_event=progress), as_json
+        )
     except BudgetError as e:
         raise _fail(str(e), as_json=as_json) from None
     except OSError as e:

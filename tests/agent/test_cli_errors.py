@@ -166,3 +166,24 @@ def test_blocks_lists_every_block_of_a_file_that_defines_several(tmp_path: Path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "proj_residual_2" in done.stdout and "proj_residual " in done.stdout
     assert "[imported]" not in done.stdout  # the file's own print went to stderr
+
+
+def test_an_interrupted_json_run_still_prints_one_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from coda.agent import cli
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "synthesize", interrupted)
+    args = ["synthesize", "-b", "llama_mlp", "--runs-dir", str(tmp_path), "--json"]
+    done = CliRunner().invoke(cli.app, args)
+    assert done.exit_code == 130
+    assert json.loads(done.stdout) == {
+        "error": "interrupted: the transcript is saved; continue with "
+        "`coda-agent synthesize --resume RUN_DIR`",
+        "exit_code": 130,
+    }
