@@ -76,8 +76,11 @@ def _note(message: str) -> None:
     err.print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
 
 
-def block_file_path(block_file: Path | None, as_json: bool = False) -> Path | None:
-    """``--block-file`` as an absolute path, checked to be a file.
+def block_file_path(
+    block_file: Path | None, as_json: bool = False, what: str = "--block-file"
+) -> Path | None:
+    """``--block-file`` (or the block file a transcript recorded: ``what``) as an absolute path,
+    checked to be a file.
 
     A relative path is taken from the current folder here, where the user typed it: the sandbox
     worker that imports the file again runs in a temporary folder of its own."""
@@ -85,10 +88,10 @@ def block_file_path(block_file: Path | None, as_json: bool = False) -> Path | No
         return None
     path = Path(os.path.abspath(block_file))
     if not path.is_file():
-        what = "is a folder, not a Python file" if path.is_dir() else "does not exist"
+        missing = "is a folder, not a Python file" if path.is_dir() else "does not exist"
         relative = not block_file.is_absolute()
         hint = f" (a relative path is taken from {Path.cwd()})" if relative else ""
-        raise _fail(f"--block-file {block_file}: {path} {what}{hint}", as_json=as_json)
+        raise _fail(f"{what} {block_file}: {path} {missing}{hint}", as_json=as_json)
     return path
 
 
@@ -293,7 +296,8 @@ def _start(
 ) -> tuple[AgentResult, Any]:
     """A new run (a replay takes its block from the transcript unless one is given)."""
     if provider == "replay" and transcript is not None and block is None and not block_file:
-        block, block_file = _recorded_block(transcript, as_json)
+        block, recorded = _recorded_block(transcript, as_json)
+        block_file = block_file_path(recorded, as_json, f"the block file {transcript} records,")
     blk = resolve_block(block, block_file, as_json)
     name = provider or "builtin"
     prov = _make_provider(name, blk, model, base_url, transcript, as_json=as_json)
@@ -422,7 +426,11 @@ def _resume(
             as_json=as_json,
         )
     recorded = Path(start.block_file) if start.block_file else None
-    blk = resolve_block(block or start.block, block_file or recorded, as_json)
+    blk = resolve_block(
+        block or start.block,
+        block_file or block_file_path(recorded, as_json, f"the block file {run_dir} records,"),
+        as_json,
+    )
     name = provider or state.provider
     same = name == state.provider
     prov = _make_provider(

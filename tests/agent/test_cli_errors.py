@@ -187,3 +187,24 @@ def test_an_interrupted_json_run_still_prints_one_object(
         "`coda-agent synthesize --resume RUN_DIR`",
         "exit_code": 130,
     }
+
+
+def test_resuming_a_run_whose_block_file_is_gone_names_it(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from coda.agent import cli
+
+    from .test_transcript_damage import crashed_run
+
+    run = crashed_run(tmp_path)
+    lines = run.transcript.read_text().splitlines(keepends=True)
+    start = json.loads(lines[0])
+    start["block_file"] = str(tmp_path / "moved.py")
+    run.transcript.write_text(json.dumps(start) + "\n" + "".join(lines[1:]))
+    done = CliRunner().invoke(cli.app, ["synthesize", "--resume", str(run.path), "--json"])
+    assert done.exit_code == 2
+    error = json.loads(done.stdout)["error"]
+    assert error == (
+        f"the block file {run.path} records, {tmp_path / 'moved.py'}: "
+        f"{tmp_path / 'moved.py'} does not exist"
+    )
