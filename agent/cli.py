@@ -6,22 +6,33 @@ sandbox), ``blocks`` (list), ``show`` (render a run folder, finished or not); an
 are documented there).
 
 Exit codes: 0 a verified kernel; 1 finished without one (including a provider that failed mid-run
-or a refusal); 2 bad usage or configuration (unknown block, unreadable file, a block the planner
-cannot lower, a missing or rejected API key, an unenforceable budget); 130 interrupted.
+or a refusal, or a run folder that could not be written once the run had started); 2 bad usage or
+configuration (unknown block, a missing or unreadable file, a block file that fails to import or
+exits, a ``--runs-dir`` that is a file or cannot be written, a block the planner cannot lower, a
+missing or rejected API key, an unenforceable budget); 130 interrupted. With ``--json`` stdout
+holds exactly one JSON object, on errors too: ``{"error": ..., "exit_code": ...}``.
+
+Everything printed here that did not come from this file (Reports, messages of models and servers,
+names from programs and block files) is escaped, or printed as ``Text``, so that bracketed text
+such as ``[program]`` is shown rather than read as Rich markup.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
+from rich.text import Text
 
 from coda.blocks import Block, BlockNotFound, get_block, list_blocks, load_block_file
 from coda.evals.cli import register as register_eval_commands
@@ -35,7 +46,7 @@ from .loop import AgentResult, Budgets
 from .planner import NoRule
 from .providers import PROVIDERS, ProviderError, make_provider
 from .providers.pricing import format_cost
-from .runs import RunDir
+from .runs import RunDir, RunDirError
 from .summary import RunFacts, error_rows
 from .synthesize import BudgetError, resume, synthesize
 from .transcript import TranscriptError, read_records
@@ -50,31 +61,93 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
 MARK = {"passed": "[green]✓[/]", "failed": "[red]✗[/]", "skipped": "[yellow]–[/]"}
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    Console(stderr=True, highlight=False).print(f"[red]error:[/] {message}", soft_wrap=True)
+def _fail(message: str, code: int = 2, as_json: bool = False) -> typer.Exit:
+    """Print ``message`` as an error (and, for ``--json``, as the one JSON object on stdout); the
+    ``Exit`` to raise."""
+    Console(stderr=True, highlight=False).print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": code}))
     return typer.Exit(code)
 
 
-def resolve_block(block: str | None, block_file: Path | None) -> Block:
+def _note(message: str) -> None:
+    """A warning on stderr (never on stdout, which ``--json`` keeps for its one object)."""
+    err = Console(stderr=True, highlight=False)
+    err.print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
+
+
+def block_file_path(
+    block_file: Path | None, as_json: bool = False, what: str = "--block-file"
+) -> Path | None:
+    """``--block-file`` (or the block file a transcript recorded: ``what``) as an absolute path,
+    checked to be a file.
+
+    A relative path is taken from the current folder here, where the user typed it: the sandbox
+    worker that imports the file again runs in a temporary folder of its own."""
+    if block_file is None:
+        return None
+    path = Path(os.path.abspath(block_file))
+    if not path.is_file():
+        missing = "is a folder, not a Python file" if path.is_dir() else "does not exist"
+        relative = not block_file.is_absolute()
+        hint = f" (a relative path is taken from {Path.cwd()})" if relative else ""
+        raise _fail(f"{what} {block_file}: {path} {missing}{hint}", as_json=as_json)
+    return path
+
+
+def load_blocks(block_file: Path, as_json: bool = False) -> list[Block]:
+    """Register the blocks of ``block_file`` (absolute: ``block_file_path``). The file is imported
+    in a subprocess first, so one that exits or crashes when imported is a usage error, not the
+    end of this process; what it prints goes to stderr."""
     try:
-        if block_file is not None:
-            found = load_block_file(block_file)
-            if block is None:
-                if len(found) > 1:
-                    names = ", ".join(b.name for b in found)
-                    raise _fail(
-                        f"{block_file} defines several blocks ({names}); pick one with --block"
-                    )
-                return found[0]
-        if block is None:
-            raise _fail("give --block NAME or --block-file FILE (see `coda-agent blocks`)")
+        with contextlib.redirect_stdout(sys.stderr):
+            return load_block_file(block_file, probe=True)
+    except (FileNotFoundError, ImportError, ValueError) as e:
+        raise _fail(str(e), as_json=as_json) from None
+
+
+def resolve_block(block: str | None, block_file: Path | None, as_json: bool = False) -> Block:
+    """The block to work on: ``--block NAME``, or the one block of ``--block-file``."""
+    found = load_blocks(block_file, as_json) if block_file is not None else []
+    if block is None and len(found) > 1:
+        names = ", ".join(b.name for b in found)
+        raise _fail(
+            f"{block_file} defines several blocks ({names}); pick one with --block", 2, as_json
+        )
+    if block is None and found:
+        return found[0]
+    if block is None:
+        raise _fail("give --block NAME or --block-file FILE (see `coda-agent blocks`)", 2, as_json)
+    try:
         return get_block(block)
-    except (BlockNotFound, FileNotFoundError, ImportError, ValueError) as e:
-        raise _fail(str(e)) from None
+    except (BlockNotFound, ValueError) as e:
+        raise _fail(str(e), as_json=as_json) from None
+
+
+def check_runs_dir(runs_dir: Path, as_json: bool = False) -> None:
+    """Refuse a ``--runs-dir`` that is a file, or that cannot be created or written, before a
+    run starts (exit 2)."""
+    if runs_dir.exists() and not runs_dir.is_dir():
+        raise _fail(
+            f"--runs-dir {runs_dir} is a file, not a folder: give a folder", as_json=as_json
+        )
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _fail(
+            f"--runs-dir {runs_dir} cannot be created ({e.strerror}): give a folder you can "
+            "write to",
+            as_json=as_json,
+        ) from None
+    if not os.access(runs_dir, os.W_OK | os.X_OK):
+        raise _fail(
+            f"--runs-dir {runs_dir} is not writable: give a folder you can write to",
+            as_json=as_json,
+        )
 
 
 def _stage_line(prefix: str, s: StageResult) -> str:
-    msg = s.message.splitlines()[0] if s.message else ""
+    msg = escape(s.message.splitlines()[0]) if s.message else ""
     return f"{prefix}{MARK[s.status]} {s.stage:<9} {s.seconds:6.2f}s  [dim]{msg}[/]"
 
 
@@ -86,7 +159,7 @@ def error_table(report: Report) -> Table:
         )
     for r in error_rows(report):
         table.add_row(
-            r.output,
+            Text(r.output),
             r.dtype,
             str(r.checks),
             f"{r.max_abs_err:.2e}",
@@ -108,7 +181,8 @@ class Progress:
             self._turn(event)
         elif isinstance(event, Retrying):
             console.print(
-                f"  [yellow]retry {event.attempt}[/] in {event.delay_s:.1f} s: {event.error}"
+                f"  [yellow]retry {event.attempt}[/] in {event.delay_s:.1f} s: "
+                + escape(event.error)
             )
         elif isinstance(event, StageDone):
             console.print(_stage_line(f"  candidate {event.index}  ", event.stage))
@@ -116,17 +190,19 @@ class Progress:
             console.print(f"  {_best_line(event)}")
         elif isinstance(event, ToolAnswered) and not event.ok:
             first = event.summary.splitlines()[0] if event.summary else ""
-            console.print(f"  [yellow]{event.name}[/]: answered with an error — {first}")
+            console.print(
+                f"  [yellow]{escape(event.name)}[/]: answered with an error — {escape(first)}"
+            )
         elif isinstance(event, Stopped):
-            console.print(f"stopped ({event.stop.kind}): {event.stop.message}")
+            console.print(f"stopped ({event.stop.kind}): {escape(event.stop.message)}")
 
     def _turn(self, e: TurnEnded) -> None:
-        calls = ", ".join(c.name for c in e.reply.tool_calls) or "no tool call"
+        calls = escape(", ".join(c.name for c in e.reply.tool_calls) or "no tool call")
         tokens = f"{e.usage.total:,} tokens, {format_cost(e.cost_usd)}"
         console.print(f"[bold]turn {e.turn}[/] → {calls}  [dim]({tokens} so far)[/]")
         if e.reply.text and [c.name for c in e.reply.tool_calls] != ["finish"]:
             text = e.reply.text.strip().splitlines()[0]
-            console.print(f"  [dim]{text[:200]}[/]")
+            console.print(f"  [dim]{escape(text[:200])}[/]")
 
 
 def _best_line(event: CandidateDone) -> str:
@@ -190,13 +266,23 @@ def synthesize_cmd(
     progress = None if as_json else Progress()
     if provider is None and transcript is not None:
         provider = "replay"
+    block_file = block_file_path(block_file, as_json)
     if resume_dir is not None:
         result, prov = _resume(
-            resume_dir, block, block_file, provider, model, base_url, given, progress
+            resume_dir, block, block_file, provider, model, base_url, given, progress, as_json
         )
     else:
         result, prov = _start(
-            block, block_file, provider, model, base_url, transcript, runs_dir, given, progress
+            block,
+            block_file,
+            provider,
+            model,
+            base_url,
+            transcript,
+            runs_dir,
+            given,
+            progress,
+            as_json,
         )
     _finish(result, as_json, list(getattr(prov, "divergences", [])))
 
@@ -211,17 +297,20 @@ def _start(
     runs_dir: Path,
     given: dict[str, Any],
     progress: Progress | None,
+    as_json: bool,
 ) -> tuple[AgentResult, Any]:
     """A new run (a replay takes its block from the transcript unless one is given)."""
     if provider == "replay" and transcript is not None and block is None and not block_file:
-        block, block_file = _recorded_block(transcript)
-    blk = resolve_block(block, block_file)
+        block, recorded = _recorded_block(transcript, as_json)
+        block_file = block_file_path(recorded, as_json, f"the block file {transcript} records,")
+    blk = resolve_block(block, block_file, as_json)
     name = provider or "builtin"
-    prov = _make_provider(name, blk, model, base_url, transcript)
+    prov = _make_provider(name, blk, model, base_url, transcript, as_json=as_json)
+    check_runs_dir(runs_dir, as_json)
     if progress is not None:
         console.print(
-            f"[bold]coda-agent synthesize[/] {blk.name} — provider {name} ({prov.model}), "
-            f"kernels on {backend.describe()}"
+            f"[bold]coda-agent synthesize[/] {escape(blk.name)} — provider {escape(name)} "
+            f"({escape(prov.model)}), kernels on {backend.describe()}"
         )
     try:
         result = _interruptible(
@@ -234,18 +323,34 @@ def _start(
                 base_url=base_url,
                 transcript=str(transcript) if transcript else None,
                 on_event=progress,
-            )
+            ),
+            as_json,
         )
     except BudgetError as e:
-        raise _fail(str(e)) from None
+        raise _fail(str(e), as_json=as_json) from None
+    except OSError as e:
+        raise _fail(_write_failure(e), code=1, as_json=as_json) from None
     return result, prov
 
 
-def _recorded_block(transcript: Path) -> tuple[str, Path | None]:
+def _write_failure(error: OSError) -> str:
+    """The message for a run folder that could not be written after the run started."""
+    if isinstance(error, RunDirError):
+        what = str(error)
+    else:
+        where = f" {error.filename}" if error.filename else ""
+        what = f"cannot write{where}: {error.strerror or error}"
+    return (
+        f"{what}. The run stopped; what it wrote before is kept — once fixed, continue it with "
+        "`coda-agent synthesize --resume RUN_DIR` (the run folder named above)"
+    )
+
+
+def _recorded_block(transcript: Path, as_json: bool) -> tuple[str, Path | None]:
     try:
         start = read_records(transcript)[0]
     except TranscriptError as e:
-        raise _fail(str(e)) from None
+        raise _fail(str(e), as_json=as_json) from None
     return start.block, Path(start.block_file) if start.block_file else None
 
 
@@ -256,6 +361,7 @@ def _make_provider(
     base_url: str | None,
     transcript: Path | None,
     replay_skip: int = 0,
+    as_json: bool = False,
 ) -> Any:
     try:
         return make_provider(
@@ -267,19 +373,24 @@ def _make_provider(
             replay_skip=replay_skip,
         )
     except NoRule as e:
-        raise _fail(f"the built-in planner cannot lower block {blk.name!r}: {e}") from None
+        raise _fail(
+            f"the built-in planner cannot lower block {blk.name!r}: {e}", as_json=as_json
+        ) from None
     except (ProviderError, TranscriptError) as e:
-        raise _fail(getattr(e, "message", str(e))) from None
+        raise _fail(getattr(e, "message", str(e)), as_json=as_json) from None
 
 
-def _interruptible(fn: Any) -> AgentResult:
+def _interruptible(fn: Any, as_json: bool = False) -> AgentResult:
     try:
         return fn()
     except KeyboardInterrupt:
-        Console(stderr=True).print(
-            "[yellow]interrupted[/]: the transcript is saved; continue with "
+        message = (
+            "interrupted: the transcript is saved; continue with "
             "`coda-agent synthesize --resume RUN_DIR`"
         )
+        Console(stderr=True).print(f"[yellow]interrupted[/]{message.removeprefix('interrupted')}")
+        if as_json:
+            print(json.dumps({"error": message, "exit_code": 130}))
         raise typer.Exit(130) from None
 
 
@@ -292,27 +403,38 @@ def _resume(
     base_url: str | None,
     given: dict[str, Any],
     progress: Progress | None,
+    as_json: bool,
 ) -> tuple[AgentResult, Any]:
-    """Continue a run: its block, provider, model and budgets unless overridden by flags."""
+    """Continue a run: its block, provider, model and budgets unless overridden by flags. A torn
+    last line (the run died mid-write) is cut off first, and lines that cannot be read are
+    skipped; both are reported on stderr."""
     try:
         run = RunDir.open(run_dir)
         state = run.state()
     except TranscriptError as e:
-        raise _fail(str(e)) from None
+        raise _fail(str(e), as_json=as_json) from None
+    for note in state.notes:
+        _note(note)
     start = state.start
     if state.end is not None and state.end.reason in ("finished", "converged"):
         raise _fail(
             f"{run_dir} already ended ({state.end.reason}: {state.end.message}); "
             "start a new run instead",
             code=0 if state.end.verified else 1,
+            as_json=as_json,
         )
     budgets = _budgets(start.budgets, **given)
     spent = _spent(state, budgets)
     if spent:
-        raise _fail(f"{run_dir} has spent its budget ({spent}): give a larger one to continue")
+        raise _fail(
+            f"{run_dir} has spent its budget ({spent}): give a larger one to continue",
+            as_json=as_json,
+        )
+    recorded = Path(start.block_file) if start.block_file else None
     blk = resolve_block(
         block or start.block,
-        block_file or (Path(start.block_file) if start.block_file else None),
+        block_file or block_file_path(recorded, as_json, f"the block file {run_dir} records,"),
+        as_json,
     )
     name = provider or state.provider
     same = name == state.provider
@@ -323,17 +445,28 @@ def _resume(
         base_url or (start.base_url if same else None),
         Path(start.transcript) if start.transcript else None,
         replay_skip=state.turns if same else 0,
+        as_json=as_json,
     )
+    try:
+        repaired = run.repair_tail()
+    except RunDirError as e:
+        raise _fail(str(e), as_json=as_json) from None
+    if repaired:
+        _note(repaired)
     if progress is not None:
         console.print(
-            f"[bold]coda-agent synthesize --resume[/] {run.path} — {blk.name}, provider "
-            f"{prov.name} ({prov.model}), {state.turns} turns and {len(state.candidates)} "
-            "candidates so far"
+            f"[bold]coda-agent synthesize --resume[/] {escape(str(run.path))} — "
+            f"{escape(blk.name)}, provider {escape(prov.name)} ({escape(prov.model)}), "
+            f"{state.turns} turns and {len(state.candidates)} candidates so far"
         )
     try:
-        result = _interruptible(lambda: resume(run, blk, prov, budgets=budgets, on_event=progress))
+        result = _interruptible(
+            lambda: resume(run, blk, prov, budgets=budgets, on_event=progress), as_json
+        )
     except BudgetError as e:
-        raise _fail(str(e)) from None
+        raise _fail(str(e), as_json=as_json) from None
+    except OSError as e:
+        raise _fail(_write_failure(e), code=1, as_json=as_json) from None
     return result, prov
 
 
@@ -365,20 +498,23 @@ def _finish(result: AgentResult, as_json: bool, divergences: list[str]) -> None:
         console.print(error_table(best.report))
         prof = best.report.stage("profile")
         if not best.report.profile:
-            console.print(f"timings: not measured ({prof.message if prof else 'not profiled'})")
+            why = prof.message if prof else "not profiled"
+            console.print(Text(f"timings: not measured ({why})"))
     console.print(facts_table(RunFacts.from_result(result)))
     if result.stop.kind == "provider_error":
+        run = escape(str(result.run.path))
         Console(stderr=True, highlight=False).print(
-            f"[red]error:[/] {result.stop.message}\nthe run so far is in {result.run.path}; "
-            f"continue it with `coda-agent synthesize --resume {result.run.path}`",
+            f"[red]error:[/] {escape(result.stop.message)}\nthe run so far is in {run}; "
+            f"continue it with `coda-agent synthesize --resume {run}`",
             soft_wrap=True,
         )
     for note in divergences:
-        console.print(f"[yellow]replay diverged[/]: {note}")
+        console.print(f"[yellow]replay diverged[/]: {escape(note)}")
     verdict = "[green]VERIFIED[/]" if result.verified else "[red]NOT VERIFIED[/]"
-    console.print(f"{verdict} {result.block} in {result.seconds:.1f} s → {result.run.path}")
+    where = escape(f"{result.block} in {result.seconds:.1f} s → {result.run.path}")
+    console.print(f"{verdict} {where}")
     for path in sorted(result.run.kernels_dir.glob("*.py")):
-        console.print(f"  kernel: {path}")
+        console.print(Text(f"  kernel: {path}"))
     raise typer.Exit(code)
 
 
@@ -387,7 +523,7 @@ def facts_table(facts: RunFacts) -> Table:
     table.add_column("", style="bold")
     table.add_column("")
     for label, value in facts.facts():
-        table.add_row(label, value)
+        table.add_row(Text(label), Text(value))
     return table
 
 
@@ -440,12 +576,10 @@ def verify_cmd(
     ),
 ) -> None:
     """Run one Program through the sandbox and print its Report."""
-    blk = resolve_block(block, block_file)
+    block_file = block_file_path(block_file, as_json)
+    blk = resolve_block(block, block_file, as_json)
     options = SandboxOptions() if timeout is None else SandboxOptions(timeout_s=timeout)
-    try:
-        text = program_file.read_text()
-    except OSError as e:
-        raise _fail(f"cannot read {program_file}: {e.strerror}") from None
+    text = _read_program(program_file, as_json)
     report = evaluate(
         text,
         blk,
@@ -456,21 +590,37 @@ def verify_cmd(
     if as_json:
         print(report.model_dump_json(indent=2))
     else:
-        console.print(report.render_text())
+        console.print(Text(report.render_text()))
     raise typer.Exit(0 if report.verified else 1)
+
+
+def _read_program(path: Path, as_json: bool) -> str:
+    """The text of a Program file; a missing, unreadable or non-UTF-8 file is a usage error."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise _fail(f"cannot read {path}: {e.strerror}", as_json=as_json) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _fail(
+            f"{path} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}): give a "
+            "Program as JSON",
+            as_json=as_json,
+        ) from None
 
 
 @app.command("blocks")
 def blocks_cmd(block_file: Path = typer.Option(None, "--block-file")) -> None:
     """List the blocks that can be synthesized."""
     if block_file is not None:
-        resolve_block(None, block_file)
+        load_blocks(block_file_path(block_file))
     table = Table(title="blocks")
     for col in ("name", "inputs", "outputs", "description"):
         table.add_column(col)
     for b in list_blocks():
         ins = ", ".join(f"{n}[{','.join(map(str, s.shape))}]" for n, s in b.inputs.items())
-        table.add_row(b.name, ins, ", ".join(b.outputs), b.description)
+        table.add_row(Text(b.name), Text(ins), Text(", ".join(b.outputs)), Text(b.description))
     console.print(table)
 
 
@@ -481,11 +631,16 @@ def show_cmd(run_dir: Path = typer.Argument(..., help="a runs/<time>-<block> fol
         state = RunDir.open(run_dir).state()
     except TranscriptError as e:
         raise _fail(str(e)) from None
+    for note in state.notes:
+        _note(note)
     facts = RunFacts.from_state(state)
     start = state.start
     console.print(
-        f"[bold]{run_dir}[/]: block {start.block}, provider {start.provider} ({start.model}), "
-        f"started {start.started_at}"
+        f"[bold]{escape(str(run_dir))}[/]: "
+        + escape(
+            f"block {start.block}, provider {start.provider} ({start.model}), "
+            f"started {start.started_at}"
+        )
     )
     console.print(facts_table(facts))
     if facts.candidates:
@@ -499,17 +654,19 @@ def show_cmd(run_dir: Path = typer.Argument(..., help="a runs/<time>-<block> fol
                 str(c.turn),
                 "[green]verified[/]" if c.report.verified else "[red]failed[/]",
                 f"{c.time_ms:.4f} ms" if c.time_ms is not None else "not measured",
-                c.report.headline(),
+                Text(c.report.headline()),
             )
         console.print(table)
     if facts.best is not None:
-        console.print(Panel(facts.best.report.render_text(), title="best candidate's report"))
+        report = Text(facts.best.report.render_text())
+        console.print(Panel(report, title="best candidate's report"))
         if facts.best.program is not None and facts.best.report.verified:
             code = facts.best.program.to_python()
             console.print(Panel(Syntax(code, "python"), title="program"))
     if facts.stop is None:
         console.print(
-            f"[yellow]unfinished[/]: continue with `coda-agent synthesize --resume {run_dir}`"
+            "[yellow]unfinished[/]: continue with "
+            f"`coda-agent synthesize --resume {escape(str(run_dir))}`"
         )
 
 
@@ -517,8 +674,24 @@ register_eval_commands(app)
 
 
 def main() -> None:
-    app(prog_name="coda-agent")
+    """The ``coda-agent`` entry point. Usage errors that the option parser finds (an unknown
+    option, a value out of range) keep their message on stderr; with ``--json`` they also print
+    the one JSON object on stdout."""
+    try:
+        code = app(prog_name="coda-agent", standalone_mode=False)
+    except typer.TyperException as e:  # typer's own click: UsageError, BadParameter, ...
+        if not hasattr(e, "show"):
+            raise
+        e.show()
+        status = getattr(e, "exit_code", 2)
+        if "--json" in sys.argv[1:]:
+            print(json.dumps({"error": e.format_message(), "exit_code": status}))
+        sys.exit(status)
+    except typer.Abort:
+        Console(stderr=True).print("[yellow]interrupted[/]")
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -11,8 +11,13 @@ Records (``event`` is the tag):
 * ``end`` — why the run stopped, with its totals.
 
 The ``message`` records alone rebuild the conversation, so ``--resume`` continues it and
-``--provider replay`` replays its assistant turns; ``RunState`` is that reconstruction. A run that
-died mid-write leaves at most a torn last line, which reading skips.
+``--provider replay`` replays its assistant turns; ``RunState`` is that reconstruction.
+
+Damage is reported, never fatal where the rest can be read: a run that died mid-write leaves a torn
+last line, and a line that is not UTF-8 text or not JSON at all is skipped — both with a note that
+names the line (``Transcript.notes``; ``RunDir.repair_tail`` cuts a torn tail off before anything
+is appended after it). A line that is JSON but not a record, or a record whose content does not
+hold together (a hand edit, another tool), is a ``TranscriptError`` naming the file and line.
 """
 
 from __future__ import annotations
@@ -128,28 +133,93 @@ class TranscriptError(ValueError):
     """A transcript that cannot be read; the message names the file and line."""
 
 
-def read_records(path: Path) -> list[Any]:
-    """Every record of ``path``; a torn last line (a crash mid-write) is skipped."""
+@dataclass
+class Transcript:
+    """The records of a ``transcript.jsonl``, the line each came from, and what was skipped."""
+
+    path: Path
+    records: list[Any]
+    lines: list[int]  # the 1-based line number of each record
+    notes: list[str]  # one per skipped line: which, and why
+
+    def state(self) -> RunState:
+        return RunState.from_transcript(self)
+
+
+def read_transcript(path: Path) -> Transcript:
+    """Every record of ``path``. Lines that are not UTF-8 or not JSON (a torn last line, bytes
+    written by something else) are skipped with a note; a JSON line that is not a record raises
+    ``TranscriptError`` naming the line."""
+    path = Path(path)
     if not path.is_file():
         raise TranscriptError(f"{path} does not exist (is it a run folder's transcript.jsonl?)")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(_RECORD.validate_json(line))
-        except ValidationError as e:
-            if number == len(lines):
-                break  # torn by a crash while writing: everything before it is intact
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TranscriptError(f"cannot read {path}: {e.strerror}") from None
+    chunks = data.split(b"\n")
+    torn_tail = chunks[-1] != b""  # the last line has no newline: a write that did not finish
+    if not torn_tail:
+        chunks.pop()
+    found = Transcript(path, [], [], [])
+    for number, chunk in enumerate(chunks, start=1):
+        last = number == len(chunks)
+        record = _parse_line(path, number, chunk, last and torn_tail, found.notes)
+        if record is not None:
+            found.records.append(record)
+            found.lines.append(number)
+    if not found.records or not isinstance(found.records[0], RunStart):
+        skipped = f" ({len(found.notes)} unreadable line(s) skipped)" if found.notes else ""
+        raise TranscriptError(
+            f"{path} does not start with a run_start record{skipped}: is it a run folder's "
+            "transcript.jsonl?"
+        )
+    return found
+
+
+def read_records(path: Path) -> list[Any]:
+    """Every record of ``path`` (``read_transcript`` without the notes)."""
+    return read_transcript(path).records
+
+
+def _parse_line(path: Path, number: int, chunk: bytes, torn: bool, notes: list[str]) -> Any:
+    """One line's record; ``None`` (with a note) for a blank, torn, non-UTF-8 or non-JSON line.
+
+    ``torn``: the file's last line, without its newline — kept if it is a whole record (only the
+    newline was lost), else skipped as the write a crash cut short."""
+    try:
+        text = chunk.decode("utf-8")
+        if not text.strip():
+            return None
+        json.loads(text)
+        return _RECORD.validate_json(text)
+    except UnicodeDecodeError as e:
+        if not torn:
+            notes.append(
+                f"{path}:{number}: skipped a line that is not UTF-8 text (byte "
+                f"{chunk[e.start]:#04x} at column {e.start + 1}; {len(chunk)} bytes)"
+            )
+            return None
+    except (json.JSONDecodeError, RecursionError) as e:
+        if not torn:
+            what = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+            notes.append(
+                f"{path}:{number}: skipped a line that is not JSON ({what}; {len(chunk)} bytes)"
+            )
+            return None
+    except ValidationError as e:
+        if not torn:
             first = e.errors()[0]
-            loc = ".".join(map(str, first["loc"]))
+            loc = ".".join(map(str, first["loc"])) or "the line"
             raise TranscriptError(
-                f"{path}:{number}: not a transcript record ({loc}: {first['msg']})"
+                f"{path}:{number}: not a transcript record ({loc}: {first['msg']}); the line was "
+                "changed by hand or by another program: restore it, or delete the line"
             ) from None
-    if not records or not isinstance(records[0], RunStart):
-        raise TranscriptError(f"{path} does not start with a run_start record")
-    return records
+    notes.append(
+        f"{path}:{number}: skipped a torn last line ({len(chunk)} bytes without a newline: the run "
+        "stopped while writing it)"
+    )
+    return None
 
 
 def record_line(record: BaseModel) -> str:
@@ -226,11 +296,32 @@ class RunState:
     provider: str = ""  # the latest provider and model (a resume may switch them)
     model: str = ""
 
+    notes: list[str] = field(default_factory=list)  # lines of the transcript that were skipped
+
     @classmethod
     def from_records(cls, records: list[Any]) -> RunState:
         state = cls(start=records[0], provider=records[0].provider, model=records[0].model)
         for record in records[1:]:
             state.absorb(record)
+        return state
+
+    @classmethod
+    def from_transcript(cls, transcript: Transcript) -> RunState:
+        """The run a transcript records; a record whose content does not hold together (a tool
+        result whose Report does not parse, say) is a ``TranscriptError`` naming its line."""
+        records = transcript.records
+        state = cls(start=records[0], provider=records[0].provider, model=records[0].model)
+        state.notes = list(transcript.notes)
+        for record, number in zip(records[1:], transcript.lines[1:], strict=True):
+            try:
+                state.absorb(record)
+            except (KeyError, TypeError, ValueError) as e:
+                detail = _first_error(e)
+                raise TranscriptError(
+                    f"{transcript.path}:{number}: the {record.event} record does not hold "
+                    f"together ({detail}); the line was changed by hand or by another program: "
+                    "restore it, or delete the line"
+                ) from None
         return state
 
     def absorb(self, record: Any) -> None:
@@ -289,3 +380,13 @@ class RunState:
     @property
     def next_candidate(self) -> int:
         return max((c.index for c in self.candidates), default=0) + 1
+
+
+def _first_error(error: Exception) -> str:
+    """A one-line account of what was wrong in a record's content."""
+    if isinstance(error, ValidationError):
+        first = error.errors()[0]
+        return f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
+    if isinstance(error, KeyError):
+        return f"missing {error.args[0]!r}"
+    return f"{type(error).__name__}: {error}"

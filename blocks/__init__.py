@@ -2,11 +2,19 @@
 
 from .block import Block, ShapeSets, TensorSpec, Tolerance
 from .ops import Add, GraphOp, Linear, RMSNorm, SwiGLU
-from .registry import BlockNotFound, get_block, list_blocks, load_block_file, register
+from .registry import (
+    BlockFileError,
+    BlockNotFound,
+    get_block,
+    list_blocks,
+    load_block_file,
+    register,
+)
 
 __all__ = [
     "Add",
     "Block",
+    "BlockFileError",
     "BlockNotFound",
     "GraphOp",
     "Linear",

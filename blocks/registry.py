@@ -1,10 +1,21 @@
-"""Where blocks are found: the built-in ones by name, and users' blocks from their own files."""
+"""Where blocks are found: the built-in ones by name, and users' blocks from their own files.
+
+A block file is user code run at import. ``load_block_file`` turns anything it raises (an
+exception, a ``SyntaxError``, ``exit()``) into a ``BlockFileError`` naming the file; with
+``probe=True`` it first imports the file in a short-lived subprocess (``probe_block_file``), so a
+file that ends the process outright (``os._exit``, a crash in an extension) is reported as such
+instead of ending the caller — with ``os._exit(0)``, with a success status.
+"""
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
+import subprocess
 import sys
+import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,19 +69,102 @@ def list_blocks() -> list[Block]:
     return list(_BLOCKS.values())
 
 
-def load_block_file(path: str | Path) -> list[Block]:
-    """Import a Python file and register every ``Block`` defined at its top level."""
+class BlockFileError(ValueError):
+    """A block file that cannot be imported; the message names the file and what to change."""
+
+
+PROBE_TIMEOUT_S = 300.0
+
+
+def load_block_file(path: str | Path, *, probe: bool = False) -> list[Block]:
+    """Import a Python file and register every ``Block`` defined at its top level.
+
+    ``probe``: import it in a subprocess first (``probe_block_file``), so that a file that ends
+    the process is a ``BlockFileError`` here rather than the end of this process."""
     path = Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"block file {str(path)!r} does not exist")
+    if probe:
+        probe_block_file(path)
     name = f"coda_user_blocks_{abs(hash(str(path)))}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {str(path)!r} as a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: every failure is reported
+        del sys.modules[name]
+        raise BlockFileError(_import_failure(path, e)) from None
     found = [v for v in vars(module).values() if isinstance(v, Block)]
     if not found:
         raise ValueError(f"{str(path)!r} defines no Block at its top level")
     return [register(b) for b in found]
+
+
+def _import_failure(path: Path, error: BaseException) -> str:
+    """What went wrong importing block file ``path``, and where, in one paragraph."""
+    if isinstance(error, SyntaxError) and error.filename == str(path):
+        return f"{path}:{error.lineno}: the block file is not valid Python: {error.msg}"
+    if isinstance(error, SystemExit):
+        return (
+            f"importing {path} called exit({error.code!r}): a block file must only define blocks "
+            'when imported; put script code under `if __name__ == "__main__":`'
+        )
+    frames = traceback.extract_tb(error.__traceback__)
+    mine = [f for f in frames if f.filename == str(path)] or frames
+    where = f" at {mine[-1].filename}:{mine[-1].lineno}" if mine else ""
+    return (
+        f"importing {path} raised {type(error).__name__}{where}: {error} — fix the block file "
+        "(it is imported to find its blocks)"
+    )
+
+
+def probe_block_file(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
+    """Import block file ``path`` in a fresh Python process; the names of the blocks it defines.
+
+    ``BlockFileError`` if the import fails, or if the process ends before reporting — whatever its
+    exit status (``os._exit(0)`` included), since a file that ends the process when imported
+    cannot be used as a block file."""
+    with tempfile.TemporaryDirectory(prefix="coda-block-probe-") as tmp:
+        result = Path(tmp) / "result.json"
+        code = "from coda.blocks.registry import _probe_main; _probe_main()"
+        cmd = [sys.executable, "-c", code, str(path), str(result)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise BlockFileError(
+                f"importing {path} did not finish within {timeout_s:g} s: a block file must "
+                "define its blocks when imported, not run a long computation"
+            ) from None
+        if not result.is_file():
+            raise BlockFileError(_probe_death(path, proc))
+        found = json.loads(result.read_text())
+    if "error" in found:
+        raise BlockFileError(found["error"])
+    return found["blocks"]
+
+
+def _probe_death(path: Path, proc: subprocess.CompletedProcess) -> str:
+    """The message for a probe process that ended without reporting a result."""
+    status = proc.returncode
+    how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+    tail = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-5:]
+    detail = "\nits last lines of stderr:\n" + "\n".join(tail) if tail else ""
+    return (
+        f"importing {path} ended the Python process before it finished (the process {how}): a "
+        "block file must only define blocks when imported — remove the call that exits or "
+        f"crashes (os._exit, sys.exit in a thread, a crashing extension){detail}"
+    )
+
+
+def _probe_main() -> None:
+    """In the probe process: import ``argv[1]``, write its block names (or the error) to
+    ``argv[2]``."""
+    path, out = Path(sys.argv[1]), Path(sys.argv[2])
+    try:
+        found: dict = {"blocks": [b.name for b in load_block_file(path)]}
+    except (BlockFileError, FileNotFoundError, ImportError, ValueError) as e:
+        found = {"error": str(e)}
+    out.write_text(json.dumps(found))

@@ -19,7 +19,7 @@ from coda.agent.planner import NoRule
 from coda.agent.providers import ProviderError
 from coda.agent.runs import RunDir
 from coda.agent.synthesize import BudgetError, resume, synthesize
-from coda.agent.transcript import EndRecord, RunState, TranscriptError
+from coda.agent.transcript import EndRecord, RunState, TranscriptError, read_transcript
 from coda.blocks import get_block, load_block_file
 from coda.blocks.block import Block
 from coda.primitives import backend
@@ -102,8 +102,8 @@ def cell_block(spec: EvalSpec, name: str) -> Block:
 
 def from_state(cell: Cell, run: RunDir, eval_dir: Path, *, attempts: int = 1) -> CellResult:
     """Score a run from its transcript."""
-    records = run.records()
-    state = RunState.from_records(records)
+    transcript = read_transcript(run.transcript)
+    state, records = transcript.state(), transcript.records
     best = state.best
     report = best.report if best is not None else None
     worst = report.worst_check() if report is not None and report.verified else None

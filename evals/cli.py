@@ -8,12 +8,19 @@ errored (``--resume`` retries them), 2 bad usage, 130 interrupted (``--resume`` 
 ``eval --compare`` 0 without regressions, 1 with; ``accept`` 0 accepted (or already stored), 1 the
 run has no verified candidate, 2 bad usage or a taken name; ``regress`` 0 every stored kernel
 passed, 1 one broke or slowed down, 2 no store; ``export-trajectories`` 0, or 2 for a folder that
-is not an eval.
+is not an eval. ``regress --json`` prints its rows as one JSON list, or on an error the object
+``{"error": ..., "exit_code": ...}``.
+
+Block files are imported in a subprocess first (``load_block_file(probe=True)``): one that exits
+or crashes when imported is a usage error (2), not the end of this process. Text that did not come
+from this file (cell errors, store messages) is escaped before Rich prints it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +28,9 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from coda.agent.planner import NoRule
 from coda.agent.providers import BuiltinProvider, ProviderError
@@ -39,8 +48,12 @@ from .suites import SuiteError, resolve_blocks
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    Console(stderr=True, highlight=False).print(f"[red]error:[/] {message}", soft_wrap=True)
+def _fail(message: str, code: int = 2, as_json: bool = False) -> typer.Exit:
+    """Print ``message`` as an error (for ``--json`` also as a JSON object on stdout); the
+    ``Exit`` to raise."""
+    Console(stderr=True, highlight=False).print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": code}))
     return typer.Exit(code)
 
 
@@ -109,19 +122,23 @@ def eval_cmd(
     else:
         files = _load_block_files(block_files or [])
         spec = _new_spec(suite, blocks, files, providers, seeds, ks, ps, budgets)
-        edir = _create(out or _default_out(spec), spec)
+        edir = _create(out or _default_out(spec), spec, unique=out is None)
     _run(edir, parallel, ray, retries)
 
 
 def _load_block_files(paths: list[Path]) -> dict[str, str]:
-    """Register the blocks of each file; block name -> the file's absolute path."""
+    """Register the blocks of each file (imported in a subprocess first; what a file prints goes
+    to stderr); block name -> the file's absolute path, as the cells' workers need it."""
     found: dict[str, str] = {}
     for path in paths:
+        absolute = os.path.abspath(path)
         try:
-            for block in load_block_file(path):
-                found[block.name] = str(path.resolve())
+            with contextlib.redirect_stdout(sys.stderr):
+                blocks = load_block_file(absolute, probe=True)
         except (FileNotFoundError, ImportError, ValueError) as e:
-            raise _fail(str(e)) from None
+            raise _fail(f"--block-file {path}: {e}") from None
+        for block in blocks:
+            found[block.name] = str(Path(absolute).resolve())
     return found
 
 
@@ -196,9 +213,9 @@ def _default_out(spec: EvalSpec) -> Path:
     return Path("runs") / "evals" / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(name)[:60]}"
 
 
-def _create(path: Path, spec: EvalSpec) -> EvalDir:
+def _create(path: Path, spec: EvalSpec, unique: bool) -> EvalDir:
     try:
-        return EvalDir.create(path, spec)
+        return EvalDir.create(path, spec, unique=unique)
     except EvalDirError as e:
         raise _fail(str(e)) from None
 
@@ -223,10 +240,10 @@ def _run(edir: EvalDir, parallel: int, ray: str | None, retries: int) -> None:
     console.print(
         f"[bold]coda-agent eval[/] {len(spec.blocks)} block(s) × {len(spec.providers)} "
         f"provider(s) × {spec.seeds} seed(s) = {total} cells, {total - len(todo)} already done; "
-        f"running {len(todo)}, {where} → {edir.path}"
+        f"running {len(todo)}, {escape(where)} → {escape(str(edir.path))}"
     )
     if spec.skipped:
-        skipped = ", ".join(spec.skipped)
+        skipped = escape(", ".join(spec.skipped))
         console.print(f"  [yellow]skipped[/] (planned, not registered yet): {skipped}")
     try:
         results = run_eval(
@@ -235,7 +252,7 @@ def _run(edir: EvalDir, parallel: int, ray: str | None, retries: int) -> None:
     except KeyboardInterrupt:
         Console(stderr=True, soft_wrap=True).print(
             f"[yellow]interrupted[/]: finished cells are kept; continue with "
-            f"`coda-agent eval --resume {edir.path}`"
+            f"`coda-agent eval --resume {escape(str(edir.path))}`"
         )
         raise typer.Exit(130) from None
     except Exception as e:
@@ -243,30 +260,32 @@ def _run(edir: EvalDir, parallel: int, ray: str | None, retries: int) -> None:
 
         if isinstance(e, HarnessError | RayUnavailable):
             raise _fail(str(e)) from None
+        if isinstance(e, EvalDirError):  # results.jsonl could not be written (a full disk)
+            raise _fail(str(e), code=1) from None
         raise
     _summary(edir, results)
 
 
 def _cell_line(r: CellResult, done: int, todo: int) -> None:
     if r.status == "error":
-        first = (r.error or "").splitlines()[0]
-        verdict = f"[red]ERROR[/] {first}"
+        first = ((r.error or "").splitlines() or [""])[0]
+        verdict = f"[red]ERROR[/] {escape(first)}"
     else:
         verdict = "[green]verified[/]" if r.verified else "[red]not verified[/]"
-        verdict += f" ({r.stop}, {r.turns} turns, {r.seconds:.1f} s)"
-    console.print(f"  [{done}/{todo}] {r.cell}: {verdict}")
+        verdict += escape(f" ({r.stop}, {r.turns} turns, {r.seconds:.1f} s)")
+    console.print(f"  {escape(f'[{done}/{todo}] {r.cell}:')} {verdict}")
 
 
 def _summary(edir: EvalDir, results: list[CellResult]) -> None:
     errors = [r for r in results if r.status == "error"]
     verified = sum(r.verified for r in results)
     console.print(
-        f"{verified} of {len(results)} cells verified; tables in {edir.path / 'results.md'}"
+        Text(f"{verified} of {len(results)} cells verified; tables in {edir.path / 'results.md'}")
     )
     if errors:
         console.print(
             f"[red]{len(errors)} cell(s) errored[/]: retry them with "
-            f"`coda-agent eval --resume {edir.path}`"
+            f"`coda-agent eval --resume {escape(str(edir.path))}`"
         )
         raise typer.Exit(1)
     raise typer.Exit(0)
@@ -294,16 +313,18 @@ def accept_cmd(
     except AcceptError as e:
         raise _fail(str(e), code=1 if "no verified candidate" in str(e) else 2) from None
     if done.duplicate:
-        console.print(f"already stored: the same program is {done.path}")
+        console.print(Text(f"already stored: the same program is {done.path}"))
         raise typer.Exit(0)
     prov = done.entry.provenance
     time_text = f"{prov.time_ms:.4f} ms" if prov.time_ms is not None else "not measured"
     worst = max(prov.errors, key=lambda e: e.max_abs_err / e.allowed, default=None)
     err = f"{worst.max_abs_err:.2e} ({worst.output}, {worst.dtype})" if worst else "n/a"
     console.print(
-        f"accepted {done.entry.block}/{done.entry.name} → {done.path}\n"
-        f"  from run {prov.run_id} ({prov.provider}, {prov.model}), candidate {prov.candidate}, "
-        f"on {prov.hardware}; worst error {err}; time {time_text}"
+        Text(
+            f"accepted {done.entry.block}/{done.entry.name} → {done.path}\n"
+            f"  from run {prov.run_id} ({prov.provider}, {prov.model}), candidate "
+            f"{prov.candidate}, on {prov.hardware}; worst error {err}; time {time_text}"
+        )
     )
 
 
@@ -317,7 +338,7 @@ def regress_cmd(
 ) -> None:
     """Re-verify every stored kernel (CPU interpreter here; bf16 and timings on a GPU)."""
     if not as_json:
-        console.print(f"[bold]coda-agent regress[/] {store} on {backend.describe()}")
+        console.print(f"[bold]coda-agent regress[/] {escape(str(store))} on {backend.describe()}")
     try:
         rows = regress(
             store,
@@ -326,7 +347,7 @@ def regress_cmd(
             on_row=None if as_json else lambda r: console.print(f"  {_row_line(r)}"),
         )
     except StoreError as e:
-        raise _fail(str(e)) from None
+        raise _fail(str(e), as_json=as_json) from None
     bad = [r for r in rows if r.status != "ok"]
     if as_json:
         print(json.dumps([_row_json(r) for r in rows], indent=2))
@@ -339,7 +360,7 @@ def regress_cmd(
 
 def _row_line(r: RegressRow) -> str:
     mark = "[green]ok[/]" if r.status == "ok" else f"[red]{r.status.upper()}[/]"
-    return f"{mark} {r.block}/{r.name}: {r.message}"
+    return f"{mark} {escape(f'{r.block}/{r.name}: {r.message}')}"
 
 
 def regress_table(rows: list[RegressRow]) -> Table:
@@ -349,15 +370,15 @@ def regress_table(rows: list[RegressRow]) -> Table:
         table.add_column(col, no_wrap=col in ("block", "kernel", "status"))
     for r in rows:
         table.add_row(
-            r.block,
-            r.name,
+            Text(r.block),
+            Text(r.name),
             "[green]ok[/]" if r.status == "ok" else f"[red]{r.status.upper()}[/]",
             _num(r.error_now, "{:.2f}"),
             _num(r.error_recorded, "{:.2f}"),
             _num(r.time_now_ms, "{:.4f}"),
             _num(r.time_recorded_ms, "{:.4f}"),
             _num(r.slowdown, "{:.3f}×", "-"),
-            r.message if r.status != "ok" else r.time_note,
+            Text(r.message if r.status != "ok" else r.time_note),
         )
     return table
 
@@ -399,7 +420,9 @@ def export_cmd(
     except TranscriptError as e:
         raise _fail(str(e)) from None
     console.print(
-        f"wrote {written} trajectories to {target}"
-        + (f" ({skipped} cell(s) without an answer skipped)" if skipped else ""),
+        Text(
+            f"wrote {written} trajectories to {target}"
+            + (f" ({skipped} cell(s) without an answer skipped)" if skipped else "")
+        ),
         soft_wrap=True,
     )

@@ -9,22 +9,29 @@
 * ``cells/<cell id>/`` — the cell's run folder(s) (``<time>-<block>/``, see ``coda.agent.runs``),
   and ``log.txt`` when the cell ran in a worker process;
 * ``results.md``, ``speedup.png``, ``errors.png`` — written by ``report.py`` after every run.
+
+``EvalDir.create`` creates ``eval.json`` exclusively: two evals started at once never share a
+folder (and never overwrite each other's spec).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from coda.agent.jsonl import append_line, repair_tail
+from coda.agent.runs import unique_dir
 
 from .metrics import CellNumbers
 from .spec import EvalSpec
 
 SPEC_FILE = "eval.json"
 RESULTS_FILE = "results.jsonl"
+TORN_FILE = "results.torn"
 
 
 class EvalDirError(ValueError):
@@ -85,6 +92,7 @@ class CellResult(BaseModel):
 @dataclass
 class EvalDir:
     path: Path
+    _repaired: bool = field(default=False, repr=False, compare=False)
 
     @property
     def spec_file(self) -> Path:
@@ -98,14 +106,27 @@ class EvalDir:
         return self.path / "cells" / cell_id
 
     @classmethod
-    def create(cls, path: Path, spec: EvalSpec) -> EvalDir:
-        if (path / SPEC_FILE).exists():
+    def create(cls, path: Path, spec: EvalSpec, *, unique: bool = False) -> EvalDir:
+        """A new eval in ``path``, its spec written. ``eval.json`` is created exclusively, so two
+        evals never share a folder: the second gets an ``EvalDirError`` — or, with ``unique``
+        (a default folder name), the folder ``path-2`` (``-3``, …) made atomically instead."""
+        try:
+            if path.exists() and not path.is_dir():
+                raise EvalDirError(f"{path} is a file, not a folder: choose another --out")
+            if unique:
+                path = unique_dir(path)
+            path.mkdir(parents=True, exist_ok=True)
+            with open(path / SPEC_FILE, "x", encoding="utf-8") as f:
+                f.write(spec.model_dump_json(indent=2) + "\n")
+        except FileExistsError:
             raise EvalDirError(
                 f"{path} already holds an eval: continue it with `coda-agent eval --resume "
                 f"{path}`, or choose another --out"
-            )
-        path.mkdir(parents=True, exist_ok=True)
-        (path / SPEC_FILE).write_text(spec.model_dump_json(indent=2) + "\n")
+            ) from None
+        except OSError as e:
+            raise EvalDirError(
+                f"cannot create the eval folder {path}: {e.strerror or e} — choose another --out"
+            ) from None
         return cls(path)
 
     @classmethod
@@ -117,34 +138,52 @@ class EvalDir:
 
     def spec(self) -> EvalSpec:
         try:
-            return EvalSpec.model_validate_json(self.spec_file.read_text())
+            return EvalSpec.model_validate_json(self.spec_file.read_bytes())
         except ValidationError as e:
             raise EvalDirError(f"{self.spec_file}: not an eval spec ({_first(e)})") from None
+        except OSError as e:
+            raise EvalDirError(f"cannot read {self.spec_file}: {e.strerror}") from None
 
     def append(self, result: CellResult) -> None:
-        """Append one cell result and push it to disk before returning."""
-        with open(self.results_file, "a", encoding="utf-8") as f:
-            f.write(result.model_dump_json() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """Append one cell result and push it to disk before returning. The first append cuts
+        off a line torn by an earlier crash (its bytes go to ``results.torn``), so the new line
+        is not glued onto it; a failed append is rolled back."""
+        try:
+            if not self._repaired:
+                self._repaired = True
+                repair_tail(self.results_file, self.path / TORN_FILE)
+            append_line(self.results_file, (result.model_dump_json() + "\n").encode("utf-8"))
+        except OSError as e:
+            raise EvalDirError(
+                f"cannot append to {self.results_file}: {e.strerror or e} — free space on that "
+                "disk or fix its permissions, then continue with `coda-agent eval --resume`"
+            ) from None
 
     def results(self) -> dict[str, CellResult]:
-        """The last result of every cell (a line torn by a crash while writing is skipped)."""
+        """The last result of every cell. A torn last line (a crash while writing) is skipped;
+        any other line that is not a cell result is an ``EvalDirError`` naming it."""
         if not self.results_file.is_file():
             return {}
-        lines = self.results_file.read_text(encoding="utf-8").splitlines()
+        chunks = self.results_file.read_bytes().split(b"\n")
+        last = chunks.pop()  # b"" unless the last line lost its newline (torn, mostly)
         latest: dict[str, CellResult] = {}
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                result = CellResult.model_validate_json(line)
-            except ValidationError as e:
-                if number == len(lines):
-                    break
-                raise EvalDirError(f"{self.results_file}:{number}: {_first(e)}") from None
+        for number, chunk in enumerate(chunks, start=1):
+            if chunk.strip():
+                result = self._line(number, chunk)
+                latest[result.cell] = result
+        with contextlib.suppress(ValidationError):  # torn: skipped; whole but for the newline: kept
+            result = CellResult.model_validate_json(last)
             latest[result.cell] = result
         return latest
+
+    def _line(self, number: int, chunk: bytes) -> CellResult:
+        try:
+            return CellResult.model_validate_json(chunk)
+        except ValidationError as e:
+            raise EvalDirError(
+                f"{self.results_file}:{number}: not a cell result ({_first(e)}); delete the line "
+                "(`--resume` reruns a cell without a result)"
+            ) from None
 
     def ordered_results(self) -> list[CellResult]:
         """Results in the spec's cell order (cells not run yet are absent)."""

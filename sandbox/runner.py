@@ -164,7 +164,8 @@ def evaluate(
     kernels_dir: Path | None = None,
     on_stage: OnStage | None = None,
 ) -> Report:
-    """Every stage for one candidate. ``block_file`` lets the worker import a user's block;
+    """Every stage for one candidate. ``block_file`` lets the worker import a user's block (a
+    relative path is taken from the caller's current folder, not the worker's);
     ``kernels_dir`` receives the generated modules; ``on_stage`` is called as each stage finishes.
     """
     options = options or SandboxOptions()
@@ -247,7 +248,8 @@ def _run_isolated(
         request = {
             "program": program.model_dump(mode="json"),
             "block": block.name,
-            "block_file": block_file,
+            # The worker runs in ``tmp``: a relative path would be looked up there.
+            "block_file": os.path.abspath(block_file) if block_file else None,
             "options": options.model_dump(mode="json"),
         }
         (tmp / "request.json").write_text(json.dumps(request))

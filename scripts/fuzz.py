@@ -8,7 +8,8 @@ for llama_mlp and the adversarial blocks, programs built from the node registrie
 included, with ``--plugin``), random JSON values and text. Each case runs in-process exactly as
 ``evaluate`` runs those stages (``tests/fuzz/harness.py``). Prints how many cases ran, how many
 crashed (an exception escaped a stage, or a stage failed with a generic message instead of a
-specific one: it must be 0), and the distribution of rejection reasons by stage. Exit status 1
+specific one: it must be 0; an exception out of the strategies that generate the cases counts
+too, as a bug of the fuzzer), and the distribution of rejection reasons by stage. Exit status 1
 if anything crashed. No kernel runs, so no GPU is needed and nothing here is timed.
 
 ``--verify N`` then runs up to N of the accepted candidates (their algebra equals the block's)
@@ -25,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +70,11 @@ def _job(
         elif outcome.status == "accepted" and len(accepted) < keep:
             accepted.append((data, block))
 
-    fuzz()
+    try:
+        fuzz()
+    except Exception as e:  # noqa: BLE001 - run_front never raises: this is the strategy's own bug
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        crashes.append((f"the fuzzer's strategy raised {type(e).__name__}", tb, f"seed {seed}"))
     return counts, crashes, accepted
 
 

@@ -154,3 +154,27 @@ def test_block_file(tmp_path: Path) -> None:
     empty.write_text("x = 1\n")
     with pytest.raises(ValueError, match="defines no Block"):
         load_block_file(empty)
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ("x = 1\nraise KeyError('w')", r"raised KeyError at .*bad\.py:2: 'w'"),
+        ("def f(:\n  pass", r"bad\.py:1: the block file is not valid Python"),
+        ("import sys\nsys.exit(0)", r"called exit\(0\): a block file must only define blocks"),
+    ],
+    ids=["exception", "syntax", "exit"],
+)
+def test_a_block_file_that_fails_on_import_is_a_block_file_error(
+    tmp_path: Path, body: str, message: str
+) -> None:
+    import sys
+
+    from coda.blocks import BlockFileError
+
+    bad = tmp_path / "bad.py"
+    bad.write_text(body + "\n")
+    before = set(sys.modules)
+    with pytest.raises(BlockFileError, match=message):
+        load_block_file(bad)
+    assert set(sys.modules) == before  # the half-imported module is not left behind

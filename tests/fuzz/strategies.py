@@ -359,6 +359,8 @@ def _retype_field(draw: st.DrawFn, data: Json, pool: list[str]) -> None:
 @st.composite
 def _edit_once(draw: st.DrawFn, data: Json) -> Json:
     paths = [p for p in _paths(data) if p]
+    if not paths:  # earlier edits deleted every field: nothing left to edit
+        return data
     path = draw(st.sampled_from(paths))
     parent, key = _at(data, path[:-1]), path[-1]
     pool = _program_names(data)
@@ -386,14 +388,27 @@ def _edit_once(draw: st.DrawFn, data: Json) -> Json:
     return data
 
 
+def _epilogues(data: Json) -> list[list]:
+    """The epilogue lists of the program's GEMM steps, as edited so far.
+
+    Earlier edits may have put anything anywhere (``steps`` may be ``None``, a number or text; an
+    ``epilogue`` a dict), so only the parts that still have the shape of a program are returned:
+    an edit must never fail to generate, whatever the edits before it did."""
+    steps = data.get("steps")
+    if not isinstance(steps, list):
+        return []
+    return [
+        s["epilogue"] for s in steps if isinstance(s, dict) and isinstance(s.get("epilogue"), list)
+    ]
+
+
 @st.composite
 def _splice_map(draw: st.DrawFn, data: Json) -> None:
     """``op(src=v)`` → ``w = map(expr over v); op(src=w)``: well-typed, semantics-changing."""
     sites = [
-        (op, s["epilogue"])
-        for s in data.get("steps", [])
-        if isinstance(s, dict) and isinstance(s.get("epilogue"), list)
-        for op in s["epilogue"]
+        (op, epilogue)
+        for epilogue in _epilogues(data)
+        for op in epilogue
         if isinstance(op, dict) and isinstance(op.get("src"), str)
     ]
     if not sites:
@@ -410,9 +425,9 @@ def _insert_node(draw: st.DrawFn, data: Json, pool: list[str]) -> None:
     scope = Scope(tensors=pool, locals=pool)
     where = draw(st.sampled_from(["prep", "steps", "epilogue"]))
     if where == "epilogue":
-        gemms = [s for s in data.get("steps", []) if isinstance(s, dict) and "epilogue" in s]
-        if gemms and isinstance(gemms[0]["epilogue"], list):
-            target = draw(st.sampled_from(gemms))["epilogue"]
+        epilogues = _epilogues(data)
+        if epilogues:
+            target = draw(st.sampled_from(epilogues))
             new = draw(node(EpilogueOp.registry, "op", "epilogue", scope))
             target.insert(draw(st.integers(0, len(target))), new)
     elif isinstance(data.get(where), list):

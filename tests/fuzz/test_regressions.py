@@ -1,7 +1,9 @@
 """Bugs the fuzzers found, one test each (every one failed before its fix).
 
-All were crashes of the validate stage on a ``map`` expression — an exception that was not a
-``ProgramError``, so the agent would have read Python's words instead of the sandbox's.
+Most were crashes of the validate stage on a ``map`` expression — an exception that was not a
+``ProgramError``, so the agent would have read Python's words instead of the sandbox's; the last
+one was in the fuzzer's own strategies, which must generate a case from whatever earlier edits
+left behind.
 """
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coda.primitives import ProgramError
 from coda.primitives.expr import MAX_DEPTH, parse
 from coda.sandbox import SandboxOptions, evaluate
 from tests.adversarial.programs import BLOCKS, LLAMA
+from tests.fuzz.strategies import _insert_node, _splice_map, edits
 
 
 @pytest.mark.parametrize(
@@ -71,3 +76,27 @@ def test_input_that_is_not_json_is_rejected_not_raised(data: object) -> None:
     report = evaluate(data, BLOCKS["llama_mlp"], SandboxOptions(isolate=False))
     assert (report.failed_stage.stage, report.failed_stage.cause) == ("validate", "program")
     assert len(report.program_hash) == 12
+
+
+# -- the strategies themselves ---------------------------------------------------------------------
+# `scripts/fuzz.py --seed 4242` stopped with a TypeError raised while *generating* a case: an edit
+# had replaced `steps` with a JSON value (None), and a later edit in the same case iterated over it
+# to find the epilogues it splices a map into or inserts a node into.
+DAMAGED = [
+    {"steps": None},
+    {"steps": 7},
+    {"steps": "gemm"},
+    {"steps": [None, {"kind": "gemm", "epilogue": None}, {"kind": "gemm", "epilogue": "x"}]},
+    {"steps": [{"kind": "gemm", "epilogue": {"op": "store"}}], "prep": None},
+    {},
+]
+
+
+@pytest.mark.parametrize("damaged", DAMAGED, ids=[str(i) for i in range(len(DAMAGED))])
+@settings(max_examples=25, deadline=None, database=None)
+@given(data=st.data())
+def test_edits_of_an_already_damaged_program_still_generate(damaged: dict, data) -> None:  # noqa: ANN001
+    program = copy.deepcopy(damaged)
+    data.draw(_splice_map(program))
+    data.draw(_insert_node(program, ["x", "acc"]))
+    data.draw(edits(program, BLOCKS["llama_mlp"]))
