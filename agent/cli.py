@@ -302,7 +302,7 @@ def _start(
     """A new run (a replay takes its block from the transcript unless one is given)."""
     if provider == "replay" and transcript is not None and block is None and not block_file:
         block, recorded = _recorded_block(transcript, as_json)
-        block_file = block_file_path(recorded, as_json, f"the block file {transcript} records,")
+        _refuse_recorded_block_file(recorded, transcript, as_json)
     blk = resolve_block(block, block_file, as_json)
     name = provider or "builtin"
     prov = _make_provider(name, blk, model, base_url, transcript, as_json=as_json)
@@ -344,6 +344,20 @@ def _write_failure(error: OSError) -> str:
         f"{what}. The run stopped; what it wrote before is kept — once fixed, continue it with "
         "`coda-agent synthesize --resume RUN_DIR` (the run folder named above)"
     )
+
+
+def _refuse_recorded_block_file(recorded: Path | None, source: Path, as_json: bool) -> None:
+    """A transcript is data: the block file it records is imported only when the user names it.
+
+    Importing a path read from a transcript would let whoever wrote the transcript choose the code
+    that runs (in this process and in every sandbox worker); naming it again is the user's consent.
+    """
+    if recorded is not None:
+        raise _fail(
+            f"{source} records its block as coming from the file {recorded}; a transcript never "
+            f"chooses code to run: name the file yourself with --block-file {recorded}",
+            as_json=as_json,
+        )
 
 
 def _recorded_block(transcript: Path, as_json: bool) -> tuple[str, Path | None]:
@@ -430,19 +444,23 @@ def _resume(
             f"{run_dir} has spent its budget ({spent}): give a larger one to continue",
             as_json=as_json,
         )
-    recorded = Path(start.block_file) if start.block_file else None
-    blk = resolve_block(
-        block or start.block,
-        block_file or block_file_path(recorded, as_json, f"the block file {run_dir} records,"),
-        as_json,
-    )
+    if block_file is None:
+        recorded = Path(start.block_file) if start.block_file else None
+        _refuse_recorded_block_file(recorded, run_dir, as_json)
+    blk = resolve_block(block or start.block, block_file, as_json)
     name = provider or state.provider
     same = name == state.provider
+    if same and start.base_url and base_url is None:
+        raise _fail(
+            f"{run_dir} records the server {start.base_url}; a transcript never chooses where "
+            f"your API key is sent: name it yourself with --base-url {start.base_url}",
+            as_json=as_json,
+        )
     prov = _make_provider(
         name,
         blk,
         model or (state.model if same and name in ("anthropic", "openai") else None),
-        base_url or (start.base_url if same else None),
+        base_url,
         Path(start.transcript) if start.transcript else None,
         replay_skip=state.turns if same else 0,
         as_json=as_json,
@@ -461,7 +479,15 @@ def _resume(
         )
     try:
         result = _interruptible(
-            lambda: resume(run, blk, prov, budgets=budgets, on_event=progress), as_json
+            lambda: resume(
+                run,
+                blk,
+                prov,
+                budgets=budgets,
+                on_event=progress,
+                block_file=str(block_file) if block_file else None,
+            ),
+            as_json,
         )
     except BudgetError as e:
         raise _fail(str(e), as_json=as_json) from None

@@ -238,9 +238,12 @@ class AgentLoop:
         sandbox: SandboxOptions | None = None,
         retry: RetryPolicy | None = None,
         on_event: OnEvent | None = None,
+        block_file: str | None = None,
     ) -> AgentLoop:
         """Continue ``run`` from its transcript: same system prompt, tools and history; turns,
-        tokens, cost and the best candidate carry on; unanswered tool calls are answered first."""
+        tokens, cost and the best candidate carry on; unanswered tool calls are answered first.
+        ``block_file`` is the file the worker imports ``block`` from: a transcript is data and
+        never names code to run, so the path it recorded is not used."""
         state = run.state()
         start = state.start
         loop = cls(
@@ -252,7 +255,7 @@ class AgentLoop:
             messages=list(state.messages),
             budgets=budgets or Budgets(**start.budgets),
             sandbox=sandbox or recorded_sandbox(start.sandbox),
-            block_file=start.block_file,
+            block_file=block_file,
             retry=retry or RetryPolicy(),
             on_event=on_event,
         )

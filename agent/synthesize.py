@@ -75,12 +75,21 @@ def resume(
     sandbox: SandboxOptions | None = None,
     retry: RetryPolicy | None = None,
     on_event: OnEvent | None = None,
+    block_file: str | None = None,
 ) -> AgentResult:
     """Continue ``run`` from its transcript with ``provider`` (budgets: the recorded ones unless
-    given)."""
+    given). ``block_file``: the file ``block`` came from, which the worker imports — the caller's
+    choice, never the transcript's."""
     budgets = budgets or Budgets(**run.state().start.budgets)
     check_budgets(provider, budgets)
     loop = AgentLoop.resume(
-        block, provider, run, budgets=budgets, sandbox=sandbox, retry=retry, on_event=on_event
+        block,
+        provider,
+        run,
+        budgets=budgets,
+        sandbox=sandbox,
+        retry=retry,
+        on_event=on_event,
+        block_file=block_file,
     )
     return loop.run()

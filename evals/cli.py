@@ -116,9 +116,14 @@ def eval_cmd(
     }
     _check_workers(parallel, ray)
     if resume_dir is not None:
-        if suite or blocks or block_files or seeds or out or budgets:
-            raise _fail("--resume takes the eval's own settings: drop the other eval options")
+        if suite or blocks or seeds or out or budgets:
+            raise _fail(
+                "--resume takes the eval's own settings: drop the other eval options "
+                "(--block-file excepted)"
+            )
         edir = _open(resume_dir)
+        _check_named_block_files(edir, _load_block_files(block_files or []))
+        _check_named_providers(edir, providers)
     else:
         files = _load_block_files(block_files or [])
         spec = _new_spec(suite, blocks, files, providers, seeds, ks, ps, budgets)
@@ -140,6 +145,42 @@ def _load_block_files(paths: list[Path]) -> dict[str, str]:
         for block in blocks:
             found[block.name] = str(Path(absolute).resolve())
     return found
+
+
+def _check_named_block_files(edir: EvalDir, named: dict[str, str]) -> None:
+    """An eval's folder is data: each block file its spec records is imported (by the cells'
+    workers) only when the user names the same file again with ``--block-file``."""
+    recorded = edir.spec().block_files
+    missing = sorted({f for b, f in recorded.items() if named.get(b) != f})
+    if missing:
+        flags = " ".join(f"--block-file {f}" for f in missing)
+        raise _fail(
+            f"{edir.path} records blocks defined in {', '.join(missing)}; an eval folder never "
+            f"chooses code to run: name the files yourself ({flags})"
+        )
+
+
+def _check_named_providers(edir: EvalDir, providers: str) -> None:
+    """Recorded providers that choose code (``python:MODULE:FUNCTION``) or where an API key is
+    sent (a ``base_url``) are used on ``--resume`` only when ``--providers`` names them again."""
+    try:
+        named = {ProviderSpec.parse(p) for p in _csv(providers)}
+    except SpecError as e:
+        raise _fail(str(e)) from None
+    risky = [p for p in edir.spec().providers if p.kind == "python" or p.base_url]
+    missing = [p for p in risky if p not in named]
+    if missing:
+        again = ",".join(_provider_text(p) for p in risky)
+        raise _fail(
+            f"{edir.path} records providers that run code or send your API key to a server "
+            f"({', '.join(_provider_text(p) for p in missing)}); an eval folder never chooses "
+            f"either: name them yourself with --providers {again}"
+        )
+
+
+def _provider_text(spec: ProviderSpec) -> str:
+    """``spec`` as written in ``--providers``."""
+    return spec.label + (f"@{spec.base_url}" if spec.base_url else "")
 
 
 def _new_spec(

@@ -189,7 +189,7 @@ def test_an_interrupted_json_run_still_prints_one_object(
     }
 
 
-def test_resuming_a_run_whose_block_file_is_gone_names_it(tmp_path: Path) -> None:
+def test_resuming_a_run_whose_block_came_from_a_file_asks_for_the_file(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from coda.agent import cli
@@ -199,12 +199,16 @@ def test_resuming_a_run_whose_block_file_is_gone_names_it(tmp_path: Path) -> Non
     run = crashed_run(tmp_path)
     lines = run.transcript.read_text().splitlines(keepends=True)
     start = json.loads(lines[0])
-    start["block_file"] = str(tmp_path / "moved.py")
+    moved = tmp_path / "moved.py"
+    start["block_file"] = str(moved)
     run.transcript.write_text(json.dumps(start) + "\n" + "".join(lines[1:]))
-    done = CliRunner().invoke(cli.app, ["synthesize", "--resume", str(run.path), "--json"])
+    resume = ["synthesize", "--resume", str(run.path), "--json"]
+    done = CliRunner().invoke(cli.app, resume)
     assert done.exit_code == 2
-    error = json.loads(done.stdout)["error"]
-    assert error == (
-        f"the block file {run.path} records, {tmp_path / 'moved.py'}: "
-        f"{tmp_path / 'moved.py'} does not exist"
+    assert json.loads(done.stdout)["error"] == (
+        f"{run.path} records its block as coming from the file {moved}; a transcript never "
+        f"chooses code to run: name the file yourself with --block-file {moved}"
     )
+    done = CliRunner().invoke(cli.app, [*resume, "--block-file", str(moved)])
+    assert done.exit_code == 2
+    assert json.loads(done.stdout)["error"] == f"--block-file {moved}: {moved} does not exist"

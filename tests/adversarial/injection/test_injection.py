@@ -207,3 +207,105 @@ def test_resume_does_not_take_plugins_from_the_transcript(tmp_path: Path) -> Non
     resumed = resume(RunDir.open(folder), BLOCK, script)
     assert resumed.candidates[0].report.failed_stage.stage == "semantics"  # it did evaluate
     assert not canary.exists()
+
+
+def _crashed_run_naming(tmp_path: Path, block_file: Path) -> RunDir:
+    """A run that died after its first records, whose run_start now names ``block_file``."""
+    with pytest.raises(RuntimeError):
+        synthesize(BLOCK, tmp_path / "runs", provider=Script([RuntimeError("crash")]))
+    (folder,) = (tmp_path / "runs").iterdir()
+    run = RunDir.open(folder)
+    records = [json.loads(line) for line in run.transcript.read_text().splitlines()]
+    records[0]["block_file"] = str(block_file)
+    run.transcript.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+@pytest.mark.parametrize("command", ["resume", "replay"])
+def test_a_transcript_never_chooses_the_block_file_that_is_imported(
+    tmp_path: Path, command: str
+) -> None:
+    """A tampered run_start naming a block file (code that would run on import, in the CLI and in
+    every worker) is refused until the user names that file with --block-file themselves."""
+    from typer.testing import CliRunner
+
+    from coda.agent import cli
+
+    canary = tmp_path / "canary"
+    evil = tmp_path / "evil_block.py"
+    evil.write_text(_fill(CODE, canary) + "\n")
+    run = _crashed_run_naming(tmp_path, evil)
+    args = (
+        ["synthesize", "--resume", str(run.path)]
+        if command == "resume"
+        else ["synthesize", "--provider", "replay", "--transcript", str(run.transcript)]
+    )
+    done = CliRunner().invoke(cli.app, [*args, "--runs-dir", str(tmp_path / "new"), "--json"])
+    assert done.exit_code == 2
+    error = json.loads(done.stdout)["error"]
+    assert f"from the file {evil}" in error and "a transcript never chooses code to run" in error
+    assert f"--block-file {evil}" in error
+    assert not canary.exists()
+
+
+def test_an_eval_folder_never_chooses_the_block_files_that_are_imported(tmp_path: Path) -> None:
+    """``eval --resume`` imports the block files an eval's spec records only when the user names
+    them again; a tampered eval.json naming another file is refused before anything runs."""
+    from typer.testing import CliRunner
+
+    from coda.agent import cli
+    from coda.evals.results import EvalDir
+    from coda.evals.spec import EvalSpec, ProviderSpec
+
+    canary = tmp_path / "canary"
+    evil = tmp_path / "evil_blocks.py"
+    evil.write_text(_fill(CODE, canary) + "\n")
+    spec = EvalSpec(
+        blocks=["llama_mlp"],
+        block_files={"llama_mlp": str(evil)},
+        providers=[ProviderSpec.parse("builtin")],
+    )
+    edir = EvalDir.create(tmp_path / "eval", spec)
+    done = CliRunner().invoke(cli.app, ["eval", "--resume", str(edir.path)])
+    assert done.exit_code == 2
+    assert "an eval folder never chooses code to run" in done.output
+    assert not canary.exists()
+
+
+def test_a_transcript_never_chooses_where_the_api_key_is_sent(tmp_path: Path) -> None:
+    """Resuming an openai run whose run_start was edited to name another server refuses until the
+    user names that server with --base-url: the key would otherwise go wherever the file says."""
+    from typer.testing import CliRunner
+
+    from coda.agent import cli
+
+    run = _crashed_run_naming(tmp_path, tmp_path / "unused.py")
+    records = [json.loads(line) for line in run.transcript.read_text().splitlines()]
+    records[0] |= {"block_file": None, "provider": "openai", "base_url": "http://127.0.0.1:9/v1"}
+    run.transcript.write_text("".join(json.dumps(r) + "\n" for r in records))
+    done = CliRunner().invoke(cli.app, ["synthesize", "--resume", str(run.path), "--json"])
+    assert done.exit_code == 2
+    error = json.loads(done.stdout)["error"]
+    assert "never chooses where your API key is sent" in error
+    assert "--base-url http://127.0.0.1:9/v1" in error
+
+
+def test_an_eval_folder_never_chooses_python_providers_or_servers(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from coda.agent import cli
+    from coda.evals.results import EvalDir
+    from coda.evals.spec import EvalSpec, ProviderSpec
+
+    canary = tmp_path / "canary"
+    (tmp_path / "evil_provider.py").write_text(_fill(CODE, canary) + "\n")
+    specs = [
+        ProviderSpec.parse("python:evil_provider:make"),
+        ProviderSpec.parse("openai:m@http://127.0.0.1:9/v1"),
+    ]
+    edir = EvalDir.create(tmp_path / "eval", EvalSpec(blocks=["llama_mlp"], providers=specs))
+    done = CliRunner().invoke(cli.app, ["eval", "--resume", str(edir.path)])
+    assert done.exit_code == 2
+    assert "an eval folder never chooses" in done.output
+    assert "python:evil_provider:make" in done.output
+    assert not canary.exists()
