@@ -31,6 +31,7 @@ from coda.blocks.llama import llama_lm_head_ce_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
 from .hf import autocast_dtype, block_program, check_rms_norm, run_in_dtype
+from .probe import causal_lm_head, check_causal_lm_head, probe_forward
 
 IGNORE_INDEX = -100
 
@@ -174,8 +175,29 @@ def fuse_causal_lm_loss(
     ``input_ids``). In place; returns ``model``.
 
     The model's own class forward is called for the rest, so copies (``copy.deepcopy``) keep
-    working on themselves.
+    working on themselves. Checked first (``check_fused_loss_fits``): a model whose logits or
+    loss are not those of ``lm_head(model.model.norm(h))`` is refused with ``ValueError``.
     """
+    check_fused_loss_fits(model)
+    return install_fused_loss(model, verify=verify, tune=tune)
+
+
+def check_fused_loss_fits(model: nn.Module) -> None:
+    """``ValueError`` unless ``model`` computes what the fused loss replaces: one probe forward
+    with labels (``coda.export.probe``) shows the logits are ``lm_head``'s output of
+    ``model.model.norm``'s (the base model's last module), ``lm_head`` a bias-free ``x @ Wᵀ``,
+    the loss the mean next-token cross-entropy — no softcapping, logit scale or other loss — and
+    the final norm is Llama's RMSNorm."""
+    recording = probe_forward(model, list(causal_lm_head(model)), labels=True)
+    check_causal_lm_head(recording, model)
+    check_rms_norm(causal_lm_head(model)[1], "model.model.norm")
+
+
+def install_fused_loss(
+    model: nn.Module, *, verify: bool = True, tune: Tuning = "quick"
+) -> nn.Module:
+    """``fuse_causal_lm_loss`` without its check, for a caller that made it already
+    (``patch_llama`` probes the head with the layers, before changing any)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     def forward(self: nn.Module, *args: Any, labels: Any = None, **kwargs: Any) -> Any:
