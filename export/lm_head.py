@@ -112,6 +112,8 @@ class CodaLlamaLMHeadLoss(nn.Module):
 
 # one loss module per model, built on first use (its Programs verified once per process)
 _LOSSES: weakref.WeakKeyDictionary[nn.Module, CodaLlamaLMHeadLoss] = weakref.WeakKeyDictionary()
+# models whose head was proven to be what the fused loss computes (check_fused_loss_fits)
+_CHECKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def causal_lm_loss(
@@ -132,7 +134,9 @@ def causal_lm_loss(
     the norm's input and returns it — the normalization runs in the fused loss's kernels, and the
     base model's output is not used, so Hugging Face's norm would only cost its kernels — and
     returns ``CodaLlamaLMHeadLoss`` of it: same value, same gradients for every parameter. (Hooks
-    on the final norm still run; a forward hook there sees the un-normalized states.)
+    on the final norm still run; a forward hook there sees the un-normalized states.) The first
+    call for a model not yet checked (by ``fuse_causal_lm_loss`` or ``patch_llama(fused_loss=
+    True)``) first proves that its loss is that (``check_fused_loss_fits``; ``ValueError``).
 
     ``use_cache`` is left to the model's config, as ``model(...)`` leaves it: with
     ``use_cache=False`` and no attention mask, Hugging Face checks the position ids for packed
@@ -140,9 +144,13 @@ def causal_lm_loss(
     H200, 4-layer training step: the GPU idled 5.3 ms of a 36.7 ms step with it, 1.3 of 34.5 for
     the same patched model's own forward, which keeps the cache).
     """
-    base, norm, head = model.model, model.model.norm, model.lm_head
     if model not in _LOSSES:
-        _LOSSES[model] = CodaLlamaLMHeadLoss(norm, head, verify=verify, tune=tune)
+        if model not in _CHECKED:
+            check_fused_loss_fits(model)
+        _LOSSES[model] = CodaLlamaLMHeadLoss(
+            model.model.norm, model.lm_head, verify=verify, tune=tune
+        )
+    base, norm = model.model, model.model.norm
     loss_module = _LOSSES[model]
     loss_module.function.tune = tune
     taken: list[torch.Tensor] = []
@@ -191,6 +199,7 @@ def check_fused_loss_fits(model: nn.Module) -> None:
     recording = probe_forward(model, list(causal_lm_head(model)), labels=True)
     check_causal_lm_head(recording, model)
     check_rms_norm(causal_lm_head(model)[1], "model.model.norm")
+    _CHECKED.add(model)
 
 
 def install_fused_loss(
@@ -198,6 +207,7 @@ def install_fused_loss(
 ) -> nn.Module:
     """``fuse_causal_lm_loss`` without its check, for a caller that made it already
     (``patch_llama`` probes the head with the layers, before changing any)."""
+    _CHECKED.add(model)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     def forward(self: nn.Module, *args: Any, labels: Any = None, **kwargs: Any) -> Any:

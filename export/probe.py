@@ -15,8 +15,10 @@ and records what each received and returned; ``check_mlp_half``, ``check_attenti
 ``check_mlp_formula`` and ``check_causal_lm_head`` compare the recorded tensors with the patched
 dataflow and raise ``ValueError`` naming the module and what differs. The probe leaves the model
 as it was: no gradients, eval mode for the call (dropout off; each module's mode restored), the
-RNG state restored, no cache requested or kept, buffers a forward re-assigns put back. Forward
-hooks registered on the model run for the probe's call as for any other.
+RNG state restored, buffers a forward re-assigns put back, and no cache kept (``use_cache`` is
+left to the config, as ``model(...)`` leaves it — ``False`` would make Hugging Face inspect the
+position ids with a host sync — and the cache the forward returns is dropped). Forward hooks
+registered on the model run for the probe's call as for any other.
 
 Hooks on the real forward rather than a ``torch.fx`` trace: Hugging Face decoder layers take
 ``**kwargs``, caches and data-dependent mask code that often does not trace, and hooks record the
@@ -27,7 +29,6 @@ could wire its modules differently for another.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +90,6 @@ def probe_forward(model: nn.Module, watched: list[nn.Module], *, labels: bool = 
     kwargs: dict[str, Any] = {"input_ids": ids}
     if labels:
         kwargs["labels"] = ids
-    if _accepts(model, "use_cache"):
-        kwargs["use_cache"] = False  # nothing cached, nothing left behind
     handles = [  # first: a module's own output, before hooks (carried to its replacement) run
         m.register_forward_hook(recording.hook(m), with_kwargs=True, prepend=True)
         for m in dict.fromkeys(watched)
@@ -118,6 +117,8 @@ def probe_forward(model: nn.Module, watched: list[nn.Module], *, labels: bool = 
             if module._buffers.get(name) is not buffer:
                 module._buffers[name] = buffer
     recording.input_ids = ids
+    if hasattr(recording.output, "past_key_values"):
+        recording.output.past_key_values = None  # the probe's cache goes now, not with the record
     return recording
 
 
@@ -149,13 +150,6 @@ def _probe_ids(model: nn.Module) -> torch.Tensor:
         )
     device = weight.device if isinstance(weight, torch.Tensor) else _tensors(model)[0].device
     return ((torch.arange(PROBE_TOKENS) * 7 + 1) % vocab).view(1, -1).to(device)
-
-
-def _accepts(model: nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 # -- comparisons -----------------------------------------------------------------------------------

@@ -427,7 +427,7 @@ def test_granite_scales_are_refused_where_they_are_not_one() -> None:
     layer (``attention=False``) or the fused loss is refused, the model untouched."""
     from transformers import GraniteConfig, GraniteForCausalLM
 
-    from coda.export import fuse_causal_lm_loss
+    from coda.export import causal_lm_loss, fuse_causal_lm_loss
 
     def granite(**config: float) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -444,5 +444,8 @@ def test_granite_scales_are_refused_where_they_are_not_one() -> None:
     assert _types(model) == before
     with pytest.raises(ValueError, match="logits are not lm_head's output"):
         fuse_causal_lm_loss(model, verify=False)
+    ids = torch.randint(0, 64, (1, 5))
+    with pytest.raises(ValueError, match="logits are not lm_head's output"):
+        causal_lm_loss(model, ids, ids, verify=False)
     patch_llama(model, verify=False, tune="off", attention=False)  # the layers alone: Llama's
     assert isinstance(model.model.layers[0].mlp, CodaLlamaMLP)
