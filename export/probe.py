@@ -276,6 +276,11 @@ def _check_rotary(name: str, attn: nn.Module, call: Call) -> None:
     if tables is None and len(call.args) > 1:
         tables = call.args[1]
     head = getattr(attn, "head_dim", None)
+    if not isinstance(head, int):
+        raise ValueError(
+            f"{name}.self_attn ({type(attn).__name__}) has no head_dim: not the multi-head "
+            "attention whose input the llama_attn_in kernel computes"
+        )
     ok = isinstance(tables, tuple | list) and len(tables) == 2
     if not ok or any(not isinstance(t, torch.Tensor) or t.shape[-1] != head for t in tables):
         raise ValueError(

@@ -29,17 +29,21 @@ TINY = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
 }  # fmt: skip
+MLA = {  # latent attention (DeepSeek-style): its head widths, which head_dim does not set
+    "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+}  # fmt: skip
 MAX_PARAMETERS = 5_000_000  # counted on the meta device before anything is allocated
 IDS = torch.tensor([[1, 8, 15, 22, 29]])
 
 
 def _tiny(model_type: str) -> torch.nn.Module:
-    """The architecture's causal LM at ``TINY`` sizes (then without ``head_dim`` for configs that
-    derive it), fp32, eval mode, norms away from their init so a norm applied twice or never
-    shows; ``pytest.skip`` with the reason when it does not build tiny or run unpatched."""
+    """The architecture's causal LM at ``TINY`` sizes (then without ``head_dim`` for configs
+    that derive it, then with ``MLA``'s latent-attention widths), fp32, eval mode, norms away
+    from their init so a norm applied twice or never shows; ``pytest.skip`` with the reason when
+    it does not build tiny or run unpatched."""
     errors = []
-    for drop in ((), ("head_dim",)):
-        sizes = {k: v for k, v in TINY.items() if k not in drop}
+    for sizes in (TINY, _without(TINY, "head_dim"), {**_without(TINY, "head_dim"), **MLA}):
         try:
             model = _build(model_type, sizes)
             with torch.no_grad():
@@ -51,6 +55,10 @@ def _tiny(model_type: str) -> torch.nn.Module:
             continue
         return model
     pytest.skip(f"{model_type}: does not build or run at tiny sizes ({errors[-1]})")
+
+
+def _without(sizes: dict, key: str) -> dict:
+    return {k: v for k, v in sizes.items() if k != key}
 
 
 class _NotTiny(Exception):
