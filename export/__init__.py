@@ -12,7 +12,9 @@
   projections and RoPE as one GEMM (``llama_attn_in``); attention itself stays Hugging Face's.
 * ``patch_llama(model)``: every decoder layer of a Hugging Face Llama model runs its norms,
   attention input and MLP on CODA kernels, in place (Hugging Face's attention and keys kept),
-  the MLP half's residual add inside its kernels (``CodaLlamaDecoderLayer``).
+  the MLP half's residual add inside its kernels (``CodaLlamaDecoderLayer``) — after proving,
+  on one recorded forward of the model (``coda.export.probe``), that every module it replaces
+  sits where the patched layer computes with it; otherwise ``ValueError``.
 """
 
 from .attention import CodaLlamaAttention, llama_attn_in_function

@@ -56,8 +56,9 @@ def _attn_in_function(eps: float, verify: bool) -> ExportedFunction:
 
 
 def check_llama_attention(attn: nn.Module) -> None:
-    """``ValueError`` unless ``attn`` is a Hugging Face ``LlamaAttention`` that projects like
-    ``llama_attn_in``: bias-free q/k/v projections, heads of ``head_dim`` with an even width.
+    """``ValueError`` unless ``attn`` is a Hugging Face ``LlamaAttention`` with its forward (a
+    subclass that overrides it is refused) that projects like ``llama_attn_in``: bias-free q/k/v
+    projections, heads of ``head_dim`` with an even width.
     Look-alikes differ where the fused kernel cannot see it (Mistral's sliding window, Qwen3's
     per-head q/k norms before RoPE): they are refused, not silently computed as Llama."""
     try:
@@ -70,7 +71,15 @@ def check_llama_attention(attn: nn.Module) -> None:
             "forward may differ from what the llama_attn_in kernel computes (e.g. sliding "
             "windows, q/k norms); patch with attention=False to keep it"
         )
-    for proj in ("q_proj", "k_proj", "v_proj"):  # a LlamaAttention has all three
+    if type(attn).forward is not LlamaAttention.forward:
+        raise ValueError(
+            f"self_attn is a {type(attn).__name__}, a LlamaAttention with its own forward; the "
+            "llama_attn_in kernel computes LlamaAttention's — patch with attention=False to keep it"
+        )
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        weight = getattr(getattr(attn, proj, None), "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"self_attn has no {proj} with a 2-D weight")
         if getattr(attn, proj).bias is not None:
             raise ValueError(f"self_attn.{proj} has a bias; the llama_attn_in block has none")
     head = getattr(attn, "head_dim", None)

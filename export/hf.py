@@ -111,10 +111,20 @@ def _llama_mlp_function(
 
 def check_llama_mlp(mlp: nn.Module) -> None:
     """``ValueError`` unless ``mlp`` computes what the llama_mlp blocks do: bias-free gate, up
-    and down projections and a SiLU gate."""
+    and down projections (modules with a 2-D ``weight``) and a SiLU gate. A module without them
+    (a mixture of experts, a fused ``gate_up_proj``, a two-matrix MLP) is refused by name."""
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        if getattr(getattr(mlp, proj), "bias", None) is not None:
+        module = getattr(mlp, proj, None)
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(
+                f"mlp ({type(mlp).__name__}) has no {proj} with a 2-D weight; the llama_mlp "
+                "block computes down_proj(silu(gate_proj(x)) · up_proj(x))"
+            )
+        if getattr(module, "bias", None) is not None:
             raise ValueError(f"mlp.{proj} has a bias; the llama_mlp block has none")
+    if not hasattr(mlp, "act_fn"):
+        raise ValueError(f"mlp ({type(mlp).__name__}) has no act_fn; the llama_mlp block uses SiLU")
     if not _is_silu(mlp.act_fn):
         raise ValueError(f"mlp.act_fn is {mlp.act_fn!r}; the llama_mlp block uses SiLU")
 

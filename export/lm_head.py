@@ -31,6 +31,7 @@ from coda.blocks.llama import llama_lm_head_ce_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
 from .hf import autocast_dtype, block_program, check_rms_norm, run_in_dtype
+from .probe import causal_lm_head, check_causal_lm_head, probe_forward
 
 IGNORE_INDEX = -100
 
@@ -111,6 +112,8 @@ class CodaLlamaLMHeadLoss(nn.Module):
 
 # one loss module per model, built on first use (its Programs verified once per process)
 _LOSSES: weakref.WeakKeyDictionary[nn.Module, CodaLlamaLMHeadLoss] = weakref.WeakKeyDictionary()
+# models whose head was proven to be what the fused loss computes (check_fused_loss_fits)
+_CHECKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def causal_lm_loss(
@@ -131,7 +134,9 @@ def causal_lm_loss(
     the norm's input and returns it — the normalization runs in the fused loss's kernels, and the
     base model's output is not used, so Hugging Face's norm would only cost its kernels — and
     returns ``CodaLlamaLMHeadLoss`` of it: same value, same gradients for every parameter. (Hooks
-    on the final norm still run; a forward hook there sees the un-normalized states.)
+    on the final norm still run; a forward hook there sees the un-normalized states.) The first
+    call for a model not yet checked (by ``fuse_causal_lm_loss`` or ``patch_llama(fused_loss=
+    True)``) first proves that its loss is that (``check_fused_loss_fits``; ``ValueError``).
 
     ``use_cache`` is left to the model's config, as ``model(...)`` leaves it: with
     ``use_cache=False`` and no attention mask, Hugging Face checks the position ids for packed
@@ -139,9 +144,13 @@ def causal_lm_loss(
     H200, 4-layer training step: the GPU idled 5.3 ms of a 36.7 ms step with it, 1.3 of 34.5 for
     the same patched model's own forward, which keeps the cache).
     """
-    base, norm, head = model.model, model.model.norm, model.lm_head
     if model not in _LOSSES:
-        _LOSSES[model] = CodaLlamaLMHeadLoss(norm, head, verify=verify, tune=tune)
+        if model not in _CHECKED:
+            check_fused_loss_fits(model)
+        _LOSSES[model] = CodaLlamaLMHeadLoss(
+            model.model.norm, model.lm_head, verify=verify, tune=tune
+        )
+    base, norm = model.model, model.model.norm
     loss_module = _LOSSES[model]
     loss_module.function.tune = tune
     taken: list[torch.Tensor] = []
@@ -174,8 +183,31 @@ def fuse_causal_lm_loss(
     ``input_ids``). In place; returns ``model``.
 
     The model's own class forward is called for the rest, so copies (``copy.deepcopy``) keep
-    working on themselves.
+    working on themselves. Checked first (``check_fused_loss_fits``): a model whose logits or
+    loss are not those of ``lm_head(model.model.norm(h))`` is refused with ``ValueError``.
     """
+    check_fused_loss_fits(model)
+    return install_fused_loss(model, verify=verify, tune=tune)
+
+
+def check_fused_loss_fits(model: nn.Module) -> None:
+    """``ValueError`` unless ``model`` computes what the fused loss replaces: one probe forward
+    with labels (``coda.export.probe``) shows the logits are ``lm_head``'s output of
+    ``model.model.norm``'s (the base model's last module), ``lm_head`` a bias-free ``x @ Wᵀ``,
+    the loss the mean next-token cross-entropy — no softcapping, logit scale or other loss — and
+    the final norm is Llama's RMSNorm."""
+    recording = probe_forward(model, list(causal_lm_head(model)), labels=True)
+    check_causal_lm_head(recording, model)
+    check_rms_norm(causal_lm_head(model)[1], "model.model.norm")
+    _CHECKED.add(model)
+
+
+def install_fused_loss(
+    model: nn.Module, *, verify: bool = True, tune: Tuning = "quick"
+) -> nn.Module:
+    """``fuse_causal_lm_loss`` without its check, for a caller that made it already
+    (``patch_llama`` probes the head with the layers, before changing any)."""
+    _CHECKED.add(model)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     def forward(self: nn.Module, *args: Any, labels: Any = None, **kwargs: Any) -> Any:

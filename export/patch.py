@@ -23,6 +23,10 @@ is accumulated in the RMSNorm-backward epilogue (CODA_MATH §3) — two elementw
 residual stream less per layer and step. Under ``torch.autocast`` the add stays in the residual
 stream's dtype, as Hugging Face's. The attention half's residual is still the layer's own add.
 Other Llama-like layer classes keep their forward (their MLP half patches all the same).
+
+Nothing changes before every replaced module is proven to sit in that dataflow: one forward of
+the model on a few tokens, recorded by forward hooks (``coda.export.probe``), and each module's
+own checks; anything else is refused with a ``ValueError`` naming the layer, module and reason.
 """
 
 from __future__ import annotations
@@ -37,7 +41,15 @@ from torch import nn
 from .attention import CodaLlamaAttention, check_llama_attention
 from .autograd import Tuning
 from .hf import CodaLlamaMLPBlock, check_llama_mlp, check_rms_norm, keep_hf_gate_up_keys
-from .lm_head import fuse_causal_lm_loss
+from .lm_head import install_fused_loss
+from .probe import (
+    causal_lm_head,
+    check_attention_half,
+    check_causal_lm_head,
+    check_mlp_formula,
+    check_mlp_half,
+    probe_forward,
+)
 
 
 class DeferredRMSNorm(nn.Module):
@@ -158,8 +170,10 @@ def patch_llama(
     Programs are verified once per process and epsilon). Without ``fuse_gate_up`` the parameters
     stay the same objects (an optimizer built before patching keeps working); with it each
     layer's gate and up weights become one new parameter — build the optimizer after. Every
-    layer is checked first: one whose MLP the block cannot compute (a bias, an activation other
-    than SiLU) raises ``ValueError`` before any layer is changed.
+    replaced module is checked first, on one probe forward of the model and by itself
+    (``_prove``): a layer wired otherwise (OLMo-2's post-norms, a scaled residual) or a module
+    the kernels cannot compute (a mixture of experts, a bias, an activation other than SiLU)
+    raises ``ValueError`` naming the layer and module before any layer is changed.
     ``fused_loss``: also ``fuse_causal_lm_loss(model)`` — in training, ``model(..., labels=...)``
     computes the loss with the final norm, LM head and cross-entropy fused and returns no logits.
     ``fuse_residual`` (default): each Hugging Face ``LlamaDecoderLayer`` becomes a
@@ -183,12 +197,7 @@ def patch_llama(
         "residual": fuse_residual,
     }  # fmt: skip
     attended = [m for m in model.modules() if _unpatched_attention(m)] if attention else []
-    for layer in layers:
-        check_llama_mlp(layer.mlp)
-        check_rms_norm(layer.post_attention_layernorm, "post_attention_layernorm")
-    for layer in attended:
-        check_llama_attention(layer.self_attn)
-        check_rms_norm(layer.input_layernorm, "input_layernorm")
+    _prove(model, layers, attended, fused_loss)
     blocks = [
         CodaLlamaMLPBlock(layer.post_attention_layernorm, layer.mlp, **options) for layer in layers
     ]
@@ -197,19 +206,77 @@ def patch_llama(
         for layer in attended
     ]  # every Program verified before the first layer changes
     for layer, block in zip(layers, blocks, strict=True):
-        layer.post_attention_layernorm = DeferredRMSNorm(block.norm)
-        mlp = CodaLlamaMLP(block)
-        _carry_forward_hooks(layer.mlp, mlp)
-        layer.mlp = mlp
+        _replace(layer, "post_attention_layernorm", DeferredRMSNorm(block.norm))
+        _replace(layer, "mlp", CodaLlamaMLP(block))
         if fuse_residual and type(layer) is _LlamaDecoderLayer:
             layer.__class__ = CodaLlamaDecoderLayer
     for layer, attn in zip(attended, attns, strict=True):
-        layer.input_layernorm = DeferredRMSNorm(layer.input_layernorm)
-        _carry_forward_hooks(layer.self_attn, attn)
-        layer.self_attn = attn
+        _replace(layer, "input_layernorm", DeferredRMSNorm(layer.input_layernorm))
+        _replace(layer, "self_attn", attn)
     if fused_loss:
-        fuse_causal_lm_loss(model, verify=verify, tune=tune)
+        install_fused_loss(model, verify=verify, tune=tune)
     return model
+
+
+_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def _prove(
+    model: nn.Module, layers: list[nn.Module], attended: list[nn.Module], fused_loss: bool
+) -> None:
+    """``ValueError`` (naming the layer, the module and the reason) unless every module about to
+    be replaced sits where the patched layer computes with it and computes what its kernel does.
+
+    One probe forward of the model (``coda.export.probe``) records each layer's dataflow: the MLP
+    half must be ``h + mlp(post_attention_layernorm(h))``, the attention half (``attended``)
+    ``x + self_attn(input_layernorm(x))`` with the rotary tables of the heads' width, and with
+    ``fused_loss`` the logits ``lm_head(model.model.norm(h))`` and the loss their mean
+    next-token cross-entropy. Then each module itself: the MLP's projections and SiLU (and its
+    recorded output recomputed from its weights), the attention class and projections, every
+    norm an RMSNorm with a weight (``check_rms_norm``)."""
+    if not (layers or attended or fused_loss):
+        return
+    names = {m: n for n, m in model.named_modules()}
+    named = [(names.get(layer) or type(layer).__name__, layer) for layer in layers]
+    named_attn = [(names.get(layer) or type(layer).__name__, layer) for layer in attended]
+    head, head_error = _causal_lm_head(model) if fused_loss else ([], None)
+    watched = list(head)
+    for layer in dict.fromkeys([*layers, *attended]):
+        parts = (getattr(layer, part, None) for part in _LAYER_PARTS)
+        watched += [layer, *(p for p in parts if isinstance(p, nn.Module))]
+    recording = probe_forward(model, watched, labels=fused_loss and head_error is None)
+    for name, layer in named:
+        check_mlp_half(recording, name, layer)
+    for name, layer in named_attn:
+        check_attention_half(recording, name, layer)
+    for name, layer in named:
+        _in_layer(name, check_llama_mlp, layer.mlp)
+        check_mlp_formula(recording, name, layer.mlp)
+        _in_layer(name, check_rms_norm, layer.post_attention_layernorm, "post_attention_layernorm")
+    for name, layer in named_attn:
+        _in_layer(name, check_llama_attention, layer.self_attn)
+        _in_layer(name, check_rms_norm, layer.input_layernorm, "input_layernorm")
+    if head_error is not None:  # after the layers': theirs say more about the model
+        raise head_error
+    if fused_loss:
+        check_causal_lm_head(recording, model)
+        check_rms_norm(head[1], "model.model.norm")
+
+
+def _causal_lm_head(model: nn.Module) -> tuple[list[nn.Module], ValueError | None]:
+    """``causal_lm_head(model)`` as a list, or no modules and its ``ValueError``."""
+    try:
+        return list(causal_lm_head(model)), None
+    except ValueError as e:
+        return [], e
+
+
+def _in_layer(name: str, check: Any, *args: Any) -> None:
+    """``check(*args)``, its ``ValueError`` prefixed with the layer's name."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from e
 
 
 _FORWARD_HOOKS = (
@@ -219,6 +286,15 @@ _FORWARD_HOOKS = (
     "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called",
 )
+
+
+def _replace(layer: nn.Module, name: str, new: nn.Module) -> None:
+    """``layer.<name> = new``, ``new`` in the replaced module's training mode (the attention's
+    dropout follows it) and with its forward hooks."""
+    old = getattr(layer, name)
+    new.train(old.training)
+    _carry_forward_hooks(old, new)
+    setattr(layer, name, new)
 
 
 def _carry_forward_hooks(old: nn.Module, new: nn.Module) -> None:

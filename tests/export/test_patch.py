@@ -156,6 +156,7 @@ def test_output_attentions_and_forward_hooks_survive_patching(called_before: boo
         layer.mlp.register_forward_hook(lambda m, a, out, i=i: seen.append(f"mlp{i}"))
         layer.self_attn.register_forward_pre_hook(lambda m, a, i=i: seen.append(f"attn{i}"))
     patch_llama(model, verify=False, tune="off")
+    seen.clear()  # the patch's dataflow probe ran the model (and the hooks) once
     want = hf(input_ids=ids, output_attentions=True, output_hidden_states=True)
     got = model(input_ids=ids, output_attentions=True, output_hidden_states=True)
     assert seen == ["attn0", "mlp0", "attn1", "mlp1"]
@@ -361,3 +362,90 @@ def test_gradient_checkpointing_recomputes_through_the_patched_layers(reentrant:
     torch.testing.assert_close(got_loss, loss, atol=2e-6, rtol=2e-6)
     for name, g in grads.items():
         torch.testing.assert_close(got_grads[name], g, atol=2e-5, rtol=2e-5, msg=name)
+
+
+_SMALL = {
+    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+}  # fmt: skip
+
+
+def _types(model: torch.nn.Module) -> list[type]:
+    return [type(m) for m in model.modules()]
+
+
+@pytest.mark.parametrize("attention", [True, False], ids=["attention", "mlp-only"])
+def test_a_post_norm_layer_is_refused_naming_the_norm(attention: bool) -> None:
+    """OLMo-2 normalizes the attention output with ``post_attention_layernorm`` and feeds the MLP
+    the un-normalized residual stream: deferring that norm into the MLP computes another model
+    (relative error ≈ 1.4 before the dataflow probe). Refused with the reason, nothing changed."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Olmo2ForCausalLM(Olmo2Config(**_SMALL, pad_token_id=0, eos_token_id=1)).eval()
+    before = _types(model)
+    with pytest.raises(ValueError, match=r"model\.layers\.0: post_attention_layernorm normalizes"):
+        patch_llama(model, verify=False, tune="off", attention=attention)
+    assert _types(model) == before
+
+
+def test_a_mixture_of_experts_mlp_is_refused_not_an_attribute_error() -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    model = MixtralForCausalLM(MixtralConfig(**_SMALL, num_local_experts=4)).eval()
+    before = _types(model)
+    for attention in (True, False):
+        with pytest.raises(ValueError, match=r"model\.layers\.0: mlp \(MixtralSparseMoeBlock\)"):
+            patch_llama(model, verify=False, tune="off", attention=attention)
+    assert _types(model) == before
+
+
+def test_the_dataflow_probe_leaves_the_model_as_it_was() -> None:
+    """Training mode (dropout on) and the RNG state survive the probe forward; no gradient or
+    parameter changes. Weights on the meta device are refused: there is nothing to probe with."""
+    model = _model(seed=13, attention_dropout=0.5).train()
+    model.model.layers[1].eval()  # modes are restored per module
+    modes = [m.training for m in model.modules()]
+    params = {n: p.clone() for n, p in model.named_parameters()}
+    state = torch.get_rng_state()
+    patch_llama(model, verify=False, tune="off", fused_loss=True)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert [m.training for m in model.modules()] == modes
+    for name, p in model.named_parameters():
+        assert p.grad is None and torch.equal(p, params[name]), name
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(LlamaConfig(**_SMALL))
+    with pytest.raises(ValueError, match="meta device"):
+        patch_llama(meta, verify=False, tune="off")
+
+
+def test_granite_scales_are_refused_where_they_are_not_one() -> None:
+    """Granite's layers add ``residual_multiplier · mlp(norm(h))`` and its logits are divided by
+    ``logits_scaling``: at 1 the MLP half and the head compute Llama's and patch; otherwise the
+    layer (``attention=False``) or the fused loss is refused, the model untouched."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from coda.export import causal_lm_loss, fuse_causal_lm_loss
+
+    def granite(**config: float) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GraniteForCausalLM(GraniteConfig(**_SMALL, **config)).eval()
+
+    model = granite(residual_multiplier=0.5)
+    before = _types(model)
+    with pytest.raises(ValueError, match=r"model\.layers\.0: the layer's output is not h \+ mlp"):
+        patch_llama(model, verify=False, tune="off", attention=False)
+    assert _types(model) == before
+    model = granite(logits_scaling=2.0)
+    with pytest.raises(ValueError, match="logits are not lm_head's output"):
+        patch_llama(model, verify=False, tune="off", attention=False, fused_loss=True)
+    assert _types(model) == before
+    with pytest.raises(ValueError, match="logits are not lm_head's output"):
+        fuse_causal_lm_loss(model, verify=False)
+    ids = torch.randint(0, 64, (1, 5))
+    with pytest.raises(ValueError, match="logits are not lm_head's output"):
+        causal_lm_loss(model, ids, ids, verify=False)
+    patch_llama(model, verify=False, tune="off", attention=False)  # the layers alone: Llama's
+    assert isinstance(model.model.layers[0].mlp, CodaLlamaMLP)

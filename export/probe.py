@@ -1,0 +1,376 @@
+"""The proof ``patch_llama`` and ``fuse_causal_lm_loss`` ask for before they change a model: that
+every module they replace sits in the dataflow their kernels compute.
+
+A patched decoder layer computes ``h = x + self_attn(input_layernorm(x))`` (the input norm inside
+the attention's QKV kernel) and ``out = h + mlp(post_attention_layernorm(h))`` (the norm inside the
+MLP's kernels; with ``fuse_residual`` the add too), and the fused loss is the cross-entropy of
+``lm_head(norm(hidden))`` (``model.model.norm``). The module checks (``check_llama_mlp``,
+``check_rms_norm``, ``check_llama_attention``) prove what each module computes, but not how the
+layer wires them: OLMo-2's ``post_attention_layernorm`` is an RMSNorm of the attention *output*
+(a post-norm) and its MLP takes the un-normalized residual stream — a pass-through in its place
+computes another model.
+
+``probe_forward`` runs the model once on a few tokens with forward hooks on the modules involved
+and records what each received and returned; ``check_mlp_half``, ``check_attention_half``,
+``check_mlp_formula`` and ``check_causal_lm_head`` compare the recorded tensors with the patched
+dataflow and raise ``ValueError`` naming the module and what differs. The probe leaves the model
+as it was: no gradients, eval mode for the call (dropout off; each module's mode restored), the
+RNG state restored, buffers a forward re-assigns put back, and no cache kept (``use_cache`` is
+left to the config, as ``model(...)`` leaves it — ``False`` would make Hugging Face inspect the
+position ids with a host sync — and the cache the forward returns is dropped). Forward hooks
+registered on the model run for the probe's call as for any other.
+
+Hooks on the real forward rather than a ``torch.fx`` trace: Hugging Face decoder layers take
+``**kwargs``, caches and data-dependent mask code that often does not trace, and hooks record the
+arguments the model's own forward passes (rotary tables, masks) through whatever wrappers it has.
+The proof holds for the probe's input: a forward that branched on its input's length or values
+could wire its modules differently for another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+PROBE_TOKENS = 5  # tokens of the probe sequence (batch 1)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One recorded call of a module: its arguments and what it returned."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+
+    def input(self, name: str = "hidden_states") -> Any:
+        """The argument ``name`` (by keyword), else the first positional argument."""
+        if name in self.kwargs:
+            return self.kwargs[name]
+        return self.args[0] if self.args else None
+
+    def result(self) -> Any:
+        """The returned tensor: a tuple's first item, a model output's ``last_hidden_state``."""
+        out = self.output
+        if isinstance(out, tuple | list):
+            return out[0] if out else None
+        hidden = getattr(out, "last_hidden_state", None)
+        return hidden if hidden is not None else out
+
+
+class Recording:
+    """Every call of the watched modules during one probe forward, and the model's output."""
+
+    def __init__(self) -> None:
+        self.calls: dict[nn.Module, list[Call]] = {}
+        self.output: Any = None
+        self.input_ids: torch.Tensor | None = None
+
+    def of(self, module: nn.Module | None) -> list[Call]:
+        return self.calls.get(module, []) if module is not None else []
+
+    def hook(self, module: nn.Module) -> Any:
+        def record(_m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            self.calls.setdefault(module, []).append(Call(args, dict(kwargs), output))
+
+        return record
+
+
+def probe_forward(model: nn.Module, watched: list[nn.Module], *, labels: bool = False) -> Recording:
+    """Run ``model(input_ids=…)`` (and ``labels=`` the same ids) once on ``PROBE_TOKENS`` tokens,
+    recording every call of the ``watched`` modules; the model is left as it was (module
+    docstring). ``ValueError`` for weights on the meta device or a forward that fails."""
+    _refuse_meta(model)
+    recording = Recording()
+    ids = _probe_ids(model)
+    kwargs: dict[str, Any] = {"input_ids": ids}
+    if labels:
+        kwargs["labels"] = ids
+    handles = [  # first: a module's own output, before hooks (carried to its replacement) run
+        m.register_forward_hook(recording.hook(m), with_kwargs=True, prepend=True)
+        for m in dict.fromkeys(watched)
+    ]
+    modes = {m: m.training for m in model.modules()}
+    buffers = {(m, n): b for m in model.modules() for n, b in m._buffers.items()}
+    cuda = sorted({t.device.index or 0 for t in _tensors(model) if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            model.eval()
+            try:
+                recording.output = model(**kwargs)
+            except Exception as e:  # noqa: BLE001 - any failure: the proof cannot be made
+                raise ValueError(
+                    f"{type(model).__name__}: the dataflow probe model(input_ids=<1×"
+                    f"{PROBE_TOKENS} tokens>) failed ({type(e).__name__}: {e}); the patch proves "
+                    "each replaced module's place on one forward before changing anything"
+                ) from e
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes.items():
+            module.training = training
+        for (module, name), buffer in buffers.items():
+            if module._buffers.get(name) is not buffer:
+                module._buffers[name] = buffer
+    recording.input_ids = ids
+    if hasattr(recording.output, "past_key_values"):
+        recording.output.past_key_values = None  # the probe's cache goes now, not with the record
+    return recording
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"{type(model).__name__}: {meta} is on the meta device; the patch proves each "
+            "replaced module's place by running the model once on a few tokens — load or "
+            "materialize the weights (e.g. to_empty() + load_state_dict) before patching"
+        )
+
+
+def _probe_ids(model: nn.Module) -> torch.Tensor:
+    """``[1, PROBE_TOKENS]`` token ids inside the vocabulary, on the embedding's device."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embed, "weight", None)
+    vocab = getattr(embed, "num_embeddings", None) or getattr(
+        getattr(model, "config", None), "vocab_size", None
+    )
+    if not isinstance(vocab, int) or vocab < 2:
+        raise ValueError(
+            f"{type(model).__name__}: no input embedding with a vocabulary to probe the "
+            "forward with; the patch needs model(input_ids=...) to run"
+        )
+    device = weight.device if isinstance(weight, torch.Tensor) else _tensors(model)[0].device
+    return ((torch.arange(PROBE_TOKENS) * 7 + 1) % vocab).view(1, -1).to(device)
+
+
+# -- comparisons -----------------------------------------------------------------------------------
+
+
+def same(a: Any, b: Any) -> bool:
+    """The same tensor object, or equal tensors (a view or a copy of it)."""
+    if a is b:
+        return True
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+def close(got: Any, want: Any) -> bool:
+    """Equal up to rounding in the coarser of the two dtypes: ``max|got − want|`` within
+    ``max(4 eps, 1e-5)`` of ``max|want|`` — an op done in another order passes; a norm, scale or
+    residual more or less does not."""
+    if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor):
+        return False
+    if got.shape != want.shape:
+        return False
+    eps = max(_eps(got.dtype), _eps(want.dtype))
+    diff = (got.double() - want.double()).abs().max()
+    return bool(diff <= max(4 * eps, 1e-5) * want.double().abs().max().clamp(min=1e-30))
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+
+# -- the decoder layer -----------------------------------------------------------------------------
+
+
+def _per_call(name: str, what: str, calls: list[Call], layer_calls: int) -> None:
+    if len(calls) != layer_calls:
+        raise ValueError(
+            f"{name}.{what} ran {len(calls)} times in {layer_calls} calls of the layer; the "
+            f"patched layer calls it once per call"
+        )
+
+
+def layer_calls(recording: Recording, name: str, layer: nn.Module) -> list[Call]:
+    """The layer's recorded calls; ``ValueError`` if the probe forward never called it."""
+    calls = recording.of(layer)
+    if not calls:
+        raise ValueError(
+            f"{name}: the layer did not run in the model's forward (probed on {PROBE_TOKENS} "
+            "tokens), so its dataflow cannot be proven; the patch replaces only layers the "
+            "forward calls"
+        )
+    return calls
+
+
+def check_mlp_half(recording: Recording, name: str, layer: nn.Module) -> None:
+    """``ValueError`` unless every call of ``layer`` computed ``out = h + mlp(n)`` with ``n``
+    ``post_attention_layernorm(h)``'s output itself and ``h`` the norm's input — what the patched
+    MLP half (norm deferred into the MLP's kernels) computes."""
+    calls = layer_calls(recording, name, layer)
+    norms = recording.of(layer.post_attention_layernorm)
+    mlps = recording.of(layer.mlp)
+    _per_call(name, "post_attention_layernorm", norms, len(calls))
+    _per_call(name, "mlp", mlps, len(calls))
+    attns = recording.of(getattr(layer, "self_attn", None))
+    attns = attns if len(attns) == len(calls) else [None] * len(calls)
+    for call, norm, mlp, attn in zip(calls, norms, mlps, attns, strict=True):
+        h = norm.input()
+        if not same(mlp.input(), norm.result()):
+            raise ValueError(_mlp_input_reason(name, h, attn))
+        if not close(call.result(), h + mlp.result()):
+            raise ValueError(
+                f"{name}: the layer's output is not h + mlp(post_attention_layernorm(h)) with h "
+                "the norm's input (a norm or scale after the MLP, or a residual other than h?); "
+                "the patched layer computes exactly that — patch_llama does not fit this layer"
+            )
+
+
+def _mlp_input_reason(name: str, h: Any, attn: Call | None) -> str:
+    if attn is not None and same(h, attn.result()):
+        return (
+            f"{name}: post_attention_layernorm normalizes the attention output (a post-norm), "
+            "and the MLP does not receive its output; the patched layer would compute "
+            "mlp(post_attention_layernorm(h)) on the residual stream h — another model. "
+            "patch_llama does not fit post-norm layers"
+        )
+    return (
+        f"{name}: the MLP does not receive post_attention_layernorm's output; the patched layer "
+        "computes mlp(post_attention_layernorm(h)) — patch_llama does not fit this layer"
+    )
+
+
+def check_attention_half(recording: Recording, name: str, layer: nn.Module) -> None:
+    """``ValueError`` unless every call of ``layer`` with input ``x`` handed
+    ``input_layernorm(x)``'s output itself to ``self_attn`` as its hidden states, with rotary
+    tables of the heads' width, and ``x + self_attn(...)`` to its MLP half (the post-attention
+    norm's input, or the MLP's in a layer whose MLP half adds its residual)."""
+    calls = layer_calls(recording, name, layer)
+    norms, attns = recording.of(layer.input_layernorm), recording.of(layer.self_attn)
+    _per_call(name, "input_layernorm", norms, len(calls))
+    _per_call(name, "self_attn", attns, len(calls))
+    nexts = recording.of(getattr(layer, "post_attention_layernorm", None))
+    nexts = nexts if len(nexts) == len(calls) else recording.of(getattr(layer, "mlp", None))
+    _per_call(name, "mlp", nexts, len(calls))
+    for call, norm, attn, after in zip(calls, norms, attns, nexts, strict=True):
+        x = call.input()
+        if not same(norm.input(), x):
+            raise ValueError(f"{name}: input_layernorm does not normalize the layer's input")
+        if not same(attn.input(), norm.result()):
+            raise ValueError(
+                f"{name}: self_attn does not receive input_layernorm's output as hidden_states; "
+                "the patched attention normalizes its input itself"
+            )
+        _check_rotary(name, layer.self_attn, attn)
+        if not close(after.input(), x + attn.result()):
+            raise ValueError(
+                f"{name}: what reaches the MLP half is not x + self_attn(input_layernorm(x)) "
+                "(a norm or scale of the attention output?); the patched layer computes exactly "
+                "that — patch with attention=False to keep this attention half"
+            )
+
+
+def _check_rotary(name: str, attn: nn.Module, call: Call) -> None:
+    tables = call.kwargs.get("position_embeddings")
+    if tables is None and len(call.args) > 1:
+        tables = call.args[1]
+    head = getattr(attn, "head_dim", None)
+    if not isinstance(head, int):
+        raise ValueError(
+            f"{name}.self_attn ({type(attn).__name__}) has no head_dim: not the multi-head "
+            "attention whose input the llama_attn_in kernel computes"
+        )
+    ok = isinstance(tables, tuple | list) and len(tables) == 2
+    if not ok or any(not isinstance(t, torch.Tensor) or t.shape[-1] != head for t in tables):
+        raise ValueError(
+            f"{name}.self_attn: no rotary tables (cos, sin) of the head width {head} among its "
+            "arguments; the llama_attn_in kernel rotates whole heads with the tables the layer "
+            "passes"
+        )
+
+
+def check_mlp_formula(recording: Recording, name: str, mlp: nn.Module) -> None:
+    """``ValueError`` unless each recorded call of ``mlp`` returned ``down(silu(gate(x)) ·
+    up(x))`` of its projections' weights — the kernels read the weights alone, so a wrapper
+    that adds to a projection (an adapter) or scales the output is refused."""
+    w_gate, w_up, w_down = (getattr(mlp, p).weight for p in ("gate_proj", "up_proj", "down_proj"))
+    for call in recording.of(mlp):
+        x = call.input()
+        want = call.result()
+        with torch.no_grad():
+            got = F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+        if not close(got, want):
+            raise ValueError(
+                f"{name}.mlp ({type(mlp).__name__}) returned something other than "
+                "down_proj(silu(gate_proj(x)) · up_proj(x)) of its projections' weights, which "
+                "the llama_mlp kernels compute"
+            )
+
+
+# -- the final norm and LM head --------------------------------------------------------------------
+
+
+def causal_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """``(model.model, model.model.norm, model.lm_head)``, what the fused loss replaces;
+    ``ValueError`` naming what is missing."""
+    base = getattr(model, "model", None)
+    norm, head = getattr(base, "norm", None), getattr(model, "lm_head", None)
+    for what, module in (("model.model", base), ("model.model.norm", norm), ("lm_head", head)):
+        if not isinstance(module, nn.Module):
+            raise ValueError(
+                f"{type(model).__name__} has no {what}: the fused loss replaces a causal LM's "
+                "final norm (model.model.norm) and lm_head, as LlamaForCausalLM has them"
+            )
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"lm_head ({type(head).__name__}) has no [vocabulary, hidden] weight")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("lm_head has a bias; the llama_lm_head_ce block has none")
+    return base, norm, head
+
+
+def check_causal_lm_head(recording: Recording, model: nn.Module) -> None:
+    """``ValueError`` unless the probe forward (with labels) computed the logits as
+    ``lm_head(norm(h))`` — ``norm`` the base model's last module, the logits ``lm_head``'s output
+    itself (no softcapping or logit scale), a plain ``x @ Wᵀ`` head — and its loss as the mean
+    next-token cross-entropy of those logits: what the fused loss computes instead."""
+    base, norm, head = causal_lm_head(model)
+    bases, norms, heads = (recording.of(m) for m in (base, norm, head))
+    for what, calls in (("model.model", bases), ("model.model.norm", norms), ("lm_head", heads)):
+        if len(calls) != 1:
+            raise ValueError(
+                f"{what} ran {len(calls)} times in one forward; the fused loss runs it once"
+            )
+    hidden, logits_in, logits = norms[0].result(), heads[0].input(), heads[0].result()
+    if not same(bases[0].result(), hidden):
+        raise ValueError(
+            "model.model.norm's output is not model.model's last hidden state; the fused loss "
+            "normalizes the final norm's input and projects it"
+        )
+    if not same(logits_in, hidden):
+        raise ValueError("lm_head does not receive model.model.norm's output")
+    with torch.no_grad():
+        plain = F.linear(logits_in, head.weight)
+    if not close(plain, logits):
+        raise ValueError(f"lm_head ({type(head).__name__}) is not x @ weightᵀ")
+    out = recording.output
+    if not same(getattr(out, "logits", None), logits):
+        raise ValueError(
+            "the model's logits are not lm_head's output (final-logit softcapping or a logit "
+            "scale?); the fused loss takes the cross-entropy of lm_head(norm(x)) itself"
+        )
+    _check_loss(getattr(out, "loss", None), logits, recording.input_ids)
+
+
+def _check_loss(loss: Any, logits: torch.Tensor, labels: torch.Tensor | None) -> None:
+    if not isinstance(loss, torch.Tensor) or labels is None:
+        raise ValueError("model(input_ids=..., labels=...) returned no loss to compare with")
+    flat = logits[..., :-1, :].reshape(-1, logits.shape[-1]).float()
+    want = F.cross_entropy(flat, labels[..., 1:].reshape(-1).to(flat.device))
+    if not torch.allclose(loss.detach().float(), want, rtol=1e-4, atol=1e-6):
+        raise ValueError(
+            f"the model's loss {float(loss):.6g} is not the mean next-token cross-entropy of its "
+            f"logits ({float(want):.6g}), Hugging Face's causal-LM loss that the fused loss "
+            "computes"
+        )
