@@ -35,7 +35,7 @@ from coda.primitives.plugins import PluginError, load_plugins
 from .compare import OutputCheck
 from .faults import WORKER_ENV, describe_exit, refine_by_stderr, stderr_tail
 from .report import STAGES, Cause, ProfileRow, Report, Stage, StageResult
-from .stages import SandboxOptions, run_worker_stages, semantics, validate
+from .stages import SandboxOptions, run_worker_stages, semantics, semantics_seed, validate
 
 # An environment variable whose name contains one of these never reaches a worker.
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "COOKIE")
@@ -162,11 +162,14 @@ def evaluate(
     size_sets = list(options.verify_shapes(block))
     if not backend.INTERPRET and options.profile:
         size_sets += options.profile_shapes(block)
-    program = None
+    program, coverage = None, None
     if _load_plugins(options, results):
         program, _infos = validate(data, block, size_sets, results)
     if program is not None:
-        semantics(program, block, block.shapes.cpu, results)
+        seed = semantics_seed(options)
+        coverage = semantics(
+            program, block, block.shapes.cpu, results, seed=seed, drawn=options.drawn_shapes
+        )
     if program is not None and results[-1].status == "passed":
         _run_stages(program, block, options, block_file, collected)
         if kernels_dir is not None:
@@ -186,6 +189,7 @@ def evaluate(
         profile=collected.profile,
         kernels={name: f"{name}.py" for name in collected.kernels},
         versions=versions(),
+        semantics=coverage,
     )
 
 
