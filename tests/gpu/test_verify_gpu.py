@@ -10,11 +10,22 @@ from __future__ import annotations
 import copy
 
 from coda.sandbox import SandboxOptions, evaluate
-from tests.adversarial.programs import BLOCK_FILE, BLOCKS, TWO_BRANCH
-from tests.adversarial.test_value_and_shape_cheats import HALF_BRANCH
+from tests.adversarial.programs import BLOCK_FILE, BLOCKS, TWO_BRANCH, gemm, op
 
 BLOCK = BLOCKS["two_branch"]
 OPTIONS = SandboxOptions(profile=False)  # the device's default dtypes and seeds
+# two_branch with the first branch kept in a float16 buffer that the second one reads (as in
+# tests/adversarial/test_value_and_shape_cheats.py)
+HALF_BRANCH = [
+    gemm("x", "w1.T", op("store", src="acc", to="y1", dtype="float16"), name="branch1"),
+    gemm(
+        "x",
+        "w2.T",
+        op("add_tile", src="acc", tensor="y1", out="o"),
+        op("store", src="o", to="out"),
+        name="branch2",
+    ),
+]
 
 
 def test_an_intermediate_rounded_through_float16_fails_the_float32_check() -> None:
