@@ -160,6 +160,9 @@ def evaluate(
     results: list[StageResult] = _Results(on_stage)
     collected = _Collected(results)
     size_sets = list(options.verify_shapes(block))
+    float32_at = options.float32_shape(block)
+    if float32_at is not None and float32_at not in size_sets:
+        size_sets.append(float32_at)
     if not backend.INTERPRET and options.profile:
         size_sets += options.profile_shapes(block)
     program, coverage = None, None

@@ -286,7 +286,9 @@ def test_the_float32_check_runs_where_the_default_dtypes_lack_float32(monkeypatc
     bad = [c for c in report.checks if not c.passed]
     assert bad and {c.dtype for c in bad} == {"float32"}  # the float16 checks passed
     assert all(c.passed for c in report.checks if c.dtype == "float16")
-    assert SandboxOptions(dtypes=["float16"]).float32_check() is False  # explicit: as asked
+    two_branch = BLOCKS["two_branch"]
+    assert SandboxOptions().float32_shape(two_branch) == {"M": 5, "d": 24}  # the smallest
+    assert SandboxOptions(dtypes=["float16"]).float32_shape(two_branch) is None  # as asked
 
 
 def test_the_report_records_the_seed_and_the_drawn_shapes() -> None:
