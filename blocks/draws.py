@@ -15,10 +15,10 @@ relation that holds at *all* of them (CPU, GPU and benchmark sets) is kept (``Si
 * ``granule``: every drawn size is a multiple of the gcd of its values in the sets (``D`` even).
 
 A relation that holds by accident only narrows the draws (they stay valid bindings). The row count
-``M`` takes no part in relations and stays small (float64 on the CPU): at most twice the shape
-sets' largest M in the first draw, at most ``MAX_ROWS`` in the others. The other sizes are drawn
+``M`` takes no part in relations and stays small (float64 on the CPU): at most ``MAX_ROWS``, and
+in the first draw none of the values the shape sets give it. The other sizes are drawn
 log-uniformly up to ``MAX_SIZE`` — in the first draw every size beyond the largest value the CPU
-shape sets give it — as long as no tensor of the block's graph exceeds ``MAX_ELEMENTS``.
+shape sets give it — as long as no input of the block exceeds ``MAX_ELEMENTS``.
 
 **Values** (``SCENARIOS``): the block's own init (``standard``), activations ×1e-3 and ×30, weights
 ×30 (a threshold behind a norm sees only these), heavy-tailed activations (Student-t with two
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import reduce
 from itertools import combinations, product
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ from .block import Block
 ROWS = "M"  # the token dimension: kept small, never related to other sizes
 MAX_ROWS = 40
 MAX_SIZE = 4096
-MAX_ELEMENTS = 1 << 19  # per tensor of the graph: 4 MiB in float64
+MAX_ELEMENTS = 1 << 17  # per input tensor: 1 MiB in float64
 MAX_COEFF = 4  # derived sizes: c1·a (+ c2·b) with 1 ≤ c ≤ MAX_COEFF
 
 
@@ -119,21 +120,25 @@ def draw_shapes(block: Block, count: int, rng: random.Random) -> list[dict[str, 
     size: the first with every drawn size beyond the block's CPU shape sets, the others anywhere
     from 2 to ``MAX_SIZE``. Raises ``ValueError`` naming the block if none can be drawn."""
     relations = infer_relations(block)
-    names = [ROWS, *relations.free] if ROWS in size_names(block) else relations.free
-    beyond = {s: max(v[s] for v in block.shapes.cpu) + 1 for s in names}
-    anywhere = {s: 1 if s == ROWS else 2 for s in names}
+    beyond: dict[str, Any] = {s: max(v[s] for v in block.shapes.cpu) + 1 for s in relations.free}
+    anywhere: dict[str, Any] = dict.fromkeys(relations.free, 2)
+    if ROWS in size_names(block):
+        beyond[ROWS], anywhere[ROWS] = {v[ROWS] for v in block.shapes.cpu}, set()
     lows = [beyond] + [anywhere] * (count - 1)
     return [_draw_one(block, relations, low, rng) for low in lows[:count]]
 
 
 def _draw_one(
-    block: Block, rel: SizeRelations, low: dict[str, int], rng: random.Random
+    block: Block, rel: SizeRelations, low: dict[str, Any], rng: random.Random
 ) -> dict[str, int]:
+    """One binding: each free size log-uniform from ``low[size]`` to ``MAX_SIZE`` (shrunk while
+    a tensor is too large), ``M`` avoiding the values in ``low[M]``."""
     top = MAX_SIZE
     for _ in range(64):
         sizes = {}
-        if ROWS in low:  # beyond the shape sets: up to twice their largest M, else up to MAX_ROWS
-            sizes[ROWS] = rng.randint(low[ROWS], max(2 * low[ROWS] - 2, MAX_ROWS))
+        if ROWS in low:  # at most MAX_ROWS; in the first draw, none of the shape sets' values
+            rows = [m for m in range(1, MAX_ROWS + 1) if m not in low[ROWS]]
+            sizes[ROWS] = rng.choice(rows or list(range(1, MAX_ROWS + 1)))
         for name in rel.free:
             step = reduce(_lcm, (sizes[d] for d in rel.multiple_of[name]), rel.granule[name])
             value = _log_uniform(rng, min(low[name], top), top)
@@ -158,12 +163,9 @@ def _lcm(a: int, b: int) -> int:
 
 
 def _fits(block: Block, sizes: dict[str, int]) -> bool:
-    """Every tensor of the graph at ``sizes`` is within ``MAX_ELEMENTS`` (and the graph runs)."""
-    try:
-        shapes = block.trace(sizes)
-    except (RuntimeError, ValueError, IndexError):
-        return False
-    return all(math.prod(s) <= MAX_ELEMENTS for s in shapes.values())
+    """Every input of the block at ``sizes`` is within ``MAX_ELEMENTS``. (Its graph's other
+    values are ``[M, size]`` wide at most, or shaped like an input, as a weight's gradient is.)"""
+    return all(math.prod(block.shape_of(n, sizes)) <= MAX_ELEMENTS for n in block.inputs)
 
 
 # -- input distributions ---------------------------------------------------------------------------
@@ -224,11 +226,16 @@ SCENARIOS: dict[str, Transform] = {
 
 
 def scenario_inputs(
-    block: Block, sizes: dict[str, int], scenario: str, seed: int, dtype: torch.dtype
+    block: Block,
+    sizes: dict[str, int],
+    scenario: str,
+    seed: int,
+    dtype: torch.dtype,
+    base: Inputs | None = None,
 ) -> Inputs:
-    """The block's seeded inputs at ``sizes`` under ``scenario`` (a key of ``SCENARIOS``); saved
-    inputs are re-derived from the changed ones."""
-    inputs = block.make_inputs(sizes, dtype, seed=seed)
+    """The block's seeded inputs at ``sizes`` (or ``base``, already drawn so) under ``scenario``
+    (a key of ``SCENARIOS``); saved inputs are re-derived from the changed ones."""
+    inputs = base if base is not None else block.make_inputs(sizes, dtype, seed=seed)
     if scenario == "standard":
         return inputs
     gen = torch.Generator().manual_seed(seed + 1)
