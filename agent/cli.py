@@ -427,6 +427,12 @@ def verify_cmd(
     block: str = typer.Option(None, "--block", "-b"),
     block_file: Path = typer.Option(None, "--block-file"),
     as_json: bool = typer.Option(False, "--json"),
+    semantics_seed: int = typer.Option(
+        None,
+        "--semantics-seed",
+        help="seed of the semantics stage's drawn shapes and inputs (default: fresh per run; "
+        "the Report names it, so a run can be repeated)",
+    ),
 ) -> None:
     """Run one Program through the sandbox and print its Report."""
     blk = resolve_block(block, block_file)
@@ -437,7 +443,7 @@ def verify_cmd(
     report = evaluate(
         text,
         blk,
-        SandboxOptions(),
+        SandboxOptions(semantics_seed=semantics_seed),
         block_file=str(block_file) if block_file else None,
         on_stage=None if as_json else (lambda s: console.print(_stage_line("  ", s))),
     )
