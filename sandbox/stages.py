@@ -40,6 +40,7 @@ from .screen import reference64, screen_block, screen_program
 
 SEMANTICS_REL_TOL = 1e-9  # float64 algebra: reassociation costs ~1e-15; a wrong program is O(1)
 DRAWN_SHAPES = 2  # fresh shapes per run for the semantics stage (blocks/draws.py)
+F64 = torch.float64
 
 # The worker's memory cap under the interpreter (RLIMIT_DATA: heap and private writable mappings).
 # A worker verifying llama_mlp at its CPU shapes uses ~250 MiB of data (torch + Triton + numpy);
@@ -244,9 +245,6 @@ def semantics(
     return coverage if results[-1].status == "passed" else None
 
 
-F64 = torch.float64
-
-
 def _semantic_runs(
     shapes: list[dict[str, int]], fresh: list[dict[str, int]], seed: int
 ) -> list[tuple[dict[str, int], str, int | None]]:
@@ -334,7 +332,7 @@ def _semantics_message(
     return (
         f"algebra matches the block in float64 (worst relative error {worst:.1e}) at its "
         f"{len(shapes)} shape sets and {len(fresh)} drawn shapes (seed {seed}: {drawn}); "
-        f"inputs {', '.join(SCENARIOS)} at {_where(shapes[0])}"
+        f"{len(SCENARIOS)} input distributions at {_where(shapes[0])}"
         + (f" and {_where(fresh[0])}" if fresh else "")
         + skip
     )
