@@ -600,11 +600,18 @@ def verify_cmd(
         min=1,
         help="seconds the sandbox worker may run (semantics to profile; default 600)",
     ),
+    semantics_seed: int = typer.Option(
+        None,
+        "--semantics-seed",
+        help="seed of the semantics stage's drawn shapes and inputs (default: fresh per run; "
+        "the Report names it, so a run can be repeated)",
+    ),
 ) -> None:
     """Run one Program through the sandbox and print its Report."""
     block_file = block_file_path(block_file, as_json)
     blk = resolve_block(block, block_file, as_json)
-    options = SandboxOptions() if timeout is None else SandboxOptions(timeout_s=timeout)
+    limits = {} if timeout is None else {"timeout_s": timeout}
+    options = SandboxOptions(semantics_seed=semantics_seed, **limits)
     text = _read_program(program_file, as_json)
     report = evaluate(
         text,

@@ -6,7 +6,12 @@ permutation works in, the ``d`` that turns a sum into a mean, where a block outp
 Sizes are bound from the input shapes when a program runs (``bind_sizes``), so these fields are
 written as small expressions over size names and evaluated at each binding.
 
-Grammar: integers, size names, ``+ - *``, ``//`` and parentheses. Everything else is rejected.
+Grammar: integers, size names, ``+ - *`` (and unary minus) and parentheses. Everything else is
+rejected — floor division and modulo included: no field needs them (every size a primitive needs
+is a sum of the inputs' sizes or a multiple of one), and with them an expression can be right at
+the sizes a block checks and wrong past a threshold (``N + N // 81 * N``). An expression of
+``+ - *`` alone is a polynomial; one right only at the checked sizes is caught where the
+semantics stage draws fresh shapes.
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ from pydantic import AfterValidator
 from .errors import ProgramError, did_you_mean
 
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
-_OPS[ast.FloorDiv] = lambda a, b: a // b
+_NOT_ALLOWED = {  # what a size expression may look for, and why it is refused
+    ast.FloorDiv: "floor division '//'",
+    ast.Div: "division '/'",
+    ast.Mod: "modulo '%'",
+    ast.Pow: "a power '**'",
+}
 
 
 @lru_cache(maxsize=512)
@@ -35,9 +45,12 @@ def _parse(source: str) -> ast.AST:
         if isinstance(node, ast.Constant) and type(node.value) is int:
             continue
         if not isinstance(node, allowed):
+            what = _NOT_ALLOWED.get(type(node), type(node).__name__)
             raise ProgramError(
-                f"size expression {source!r}: {type(node).__name__} is not allowed",
-                hint="use integers, size names (e.g. 'd', 'Nq'), + - * // and parentheses",
+                f"size expression {source!r}: {what} is not allowed",
+                hint="use integers, size names (e.g. 'd', 'Nq'), + - * and parentheses: every "
+                "size a primitive needs is a sum of sizes or a multiple of one (e.g. 'Nq + Nkv', "
+                "'2 * d'); a size that depends on a threshold is wrong past it",
             )
     return tree
 
@@ -123,10 +136,7 @@ def _eval(node: ast.AST, sizes: dict[str, int]) -> int:
     if isinstance(node, ast.UnaryOp):
         return -_eval(node.operand, sizes)
     assert isinstance(node, ast.BinOp)
-    left, right = _eval(node.left, sizes), _eval(node.right, sizes)
-    if isinstance(node.op, ast.FloorDiv) and right == 0:
-        raise ProgramError("a size expression divides by zero")
-    return _OPS[type(node.op)](left, right)
+    return _OPS[type(node.op)](_eval(node.left, sizes), _eval(node.right, sizes))
 
 
 # Plain integer helpers for host code that runs on every launch (``triton.cdiv`` and

@@ -3,7 +3,7 @@
 from coda.primitives import backend as _backend  # noqa: F401  (first: selects the interpreter)
 
 from .compare import OutputCheck, assert_close, check_output
-from .report import ProfileRow, Report, StageResult
+from .report import ProfileRow, Report, SemanticsCoverage, StageResult
 from .runner import evaluate
 from .stages import SandboxOptions
 
@@ -12,6 +12,7 @@ __all__ = [
     "ProfileRow",
     "Report",
     "SandboxOptions",
+    "SemanticsCoverage",
     "StageResult",
     "assert_close",
     "check_output",

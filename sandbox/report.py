@@ -52,6 +52,17 @@ class StageResult(BaseModel):
     cause: Cause | None = None  # set when status == "failed"
 
 
+class SemanticsCoverage(BaseModel):
+    """Where the semantics stage checked the algebra beyond the block's shape sets: the seed of
+    this run (``SandboxOptions.semantics_seed`` reproduces it), the shapes drawn from it and the
+    input distributions (``coda.blocks.draws.SCENARIOS``) every shape ran under."""
+
+    model_config = ConfigDict(frozen=True)
+    seed: int
+    drawn_shapes: list[dict[str, int]] = []
+    inputs: list[str] = []
+
+
 class ProfileRow(BaseModel):
     """Timings at one shape (GPU only; medians of ``triton.testing.do_bench``, L2 flushed)."""
 
@@ -97,6 +108,7 @@ class Report(BaseModel):
     profile: list[ProfileRow] = []
     kernels: dict[str, str] = {}  # step -> generated module file name
     versions: dict[str, str] = {}
+    semantics: SemanticsCoverage | None = None  # absent in reports written before it existed
 
     @property
     def failed_stage(self) -> StageResult | None:

@@ -39,8 +39,8 @@ from coda.primitives.plugins import PluginError, load_plugins
 from .compare import OutputCheck
 from .faults import WORKER_ENV, describe_exit, refine_by_stderr, stderr_tail
 from .fences import caller_undumpable, worker_environment
-from .report import STAGES, Cause, ProfileRow, Report, Stage, StageResult
-from .stages import WORKER_STAGES, SandboxOptions, run_worker_stages, validate
+from .report import STAGES, Cause, ProfileRow, Report, SemanticsCoverage, Stage, StageResult
+from .stages import WORKER_STAGES, SandboxOptions, run_worker_stages, semantics_seed, validate
 
 
 def program_hash(data: Program | dict | str) -> str:
@@ -97,6 +97,7 @@ class _Collected:
         self.checks: list[OutputCheck] = []
         self.profile: list[ProfileRow] = []
         self.kernels: dict[str, str] = {}  # step -> generated source
+        self.coverage: SemanticsCoverage | None = None  # what semantics checked beyond shape sets
         self.started: str | None = None
         self.started_at = time.monotonic()
         self.ready = False  # the worker finished starting up (imports, plugins, block, program)
@@ -118,6 +119,10 @@ class _Collected:
             ]
         elif kind == "kernels":
             self.kernels.update(data)
+        elif kind == "semantics":
+            self.coverage = (
+                data if isinstance(data, SemanticsCoverage) else SemanticsCoverage.model_validate(data)
+            )
         elif kind == "started":
             self.started, self.started_at = data, time.monotonic()
         elif kind == "ready":
@@ -172,8 +177,13 @@ def evaluate(
     results: list[StageResult] = _Results(on_stage)
     collected = _Collected(results)
     size_sets = list(options.verify_shapes(block))
+    float32_at = options.float32_shape(block)
+    if float32_at is not None and float32_at not in size_sets:
+        size_sets.append(float32_at)
     if not backend.INTERPRET and options.profile:
         size_sets += options.profile_shapes(block)
+    # The seed is drawn here, so the Report names it even if the worker dies before semantics ends.
+    options = options.model_copy(update={"semantics_seed": semantics_seed(options)})
     program = None
     if _load_plugins(options, results):
         program, _infos = validate(data, block, size_sets, results, options)
@@ -196,6 +206,7 @@ def evaluate(
         profile=collected.profile,
         kernels={name: f"{name}.py" for name in collected.kernels},
         versions=versions(),
+        semantics=collected.coverage,
     )
 
 

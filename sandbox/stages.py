@@ -11,6 +11,8 @@ exception in the caller.
 from __future__ import annotations
 
 import math
+import os
+import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from coda.blocks.block import Block
+from coda.blocks.draws import SCENARIOS, draw_shapes, scenario_inputs
 from coda.primitives import backend
 from coda.primitives.analysis import ProgramInfo, analyze_all
 from coda.primitives.errors import ProgramError
@@ -33,13 +36,15 @@ from coda.primitives.types import TORCH_DTYPES
 from .compare import OutputCheck, check_output
 from .errors import StageFailure
 from .faults import classify_exception, describe_exception
-from .report import ProfileRow, Stage, StageResult
+from .report import ProfileRow, SemanticsCoverage, Stage, StageResult
 from .screen import reference64, screen_block, screen_program
 
 # What runs after validate, in the worker subprocess (or in-process with isolate=False).
 WORKER_STAGES: tuple[Stage, ...] = ("semantics", "compile", "verify", "profile")
 
 SEMANTICS_REL_TOL = 1e-9  # float64 algebra: reassociation costs ~1e-15; a wrong program is O(1)
+DRAWN_SHAPES = 2  # fresh shapes per run for the semantics stage (blocks/draws.py)
+F64 = torch.float64
 
 # The worker's memory cap under the interpreter (RLIMIT_DATA: heap and private writable mappings).
 # A worker verifying llama_mlp at its CPU shapes uses ~250 MiB of data (torch + Triton + numpy);
@@ -79,6 +84,10 @@ class SandboxOptions(BaseModel):
     max_total_gib: float | None = DEFAULT_MAX_TOTAL_GIB
     # Modules or .py files defining extra primitives, loaded by the caller and by the worker.
     plugins: list[str] = Field(default_factory=plugins_from_env)
+    # The semantics stage's drawn shapes and inputs: None draws a seed per run (os.urandom); the
+    # Report records it, and setting it here reproduces that run.
+    semantics_seed: int | None = None
+    drawn_shapes: int = DRAWN_SHAPES
 
     @field_validator("memory_limit_mb")
     @classmethod
@@ -119,6 +128,17 @@ class SandboxOptions(BaseModel):
             return self.dtypes
         # bfloat16 tl.dot is wrong in the Triton 3.9 interpreter: bf16 is verified on GPUs only.
         return ["float32", "float16"] if backend.INTERPRET else ["bfloat16", "float16"]
+
+    def float32_shape(self, block: Block) -> dict[str, int] | None:
+        """Where verify adds one float32 run: with the default dtypes, when they lack float32 (on
+        a GPU), at the block's smallest CPU shape set; else None. Only float32's tolerance sees
+        an intermediate rounded through a lower precision than the block's (a
+        ``store(dtype="float16")`` that a later step reads): under bf16's and fp16's it passes.
+        A small shape: at a GPU shape set's million elements per output, an honest backward
+        program's worst float32 element can exceed twice PyTorch's worst by a few percent."""
+        if self.dtypes is not None or "float32" in self.verify_dtypes():
+            return None
+        return min(block.shapes.cpu, key=lambda s: math.prod(s.values()))
 
     def profile_shapes(self, block: Block) -> list[dict[str, int]]:
         return self.bench_shapes if self.bench_shapes is not None else block.shapes.bench
@@ -221,30 +241,152 @@ def validate(
 
 
 # -- semantics -------------------------------------------------------------------------------------
+def semantics_seed(options: SandboxOptions) -> int:
+    """The seed of this run's drawn shapes and inputs: ``options.semantics_seed``, else fresh."""
+    if options.semantics_seed is not None:
+        return options.semantics_seed
+    return int.from_bytes(os.urandom(4), "little")
+
+
 def semantics(
-    program: Program, block: Block, shapes: list[dict[str, int]], results: list[StageResult]
-) -> None:
+    program: Program,
+    block: Block,
+    shapes: list[dict[str, int]],
+    results: list[StageResult],
+    *,
+    seed: int = 0,
+    drawn: int = DRAWN_SHAPES,
+) -> SemanticsCoverage | None:
     """The reference executor (float64, CPU) against the block's reference: is the algebra right?
 
     First, once per block, the block screen: every input must move the reference (``screen``).
+    Then the runs of ``_semantic_runs``: the shape sets with the block's own inputs, the other
+    input distributions of ``draws.SCENARIOS`` (a ``where`` or clamp that only N(0, 1) values keep
+    inert) and ``drawn`` fresh shapes from ``seed`` (a size expression right only at the shape
+    sets). Returns what was covered (None if the stage failed).
     """
+    coverage = None
     with timed("semantics", results) as box:
         screen_block(block, shapes)
-        worst = 0.0
-        for sizes in shapes:
-            inputs = block.make_inputs(sizes, torch.float64, seed=0)
-            want = block.reference(inputs)
+        fresh = _drawn_shapes(block, drawn, seed)
+        _analyze_drawn(program, shapes, fresh, seed)
+        worst, skipped = 0.0, 0
+        bases: dict[tuple, dict[str, torch.Tensor]] = {}  # the block's inputs, once per shape
+        for sizes, scenario, drawn_seed in _semantic_runs(shapes, fresh, seed):
+            input_seed = 0 if drawn_seed is None else drawn_seed  # the shape sets: seed 0
+            key = tuple(sizes.items())
+            if key not in bases:
+                bases[key] = block.make_inputs(sizes, F64, seed=input_seed)
+            inputs = scenario_inputs(block, sizes, scenario, input_seed, F64, base=bases[key])
+            want = _reference(block, inputs, sizes, drawn_seed)
+            if not all(bool(torch.isfinite(t).all()) for t in want.values()):
+                skipped += 1  # outside the block's own domain (its reference overflows)
+                continue
             got = outputs_of(program, execute_reference(program, inputs, exact=True))
+            where = _describe_run(sizes, scenario, drawn_seed)
             for name in block.outputs:
-                rel = _semantic_error(name, got[name], want[name], sizes)
-                worst = max(worst, rel)
-        box["message"] = f"algebra matches the block in float64 (worst relative error {worst:.1e})"
+                worst = max(worst, _semantic_error(name, got[name], want[name], where, scenario))
+        coverage = SemanticsCoverage(seed=seed, drawn_shapes=fresh, inputs=list(SCENARIOS))
+        box["message"] = _semantics_message(worst, shapes, fresh, seed, skipped)
+    return coverage if results[-1].status == "passed" else None
+
+
+def _semantic_runs(
+    shapes: list[dict[str, int]], fresh: list[dict[str, int]], seed: int
+) -> list[tuple[dict[str, int], str, int | None]]:
+    """``(sizes, input distribution, seed of a drawn shape or None)`` for every run: each shape
+    set with the block's inputs; the first shape set and the first drawn shape (beyond the shape
+    sets) under every distribution; the other drawn shapes with the block's inputs. About 16
+    float64 runs at modest sizes: a fraction of a second for a Llama block."""
+    others = [name for name in SCENARIOS if name != "standard"]
+    runs = [(sizes, "standard", None) for sizes in shapes]
+    runs += [(shapes[0], name, None) for name in others]
+    for i, sizes in enumerate(fresh):
+        runs += [
+            (sizes, name, seed) for name in (["standard", *others] if i == 0 else ["standard"])
+        ]
+    return runs
+
+
+def _reference(
+    block: Block, inputs: dict[str, torch.Tensor], sizes: dict[str, int], drawn_seed: int | None
+) -> dict[str, torch.Tensor]:
+    """The block's reference; where it cannot run at a drawn shape, the block is at fault."""
+    try:
+        return block.reference(inputs)
+    except (RuntimeError, ValueError, IndexError) as e:
+        if drawn_seed is None:
+            raise
+        raise StageFailure(
+            f"block {block.name!r}: its reference fails at the drawn shape {_where(sizes)} (seed "
+            f"{drawn_seed}): {type(e).__name__}: {e}. Shapes are drawn under the relations that "
+            "hold at all of the block's shape sets; this one needs another. This is a fault of "
+            "the block, not of the program: add shape sets that show the relation",
+            cause="block",
+        ) from None
+
+
+def _drawn_shapes(block: Block, count: int, seed: int) -> list[dict[str, int]]:
+    if count <= 0:
+        return []
+    try:
+        return draw_shapes(block, count, random.Random(seed))
+    except ValueError as e:
+        raise StageFailure(
+            f"{e}. This is a fault of the block, not of the program: give it shape sets whose "
+            "sizes show the relations they need, with tensors of modest size",
+            cause="block",
+        ) from None
+
+
+def _analyze_drawn(
+    program: Program, shapes: list[dict[str, int]], fresh: list[dict[str, int]], seed: int
+) -> None:
+    """The program must be valid at the drawn shapes, with the same types as at the shape sets."""
+    for sizes in fresh:
+        try:
+            analyze_all(program, [*shapes, sizes])
+        except ProgramError as e:
+            raise ProgramError(
+                f"{e.message} — at the drawn shape {_where(sizes)} (seed {seed}), while the "
+                "program is valid at the block's shape sets",
+                loc=e.loc,
+                hint="a size expression (rotary_cols, divide_by, head_dim, a view's start/stop) "
+                "must be right at every binding of the sizes, not only at the shape sets: write "
+                "it as the sizes it stands for (e.g. 'Nq + Nkv', 'd')",
+            ) from None
+
+
+def _where(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def _describe_run(sizes: dict[str, int], scenario: str, drawn_seed: int | None) -> str:
+    shape = (
+        f"the drawn shape {_where(sizes)} (seed {drawn_seed})"
+        if drawn_seed is not None
+        else _where(sizes)
+    )
+    return f"{shape}, inputs: {scenario}"
+
+
+def _semantics_message(
+    worst: float, shapes: list[dict], fresh: list[dict], seed: int, skipped: int
+) -> str:
+    drawn = "; ".join(_where(s) for s in fresh)
+    skip = f"; {skipped} runs skipped where the block's reference is not finite" if skipped else ""
+    return (
+        f"algebra matches the block in float64 (worst relative error {worst:.1e}) at its "
+        f"{len(shapes)} shape sets and {len(fresh)} drawn shapes (seed {seed}: {drawn}); "
+        f"{len(SCENARIOS)} input distributions at {_where(shapes[0])}"
+        + (f" and {_where(fresh[0])}" if fresh else "")
+        + skip
+    )
 
 
 def _semantic_error(
-    name: str, got: torch.Tensor, want: torch.Tensor, sizes: dict[str, int]
+    name: str, got: torch.Tensor, want: torch.Tensor, where: str, scenario: str = "standard"
 ) -> float:
-    where = ", ".join(f"{k}={v}" for k, v in sizes.items())
     if tuple(got.shape) != tuple(want.shape):
         raise ProgramError(
             f"output {name!r} has shape {list(got.shape)} but the block's reference "
@@ -267,10 +409,28 @@ def _semantic_error(
             f"output {name!r} does not match the block's reference in float64 at {where}: "
             f"relative error {rel:.3g}, largest at {[int(p) for p in pos]} (got "
             f"{float(got.flatten()[idx]):.6g}, want {float(want.flatten()[idx]):.6g})",
-            hint="the algebra is wrong before any kernel runs: check each step against the "
-            "reference source (scales, pair order, residual, eps)",
+            hint=_mismatch_hint(where, scenario),
         )
     return rel
+
+
+def _mismatch_hint(where: str, scenario: str) -> str:
+    if "drawn shape" in where:
+        return (
+            "the program matches at the block's shape sets but not at this fresh shape: a size "
+            "expression (or a step) is right only at some sizes — write each size expression as "
+            "the sizes it stands for, so that it is right at every binding of the sizes"
+        )
+    if scenario != "standard":
+        return (
+            f"the program matches with the block's own inputs but not with {scenario}: its "
+            "result depends on the values' magnitude where the block's does not — a where/min/"
+            "max threshold, a clamp, or an eps that differs from the block's"
+        )
+    return (
+        "the algebra is wrong before any kernel runs: check each step against the "
+        "reference source (scales, pair order, residual, eps)"
+    )
 
 
 # -- compile ---------------------------------------------------------------------------------------
@@ -309,8 +469,11 @@ def verify(
     dtypes: list[str],
     seeds: list[int],
     results: list[StageResult],
+    *,
+    float32_at: dict[str, int] | None = None,
 ) -> list[OutputCheck]:
-    """Every output at every shape × dtype × seed against the float64 reference, then the input
+    """Every output at every shape × dtype × seed against the float64 reference (and, given
+    ``float32_at``, once in float32 there: ``SandboxOptions.float32_shape``), then the input
     screen (every output must follow each input) at the smallest shape.
 
     Runs alternate between the mainloop the runtime picks (TMA where operands allow it) and the
@@ -318,7 +481,12 @@ def verify(
     the defaults, every shape under both).
     """
     checks: list[OutputCheck] = []
+    smallest = min(shapes, key=lambda s: math.prod(s.values()))
     runs = [(s, d, seed) for s in shapes for d in dtypes for seed in seeds]
+    extra = ""
+    if float32_at is not None and "float32" not in dtypes:
+        runs.append((float32_at, "float32", seeds[0]))
+        extra = f" + float32 at {', '.join(f'{k}={v}' for k, v in float32_at.items())}"
     with timed("verify", results) as box:
         try:
             for i, (sizes, dtype, seed) in enumerate(runs):
@@ -333,13 +501,12 @@ def verify(
                 f"{failed[0].summary()}",
                 cause="mismatch",
             )
-        smallest = min(shapes, key=lambda s: math.prod(s.values()))
         screened = screen_program(
             lambda inputs: compiled(inputs, poison=True), block, smallest, backend.DEVICE
         )
         box["message"] = (
             f"{len(checks)} checks passed ({len(shapes)} shapes × {dtypes} × {len(seeds)} "
-            f"seeds); {screened}"
+            f"seeds{extra}); {screened}"
         )
     return checks
 
@@ -438,7 +605,12 @@ def run_worker_stages(
     results: list[StageResult] = []
     shapes = options.verify_shapes(block)
     emit("started", "semantics")
-    semantics(program, block, block.shapes.cpu, results)
+    seed = semantics_seed(options)
+    coverage = semantics(
+        program, block, block.shapes.cpu, results, seed=seed, drawn=options.drawn_shapes
+    )
+    if coverage is not None:
+        emit("semantics", coverage)
     emit("stage", results[-1])
     if results[-1].status != "passed":
         return
@@ -450,7 +622,11 @@ def run_worker_stages(
     if compiled is None:
         return
     emit("started", "verify")
-    checks = verify(compiled, block, shapes, options.verify_dtypes(), options.seeds, results)
+    dtypes = options.verify_dtypes()
+    checks = verify(
+        compiled, block, shapes, dtypes, options.seeds, results,
+        float32_at=options.float32_shape(block),
+    )  # fmt: skip
     emit("checks", checks)
     emit("stage", results[-1])
     if results[-1].status != "passed" or not options.profile:

@@ -63,8 +63,11 @@ def test_blocks_lists_llama_mlp() -> None:
 def test_verify_a_program_file(tmp_path: Path) -> None:
     good = tmp_path / "good.json"
     good.write_text(lower(get_block("llama_mlp")).model_dump_json())
-    result = runner.invoke(app, ["verify", str(good), "--block", "llama_mlp"])
+    args = ["verify", str(good), "--block", "llama_mlp", "--semantics-seed", "42", "--json"]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["verified"] and report["semantics"]["seed"] == 42  # the run can be repeated
     bad = tmp_path / "bad.json"
     bad.write_text('{"block": "llama_mlp", "steps": "nope"}')
     result = runner.invoke(app, ["verify", str(bad), "--block", "llama_mlp"])

@@ -530,6 +530,10 @@ def test_size_expressions_are_whitelisted() -> None:
         Program.parse(_rope_program(rotary_cols="len(N)"))
     with pytest.raises(ProgramError, match="not valid syntax"):
         Program.parse(_rope_program(rotary_cols="N +"))
+    # a threshold on a size (right below it, wrong past it) cannot be written
+    for expr, what in [("N - N // 81 * 2", "floor division '//'"), ("N - N % 4", "modulo '%'")]:
+        with pytest.raises(ProgramError, match=f"{what} is not allowed"):
+            Program.parse(_rope_program(rotary_cols=expr))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
