@@ -120,9 +120,7 @@ class _Collected:
         elif kind == "kernels":
             self.kernels.update(data)
         elif kind == "semantics":
-            self.coverage = (
-                data if isinstance(data, SemanticsCoverage) else SemanticsCoverage.model_validate(data)
-            )
+            self.coverage = SemanticsCoverage.model_validate(data)
         elif kind == "started":
             self.started, self.started_at = data, time.monotonic()
         elif kind == "ready":
