@@ -63,7 +63,7 @@ def check_size_expr(source: str) -> str:
 
 
 # Printed forms and binding strengths of the operators (Python's), for ``canonical_size_expr``.
-_SYMBOLS = {ast.Add: ("+", 1), ast.Sub: ("-", 1), ast.Mult: ("*", 2), ast.FloorDiv: ("//", 2)}
+_SYMBOLS = {ast.Add: ("+", 1), ast.Sub: ("-", 1), ast.Mult: ("*", 2)}
 _PREC_NEG, _PREC_ATOM = 3, 4
 
 

@@ -57,8 +57,8 @@ def test_expression_printing_round_trips(source: str) -> None:
         ("Nq+Nkv", "Nq + Nkv"),
         ('d # """; import os', "d"),
         ("(a-b)-(c-d)", "a - b - (c - d)"),
-        ("2*(a+b)//3", "2 * (a + b) // 3"),
-        ("a//(b*c)", "a // (b * c)"),
+        ("2*(a+b)*3", "2 * (a + b) * 3"),
+        ("a*(b-c)", "a * (b - c)"),
         ("-(-a)", "-(-a)"),
         ("  7 ", "7"),
     ],
@@ -77,7 +77,7 @@ _SIZE_LEAVES = st.one_of(st.sampled_from(["a", "b", "Nq"]), st.integers(0, 99).m
     st.recursive(
         _SIZE_LEAVES,
         lambda inner: st.one_of(
-            st.tuples(inner, st.sampled_from(["+", "-", "*", "//"]), inner).map(
+            st.tuples(inner, st.sampled_from(["+", "-", "*"]), inner).map(
                 lambda t: f"({t[0]}{t[1]}{t[2]})"
             ),
             inner.map(lambda x: f"-({x})"),
@@ -89,13 +89,7 @@ def test_size_printing_round_trips(source: str) -> None:
     printed = check_size_expr(source)
     assert canonical_size_expr(printed) == printed
     sizes = {"a": 7, "b": 3, "Nq": 5}
-    try:
-        want = evaluate(source, sizes)
-    except ProgramError:  # divides by zero: so must the printed form
-        with pytest.raises(ProgramError):
-            evaluate(printed, sizes)
-        return
-    assert evaluate(printed, sizes) == want
+    assert evaluate(printed, sizes) == evaluate(source, sizes)
 
 
 def test_a_program_holds_only_canonical_text() -> None:
