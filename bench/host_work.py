@@ -1,7 +1,7 @@
 """The Python side of a patched Llama training step, on the CPU, with every kernel launch
 stubbed out: what ``coda.export``'s eager path costs the host apart from the launches themselves.
 
-A training step on a small batch is host-bound (bench/RESULTS.md, tenth and eleventh sessions),
+A training step on a small batch is host-bound (bench/RESULTS.md, runs 2026-12-01c and 2026-12-01d),
 and most of what the patched model adds to eager Hugging Face's host work is Python — binding
 arguments, planning and replaying runs, preparing weights, allocating, building launch arguments.
 That part can be measured and profiled without a GPU: this script runs a random 4-layer

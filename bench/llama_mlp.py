@@ -1,8 +1,8 @@
-"""Hopper speed, side by side in one run (issue 4): the generated mainloop against cuBLAS, GEMM +
+"""Hopper speed, side by side in one run: the generated mainloop against cuBLAS, GEMM +
 SwiGLU fused against cuBLAS, and ``llama_mlp`` forward against cuBLAS GEMMs alone, eager PyTorch,
 ``torch.compile`` and Liger.
 
-Run on the GPU machine (see ../shared/GPU.md), bf16::
+Run on the GPU machine (see docs/gpu.md), bf16::
 
     python bench/llama_mlp.py [--quick] [--out DIR]
 
@@ -232,7 +232,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/llama_mlp.py needs a CUDA GPU (see ../shared/GPU.md)", file=sys.stderr)
+        print("bench/llama_mlp.py needs a CUDA GPU (see docs/gpu.md)", file=sys.stderr)
         return 2
     space = QUICK_SPACE if args.quick else None
     start = time.time()

@@ -17,9 +17,9 @@ Variants, each from the same initial weights: ``hf``, ``hf_compile`` (``torch.co
 ``causal_lm_loss``: final norm + LM head + cross-entropy fused; every ``coda`` variant adds the
 MLP half's residual in its kernels), ``coda_lm_head_hf_residual`` (``coda_lm_head`` with
 ``fuse_residual=False``: Hugging Face's residual add), ``coda_lm_head_decide`` (the
-same deciding every run anew — no run plans: the host's work of the tenth session),
+same deciding every run anew — no run plans: the host's work as of run 2026-12-01c),
 ``coda_lm_head_ops`` (that, and every call through the registered custom ops and every launch
-through Triton's own path: the host's work before the tenth session; both timed interleaved with
+through Triton's own path: the host's work before run 2026-12-01c; both timed interleaved with
 the rest), ``coda_compile``
 (``torch.compile`` of the patched model) and ``liger``; and ``hf_graph``,
 ``coda_lm_head_graph``: those steps — forward, backward, ``AdamW.step()`` — captured once in one
@@ -178,7 +178,7 @@ def contained_module_patches(model: Any, module: Any, apply: Callable[[], None])
     Liger's ``apply_liger_kernel_to_llama(model=m)`` also replaces ``modeling_llama``'s
     ``apply_rotary_pos_emb`` for every Llama in the process: the ``hf`` and ``hf_compile``
     variants, timed interleaved with ``liger``, ran Liger's RoPE kernel (``_triton_rope`` in their
-    profiles) until this was contained (bench/RESULTS.md, eighth session)."""
+    profiles) until this was contained (bench/RESULTS.md, run 2026-12-01a)."""
     before = dict(vars(module))
     apply()
     patched = {k: v for k, v in vars(module).items() if before.get(k, _MISSING) is not v}
@@ -264,8 +264,8 @@ def captured(step: Callable[[], Any], optimizer: Any) -> Callable[[], Any]:
 class Replay:
     """A captured step: each call replays ``graph`` and returns ``loss``. It holds ``step`` (and
     through it the model and the data) and ``optimizer``: the graph reads and writes their
-    memory by address, so they must live as long as it does. (Before the twelfth session it
-    held only the graph: a variant's model was collected once the next variant was built, the
+    memory by address, so they must live as long as it does. (Before run 2026-12-01e it held
+    only the graph: a variant's model was collected once the next variant was built, the
     next capture's ``empty_cache()`` returned its memory to the driver and the first graph's
     next replay faulted — bench/RESULTS.md.)"""
 
@@ -281,7 +281,7 @@ def with_host_paths(step: Callable[[], Any], *, ops: bool) -> Callable[[], Any]:
     """``step`` with no run plans (every ``CompiledProgram.run`` decides anew, as
     ``CODA_DECIDE_EVERY_RUN=1`` selects for a whole process) and, with ``ops``, every exported
     call through its registered custom op and every kernel launch through Triton's own path
-    (``CODA_DISPATCH_OPS=1 CODA_TRITON_LAUNCH=1``): earlier sessions' host paths, timed
+    (``CODA_DISPATCH_OPS=1 CODA_TRITON_LAUNCH=1``): the earlier host paths, timed
     interleaved with today's in one process."""
     from coda.export import autograd
     from coda.primitives import launch, runtime

@@ -35,8 +35,8 @@ from typing import Any
 
 NEEDS_GPU = (
     "bench/paper_kernels.py needs a CUDA GPU: it times bf16 kernels against cuBLAS and "
-    "torch.compile, and no GPU is visible here. Run it on the GPU machine (see GPU.md), or pass "
-    "--dry-run to exercise the script on a CPU at toy sizes (numbers are not measurements)."
+    "torch.compile, and no GPU is visible here. Run it on a GPU machine (see docs/gpu.md), or "
+    "pass --dry-run to exercise the script on a CPU at toy sizes (numbers are not measurements)."
 )
 MLP_SIZES = [{"M": 16384, "d": 2048, "f": 8192}, {"M": 16384, "d": 4096, "f": 14336}]
 

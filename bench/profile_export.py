@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench/profile_export.py needs a CUDA GPU (see GPU.md)", file=sys.stderr)
+        print("bench/profile_export.py needs a CUDA GPU (see docs/gpu.md)", file=sys.stderr)
         return 2
     results = [profile_one(SIZES[int(d)], args.iters, args.packed) for d in args.sizes.split(",")]
     out = Path(args.out)

@@ -50,7 +50,7 @@ class ShapeSets(BaseModel):
 
 
 class Tolerance(BaseModel):
-    """The verification rule (DESIGN §5), per output and dtype.
+    """The verification rule (docs/sandbox.md, "verify"), per output and dtype.
 
     Pass when ``max|out − ref64| ≤ ratio · max|torch − ref64| + floor[dtype] · max|ref64|`` and
     ``‖out − ref64‖ / ‖ref64‖ ≤ rel[dtype]``, where ``torch`` is the block's own PyTorch reference

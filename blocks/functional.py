@@ -36,7 +36,7 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
 
 
-# -- kernel-level semantics (CODA_MATH §6) ---------------------------------------------------------
+# -- kernel-level semantics (docs/algebra.md §6) ---------------------------------------------------
 # Each helper computes in at least fp32 and returns the activation dtype of its main input (or fp32
 # for row statistics), so a block's reference in bfloat16 rounds where a PyTorch user's code would.
 
@@ -125,7 +125,7 @@ def rms_norm_backward(
     dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor, c: torch.Tensor
 ) -> torch.Tensor:
     """RMSNorm's input gradient ``rstd ⊙ (dy ⊙ γ − x̂ · c)`` given the row statistic
-    ``c = (1/d) Σ_j y_j dy_j`` (CODA_MATH §4)."""
+    ``c = (1/d) Σ_j y_j dy_j`` (docs/algebra.md §4)."""
     r, cf = rstd[:, None], c[:, None]
     return (r * (upcast(dy) * gamma - upcast(x) * r * cf)).to(dy.dtype)
 
@@ -137,7 +137,7 @@ def rms_norm_weight_grad(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) 
 
 def swiglu_pairs_backward(da: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """Gradient of ``swiglu_pairs(z)`` against ``da``, interleaved like z: ``dg = da·u·σ(g)·(1 +
-    g·(1 − σ(g)))``, ``du = da·silu(g)`` (CODA_MATH §2)."""
+    g·(1 − σ(g)))``, ``du = da·silu(g)`` (docs/algebra.md §2)."""
     g, u, d = upcast(z[:, 0::2]), upcast(z[:, 1::2]), upcast(da)
     sig = torch.sigmoid(g)
     dg = d * u * sig * (1 + g * (1 - sig))

@@ -1,4 +1,4 @@
-"""The ten GEMM-epilogue kernels of the CODA paper's appendix (CODA_MATH §6), each as a block.
+"""The ten GEMM-epilogue kernels of the CODA paper's appendix (docs/algebra.md §6), each as a block.
 
 Kernel-level semantics: ``A`` is ``[M, K]``; ``B`` is ``[K, N]`` for ``A B`` and ``[N, K]`` for
 ``A Bᵀ`` (an ``nn.Linear`` weight); pairs are adjacent columns ``(2k, 2k+1)`` (gate/up

@@ -1,7 +1,7 @@
 """Llama blocks (Hugging Face ``LlamaMLP`` / ``LlamaRMSNorm`` / ``LlamaAttention`` projections /
 causal-LM loss semantics), forward and backward.
 
-The layer boundary is shifted so every norm sits between two GEMMs (CODA_MATH §7):
+The layer boundary is shifted so every norm sits between two GEMMs (docs/algebra.md §7):
 ``llama_attn_out`` ends a sub-layer with the residual and the next norm's statistic;
 ``llama_attn_in`` and ``llama_mlp`` start one with a norm; ``llama_lm_head_ce`` is the last.
 Backward blocks are autograd of these.

@@ -132,7 +132,7 @@ class _Fields(GraphOp):
         return [getattr(self, name) for name in self.args]
 
 
-# -- kernel-level ops (CODA_MATH §6) ---------------------------------------------------------------
+# -- kernel-level ops (docs/algebra.md §6) ---------------------------------------------------------
 class Matmul(_Fields):
     """``out = a @ b`` with ``b`` of shape ``[K, N]`` (a plain matrix product)."""
 

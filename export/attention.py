@@ -1,5 +1,5 @@
 """The attention input of a Hugging Face Llama layer on CODA kernels: input RMSNorm + the Q, K, V
-projections + RoPE as one GEMM (``llama_attn_in``, CODA_MATH §2–3), and its backward.
+projections + RoPE as one GEMM (``llama_attn_in``, docs/algebra.md §2–3), and its backward.
 
 * ``llama_attn_in_function(eps)``: ``f(x, gamma, w_q, w_k, w_v, cos, sin) -> qkv`` with autograd
   for ``x``, ``gamma`` and the three weights; the backward (``llama_attn_in_bwd_saved``) takes

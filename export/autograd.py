@@ -21,8 +21,8 @@ Eager calls skip the dispatcher: where nothing traces (no ``torch.compile``, no 
 functional tensors, no dispatch mode such as ``opcheck``'s), a call runs the same runners through
 a plain ``torch.autograd.Function`` with the same saving and backward logic — a ``torch.library``
 custom op costs tens of microseconds of host time per call (its Python dispatch, autograd wrapper
-and aliasing check), which a training step pays twice per exported block (bench/RESULTS.md, tenth
-session). Anything that traces still sees the registered ops; ``CODA_DISPATCH_OPS=1`` in the
+and aliasing check), which a training step pays twice per exported block (bench/RESULTS.md,
+run 2026-12-01c). Anything that traces still sees the registered ops; ``CODA_DISPATCH_OPS=1`` in the
 environment sends every call through them (to compare the two).
 
 Mainloop configs are tuned on a GPU the first time each op meets a new set of input shapes

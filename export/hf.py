@@ -71,8 +71,8 @@ def llama_mlp_function(
 
     ``saved`` (default): the forward is ``llama_mlp_train``, which also keeps the gate and up
     projections and the SwiGLU output, and the backward ``llama_mlp_bwd_saved`` uses them
-    (CODA_MATH §7's schedule) — and a call that needs no gradient (``torch.no_grad()``, nothing
-    requiring grad) runs the plain ``llama_mlp`` forward instead, storing none of them;
+    (docs/algebra.md §7's schedule) — and a call that needs no gradient (``torch.no_grad()``,
+    nothing requiring grad) runs the plain ``llama_mlp`` forward instead, storing none of them;
     otherwise the forward stores nothing extra and ``llama_mlp_bwd`` recomputes the gate/up GEMM
     (less memory, one more GEMM). The Programs come from the built-in planner; with ``verify``
     (default) each is first verified by the sandbox at the block's shape sets, once per process.
@@ -181,7 +181,7 @@ class CodaLlamaMLPBlock(nn.Module):
     gradients reach the parameters in their own dtype. ``verify``: verify the Programs in the
     sandbox when the module is built (default; once per process and epsilon). ``saved``: keep the
     gate and up projections and the SwiGLU output from the forward for the backward (default,
-    CODA_MATH §7), or recompute them in the backward (three ``[tokens, intermediate]`` tensors
+    docs/algebra.md §7), or recompute them in the backward (three ``[tokens, intermediate]`` tensors
     less memory, one GEMM more).
     ``tune``: mainloop configs tuned per new shape on a GPU — ``quick`` (default), ``full``,
     ``off`` (``export_autograd``).

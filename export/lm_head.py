@@ -1,7 +1,7 @@
 """The final norm + LM head + cross-entropy of a Hugging Face Llama on CODA kernels: the loss
 without the ``[tokens, vocabulary]`` logits in memory.
 
-``llama_lm_head_ce`` (CODA_MATH §5) computes each token's loss in the LM head GEMM's epilogue
+``llama_lm_head_ce`` (docs/algebra.md §5) computes each token's loss in the LM head GEMM's epilogue
 (target logit + per-tile log-sum-exp, combined by a tiny aux step); in training it also keeps each
 token's log-sum-exp (``llama_lm_head_ce_train``), and the backward (``_bwd_saved``) recomputes the
 logits tile by tile once, for ``softmax − onehot`` — so neither pass stores logits; eager PyTorch

@@ -6,7 +6,7 @@ and state-dict keys. In each layer it swaps modules:
 
 * ``post_attention_layernorm`` (and ``input_layernorm``) → ``DeferredRMSNorm``: hands its input
   through unchanged and keeps the norm's ``weight`` (the same Parameter, the same key) and
-  epsilon — the normalization itself runs in the next module's kernels (CODA_MATH §1: ``r``
+  epsilon — the normalization itself runs in the next module's kernels (docs/algebra.md §1: ``r``
   scales the GEMM's accumulator);
 * ``mlp`` → ``CodaLlamaMLP``: ``mlp(norm(x))``, or ``x + mlp(norm(x))`` in one call, on the
   ``llama_mlp`` Programs (a ``CodaLlamaMLPBlock``), with the original ``gate_proj`` /
@@ -19,8 +19,8 @@ and, with ``fuse_residual`` (default), the layer's forward: a Hugging Face ``Lla
 becomes a ``CodaLlamaDecoderLayer`` (its class swapped in place — same modules, hooks and keys)
 that hands the MLP half's residual to the MLP, so ``h + mlp(norm(h))`` is one ``llama_mlp`` call:
 the add happens in the down projection's epilogue and, in the backward, the residual's gradient
-is accumulated in the RMSNorm-backward epilogue (CODA_MATH §3) — two elementwise passes over the
-residual stream less per layer and step. Under ``torch.autocast`` the add stays in the residual
+is accumulated in the RMSNorm-backward epilogue (docs/algebra.md §3) — two elementwise passes over
+the residual stream less per layer and step. Under ``torch.autocast`` the add stays in the residual
 stream's dtype, as Hugging Face's. The attention half's residual is still the layer's own add.
 Other Llama-like layer classes keep their forward (their MLP half patches all the same).
 

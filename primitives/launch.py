@@ -4,7 +4,7 @@
 to the signature, specializes each one (dtype, 16-byte alignment, integers equal to 1 or
 divisible by 16), builds the cache key, looks the compiled kernel up, builds launch metadata and
 only then launches — tens of microseconds of host time per launch on the H200's host, paid by
-every fused GEMM and every small aux kernel of a training step (bench/RESULTS.md, tenth session).
+every fused GEMM and every small aux kernel of a training step (bench/RESULTS.md, run 2026-12-01c).
 
 ``launch_kernel(kernel, grid, *args, **meta)`` does the same first launch for each *argument
 signature* and keeps the compiled kernel Triton returned; later launches with the same signature

@@ -138,7 +138,7 @@ class CompiledProgram:
         replay the plan: allocate, build arguments, launch. Every decision depends only on what
         the signature holds (tensors a step allocates are contiguous and aligned), so a replay
         does what deciding anew would do, with a fraction of the host's work (bench/RESULTS.md,
-        eleventh session). ``CODA_DECIDE_EVERY_RUN=1`` in the environment (module flag
+        run 2026-12-01d). ``CODA_DECIDE_EVERY_RUN=1`` in the environment (module flag
         ``REPLAY``) decides every call anew."""
         if not REPLAY:
             return self._record(prepared, poison)[0]

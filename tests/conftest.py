@@ -1,5 +1,5 @@
 """Test configuration: coda first (so Triton runs interpreted without a GPU), GPU tests skipped
-cleanly without a GPU, and a private kernel cache per test session."""
+cleanly without a GPU, and a private kernel cache per pytest run."""
 
 import os
 import tempfile
@@ -26,5 +26,5 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
                 item.add_marker(skip_gpu)
     # Long tests first: xdist hands tests out in collection order, so a long one collected late
     # would start when the rest are nearly done (the GPU eval cell, ~250 s, did: the whole
-    # tests/gpu run then outlasted a 480 s device call).
+    # tests/gpu run then ran past 480 s).
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

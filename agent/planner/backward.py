@@ -1,8 +1,8 @@
 """Lowering rules for backward blocks (a ``vjp`` of a forward block, ``blocks/autodiff.py``).
 
-The rules read the *forward* graph and emit the CODA backward schedule (CODA_MATH §2–5, §7). Every
-supported forward block starts with an RMSNorm ``h = rmsnorm(x)·γ`` feeding a projection ``z = h W``
-(a gate/up pair, a fused QKV with RoPE, or an LM head); its backward is
+The rules read the *forward* graph and emit the CODA backward schedule (docs/algebra.md §2–5,
+§7). Every supported forward block starts with an RMSNorm ``h = rmsnorm(x)·γ`` feeding a projection
+``z = h W`` (a gate/up pair, a fused QKV with RoPE, or an LM head); its backward is
 
 1. ``z`` and ``dz`` where they meet — the projection GEMM is recomputed (``r ⊙ (x (W·diag γ)ᵀ)``,
    the backward block gets only the forward inputs) and the head's backward runs in an epilogue:
@@ -187,7 +187,7 @@ class _Backward:
             {"op": "load_row_vector", "vector": r, "out": "r_row"},
             {"op": "load_col_vector", "vector": norm.weight, "out": "gamma_col"},
             {"op": "load_row_vector", "vector": c, "out": "c_row"},
-            # dx = r ⊙ (dh ⊙ γ − x̂ · c), x̂ = r ⊙ x (CODA_MATH §4); acc = dh
+            # dx = r ⊙ (dh ⊙ γ − x̂ · c), x̂ = r ⊙ x (docs/algebra.md §4); acc = dh
             {
                 "op": "map",
                 "expr": "r_row * (acc * gamma_col - r_row * x_tile * c_row)",
@@ -277,7 +277,7 @@ class _Backward:
             [
                 {"op": "load_tile", "tensor": g, "out": "g_tile"},
                 {"op": "load_tile", "tensor": u, "out": "u_tile"},
-                # d/dg silu(g)·u = u·σ(g)·(1 + g(1 − σ(g))), d/du = silu(g) (CODA_MATH §2)
+                # d/dg silu(g)·u = u·σ(g)·(1 + g(1 − σ(g))), d/du = silu(g) (docs/algebra.md §2)
                 {
                     "op": "map",
                     "expr": "acc * u_tile * sigmoid(g_tile) * (1 + g_tile * (1 - sigmoid(g_tile)))",

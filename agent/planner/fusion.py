@@ -1,5 +1,5 @@
 """Lowering rules for blocks beyond ``Linear``/``RMSNorm``/``SwiGLU``/``Add``: epilogue fusion over
-the block graph (CODA_MATH §1–6).
+the block graph (docs/algebra.md §1–6).
 
 ``lower`` hands every op of a block that uses any other op type to ``handles`` (blocks made only of
 the original four ops keep the original rules exactly). The rules here:
@@ -158,7 +158,7 @@ def _apply_rstd(ep: Epilogue, op: ApplyRstd) -> None:
 
 
 def _rms_norm_backward(ep: Epilogue, op: RMSNormBackward) -> None:
-    # dx = r ⊙ (dy ⊙ γ − x̂ · c) with x̂ = r ⊙ x (CODA_MATH §4)
+    # dx = r ⊙ (dy ⊙ γ − x̂ · c) with x̂ = r ⊙ x (docs/algebra.md §4)
     dy, x, r, g, c = ep.tile(op.dy), ep.tile(op.x), ep.row(op.rstd), ep.col(op.gamma), ep.row(op.c)
     ep.define(op.out, {"op": "map", "expr": f"{r} * ({dy} * {g} - {r} * {x} * {c})"})
 

@@ -1,4 +1,6 @@
-"""Lower a block's op graph into a GEMM-epilogue Program with CODA's rewrite rules (CODA_MATH §1–3).
+"""Lower a block's op graph into a GEMM-epilogue Program with CODA's rewrite rules.
+
+The rules are those of docs/algebra.md §1–3.
 
 Rules, applied in graph order:
 
@@ -13,7 +15,7 @@ Rules, applied in graph order:
   makes one pass over ``x``.
 * **γ as a side output** (``LoweringOptions(gamma="side_output")``): when ``x`` is stored by an
   earlier epilogue, that epilogue also stores ``x ⊙ γ`` (``scale_cols``) and the following GEMMs
-  read it with their weights unfolded (CODA_MATH §1).
+  read it with their weights unfolded (docs/algebra.md §1).
 * **residual into the epilogue**: an ``Add`` of the GEMM's result and an available tensor becomes
   ``add_tile``.
 

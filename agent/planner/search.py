@@ -35,7 +35,7 @@ from .lowering import LoweringOptions, NoRule, lower
 # Explicit tiles tried on the fastest decomposition when timings exist (``auto`` is tried first).
 # The shapes of Triton's persistent-matmul tutorial configs for Hopper-class GPUs, and one with two
 # programs per SM (an epilogue that reduces overlaps the other program's mainloop; see
-# bench/RESULTS.md, seventh session); which wins depends on the shapes and the epilogue, which is
+# bench/RESULTS.md, run 2026-11-30g); which wins depends on the shapes and the epilogue, which is
 # why they are measured rather than chosen.
 TUNING_CONFIGS: tuple[MainloopConfig, ...] = (
     MainloopConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),

@@ -3,9 +3,10 @@ paper kernels move?
 
 The generated kernels (``primitives/codegen``) run the mainloop and the epilogue of a tile in the
 same warps, one after the other: the tensor cores idle while a tile's epilogue loads and stores
-whole extra ``[M, N]`` tiles (RESULTS, eighth session: +2 / +3 / +4 tiles, no-overlap floors
-1.038× / 1.058× / 1.077× the GEMM at 8192). This file writes the other schedule by hand in Gluon
-(``triton.experimental.gluon``, Triton 3.6), after CUTLASS's Hopper "ping-pong" kernel:
+whole extra ``[M, N]`` tiles (bench/RESULTS.md, run 2026-12-01a: +2 / +3 / +4 tiles,
+no-overlap floors 1.038× / 1.058× / 1.077× the GEMM at 8192). This file writes the other schedule
+by hand in Gluon (``triton.experimental.gluon``, Triton 3.6), after CUTLASS's Hopper "ping-pong"
+kernel:
 
 * one **producer** warp streams A and B tiles through a ring of ``STAGES`` shared-memory slots
   with TMA, for every output tile the program owns, in order;
@@ -19,10 +20,10 @@ whole extra ``[M, N]`` tiles (RESULTS, eighth session: +2 / +3 / +4 tiles, no-ov
 ``PREFETCH=1`` (``--configs prefetch``) gives the epilogue two slots of every buffer: the next
 piece's load is in flight while this one computes, the tile's first piece is loaded while its K
 loop runs, and two pieces' stores may be outstanding — against the latency-bound one-piece-at-a-
-time epilogue measured in the tenth session (RESULTS). Written on a machine without a GPU
-(eleventh session); measured in the twelfth: correct, and no faster — the SwiGLU backward at the
-training step's 8192×8192×2048 takes 0.744 ms (1.79× cuBLAS) against the generated kernel's
-0.59–0.62 ms, so the Gluon backend is not worth building on this schedule.
+time epilogue measured in run 2026-12-01c (bench/RESULTS.md). Measured in run 2026-12-01e:
+correct, and no faster — the SwiGLU backward at the training step's 8192×8192×2048 takes 0.744 ms
+(1.79× cuBLAS) against the generated kernel's 0.59–0.62 ms, so the Gluon backend is not worth
+building on this schedule.
 
 ``CONSUMERS=1`` is the control: one consumer warpgroup and the producer, at one or two programs
 per SM (``PER_SM``; two let the warp scheduler overlap one program's epilogue with the other's K
@@ -33,10 +34,10 @@ hide), ``swiglu_bwd`` (``gemm_partial_swiglu_bwd``: dZ, O and per-tile Σ z·dz 
 interleaved Z = [G, U]) and ``residual_rmsnorm`` (``gemm_residual_partial_rmsnorm``: D = A B + C,
 O = D ⊙ γ, per-tile Σ d²). Each is checked against the block's fp32 reference semantics and
 timed interleaved against the cuBLAS GEMM of the same shape. Not part of the product: a
-measurement that decides whether the codegen grows a Gluon ping-pong backend. Found (RESULTS,
-ninth session): ping-pong takes the SwiGLU backward from the generated kernel's 1.126× to 1.081×
-of cuBLAS at 8192 and leaves residual + partial RMSNorm at 1.06×; its own plain GEMM runs at
-1.035×, which is now the floor.
+measurement that decides whether the codegen grows a Gluon ping-pong backend. Found
+(bench/RESULTS.md, run 2026-12-01b): ping-pong takes the SwiGLU backward from the generated
+kernel's 1.126× to 1.081× of cuBLAS at 8192 and leaves residual + partial RMSNorm at 1.06×; its
+own plain GEMM runs at 1.035×, which is now the floor.
 
     python3 bench/experiments/gluon_pingpong.py [--sizes 4096,8192,8192x8192x2048]
         [--configs pingpong|sweep|deep|prefetch]

@@ -229,7 +229,7 @@ def start(dry_run: bool, script: str) -> bool:
     import torch
 
     if not dry_run and not torch.cuda.is_available():
-        print(f"bench/experiments/{script} needs a CUDA GPU (see GPU.md)", file=sys.stderr)
+        print(f"bench/experiments/{script} needs a CUDA GPU (see docs/gpu.md)", file=sys.stderr)
         return False
     return True
 

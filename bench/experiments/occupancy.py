@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
-        print("bench/experiments/occupancy.py needs a CUDA GPU (see GPU.md)", file=sys.stderr)
+        print("bench/experiments/occupancy.py needs a CUDA GPU (see docs/gpu.md)", file=sys.stderr)
         return 2
     wanted = [c for c in args.configs.split(",") if c]
     configs = [c for c in CONFIGS if not wanted or c[0] in wanted]

@@ -3,15 +3,15 @@ fault?
 
 ``llama_train_step.py`` processes that held two captured steps (``hf_graph`` and
 ``coda_lm_head_graph``) and then ran eager steps failed — an illegal memory access, or cuDNN's
-``mha_graph.execute`` — in the eleventh session, and again in the twelfth with cuDNN attention
-off; every process holding one captured step ran clean. This script builds the steps of
+``mha_graph.execute`` — in runs 2026-12-01d and 2026-12-01e (the second with cuDNN
+attention off); every process holding one captured step ran clean. This script builds the steps of
 ``--variants`` (names as ``llama_train_step.py``'s; the same name may repeat, each a fresh copy of
 the model), captures the ``_graph`` ones, then calls them in turn for ``--rounds`` rounds,
 synchronizing after every call so the first faulting call is named (run it with
-``CUDA_LAUNCH_BLOCKING=1`` to have the fault reported at its kernel). Found with it (twelfth
-session, bench/RESULTS.md): two captured *plain Hugging Face* steps faulted too — the benchmark's
-replay did not keep its model alive, and the next capture's ``empty_cache()`` freed that memory
-under the first graph. Fixed (``llama_train_step.Replay``); the script stays as the check.
+``CUDA_LAUNCH_BLOCKING=1`` to have the fault reported at its kernel). Found with it (run
+2026-12-01e, bench/RESULTS.md): two captured *plain Hugging Face* steps faulted too — the
+benchmark's replay did not keep its model alive, and the next capture's ``empty_cache()`` freed that
+memory under the first graph. Fixed (``llama_train_step.Replay``); the script stays as the check.
 
     python3 bench/experiments/two_graphs.py --variants hf_graph,hf_graph,hf [--batch 1]
         [--no-cudnn-attention] [--rounds 20] [--out DIR]

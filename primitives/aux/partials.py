@@ -4,7 +4,8 @@ A ``partial_reduce`` in an epilogue leaves one value per row (or column) per til
 ``[rows, ⌈W/BLOCK⌉]`` buffer; these tiny kernels reduce each row of that buffer:
 
 * ``sum_partials`` — ``out = Σ_b p[:, b]`` (optionally ÷ a size): the row statistic
-  ``c = (1/d) Σ_k z·dz`` of RMSNorm's backward (CODA_MATH §4), or ``dγ`` from partial column sums.
+  ``c = (1/d) Σ_k z·dz`` of RMSNorm's backward (docs/algebra.md §4), or ``dγ`` from partial column
+  sums.
 * ``lse_combine`` — ``out = log Σ_b exp(p[:, b])`` from the tiles' log-sum-exps (§5), optionally
   minus a per-row vector: ``loss_i = LSE_i − logits[i, t_i]``.
 """

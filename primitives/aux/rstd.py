@@ -1,6 +1,6 @@
 """Aux ``rstd``: the RMSNorm reciprocal ``r_i = (mean_j x_ij² + eps)^(-1/2)`` per row.
 
-Two sources (CODA_MATH §1): partial sums of squares written by the epilogue of the GEMM that
+Two sources (docs/algebra.md §1): partial sums of squares written by the epilogue of the GEMM that
 produced ``x`` (then this step only sums ``⌈d/BN⌉`` numbers per row), or, when no GEMM in the
 program produced ``x`` (e.g. the block's own input), ``x`` itself — one memory-bound pass over it.
 """

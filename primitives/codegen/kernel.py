@@ -22,7 +22,7 @@ Epilogues that reduce across the tile (partial reductions, column selects) run o
 ``tl.split`` sub-tiles as the rest: each sub-tile writes its own slot of row partials. (From
 2026-11-29 to 2026-11-30 they ran on *split accumulators* — one per column slice, B loaded slice by
 slice — after reductions of ``tl.split`` sub-tiles computed wrong values on an H200 under Triton
-3.6; the ``split_reductions`` experiment of bench/RESULTS.md, fifth session, found them right
+3.6; the ``split_reductions`` experiment of bench/RESULTS.md, run 2026-11-30e, found them right
 under every config tried and never slower — up to 1.9× faster — flattened and warp-specialized
 loops included. Tuning still checks every winning config's outputs against the reference
 executor.)

@@ -51,7 +51,7 @@ class Candidate(NamedTuple):
 # warpgroup on a 128×128 tile, each program under half the SM's registers and shared memory)
 # overlap one program's epilogue with the other's mainloop: measured 1.07× → 1.01× the cuBLAS
 # GEMM on residual + partial RMSNorm, 1.15× → 1.08× on RMSNorm + partial cross-entropy (8192³,
-# codegen v6, ``bench/experiments/occupancy.py``, seventh session; with v7's lighter epilogue the
+# codegen v6, ``bench/experiments/occupancy.py``, run 2026-11-30g; with v7's lighter epilogue the
 # cross-entropy kernels' tuner picks one program of 128×256 instead).
 _HOPPER_SPACE = [
     Candidate(128, 256, 64, 8, 3, 2),
@@ -80,7 +80,7 @@ _HOPPER_SPACE = [
 # A small space for sweeps over many kernels (bench/paper_kernels.py) and first calls of exported
 # ops: the leaders of the first H200 sweep, 64-column epilogue slices for heavy (reducing)
 # epilogues — also flattened, which helped reducing epilogues in the split-reduction experiment
-# (bench/RESULTS.md, fifth session) — the two leading two-programs-per-SM candidates, and the
+# (bench/RESULTS.md, run 2026-11-30e) — the two leading two-programs-per-SM candidates, and the
 # narrow tiles.
 QUICK_SPACE = [
     Candidate(128, 256, 64, 8, 3, 2),

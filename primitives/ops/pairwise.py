@@ -1,8 +1,8 @@
 """Pairwise family: maps over adjacent column pairs ``(2k, 2k+1)`` of a tile.
 
-A pairwise map needs both members of a pair in one tile (CODA_MATH §2): interleave the two weights'
-output features (prep ``interleave_rows``) so one GEMM produces ``[g0, u0, g1, u1, …]``, then
-contract each pair in the epilogue (``swiglu``: 2→1, the result lives in a column space half as
+A pairwise map needs both members of a pair in one tile (docs/algebra.md §2): interleave the two
+weights' output features (prep ``interleave_rows``) so one GEMM produces ``[g0, u0, g1, u1, …]``,
+then contract each pair in the epilogue (``swiglu``: 2→1, the result lives in a column space half as
 wide). ``pairwise`` writes any 2→1 or 2→2 map in the expression language (SwiGLU's backward is one),
 ``split_pairs``/``join_pairs`` move between the interleaved and the two half-width tiles. RoPE, the
 2→2 rotation, lives in ``rope.py``.

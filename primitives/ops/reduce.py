@@ -1,10 +1,11 @@
 """Reduce family: per-tile partial reductions, finished later by a tiny ``Aux`` step.
 
-Statistics of a tensor that a GEMM produces come from that GEMM's epilogue (CODA_MATH §1): each
-output tile writes its partial sums of squares into a ``[M, ⌈N/BN⌉]`` buffer (one column per column
-block, ``partials_shape``), and ``rstd`` finishes ``r = rsqrt(Σ partials / N + eps)``. Cross-entropy
-(§5) uses kind ``lse``: each tile keeps an online (max, sum-exp) per row over its columns and writes
-the tile's log-sum-exp ``m + log Σ exp(v − m)``; ``lse_combine`` merges the tiles' values.
+Statistics of a tensor that a GEMM produces come from that GEMM's epilogue (docs/algebra.md §1):
+each output tile writes its partial sums of squares into a ``[M, ⌈N/BN⌉]`` buffer (one column per
+column block, ``partials_shape``), and ``rstd`` finishes ``r = rsqrt(Σ partials / N + eps)``.
+Cross-entropy (§5) uses kind ``lse``: each tile keeps an online (max, sum-exp) per row over its
+columns and writes the tile's log-sum-exp ``m + log Σ exp(v − m)``; ``lse_combine`` merges the
+tiles' values.
 """
 
 from __future__ import annotations

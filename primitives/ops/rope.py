@@ -4,10 +4,11 @@ Hugging Face's Llama rotates *halves* of each head: for a head of width D and ``
 ``out[p] = x[p]·cos_p − x[p + D/2]·sin_p`` and ``out[p + D/2] = x[p + D/2]·cos_p + x[p]·sin_p``
 (``rotate_half``). Partners D/2 apart rarely share an output tile, so CODA permutes the Q/K
 weight rows offline (prep ``rope_pairs``) so that partner p and p + D/2 become adjacent columns
-``(2p, 2p+1)`` of the GEMM output (CODA_MATH §2); the rotation is then lane-local in the epilogue:
-``x' = x·cos − y·sin``, ``y' = y·cos + x·sin`` with ``(x, y) = (col 2k, col 2k+1)`` and the angle of
-frequency ``p = k mod D/2``. The result is Hugging Face's rotated head in that same permuted
-(adjacent-pair) order; attention scores are unchanged because Q and K share the permutation.
+``(2p, 2p+1)`` of the GEMM output (docs/algebra.md §2); the rotation is then lane-local in the
+epilogue: ``x' = x·cos − y·sin``, ``y' = y·cos + x·sin`` with ``(x, y) = (col 2k, col 2k+1)`` and
+the angle of frequency ``p = k mod D/2``. The result is Hugging Face's rotated head in that same
+permuted (adjacent-pair) order; attention scores are unchanged because Q and K share the
+permutation.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Select family: per-row column indices — pick the target logit, or mark it in a one-hot tile.
 
-Cross-entropy in the LM head's epilogue (CODA_MATH §5) needs ``logits[i, t_i]`` for the loss and
-``onehot(t)`` for its gradient ``softmax − onehot``. Each output tile sees only its own columns, so
-the tile that holds column ``t_i`` writes row i's target logit; no tile ever needs the whole row.
+Cross-entropy in the LM head's epilogue (docs/algebra.md §5) needs ``logits[i, t_i]`` for the loss
+and ``onehot(t)`` for its gradient ``softmax − onehot``. Each output tile sees only its own columns,
+so the tile that holds column ``t_i`` writes row i's target logit; no tile ever needs the whole row.
 """
 
 from __future__ import annotations

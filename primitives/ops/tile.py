@@ -1,7 +1,7 @@
 """Tile family: bring an M×N program tensor (a residual, a saved activation) into registers.
 
-A residual add ``x_new = x + y·W`` is ``add_tile(acc, x)`` in the epilogue of ``y·W`` (CODA_MATH
-§3). Loaded tiles are fp32 and zero outside the tensor's edges.
+A residual add ``x_new = x + y·W`` is ``add_tile(acc, x)`` in the epilogue of ``y·W``
+(docs/algebra.md §3). Loaded tiles are fp32 and zero outside the tensor's edges.
 """
 
 from __future__ import annotations

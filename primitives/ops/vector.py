@@ -1,6 +1,6 @@
 """Vector family: broadcast a length-M (row) or length-N (column) vector over a tile.
 
-Row scales are how a norm runs in the epilogue (CODA_MATH §1): ``(diag(r)·x·diag(γ))·W =
+Row scales are how a norm runs in the epilogue (docs/algebra.md §1): ``(diag(r)·x·diag(γ))·W =
 diag(r)·((x⊙γ)·W)``, so ``scale_rows(acc, r)`` applies RMSNorm's ``r`` after the product; column
 vectors are biases and per-feature scales.
 """

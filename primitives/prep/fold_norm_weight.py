@@ -25,7 +25,7 @@ class FoldNormWeight(PrepStep):
 
     ``weight`` is ``[out, in]`` and ``gamma`` has length ``in``: ``out[o, i] = weight[o, i] *
     γ[i]``, computed in fp32 and rounded once to the weight's dtype. Then ``rmsnorm(x) @ weightᵀ ==
-    diag(r) · (x @ outᵀ)``: the norm becomes ``rstd`` + ``scale_rows`` (CODA_MATH §1).
+    diag(r) · (x @ outᵀ)``: the norm becomes ``rstd`` + ``scale_rows`` (docs/algebra.md §1).
     """
 
     kind: Literal["fold_norm_weight"] = "fold_norm_weight"

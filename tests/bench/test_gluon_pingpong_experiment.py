@@ -30,7 +30,7 @@ def _has_gluon_hopper() -> bool:
 @pytest.mark.skipif(not _has_gluon_hopper(), reason="this Triton has no Gluon Hopper language")
 @pytest.mark.parametrize("configs", ["sweep", "prefetch"])
 def test_every_two_consumer_config_compiles_for_sm90_and_fits(configs: str) -> None:
-    # Compiled in a process of its own without the interpreter (the test session runs Triton's
+    # Compiled in a process of its own without the interpreter (the test process runs Triton's
     # interpreter, which never reaches the sm_90 backend).
     script = BENCH / "experiments" / "gluon_pingpong.py"
     env = {**os.environ, "TRITON_INTERPRET": "0"}

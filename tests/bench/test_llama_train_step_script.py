@@ -80,7 +80,7 @@ def test_a_variants_module_patches_apply_only_inside_its_own_forward() -> None:
     assert script.contained_module_patches(untouched, module, lambda: None) is untouched
 
 
-# Kernel names as torch.profiler reported them in the H200 train-step profiles (eighth session;
+# Kernel names as torch.profiler reported them in the H200 train-step profiles (2026-12-01a;
 # the γ fold's kernel, then ``_scale_columns_kernel``, is ``_assemble_rows_kernel`` since).
 PROFILED = {
     "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "cuBLAS GEMMs",

@@ -65,7 +65,7 @@ def _rmsnorm64(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-5) -> torch
 
 
 def test_rms_norm_backward_identity_matches_autograd() -> None:
-    # CODA_MATH §4: dx = r (γ ⊙ g − x̂ c), c = (1/d) Σ y g, and Σ y g = Σ z dz when z = y W
+    # docs/algebra.md §4: dx = r (γ ⊙ g − x̂ c), c = (1/d) Σ y g, and Σ y g = Σ z dz when z = y W
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 12, generator=gen, dtype=torch.float64, requires_grad=True)
     gamma = (1 + 0.1 * torch.randn(12, generator=gen, dtype=torch.float64)).requires_grad_()

@@ -1,6 +1,6 @@
 """Evals on a GPU: the stored kernels re-verify in bf16 and fp16 and are timed (passed on the H200,
 2026-11-30); an eval cell has speedups and fast_p is a measurement (passed on the H200 in 250 s,
-2026-11-30, untuned: with tuning it outlasted a 260 s device call)."""
+2026-11-30, untuned: with tuning it ran past 260 s)."""
 
 from __future__ import annotations
 
