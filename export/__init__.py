@@ -19,14 +19,15 @@
 
 from .attention import CodaLlamaAttention, llama_attn_in_function
 from .autograd import ExportedFunction, PackedRows, export_autograd
-from .hf import CodaLlamaMLPBlock, NotVerified, llama_mlp_function, verified_program
 from .lm_head import (
     CodaLlamaLMHeadLoss,
     causal_lm_loss,
     fuse_causal_lm_loss,
     llama_lm_head_ce_function,
 )
+from .mlp import CodaLlamaMLPBlock, llama_mlp_function
 from .patch import CodaLlamaDecoderLayer, CodaLlamaMLP, DeferredRMSNorm, patch_llama
+from .resolve import NotVerified, verified_program
 
 __all__ = [
     "CodaLlamaAttention",
