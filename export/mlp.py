@@ -1,4 +1,4 @@
-"""Drop-in modules for Hugging Face Llama layers, running CODA Programs forward and backward.
+"""The MLP drop-in for Hugging Face Llama layers, running CODA Programs forward and backward.
 
 ``CodaLlamaMLPBlock(norm, mlp)`` replaces the MLP half of a ``LlamaDecoderLayer`` —
 ``x + mlp(post_attention_layernorm(x))`` — with the two fused forward kernels and the fused backward
@@ -10,6 +10,9 @@ filled by the backward Program.
 of interleaved rows, ``gate_up_weight`` ``[2f, d]`` — the layout the fused kernels read and the
 fused weight-gradient GEMM writes — so a training step moves no weight layouts at all (build the
 optimizer after wrapping). State dicts keep Hugging Face's keys both ways.
+
+Also here, for ``patch_llama``'s ``CodaLlamaMLP``: ``llama_mlp_function`` (the exported op),
+``check_llama_mlp``, ``interleave_gate_up`` and ``keep_hf_gate_up_keys``.
 """
 
 from __future__ import annotations

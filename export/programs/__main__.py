@@ -1,10 +1,11 @@
 """``python -m coda.export.programs``: check or rewrite the shipped drop-in Programs.
 
-* ``--check`` (default): exit 1, naming each file, unless every file is what the planner writes now
-  (milliseconds; no sandbox).
+* ``--check`` (default): exit 1, naming each file, unless every file is what the planner writes
+  now (a second or so; no sandbox).
 * ``--write``: verify the planner's Program for every shipped block in the sandbox (float32 and
-  float16 through the interpreter on a CPU; ``NotVerified`` stops before any file changes), then
-  rewrite the files. Run it after a change to the planner or the blocks, and commit the files.
+  float16 through the interpreter on a CPU; one that fails stops it with exit 1 before any file
+  changes), then rewrite the files. Run it after a change to the planner or the blocks, and
+  commit the files.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from coda.export.resolve import verified_program
+from coda.export.resolve import NotVerified, verified_program
 
 from . import shipped_blocks, stale_files, write_all
 
@@ -25,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.write:
         for block in shipped_blocks():
-            verified_program(block)
+            try:
+                verified_program(block)
+            except NotVerified as e:
+                print(f"not written: {e}", file=sys.stderr)
+                return 1
             print(f"verified {block.name}", flush=True)
         for path in write_all():
             print(f"wrote {path}")

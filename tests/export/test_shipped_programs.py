@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -146,3 +147,9 @@ def test_the_check_command_passes_on_the_shipped_files(capsys: pytest.CaptureFix
     assert (
         f"all {len(shipped_blocks())} shipped Programs are the planner's" in capsys.readouterr().out
     )
+
+
+def test_the_files_ship_as_package_data() -> None:
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    setuptools = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
+    assert "*.json" in setuptools["package-data"]["coda.export.programs"]
