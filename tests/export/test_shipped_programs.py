@@ -15,11 +15,11 @@ import pytest
 
 import coda.export.programs as programs
 import coda.export.resolve as resolve
-from coda.agent.planner import lower
 from coda.export.programs import (
     FAMILIES,
     SHIPPED_EPS,
     ShippedMismatch,
+    lowered,
     program_file,
     render,
     shipped_blocks,
@@ -59,12 +59,12 @@ def test_every_family_resolves_at_any_epsilon_without_the_sandbox(
             blocks = family.blocks(eps)
             assert [p.block for p in got] == [blocks[k].name for k in family.keys]
             for key, program in zip(family.keys, got, strict=True):
-                assert program == lower(blocks[key])
+                assert program == lowered(blocks[key])
                 assert [s.eps for s in program.steps if hasattr(s, "eps")] == [eps]
 
 
 def test_a_planner_change_is_refused_naming_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = lower(FAMILIES["llama_mlp"].blocks(1e-6)["train"]).model_dump(mode="json")
+    data = lowered(FAMILIES["llama_mlp"].blocks(1e-6)["train"]).model_dump(mode="json")
     data["steps"][1]["name"] = "gate_up_v2"  # what a planner that names steps otherwise writes
     other = Program.parse(data)
     monkeypatch.setattr(programs, "lowered", lambda block, options=None: other)
@@ -80,7 +80,7 @@ def test_only_the_requested_epsilon_is_taken_for_the_shipped_one(
 ) -> None:
     """A Program for the 1e-6 block that still says 1e-5 (an epsilon lost on the way) is not the
     shipped Program up to the epsilon: the model's epsilon must be the one it computes with."""
-    shipped = lower(FAMILIES["llama_attn_in"].blocks(SHIPPED_EPS)["forward"])
+    shipped = lowered(FAMILIES["llama_attn_in"].blocks(SHIPPED_EPS)["forward"])
     renamed = Program.parse({**shipped.model_dump(mode="json"), "block": "llama_attn_in_eps1e-06"})
     monkeypatch.setattr(programs, "lowered", lambda block, options=None: renamed)
     with pytest.raises(ShippedMismatch, match="llama_attn_in_eps1e-06"):
@@ -123,7 +123,7 @@ def test_a_mismatch_falls_back_to_the_sandbox_with_a_warning(
 
     def sandbox(block, options=None):  # noqa: ANN001, ANN202
         verified.append(block.name)
-        return lower(block)
+        return lowered(block)
 
     monkeypatch.setattr(resolve, "shipped_program", mismatch)
     monkeypatch.setattr(resolve, "verified_program", sandbox)
