@@ -259,7 +259,7 @@ def _mlp_inputs(sizes: dict[str, int], bench: Bench) -> tuple[dict[str, Any], An
 
 def _packed_gate_up(inputs: dict[str, Any]) -> dict[str, Any]:
     """The same inputs with gate and up as one interleaved ``[2f, d]`` leaf (``w_gate_up``)."""
-    from coda.export.hf import interleave_gate_up
+    from coda.export.mlp import interleave_gate_up
 
     fused = interleave_gate_up(inputs["w_gate"].detach(), inputs["w_up"].detach())
     return {

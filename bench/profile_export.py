@@ -45,7 +45,7 @@ def profile_one(sizes: dict[str, int], iters: int, packed: bool = False) -> dict
     block = get_block("llama_mlp")
     inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
     if packed:
-        from coda.export.hf import interleave_gate_up
+        from coda.export.mlp import interleave_gate_up
 
         gate_up = interleave_gate_up(inputs.pop("w_gate"), inputs.pop("w_up"))
         inputs = {"x": inputs["x"], "gamma": inputs["gamma"], "w_gate_up": gate_up, **inputs}

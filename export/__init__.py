@@ -15,18 +15,25 @@
   the MLP half's residual add inside its kernels (``CodaLlamaDecoderLayer``) — after proving,
   on one recorded forward of the model (``coda.export.probe``), that every module it replaces
   sits where the patched layer computes with it; otherwise ``ValueError``.
+
+The drop-ins run the built-in planner's Programs, shipped verified in ``coda.export.programs``
+and checked against the planner's on load (milliseconds, no sandbox worker); ``verify=True``
+verifies them in the sandbox instead (``coda.export.resolve``). Modules: ``mlp`` (the MLP
+drop-in), ``attention``, ``lm_head``, ``patch``, ``probe``; ``checks`` and ``dtypes`` hold what
+they share; ``autograd`` the custom ops.
 """
 
 from .attention import CodaLlamaAttention, llama_attn_in_function
 from .autograd import ExportedFunction, PackedRows, export_autograd
-from .hf import CodaLlamaMLPBlock, NotVerified, llama_mlp_function, verified_program
 from .lm_head import (
     CodaLlamaLMHeadLoss,
     causal_lm_loss,
     fuse_causal_lm_loss,
     llama_lm_head_ce_function,
 )
+from .mlp import CodaLlamaMLPBlock, llama_mlp_function
 from .patch import CodaLlamaDecoderLayer, CodaLlamaMLP, DeferredRMSNorm, patch_llama
+from .resolve import NotVerified, verified_program
 
 __all__ = [
     "CodaLlamaAttention",

@@ -31,15 +31,18 @@ from torch import nn
 from coda.blocks.llama import llama_attn_in_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .hf import autocast_dtype, block_program, check_rms_norm, run_in_dtype
+from .checks import check_rms_norm
+from .dtypes import autocast_dtype, run_in_dtype
+from .resolve import dropin_programs
 
 
 def llama_attn_in_function(
-    eps: float, *, verify: bool = True, tune: Tuning = "quick"
+    eps: float, *, verify: bool = False, tune: Tuning = "quick"
 ) -> ExportedFunction:
     """``f(x, gamma, w_q, w_k, w_v, cos, sin) -> qkv`` (see the module docstring) for an input
     norm's epsilon; ``cos``/``sin`` are ``[tokens, head_dim]`` (Hugging Face's tables, one row
-    per token). The Programs are verified by the sandbox first (``verify``, once per process)."""
+    per token). The Programs are the shipped verified ones (``coda.export.programs``), or with
+    ``verify`` verified by the sandbox first (once per process)."""
     function = _attn_in_function(eps, verify)
     function.tune = tune
     return function
@@ -50,9 +53,9 @@ def _attn_in_function(eps: float, verify: bool) -> ExportedFunction:
     # The backward takes the forward's output qkv instead of recomputing the QKV projection GEMM
     # for RoPE's inverse and the norm's statistic (q, k, v are views of it, which attention's own
     # backward may hold too; the memory this costs is not yet measured).
-    family = llama_attn_in_family(eps)
-    forward, backward = (block_program(family[k], verify) for k in ("forward", "backward_saved"))
-    return export_autograd(forward, backward, family["backward_saved"])
+    keys = ("forward", "backward_saved")
+    forward, backward = dropin_programs("llama_attn_in", keys, eps, verify=verify)
+    return export_autograd(forward, backward, llama_attn_in_family(eps)["backward_saved"])
 
 
 def check_llama_attention(attn: nn.Module) -> None:
@@ -113,7 +116,7 @@ class CodaLlamaAttention(_hf_llama_attention()):
     """
 
     def __init__(
-        self, attn: nn.Module, norm: nn.Module, *, verify: bool = True, tune: Tuning = "quick"
+        self, attn: nn.Module, norm: nn.Module, *, verify: bool = False, tune: Tuning = "quick"
     ) -> None:
         nn.Module.__init__(self)  # not LlamaAttention's: it would build new projections
         check_llama_attention(attn)

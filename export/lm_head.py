@@ -30,18 +30,21 @@ from torch import nn
 from coda.blocks.llama import llama_lm_head_ce_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .hf import autocast_dtype, block_program, check_rms_norm, run_in_dtype
+from .checks import check_rms_norm
+from .dtypes import autocast_dtype, run_in_dtype
 from .probe import causal_lm_head, check_causal_lm_head, probe_forward
+from .resolve import dropin_programs
 
 IGNORE_INDEX = -100
 
 
 def llama_lm_head_ce_function(
-    eps: float, *, verify: bool = True, tune: Tuning = "quick"
+    eps: float, *, verify: bool = False, tune: Tuning = "quick"
 ) -> ExportedFunction:
     """``f(x, gamma, w_lm, target) -> loss``: per-token cross-entropy (fp32, ``[M]``) of
     ``rmsnorm(x)·γ @ w_lmᵀ`` against ``target`` (class ids in ``[0, V)``), with autograd for
-    ``x``, ``gamma`` and ``w_lm``; the Programs verified by the sandbox first (``verify``)."""
+    ``x``, ``gamma`` and ``w_lm``; the Programs are the shipped verified ones
+    (``coda.export.programs``), or with ``verify`` verified by the sandbox first."""
     function = _lm_head_function(eps, verify)
     function.tune = tune
     return function
@@ -52,10 +55,10 @@ def _lm_head_function(eps: float, verify: bool) -> ExportedFunction:
     # Training runs llama_lm_head_ce_train, which also returns each row's log-sum-exp (M floats),
     # and the backward llama_lm_head_ce_bwd_saved takes it instead of recomputing the logits for
     # it; without gradients the plain forward runs.
-    family = llama_lm_head_ce_family(eps)
     keys = ("train", "backward_saved", "forward")
-    train, backward, forward = (block_program(family[k], verify) for k in keys)
-    return export_autograd(train, backward, family["backward_saved"], inference=forward)
+    train, backward, forward = dropin_programs("llama_lm_head_ce", keys, eps, verify=verify)
+    backward_block = llama_lm_head_ce_family(eps)["backward_saved"]
+    return export_autograd(train, backward, backward_block, inference=forward)
 
 
 class CodaLlamaLMHeadLoss(nn.Module):
@@ -74,7 +77,7 @@ class CodaLlamaLMHeadLoss(nn.Module):
     """
 
     def __init__(
-        self, norm: nn.Module, lm_head: nn.Module, *, verify: bool = True, tune: Tuning = "quick"
+        self, norm: nn.Module, lm_head: nn.Module, *, verify: bool = False, tune: Tuning = "quick"
     ) -> None:
         super().__init__()
         if getattr(lm_head, "bias", None) is not None:
@@ -110,7 +113,7 @@ class CodaLlamaLMHeadLoss(nn.Module):
         return total / num_items_in_batch
 
 
-# one loss module per model, built on first use (its Programs verified once per process)
+# one loss module per model, built on first use (its Programs resolved once per process)
 _LOSSES: weakref.WeakKeyDictionary[nn.Module, CodaLlamaLMHeadLoss] = weakref.WeakKeyDictionary()
 # models whose head was proven to be what the fused loss computes (check_fused_loss_fits)
 _CHECKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -122,7 +125,7 @@ def causal_lm_loss(
     labels: torch.Tensor,
     *,
     num_items_in_batch: int | torch.Tensor | None = None,
-    verify: bool = True,
+    verify: bool = False,
     tune: Tuning = "quick",
     **model_kwargs: Any,
 ) -> torch.Tensor:
@@ -174,7 +177,7 @@ def causal_lm_loss(
 
 
 def fuse_causal_lm_loss(
-    model: nn.Module, *, verify: bool = True, tune: Tuning = "quick"
+    model: nn.Module, *, verify: bool = False, tune: Tuning = "quick"
 ) -> nn.Module:
     """Make ``model(..., labels=...)`` of a ``LlamaForCausalLM`` in training mode compute its loss
     with ``causal_lm_loss`` and return it with ``logits=None`` (no logits are made — as
@@ -203,7 +206,7 @@ def check_fused_loss_fits(model: nn.Module) -> None:
 
 
 def install_fused_loss(
-    model: nn.Module, *, verify: bool = True, tune: Tuning = "quick"
+    model: nn.Module, *, verify: bool = False, tune: Tuning = "quick"
 ) -> nn.Module:
     """``fuse_causal_lm_loss`` without its check, for a caller that made it already
     (``patch_llama`` probes the head with the layers, before changing any)."""

@@ -40,8 +40,9 @@ from torch import nn
 
 from .attention import CodaLlamaAttention, check_llama_attention
 from .autograd import Tuning
-from .hf import CodaLlamaMLPBlock, check_llama_mlp, check_rms_norm, keep_hf_gate_up_keys
+from .checks import check_rms_norm
 from .lm_head import install_fused_loss
+from .mlp import CodaLlamaMLPBlock, check_llama_mlp, keep_hf_gate_up_keys
 from .probe import (
     causal_lm_head,
     check_attention_half,
@@ -150,7 +151,7 @@ def _layer_parameters(cls: type) -> tuple[str, ...]:
 def patch_llama(
     model: nn.Module,
     *,
-    verify: bool = True,
+    verify: bool = False,
     saved: bool = True,
     tune: Tuning = "quick",
     fuse_gate_up: bool = False,
@@ -167,7 +168,8 @@ def patch_llama(
     Layers are the submodules that have both a ``post_attention_layernorm`` and an ``mlp``
     (``LlamaDecoderLayer``, and the same layout in Llama-like models); layers already patched are
     left alone. ``verify``, ``saved``, ``tune``, ``fuse_gate_up``: as ``CodaLlamaMLPBlock`` (the
-    Programs are verified once per process and epsilon). Without ``fuse_gate_up`` the parameters
+    shipped verified Programs by default; ``verify=True`` verifies them in the sandbox, once per
+    process and epsilon). Without ``fuse_gate_up`` the parameters
     stay the same objects (an optimizer built before patching keeps working); with it each
     layer's gate and up weights become one new parameter — build the optimizer after. Every
     replaced module is checked first, on one probe forward of the model and by itself
@@ -204,7 +206,7 @@ def patch_llama(
     attns = [
         CodaLlamaAttention(layer.self_attn, layer.input_layernorm, verify=verify, tune=tune)
         for layer in attended
-    ]  # every Program verified before the first layer changes
+    ]  # every Program resolved before the first layer changes
     for layer, block in zip(layers, blocks, strict=True):
         _replace(layer, "post_attention_layernorm", DeferredRMSNorm(block.norm))
         _replace(layer, "mlp", CodaLlamaMLP(block))

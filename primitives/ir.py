@@ -10,6 +10,7 @@ registered a primitive), so parsing and the JSON schema always cover every regis
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union
@@ -23,6 +24,12 @@ from .errors import ProgramError, did_you_mean
 from .sizes import SizeExpr
 from .sizes import evaluate as evaluate_size
 from .types import DtypeClass
+
+
+def content_hash(text: str) -> str:
+    """The first 12 hex digits of the SHA-256 of ``text`` — of a Program's ``canonical_json()``,
+    the key it is known by (Reports, the regression store, the export's shipped Programs)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 def _union(classes: list[type], discriminator: str) -> Any:

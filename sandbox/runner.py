@@ -14,7 +14,6 @@ the worker's last stderr lines — never an exception here.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ import triton
 
 from coda.blocks.block import Block
 from coda.primitives import backend
-from coda.primitives.ir import Program
+from coda.primitives.ir import Program, content_hash
 from coda.primitives.plugins import PluginError, load_plugins
 
 from .compare import OutputCheck
@@ -54,7 +53,7 @@ def program_hash(data: Program | dict | str) -> str:
             text = json.dumps(data, sort_keys=True, default=str)
         except (TypeError, ValueError):  # keys that are not strings, a cycle: not JSON at all
             text = repr(data)
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return content_hash(text)
 
 
 def versions() -> dict[str, str]:

@@ -86,7 +86,7 @@ def test_the_custom_op_passes_torch_opcheck() -> None:
 def test_the_packed_ops_pass_torch_opcheck() -> None:
     """Packed gate/up: the forward op takes one [2f, d] weight, the backward op returns its
     gradient as one [2f, d] tensor — real and fake implementations agree on both."""
-    from coda.export.hf import interleave_gate_up
+    from coda.export.mlp import interleave_gate_up
 
     fn = llama_mlp_function(1e-5, verify=False, packed_gate_up=True)
     assert fn.input_names == ["x", "gamma", "w_gate_up", "w_down"]
@@ -186,7 +186,7 @@ def test_training_steps_follow_hugging_face(saved: bool, fuse: bool) -> None:
 
 
 def test_fused_gate_up_is_one_parameter_with_hugging_face_state_dict_keys() -> None:
-    from coda.export.hf import interleave_gate_up
+    from coda.export.mlp import interleave_gate_up
 
     norm, mlp = _hf_modules(seed=6)
     gate, up = mlp.gate_proj.weight.detach().clone(), mlp.up_proj.weight.detach().clone()
@@ -224,7 +224,7 @@ def test_packed_gate_up_moves_no_weight_layouts() -> None:
     no weight gradient; unpacked it copies weights into the interleaved layout and back."""
     from torch.profiler import ProfilerActivity, profile
 
-    from coda.export.hf import interleave_gate_up
+    from coda.export.mlp import interleave_gate_up
 
     norm, mlp = _hf_modules(seed=8)
     f, d = mlp.gate_proj.weight.shape

@@ -332,15 +332,16 @@ def test_a_patched_llama_with_fused_gate_up_trains_like_the_original() -> None:
 
 
 def test_a_failed_patch_leaves_every_layer_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
-    import coda.export.hf as hf_module
+    import coda.export.mlp as mlp_module
+    from coda.export import NotVerified
 
     def unverified(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
-        raise hf_module.NotVerified("llama_mlp_branch_train: not verified")
+        raise NotVerified("llama_mlp_branch_train: not verified")
 
-    monkeypatch.setattr(hf_module, "llama_mlp_function", unverified)
+    monkeypatch.setattr(mlp_module, "llama_mlp_function", unverified)
     model = _model(seed=9)
     before = {n: p.clone() for n, p in model.state_dict().items()}
-    with pytest.raises(hf_module.NotVerified):
+    with pytest.raises(NotVerified):
         patch_llama(model, fuse_gate_up=True)
     assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in model.model.layers)
     assert model.model.layers[0].mlp.gate_proj.weight is not None

@@ -1,4 +1,4 @@
-"""Drop-in modules for Hugging Face Llama layers, running CODA Programs forward and backward.
+"""The MLP drop-in for Hugging Face Llama layers, running CODA Programs forward and backward.
 
 ``CodaLlamaMLPBlock(norm, mlp)`` replaces the MLP half of a ``LlamaDecoderLayer`` —
 ``x + mlp(post_attention_layernorm(x))`` — with the two fused forward kernels and the fused backward
@@ -10,6 +10,9 @@ filled by the backward Program.
 of interleaved rows, ``gate_up_weight`` ``[2f, d]`` — the layout the fused kernels read and the
 fused weight-gradient GEMM writes — so a training step moves no weight layouts at all (build the
 optimizer after wrapping). State dicts keep Hugging Face's keys both ways.
+
+Also here, for ``patch_llama``'s ``CodaLlamaMLP``: ``llama_mlp_function`` (the exported op),
+``check_llama_mlp``, ``interleave_gate_up`` and ``keep_hf_gate_up_keys``.
 """
 
 from __future__ import annotations
@@ -20,41 +23,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from coda.agent.planner import LoweringOptions, lower
-from coda.blocks.block import Block
 from coda.blocks.llama import llama_mlp_family
-from coda.primitives.ir import Program
 from coda.primitives.prep.layout import interleave_rows
-from coda.sandbox import SandboxOptions, evaluate
 
 from .autograd import ExportedFunction, PackedRows, Tuning, export_autograd
+from .checks import check_rms_norm
+from .dtypes import autocast_dtype, run_in_dtype
+from .resolve import dropin_programs
 
 GATE_UP = PackedRows("w_gate_up", even="w_gate", odd="w_up")
-
-
-class NotVerified(RuntimeError):
-    """The sandbox did not verify a Program the export was asked to use."""
-
-
-def verified_program(block: Block, options: LoweringOptions | None = None) -> Program:
-    """The built-in planner's Program for ``block``, verified by the sandbox (else
-    ``NotVerified``)."""
-    program = lower(block, options)
-    report = evaluate(program, block, SandboxOptions(profile=False, seeds=[0]))
-    if not report.verified:
-        raise NotVerified(f"{block.name}: {report.render_compact()}")
-    return program
-
-
-def block_program(block: Block, verify: bool) -> Program:
-    """``verified_program(block)`` when ``verify``, else the planner's Program unverified."""
-    return verified_program(block) if verify else lower(block)
 
 
 def llama_mlp_function(
     eps: float,
     *,
-    verify: bool = True,
+    verify: bool = False,
     saved: bool = True,
     tune: Tuning = "quick",
     packed_gate_up: bool = False,
@@ -74,8 +57,9 @@ def llama_mlp_function(
     (docs/algebra.md §7's schedule) — and a call that needs no gradient (``torch.no_grad()``,
     nothing requiring grad) runs the plain ``llama_mlp`` forward instead, storing none of them;
     otherwise the forward stores nothing extra and ``llama_mlp_bwd`` recomputes the gate/up GEMM
-    (less memory, one more GEMM). The Programs come from the built-in planner; with ``verify``
-    (default) each is first verified by the sandbox at the block's shape sets, once per process.
+    (less memory, one more GEMM). The Programs are the built-in planner's, checked to be the
+    shipped verified ones (``coda.export.programs``; milliseconds); with ``verify`` each is
+    verified by the sandbox at the block's shape sets instead (seconds; once per process).
     ``tune``: how mainloop configs are tuned for each new shape on a GPU (``export_autograd``).
     """
     function = _llama_mlp_function(eps, verify, saved, packed_gate_up, residual)
@@ -93,17 +77,15 @@ def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor
 def _llama_mlp_function(
     eps: float, verify: bool, saved: bool, packed: bool, residual: bool
 ) -> ExportedFunction:
-    family = llama_mlp_family(eps, residual=residual)
-    forward_block = family["train" if saved else "forward"]
-    backward_block = family["backward_saved" if saved else "backward"]
+    name = "llama_mlp" if residual else "llama_mlp_branch"
     # Saving g, u, a for the backward: without gradients (evaluation, no_grad) the plain forward
     # runs instead and stores none of them.
-    blocks = [forward_block, backward_block] + ([family["forward"]] if saved else [])
-    programs = [block_program(b, verify) for b in blocks]
+    keys = ["train", "backward_saved", "forward"] if saved else ["forward", "backward"]
+    programs = dropin_programs(name, keys, eps, verify=verify)
     return export_autograd(
         programs[0],
         programs[1],
-        backward_block,
+        llama_mlp_family(eps, residual=residual)[keys[1]],
         packed=[GATE_UP] if packed else [],
         inference=programs[2] if saved else None,
     )
@@ -129,38 +111,6 @@ def check_llama_mlp(mlp: nn.Module) -> None:
         raise ValueError(f"mlp.act_fn is {mlp.act_fn!r}; the llama_mlp block uses SiLU")
 
 
-def check_rms_norm(norm: nn.Module, where: str) -> float:
-    """``norm``'s epsilon; ``ValueError`` unless ``norm`` computes ``x · rsqrt(mean(x²) + eps) ·
-    weight`` (Llama's RMSNorm; not e.g. Gemma's ``· (1 + weight)`` or a LayerNorm), checked on a
-    probe input with its own weight and epsilon — the fused kernels apply exactly that formula."""
-    weight = getattr(norm, "weight", None)
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
-        raise ValueError(f"{where} ({type(norm).__name__}) is no RMSNorm with a weight and eps")
-    if weight.is_meta:
-        return float(eps)  # nothing to compute with; checked again once the weights exist
-    with torch.no_grad():
-        w = weight.detach().float().cpu()
-        probe = torch.linspace(-3, 3, 2 * w.numel()).reshape(2, -1)
-        want = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + float(eps)) * w
-        try:
-            got = _run_on_probe(norm, probe)
-        except Exception as e:  # noqa: BLE001 - a module that cannot run the probe is not one
-            raise ValueError(f"{where} ({type(norm).__name__}) failed on a probe: {e}") from e
-    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
-        raise ValueError(
-            f"{where} ({type(norm).__name__}) is not x · rsqrt(mean(x²) + eps) · weight, the "
-            "RMSNorm the fused kernels compute"
-        )
-    return float(eps)
-
-
-def _run_on_probe(norm: nn.Module, probe: torch.Tensor) -> torch.Tensor:
-    """``norm`` applied to ``probe`` (in the weight's dtype and device), as fp32 on the CPU."""
-    weight = norm.weight
-    return norm(probe.to(device=weight.device, dtype=weight.dtype)).float().cpu()
-
-
 def _is_silu(act: Any) -> bool:
     probe = torch.linspace(-4, 4, 17)
     try:
@@ -179,7 +129,8 @@ class CodaLlamaMLPBlock(nn.Module):
     GEMMs), where, like the original modules, the weights and ``x`` are cast to the autocast
     dtype for the MLP branch (``llama_mlp_branch``) and the residual is added in ``x``'s dtype;
     gradients reach the parameters in their own dtype. ``verify``: verify the Programs in the
-    sandbox when the module is built (default; once per process and epsilon). ``saved``: keep the
+    sandbox when the module is built (once per process and epsilon) rather than use the shipped
+    verified ones (default; ``coda.export.programs``). ``saved``: keep the
     gate and up projections and the SwiGLU output from the forward for the backward (default,
     docs/algebra.md §7), or recompute them in the backward (three ``[tokens, intermediate]`` tensors
     less memory, one GEMM more).
@@ -201,7 +152,7 @@ class CodaLlamaMLPBlock(nn.Module):
         norm: nn.Module,
         mlp: nn.Module,
         *,
-        verify: bool = True,
+        verify: bool = False,
         saved: bool = True,
         tune: Tuning = "quick",
         fuse_gate_up: bool = False,
@@ -308,31 +259,6 @@ class CodaLlamaMLPBlock(nn.Module):
         if self.branch_function is None:
             self.branch_function = _resolve_branch(self)
         return run_in_dtype(self.branch_function, dtype, x, *weights)
-
-
-def autocast_dtype(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.dtype | None:
-    """The dtype the kernels must run in instead of ``x``'s: ``torch.autocast``'s, when it is on
-    and ``x`` is in another dtype (Hugging Face's mixed precision: the caller casts ``x`` and the
-    weights). None when ``x``'s own dtype is used — then every weight must have it (TypeError)."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
-        return torch.get_autocast_dtype(device)
-    mixed = [w for w in weights if w.dtype != x.dtype]
-    if mixed:
-        raise TypeError(
-            f"parameters of dtype {mixed[0].dtype} next to activations of dtype {x.dtype}: "
-            "cast the modules to the activation dtype (e.g. model.to(torch.bfloat16)), or "
-            "run under torch.autocast"
-        )
-    return None
-
-
-def run_in_dtype(function: ExportedFunction, dtype: torch.dtype, *tensors: torch.Tensor) -> Any:
-    """``function(*tensors)`` with the floating-point tensors cast to ``dtype`` (what autocast
-    would do to a projection's input and weight) and autocast off around the exported op."""
-    cast = [t.to(dtype) if t.is_floating_point() else t for t in tensors]
-    with torch.autocast(cast[0].device.type, enabled=False):
-        return function(*cast)
 
 
 @torch.compiler.disable

@@ -1,0 +1,189 @@
+"""The drop-ins' Programs, shipped verified: one ``<block>.json`` here per block the drop-ins run.
+
+Each file holds the built-in planner's Program for one block of a family the drop-ins build on
+(``FAMILIES``: the ``llama_mlp`` and ``llama_mlp_branch`` sub-layers, the attention input, the
+LM-head loss — forward and backward, at Llama's RMSNorm epsilon ``SHIPPED_EPS``, with the default
+lowering options), with its content hash: the first 12 hex digits of the SHA-256 of its canonical
+JSON, the key the sandbox's Reports and the regression store know a Program by. Every file was
+verified by the sandbox (the block's shape sets, float32 and float16) when it was written, and
+``make test`` verifies each again and checks it is byte for byte what the planner writes now
+(``tests/export/test_shipped_programs.py``). After a planner change, rewrite them with
+``python -m coda.export.programs --write`` (that test then verifies the new Programs).
+
+``shipped_program(family, key, eps)`` is how a drop-in gets a Program without a sandbox worker:
+the planner lowers the block for the model's epsilon (milliseconds), and its Program is used when
+it is the shipped one with that epsilon — the same hash as the shipped Program once every ``eps``
+there (``SHIPPED_EPS``) is the model's and the block is named as the model's. (The file's Program
+must hash to the file's recorded hash too, so an edited file is caught.) The epsilon is a
+constant inside ``rsqrt(mean(x²) + eps)``; the generated kernels differ by that literal only, so
+the shipped Program's verification carries over, and a Llama with 1e-6 builds as fast as one
+with 1e-5. Anything else — a missing or edited file, a planner whose Program differs — raises
+``ShippedMismatch``; ``coda.export.resolve`` then verifies the planner's Program in the sandbox
+instead (seconds) and warns, so a drop-in never runs a Program the sandbox has not verified.
+
+The one place the export calls the planner: ``lowered``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from coda.agent.planner import LoweringOptions, lower
+from coda.blocks.block import Block
+from coda.blocks.llama import (
+    LLAMA_RMS_EPS,
+    llama_attn_in_family,
+    llama_lm_head_ce_family,
+    llama_mlp_family,
+)
+from coda.primitives.ir import Program, content_hash
+
+PROGRAMS_DIR = Path(__file__).resolve().parent
+SHIPPED_EPS = LLAMA_RMS_EPS  # the epsilon of the shipped blocks (the built-in ones)
+REWRITE = "python -m coda.export.programs --write"
+
+
+@dataclass(frozen=True)
+class Family:
+    """Blocks for an RMSNorm epsilon (a ``coda.blocks.llama`` family) and the keys of those the
+    drop-ins run."""
+
+    blocks: Callable[[float], dict[str, Block]]
+    keys: tuple[str, ...]
+
+
+_MLP_KEYS = ("forward", "backward", "train", "backward_saved")
+FAMILIES: dict[str, Family] = {
+    # CodaLlamaMLPBlock: saved (train, backward_saved, forward without gradients) or not
+    # (forward, backward); with its residual add or without (the branch, under autocast).
+    "llama_mlp": Family(llama_mlp_family, _MLP_KEYS),
+    "llama_mlp_branch": Family(lambda eps: llama_mlp_family(eps, residual=False), _MLP_KEYS),
+    "llama_attn_in": Family(llama_attn_in_family, ("forward", "backward_saved")),
+    "llama_lm_head_ce": Family(llama_lm_head_ce_family, ("forward", "train", "backward_saved")),
+}
+
+
+class ShippedMismatch(ValueError):
+    """The planner's Program for a block is not the shipped verified one (or the file is missing
+    or edited); the message names the file and what to do."""
+
+
+def lowered(block: Block, options: LoweringOptions | None = None) -> Program:
+    """The built-in planner's Program for ``block`` (the export's one call into the planner)."""
+    return lower(block, options)
+
+
+def shipped_blocks() -> list[Block]:
+    """Every block a file here holds the Program of (at ``SHIPPED_EPS``), in ``FAMILIES`` order."""
+    return [f.blocks(SHIPPED_EPS)[key] for f in FAMILIES.values() for key in f.keys]
+
+
+def program_file(block_name: str) -> Path:
+    """Where the shipped Program of the block ``block_name`` (at ``SHIPPED_EPS``) lives."""
+    return PROGRAMS_DIR / f"{block_name}.json"
+
+
+def render(block: Block) -> str:
+    """The file for ``block``: the planner's Program now, its hash and the lowering options it
+    was lowered with (indented, sorted JSON)."""
+    program = lowered(block)
+    entry = {
+        "block": block.name,
+        "options": asdict(LoweringOptions()),
+        "program_hash": content_hash(program.canonical_json()),
+        "program": program.model_dump(mode="json"),
+    }
+    return json.dumps(entry, indent=1, sort_keys=True) + "\n"
+
+
+def shipped_program(family: str, key: str, eps: float) -> Program:
+    """The planner's Program for ``FAMILIES[family]``'s ``key`` block at ``eps``, when it is the
+    shipped verified Program with that epsilon (see the module docstring); else
+    ``ShippedMismatch``."""
+    blocks = FAMILIES[family].blocks
+    block, shipped = blocks(eps)[key], blocks(SHIPPED_EPS)[key]
+    path = program_file(shipped.name)
+    want = content_hash(_with_eps(_read(path)["program"], eps, block.name).canonical_json())
+    program = lowered(block)
+    got = content_hash(program.canonical_json())
+    if got != want:
+        at = "" if eps == SHIPPED_EPS else f" once its epsilon is {eps:g} ({want})"
+        raise ShippedMismatch(
+            f"the planner's Program for {block.name} (hash {got}) is not the shipped verified "
+            f"one in {path} (hash {_read(path)['program_hash']}{at}): the planner changed since "
+            f"the file was written — rewrite the files with `{REWRITE}` and verify them "
+            "(`make test`)"
+        )
+    return program
+
+
+@cache
+def _read(path: Path) -> dict[str, Any]:
+    """The shipped file at ``path``, its Program checked against its recorded hash."""
+    try:
+        entry = json.loads(path.read_text())
+        program = Program.parse(entry["program"])
+        recorded = entry["program_hash"]
+    except FileNotFoundError:
+        raise ShippedMismatch(
+            f"no shipped Program {path.name} in {path.parent}: write it with `{REWRITE}`"
+        ) from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ShippedMismatch(
+            f"{path} is not a shipped Program file ({e}): rewrite it with `{REWRITE}`"
+        ) from None
+    actual = content_hash(program.canonical_json())
+    if actual != recorded:
+        raise ShippedMismatch(
+            f"{path} was edited: its Program hashes to {actual}, not the recorded "
+            f"{recorded} — rewrite it with `{REWRITE}`"
+        )
+    return entry
+
+
+def _with_eps(data: dict[str, Any], eps: float, name: str) -> Program:
+    """The shipped Program ``data`` with every ``eps`` field (``SHIPPED_EPS`` there) set to
+    ``eps`` and its block named ``name``: what the planner must write for the block at ``eps``."""
+    return Program.parse({**_replace_eps(data, eps), "block": name})
+
+
+def _replace_eps(node: Any, eps: float) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: eps if k == "eps" and v == SHIPPED_EPS else _replace_eps(v, eps)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_replace_eps(v, eps) for v in node]
+    return node
+
+
+def stale_files() -> list[Path]:
+    """The shipped files that are not byte for byte what ``render`` writes now (missing ones
+    included), and files of blocks no longer shipped."""
+    blocks = shipped_blocks()
+    stale = [
+        program_file(b.name)
+        for b in blocks
+        if not program_file(b.name).is_file() or program_file(b.name).read_text() != render(b)
+    ]
+    extra = set(PROGRAMS_DIR.glob("*.json")) - {program_file(b.name) for b in blocks}
+    return stale + sorted(extra)
+
+
+def write_all() -> list[Path]:
+    """Rewrite every shipped file from the planner's Programs now (and remove files of blocks no
+    longer shipped); returns the files written. Verify them afterwards (``make test``)."""
+    blocks = shipped_blocks()
+    keep = {program_file(b.name) for b in blocks}
+    for stale in set(PROGRAMS_DIR.glob("*.json")) - keep:
+        stale.unlink()
+    for block in blocks:
+        program_file(block.name).write_text(render(block))
+    _read.cache_clear()
+    return [program_file(b.name) for b in blocks]
