@@ -15,9 +15,9 @@ from coda.agent.planner import TUNING_CONFIGS, Finish, NoRule, Outcome, PlanSear
 from coda.agent.providers import BuiltinProvider, ToolResultPart, UserMessage
 from coda.blocks import Add, Block, ShapeSets, TensorSpec
 from coda.sandbox.report import ProfileRow, Report, StageResult
+from tests.planner.test_planner import DECODER_TAIL
 
 from .scripted import BLOCK
-from .test_planner import DECODER_TAIL
 
 
 def outcome(p: Proposal, verified: bool, ms: float | None = None, failure: str = "") -> Outcome:
