@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from coda.agent.planner import LoweringOptions, lower
 from coda.blocks.block import Block
 from coda.blocks.llama import llama_mlp_family
+from coda.planner import LoweringOptions, lower
 from coda.primitives.ir import Program
 from coda.primitives.prep.layout import interleave_rows
 from coda.sandbox import SandboxOptions, evaluate

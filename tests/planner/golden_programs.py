@@ -12,9 +12,9 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
-from coda.agent.planner import TUNING_CONFIGS, LoweringOptions, NoRule, lower
 from coda.blocks import Block
 from coda.blocks.registry import list_blocks
+from coda.planner import TUNING_CONFIGS, LoweringOptions, NoRule, lower
 
 GOLDEN = Path(__file__).parent / "golden"
 

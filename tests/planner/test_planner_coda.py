@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from coda.agent.planner import NoRule, lower
 from coda.blocks import Add, Block, Linear, ShapeSets, TensorSpec, get_block
 from coda.blocks.autodiff import backward_block
 from coda.blocks.ops import Matmul, RowRstd, TargetLogit
+from coda.planner import NoRule, lower
 from coda.primitives.ir import GemmEpilogue, OutputView, Program
 from coda.sandbox import SandboxOptions, evaluate
 from tests.blocks.test_coda_blocks import LAYER_BLOCKS, PAPER_TABLE
