@@ -2,6 +2,6 @@
 
 Entry points: ``synthesize(block, runs_dir, provider=...)`` starts a run and ``resume(run, block,
 provider)`` continues one (``synthesize.py``); both return an ``AgentResult``. ``AgentLoop``
-(``loop.py``) is the loop itself; ``providers`` holds the model adapters; ``planner`` the built-in
-CODA lowering and search; ``transcript``/``runs`` what a run leaves on disk.
+(``loop.py``) is the loop itself; ``providers`` holds the model adapters (``builtin`` drives
+``coda.planner``'s search); ``transcript``/``runs`` what a run leaves on disk.
 """

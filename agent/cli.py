@@ -36,6 +36,7 @@ from rich.text import Text
 
 from coda.blocks import Block, BlockNotFound, get_block, list_blocks, load_block_file
 from coda.evals.cli import register as register_eval_commands
+from coda.planner import NoRule
 from coda.primitives import backend  # noqa: F401  (first: selects the interpreter without a GPU)
 from coda.sandbox.report import Report, StageResult
 from coda.sandbox.runner import evaluate
@@ -43,7 +44,6 @@ from coda.sandbox.stages import SandboxOptions
 
 from .events import CandidateDone, Event, Retrying, StageDone, Stopped, ToolAnswered, TurnEnded
 from .loop import AgentResult, Budgets
-from .planner import NoRule
 from .providers import PROVIDERS, ProviderError, make_provider
 from .providers.pricing import format_cost
 from .runs import RunDir, RunDirError

@@ -17,13 +17,12 @@ from pydantic import BaseModel
 
 from coda import prompts
 from coda.blocks import Add, Block, Linear, RMSNorm, ShapeSets, TensorSpec
+from coda.planner import lower
 from coda.primitives import backend
 from coda.primitives.base import AuxStep, EpilogueOp, PrepStep
 from coda.primitives.errors import did_you_mean
 from coda.primitives.ir import GemmEpilogue, MainloopConfig, Operand, Program, TensorDecl
 from coda.sandbox.stages import SandboxOptions
-
-from .planner import lower
 
 
 @dataclass(frozen=True)

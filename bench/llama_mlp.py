@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives import Program, analyze, compile_program
 from coda.primitives.codegen.tuning import tune_program
 from coda.primitives.timing import interleaved_ms

@@ -55,8 +55,8 @@ def _timer(dry_run: bool) -> Callable[[dict[str, Callable[[], Any]]], dict[str, 
 def step_rows(block_name: str, sizes: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from coda.agent.planner import lower
     from coda.blocks import get_block
+    from coda.planner import lower
     from coda.primitives import analyze, compile_program
     from coda.primitives.base import RunEnv
     from coda.primitives.ir import GemmEpilogue

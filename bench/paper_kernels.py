@@ -166,8 +166,8 @@ def _upcast(inputs: dict[str, Any]) -> dict[str, Any]:
 
 # -- the ten kernels ---------------------------------------------------------------------------
 def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
-    from coda.agent.planner import lower
     from coda.blocks.ops import Linear, Matmul
+    from coda.planner import lower
     from coda.primitives import analyze, compile_program
 
     inputs = block.make_inputs(sizes, bench.dtype, seed=0, device=bench.device)

@@ -4,8 +4,8 @@
 gradients of (some of) its outputs (``d<output>``), and whose outputs are the gradients of the
 differentiable inputs (``d<input>``). Its graph is one ``vjp`` op — run by ``torch.autograd`` on the
 forward block's own reference source, which the backward block's source shows in full — and one
-``pick`` per gradient. The built-in planner lowers it from the *forward* graph (``agent/planner/
-backward.py``): recompute what the backward needs, fuse each pairwise/norm backward into the
+``pick`` per gradient. The built-in planner lowers it from the *forward* graph (``coda.planner``,
+its ``vjp`` rule): recompute what the backward needs, fuse each pairwise/norm backward into the
 epilogue of the GEMM that produces its input, weight gradients on the vendor GEMM.
 """
 

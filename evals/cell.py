@@ -15,13 +15,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from coda.agent.events import OnEvent
-from coda.agent.planner import NoRule
 from coda.agent.providers import ProviderError
 from coda.agent.runs import RunDir
 from coda.agent.synthesize import BudgetError, resume, synthesize
 from coda.agent.transcript import EndRecord, RunState, TranscriptError, read_transcript
 from coda.blocks import get_block, load_block_file
 from coda.blocks.block import Block
+from coda.planner import NoRule
 from coda.primitives import backend
 
 from .metrics import timing

@@ -32,11 +32,11 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from coda.agent.planner import NoRule
 from coda.agent.providers import BuiltinProvider, ProviderError
 from coda.agent.synthesize import BudgetError, check_budgets
 from coda.agent.transcript import TranscriptError
 from coda.blocks import get_block, load_block_file
+from coda.planner import NoRule
 from coda.primitives import backend
 
 from .compare import compare, markdown

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 
 from coda.blocks.block import Block
+from coda.planner import TUNING_CONFIGS, Finish, Outcome, PlanSearch
 from coda.primitives.errors import ProgramError
 from coda.primitives.ir import Program
 from coda.sandbox.report import Report
 
-from ..planner import TUNING_CONFIGS, Finish, Outcome, PlanSearch
 from .base import (
     AssistantTurn,
     TextPart,

@@ -92,8 +92,8 @@ def device_descriptor_kernel(kernel: Any) -> Any:
 def kernel_row(name: str, launch_overhead: Any) -> dict[str, Any]:
     import torch
 
-    from coda.agent.planner import lower
     from coda.blocks import get_block
+    from coda.planner import lower
 
     block = get_block(name)
     program = lower(block)

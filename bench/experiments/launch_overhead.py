@@ -95,8 +95,8 @@ def floors() -> dict[str, float]:
 
 
 def kernel_rows(name: str) -> dict[str, Any]:
-    from coda.agent.planner import lower
     from coda.blocks import get_block
+    from coda.planner import lower
 
     block = get_block(name)
     program = lower(block)
@@ -169,8 +169,8 @@ def launch_profile(name: str) -> str:
 
     import torch
 
-    from coda.agent.planner import lower
     from coda.blocks import get_block
+    from coda.planner import lower
     from coda.primitives import analyze, compile_program
     from coda.primitives.ir import GemmEpilogue
 

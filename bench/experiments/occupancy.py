@@ -104,9 +104,9 @@ def kernel_rows(name: str, size: int, configs: list[tuple], rounds: int) -> list
     """Every config of ``configs`` on paper kernel ``name`` at M = N = K = ``size``."""
     import torch
 
-    from coda.agent.planner import lower
     from coda.blocks import get_block
     from coda.blocks.ops import Linear, Matmul
+    from coda.planner import lower
     from coda.primitives import analyze, compile_program
     from coda.primitives.codegen.tuning import wrong_steps
 

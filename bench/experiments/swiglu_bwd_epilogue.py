@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from coda.agent.planner import lower
     from coda.blocks import get_block
+    from coda.planner import lower
     from coda.primitives import analyze, compile_program, runtime
     from coda.primitives.timing import interleaved_ms
 

@@ -33,7 +33,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from coda.agent.planner import LoweringOptions, lower
 from coda.blocks.block import Block
 from coda.blocks.llama import (
     LLAMA_RMS_EPS,
@@ -41,6 +40,7 @@ from coda.blocks.llama import (
     llama_lm_head_ce_family,
     llama_mlp_family,
 )
+from coda.planner import LoweringOptions, lower
 from coda.primitives.ir import Program, content_hash
 
 PROGRAMS_DIR = Path(__file__).resolve().parent

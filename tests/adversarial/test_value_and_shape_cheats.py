@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives.ir import Program
 from coda.sandbox import Report, SandboxOptions, evaluate
 from coda.sandbox.stages import semantics

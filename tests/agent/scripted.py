@@ -7,9 +7,9 @@ import copy
 import json
 from typing import Any
 
-from coda.agent.planner import lower
 from coda.agent.providers import AssistantTurn, FunctionProvider, TextPart, ToolCallPart, Usage
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.sandbox import SandboxOptions
 
 BLOCK = get_block("llama_mlp")

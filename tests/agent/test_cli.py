@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from coda.agent.cli import app
-from coda.agent.planner import lower
 from coda.blocks import get_block, load_block_file
+from coda.planner import lower
 
 runner = CliRunner()
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives import analyze, compile_program
 
 from . import load_script

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives import analyze, compile_program
 from coda.primitives.ir import MainloopConfig
 

@@ -253,9 +253,9 @@ def test_packed_gate_up_moves_no_weight_layouts() -> None:
 
 
 def test_packing_needs_two_inputs_whose_gradients_are_one_tensors_rows() -> None:
-    from coda.agent.planner import lower
     from coda.blocks.llama import llama_mlp_bwd_saved, llama_mlp_train
     from coda.export import PackedRows, export_autograd
+    from coda.planner import lower
 
     forward, backward = lower(llama_mlp_train), lower(llama_mlp_bwd_saved)
     bad = {

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.sandbox import SandboxOptions, evaluate
 from tests.blocks.test_coda_blocks import LAYER_BLOCKS, PAPER_TABLE
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.sandbox import SandboxOptions, evaluate
 
 BLOCK = get_block("llama_mlp")

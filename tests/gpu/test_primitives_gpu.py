@@ -179,8 +179,8 @@ def test_run_plans_replay_on_the_gpu() -> None:
     descriptors): calls alternating between TMA-describable inputs and a misaligned weight (the
     pointer kernel) and between two dtypes replay their own plans and give a fresh program's
     bits each time."""
-    from coda.agent.planner import lower
     from coda.blocks import get_block
+    from coda.planner import lower
     from coda.primitives import analyze, compile_program
     from tests.primitives.test_run_plans import misaligned
 

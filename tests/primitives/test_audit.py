@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives.analysis import analyze
 from coda.primitives.codegen import cache
 from coda.primitives.codegen.audit import GeneratedCodeError, check_generated_module

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives import analyze, compile_program
 from coda.primitives.ir import GemmEpilogue
 from tests.helpers import gemm_program

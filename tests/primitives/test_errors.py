@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives import Program, ProgramError, analyze
 
 BLOCK = get_block("llama_mlp")

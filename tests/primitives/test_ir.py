@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives import AuxStep, EpilogueOp, PrepStep, Program, ProgramBuilder
 from coda.primitives.ir import MainloopConfig, Operand
 

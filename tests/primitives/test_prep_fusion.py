@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coda.agent.planner import lower
 from coda.blocks.registry import get_block
+from coda.planner import lower
 from coda.primitives import backend
 from coda.primitives.analysis import analyze, bind_sizes
 from coda.primitives.base import PrepStep, RunEnv

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives import analyze, compile_program
 from coda.primitives.ir import MainloopConfig
 from coda.primitives.runtime import CompiledProgram

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coda.agent.planner import lower
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives import analyze, compile_program
 from coda.primitives.codegen.configs import INTERPRETER_DEFAULT
 from coda.primitives.codegen.tuning import (

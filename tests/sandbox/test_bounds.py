@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from coda.agent.planner import lower
 from coda.blocks import get_block, list_blocks
+from coda.planner import lower
 from coda.sandbox import SandboxOptions, evaluate
 from coda.sandbox.report import StageResult
 from coda.sandbox.stages import DEFAULT_MAX_TENSOR_GIB, DEFAULT_MAX_TOTAL_GIB, validate

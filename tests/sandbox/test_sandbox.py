@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from coda.agent.planner import lower
 from coda.blocks import get_block, load_block_file
 from coda.blocks.block import Tolerance
+from coda.planner import lower
 from coda.sandbox import SandboxOptions, evaluate
 from coda.sandbox.runner import worker_env
 from tests.helpers import residual_program

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from coda.agent.planner import lower
 from coda.agent.providers import ReplayProvider
 from coda.agent.runs import RunDir
 from coda.agent.synthesize import resume, synthesize
 from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives import Program
 from coda.primitives.analysis import analyze
 from coda.primitives.plugins import PLUGINS_ENV

@@ -30,7 +30,8 @@ from itertools import product
 from coda.blocks.block import Block
 from coda.primitives.ir import MainloopConfig, Program
 
-from .lowering import LoweringOptions, NoRule, lower
+from .lowering import lower
+from .state import LoweringOptions, NoRule
 
 # Explicit tiles tried on the fastest decomposition when timings exist (``auto`` is tried first).
 # The shapes of Triton's persistent-matmul tutorial configs for Hopper-class GPUs, and one with two

@@ -6,15 +6,57 @@ from __future__ import annotations
 
 import pytest
 
-from coda.agent.planner import NoRule, lower
-from coda.blocks import Block, Linear, ShapeSets, TensorSpec, get_block
+from coda.blocks import Add, Block, Linear, ShapeSets, TensorSpec, get_block
 from coda.blocks.autodiff import backward_block
 from coda.blocks.ops import Matmul, RowRstd, TargetLogit
+from coda.planner import NoRule, lower
 from coda.primitives.ir import GemmEpilogue, OutputView, Program
 from coda.sandbox import SandboxOptions, evaluate
 from tests.blocks.test_coda_blocks import LAYER_BLOCKS, PAPER_TABLE
 
 FAST = SandboxOptions(isolate=False, seeds=[0])
+
+
+def _spec(*shape: str, init: str = "activation") -> TensorSpec:
+    return TensorSpec(shape=list(shape), init=init)
+
+
+# only the target logits of x @ w.T are wanted: M dot products, no GEMM
+TARGET_ONLY = Block(
+    name="target_only",
+    description="the target logit of x @ w.T",
+    inputs={
+        "x": _spec("M", "K"),
+        "w": _spec("N", "K", init="linear_weight"),
+        "t": TensorSpec(shape=["M"], dtype="int64", init="index", high="N"),
+    },
+    graph=[
+        Linear(x="x", weight="w", out="z"),
+        TargetLogit(logits="z", target="t", out="zt"),
+    ],
+    outputs=["zt"],
+    shapes=ShapeSets(cpu=[{"M": 9, "K": 20, "N": 33}], gpu=[{"M": 64, "K": 64, "N": 64}]),
+)
+
+# o-proj + residual + the next norm's rstd, then a plain matmul on the result
+USER_TAIL = Block(
+    name="user_tail",
+    description="x1 = x + attn @ w_o.T; r = rstd(x1); y = x1 @ b",
+    inputs={
+        "x": _spec("M", "d"),
+        "attn": _spec("M", "d"),
+        "w_o": _spec("d", "d", init="linear_weight"),
+        "b": _spec("d", "n", init="linear_weight"),
+    },
+    graph=[
+        Linear(x="attn", weight="w_o", out="o"),
+        Add(a="x", b="o", out="x1"),
+        RowRstd(x="x1", eps=1e-6, out="r"),
+        Matmul(a="x1", b="b", out="y"),
+    ],
+    outputs=["r", "y"],
+    shapes=ShapeSets(cpu=[{"M": 33, "d": 40, "n": 24}, {"M": 8, "d": 16, "n": 48}]),
+)
 
 
 @pytest.mark.parametrize("name", [*PAPER_TABLE, *LAYER_BLOCKS])
@@ -59,24 +101,9 @@ def test_target_logit_of_a_weight_without_rows_uses_the_epilogue() -> None:
     # takes the target logit from the tile; and a block wanting only target logits needs no GEMM
     program = lower(get_block("gemm_partial_cross_entropy"))
     assert _ops(_gemms(program)[0])[0] == "select_column"
-    block = Block(
-        name="target_only",
-        description="the target logit of x @ w.T",
-        inputs={
-            "x": _spec("M", "K"),
-            "w": _spec("N", "K", init="linear_weight"),
-            "t": TensorSpec(shape=["M"], dtype="int64", init="index", high="N"),
-        },
-        graph=[
-            Linear(x="x", weight="w", out="z"),
-            TargetLogit(logits="z", target="t", out="zt"),
-        ],
-        outputs=["zt"],
-        shapes=ShapeSets(cpu=[{"M": 9, "K": 20, "N": 33}], gpu=[{"M": 64, "K": 64, "N": 64}]),
-    )
-    program = lower(block)
+    program = lower(TARGET_ONLY)
     assert [s.kind for s in program.steps] == ["gather_dot"]
-    assert evaluate(program, block, FAST).verified
+    assert evaluate(program, TARGET_ONLY, FAST).verified
 
 
 def test_attention_input_is_one_gemm_with_rope_and_v_passing_through() -> None:
@@ -168,38 +195,9 @@ def test_attention_input_backward_from_the_saved_output_recomputes_no_projection
     assert not any(p.kind == "fold_norm_weight" for p in program.prep)
 
 
-def _spec(*shape: str, init: str = "activation") -> TensorSpec:
-    return TensorSpec(shape=list(shape), init=init)
-
-
 def test_a_user_block_mixing_old_and_new_ops() -> None:
-    # o-proj + residual + the next norm's rstd, then a plain matmul on the result
-    block = Block(
-        name="user_tail",
-        description="x1 = x + attn @ w_o.T; r = rstd(x1); y = x1 @ b",
-        inputs={
-            "x": _spec("M", "d"),
-            "attn": _spec("M", "d"),
-            "w_o": _spec("d", "d", init="linear_weight"),
-            "b": _spec("d", "n", init="linear_weight"),
-        },
-        graph=[
-            Linear(x="attn", weight="w_o", out="o"),
-            *_add("x", "o", "x1"),
-            RowRstd(x="x1", eps=1e-6, out="r"),
-            Matmul(a="x1", b="b", out="y"),
-        ],
-        outputs=["r", "y"],
-        shapes=ShapeSets(cpu=[{"M": 33, "d": 40, "n": 24}, {"M": 8, "d": 16, "n": 48}]),
-    )
-    program = lower(block)
-    assert evaluate(program, block, FAST).verified
-
-
-def _add(a: str, b: str, out: str) -> list:
-    from coda.blocks import Add
-
-    return [Add(a=a, b=b, out=out)]
+    program = lower(USER_TAIL)
+    assert evaluate(program, USER_TAIL, FAST).verified
 
 
 def test_backward_of_an_unsupported_forward_names_it() -> None:

@@ -11,12 +11,12 @@ import json
 
 import pytest
 
-from coda.agent.planner import TUNING_CONFIGS, Finish, NoRule, Outcome, PlanSearch, Proposal
 from coda.agent.providers import BuiltinProvider, ToolResultPart, UserMessage
 from coda.blocks import Add, Block, ShapeSets, TensorSpec
+from coda.planner import TUNING_CONFIGS, Finish, NoRule, Outcome, PlanSearch, Proposal
 from coda.sandbox.report import ProfileRow, Report, StageResult
+from tests.agent.scripted import BLOCK
 
-from .scripted import BLOCK
 from .test_planner import DECODER_TAIL
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coda.agent.planner import LoweringOptions, NoRule, lower
 from coda.agent.synthesize import synthesize
 from coda.blocks import Add, Block, Linear, RMSNorm, ShapeSets, SwiGLU, TensorSpec, get_block
+from coda.planner import LoweringOptions, NoRule, lower
 from coda.sandbox import SandboxOptions, evaluate
 
 FAST = SandboxOptions(isolate=False, seeds=[0])

@@ -1,0 +1,172 @@
+"""The builder of backward Programs (a ``vjp`` of a forward block, ``blocks/autodiff.py``).
+
+A backward block is lowered from its *forward* graph (docs/algebra.md §2–5, §7): the rule
+of the forward block's head op (``Rule.differentiate``: SwiGLU's, Concat's, CrossEntropy's)
+writes the schedule with a ``BackwardBuilder``. Every supported forward block starts with an RMSNorm
+``h = rmsnorm(x)·γ`` feeding a projection ``z = h W``; its backward is
+
+1. ``z`` and ``dz`` where they meet — the projection GEMM is recomputed (``r ⊙ (x (W·diag γ)ᵀ)``,
+   the backward block gets only the forward inputs) or read from what the forward saved, and the
+   head's backward runs in an epilogue (the head's rule); that epilogue also writes partial sums of
+   ``z·dz`` (``c = Σ z·dz / d``, §4: ``zdz_partials``, ``statistic``);
+2. the RMSNorm backward in the epilogue of ``dh = dz W`` (``norm_backward``):
+   ``dx = r (dh ⊙ γ − x̂ c)`` (+ the residual's gradient), ``y = x̂ ⊙ γ`` stored for the weight
+   gradient, partial column sums of ``dh ⊙ x̂``;
+3. weight gradients ``dzᵀ y`` as plain GEMMs on the vendor BLAS (``plain_gemm``); interleaved or
+   fused weight gradients are split into the block's outputs by views (``output``).
+
+A forward graph of another shape raises ``NoRule`` naming what is not covered (``fail``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from coda.blocks.autodiff import VJP, Pick
+from coda.blocks.block import Block
+from coda.blocks.ops import RMSNorm
+
+from .shapes import size_expr_of
+from .state import NoRule, PlanState
+
+
+class BackwardBuilder:
+    """Builds one backward program into ``st``; names are kept clear of the block's own inputs.
+
+    ``op`` is the ``vjp`` node (graph op ``index``), ``forward`` the block it differentiates.
+    """
+
+    def __init__(self, st: PlanState, index: int, op: VJP, forward: Block) -> None:
+        self.st, self.index, self.op, self.forward = st, index, op, forward
+        self.grad_name = {
+            p.key: p.out for p in st.block.graph if isinstance(p, Pick) and p.src == op.out
+        }
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def fail(self, reason: str) -> NoReturn:
+        """Raise ``NoRule`` for the vjp, naming the forward block and what its graph lacks."""
+        raise NoRule(self.index, self.op, f"forward block {self.forward.name!r}: {reason}")
+
+    def name(self, base: str) -> str:
+        """A fresh program tensor name from ``base`` (``_`` appended while taken)."""
+        taken = set(self.st.block.inputs) | self.st.available
+        name = base
+        while name in taken:
+            name += "_"
+        self.st.available.add(name)
+        return name
+
+    def find(self, kind: type, **match: str) -> tuple[int, Any]:
+        """(index, op) of the first forward op of type ``kind`` whose fields equal ``match``."""
+        for j, o in enumerate(self.forward.graph):
+            if isinstance(o, kind) and all(getattr(o, k) == v for k, v in match.items()):
+                return j, o
+        self.fail(f"expected a {kind.__name__} with {match or 'any inputs'}")
+
+    def norm(self, consumer_x: str) -> RMSNorm:
+        """The RMSNorm producing ``consumer_x``, whose input must be a forward input."""
+        _, norm = self.find(RMSNorm, out=consumer_x)
+        if norm.x not in self.forward.inputs or norm.weight not in self.forward.inputs:
+            self.fail("the RMSNorm's input and weight must be block inputs")
+        return norm
+
+    def prep(self, key: tuple, node: dict[str, Any]) -> str:
+        """Prep step ``node`` (once per ``key``), its output named clear of the block's."""
+        return self.st.prepare(key, {**node, "out": self.name(node["out"])})
+
+    def gemm(self, name: str, a: str, b: str, epilogue: list[dict[str, Any]]) -> None:
+        self.st.add_gemm(name, a, b, epilogue)
+
+    def plain_gemm(self, name: str, a: str, b: str, out: str) -> str:
+        """``out = a @ b`` with only a store: runs on the vendor GEMM."""
+        out = self.name(out)
+        self.gemm(name, a, b, [{"op": "store", "src": "acc", "to": out}])
+        return out
+
+    def aux(self, node: dict[str, Any]) -> str:
+        """Append aux step ``node`` (its output renamed clear of the block's); its output."""
+        node = {**node, "out": self.name(node["out"])}
+        self.st.steps.append(node)
+        return node["out"]
+
+    def output(self, wrt: str, value: Any) -> None:
+        """Block output ``d<wrt>`` is program tensor (or view) ``value``."""
+        if wrt in self.grad_name:
+            self.st.outputs[self.grad_name[wrt]] = value
+
+    def cotangent(self, forward_output: str) -> str:
+        """The backward block's input holding the gradient of ``forward_output``."""
+        if forward_output not in self.op.cotangents:
+            self.fail(f"the backward block gives no gradient for output {forward_output!r}")
+        return self.op.cotangents[forward_output]
+
+    # -- shared pieces -----------------------------------------------------------------------------
+    def rstd(self, norm: RMSNorm) -> str:
+        """The norm's ``r``: one pass over its input (cheap next to the GEMMs)."""
+        return self.aux({"kind": "rstd", "src": norm.x, "eps": norm.eps, "out": f"rstd_{norm.out}"})
+
+    def forward_projection(self, norm: RMSNorm, weight: str) -> tuple[str, str]:
+        """(rstd of x, γ folded into ``weight``) for recomputing ``z = r ⊙ (x W_foldedᵀ)``."""
+        r = self.rstd(norm)
+        node = {"kind": "fold_norm_weight", "weight": weight, "gamma": norm.weight}
+        folded = self.prep(("fold", weight, norm.weight), {**node, "out": f"{weight}_folded"})
+        return r, folded
+
+    def statistic(self, partials: str, norm: RMSNorm) -> str:
+        """``c = Σ z·dz / d`` from the epilogue's partial sums (d = the norm's width)."""
+        width = size_expr_of(self.st, norm.x, 1)
+        node = {"kind": "sum_partials", "src": partials, "divide_by": width, "out": "c"}
+        return self.aux(node)
+
+    def zdz_partials(self, z: str, dz: str) -> tuple[list[dict[str, Any]], str]:
+        """Epilogue ops writing partial row sums of ``z·dz``, and the partials buffer's name."""
+        partials = self.name("zdz_partials")
+        return [
+            {"op": "map", "expr": f"{z} * {dz}", "out": "zdz_terms"},
+            {"op": "partial_reduce", "src": "zdz_terms", "kind": "sum", "to": partials},
+        ], partials
+
+    def norm_backward(
+        self, name: str, dz: str, weight: str, norm: RMSNorm, r: str, c: str, residual: str | None
+    ) -> str:
+        """``dh = dz W`` with RMSNorm's backward in its epilogue; returns the stored ``y``."""
+        dx, y = self.name("dx"), self.name("y")
+        dgamma_partials = self.name("dgamma_partials")
+        dx_norm = "dx_norm" if residual else dx
+        epilogue = [
+            {"op": "load_tile", "tensor": norm.x, "out": "x_tile"},
+            {"op": "load_row_vector", "vector": r, "out": "r_row"},
+            {"op": "load_col_vector", "vector": norm.weight, "out": "gamma_col"},
+            {"op": "load_row_vector", "vector": c, "out": "c_row"},
+            # dx = r ⊙ (dh ⊙ γ − x̂ · c), x̂ = r ⊙ x (docs/algebra.md §4); acc = dh
+            {
+                "op": "map",
+                "expr": "r_row * (acc * gamma_col - r_row * x_tile * c_row)",
+                "out": dx_norm,
+            },
+        ]
+        if residual:
+            # the residual branch's gradient joins here: dx = dout + the norm's part
+            epilogue.append({"op": "add_tile", "src": dx_norm, "tensor": residual, "out": dx})
+        epilogue += [
+            {"op": "store", "src": dx, "to": dx},
+            # y = x̂ ⊙ γ, the norm's output, for the weight gradient dzᵀ y
+            {"op": "map", "expr": "x_tile * r_row * gamma_col", "out": y},
+            {"op": "store", "src": y, "to": y},
+            # dγ = Σ_rows dh ⊙ x̂: partial column sums per row block
+            {"op": "map", "expr": "acc * x_tile * r_row", "out": "dgamma_terms"},
+            {
+                "op": "partial_reduce",
+                "src": "dgamma_terms",
+                "kind": "sum",
+                "axis": "col",
+                "to": dgamma_partials,
+            },
+        ]
+        self.gemm(name, dz, weight, epilogue)
+        dgamma = self.aux(
+            {"kind": "sum_partials", "src": dgamma_partials, "dtype": "act", "out": "dgamma"}
+        )
+        self.output(norm.x, dx)
+        self.output(norm.weight, dgamma)
+        return y

@@ -1,0 +1,101 @@
+"""``RMSNorm``: lowered into the GEMMs that read it, never as a pass of its own
+(docs/algebra.md §1–3).
+
+* **row-scale commutation** (``commute``): a GEMM of ``rmsnorm(x, γ)`` runs on ``x`` itself with
+  ``scale_rows(acc, r)``; ``γ`` is folded into the weight (prep ``fold_norm_weight``) and
+  ``r = rstd(...)`` is an aux step before the GEMM.
+* **statistics from the producer** (``on_producer_store``): when ``x`` is stored by an earlier
+  epilogue, that epilogue also writes partial sums of squares and ``rstd`` only finishes them;
+  otherwise (a block input, or ``LoweringOptions(stats="pass")``) ``rstd`` makes one pass over
+  ``x``.
+* **γ as a side output** (``LoweringOptions(gamma="side_output")``): when ``x`` is stored by an
+  earlier epilogue, that epilogue also stores ``x ⊙ γ`` (``scale_cols``) and the following GEMMs
+  read it with their weights unfolded (docs/algebra.md §1).
+
+An RMSNorm whose output anything but a GEMM reads (or that is a block output) has no lowering.
+"""
+
+from __future__ import annotations
+
+from coda.blocks.ops import Linear, RMSNorm
+
+from ..epilogue import Epilogue
+from ..registry import Rule
+from ..state import NoRule, PlanState, short_name
+
+
+class RMSNormRule(Rule):
+    op = RMSNorm
+
+    def lower(self, st: PlanState, index: int, op: RMSNorm) -> bool:
+        """Check that only GEMMs read the norm (each commutes it into its epilogue)."""
+        others = [(j, c) for j, c in st.consumers(op.out) if not isinstance(c, Linear)]
+        if others or op.out in st.block.outputs:
+            who = f"{others[0][1].op} (graph[{others[0][0]}])" if others else "a block output"
+            raise NoRule(
+                index,
+                op,
+                f"its output {op.out!r} feeds {who}; an RMSNorm is lowered only into "
+                "the GEMMs that consume it (row-scale commutation)",
+            )
+        st.done.add(index)
+        return True
+
+    def on_producer_store(self, st: PlanState, ep: Epilogue, value: str, op: RMSNorm) -> None:
+        """The epilogue storing the norm's input also writes its partial sums of squares (and
+        ``x ⊙ γ`` when γ is a side output)."""
+        src = ep.regs[value]
+        if st.options.stats == "epilogue" and value not in st.partials:
+            partials = f"{value}_sumsq"
+            ep.emit(
+                {"op": "partial_reduce", "src": src, "kind": "sumsq", "axis": "row", "to": partials}
+            )
+            st.partials[value] = partials
+        if st.options.gamma == "side_output":
+            scaled = f"{value}_{short_name(op.weight)}"
+            ep.emit({"op": "scale_cols", "src": src, "vector": op.weight, "out": scaled})
+            ep.emit({"op": "store", "src": scaled, "to": scaled})
+            st.available.add(scaled)
+            st.scaled[op.out] = scaled
+
+
+def ensure_rstd(st: PlanState, norm: RMSNorm) -> str:
+    """The norm's rstd tensor: an aux ``rstd`` step over its input's partials (when an epilogue
+    wrote them) or over the input itself, added once."""
+    if norm.out not in st.rstd:
+        src = st.partials.get(norm.x, norm.x)
+        out = f"rstd_{norm.out}"
+        st.steps.append({"kind": "rstd", "src": src, "eps": norm.eps, "out": out})
+        st.rstd[norm.out] = out
+    return st.rstd[norm.out]
+
+
+def commute(
+    st: PlanState, index: int, op: Linear, weight: str
+) -> tuple[str, tuple[str, str] | None]:
+    """The A operand of Linear ``op`` (graph op ``index``) over ``weight``, and (rstd tensor,
+    the weight to use instead) when its input is an RMSNorm output: the norm's input (γ folded
+    into the weight) or its stored ``x ⊙ γ`` side output (the weight as is)."""
+    found = st.producer(op.x)
+    if found is not None and isinstance(found[1], RMSNorm):
+        norm = found[1]
+        if norm.x not in st.available:
+            raise NoRule(
+                found[0], norm, f"its input {norm.x!r} is not materialised before the GEMM"
+            )
+        r = ensure_rstd(st, norm)
+        if norm.out in st.scaled:
+            return st.scaled[norm.out], (r, weight)
+        folded = st.prepare(
+            ("fold", weight, norm.weight),
+            {
+                "kind": "fold_norm_weight",
+                "weight": weight,
+                "gamma": norm.weight,
+                "out": f"{weight}_folded",
+            },
+        )
+        return norm.x, (r, folded)
+    if op.x not in st.available:
+        raise NoRule(index, op, f"its input {op.x!r} is not materialised by an earlier step")
+    return op.x, None

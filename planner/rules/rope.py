@@ -1,0 +1,250 @@
+"""RoPE and the fused QKV projection (docs/algebra.md §5), forward and backward.
+
+* ``rope_pairs`` of a tile in registers fuses into the epilogue as ``rope``.
+* **fused QKV with RoPE** (``qkv_group`` / ``lower_qkv``, started by the Linear rule): Linears of
+  one input whose results are concatenated — the rotated ones through ``pair_layout`` +
+  ``rope_pairs`` first — become one GEMM over ``concat_rows`` of the weights (Q/K rows permuted
+  by prep ``rope_pairs``) with ``rope(rotary_cols=…)`` letting V pass through. A ``Concat`` that
+  is not such a group has no lowering.
+* **backward** of ``concat(rope(q), rope(k), v)`` of ``h = rmsnorm(x)·γ``: the inverse rotation of
+  ``dqkv`` (in the epilogue of the recomputed projection, or one ``rope_rows`` pass over the saved
+  output), the RMSNorm backward in the epilogue of ``dz W_qkv``, the weight gradient as a plain
+  GEMM whose Q/K rows ``unpair_rows`` puts back, split into the three weights by views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coda.blocks.ops import Concat, GraphOp, Linear, PairLayout, RMSNorm, RoPEPairs
+
+from ..backward import BackwardBuilder
+from ..epilogue import Epilogue, emit_gemm
+from ..registry import Rule
+from ..shapes import size_expr_of
+from ..state import NoRule, PlanState
+from .rmsnorm import commute
+
+
+class RoPEPairsRule(Rule):
+    op = RoPEPairs
+
+    def fuse(self, ep: Epilogue, op: RoPEPairs) -> None:
+        ep.define(op.out, {"op": "rope", "src": ep.tile(op.x), "cos": op.cos, "sin": op.sin})
+
+
+class ConcatRule(Rule):
+    op = Concat
+    backward_of = "a fused QKV projection with RoPE"
+
+    def differentiate(self, b: BackwardBuilder) -> None:
+        attention_in_backward(b)
+
+
+# -- fused QKV + RoPE ------------------------------------------------------------------------------
+@dataclass
+class QKVPart:
+    """One concatenated part: its Linear, and for a rotated part its pair_layout and rope_pairs
+    (each as (graph index, op))."""
+
+    linear: tuple[int, Linear]
+    pairs: tuple[int, PairLayout] | None = None
+    rope: tuple[int, RoPEPairs] | None = None
+
+
+@dataclass
+class QKVGroup:
+    concat: tuple[int, Concat]
+    parts: list[QKVPart]
+
+
+def _part_of(st: PlanState, value: str) -> QKVPart | None:
+    """Trace a concatenated part back: [Linear] → [PairLayout → RoPEPairs]."""
+    found = st.producer(value)
+    if found is not None and isinstance(found[1], RoPEPairs):
+        rope = found
+        inner = st.producer(rope[1].x)
+        if inner is None or not isinstance(inner[1], PairLayout):
+            return None
+        lin = st.producer(inner[1].x)
+        if lin is None or not isinstance(lin[1], Linear):
+            return None
+        return QKVPart(lin, inner, rope)  # type: ignore[arg-type]
+    if found is not None and isinstance(found[1], Linear):
+        return QKVPart(found)  # type: ignore[arg-type]
+    return None
+
+
+def qkv_group(st: PlanState, i: int, op: Linear) -> QKVGroup | None:
+    """The fused-QKV pattern containing Linear ``op`` (graph op ``i``), if any."""
+    value = op.out
+    for _ in range(3):  # Linear → [pair_layout → rope_pairs] → concat
+        user: tuple[int, GraphOp] | None = st.only_consumer(value)
+        if user is None:
+            return None
+        if isinstance(user[1], Concat):
+            parts = [_part_of(st, p) for p in user[1].parts]
+            if any(p is None for p in parts):
+                return None
+            return QKVGroup(user, parts)  # type: ignore[arg-type]
+        value = user[1].out
+    return None
+
+
+def lower_qkv(st: PlanState, group: QKVGroup) -> None:
+    """One GEMM over the concatenated (Q/K rows paired) weights with ``rope`` in its epilogue."""
+    concat_i, concat = group.concat
+    first_i, first = group.parts[0].linear
+    rotated = [p for p in group.parts if p.rope is not None]
+    if any(p.rope is not None for p in group.parts[len(rotated) :]):
+        raise NoRule(
+            concat_i, concat, "the rotated parts (Q, K) must come before the unrotated ones (V)"
+        )
+    if any(p.linear[1].x != first.x for p in group.parts):
+        raise NoRule(concat_i, concat, "its parts project different inputs")
+    tables = {(p.rope[1].cos, p.rope[1].sin) for p in rotated}  # type: ignore[union-attr]
+    if len(tables) > 1 or any(p.pairs[1].cos != p.rope[1].cos for p in rotated):  # type: ignore[union-attr]
+        raise NoRule(concat_i, concat, "its rotated parts use different cos/sin tables")
+    weights = []
+    for part in group.parts:
+        w = part.linear[1].weight
+        if part.rope is not None:
+            head = size_expr_of(st, part.rope[1].cos, 1)
+            node = {"kind": "rope_pairs", "weight": w, "head_dim": head, "out": f"{w}_pairs"}
+            w = st.prepare(("rope_pairs", w), node)
+        weights.append(w)
+    fused = st.prepare(
+        ("concat", *weights),
+        {"kind": "concat_rows", "tensors": weights, "out": f"w_{concat.out}"},
+    )
+    a, scale = commute(st, first_i, first, fused)
+    ep = Epilogue(st)
+    cur = "acc"
+    if scale is not None:
+        fused = scale[1]
+        ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": f"{concat.out}_z"})
+        cur = f"{concat.out}_z"
+    if rotated:
+        cos, sin = next(iter(tables))
+        node = {"op": "rope", "src": cur, "cos": cos, "sin": sin, "out": concat.out}
+        if len(rotated) < len(group.parts):
+            widths = [size_expr_of(st, p.linear[1].weight, 0) for p in rotated]
+            node["rotary_cols"] = " + ".join(widths)
+        ep.emit(node)
+        cur = concat.out
+    ep.result(concat.out, cur)
+    for part in group.parts:
+        for found in (part.linear, part.pairs, part.rope):
+            if found is not None:
+                st.done.add(found[0])
+    st.done.add(concat_i)
+    names = [p.linear[1].weight for p in group.parts]
+    emit_gemm(st, first_i, ep, a, f"{fused}.T", names, concat.out)
+
+
+# -- backward of the attention input: fused QKV + RoPE ---------------------------------------------
+def attention_in_backward(b: BackwardBuilder) -> None:
+    _, concat = b.find(Concat)
+    first = b.find(Linear)
+    # the forward rule's pattern, matched on the forward graph (a planner state of its own)
+    group = qkv_group(PlanState(b.forward, b.st.options), *first)
+    if group is None or group.concat[1] is not concat or concat.out not in b.forward.outputs:
+        b.fail(
+            "expected Linears of one normed input, Q/K through pair_layout + rope_pairs, "
+            "concatenated into the block's output"
+        )
+    norm = b.norm(first[1].x)
+    dqkv = b.cotangent(concat.out)
+    rotated = [p for p in group.parts if p.rope is not None]
+    cos, sin = (rotated[0].rope[1].cos, rotated[0].rope[1].sin) if rotated else ("", "")  # type: ignore[index]
+    weights = []
+    for part in group.parts:
+        w = part.linear[1].weight
+        if part.rope is not None:
+            head = size_expr_of(b.st, cos, 1)
+            node = {"kind": "rope_pairs", "weight": w, "head_dim": head, "out": f"{w}_pairs"}
+            w = b.prep(("rope_pairs", w), node)
+        weights.append(w)
+    node = {"kind": "concat_rows", "tensors": weights, "out": "w_qkv"}
+    w_qkv = b.prep(("concat", *weights), node)
+    widths = [size_expr_of(b.st, p.linear[1].weight, 0) for p in group.parts]
+    rot_cols = " + ".join(widths[: len(rotated)]) if len(rotated) < len(group.parts) else None
+    if concat.out in b.op.saved:
+        r, dz, c = _backward_saved(b, norm, concat.out, dqkv, cos, sin, rot_cols)
+    else:
+        r, dz, c = _backward_recomputed(
+            b, norm, w_qkv, dqkv, cos, sin, rot_cols, rotated=bool(rotated)
+        )
+    y = b.norm_backward("qkv_bwd", dz, w_qkv, norm, r, c, residual=None)
+    dw = b.plain_gemm("w_qkv_grad", f"{dz}.T", y, "dw_qkv_pairs" if rotated else "dw_qkv")
+    if rotated:
+        node = {"kind": "unpair_rows", "src": dw, "head_dim": size_expr_of(b.st, cos, 1)}
+        if rot_cols:
+            node["rows"] = rot_cols
+        dw = b.aux({**node, "out": "dw_qkv"})
+    start = "0"
+    for part, width in zip(group.parts, widths, strict=True):
+        stop = width if start == "0" else f"{start} + {width}"
+        view = {"tensor": dw, "dim": 0, "start": start, "stop": stop}
+        b.output(part.linear[1].weight, view)
+        start = stop
+
+
+def _backward_saved(
+    b: BackwardBuilder,
+    norm: RMSNorm,
+    qkv: str,
+    dqkv: str,
+    cos: str,
+    sin: str,
+    rot_cols: str | None,
+) -> tuple[str, str, str]:
+    """(r, dz, c) from the saved output, in one pass and no GEMM: dz = the inverse rotation of
+    dqkv, c = Σ qkv·dqkv / d (a rotation keeps dot products: Σ z·dz = Σ qkv·dqkv)."""
+    if not cos:
+        b.fail("a saved QKV output is lowered only with RoPE (rope_rows inverts it)")
+    r = b.rstd(norm)
+    node = {
+        "kind": "rope_rows",
+        "src": dqkv,
+        "cos": cos,
+        "sin": sin,
+        "inverse": True,
+        "dot": qkv,
+        "dot_out": b.name("c"),
+        "divide_by": size_expr_of(b.st, norm.x, 1),
+        "out": "dz",
+    }
+    if rot_cols:
+        node["rotary_cols"] = rot_cols
+    return r, b.aux(node), node["dot_out"]
+
+
+def _backward_recomputed(
+    b: BackwardBuilder,
+    norm: RMSNorm,
+    w_qkv: str,
+    dqkv: str,
+    cos: str,
+    sin: str,
+    rot_cols: str | None,
+    *,
+    rotated: bool,
+) -> tuple[str, str, str]:
+    """(r, dz, c): z = r ⊙ (x W_qkvᵀ) recomputed next to dqkv, dz = the inverse rotation of
+    dqkv in that GEMM's epilogue, with partial sums of z·dz for c."""
+    r, folded = b.forward_projection(norm, w_qkv)
+    dz = b.name("dz")
+    stats, partials = b.zdz_partials("z", dz)
+    rope = {"op": "rope", "src": "dqkv_tile", "cos": cos, "sin": sin, "inverse": True}
+    if rot_cols:
+        rope["rotary_cols"] = rot_cols
+    epilogue = [
+        {"op": "scale_rows", "src": "acc", "vector": r, "out": "z"},
+        {"op": "load_tile", "tensor": dqkv, "out": "dqkv_tile"},
+        {**rope, "out": dz} if rotated else {"op": "map", "expr": "dqkv_tile", "out": dz},
+        *stats,
+        {"op": "store", "src": dz, "to": dz},
+    ]
+    b.gemm("qkv_rope_bwd", norm.x, f"{folded}.T", epilogue)
+    return r, dz, b.statistic(partials, norm)

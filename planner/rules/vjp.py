@@ -1,0 +1,44 @@
+"""``vjp`` and ``pick``: a backward block is lowered from its forward graph. The first op of the
+forward graph whose rule differentiates (``Rule.differentiate``) writes the schedule with a
+``BackwardBuilder``; each ``pick`` (one gradient out of the vjp) is lowered with it.
+"""
+
+from __future__ import annotations
+
+from coda.blocks.autodiff import VJP, Pick
+
+from ..backward import BackwardBuilder
+from ..registry import Rule, backward_rules, rule_for
+from ..state import NoRule, PlanState
+
+
+class VJPRule(Rule):
+    op = VJP
+
+    def lower(self, st: PlanState, index: int, op: VJP) -> bool:
+        forward = op.forward_block()
+        head = next(
+            (r for r in map(rule_for, forward.graph) if r is not None and r.differentiates), None
+        )
+        if head is None:
+            covered = [r.backward_of for r in backward_rules()]
+            listed = ", or ".join(
+                [", ".join(covered[:-1]), covered[-1]] if covered[1:] else covered
+            )
+            raise NoRule(
+                index,
+                op,
+                f"no backward rule for forward block {forward.name!r}: the planner differentiates "
+                + listed,
+            )
+        head.differentiate(BackwardBuilder(st, index, op, forward))
+        st.done.add(index)
+        return True
+
+
+class PickRule(Rule):
+    op = Pick
+
+    def lower(self, st: PlanState, index: int, op: Pick) -> bool:
+        st.done.add(index)  # a gradient out of the vjp: lowered with it
+        return True
