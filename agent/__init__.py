@@ -1,4 +1,5 @@
-"""coda.agent — the agent: providers, the loop, prompts, run folders, and the ``coda-agent`` CLI.
+"""coda.agent — the agent: providers, the loop, prompts and run folders (its commands live in
+``coda.cli``).
 
 Entry points: ``synthesize(block, runs_dir, provider=...)`` starts a run and ``resume(run, block,
 provider)`` continues one (``synthesize.py``); both return an ``AgentResult``. ``AgentLoop``

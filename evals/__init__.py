@@ -6,9 +6,11 @@
   in process, in worker processes (``worker``), or as Ray tasks (``distributed``);
 * ``results`` — the eval folder and ``results.jsonl``; ``metrics`` — pass@k, fast_p, speedups;
   ``report`` / ``plots`` — ``results.md`` and the PNGs; ``compare`` — diff two evals;
-* ``store`` — the regression store (``evals/regression/<block>/<name>.json``): accept, regress;
-* ``trajectories`` — JSONL export for fine-tuning or RL;
-* ``cli`` — the ``eval``, ``accept``, ``regress`` and ``export-trajectories`` commands.
+* ``store`` — regression stores (``<store>/<block>/<name>.json``: the built-in
+  ``evals/regression/``, and the user's, where ``accept`` writes): accept, regress;
+* ``trajectories`` — JSONL export for fine-tuning or RL.
+
+Their commands (``eval``, ``accept``, ``regress``, ``export-trajectories``) live in ``coda.cli``.
 
 Dependencies point one way: ``primitives``, ``blocks`` → ``sandbox`` → ``agent`` → ``evals``.
 """

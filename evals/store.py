@@ -1,13 +1,21 @@
 """The regression store: accepted agent-authored kernels, re-verified on every change.
 
-``evals/regression/<block>/<name>.json`` holds one ``StoredKernel``: the Program, and where it came
-from (provider, model, date, run id, hardware, library versions, the errors it was verified with
-and, when measured, its time per benchmark shape).
+A store is a folder; ``<store>/<block>/<name>.json`` holds one ``StoredKernel``: the Program, and
+where it came from (provider, model, date, run id, hardware, library versions, the errors it was
+verified with and, when measured, its time per benchmark shape). Two stores matter:
+
+* ``STORE_DIR`` (``evals/regression/``), the built-in entries: package data, read-only once
+  installed, re-verified by the test suite on every change;
+* ``user_store()``, where ``accept`` writes unless told otherwise: ``$CODA_STORE`` when set, else
+  ``$XDG_DATA_HOME/coda-agent/store`` (``~/.local/share/coda-agent/store``). A per-user folder
+  rather than one under the working directory, so that every run accepted from anywhere lands in
+  the same store and ``regress`` finds it from anywhere; never inside the installed package, which
+  may not be writable and is replaced on every upgrade.
 
 * ``accept(run_dir)`` adds a run's best program; a run without a verified candidate is refused,
   and so is a name already taken by a different program (``force`` replaces it). The same program
   accepted twice is reported, not duplicated.
-* ``regress(store)`` re-verifies every stored Program with the sandbox's defaults for this device
+* ``regress(stores)`` re-verifies every stored Program with the sandbox's defaults for this device
   (CPU: the Triton interpreter, float32 and float16; GPU: bfloat16 and float16, and timings). An
   entry fails when it no longer verifies (its block gone, its JSON unreadable, a check over its
   tolerance) or — on a GPU of the same kind as the one it was recorded on — when its time over the
@@ -17,8 +25,9 @@ and, when measured, its time per benchmark shape).
 
 from __future__ import annotations
 
+import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,13 +38,32 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from coda.agent.runs import RunDir
 from coda.agent.summary import error_rows
 from coda.blocks import BlockNotFound, get_block, load_block_file
+from coda.primitives.errors import did_you_mean
 from coda.sandbox.report import Report
 from coda.sandbox.runner import evaluate
 from coda.sandbox.stages import SandboxOptions
 
 from .spec import slug
 
-STORE_DIR = Path(__file__).resolve().parent / "regression"
+STORE_DIR = Path(__file__).resolve().parent / "regression"  # the built-in entries (read-only)
+STORE_ENV = "CODA_STORE"
+
+
+def user_store() -> Path:
+    """The store ``accept`` writes to by default (read when called, not at import):
+    ``$CODA_STORE``, else ``$XDG_DATA_HOME/coda-agent/store``, else
+    ``~/.local/share/coda-agent/store``."""
+    if os.environ.get(STORE_ENV):
+        return Path(os.environ[STORE_ENV]).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data).expanduser() / "coda-agent" / "store"
+
+
+def default_stores() -> list[Path]:
+    """What ``regress`` checks when no store is named: the built-in entries, and the user's
+    store once it exists."""
+    user = user_store()
+    return [STORE_DIR, user] if user.is_dir() and user.resolve() != STORE_DIR else [STORE_DIR]
 
 
 class AcceptError(ValueError):
@@ -98,8 +126,10 @@ class Accepted:
 
 
 def accept(
-    run_dir: Path, *, name: str | None = None, store: Path = STORE_DIR, force: bool = False
+    run_dir: Path, *, name: str | None = None, store: Path | None = None, force: bool = False
 ) -> Accepted:
+    """Store the best verified program of ``run_dir`` in ``store`` (default ``user_store()``)."""
+    store = user_store() if store is None else store
     run = RunDir.open(run_dir)
     state = run.state()
     best = state.best
@@ -174,15 +204,29 @@ def _entries(folder: Path) -> list[tuple[Path, StoredKernel | None]]:
     return found
 
 
-def store_files(store: Path, blocks: list[str] | None = None) -> list[Path]:
-    if not store.is_dir():
-        raise StoreError(f"{store} is not a folder (a regression store is evals/regression/)")
-    files = sorted(store.glob("*/*.json"))
+def store_files(stores: Path | Sequence[Path], blocks: list[str] | None = None) -> list[Path]:
+    """The entries of ``stores`` (of ``blocks`` only, when given). A store that is not a folder,
+    a block with no entry in any store, or no entry at all is a ``StoreError``."""
+    stores = [Path(stores)] if isinstance(stores, str | os.PathLike) else list(stores)
+    files = []
+    for store in stores:
+        if not store.is_dir():
+            raise StoreError(
+                f"{store} is not a folder: give a regression store (`coda-agent accept RUN` "
+                f"makes one at {user_store()}; the built-in one is {STORE_DIR})"
+            )
+        files += sorted(store.glob("*/*.json"))
+    where = ", ".join(str(s) for s in stores)
     if blocks:
+        stored = {f.parent.name for f in files}
+        for block in blocks:
+            if block not in stored:
+                raise StoreError(
+                    f"{where} holds no kernels for block {block!r}: {did_you_mean(block, stored)}"
+                )
         files = [f for f in files if f.parent.name in blocks]
     if not files:
-        where = f" for blocks {', '.join(blocks)}" if blocks else ""
-        raise StoreError(f"{store} holds no kernels{where} (add one with `coda-agent accept RUN`)")
+        raise StoreError(f"{where} holds no kernels (add one with `coda-agent accept RUN`)")
     return files
 
 
@@ -212,7 +256,7 @@ class RegressRow:
 
 
 def regress(
-    store: Path = STORE_DIR,
+    store: Path | Sequence[Path] = STORE_DIR,
     *,
     slowdown: float = 1.10,
     blocks: list[str] | None = None,

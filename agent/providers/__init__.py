@@ -7,6 +7,8 @@ only when chosen), ``replay`` (a recorded transcript) and ``function`` (a Python
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from coda.blocks.block import Block
@@ -55,16 +57,35 @@ def make_provider(
             )
         return ReplayProvider(transcript, skip=replay_skip)
     if name == "anthropic":
-        from .anthropic import AnthropicProvider
+        with _sdk(name):
+            from .anthropic import AnthropicProvider
 
         return AnthropicProvider(model, base_url=base_url)
     if name == "openai":
-        from .openai import OpenAIProvider
+        with _sdk(name):
+            from .openai import OpenAIProvider
 
         return OpenAIProvider(model, base_url=base_url)
     raise ProviderError(
         f"unknown provider {name!r}: choose one of {', '.join(PROVIDERS)}", kind="config"
     )
+
+
+@contextmanager
+def _sdk(name: str) -> Iterator[None]:
+    """Import the provider module of the SDK ``name``; the SDK missing is a ``ProviderError``
+    (kind ``config``) that says which extra installs it. Another missing module stays an
+    ``ImportError``: that is a broken installation, not a choice."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != name:
+            raise
+        raise ProviderError(
+            f"--provider {name} needs the {name!r} package, which is not installed: "
+            "pip install 'coda-agent[llm]'",
+            kind="config",
+        ) from None
 
 
 __all__ = [

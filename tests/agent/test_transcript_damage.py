@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from coda.agent.cli import app
 from coda.agent.providers.base import ToolResultPart, UserMessage
 from coda.agent.runs import TORN, RunDir
 from coda.agent.synthesize import resume, synthesize
@@ -22,6 +21,7 @@ from coda.agent.transcript import (
     read_transcript,
     record_line,
 )
+from coda.cli.main import app
 
 from .scripted import BLOCK, FAST, Script, finish
 

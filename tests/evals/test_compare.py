@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from coda.agent.cli import app
+from coda.cli.main import app
 from coda.evals.compare import compare, markdown
 from coda.evals.results import CellResult, EvalDir
 

@@ -10,7 +10,7 @@ import sys
 def test_transcript_and_the_evals_import_first_in_a_fresh_interpreter() -> None:
     """Also: the CLI and harness need neither Ray nor matplotlib until --ray or a plot."""
     code = (
-        "import sys, coda.agent.transcript, coda.agent.cli, coda.evals.harness, "
+        "import sys, coda.agent.transcript, coda.cli.main, coda.evals.harness, "
         "coda.evals.trajectories\n"
         "assert 'ray' not in sys.modules and 'matplotlib' not in sys.modules"
     )

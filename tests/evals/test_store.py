@@ -9,8 +9,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from coda.agent.cli import app
 from coda.agent.synthesize import synthesize
+from coda.cli.main import app
 from coda.evals.store import STORE_DIR, StoredKernel, _judge, regress
 from coda.sandbox import SandboxOptions
 from coda.sandbox.report import ProfileRow, Report

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from coda.agent.cli import app
+from coda.cli.main import app
 from coda.evals.harness import run_eval
 from coda.evals.trajectories import reward, speedup
 from coda.sandbox.report import ProfileRow, Report

@@ -229,7 +229,7 @@ def test_a_transcript_never_chooses_the_block_file_that_is_imported(
     every worker) is refused until the user names that file with --block-file themselves."""
     from typer.testing import CliRunner
 
-    from coda.agent import cli
+    from coda.cli.main import app
 
     canary = tmp_path / "canary"
     evil = tmp_path / "evil_block.py"
@@ -240,7 +240,7 @@ def test_a_transcript_never_chooses_the_block_file_that_is_imported(
         if command == "resume"
         else ["synthesize", "--provider", "replay", "--transcript", str(run.transcript)]
     )
-    done = CliRunner().invoke(cli.app, [*args, "--runs-dir", str(tmp_path / "new"), "--json"])
+    done = CliRunner().invoke(app, [*args, "--runs-dir", str(tmp_path / "new"), "--json"])
     assert done.exit_code == 2
     error = json.loads(done.stdout)["error"]
     assert f"from the file {evil}" in error and "a transcript never chooses code to run" in error
@@ -253,7 +253,7 @@ def test_an_eval_folder_never_chooses_the_block_files_that_are_imported(tmp_path
     them again; a tampered eval.json naming another file is refused before anything runs."""
     from typer.testing import CliRunner
 
-    from coda.agent import cli
+    from coda.cli.main import app
     from coda.evals.results import EvalDir
     from coda.evals.spec import EvalSpec, ProviderSpec
 
@@ -266,7 +266,7 @@ def test_an_eval_folder_never_chooses_the_block_files_that_are_imported(tmp_path
         providers=[ProviderSpec.parse("builtin")],
     )
     edir = EvalDir.create(tmp_path / "eval", spec)
-    done = CliRunner().invoke(cli.app, ["eval", "--resume", str(edir.path)])
+    done = CliRunner().invoke(app, ["eval", "--resume", str(edir.path)])
     assert done.exit_code == 2
     assert "an eval folder never chooses code to run" in done.output
     assert not canary.exists()
@@ -277,13 +277,13 @@ def test_a_transcript_never_chooses_where_the_api_key_is_sent(tmp_path: Path) ->
     user names that server with --base-url: the key would otherwise go wherever the file says."""
     from typer.testing import CliRunner
 
-    from coda.agent import cli
+    from coda.cli.main import app
 
     run = _crashed_run_naming(tmp_path, tmp_path / "unused.py")
     records = [json.loads(line) for line in run.transcript.read_text().splitlines()]
     records[0] |= {"block_file": None, "provider": "openai", "base_url": "http://127.0.0.1:9/v1"}
     run.transcript.write_text("".join(json.dumps(r) + "\n" for r in records))
-    done = CliRunner().invoke(cli.app, ["synthesize", "--resume", str(run.path), "--json"])
+    done = CliRunner().invoke(app, ["synthesize", "--resume", str(run.path), "--json"])
     assert done.exit_code == 2
     error = json.loads(done.stdout)["error"]
     assert "never chooses where your API key is sent" in error
@@ -293,7 +293,7 @@ def test_a_transcript_never_chooses_where_the_api_key_is_sent(tmp_path: Path) ->
 def test_an_eval_folder_never_chooses_python_providers_or_servers(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from coda.agent import cli
+    from coda.cli.main import app
     from coda.evals.results import EvalDir
     from coda.evals.spec import EvalSpec, ProviderSpec
 
@@ -304,7 +304,7 @@ def test_an_eval_folder_never_chooses_python_providers_or_servers(tmp_path: Path
         ProviderSpec.parse("openai:m@http://127.0.0.1:9/v1"),
     ]
     edir = EvalDir.create(tmp_path / "eval", EvalSpec(blocks=["llama_mlp"], providers=specs))
-    done = CliRunner().invoke(cli.app, ["eval", "--resume", str(edir.path)])
+    done = CliRunner().invoke(app, ["eval", "--resume", str(edir.path)])
     assert done.exit_code == 2
     assert "an eval folder never chooses" in done.output
     assert "python:evil_provider:make" in done.output

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from coda.agent.cli import app
+from coda.cli.main import app
 
 runner = CliRunner()
 

@@ -1,30 +1,30 @@
-"""The ``coda-agent`` command line (the composition root: it may import every layer).
-
-Commands: ``synthesize`` (run or ``--resume`` the agent loop), ``verify`` (one Program through the
-sandbox), ``blocks`` (list), ``show`` (render a run folder, finished or not); and, from
-``coda.evals.cli``, ``eval``, ``accept``, ``regress`` and ``export-trajectories`` (their exit codes
-are documented there).
+"""The agent's commands of ``coda-agent``: ``synthesize`` (run or ``--resume`` the agent loop),
+``verify`` (one Program through the sandbox), ``blocks`` (list), ``show`` (render a run folder,
+finished or not). ``register(app)`` adds them to the command line (``coda.cli.main``).
 
 Exit codes: 0 a verified kernel; 1 finished without one (including a provider that failed mid-run
 or a refusal, or a run folder that could not be written once the run had started); 2 bad usage or
 configuration (unknown block, a missing or unreadable file, a block file that fails to import or
 exits, a ``--runs-dir`` that is a file or cannot be written, a block the planner cannot lower, a
-missing or rejected API key, an unenforceable budget); 130 interrupted. With ``--json`` stdout
-holds exactly one JSON object, on errors too: ``{"error": ..., "exit_code": ...}``.
+missing or rejected API key, a provider whose SDK is not installed, an unenforceable budget); 130
+interrupted. With ``--json`` stdout holds exactly one JSON object, on errors too:
+``{"error": ..., "exit_code": ...}``.
 
 Everything printed here that did not come from this file (Reports, messages of models and servers,
 names from programs and block files) is escaped, or printed as ``Text``, so that bracketed text
 such as ``[program]`` is shown rather than read as Rich markup.
+
+The rest of coda (the blocks, the sandbox, the agent loop) is imported inside the commands, when
+one runs: listing the commands or their options imports none of it (``coda.cli.common``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -34,113 +34,53 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from coda.blocks import Block, BlockNotFound, get_block, list_blocks, load_block_file
-from coda.evals.cli import register as register_eval_commands
-from coda.planner import NoRule
-from coda.primitives import backend  # noqa: F401  (first: selects the interpreter without a GPU)
-from coda.sandbox.report import Report, StageResult
-from coda.sandbox.runner import evaluate
-from coda.sandbox.stages import SandboxOptions
-
-from .events import CandidateDone, Event, Retrying, StageDone, Stopped, ToolAnswered, TurnEnded
-from .loop import AgentResult, Budgets
-from .providers import PROVIDERS, ProviderError, make_provider
-from .providers.pricing import format_cost
-from .runs import RunDir, RunDirError
-from .summary import RunFacts, error_rows
-from .synthesize import BudgetError, resume, synthesize
-from .transcript import TranscriptError, read_records
-
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    help="Compose GEMM-epilogue Triton kernels for transformer blocks, verified.",
+from .common import (
+    PROVIDERS,
+    block_file_path,
+    check_provider,
+    complete_provider,
+    fail,
+    load_blocks,
+    note,
+    print_json,
+    resolve_block,
 )
+
+if TYPE_CHECKING:
+    from coda.agent.events import CandidateDone, Event, TurnEnded
+    from coda.agent.loop import AgentResult, Budgets
+    from coda.agent.summary import RunFacts
+    from coda.blocks import Block
+    from coda.sandbox.report import Report, StageResult
+
 # Piped output (CI logs, `| tee`) would otherwise be cut to 80 columns.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
 MARK = {"passed": "[green]✓[/]", "failed": "[red]✗[/]", "skipped": "[yellow]–[/]"}
 
 
-def _fail(message: str, code: int = 2, as_json: bool = False) -> typer.Exit:
-    """Print ``message`` as an error (and, for ``--json``, as the one JSON object on stdout); the
-    ``Exit`` to raise."""
-    Console(stderr=True, highlight=False).print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
-    if as_json:
-        print(json.dumps({"error": message, "exit_code": code}))
-    return typer.Exit(code)
-
-
-def _note(message: str) -> None:
-    """A warning on stderr (never on stdout, which ``--json`` keeps for its one object)."""
-    err = Console(stderr=True, highlight=False)
-    err.print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
-
-
-def block_file_path(
-    block_file: Path | None, as_json: bool = False, what: str = "--block-file"
-) -> Path | None:
-    """``--block-file`` (or the block file a transcript recorded: ``what``) as an absolute path,
-    checked to be a file.
-
-    A relative path is taken from the current folder here, where the user typed it: the sandbox
-    worker that imports the file again runs in a temporary folder of its own."""
-    if block_file is None:
-        return None
-    path = Path(os.path.abspath(block_file))
-    if not path.is_file():
-        missing = "is a folder, not a Python file" if path.is_dir() else "does not exist"
-        relative = not block_file.is_absolute()
-        hint = f" (a relative path is taken from {Path.cwd()})" if relative else ""
-        raise _fail(f"{what} {block_file}: {path} {missing}{hint}", as_json=as_json)
-    return path
-
-
-def load_blocks(block_file: Path, as_json: bool = False) -> list[Block]:
-    """Register the blocks of ``block_file`` (absolute: ``block_file_path``). The file is imported
-    in a subprocess first, so one that exits or crashes when imported is a usage error, not the
-    end of this process; what it prints goes to stderr."""
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            return load_block_file(block_file, probe=True)
-    except (FileNotFoundError, ImportError, ValueError) as e:
-        raise _fail(str(e), as_json=as_json) from None
-
-
-def resolve_block(block: str | None, block_file: Path | None, as_json: bool = False) -> Block:
-    """The block to work on: ``--block NAME``, or the one block of ``--block-file``."""
-    found = load_blocks(block_file, as_json) if block_file is not None else []
-    if block is None and len(found) > 1:
-        names = ", ".join(b.name for b in found)
-        raise _fail(
-            f"{block_file} defines several blocks ({names}); pick one with --block", 2, as_json
-        )
-    if block is None and found:
-        return found[0]
-    if block is None:
-        raise _fail("give --block NAME or --block-file FILE (see `coda-agent blocks`)", 2, as_json)
-    try:
-        return get_block(block)
-    except (BlockNotFound, ValueError) as e:
-        raise _fail(str(e), as_json=as_json) from None
+def register(app: typer.Typer) -> None:
+    """Add ``synthesize``, ``verify``, ``blocks`` and ``show`` to ``app``."""
+    app.command("synthesize")(synthesize_cmd)
+    app.command("verify")(verify_cmd)
+    app.command("blocks")(blocks_cmd)
+    app.command("show")(show_cmd)
 
 
 def check_runs_dir(runs_dir: Path, as_json: bool = False) -> None:
     """Refuse a ``--runs-dir`` that is a file, or that cannot be created or written, before a
     run starts (exit 2)."""
     if runs_dir.exists() and not runs_dir.is_dir():
-        raise _fail(
-            f"--runs-dir {runs_dir} is a file, not a folder: give a folder", as_json=as_json
-        )
+        raise fail(f"--runs-dir {runs_dir} is a file, not a folder: give a folder", as_json=as_json)
     try:
         runs_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise _fail(
+        raise fail(
             f"--runs-dir {runs_dir} cannot be created ({e.strerror}): give a folder you can "
             "write to",
             as_json=as_json,
         ) from None
     if not os.access(runs_dir, os.W_OK | os.X_OK):
-        raise _fail(
+        raise fail(
             f"--runs-dir {runs_dir} is not writable: give a folder you can write to",
             as_json=as_json,
         )
@@ -152,6 +92,8 @@ def _stage_line(prefix: str, s: StageResult) -> str:
 
 
 def error_table(report: Report) -> Table:
+    from coda.agent.summary import error_rows
+
     table = Table(title="measured error vs the float64 reference (worst over shapes × seeds)")
     for col in ("output", "dtype", "checks", "max|err|", "PyTorch's", "allowed", "rel err", ""):
         table.add_column(
@@ -177,6 +119,15 @@ class Progress:
     far (its worst error and its time, or "not measured")."""
 
     def __call__(self, event: Event) -> None:
+        from coda.agent.events import (
+            CandidateDone,
+            Retrying,
+            StageDone,
+            Stopped,
+            ToolAnswered,
+            TurnEnded,
+        )
+
         if isinstance(event, TurnEnded):
             self._turn(event)
         elif isinstance(event, Retrying):
@@ -197,6 +148,8 @@ class Progress:
             console.print(f"stopped ({event.stop.kind}): {escape(event.stop.message)}")
 
     def _turn(self, e: TurnEnded) -> None:
+        from coda.agent.providers.pricing import format_cost
+
         calls = escape(", ".join(c.name for c in e.reply.tool_calls) or "no tool call")
         tokens = f"{e.usage.total:,} tokens, {format_cost(e.cost_usd)}"
         console.print(f"[bold]turn {e.turn}[/] → {calls}  [dim]({tokens} so far)[/]")
@@ -219,16 +172,22 @@ def _best_line(event: CandidateDone) -> str:
 
 # -- synthesize ------------------------------------------------------------------------------------
 def _budgets(base: dict[str, Any], **given: Any) -> Budgets:
+    from coda.agent.loop import Budgets
+
     values = {**base, **{k: v for k, v in given.items() if v is not None}}
     return Budgets(**values)
 
 
-@app.command("synthesize")
 def synthesize_cmd(
     block: str = typer.Option(None, "--block", "-b", help="a registered block (see `blocks`)"),
     block_file: Path = typer.Option(None, "--block-file", help="a Python file defining a Block"),
     provider: str = typer.Option(
-        None, "--provider", "-p", help=f"one of {', '.join(PROVIDERS)} (default builtin)"
+        None,
+        "--provider",
+        "-p",
+        help=f"one of {', '.join(PROVIDERS)} (default builtin)",
+        callback=check_provider,
+        autocompletion=complete_provider,
     ),
     model: str = typer.Option(None, "--model", help="model name for anthropic/openai"),
     base_url: str = typer.Option(
@@ -264,18 +223,19 @@ def synthesize_cmd(
         patience=patience,
     )
     progress = None if as_json else Progress()
-    if provider is None and transcript is not None:
-        provider = "replay"
+    name = provider
+    if name is None and transcript is not None:
+        name = "replay"
     block_file = block_file_path(block_file, as_json)
     if resume_dir is not None:
         result, prov = _resume(
-            resume_dir, block, block_file, provider, model, base_url, given, progress, as_json
+            resume_dir, block, block_file, name, model, base_url, given, progress, as_json
         )
     else:
         result, prov = _start(
             block,
             block_file,
-            provider,
+            name,
             model,
             base_url,
             transcript,
@@ -300,6 +260,9 @@ def _start(
     as_json: bool,
 ) -> tuple[AgentResult, Any]:
     """A new run (a replay takes its block from the transcript unless one is given)."""
+    from coda.agent.synthesize import BudgetError, synthesize
+    from coda.primitives import backend
+
     if provider == "replay" and transcript is not None and block is None and not block_file:
         block, recorded = _recorded_block(transcript, as_json)
         _refuse_recorded_block_file(recorded, transcript, as_json)
@@ -327,14 +290,16 @@ def _start(
             as_json,
         )
     except BudgetError as e:
-        raise _fail(str(e), as_json=as_json) from None
+        raise fail(str(e), as_json=as_json) from None
     except OSError as e:
-        raise _fail(_write_failure(e), code=1, as_json=as_json) from None
+        raise fail(_write_failure(e), code=1, as_json=as_json) from None
     return result, prov
 
 
 def _write_failure(error: OSError) -> str:
     """The message for a run folder that could not be written after the run started."""
+    from coda.agent.runs import RunDirError
+
     if isinstance(error, RunDirError):
         what = str(error)
     else:
@@ -353,7 +318,7 @@ def _refuse_recorded_block_file(recorded: Path | None, source: Path, as_json: bo
     that runs (in this process and in every sandbox worker); naming it again is the user's consent.
     """
     if recorded is not None:
-        raise _fail(
+        raise fail(
             f"{source} records its block as coming from the file {recorded}; a transcript never "
             f"chooses code to run: name the file yourself with --block-file {recorded}",
             as_json=as_json,
@@ -361,10 +326,12 @@ def _refuse_recorded_block_file(recorded: Path | None, source: Path, as_json: bo
 
 
 def _recorded_block(transcript: Path, as_json: bool) -> tuple[str, Path | None]:
+    from coda.agent.transcript import TranscriptError, read_records
+
     try:
         start = read_records(transcript)[0]
     except TranscriptError as e:
-        raise _fail(str(e), as_json=as_json) from None
+        raise fail(str(e), as_json=as_json) from None
     return start.block, Path(start.block_file) if start.block_file else None
 
 
@@ -377,6 +344,12 @@ def _make_provider(
     replay_skip: int = 0,
     as_json: bool = False,
 ) -> Any:
+    """The provider ``name`` for ``blk``; a configuration problem (a missing key or SDK, a
+    block the built-in planner cannot lower) is a usage error."""
+    from coda.agent.providers import ProviderError, make_provider
+    from coda.agent.transcript import TranscriptError
+    from coda.planner import NoRule
+
     try:
         return make_provider(
             name,
@@ -387,11 +360,11 @@ def _make_provider(
             replay_skip=replay_skip,
         )
     except NoRule as e:
-        raise _fail(
+        raise fail(
             f"the built-in planner cannot lower block {blk.name!r}: {e}", as_json=as_json
         ) from None
     except (ProviderError, TranscriptError) as e:
-        raise _fail(getattr(e, "message", str(e)), as_json=as_json) from None
+        raise fail(getattr(e, "message", str(e)), as_json=as_json) from None
 
 
 def _interruptible(fn: Any, as_json: bool = False) -> AgentResult:
@@ -422,16 +395,20 @@ def _resume(
     """Continue a run: its block, provider, model and budgets unless overridden by flags. A torn
     last line (the run died mid-write) is cut off first, and lines that cannot be read are
     skipped; both are reported on stderr."""
+    from coda.agent.runs import RunDir, RunDirError
+    from coda.agent.synthesize import BudgetError, resume
+    from coda.agent.transcript import TranscriptError
+
     try:
         run = RunDir.open(run_dir)
         state = run.state()
     except TranscriptError as e:
-        raise _fail(str(e), as_json=as_json) from None
-    for note in state.notes:
-        _note(note)
+        raise fail(str(e), as_json=as_json) from None
+    for line in state.notes:
+        note(line)
     start = state.start
     if state.end is not None and state.end.reason in ("finished", "converged"):
-        raise _fail(
+        raise fail(
             f"{run_dir} already ended ({state.end.reason}: {state.end.message}); "
             "start a new run instead",
             code=0 if state.end.verified else 1,
@@ -440,7 +417,7 @@ def _resume(
     budgets = _budgets(start.budgets, **given)
     spent = _spent(state, budgets)
     if spent:
-        raise _fail(
+        raise fail(
             f"{run_dir} has spent its budget ({spent}): give a larger one to continue",
             as_json=as_json,
         )
@@ -451,7 +428,7 @@ def _resume(
     name = provider or state.provider
     same = name == state.provider
     if same and start.base_url and base_url is None:
-        raise _fail(
+        raise fail(
             f"{run_dir} records the server {start.base_url}; a transcript never chooses where "
             f"your API key is sent: name it yourself with --base-url {start.base_url}",
             as_json=as_json,
@@ -468,9 +445,9 @@ def _resume(
     try:
         repaired = run.repair_tail()
     except RunDirError as e:
-        raise _fail(str(e), as_json=as_json) from None
+        raise fail(str(e), as_json=as_json) from None
     if repaired:
-        _note(repaired)
+        note(repaired)
     if progress is not None:
         console.print(
             f"[bold]coda-agent synthesize --resume[/] {escape(str(run.path))} — "
@@ -490,9 +467,9 @@ def _resume(
             as_json,
         )
     except BudgetError as e:
-        raise _fail(str(e), as_json=as_json) from None
+        raise fail(str(e), as_json=as_json) from None
     except OSError as e:
-        raise _fail(_write_failure(e), code=1, as_json=as_json) from None
+        raise fail(_write_failure(e), code=1, as_json=as_json) from None
     return result, prov
 
 
@@ -508,6 +485,8 @@ def _spent(state: Any, b: Budgets) -> str | None:
 
 
 def _finish(result: AgentResult, as_json: bool, divergences: list[str]) -> None:
+    from coda.agent.summary import RunFacts
+
     code = 0 if result.verified else (result.stop.exit_code or 1)
     if as_json:
         print(json.dumps({**result_json(result), "divergences": divergences}))
@@ -534,8 +513,8 @@ def _finish(result: AgentResult, as_json: bool, divergences: list[str]) -> None:
             f"continue it with `coda-agent synthesize --resume {run}`",
             soft_wrap=True,
         )
-    for note in divergences:
-        console.print(f"[yellow]replay diverged[/]: {escape(note)}")
+    for line in divergences:
+        console.print(f"[yellow]replay diverged[/]: {escape(line)}")
     verdict = "[green]VERIFIED[/]" if result.verified else "[red]NOT VERIFIED[/]"
     where = escape(f"{result.block} in {result.seconds:.1f} s → {result.run.path}")
     console.print(f"{verdict} {where}")
@@ -553,25 +532,26 @@ def facts_table(facts: RunFacts) -> Table:
     return table
 
 
-def result_json(result: AgentResult) -> dict[str, Any]:
-    best = result.best
+def facts_json(facts: RunFacts) -> dict[str, Any]:
+    """A run's numbers, candidates and best Report as JSON (``synthesize --json``, ``show
+    --json``)."""
+    best = facts.best
     return {
-        "block": result.block,
-        "provider": result.provider,
-        "model": result.model,
-        "verified": result.verified,
-        "run_dir": str(result.run.path),
-        "turns": result.turns,
+        "block": facts.block,
+        "provider": facts.provider,
+        "model": facts.model,
+        "verified": facts.verified,
+        "turns": facts.turns,
         "tokens": {
-            "input": result.usage.input_tokens,
-            "output": result.usage.output_tokens,
-            "total": result.usage.total,
+            "input": facts.usage.input_tokens,
+            "output": facts.usage.output_tokens,
+            "total": facts.usage.total,
         },
-        "cost_usd": result.cost_usd,
-        "stop": {"reason": result.stop.kind, "message": result.stop.message},
-        "seconds": round(result.seconds, 2),
-        "tool_errors": result.tool_errors,
-        "retries": result.retries,
+        "cost_usd": facts.cost_usd,
+        "stop": {"reason": facts.stop[0], "message": facts.stop[1]} if facts.stop else None,
+        "seconds": round(facts.seconds, 2) if facts.seconds is not None else None,
+        "tool_errors": facts.tool_errors,
+        "retries": facts.retries,
         "candidates": [
             {
                 "index": c.index,
@@ -580,15 +560,21 @@ def result_json(result: AgentResult) -> dict[str, Any]:
                 "headline": c.report.headline(),
                 "time_ms": c.time_ms,
             }
-            for c in result.candidates
+            for c in facts.candidates
         ],
         "best": best.index if best else None,
         "report": best.report.model_dump(mode="json") if best else None,
     }
 
 
+def result_json(result: AgentResult) -> dict[str, Any]:
+    """``synthesize --json``: the finished run's facts and its folder."""
+    from coda.agent.summary import RunFacts
+
+    return {**facts_json(RunFacts.from_result(result)), "run_dir": str(result.run.path)}
+
+
 # -- verify, blocks, show --------------------------------------------------------------------------
-@app.command("verify")
 def verify_cmd(
     program_file: Path = typer.Argument(..., help="a Program as JSON"),
     block: str = typer.Option(None, "--block", "-b"),
@@ -608,6 +594,9 @@ def verify_cmd(
     ),
 ) -> None:
     """Run one Program through the sandbox and print its Report."""
+    from coda.sandbox.runner import evaluate
+    from coda.sandbox.stages import SandboxOptions
+
     block_file = block_file_path(block_file, as_json)
     blk = resolve_block(block, block_file, as_json)
     limits = {} if timeout is None else {"timeout_s": timeout}
@@ -632,42 +621,78 @@ def _read_program(path: Path, as_json: bool) -> str:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise _fail(f"cannot read {path}: {e.strerror}", as_json=as_json) from None
+        raise fail(f"cannot read {path}: {e.strerror}", as_json=as_json) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _fail(
+        raise fail(
             f"{path} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}): give a "
             "Program as JSON",
             as_json=as_json,
         ) from None
 
 
-@app.command("blocks")
-def blocks_cmd(block_file: Path = typer.Option(None, "--block-file")) -> None:
+def blocks_cmd(
+    block_file: Path = typer.Option(None, "--block-file", help="also list this file's blocks"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
+) -> None:
     """List the blocks that can be synthesized."""
+    from coda.blocks import list_blocks
+
     if block_file is not None:
-        load_blocks(block_file_path(block_file))
+        load_blocks(block_file_path(block_file, as_json), as_json)
+    blocks = list_blocks()
+    if as_json:
+        print_json({"blocks": [block_json(b) for b in blocks]})
+        return
     table = Table(title="blocks")
     for col in ("name", "inputs", "outputs", "description"):
         table.add_column(col)
-    for b in list_blocks():
+    for b in blocks:
         ins = ", ".join(f"{n}[{','.join(map(str, s.shape))}]" for n, s in b.inputs.items())
         table.add_row(Text(b.name), Text(ins), Text(", ".join(b.outputs)), Text(b.description))
     console.print(table)
 
 
-@app.command("show")
-def show_cmd(run_dir: Path = typer.Argument(..., help="a runs/<time>-<block> folder")) -> None:
+def block_json(block: Block) -> dict[str, Any]:
+    """One row of ``blocks --json``: a block's name, inputs (name → shape), outputs and
+    description."""
+    return {
+        "name": block.name,
+        "inputs": {n: list(spec.shape) for n, spec in block.inputs.items()},
+        "outputs": list(block.outputs),
+        "description": block.description,
+    }
+
+
+def show_cmd(
+    run_dir: Path = typer.Argument(..., help="a runs/<time>-<block> folder"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
+) -> None:
     """Render a run — finished, or interrupted (from its transcript)."""
+    from coda.agent.runs import RunDir
+    from coda.agent.summary import RunFacts
+    from coda.agent.transcript import TranscriptError
+
     try:
         state = RunDir.open(run_dir).state()
     except TranscriptError as e:
-        raise _fail(str(e)) from None
-    for note in state.notes:
-        _note(note)
+        raise fail(str(e), as_json=as_json) from None
+    for line in state.notes:
+        note(line)
     facts = RunFacts.from_state(state)
     start = state.start
+    if as_json:
+        print_json(
+            {
+                **facts_json(facts),
+                "run_dir": str(run_dir),
+                "started_at": start.started_at,
+                "finished": facts.stop is not None,
+                "notes": list(state.notes),
+            }
+        )
+        return
     console.print(
         f"[bold]{escape(str(run_dir))}[/]: "
         + escape(
@@ -677,19 +702,7 @@ def show_cmd(run_dir: Path = typer.Argument(..., help="a runs/<time>-<block> fol
     )
     console.print(facts_table(facts))
     if facts.candidates:
-        table = Table(title="candidates")
-        for col in ("#", "turn", "verdict", "time", "report"):
-            table.add_column(col)
-        for c in facts.candidates:
-            best = " (best)" if facts.best is c else ""
-            table.add_row(
-                f"{c.index}{best}",
-                str(c.turn),
-                "[green]verified[/]" if c.report.verified else "[red]failed[/]",
-                f"{c.time_ms:.4f} ms" if c.time_ms is not None else "not measured",
-                Text(c.report.headline()),
-            )
-        console.print(table)
+        console.print(candidates_table(facts))
     if facts.best is not None:
         report = Text(facts.best.report.render_text())
         console.print(Panel(report, title="best candidate's report"))
@@ -703,28 +716,17 @@ def show_cmd(run_dir: Path = typer.Argument(..., help="a runs/<time>-<block> fol
         )
 
 
-register_eval_commands(app)
-
-
-def main() -> None:
-    """The ``coda-agent`` entry point. Usage errors that the option parser finds (an unknown
-    option, a value out of range) keep their message on stderr; with ``--json`` they also print
-    the one JSON object on stdout."""
-    try:
-        code = app(prog_name="coda-agent", standalone_mode=False)
-    except typer.TyperException as e:  # typer's own click: UsageError, BadParameter, ...
-        if not hasattr(e, "show"):
-            raise
-        e.show()
-        status = getattr(e, "exit_code", 2)
-        if "--json" in sys.argv[1:]:
-            print(json.dumps({"error": e.format_message(), "exit_code": status}))
-        sys.exit(status)
-    except typer.Abort:
-        Console(stderr=True).print("[yellow]interrupted[/]")
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
-
-
-if __name__ == "__main__":
-    main()
+def candidates_table(facts: RunFacts) -> Table:
+    table = Table(title="candidates")
+    for col in ("#", "turn", "verdict", "time", "report"):
+        table.add_column(col)
+    for c in facts.candidates:
+        best = " (best)" if facts.best is c else ""
+        table.add_row(
+            f"{c.index}{best}",
+            str(c.turn),
+            "[green]verified[/]" if c.report.verified else "[red]failed[/]",
+            f"{c.time_ms:.4f} ms" if c.time_ms is not None else "not measured",
+            Text(c.report.headline()),
+        )
+    return table

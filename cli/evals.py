@@ -1,30 +1,33 @@
 """The eval commands of ``coda-agent``: ``eval``, ``accept``, ``regress``, ``export-trajectories``.
-
-``register(app)`` adds them to the agent's typer app (``coda.agent.cli`` mounts them; this module
-never imports that one).
+``register(app)`` adds them to the command line (``coda.cli.main``).
 
 Exit codes: ``eval`` 0 when every cell ran to an answer (verified or not), 1 when some cells
 errored (``--resume`` retries them), 2 bad usage, 130 interrupted (``--resume`` continues);
 ``eval --compare`` 0 without regressions, 1 with; ``accept`` 0 accepted (or already stored), 1 the
 run has no verified candidate, 2 bad usage or a taken name; ``regress`` 0 every stored kernel
 passed, 1 one broke or slowed down, 2 no store; ``export-trajectories`` 0, or 2 for a folder that
-is not an eval. ``regress --json`` prints its rows as one JSON list, or on an error the object
+is not an eval. With ``--json``, ``eval`` prints one JSON object (its progress lines go to
+stderr), ``regress`` its rows as one JSON list; on an error both print the object
 ``{"error": ..., "exit_code": ...}``.
+
+``accept`` writes to the user's store (``coda.evals.store.user_store``: ``$CODA_STORE``, else
+``~/.local/share/coda-agent/store``) unless ``--store`` names another; ``regress`` checks the
+built-in entries and that store.
 
 Block files are imported in a subprocess first (``load_block_file(probe=True)``): one that exits
 or crashes when imported is a usage error (2), not the end of this process. Text that did not come
-from this file (cell errors, store messages) is escaped before Rich prints it.
+from this file (cell errors, store messages) is escaped before Rich prints it. The rest of coda is
+imported inside the commands, when one runs (``coda.cli.common``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -32,29 +35,14 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from coda.agent.providers import BuiltinProvider, ProviderError
-from coda.agent.synthesize import BudgetError, check_budgets
-from coda.agent.transcript import TranscriptError
-from coda.blocks import get_block, load_block_file
-from coda.planner import NoRule
-from coda.primitives import backend
+from .common import Failure, fail, import_block_file, print_json, stderr
 
-from .compare import compare, markdown
-from .results import CellResult, EvalDir, EvalDirError
-from .spec import EvalSpec, ProviderSpec, SpecError, slug
-from .store import STORE_DIR, AcceptError, RegressRow, StoreError, accept, regress
-from .suites import SuiteError, resolve_blocks
+if TYPE_CHECKING:
+    from coda.evals.results import CellResult, EvalDir
+    from coda.evals.spec import EvalSpec, ProviderSpec
+    from coda.evals.store import RegressRow
 
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
-
-
-def _fail(message: str, code: int = 2, as_json: bool = False) -> typer.Exit:
-    """Print ``message`` as an error (for ``--json`` also as a JSON object on stdout); the
-    ``Exit`` to raise."""
-    Console(stderr=True, highlight=False).print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
-    if as_json:
-        print(json.dumps({"error": message, "exit_code": code}))
-    return typer.Exit(code)
 
 
 def _csv(text: str | None) -> list[str]:
@@ -62,6 +50,7 @@ def _csv(text: str | None) -> list[str]:
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``eval``, ``accept``, ``regress`` and ``export-trajectories`` to ``app``."""
     app.command("eval")(eval_cmd)
     app.command("accept")(accept_cmd)
     app.command("regress")(regress_cmd)
@@ -97,12 +86,11 @@ def eval_cmd(
     compare_flag: bool = typer.Option(False, "--compare", help="diff two eval folders: A B"),
     dirs: list[Path] = typer.Argument(None, help="with --compare: the eval folders A and B"),
     slowdown: float = typer.Option(1.10, "--slowdown", help="--compare: flag slowdowns beyond"),
+    as_json: bool = typer.Option(
+        False, "--json", help="print one JSON object (progress goes to stderr)"
+    ),
 ) -> None:
     """Run a suite of blocks × providers × seeds and score it (or --resume, or --compare)."""
-    if compare_flag or dirs:
-        if not compare_flag or len(dirs or []) != 2:
-            raise _fail("to diff two evals write `coda-agent eval --compare A B` (two folders)")
-        _compare(dirs[0], dirs[1], slowdown)
     budgets = {
         k: v
         for k, v in dict(
@@ -114,21 +102,31 @@ def eval_cmd(
         ).items()
         if v is not None
     }
-    _check_workers(parallel, ray)
-    if resume_dir is not None:
-        if suite or blocks or seeds or out or budgets:
-            raise _fail(
-                "--resume takes the eval's own settings: drop the other eval options "
-                "(--block-file excepted)"
-            )
-        edir = _open(resume_dir)
-        _check_named_block_files(edir, _load_block_files(block_files or []))
-        _check_named_providers(edir, providers)
-    else:
-        files = _load_block_files(block_files or [])
-        spec = _new_spec(suite, blocks, files, providers, seeds, ks, ps, budgets)
-        edir = _create(out or _default_out(spec), spec, unique=out is None)
-    _run(edir, parallel, ray, retries)
+    try:
+        if compare_flag or dirs:
+            if not compare_flag or len(dirs or []) != 2:
+                raise Failure(
+                    "to diff two evals write `coda-agent eval --compare A B` (two folders)"
+                )
+            _compare(dirs[0], dirs[1], slowdown, as_json)
+        _check_workers(parallel, ray)
+        if resume_dir is not None:
+            if suite or blocks or seeds or out or budgets:
+                raise Failure(
+                    "--resume takes the eval's own settings: drop the other eval options "
+                    "(--block-file excepted)"
+                )
+            edir = _open(resume_dir)
+            _check_named_block_files(edir, _load_block_files(block_files or []))
+            _check_named_providers(edir, providers)
+        else:
+            files = _load_block_files(block_files or [])
+            spec = _new_spec(suite, blocks, files, providers, seeds, ks, ps, budgets)
+            edir = _create(out or _default_out(spec), spec, unique=out is None)
+        results = _run(edir, parallel, ray, retries, as_json)
+    except Failure as f:
+        raise fail(f.message, f.code, as_json) from None
+    _summary(edir, results, as_json)
 
 
 def _load_block_files(paths: list[Path]) -> dict[str, str]:
@@ -138,10 +136,9 @@ def _load_block_files(paths: list[Path]) -> dict[str, str]:
     for path in paths:
         absolute = os.path.abspath(path)
         try:
-            with contextlib.redirect_stdout(sys.stderr):
-                blocks = load_block_file(absolute, probe=True)
-        except (FileNotFoundError, ImportError, ValueError) as e:
-            raise _fail(f"--block-file {path}: {e}") from None
+            blocks = import_block_file(absolute)
+        except Failure as f:
+            raise Failure(f"--block-file {path}: {f.message}") from None
         for block in blocks:
             found[block.name] = str(Path(absolute).resolve())
     return found
@@ -154,7 +151,7 @@ def _check_named_block_files(edir: EvalDir, named: dict[str, str]) -> None:
     missing = sorted({f for b, f in recorded.items() if named.get(b) != f})
     if missing:
         flags = " ".join(f"--block-file {f}" for f in missing)
-        raise _fail(
+        raise Failure(
             f"{edir.path} records blocks defined in {', '.join(missing)}; an eval folder never "
             f"chooses code to run: name the files yourself ({flags})"
         )
@@ -163,15 +160,17 @@ def _check_named_block_files(edir: EvalDir, named: dict[str, str]) -> None:
 def _check_named_providers(edir: EvalDir, providers: str) -> None:
     """Recorded providers that choose code (``python:MODULE:FUNCTION``) or where an API key is
     sent (a ``base_url``) are used on ``--resume`` only when ``--providers`` names them again."""
+    from coda.evals.spec import ProviderSpec, SpecError
+
     try:
         named = {ProviderSpec.parse(p) for p in _csv(providers)}
     except SpecError as e:
-        raise _fail(str(e)) from None
+        raise Failure(str(e)) from None
     risky = [p for p in edir.spec().providers if p.kind == "python" or p.base_url]
     missing = [p for p in risky if p not in named]
     if missing:
         again = ",".join(_provider_text(p) for p in risky)
-        raise _fail(
+        raise Failure(
             f"{edir.path} records providers that run code or send your API key to a server "
             f"({', '.join(_provider_text(p) for p in missing)}); an eval folder never chooses "
             f"either: name them yourself with --providers {again}"
@@ -193,6 +192,9 @@ def _new_spec(
     ps: str,
     budgets: dict[str, Any],
 ) -> EvalSpec:
+    from coda.evals.spec import EvalSpec, ProviderSpec, SpecError
+    from coda.evals.suites import SuiteError, resolve_blocks
+
     try:
         selection, loaded = resolve_blocks(suite, _csv(blocks) or None)
         specs = [ProviderSpec.parse(p) for p in _csv(providers)]
@@ -212,26 +214,31 @@ def _new_spec(
         )
         spec.cells()
     except (SuiteError, SpecError, ValueError) as e:
-        raise _fail(str(e)) from None
+        raise Failure(str(e)) from None
     _preflight(spec)
     return spec
 
 
 def _check_workers(parallel: int, ray: str | None) -> None:
-    from .harness import HarnessError, slot_envs
+    from coda.evals.harness import HarnessError, slot_envs
 
     if ray is not None and parallel > 1:
-        raise _fail("give --parallel N (this machine) or --ray ADDRESS (a cluster), not both")
+        raise Failure("give --parallel N (this machine) or --ray ADDRESS (a cluster), not both")
     if ray is None and parallel > 1:
         try:
             slot_envs(parallel)
         except HarnessError as e:
-            raise _fail(str(e)) from None
+            raise Failure(str(e)) from None
 
 
 def _preflight(spec: EvalSpec) -> None:
     """Configuration errors (a missing key or SDK, a block the planner cannot lower) before any
     cell runs. Python providers are built only inside their cells."""
+    from coda.agent.providers import BuiltinProvider, ProviderError
+    from coda.agent.synthesize import BudgetError, check_budgets
+    from coda.blocks import get_block
+    from coda.planner import NoRule
+
     for p in spec.providers:
         for name in spec.blocks:
             block = get_block(name)
@@ -242,84 +249,110 @@ def _preflight(spec: EvalSpec) -> None:
                     check_budgets(p.build(block), spec.budgets_obj())
                     break
             except NoRule as e:
-                raise _fail(f"the built-in planner cannot lower block {name!r}: {e}") from None
+                raise Failure(f"the built-in planner cannot lower block {name!r}: {e}") from None
             except ProviderError as e:
-                raise _fail(f"provider {p.label}: {e.message}") from None
+                raise Failure(f"provider {p.label}: {e.message}") from None
             except BudgetError as e:
-                raise _fail(f"provider {p.label}: {e}") from None
+                raise Failure(f"provider {p.label}: {e}") from None
 
 
 def _default_out(spec: EvalSpec) -> Path:
+    from coda.evals.spec import slug
+
     name = spec.suite or "-".join(spec.blocks)
     return Path("runs") / "evals" / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(name)[:60]}"
 
 
 def _create(path: Path, spec: EvalSpec, unique: bool) -> EvalDir:
+    from coda.evals.results import EvalDir, EvalDirError
+
     try:
         return EvalDir.create(path, spec, unique=unique)
     except EvalDirError as e:
-        raise _fail(str(e)) from None
+        raise Failure(str(e)) from None
 
 
 def _open(path: Path) -> EvalDir:
+    from coda.evals.results import EvalDir, EvalDirError
+
     try:
         edir = EvalDir.open(path)
         edir.spec()
         edir.results()
     except EvalDirError as e:
-        raise _fail(str(e)) from None
+        raise Failure(str(e)) from None
     return edir
 
 
-def _run(edir: EvalDir, parallel: int, ray: str | None, retries: int) -> None:
-    from .harness import HarnessError, pending, run_eval
+def _run(
+    edir: EvalDir, parallel: int, ray: str | None, retries: int, as_json: bool
+) -> list[CellResult]:
+    """Run the eval's pending cells, printing a line per cell (on stderr for ``--json``); every
+    cell's result."""
+    from coda.evals.distributed import RayUnavailable
+    from coda.evals.harness import HarnessError, pending, run_eval
+    from coda.evals.results import EvalDirError
+    from coda.primitives import backend
 
+    out = stderr() if as_json else console
     spec = edir.spec()
     todo = pending(edir, spec)
     total = len(spec.cells())
     where = f"Ray ({ray})" if ray else f"{parallel} at a time on {backend.describe()}"
-    console.print(
+    out.print(
         f"[bold]coda-agent eval[/] {len(spec.blocks)} block(s) × {len(spec.providers)} "
         f"provider(s) × {spec.seeds} seed(s) = {total} cells, {total - len(todo)} already done; "
         f"running {len(todo)}, {escape(where)} → {escape(str(edir.path))}"
     )
     if spec.skipped:
         skipped = escape(", ".join(spec.skipped))
-        console.print(f"  [yellow]skipped[/] (planned, not registered yet): {skipped}")
+        out.print(f"  [yellow]skipped[/] (planned, not registered yet): {skipped}")
     try:
-        results = run_eval(
-            edir, parallel=parallel, ray_address=ray, retries=retries, on_cell=_cell_line
+        return run_eval(
+            edir,
+            parallel=parallel,
+            ray_address=ray,
+            retries=retries,
+            on_cell=lambda r, done, todo: _cell_line(r, done, todo, out),
         )
     except KeyboardInterrupt:
-        Console(stderr=True, soft_wrap=True).print(
-            f"[yellow]interrupted[/]: finished cells are kept; continue with "
-            f"`coda-agent eval --resume {escape(str(edir.path))}`"
-        )
+        message = f"finished cells are kept; continue with `coda-agent eval --resume {edir.path}`"
+        Console(stderr=True, soft_wrap=True).print(f"[yellow]interrupted[/]: {escape(message)}")
+        if as_json:
+            print(json.dumps({"error": f"interrupted: {message}", "exit_code": 130}))
         raise typer.Exit(130) from None
-    except Exception as e:
-        from .distributed import RayUnavailable
-
-        if isinstance(e, HarnessError | RayUnavailable):
-            raise _fail(str(e)) from None
-        if isinstance(e, EvalDirError):  # results.jsonl could not be written (a full disk)
-            raise _fail(str(e), code=1) from None
-        raise
-    _summary(edir, results)
+    except (HarnessError, RayUnavailable) as e:
+        raise Failure(str(e)) from None
+    except EvalDirError as e:  # results.jsonl could not be written (a full disk)
+        raise Failure(str(e), code=1) from None
 
 
-def _cell_line(r: CellResult, done: int, todo: int) -> None:
+def _cell_line(r: CellResult, done: int, todo: int, out: Console | None = None) -> None:
     if r.status == "error":
         first = ((r.error or "").splitlines() or [""])[0]
         verdict = f"[red]ERROR[/] {escape(first)}"
     else:
         verdict = "[green]verified[/]" if r.verified else "[red]not verified[/]"
         verdict += escape(f" ({r.stop}, {r.turns} turns, {r.seconds:.1f} s)")
-    console.print(f"  {escape(f'[{done}/{todo}] {r.cell}:')} {verdict}")
+    (out or console).print(f"  {escape(f'[{done}/{todo}] {r.cell}:')} {verdict}")
 
 
-def _summary(edir: EvalDir, results: list[CellResult]) -> None:
+def _summary(edir: EvalDir, results: list[CellResult], as_json: bool) -> None:
     errors = [r for r in results if r.status == "error"]
     verified = sum(r.verified for r in results)
+    code = 1 if errors else 0
+    if as_json:
+        print_json(
+            {
+                "eval_dir": str(edir.path),
+                "results_md": str(edir.path / "results.md"),
+                "cells": len(results),
+                "verified": verified,
+                "errors": [r.cell for r in errors],
+                "results": [r.model_dump(mode="json") for r in results],
+            }
+        )
+        raise typer.Exit(code)
     console.print(
         Text(f"{verified} of {len(results)} cells verified; tables in {edir.path / 'results.md'}")
     )
@@ -328,14 +361,33 @@ def _summary(edir: EvalDir, results: list[CellResult]) -> None:
             f"[red]{len(errors)} cell(s) errored[/]: retry them with "
             f"`coda-agent eval --resume {escape(str(edir.path))}`"
         )
-        raise typer.Exit(1)
-    raise typer.Exit(0)
+    raise typer.Exit(code)
 
 
-def _compare(dir_a: Path, dir_b: Path, slowdown: float) -> None:
+def _compare(dir_a: Path, dir_b: Path, slowdown: float, as_json: bool) -> None:
+    """``--compare A B``: the markdown diff (or, with ``--json``, its cells and groups)."""
+    from coda.evals.compare import compare, markdown
+
     a, b = _open(dir_a), _open(dir_b)
     result = compare(a, b, slowdown=slowdown)
-    print(markdown(result), end="")
+    if as_json:
+        print_json(
+            {
+                "a": str(a.path),
+                "b": str(b.path),
+                "regressions": result.regressions,
+                "cells": [
+                    {"cell": d.cell, "regressions": d.regressions, "improvements": d.improvements}
+                    for d in result.cells
+                ],
+                "groups": [
+                    {"block": g.block, "provider": g.provider, "regressions": g.regressions}
+                    for g in result.groups
+                ],
+            }
+        )
+    else:
+        print(markdown(result), end="")
     raise typer.Exit(1 if result.regressions else 0)
 
 
@@ -343,16 +395,30 @@ def _compare(dir_a: Path, dir_b: Path, slowdown: float) -> None:
 def accept_cmd(
     run_dir: Path = typer.Argument(..., help="a run folder (runs/<time>-<block>)"),
     name: str = typer.Option(None, "--name", help="default: <provider>-<program hash>"),
-    store: Path = typer.Option(STORE_DIR, "--store", help="the regression store folder"),
+    store: Path = typer.Option(
+        None,
+        "--store",
+        help="the regression store folder (default: $CODA_STORE, else "
+        "~/.local/share/coda-agent/store)",
+        show_default=False,
+    ),
     force: bool = typer.Option(False, "--force", help="replace an entry of the same name"),
 ) -> None:
-    """Add a run's best verified program to the regression store."""
+    """Add a run's best verified program to a regression store."""
+    from coda.agent.transcript import TranscriptError
+    from coda.evals.store import AcceptError, accept
+
     try:
         done = accept(run_dir, name=name, store=store, force=force)
     except TranscriptError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     except AcceptError as e:
-        raise _fail(str(e), code=1 if "no verified candidate" in str(e) else 2) from None
+        raise fail(str(e), code=1 if "no verified candidate" in str(e) else 2) from None
+    except OSError as e:
+        where = f" {e.filename}" if e.filename else ""
+        raise fail(
+            f"cannot write{where}: {e.strerror or e}; give --store a folder you can write to"
+        ) from None
     if done.duplicate:
         console.print(Text(f"already stored: the same program is {done.path}"))
         raise typer.Exit(0)
@@ -370,7 +436,13 @@ def accept_cmd(
 
 
 def regress_cmd(
-    store: Path = typer.Option(STORE_DIR, "--store", help="the regression store folder"),
+    store: Path = typer.Option(
+        None,
+        "--store",
+        help="the regression store folder (default: the built-in entries, and the store "
+        "`accept` writes to once it exists)",
+        show_default=False,
+    ),
     block: list[str] = typer.Option(None, "--block", "-b", help="only these blocks"),
     slowdown: float = typer.Option(
         1.10, "--slowdown", help="GPU: fail when slower than this × the recorded time"
@@ -378,17 +450,22 @@ def regress_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Re-verify every stored kernel (CPU interpreter here; bf16 and timings on a GPU)."""
+    from coda.evals.store import StoreError, default_stores, regress
+    from coda.primitives import backend
+
+    stores = [store] if store is not None else default_stores()
     if not as_json:
-        console.print(f"[bold]coda-agent regress[/] {escape(str(store))} on {backend.describe()}")
+        where = escape(", ".join(str(s) for s in stores))
+        console.print(f"[bold]coda-agent regress[/] {where} on {backend.describe()}")
     try:
         rows = regress(
-            store,
+            stores,
             slowdown=slowdown,
             blocks=block or None,
             on_row=None if as_json else lambda r: console.print(f"  {_row_line(r)}"),
         )
     except StoreError as e:
-        raise _fail(str(e), as_json=as_json) from None
+        raise fail(str(e), as_json=as_json) from None
     bad = [r for r in rows if r.status != "ok"]
     if as_json:
         print(json.dumps([_row_json(r) for r in rows], indent=2))
@@ -450,16 +527,20 @@ def export_cmd(
     baseline: str = typer.Option("eager", "--baseline", help="speedup over eager or compile"),
 ) -> None:
     """Write an eval's trajectories (messages, tool calls, Reports, rewards) as JSONL."""
-    from .trajectories import export
+    from coda.agent.transcript import TranscriptError
+    from coda.evals.trajectories import export
 
     if baseline not in ("eager", "compile"):
-        raise _fail(f"--baseline must be eager or compile, not {baseline!r}")
-    edir = _open(eval_dir)
+        raise fail(f"--baseline must be eager or compile, not {baseline!r}")
+    try:
+        edir = _open(eval_dir)
+    except Failure as f:
+        raise fail(f.message, f.code) from None
     target = out or eval_dir / "trajectories.jsonl"
     try:
         written, skipped = export(edir, target, baseline)  # type: ignore[arg-type]
     except TranscriptError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     console.print(
         Text(
             f"wrote {written} trajectories to {target}"

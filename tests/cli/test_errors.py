@@ -1,4 +1,4 @@
-"""The real ``coda-agent`` entry point (``python -m coda.agent.cli`` in a subprocess) on bad input:
+"""The real ``coda-agent`` entry point (``python -m coda.cli`` in a subprocess) on bad input:
 every error is a message and an exit code — 2 for usage, 1 for a run that started — never a
 traceback, and with ``--json`` stdout holds exactly one JSON object. Also: a relative
 ``--block-file`` works from the folder it was typed in."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-CLI = [sys.executable, "-m", "coda.agent.cli"]
+CLI = [sys.executable, "-m", "coda.cli"]
 
 SMALL_BLOCK = """
 from coda.blocks import Add, Block, Linear, ShapeSets, TensorSpec
@@ -130,7 +130,7 @@ import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
 sys.argv = ["coda-agent", *sys.argv[1:]]
-from coda.agent.cli import main
+from coda.cli.main import main
 main()
 """
 
@@ -173,14 +173,15 @@ def test_an_interrupted_json_run_still_prints_one_object(
 ) -> None:
     from typer.testing import CliRunner
 
-    from coda.agent import cli
+    from coda.agent import synthesize
+    from coda.cli.main import app
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "synthesize", interrupted)
+    monkeypatch.setattr(synthesize, "synthesize", interrupted)
     args = ["synthesize", "-b", "llama_mlp", "--runs-dir", str(tmp_path), "--json"]
-    done = CliRunner().invoke(cli.app, args)
+    done = CliRunner().invoke(app, args)
     assert done.exit_code == 130
     assert json.loads(done.stdout) == {
         "error": "interrupted: the transcript is saved; continue with "
@@ -192,9 +193,8 @@ def test_an_interrupted_json_run_still_prints_one_object(
 def test_resuming_a_run_whose_block_came_from_a_file_asks_for_the_file(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from coda.agent import cli
-
-    from .test_transcript_damage import crashed_run
+    from coda.cli.main import app
+    from tests.agent.test_transcript_damage import crashed_run
 
     run = crashed_run(tmp_path)
     lines = run.transcript.read_text().splitlines(keepends=True)
@@ -203,12 +203,12 @@ def test_resuming_a_run_whose_block_came_from_a_file_asks_for_the_file(tmp_path:
     start["block_file"] = str(moved)
     run.transcript.write_text(json.dumps(start) + "\n" + "".join(lines[1:]))
     resume = ["synthesize", "--resume", str(run.path), "--json"]
-    done = CliRunner().invoke(cli.app, resume)
+    done = CliRunner().invoke(app, resume)
     assert done.exit_code == 2
     assert json.loads(done.stdout)["error"] == (
         f"{run.path} records its block as coming from the file {moved}; a transcript never "
         f"chooses code to run: name the file yourself with --block-file {moved}"
     )
-    done = CliRunner().invoke(cli.app, [*resume, "--block-file", str(moved)])
+    done = CliRunner().invoke(app, [*resume, "--block-file", str(moved)])
     assert done.exit_code == 2
     assert json.loads(done.stdout)["error"] == f"--block-file {moved}: {moved} does not exist"

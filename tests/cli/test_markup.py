@@ -9,17 +9,17 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from coda.agent import cli
 from coda.agent.events import Retrying, StageDone, Stop, Stopped, ToolAnswered, TurnEnded
 from coda.agent.providers.base import ToolResultPart, Usage, UserMessage
 from coda.agent.runs import RunDir
 from coda.agent.transcript import MessageRecord
-from coda.evals import cli as eval_cli
+from coda.cli import agent as cli
+from coda.cli import evals as eval_cli
+from coda.cli.main import app
 from coda.evals.results import CellResult
 from coda.sandbox import SandboxOptions, evaluate
-
-from .scripted import BLOCK, submit
-from .test_transcript_damage import crashed_run
+from tests.agent.scripted import BLOCK, submit
+from tests.agent.test_transcript_damage import crashed_run
 
 BRACKETED = "output out does not match [at M=64, d=64] (see [bold]this[/bold] and [red])"
 
@@ -68,7 +68,7 @@ def test_show_keeps_the_reports_bracketed_text(tmp_path: Path, recorded: Console
         data={"candidate": 1, "report": report.model_dump(mode="json")},
     )
     RunDir.open(run.path).append(MessageRecord(turn=1, message=UserMessage(parts=[part])))
-    shown = CliRunner().invoke(cli.app, ["show", str(run.path)])
+    shown = CliRunner().invoke(app, ["show", str(run.path)])
     assert shown.exit_code == 0, shown.output
     text = recorded.export_text()
     assert "FAILED at validate [program]:" in text  # the candidates table's headline
@@ -78,7 +78,7 @@ def test_show_keeps_the_reports_bracketed_text(tmp_path: Path, recorded: Console
 def test_verify_prints_the_report_text_as_written(tmp_path: Path, recorded: Console) -> None:
     program = tmp_path / "p.json"
     program.write_text('{"block": "llama_mlp", "steps": "nope"}')
-    CliRunner().invoke(cli.app, ["verify", str(program), "--block", "llama_mlp"])
+    CliRunner().invoke(app, ["verify", str(program), "--block", "llama_mlp"])
     text = recorded.export_text()
     assert "FAILED at validate [program]: invalid program:" in text
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from coda.agent.cli import app
 from coda.blocks import get_block, load_block_file
+from coda.cli.main import app
 from coda.planner import lower
 
 runner = CliRunner()
@@ -150,8 +150,7 @@ def test_resume_replay_and_show_through_the_cli(tmp_path: Path) -> None:
 
 def test_show_renders_an_unfinished_run(tmp_path: Path) -> None:
     from coda.agent.synthesize import synthesize
-
-    from .scripted import BLOCK, Script
+    from tests.agent.scripted import BLOCK, Script
 
     with pytest.raises(RuntimeError):
         synthesize(BLOCK, tmp_path, provider=Script([RuntimeError("crash")]))
@@ -163,7 +162,7 @@ def test_show_renders_an_unfinished_run(tmp_path: Path) -> None:
 
 
 def test_a_provider_failure_is_a_clean_error_with_a_resume_hint(tmp_path: Path) -> None:
-    from .fake_llm import FakeLLM, Reply
+    from tests.agent.fake_llm import FakeLLM, Reply
 
     server = FakeLLM()
     server.replies = [Reply(401, {"error": {"message": "invalid api key"}})]

@@ -1,0 +1,5 @@
+"""``python -m coda.cli``: the ``coda-agent`` command."""
+
+from .main import main
+
+main()

@@ -1,0 +1,141 @@
+"""What every ``coda-agent`` command shares: error and note output, ``--json``'s one object, the
+``--provider`` choices, and loading blocks from ``--block-file``.
+
+This module, like the command modules, imports only the standard library, Typer and Rich at import
+time: ``coda-agent --help`` (and shell completion, which runs the command line on every TAB) must
+not pay for torch, Triton or the pydantic models. What a command needs from the rest of coda it
+imports when it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+if TYPE_CHECKING:
+    from coda.blocks import Block
+
+
+# ``--provider``: the model sources ``coda.agent.providers.make_provider`` builds by name (a test
+# keeps the two lists equal; they are repeated here so that listing them imports nothing).
+PROVIDERS = ("builtin", "anthropic", "openai", "replay")
+
+
+def complete_provider(incomplete: str) -> list[str]:
+    """Shell completion of ``--provider``."""
+    return [p for p in PROVIDERS if p.startswith(incomplete)]
+
+
+def check_provider(value: str | None) -> str | None:
+    """``--provider`` is one of ``PROVIDERS``: anything else is a usage error (exit 2) before
+    the command starts, naming the closest choice."""
+    if value is None or value in PROVIDERS:
+        return value
+    close = difflib.get_close_matches(value, PROVIDERS, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise typer.BadParameter(
+        f"unknown provider {value!r}: {hint}choose one of {', '.join(PROVIDERS)}"
+    )
+
+
+class Failure(Exception):
+    """A command's refusal, raised by functions that do not know whether ``--json`` was given: the
+    command turns it into output with ``fail(f.message, f.code, as_json)``."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def stderr() -> Console:
+    """A console on stderr (never stdout, which ``--json`` keeps for its one object)."""
+    return Console(stderr=True, highlight=False)
+
+
+def fail(message: str, code: int = 2, as_json: bool = False) -> typer.Exit:
+    """Print ``message`` as an error on stderr (and, for ``--json``, as the one JSON object on
+    stdout: ``{"error": ..., "exit_code": ...}``); the ``Exit`` to raise."""
+    stderr().print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": code}))
+    return typer.Exit(code)
+
+
+def note(message: str) -> None:
+    """A warning on stderr."""
+    stderr().print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
+
+
+def print_json(data: Any) -> None:
+    """``--json``'s one object on stdout."""
+    print(json.dumps(data, indent=2))
+
+
+def block_file_path(
+    block_file: Path | None, as_json: bool = False, what: str = "--block-file"
+) -> Path | None:
+    """``--block-file`` (or the block file a transcript recorded: ``what``) as an absolute path,
+    checked to be a file.
+
+    A relative path is taken from the current folder here, where the user typed it: the sandbox
+    worker that imports the file again runs in a temporary folder of its own."""
+    if block_file is None:
+        return None
+    path = Path(os.path.abspath(block_file))
+    if not path.is_file():
+        missing = "is a folder, not a Python file" if path.is_dir() else "does not exist"
+        relative = not block_file.is_absolute()
+        hint = f" (a relative path is taken from {Path.cwd()})" if relative else ""
+        raise fail(f"{what} {block_file}: {path} {missing}{hint}", as_json=as_json)
+    return path
+
+
+def import_block_file(block_file: Path | str) -> list[Block]:
+    """Register the blocks of ``block_file`` (absolute). The file is imported in a subprocess
+    first, so one that exits or crashes when imported is a usage error (``Failure``), not the end
+    of this process; what it prints goes to stderr."""
+    from coda.blocks import load_block_file
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return load_block_file(block_file, probe=True)
+    except (FileNotFoundError, ImportError, ValueError) as e:
+        raise Failure(str(e)) from None
+
+
+def load_blocks(block_file: Path, as_json: bool = False) -> list[Block]:
+    """``import_block_file`` for a command that fails by itself."""
+    try:
+        return import_block_file(block_file)
+    except Failure as f:
+        raise fail(f.message, f.code, as_json) from None
+
+
+def resolve_block(block: str | None, block_file: Path | None, as_json: bool = False) -> Block:
+    """The block to work on: ``--block NAME``, or the one block of ``--block-file``."""
+    from coda.blocks import BlockNotFound, get_block
+
+    found = load_blocks(block_file, as_json) if block_file is not None else []
+    if block is None and len(found) > 1:
+        names = ", ".join(b.name for b in found)
+        raise fail(
+            f"{block_file} defines several blocks ({names}); pick one with --block", 2, as_json
+        )
+    if block is None and found:
+        return found[0]
+    if block is None:
+        raise fail("give --block NAME or --block-file FILE (see `coda-agent blocks`)", 2, as_json)
+    try:
+        return get_block(block)
+    except (BlockNotFound, ValueError) as e:
+        raise fail(str(e), as_json=as_json) from None
