@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from .ir import GemmEpilogue, MainloopConfig, OutputView, Program
 from .launch import PinnedLaunch, launch_kernel
 from .prep.fusion import names_in, run_prep
 from .reference import activation_dtype
+from .settings import current
 from .sizes import evaluate as evaluate_size
 from .types import TensorInfo, partials_shape, torch_dtype
 
@@ -415,7 +415,7 @@ def _allocation(
 
 # -- a run's steps as replayable actions -----------------------------------------------------------
 _RUN_PLAN_LIMIT = 256  # run signatures kept per compiled program
-REPLAY = os.environ.get("CODA_DECIDE_EVERY_RUN") != "1"
+REPLAY = not current().decide_every_run  # CODA_DECIDE_EVERY_RUN=1: no replay
 
 
 class _Action:
