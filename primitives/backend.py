@@ -43,15 +43,12 @@ def describe() -> str:
 
 class CodaInterpretedFunction(InterpretedFunction):
     """One of coda's kernels run by Triton's interpreter, with Triton's standard library
-    interpreted for the duration of each launch or call (``interpreted_language``)."""
+    interpreted for the duration of each launch (``interpreted_language``). Calls of one kernel
+    function from another happen inside a launch, where the library is interpreted already."""
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         with interpreted_language():
             return super().run(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with interpreted_language():
-            return super().__call__(*args, **kwargs)
 
 
 # Interpreted twins of Triton's library functions, by the Python function they wrap.
