@@ -28,9 +28,7 @@ from typing import Any
 
 from coda.blocks.block import Block
 from coda.primitives import backend
-from coda.primitives.ir import Program
-from coda.sandbox.report import Report
-from coda.sandbox.runner import evaluate
+from coda.sandbox.runner import evaluate_candidate
 from coda.sandbox.stages import SandboxOptions
 
 from .clipping import Cut, call_note, clip_reply, text_note
@@ -417,7 +415,7 @@ class AgentLoop:
         index, self.next_index = self.next_index, self.next_index + 1
         self.emit(CandidateStarted(index, self.n.turns))
         began = time.monotonic()
-        report = evaluate(
+        report, program = evaluate_candidate(
             program_json,
             self.block,
             self._sandbox_options(),
@@ -425,7 +423,7 @@ class AgentLoop:
             kernels_dir=self.run_dir.candidate_kernels(index),
             on_stage=lambda s: self.emit(StageDone(index, s)),
         )
-        candidate = Candidate(index, self.n.turns, call.id, _parsed(program_json, report), report)
+        candidate = Candidate(index, self.n.turns, call.id, program, report)
         self.candidates.append(candidate)
         is_best = better(candidate, self.best)
         if is_best:
@@ -565,12 +563,6 @@ class AgentLoop:
         self.run_dir.write_summary(run_markdown(RunFacts.from_result(result), backend.describe()))
         self.emit(Stopped(stop))
         return result
-
-
-def _parsed(program_json: Any, report: Report) -> Program | None:
-    if report.stage("validate") is None or report.stage("validate").status != "passed":
-        return None
-    return Program.parse(program_json)
 
 
 def _now() -> str:

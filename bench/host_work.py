@@ -127,7 +127,7 @@ def profile(step: Callable[[], None], top: int, iters: int = 10) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import coda.primitives  # noqa: F401  (selects the interpreter: kernels would run on the CPU)
+    import coda.primitives  # noqa: F401  (its kernels run in the interpreter without a GPU)
 
     steps = training_steps(args.layers, args.tokens)
     with launches_stubbed():

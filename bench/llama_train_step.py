@@ -646,7 +646,7 @@ def start(args: argparse.Namespace, script: str) -> Bench | None:
     if not args.dry_run and not torch.cuda.is_available():
         print(NEEDS_GPU.replace("paper_kernels.py", script), file=sys.stderr)
         return None
-    import coda.primitives  # noqa: F401  (before triton: selects the interpreter in a dry run)
+    import coda.primitives  # noqa: F401  (its kernels run in the interpreter without a GPU)
 
     if args.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)

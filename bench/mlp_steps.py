@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("bench/mlp_steps.py needs a CUDA GPU (or --dry-run on a CPU)", file=sys.stderr)
         return 2
-    import coda.primitives  # noqa: F401  (before triton: selects the interpreter in a dry run)
+    import coda.primitives  # noqa: F401  (its kernels run in the interpreter without a GPU)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

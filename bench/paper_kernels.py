@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print(NEEDS_GPU, file=sys.stderr)
         return 2
-    import coda.primitives  # noqa: F401  (before triton: selects the interpreter in a dry run)
+    import coda.primitives  # noqa: F401  (its kernels run in the interpreter without a GPU)
 
     bench = Bench(args.dry_run, args.tune, recompute=not args.skip_recompute)
     only = [s for s in args.only.split(",") if s]

@@ -10,8 +10,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from coda.primitives import backend  # noqa: F401  (first: selects the interpreter without a GPU)
-
 from .cell import run_cell
 from .harness import write_result
 from .results import EvalDir

@@ -34,7 +34,6 @@ the tuning cache (``$CODA_CACHE_DIR/tuning.json``), so a later process starts tu
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,16 +44,16 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from coda.blocks.autodiff import VJP, Pick
 from coda.blocks.block import Block
-from coda.primitives import backend  # noqa: F401  (first: selects the interpreter without a GPU)
 from coda.primitives.analysis import analyze, bind_sizes
 from coda.primitives.ir import OutputView, Program
 from coda.primitives.prep.layout import interleaved_buffer
 from coda.primitives.runtime import CompiledProgram, compile_program
+from coda.primitives.settings import current
 from coda.primitives.types import torch_dtype
 
 _REGISTERED: dict[str, ExportedFunction] = {}
 _profiler_enabled = torch._C._autograd._profiler_enabled
-EAGER_CALLS = os.environ.get("CODA_DISPATCH_OPS") != "1"
+EAGER_CALLS = not current().dispatch_ops  # CODA_DISPATCH_OPS=1: every call through the ops
 
 Tuning = Literal["quick", "full", "off"]
 

@@ -10,7 +10,6 @@
 * ``load_plugins``: extra primitives from user (or test) modules, parseable like built-in ones.
 """
 
-from . import backend  # noqa: F401  (first: chooses the interpreter before any kernel exists)
 from .analysis import ProgramInfo, analyze, analyze_all, bind_sizes
 from .base import AuxStep, EpilogueOp, Port, PrepStep
 from .builder import ProgramBuilder

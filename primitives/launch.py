@@ -27,7 +27,6 @@ two, or to rule this module out when a launch misbehaves).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ from triton import knobs
 from triton.runtime.driver import driver
 
 from . import backend
+from .settings import current
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -96,7 +96,7 @@ class _Entry:
 # (kernel, its meta-parameters, device, argument signature) -> _Entry (None: always Triton's path)
 _CACHE: dict[tuple, _Entry | None] = {}
 _CACHE_LIMIT = 4096  # signatures kept (integers are keyed by value: every new size adds one)
-DIRECT = os.environ.get("CODA_TRITON_LAUNCH") != "1"
+DIRECT = not current().triton_launch  # CODA_TRITON_LAUNCH=1: every launch through Triton
 
 
 def launch_kernel(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> Any:

@@ -28,8 +28,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .base import register_node, restore_registries, snapshot_registries
-
-PLUGINS_ENV = "CODA_PLUGINS"
+from .settings import current
 
 
 class PluginError(ImportError):
@@ -37,9 +36,8 @@ class PluginError(ImportError):
 
 
 def plugins_from_env() -> list[str]:
-    """The plugin list in ``$CODA_PLUGINS`` (``os.pathsep``-separated), or none."""
-    raw = os.environ.get(PLUGINS_ENV, "")
-    return [p for p in raw.split(os.pathsep) if p.strip()]
+    """The plugin list of ``$CODA_PLUGINS`` (``os.pathsep``-separated; ``settings.plugins``)."""
+    return list(current().plugins)
 
 
 def is_file_spec(spec: str) -> bool:

@@ -5,42 +5,69 @@
 symbolic sizes from the inputs, analyses the program at those sizes (cached), allocates every tensor
 the steps write (optionally poisoned with NaN so an unwritten element cannot pass verification),
 and launches the steps in order.
+
+Its parts live beside it: ``run_plans`` (a run's decisions recorded and replayed),
+``descriptors`` (TMA tensor descriptors), ``mainloop_choice`` (which kernel variant a launch
+takes) and ``kernel_stats`` (registers, spills and shared memory of a compiled kernel). The names
+callers use from them are importable from here as well.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # a Triton without host tensor descriptors: pointer kernels only
-    TensorDescriptor = None
 
 from . import backend
 from .analysis import GemmInfo, ProgramInfo, analyze, bind_sizes
 from .base import RunEnv
 from .codegen.cache import load_kernel, write_source
 from .codegen.configs import resolve_config
-from .codegen.context import Param
 from .codegen.kernel import OPERAND_DESCRIPTORS, KernelSource, generate_kernel
+from .descriptors import TMA_MAX_BOX, descriptor_block, tma_available, tma_compatible
 from .ir import GemmEpilogue, MainloopConfig, OutputView, Program
-from .launch import PinnedLaunch, launch_kernel
+from .kernel_stats import compiled_kernel_stats
+from .mainloop_choice import Mainloop, choose_mainloop
 from .prep.fusion import names_in, run_prep
 from .reference import activation_dtype
-from .sizes import evaluate as evaluate_size
+from .run_plans import (
+    RUN_PLAN_LIMIT,
+    Action,
+    Allocate,
+    AuxLaunch,
+    LaunchPlan,
+    Relaunch,
+    RunPlan,
+    VendorProduct,
+    argument_source,
+)
+from .settings import current
 from .types import TensorInfo, partials_shape, torch_dtype
+
+# Whether ``CompiledProgram.run`` replays the run plans it recorded (``run_plans``); code and
+# benchmarks may switch it for the whole process. CODA_DECIDE_EVERY_RUN=1: no replay.
+REPLAY = not current().decide_every_run
+
+__all__ = [  # the runtime's own names, and those of its parts that callers import from here
+    "REPLAY",
+    "TMA_MAX_BOX",
+    "CompiledProgram",
+    "Mainloop",
+    "choose_mainloop",
+    "compile_program",
+    "compiled_kernel_stats",
+    "descriptor_block",
+    "tma_available",
+    "tma_compatible",
+]
 
 
 @dataclass
@@ -65,10 +92,10 @@ class CompiledProgram:
     # launch plans by (GemmInfo, variant, config, precision, device), epilogue tiles by (step,
     # config), default configs by (step, M, N, K). GemmInfo objects live as long as ``_infos``
     # holds them, so their ids stay theirs.
-    _plans: dict[tuple, _LaunchPlan] = field(default_factory=dict)
+    _plans: dict[tuple, LaunchPlan] = field(default_factory=dict)
     _tiles: dict[tuple, list[tuple[str, list[int]]]] = field(default_factory=dict)
     _default_configs: dict[tuple, MainloopConfig] = field(default_factory=dict)
-    _run_plans: dict[tuple, _RunPlan] = field(default_factory=dict)  # by run signature (``run``)
+    _run_plans: dict[tuple, RunPlan] = field(default_factory=dict)  # by run signature (``run``)
     _views: dict[int, list[tuple[str, str, Any]]] = field(default_factory=dict)  # by id(info)
 
     # -- analysis at the call's sizes ------------------------------------------------------------
@@ -134,7 +161,7 @@ class CompiledProgram:
         The first call at a new *run signature* — the prepared tensors' shapes, strides, dtypes
         and 16-byte alignment, the device, the pinned configs, ``mainloop``, ``use_vendor`` and
         ``poison`` — decides everything step by step (sizes, allocations, the mainloop variant,
-        kernel arguments) and records it as a ``_RunPlan``; later calls with that signature
+        kernel arguments) and records it as a ``RunPlan``; later calls with that signature
         replay the plan: allocate, build arguments, launch. Every decision depends only on what
         the signature holds (tensors a step allocates are contiguous and aligned), so a replay
         does what deciding anew would do, with a fraction of the host's work (bench/RESULTS.md,
@@ -146,7 +173,7 @@ class CompiledProgram:
         plan = self._run_plans.get(key)
         if plan is None:
             tensors, plan = self._record(prepared, poison)
-            if len(self._run_plans) >= _RUN_PLAN_LIMIT:
+            if len(self._run_plans) >= RUN_PLAN_LIMIT:
                 self._run_plans.clear()
             self._run_plans[key] = plan
             return tensors
@@ -169,23 +196,23 @@ class CompiledProgram:
 
     def _record(
         self, prepared: dict[str, torch.Tensor], poison: bool
-    ) -> tuple[dict[str, torch.Tensor], _RunPlan]:
+    ) -> tuple[dict[str, torch.Tensor], RunPlan]:
         """Run every step deciding as it goes; return the tensors and the decisions as a plan."""
         info = self.info_for({n: prepared[n] for n in self.program.inputs})
         act = activation_dtype(self.program, prepared)
         device = next(iter(prepared.values())).device
         tensors = dict(prepared)
         env = RunEnv(tensors, info.tensors, sizes=info.sizes)
-        plan = _RunPlan(info)
+        plan = RunPlan(info)
         for step, name in zip(self.program.steps, self.program.step_names(), strict=True):
             if isinstance(step, GemmEpilogue):
                 gemm = info.gemms[name]
                 actions = self._run_gemm(step, gemm, tensors, act, device, poison, info.sizes)
-                if any(isinstance(a, _Relaunch) for a in actions):  # a generated kernel ran
+                if any(isinstance(a, Relaunch) for a in actions):  # a generated kernel ran
                     plan.mainloops[name] = self.mainloops_used[name]
                     plan.kernel_stats[name] = self.kernel_stats.get(name, {})
             else:
-                allocate = _Allocate(
+                allocate = Allocate(
                     tuple(
                         (n, t.shape, torch_dtype(t.dtype, act))
                         for n, t in info.tensors.items()
@@ -196,7 +223,7 @@ class CompiledProgram:
                 )
                 actions = [allocate]
                 if any(math.prod(shape) for _, shape, _ in allocate.tensors):
-                    actions.append(_AuxLaunch(step))  # (an empty batch: nothing to launch)
+                    actions.append(AuxLaunch(step))  # (an empty batch: nothing to launch)
                 for action in actions:
                     action(tensors, env)
             plan.actions.extend(actions)
@@ -255,15 +282,15 @@ class CompiledProgram:
         device: torch.device,
         poison: bool,
         sizes: dict[str, int],
-    ) -> list[_Action]:
+    ) -> list[Action]:
         """Run one gemm step, deciding its allocations and kernel; returns what it did as
         actions that redo it on other tensors of the same run signature."""
         if gemm.vendor and self.use_vendor:
-            vendor = _VendorProduct(step, act)
+            vendor = VendorProduct(step, act)
             vendor(tensors, None)
             return [vendor]
         cfg = self.config_for(gemm.name, gemm)
-        allocate = _Allocate(
+        allocate = Allocate(
             tuple((n, *_allocation(t, gemm, cfg, act)) for n, t in gemm.writes.items()),
             device,
             poison,
@@ -286,7 +313,7 @@ class CompiledProgram:
                 raise
             self._tma_epilogue_too_big.add(too_big)
             plan = self._launch(step, gemm, tensors, cfg, sizes, device, "tma_mainloop")
-        return [allocate, _Relaunch(plan)]
+        return [allocate, Relaunch(plan)]
 
     def _epilogue_tiles(self, name: str, cfg: MainloopConfig) -> list[tuple[str, list[int]]]:
         """The tensors step ``name``'s epilogue moves as TMA tiles, with their block shapes."""
@@ -308,7 +335,7 @@ class CompiledProgram:
         sizes: dict[str, int],
         device: torch.device,
         variant: str,
-    ) -> _LaunchPlan:
+    ) -> LaunchPlan:
         """Launch step ``gemm`` as ``variant``; returns its launch plan (which relaunches it)."""
         # fp32 operands: full-precision products (not tf32), to match PyTorch's fp32 matmul.
         precision = "ieee" if tensors[step.a.tensor].dtype == torch.float32 else "tf32"
@@ -329,7 +356,7 @@ class CompiledProgram:
         device: torch.device,
         variant: str,
         precision: str,
-    ) -> _LaunchPlan:
+    ) -> LaunchPlan:
         params = self.kernels[gemm.name].variants[variant].params
         num_tiles = triton.cdiv(gemm.M, cfg.block_m) * triton.cdiv(gemm.N, cfg.block_n)
         grid = (min(num_tiles, cfg.programs_per_sm * _num_sms(device)),)
@@ -349,8 +376,8 @@ class CompiledProgram:
         }
         if cfg.maxnreg is not None:
             meta["maxnreg"] = cfg.maxnreg
-        sources = tuple(_argument_source(p, gemm, cfg, sizes) for p in params)
-        return _LaunchPlan(self._kernel(gemm.name, variant), grid, meta, sources)
+        sources = tuple(argument_source(p, gemm, cfg, sizes) for p in params)
+        return LaunchPlan(self._kernel(gemm.name, variant), grid, meta, sources)
 
     def _kernel(self, name: str, variant: str = "tma") -> Callable:
         key = f"{name}:{variant}"
@@ -393,14 +420,6 @@ def compile_program(
     return CompiledProgram(program, kernels, use_vendor=use_vendor)
 
 
-def _empty(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, poison: bool
-) -> torch.Tensor:
-    if poison and dtype.is_floating_point:
-        return torch.full(shape, math.nan, dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def _allocation(
     t: TensorInfo, gemm: GemmInfo, cfg: MainloopConfig, act: torch.dtype
 ) -> tuple[tuple[int, ...], torch.dtype]:
@@ -411,253 +430,6 @@ def _allocation(
         block = cfg.epilogue_block_n * p.length // gemm.N if p.axis == "row" else cfg.block_m
         return partials_shape(t.shape[0], p.length, block), torch.float32
     return t.shape, torch_dtype(t.dtype, act)
-
-
-# -- a run's steps as replayable actions -----------------------------------------------------------
-_RUN_PLAN_LIMIT = 256  # run signatures kept per compiled program
-REPLAY = os.environ.get("CODA_DECIDE_EVERY_RUN") != "1"
-
-
-class _Action:
-    """One thing a run does, replayable on another call's tensors of the same run signature."""
-
-    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> Any:
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class _Allocate(_Action):
-    """Allocate tensors (name, shape, dtype) a step writes — NaN-filled when ``poison``."""
-
-    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
-    device: torch.device
-    poison: bool
-
-    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
-        for name, shape, dtype in self.tensors:
-            tensors[name] = _empty(shape, dtype, self.device, self.poison)
-
-
-@dataclass(frozen=True)
-class _VendorProduct(_Action):
-    """A plain-store gemm step on ``torch.matmul`` (cuBLAS on a GPU)."""
-
-    step: GemmEpilogue
-    act: torch.dtype
-
-    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
-        step = self.step
-        (store,) = step.epilogue
-        a, b = tensors[step.a.tensor], tensors[step.b.tensor]
-        a = a.T if step.a.transpose else a
-        b = b.T if step.b.transpose else b
-        dtype = torch_dtype(store.dtype, self.act)
-        out = a @ b if dtype == a.dtype else (a.float() @ b.float())
-        tensors[store.to] = out.to(dtype)
-
-
-@dataclass(frozen=True)
-class _AuxLaunch(_Action):
-    """An aux step's kernel, into its outputs (allocated by the ``_Allocate`` before it)."""
-
-    step: Any
-
-    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
-        self.step.launch(env)
-
-
-@dataclass
-class _RunPlan:
-    """What ``CompiledProgram.run`` did at one run signature, as actions to replay, with the
-    mainloop variant and compiled-kernel statistics of each fused gemm step it launched."""
-
-    info: ProgramInfo
-    actions: list[_Action] = field(default_factory=list)
-    mainloops: dict[str, str] = field(default_factory=dict)
-    kernel_stats: dict[str, dict[str, int]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _LaunchPlan:
-    """One fused-GEMM launch at one size binding, config and variant: the kernel, its grid and
-    meta-parameters, and where each argument comes from — ``("const", None, value)`` or
-    ``(kind, tensor, detail)`` read from the call's tensors (``ptr``; ``stride``/``shape`` along
-    dim ``detail``; ``desc``, a TMA descriptor with block shape ``detail``)."""
-
-    kernel: Any
-    grid: tuple[int]
-    meta: dict[str, Any]
-    sources: tuple[tuple[str, str | None, Any], ...]
-
-    def launch(self, tensors: dict[str, torch.Tensor]) -> Any:
-        """Launch on ``tensors`` through ``launch_kernel``; returns the compiled kernel (a run's
-        replay relaunches through ``_Relaunch`` instead)."""
-        return launch_kernel(self.kernel, self.grid, *self.arguments(tensors), **self.meta)
-
-    def arguments(self, tensors: dict[str, torch.Tensor], *, checked: bool = True) -> list[Any]:
-        """The launch arguments on ``tensors``. ``checked=False`` builds descriptors without
-        Triton's validation (a replay: the recording's descriptors passed it, and the run
-        signature fixes everything it checks)."""
-        describe = TensorDescriptor if checked else _unchecked_descriptor
-        args: list[Any] = []
-        for kind, name, detail in self.sources:
-            if kind == "const":
-                args.append(detail)
-                continue
-            t = tensors[name]  # type: ignore[index]
-            if kind == "ptr":
-                args.append(t)
-            elif kind == "desc":
-                args.append(describe(t, list(t.shape), list(t.stride()), detail))
-            elif kind == "stride":
-                args.append(t.stride(detail))
-            else:
-                args.append(t.shape[detail])
-        return args
-
-
-class _Relaunch(_Action):
-    """A recorded fused-gemm launch: its plan's kernel pinned to the argument signature of the
-    run signature it was recorded at (``launch.PinnedLaunch``)."""
-
-    def __init__(self, plan: _LaunchPlan) -> None:
-        self.plan = plan
-        self.launch = PinnedLaunch(plan.kernel, plan.grid, **plan.meta)
-
-    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> Any:
-        return self.launch(*self.plan.arguments(tensors, checked=False))
-
-
-def _descriptor_defaults() -> dict[str, Any] | None:
-    """The defaults of ``TensorDescriptor``'s fields after (base, shape, strides, block_shape),
-    or None where it is not the plain dataclass this module knows how to fill."""
-    if TensorDescriptor is None or not dataclasses.is_dataclass(TensorDescriptor):
-        return None
-    fields = dataclasses.fields(TensorDescriptor)
-    if [f.name for f in fields[:4]] != ["base", "shape", "strides", "block_shape"]:
-        return None
-    if any(f.default is dataclasses.MISSING for f in fields[4:]):
-        return None
-    return {f.name: f.default for f in fields[4:]}
-
-
-_DESCRIPTOR_DEFAULTS = _descriptor_defaults()
-
-
-def _unchecked_descriptor(
-    base: torch.Tensor, shape: list[int], strides: list[int], block: list[int]
-) -> Any:
-    """``TensorDescriptor(base, shape, strides, block)`` without its ``__post_init__`` checks
-    (a few microseconds per descriptor, a hundred descriptors per training step)."""
-    if _DESCRIPTOR_DEFAULTS is None:
-        return TensorDescriptor(base, shape, strides, block)
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(_DESCRIPTOR_DEFAULTS)
-    desc.base, desc.shape, desc.strides, desc.block_shape = base, shape, strides, block
-    return desc
-
-
-def _argument_source(
-    p: Param, gemm: GemmInfo, cfg: MainloopConfig, sizes: dict[str, int]
-) -> tuple[str, str | None, Any]:
-    """Where parameter ``p``'s launch value comes from (see ``_LaunchPlan``)."""
-    if p.kind == "ptr":
-        return ("ptr", p.tensor, None)
-    if p.kind in ("stride", "shape"):
-        return (p.kind, p.tensor, p.dim)
-    if p.kind == "desc":
-        return ("desc", p.tensor, descriptor_block(p, cfg))
-    if p.expr is not None:
-        return ("const", None, evaluate_size(p.expr, sizes))
-    return ("const", None, {"M": gemm.M, "N": gemm.N, "K": gemm.K}[p.name])
-
-
-def descriptor_block(p: Param, cfg: MainloopConfig) -> list[int]:
-    """The block shape of descriptor parameter ``p`` under ``cfg``, in elements."""
-    epi_n = cfg.epilogue_block_n  # one epilogue sub-tile (the TMA tiles of the epilogue)
-    blocks = {
-        "BLOCK_SIZE_M": cfg.block_m,
-        "BLOCK_SIZE_N": cfg.block_n,
-        "BLOCK_SIZE_K": cfg.block_k,
-        "EPI_N": epi_n,
-        "EPI_N//2": epi_n // 2,
-        "EPI_N*2": epi_n * 2,
-    }
-    return [blocks[b] for b in p.block or ()]
-
-
-def compiled_kernel_stats(launched: Any) -> dict[str, int]:
-    """Registers per thread, spilled registers and shared memory of a compiled kernel, from what
-    a Triton launch returns (empty under the interpreter, which compiles nothing)."""
-    stats = {}
-    for key, attr in (("registers", "n_regs"), ("spills", "n_spills")):
-        value = getattr(launched, attr, None)
-        if isinstance(value, int):
-            stats[key] = value
-    shared = getattr(getattr(launched, "metadata", None), "shared", None)
-    if isinstance(shared, int):
-        stats["shared_bytes"] = shared
-    return stats
-
-
-# -- choosing a mainloop ---------------------------------------------------------------------------
-Mainloop = Literal["auto", "tma", "tma_mainloop", "pointer"]
-
-
-@functools.lru_cache(maxsize=16)
-def tma_available(device: torch.device) -> bool:
-    """Tensor descriptors exist in this Triton and the device has a copy engine for them
-    (Hopper or newer; the CPU interpreter emulates them)."""
-    if TensorDescriptor is None:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 9
-    return backend.INTERPRET
-
-
-def tma_compatible(t: torch.Tensor) -> bool:
-    """A TMA descriptor needs the last dim contiguous and 16-byte aligned base and strides."""
-    itemsize = t.element_size()
-    return (
-        t.dim() == 2
-        and t.stride(1) == 1
-        and (t.stride(0) * itemsize) % 16 == 0
-        and t.data_ptr() % 16 == 0
-    )
-
-
-# The most elements a TMA box spans along one dimension.
-TMA_MAX_BOX = 256
-
-
-def choose_mainloop(
-    mainloop: Mainloop,
-    step: GemmEpilogue,
-    tensors: dict[str, torch.Tensor],
-    device: torch.device,
-    *,
-    epilogue_tiles: Sequence[tuple[torch.Tensor, Sequence[int]]] = (),
-) -> str:
-    """The kernel variant to launch: ``"tma"`` when descriptors can describe both operands and
-    every tile the epilogue moves (``epilogue_tiles``: tensor and block shape), else
-    ``"tma_mainloop"`` (the Hopper mainloop, pointer epilogue) when they can describe the
-    operands, else ``"pointer"``.
-
-    ``mainloop``: ``"auto"`` as above; ``"tma"`` insists on the Hopper mainloop (an error where
-    the operands cannot be described); ``"tma_mainloop"`` also keeps the pointer epilogue;
-    ``"pointer"`` the portable kernel. A step whose epilogue moves no tile has no separate
-    ``"tma_mainloop"`` kernel: its ``"tma"`` kernel is that."""
-    operands = (tensors[step.a.tensor], tensors[step.b.tensor])
-    usable = tma_available(device) and all(tma_compatible(t) for t in operands)
-    if mainloop in ("tma", "tma_mainloop") and not usable:
-        shapes = [f"{tuple(t.shape)} strides {t.stride()}" for t in operands]
-        raise RuntimeError(f"the TMA mainloop was requested but cannot describe {shapes} here")
-    if mainloop == "pointer" or not usable:
-        return "pointer"
-    if not epilogue_tiles:
-        return "tma"
-    tiles_fit = all(tma_compatible(t) and max(b) <= TMA_MAX_BOX for t, b in epilogue_tiles)
-    return "tma" if tiles_fit and mainloop != "tma_mainloop" else "tma_mainloop"
 
 
 def _num_sms(device: torch.device) -> int:

@@ -1,7 +1,5 @@
 """coda.sandbox — validate → semantics → compile → verify → profile a candidate; return a Report."""
 
-from coda.primitives import backend as _backend  # noqa: F401  (first: selects the interpreter)
-
 from .compare import OutputCheck, assert_close, check_output
 from .report import ProfileRow, Report, SemanticsCoverage, StageResult
 from .runner import evaluate

@@ -10,6 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from coda.blocks.block import Tolerance
+from coda.primitives.tolerance import allowed_error
 
 
 class Mismatch(BaseModel):
@@ -104,7 +105,7 @@ def check_output(
     err = (got - want).abs()
     torch_err = float((torch_out.detach().cpu().double() - want).abs().max())
     scale = float(want.abs().max())
-    allowed = tol.ratio * torch_err + tol.floor.get(dtype, 0.0) * max(scale, 1e-30)
+    allowed = allowed_error(scale, tol.floor.get(dtype, 0.0), baseline=torch_err, ratio=tol.ratio)
     finite = torch.isfinite(got)
     nan, inf = int(torch.isnan(got).sum()), int(torch.isinf(got).sum())
     bad = (err > allowed) | ~finite

@@ -8,16 +8,16 @@ from it, with the evidence (the exception's last frames, or the worker's last st
 
 from __future__ import annotations
 
-import os
 import signal
 import traceback
 
 import torch
 
+from coda.primitives.settings import current
+
 from .report import Cause, Stage
 
 WORKER_ENV = "CODA_SANDBOX_WORKER"  # set in the worker's environment: "1"
-MEMORY_CAP_ENV = "CODA_WORKER_MEMORY_CAP"  # set by the worker once it applied its memory cap
 
 _OOM_MARKERS = (
     "out of memory",
@@ -64,8 +64,18 @@ def classify_exception(error: BaseException) -> Cause:
     return "exception"
 
 
+# The memory cap this process (a worker) applied to itself, as the worker described it; or None.
+_memory_cap: str | None = None
+
+
+def note_memory_cap(described: str) -> None:
+    """Record the memory cap the worker applied, for the messages of out-of-memory failures."""
+    global _memory_cap
+    _memory_cap = described
+
+
 def in_worker() -> bool:
-    return os.environ.get(WORKER_ENV) == "1"
+    return current().sandbox_worker
 
 
 def _clip(text: str, limit: int = 1500) -> str:
@@ -81,7 +91,7 @@ def describe_exception(stage: Stage, error: BaseException, cause: Cause) -> str:
     """The message of a stage that an exception ended."""
     what = _clip("".join(traceback.format_exception_only(type(error), error)).strip())
     if cause == "oom":
-        cap = os.environ.get(MEMORY_CAP_ENV)
+        cap = _memory_cap
         limit = f" (the worker's memory cap is {cap})" if cap else ""
         head = (
             f"out of memory in the {stage} stage{limit}: {what} — the candidate or its shapes "

@@ -170,6 +170,23 @@ def evaluate(
     relative path is taken from the caller's current folder, not the worker's);
     ``kernels_dir`` receives the generated modules; ``on_stage`` is called as each stage finishes.
     """
+    report, _program = evaluate_candidate(
+        data, block, options, block_file=block_file, kernels_dir=kernels_dir, on_stage=on_stage
+    )
+    return report
+
+
+def evaluate_candidate(
+    data: Program | dict | str,
+    block: Block,
+    options: SandboxOptions | None = None,
+    *,
+    block_file: str | None = None,
+    kernels_dir: Path | None = None,
+    on_stage: OnStage | None = None,
+) -> tuple[Report, Program | None]:
+    """``evaluate``, and the Program the validate stage parsed ``data`` into (``None`` where
+    validate failed), so a caller that keeps candidates never parses the submission again."""
     options = options or SandboxOptions()
     results: list[StageResult] = _Results(on_stage)
     collected = _Collected(results)
@@ -193,7 +210,7 @@ def evaluate(
         and all(s.status != "failed" for s in results)
         and any(s.stage == "verify" and s.status == "passed" for s in results)
     )
-    return Report(
+    report = Report(
         verified=verified,
         block=block.name,
         program_hash=program_hash(program or data),
@@ -205,6 +222,7 @@ def evaluate(
         versions=versions(),
         semantics=collected.coverage,
     )
+    return report, program
 
 
 def _write_kernels(kernels: dict[str, str], directory: Path) -> None:
@@ -254,7 +272,9 @@ def _run_isolated(
     with tempfile.TemporaryDirectory(prefix="coda-worker-") as tmpdir:
         tmp = Path(tmpdir)
         request = {
-            "program": program.model_dump(mode="json"),
+            # Canonical JSON of the parsed Program: the worker parses and validates it again itself
+            # (the process boundary is a trust boundary), and the text it parses is the one hashed.
+            "program": program.canonical_json(),
             "block": block.name,
             # The worker runs in ``tmp``: a relative path would be looked up there.
             "block_file": os.path.abspath(block_file) if block_file else None,

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .faults import MEMORY_CAP_ENV
+from .faults import note_memory_cap
 from .fences import drop_ptrace
 
 
@@ -64,7 +64,7 @@ def apply_memory_cap(megabytes: int | None) -> str:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     described = f"{limit >> 20} MiB (RLIMIT_DATA)"
-    os.environ[MEMORY_CAP_ENV] = described
+    note_memory_cap(described)
     return f"memory cap {described}"
 
 
@@ -79,8 +79,8 @@ def main(request_path: str, events_path: str) -> int:
 
         emit("started", "setup")
         emit("limits", fence)
-        # Imports happen here, after the parent set TRITON_INTERPRET and the cache directories in
-        # our environment.
+        # Imports happen here, after the fence; the runner put the cache directories in our
+        # environment.
         from coda.blocks import get_block, load_block_file
         from coda.primitives.analysis import analyze
         from coda.primitives.ir import Program

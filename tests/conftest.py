@@ -1,5 +1,5 @@
-"""Test configuration: coda first (so Triton runs interpreted without a GPU), GPU tests skipped
-cleanly without a GPU, and a private kernel cache per pytest run."""
+"""Test configuration: a private kernel cache per pytest run (set before coda reads its
+settings), and GPU tests skipped cleanly without a GPU."""
 
 import os
 import tempfile
@@ -9,7 +9,7 @@ os.environ.setdefault("CODA_CACHE_DIR", tempfile.mkdtemp(prefix="coda-test-cache
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import coda.primitives  # noqa: E402,F401  (must precede any triton import)
+import coda.primitives  # noqa: E402,F401
 
 HAS_GPU = torch.cuda.is_available() and not coda.primitives.backend.INTERPRET
 

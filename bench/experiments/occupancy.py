@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
         DEVICE = "cpu"
-    import coda  # noqa: F401, I001  (before triton: picks the interpreter without a GPU)
+    import coda  # noqa: F401, I001  (after TRITON_INTERPRET is set: this script's kernels read it)
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():

@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import triton
 import triton.language as tl
 
-from .. import backend  # noqa: F401  (selects the interpreter before the kernel is defined)
+from .. import backend
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
@@ -27,7 +26,7 @@ from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo
 
 
-@triton.jit
+@backend.jit
 def _rope_rows_kernel(
     src_ptr,
     cos_ptr,

@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import triton
 import triton.language as tl
 from pydantic import Field
 
-from .. import backend  # noqa: F401  (selects the interpreter before the kernel is defined)
+from .. import backend
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
@@ -23,7 +22,7 @@ from ..sizes import cdiv, next_power_of_2
 from ..types import TensorInfo
 
 
-@triton.jit
+@backend.jit
 def _rstd_kernel(
     x_ptr,
     out_ptr,

@@ -2,8 +2,9 @@
 
 A module's file name carries the hash of its text, the generator version and the Triton version
 (``KernelSource.digest``), so a changed primitive, template or Triton can never reuse a stale file.
-Files live in ``$CODA_CACHE_DIR`` (default ``~/.cache/coda-agent/kernels``); the sandbox gives each
-worker its own directory and copies the files a run used into the run's ``kernels/`` folder.
+Files live in ``kernels/`` under ``$CODA_CACHE_DIR`` (``settings.cache_dir``, default
+``~/.cache/coda-agent``); the sandbox gives each worker its own directory and copies the files a
+run used into the run's ``kernels/`` folder.
 
 ``load_kernel`` is the one place generated modules are imported (the sandbox's worker,
 ``compile_program`` in the caller's process, the export path): it checks the text against
@@ -21,6 +22,8 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
+from .. import backend
+from ..settings import current
 from .audit import check_generated_module
 from .kernel import KernelSource
 
@@ -28,8 +31,7 @@ _LOADED: dict[str, ModuleType] = {}
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("CODA_CACHE_DIR") or Path.home() / ".cache" / "coda-agent"
-    path = Path(root) / "kernels"
+    path = current().cache_dir / "kernels"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -52,6 +54,8 @@ def load_kernel(kernel: KernelSource, function: str):  # noqa: ANN201 - a triton
 
     The module runs from the checked text itself; the file (which Triton reads the source from)
     gets that same text, pinned in ``linecache`` so a later change on disk is never read back.
+    Without a GPU its kernels become interpreted ones (``backend.interpreted``), this module's
+    alone: the process's other Triton kernels are left as they are.
     """
     name = f"coda_generated_{kernel.step}_{kernel.digest}"
     module = _LOADED.get(name)
@@ -66,5 +70,6 @@ def load_kernel(kernel: KernelSource, function: str):  # noqa: ANN201 - a triton
         module.__file__ = str(path)
         sys.modules[name] = module
         exec(compile(kernel.source, str(path), "exec"), module.__dict__)  # noqa: S102 - checked
+        backend.interpret_namespace(module.__dict__)  # interpreted kernels when there is no GPU
         _LOADED[name] = module
     return getattr(module, function)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import os
 from dataclasses import dataclass
 
 import triton
@@ -43,6 +42,7 @@ import triton
 from ..analysis import GemmInfo
 from ..builder import gemm_to_python
 from ..ir import GemmEpilogue
+from ..settings import current
 from .context import EmitContext, Param
 from .emitter import IndentedBuffer
 
@@ -449,7 +449,7 @@ def generate_kernel(step: GemmEpilogue, gemm: GemmInfo, tensors: dict, block: st
         variants[kind] = KernelVariant(function, params)
     source = buf.getvalue()
     _check_no_parameter_reassigned(source)
-    if os.environ.get("CODA_DEBUG_CODEGEN"):
+    if current().debug_codegen:
         print(source)
     return KernelSource(name, source, variants)
 

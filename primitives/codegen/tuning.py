@@ -15,8 +15,10 @@ configs — reductions of ``tl.split`` sub-tiles on an H200 — and a fast wrong
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -24,6 +26,8 @@ from typing import NamedTuple
 import torch
 
 from ..ir import MainloopConfig
+from ..settings import current
+from ..tolerance import allowed_error, tuning_floor
 from .configs import INTERPRETER_DEFAULT
 
 # Hopper, 16-bit operands: 228 KB of shared memory per SM (a little is reserved).
@@ -165,15 +169,6 @@ class TuningResult:
         }
 
 
-# How far a tuned kernel's tensor may be from the reference executor's at kernel precision, as a
-# fraction of the tensor's largest magnitude, by the looser of the tensor's dtype and the run's
-# activation dtype: an fp32 tensor of a bf16 run (row partials) inherits the 16-bit roundings of
-# the tensors it is computed from (measured on the H200: 1.6e-4 of the largest dgamma partial,
-# every config alike). Rounding and summation order stay far below this; a miscompiled config is
-# off by the order of the values themselves.
-_CHECK_TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-
-
 def wrong_steps(compiled, prepared: dict[str, torch.Tensor]) -> dict[str, str]:  # noqa: ANN001
     """Fused gemm steps of ``compiled`` (with its pinned configs) whose tensors differ from the
     reference executor's, as ``{step: what differs}``."""
@@ -198,8 +193,7 @@ def wrong_steps(compiled, prepared: dict[str, torch.Tensor]) -> dict[str, str]: 
 def _mismatch(got: torch.Tensor, want: torch.Tensor, act: torch.dtype) -> str:
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)}, the reference's {tuple(want.shape)}"
-    fp32 = _CHECK_TOL[torch.float32]
-    tol = max(_CHECK_TOL.get(got.dtype, fp32), _CHECK_TOL.get(act, fp32))
+    tol = tuning_floor(got.dtype, act)
     got, want = got.float(), want.float()
     finite = torch.isfinite(want)
     if not torch.equal(torch.isfinite(got), finite):
@@ -208,7 +202,7 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor, act: torch.dtype) -> str:
         return ""
     scale = float(want[finite].abs().max())
     err = float((got - want)[finite].abs().max())
-    if err > tol * max(scale, 1e-30):
+    if err > allowed_error(scale, tol):
         return f"max |error| {err:.3g} against max |reference| {scale:.3g} (allowed {tol:g} of it)"
     return ""
 
@@ -247,28 +241,43 @@ def _settle(compiled, prepared: dict, results: dict[str, TuningResult], cache) -
 
 
 class TuningCache:
-    """Winners by key, in memory and in a JSON file (written atomically)."""
+    """Winners by key, in memory and in a JSON file shared by every process that tunes.
+
+    Processes tuning at once (parallel eval workers) each add their own entries: ``put`` holds an
+    exclusive lock (``tuning.json.lock``, ``fcntl.flock``) while it reads the file, merges its
+    entry into what is there and writes the result to a temporary file that replaces the old one
+    atomically. Readers never take the lock: they see the old file or the new one, never a part.
+    """
 
     def __init__(self, path: Path | None = None) -> None:
-        root = Path(os.environ.get("CODA_CACHE_DIR") or Path.home() / ".cache" / "coda-agent")
-        self.path = path or root / "tuning.json"
-        self.entries: dict[str, dict] = {}
-        if self.path.exists():
-            try:
-                self.entries = json.loads(self.path.read_text())
-            except (OSError, json.JSONDecodeError):
-                self.entries = {}
+        self.path = path or current().cache_dir / "tuning.json"
+        self.entries: dict[str, dict] = self._read()
+
+    def _read(self) -> dict[str, dict]:
+        """The file's entries; none if it is missing or unreadable (it is only a cache)."""
+        try:
+            entries = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+        return entries if isinstance(entries, dict) else {}
 
     def get(self, key: str) -> MainloopConfig | None:
         entry = self.entries.get(key)
         return MainloopConfig.model_validate(entry["config"]) if entry else None
 
     def put(self, key: str, config: MainloopConfig, ms: float | None) -> None:
-        self.entries[key] = {"config": config.model_dump(), "ms": ms}
+        """Record a winner here and in the file, keeping every other process's entries."""
+        entry = {"config": config.model_dump(), "ms": ms}
+        self.entries[key] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            merged = {**self._read(), key: entry}
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(merged, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+        self.entries = merged
 
 
 def _screen(

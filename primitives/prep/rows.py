@@ -11,15 +11,14 @@ exact copy.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from .. import backend  # noqa: F401  (selects the interpreter before the kernel is defined)
+from .. import backend
 from ..launch import launch_kernel
 from ..sizes import cdiv
 
 
-@triton.jit
+@backend.jit
 def _assemble_rows_kernel(
     src_ptr,
     rows_ptr,

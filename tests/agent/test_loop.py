@@ -316,3 +316,26 @@ def test_each_request_gets_the_remaining_time_and_retries_stop_at_the_deadline()
     with pytest.raises(DeadlineExceeded, match="the request was cut off when it ran out"):
         complete_with_retries(stalled, "", [], [], policy, time_left=lambda: 4.0 - clock[0])
     assert stalled.timeouts == [4.0]
+
+
+def test_a_submitted_program_is_parsed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sandbox's validate stage parses the submission; the loop keeps that Program."""
+    from coda.primitives.ir import Program
+
+    script = Script([submit(broken_program(), "c1"), finish("gave up")])
+    want = Program.parse(broken_program())
+    parse = Program.parse.__func__
+    parsed: list[object] = []
+
+    def counting(cls, data):  # noqa: ANN001, ANN202
+        program = parse(cls, data)
+        if program.block == BLOCK.name:  # not other programs (e.g. the prompt's examples)
+            parsed.append(data)
+        return program
+
+    monkeypatch.setattr(Program, "parse", classmethod(counting))
+    result = run(script, tmp_path)
+    assert result.candidates[0].program == want
+    assert len(parsed) == 1, parsed

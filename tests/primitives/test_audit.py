@@ -19,6 +19,7 @@ from coda.primitives.codegen.audit import GeneratedCodeError, check_generated_mo
 from coda.primitives.codegen.cache import load_kernel
 from coda.primitives.codegen.kernel import KernelSource, _in_docstring
 from coda.primitives.runtime import compile_program
+from coda.primitives.settings import override
 
 GOLDEN = (Path(__file__).parent.parent / "golden" / "llama_mlp.down.py").read_text()
 HEAD = '"""doc"""\nimport triton\nimport triton.language as tl\n\n\n'
@@ -116,30 +117,30 @@ def test_hostile_modules_are_refused(case: str) -> None:
 
 
 def test_load_kernel_runs_nothing_it_refuses(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
-    canary = tmp_path / "canary"
-    hostile = GOLDEN.replace(
-        '"""\nimport triton\n', f'"""\nopen({str(canary)!r}, "w")\nimport triton\n', 1
-    )
-    kernel = KernelSource("down", hostile, {})
-    with pytest.raises(GeneratedCodeError, match="top-level Expr statement"):
-        load_kernel(kernel, "down_kernel_ptr")
-    assert not canary.exists()
-    assert not list((tmp_path / "kernels").glob("*.py"))  # not even written to the cache
+    with override(cache_dir=tmp_path):
+        canary = tmp_path / "canary"
+        hostile = GOLDEN.replace(
+            '"""\nimport triton\n', f'"""\nopen({str(canary)!r}, "w")\nimport triton\n', 1
+        )
+        kernel = KernelSource("down", hostile, {})
+        with pytest.raises(GeneratedCodeError, match="top-level Expr statement"):
+            load_kernel(kernel, "down_kernel_ptr")
+        assert not canary.exists()
+        assert not list((tmp_path / "kernels").glob("*.py"))  # not even written to the cache
 
 
 def test_load_kernel_executes_the_checked_text_not_a_changed_file(
     tmp_path: Path,
     monkeypatch,  # noqa: ANN001
 ) -> None:
-    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cache, "_LOADED", {})  # as in a fresh process
     canary = tmp_path / "canary"
     kernel = KernelSource("down", GOLDEN, {})
     path = tmp_path / "kernels" / f"down_{kernel.digest}.py"
     path.parent.mkdir(parents=True)
     path.write_text(f"open({str(canary)!r}, 'w')\n")  # planted under the name the module will use
-    assert load_kernel(kernel, "down_kernel_ptr") is not None
+    with override(cache_dir=tmp_path):
+        assert load_kernel(kernel, "down_kernel_ptr") is not None
     assert not canary.exists()
     assert path.read_text() == GOLDEN
 

@@ -100,11 +100,11 @@ def test_what_a_decision_depends_on_records_a_new_plan(
 def test_a_replay_s_descriptors_equal_checked_ones() -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from coda.primitives.runtime import _unchecked_descriptor
+    from coda.primitives.descriptors import unchecked_descriptor
 
     t = torch.zeros(64, 32)
     args = (t, [64, 32], [32, 1], [16, 32])
-    unchecked = _unchecked_descriptor(*args)
+    unchecked = unchecked_descriptor(*args)
     assert type(unchecked) is TensorDescriptor and unchecked == TensorDescriptor(*args)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from coda.primitives import EpilogueOp, plugin_scope
+from coda.primitives.settings import Settings, override
 from coda.sandbox import SandboxOptions, evaluate
 from tests.adversarial.programs import BLOCKS, LLAMA
 
@@ -36,9 +37,9 @@ def test_a_plugin_primitive_verifies_in_an_isolated_worker() -> None:
 
 
 def test_plugins_default_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CODA_PLUGINS", PLUGIN)
-    assert SandboxOptions().plugins == [PLUGIN]
-    options = SandboxOptions(isolate=False, **QUICK)  # plugins: the default, from the environment
+    with override(plugins=Settings.from_environ({"CODA_PLUGINS": PLUGIN}).plugins):
+        assert SandboxOptions().plugins == [PLUGIN]
+        options = SandboxOptions(isolate=False, **QUICK)  # plugins: the default, from settings
     report = evaluate(_residual_by_plugin(), BLOCKS["llama_mlp"], options)
     assert report.verified, report.render_text()
     assert "add_tile_scaled" in EpilogueOp.registry

@@ -23,8 +23,8 @@ from coda.blocks import get_block
 from coda.planner import lower
 from coda.primitives import Program
 from coda.primitives.analysis import analyze
-from coda.primitives.plugins import PLUGINS_ENV
 from coda.primitives.runtime import compile_program
+from coda.primitives.settings import Settings, override
 from coda.sandbox import SandboxOptions, evaluate
 from tests.adversarial.injection.cases import CODE, COMMENT, COMMENTS, REJECTED, at, map_expr
 from tests.agent.scripted import BLOCK, FAST, Script, broken_program, finish, submit
@@ -58,7 +58,6 @@ def test_payload_is_refused_at_validate(
 def test_a_comment_is_canonicalised_away_and_the_kernels_import(
     block: str, path: tuple, value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path / "cache"))
     canary = tmp_path / "canary"
     data = lower(get_block(block)).model_dump(mode="json")
     assert at(data, path)[path[-1]] == value
@@ -68,7 +67,8 @@ def test_a_comment_is_canonicalised_away_and_the_kernels_import(
     text = program.canonical_json() + program.to_python()
     assert "#" not in text and str(canary) not in text
     compiled = compile_program(program, analyze(program, get_block(block).shapes.cpu[0]))
-    compiled.load_all()
+    with override(cache_dir=tmp_path / "cache"):
+        compiled.load_all()
     for kernel in compiled.kernels.values():
         assert str(canary) not in kernel.source
     assert not canary.exists()
@@ -110,10 +110,9 @@ def test_plugin_names_are_only_ever_imported_as_what_they_name(
 
 
 def _options_from_env(monkeypatch: pytest.MonkeyPatch, spec: str) -> SandboxOptions:
-    monkeypatch.setenv(PLUGINS_ENV, spec)
-    options = SandboxOptions(isolate=False, seeds=[0], dtypes=["float32"], profile=False)
-    monkeypatch.delenv(PLUGINS_ENV)
-    return options
+    plugins = Settings.from_environ({"CODA_PLUGINS": spec}).plugins
+    with override(plugins=plugins):  # as if $CODA_PLUGINS held it when the settings were read
+        return SandboxOptions(isolate=False, seeds=[0], dtypes=["float32"], profile=False)
 
 
 def test_a_program_cannot_choose_plugins() -> None:

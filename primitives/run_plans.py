@@ -1,0 +1,156 @@
+"""A run's steps as replayable actions: what ``CompiledProgram.run`` decided at one run signature
+(allocations, vendor products, aux launches, fused-GEMM launches with where each argument comes
+from), replayed on later calls with the same signature.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .analysis import GemmInfo, ProgramInfo
+from .base import RunEnv
+from .codegen.context import Param
+from .descriptors import TensorDescriptor, descriptor_block, unchecked_descriptor
+from .ir import GemmEpilogue, MainloopConfig
+from .launch import PinnedLaunch, launch_kernel
+from .sizes import evaluate as evaluate_size
+from .types import torch_dtype
+
+RUN_PLAN_LIMIT = 256  # run signatures kept per compiled program
+
+
+def empty_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, poison: bool
+) -> torch.Tensor:
+    if poison and dtype.is_floating_point:
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class Action:
+    """One thing a run does, replayable on another call's tensors of the same run signature."""
+
+    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Allocate(Action):
+    """Allocate tensors (name, shape, dtype) a step writes — NaN-filled when ``poison``."""
+
+    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    device: torch.device
+    poison: bool
+
+    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
+        for name, shape, dtype in self.tensors:
+            tensors[name] = empty_tensor(shape, dtype, self.device, self.poison)
+
+
+@dataclass(frozen=True)
+class VendorProduct(Action):
+    """A plain-store gemm step on ``torch.matmul`` (cuBLAS on a GPU)."""
+
+    step: GemmEpilogue
+    act: torch.dtype
+
+    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
+        step = self.step
+        (store,) = step.epilogue
+        a, b = tensors[step.a.tensor], tensors[step.b.tensor]
+        a = a.T if step.a.transpose else a
+        b = b.T if step.b.transpose else b
+        dtype = torch_dtype(store.dtype, self.act)
+        out = a @ b if dtype == a.dtype else (a.float() @ b.float())
+        tensors[store.to] = out.to(dtype)
+
+
+@dataclass(frozen=True)
+class AuxLaunch(Action):
+    """An aux step's kernel, into its outputs (allocated by the ``Allocate`` before it)."""
+
+    step: Any
+
+    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
+        self.step.launch(env)
+
+
+@dataclass
+class RunPlan:
+    """What ``CompiledProgram.run`` did at one run signature, as actions to replay, with the
+    mainloop variant and compiled-kernel statistics of each fused gemm step it launched."""
+
+    info: ProgramInfo
+    actions: list[Action] = field(default_factory=list)
+    mainloops: dict[str, str] = field(default_factory=dict)
+    kernel_stats: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One fused-GEMM launch at one size binding, config and variant: the kernel, its grid and
+    meta-parameters, and where each argument comes from — ``("const", None, value)`` or
+    ``(kind, tensor, detail)`` read from the call's tensors (``ptr``; ``stride``/``shape`` along
+    dim ``detail``; ``desc``, a TMA descriptor with block shape ``detail``)."""
+
+    kernel: Any
+    grid: tuple[int]
+    meta: dict[str, Any]
+    sources: tuple[tuple[str, str | None, Any], ...]
+
+    def launch(self, tensors: dict[str, torch.Tensor]) -> Any:
+        """Launch on ``tensors`` through ``launch_kernel``; returns the compiled kernel (a run's
+        replay relaunches through ``Relaunch`` instead)."""
+        return launch_kernel(self.kernel, self.grid, *self.arguments(tensors), **self.meta)
+
+    def arguments(self, tensors: dict[str, torch.Tensor], *, checked: bool = True) -> list[Any]:
+        """The launch arguments on ``tensors``. ``checked=False`` builds descriptors without
+        Triton's validation (a replay: the recording's descriptors passed it, and the run
+        signature fixes everything it checks)."""
+        describe = TensorDescriptor if checked else unchecked_descriptor
+        args: list[Any] = []
+        for kind, name, detail in self.sources:
+            if kind == "const":
+                args.append(detail)
+                continue
+            t = tensors[name]  # type: ignore[index]
+            if kind == "ptr":
+                args.append(t)
+            elif kind == "desc":
+                args.append(describe(t, list(t.shape), list(t.stride()), detail))
+            elif kind == "stride":
+                args.append(t.stride(detail))
+            else:
+                args.append(t.shape[detail])
+        return args
+
+
+class Relaunch(Action):
+    """A recorded fused-gemm launch: its plan's kernel pinned to the argument signature of the
+    run signature it was recorded at (``launch.PinnedLaunch``)."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.plan = plan
+        self.launch = PinnedLaunch(plan.kernel, plan.grid, **plan.meta)
+
+    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> Any:
+        return self.launch(*self.plan.arguments(tensors, checked=False))
+
+
+def argument_source(
+    p: Param, gemm: GemmInfo, cfg: MainloopConfig, sizes: dict[str, int]
+) -> tuple[str, str | None, Any]:
+    """Where parameter ``p``'s launch value comes from (see ``LaunchPlan``)."""
+    if p.kind == "ptr":
+        return ("ptr", p.tensor, None)
+    if p.kind in ("stride", "shape"):
+        return (p.kind, p.tensor, p.dim)
+    if p.kind == "desc":
+        return ("desc", p.tensor, descriptor_block(p, cfg))
+    if p.expr is not None:
+        return ("const", None, evaluate_size(p.expr, sizes))
+    return ("const", None, {"M": gemm.M, "N": gemm.N, "K": gemm.K}[p.name])
