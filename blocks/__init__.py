@@ -5,6 +5,7 @@ from .ops import Add, GraphOp, Linear, RMSNorm, SwiGLU
 from .registry import (
     BlockFileError,
     BlockNotFound,
+    builtin_blocks,
     get_block,
     list_blocks,
     load_block_file,
@@ -23,6 +24,7 @@ __all__ = [
     "SwiGLU",
     "TensorSpec",
     "Tolerance",
+    "builtin_blocks",
     "get_block",
     "list_blocks",
     "load_block_file",

@@ -65,8 +65,18 @@ def get_block(name: str) -> Block:
 
 
 def list_blocks() -> list[Block]:
+    """Every block registered in this process: the built-in ones, those of block files loaded so
+    far and those a family resolver made on demand."""
     _load_builtin()
     return list(_BLOCKS.values())
+
+
+def builtin_blocks() -> list[Block]:
+    """The blocks this package defines (``coda.blocks.kernels`` and ``coda.blocks.llama``), in
+    definition order, whatever else has been registered in the process."""
+    from . import kernels, llama
+
+    return [v for m in (kernels, llama) for v in vars(m).values() if isinstance(v, Block)]
 
 
 class BlockFileError(ValueError):

@@ -80,9 +80,10 @@ def torch_sum_partials(self: Any, env: Any) -> None:
 
 def floors() -> dict[str, float]:
     import torch
-    import triton
 
-    @triton.jit
+    from coda.primitives import backend
+
+    @backend.jit  # compiled on a GPU, interpreted on a CPU (a dry run)
     def empty_kernel(a, b, n):  # noqa: ANN001, ANN202
         pass
 
@@ -219,13 +220,11 @@ def _env(compiled: Any, tensors: dict[str, Any]) -> Any:
 
 
 def start(dry_run: bool, script: str) -> bool:
-    """Pick the device (a dry run: the CPU interpreter) before anything imports Triton; False,
-    with a message, when a real run finds no GPU."""
+    """Pick the device (a dry run: the CPU, where coda's kernels and this script's run in
+    Triton's interpreter); False, with a message, when a real run finds no GPU."""
     global DEVICE
     if dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"
         DEVICE = "cpu"
-    import coda  # noqa: F401, I001  (after TRITON_INTERPRET is set: this script's kernels read it)
     import torch
 
     if not dry_run and not torch.cuda.is_available():

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from coda.blocks import Block
-from coda.blocks.registry import list_blocks
+from coda.blocks.registry import builtin_blocks
 from coda.planner import TUNING_CONFIGS, LoweringOptions, NoRule, lower
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -36,7 +36,7 @@ def planner_test_blocks() -> list[Block]:
 
 
 def golden_blocks() -> list[Block]:
-    return [*list_blocks(), *planner_test_blocks()]
+    return [*builtin_blocks(), *planner_test_blocks()]
 
 
 def lowerings(block: Block) -> dict[str, Any]:

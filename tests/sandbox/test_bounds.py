@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from coda.blocks import get_block, list_blocks
+from coda.blocks import builtin_blocks, get_block
 from coda.planner import lower
 from coda.sandbox import SandboxOptions, evaluate
 from coda.sandbox.report import StageResult
@@ -86,15 +86,6 @@ def test_the_total_cap_names_the_largest_tensors() -> None:
     assert "SandboxOptions.max_total_gib raises the cap" in message
     unbounded = SandboxOptions(max_tensor_gib=None, max_total_gib=None)
     assert validate(program, BLOCK, BLOCK.shapes.cpu, [], unbounded)[0] is not None
-
-
-def builtin_blocks() -> list:
-    """The blocks ``blocks/kernels.py`` and ``blocks/llama.py`` define (other tests register
-    more)."""
-    from coda.blocks import kernels, llama
-
-    defined = [v for m in (kernels, llama) for v in vars(m).values()]
-    return [b for b in list_blocks() if any(v is b for v in defined)]
 
 
 def test_every_builtin_block_fits_the_default_caps_with_room_to_spare() -> None:
