@@ -28,13 +28,13 @@ def test_it_times_both_steps_and_profiles_the_patched_one(
 
 def test_the_stub_covers_every_importer_and_is_undone() -> None:
     import coda.primitives.aux.rstd as rstd
-    import coda.primitives.runtime as runtime
+    import coda.primitives.run_plans as run_plans
     from coda.primitives import launch
 
     real = launch.launch_kernel
     with script.launches_stubbed():
         assert launch.launch_kernel is not real
-        assert rstd.launch_kernel is launch.launch_kernel and runtime.launch_kernel is not real
+        assert rstd.launch_kernel is launch.launch_kernel and run_plans.launch_kernel is not real
         assert launch.launch_kernel(None, (1,), 1, X=2) is None  # launches nothing
     assert launch.launch_kernel is real and rstd.launch_kernel is real
-    assert runtime.launch_kernel is real
+    assert run_plans.launch_kernel is real
