@@ -29,9 +29,7 @@ from .providers.base import RetryPromptPart, ToolCallPart, ToolSpec
 class SubmitProgram(BaseModel):
     """Submit a Program for the block to the sandbox; the answer is its Report.
 
-    The Report names the first failing stage (validate, semantics, compile, verify) with what is
-    wrong and what to change, or says VERIFIED with the measured errors and timings (or why there
-    are none). Input: {"program": <the Program as a JSON object, as the system prompt describes>}.
+    Input: {"program": <the Program as a JSON object, as the system prompt describes it>}.
     """
 
     program: Any  # a Program; the sandbox validates it so that errors come back as a Report

@@ -111,7 +111,7 @@ def test_tool_descriptions_come_from_the_tool_models() -> None:
 
 
 def test_every_node_of_the_program_schema_has_a_catalogue_entry() -> None:
-    """The tool schema no longer carries the Program's ``$defs``: each must be in the prompt."""
+    """The tool schema does not carry the Program's ``$defs``: each needs an entry in the prompt."""
     documented = {d.model.__name__ for d in [*primitives(), *structure()]}
     nodes = set(Program.model_json_schema()["$defs"])
     assert nodes <= documented, nodes - documented
