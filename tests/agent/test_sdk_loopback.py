@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from coda.agent.clipping import MAX_PART_CHARS
 from coda.agent.loop import Budgets
-from coda.agent.providers import ProviderError
+from coda.agent.providers import ProviderError, Usage
 from coda.agent.providers.anthropic import AnthropicProvider
 from coda.agent.providers.openai import OpenAIProvider
 from coda.agent.providers.retry import RetryPolicy
@@ -397,6 +398,18 @@ def test_cached_counts_that_cannot_be_are_a_provider_error(
     result = run(provider(server.url), tmp_path)
     assert result.stop.kind == "provider_error" and shown in result.stop.message
     assert result.turns == 0 and result.usage.total == 0
+
+
+def test_usage_keeps_the_cached_tokens_within_the_input() -> None:
+    with pytest.raises(ValidationError, match=r"\(6\) exceed input_tokens \(5\)"):
+        Usage(input_tokens=5, cache_read_tokens=6)
+    with pytest.raises(ValidationError, match="cache_write_tokens"):
+        Usage(input_tokens=5, cache_write_tokens=-1)
+    total = Usage(input_tokens=10, cache_read_tokens=4) + Usage(
+        input_tokens=3, cache_write_tokens=3
+    )
+    assert total == Usage(input_tokens=13, cache_write_tokens=3, cache_read_tokens=4)
+    assert total.uncached_input_tokens == 6
 
 
 def test_openai_requests_share_a_byte_identical_prefix(server: FakeLLM, tmp_path: Path) -> None:
