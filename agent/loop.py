@@ -555,6 +555,8 @@ class AgentLoop:
                 turns=result.turns,
                 input_tokens=result.usage.input_tokens,
                 output_tokens=result.usage.output_tokens,
+                cache_write_tokens=result.usage.cache_write_tokens,
+                cache_read_tokens=result.usage.cache_read_tokens,
                 cost_usd=result.cost_usd,
                 seconds=round(seconds, 3),
                 best_candidate=self.best.index if self.best else None,

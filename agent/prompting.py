@@ -1,9 +1,12 @@
 """What the model reads: the system prompt, the task prompt, and ``describe_primitive``'s answers.
 
 The primitive catalogue is generated from the IR itself — every class in ``EpilogueOp.registry``,
-``AuxStep.registry`` and ``PrepStep.registry``, with its docstring and a field list read from its
-JSON schema — so a primitive added to ``primitives/`` appears here with no edit, and the prompt
-cannot drift from the schema the sandbox validates against. Templates live in ``coda.prompts``.
+``AuxStep.registry`` and ``PrepStep.registry``, with its docstring and its JSON form (each field's
+type, limits and default) read from its JSON schema — so a primitive added to ``primitives/``
+appears here with no edit, and the prompt cannot drift from the schema the sandbox validates
+against. The system prompt is the one place the model reads a Program's fields: the
+``submit_program`` tool's input schema only says that ``program`` is an object (``tools.py``), so
+the same facts are not sent twice on every turn. Templates live in ``coda.prompts``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from coda.planner import lower
 from coda.primitives import backend
 from coda.primitives.base import AuxStep, EpilogueOp, PrepStep
 from coda.primitives.errors import did_you_mean
-from coda.primitives.ir import GemmEpilogue, MainloopConfig, Operand, Program, TensorDecl
+from coda.primitives.ir import (
+    GemmEpilogue,
+    MainloopConfig,
+    Operand,
+    OutputView,
+    Program,
+    TensorDecl,
+)
 from coda.sandbox.stages import SandboxOptions
 
 
@@ -42,33 +52,50 @@ class PrimitiveDoc:
     def schema(self) -> dict[str, Any]:
         return self.model.model_json_schema()
 
-    def fields(self) -> list[str]:
-        """``name: type = default`` for each field, from the JSON schema (tag field first)."""
+    def signature(self) -> str:
+        """The node's JSON form, e.g. ``{"op": "store", "src": string, "to": string, "mode"?:
+        "write" | "accumulate" = "write"}``: the tag, the required fields, then the optional ones
+        (``?``) with their defaults, each with its type and limits from the JSON schema."""
         schema = self.schema()
         required = set(schema.get("required", []))
-        lines = []
-        for field, prop in schema.get("properties", {}).items():
-            if field == self.tag:
-                continue
-            text = f"`{field}`: {_type_text(prop)}"
-            limits = _limits(prop)
-            if limits:
-                text += f" ({limits})"
+        properties = schema.get("properties", {})
+        parts = [f'"{self.tag}": "{self.name}"'] if self.tag else []
+        for field, prop in properties.items():
             if field in required:
-                text += ", required"
-            elif "default" in prop:
-                text += f" = {json.dumps(prop['default'])}"
-            lines.append(text)
-        return lines
+                parts.append(f'"{field}": {_field_text(prop)}')
+        for field, prop in properties.items():
+            if field not in required and field != self.tag:
+                parts.append(f'"{field}"?: {_field_text(prop, optional=True)}')
+        return "{" + ", ".join(parts) + "}"
 
     def heading(self) -> str:
-        port = f", port {self.port}" if self.port else ""
-        return f"### `{self.name}` — {self.family}{port}"
+        return f"### `{self.name}` — {self.family}"
 
     def markdown(self) -> str:
-        tag = f'`{{"{self.tag}": "{self.name}", …}}`. ' if self.tag else ""
-        fields = "; ".join(self.fields()) or "(no fields)"
-        return f"{self.heading()}\n\n{self.doc}\n\n{tag}Fields: {fields}."
+        return f"{self.heading()}\n\n`{self.signature()}`\n\n{self.doc}"
+
+
+def _field_text(prop: dict[str, Any], optional: bool = False) -> str:
+    """A field's type and limits, and its default when it has a non-null one (an optional field
+    that defaults to null is simply left out, so only its other types are shown)."""
+    default = prop.get("default")
+    if optional and default is None:
+        prop = _without_null(prop)
+    text = _type_text(prop)
+    limits = _limits(prop)
+    if limits:
+        text += f" ({limits})"
+    if optional and default is not None:
+        text += f" = {json.dumps(default, ensure_ascii=False)}"
+    return text
+
+
+def _without_null(prop: dict[str, Any]) -> dict[str, Any]:
+    choices = [p for p in prop.get("anyOf", []) if p.get("type") != "null"]
+    if not choices or len(choices) == len(prop["anyOf"]):
+        return prop
+    rest = {k: v for k, v in prop.items() if k != "anyOf"}
+    return {**rest, **choices[0]} if len(choices) == 1 else {**rest, "anyOf": choices}
 
 
 def _type_text(prop: dict[str, Any]) -> str:
@@ -79,7 +106,7 @@ def _type_text(prop: dict[str, Any]) -> str:
     if "$ref" in prop:
         return prop["$ref"].rsplit("/", 1)[-1]
     if "discriminator" in prop:
-        return f'a node tagged by "{prop["discriminator"]["propertyName"]}" (see the catalogue)'
+        return _tagged_union(prop["discriminator"])
     for key in ("anyOf", "oneOf"):
         if key in prop:
             return " | ".join(_type_text(p) for p in prop[key])
@@ -92,6 +119,21 @@ def _type_text(prop: dict[str, Any]) -> str:
     return str(kind or "any")
 
 
+def _tagged_union(discriminator: dict[str, Any]) -> str:
+    """A union tagged by ``op`` or ``kind``, named by the catalogue families it admits."""
+    names = set(discriminator.get("mapping", {}))
+    families = []
+    if names & set(EpilogueOp.registry):
+        families.append("epilogue op")
+    if "gemm" in names:
+        families.append("gemm")
+    if names & set(AuxStep.registry):
+        families.append("aux step")
+    if names & set(PrepStep.registry):
+        families.append("prep step")
+    return " | ".join(families) or f'node tagged by "{discriminator["propertyName"]}"'
+
+
 def _limits(prop: dict[str, Any]) -> str:
     marks = {
         "exclusiveMinimum": ">",
@@ -100,6 +142,7 @@ def _limits(prop: dict[str, Any]) -> str:
         "maximum": "≤",
         "minItems": "at least",
         "maxItems": "at most",
+        "minProperties": "at least",
     }
     return ", ".join(f"{sign} {prop[k]}" for k, sign in marks.items() if k in prop)
 
@@ -121,6 +164,7 @@ def structure() -> list[PrimitiveDoc]:
     return [
         PrimitiveDoc("Program", "structure", Program),
         PrimitiveDoc("TensorDecl", "structure", TensorDecl),
+        PrimitiveDoc("OutputView", "structure", OutputView),
         PrimitiveDoc("gemm", "structure", GemmEpilogue, tag="kind"),
         PrimitiveDoc("Operand", "structure", Operand),
         PrimitiveDoc("MainloopConfig", "structure", MainloopConfig),

@@ -136,11 +136,7 @@ class RunFacts:
         return [
             ("provider", f"{self.provider} ({self.model})"),
             ("turns", str(self.turns)),
-            (
-                "tokens",
-                f"{self.usage.total:,} ({self.usage.input_tokens:,} in, "
-                f"{self.usage.output_tokens:,} out)",
-            ),
+            ("tokens", tokens_text(self.usage)),
             ("cost", format_cost(self.cost_usd)),
             ("candidates", f"{len(self.candidates)} ({verified} verified)"),
             ("best", f"candidate {self.best.index}" if self.best else "none"),
@@ -150,6 +146,16 @@ class RunFacts:
             ("stopped", stop),
             ("wall time", f"{self.seconds:.1f} s" if self.seconds is not None else "unknown"),
         ]
+
+
+def tokens_text(usage: Usage) -> str:
+    """``total (in, out)``, with the input's prompt-cache reads and writes when there were any."""
+    if not (usage.cache_write_tokens or usage.cache_read_tokens):
+        return f"{usage.total:,} ({usage.input_tokens:,} in, {usage.output_tokens:,} out)"
+    return (
+        f"{usage.total:,} ({usage.input_tokens:,} in: {usage.cache_read_tokens:,} read from the "
+        f"prompt cache, {usage.cache_write_tokens:,} written to it; {usage.output_tokens:,} out)"
+    )
 
 
 def run_markdown(facts: RunFacts, device: str) -> str:

@@ -1,8 +1,11 @@
 """The agent's three tools: their specs, and how a call's arguments are checked.
 
 Each tool is a pydantic model: its docstring is the tool description the model reads, its fields the
-input schema. ``submit_program``'s schema is ``{"program": <Program JSON schema>}`` with the
-Program's ``$defs`` hoisted to the top level, so every ``$ref`` resolves inside the tool schema.
+input schema. ``submit_program``'s schema says only that ``program`` is a JSON object: the Program's
+fields, types and limits are in the system prompt's structure and catalogue (``prompting.py``,
+generated from ``Program.model_json_schema()``), which the model reads once per request, and the
+sandbox validates the Program and answers a malformed one with a Report that says what to change.
+Sending the whole Program schema as well would bill the same facts twice on every turn.
 
 ``parse_call`` turns a ``ToolCallPart`` into a typed request, or into a ``RetryPromptPart`` that
 tells the model what was wrong with the call (bad JSON, unknown tool, missing field): errors are
@@ -18,19 +21,15 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from coda.primitives.errors import did_you_mean
-from coda.primitives.ir import Program, format_validation_error
+from coda.primitives.ir import format_validation_error
 
 from .providers.base import RetryPromptPart, ToolCallPart, ToolSpec
 
 
 class SubmitProgram(BaseModel):
-    """Submit a Program for the block to the sandbox.
+    """Submit a Program for the block to the sandbox; the answer is its Report.
 
-    The sandbox validates it, checks its algebra against the block's PyTorch reference in float64,
-    compiles it to Triton, verifies the kernels numerically (several shapes including ragged ones,
-    two dtypes, several seeds) and, on a GPU, times them. The result is the Report: the first
-    failing stage with what is wrong and what to change, or VERIFIED with the measured errors and
-    timings (or why there are none). Input: {"program": <the Program as a JSON object>}.
+    Input: {"program": <the Program as a JSON object, as the system prompt describes it>}.
     """
 
     program: Any  # a Program; the sandbox validates it so that errors come back as a Report
@@ -40,7 +39,8 @@ class DescribePrimitive(BaseModel):
     """Show one primitive's full documentation and JSON schema.
 
     ``name`` is an epilogue op (e.g. "scale_rows"), an aux step ("rstd"), a prep step
-    ("interleave_rows"), or one of "Program", "gemm", "Operand", "TensorDecl", "MainloopConfig".
+    ("interleave_rows"), or one of "Program", "gemm", "Operand", "TensorDecl", "OutputView",
+    "MainloopConfig".
     """
 
     name: str
@@ -68,14 +68,17 @@ def _description(model: type[BaseModel]) -> str:
 
 
 def submit_program_schema() -> dict[str, Any]:
-    """``{"program": <Program schema>}`` with the Program's ``$defs`` at the top level."""
-    program = Program.model_json_schema()
-    defs = program.pop("$defs", {})
+    """``{"program": <a JSON object>}``: the Program's own fields are described in the system
+    prompt, once."""
     return {
         "type": "object",
-        "properties": {"program": program},
+        "properties": {
+            "program": {
+                "type": "object",
+                "description": "The Program: see 'Program structure' and the catalogue.",
+            }
+        },
         "required": ["program"],
-        "$defs": defs,
     }
 
 

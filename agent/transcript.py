@@ -120,6 +120,8 @@ class EndRecord(_Record):
     cost_usd: float | None
     seconds: float
     best_candidate: int | None = None
+    cache_write_tokens: int = 0  # parts of input_tokens; absent from transcripts written before
+    cache_read_tokens: int = 0  # the loop recorded them
 
 
 Record = Annotated[

@@ -151,7 +151,10 @@ class Progress:
         from coda.agent.providers.pricing import format_cost
 
         calls = escape(", ".join(c.name for c in e.reply.tool_calls) or "no tool call")
-        tokens = f"{e.usage.total:,} tokens, {format_cost(e.cost_usd)}"
+        cached = (
+            f"{e.usage.cache_read_tokens:,} from the cache, " if e.usage.cache_read_tokens else ""
+        )
+        tokens = f"{e.usage.total:,} tokens, {cached}{format_cost(e.cost_usd)}"
         console.print(f"[bold]turn {e.turn}[/] → {calls}  [dim]({tokens} so far)[/]")
         if e.reply.text and [c.name for c in e.reply.tool_calls] != ["finish"]:
             text = e.reply.text.strip().splitlines()[0]
@@ -545,6 +548,8 @@ def facts_json(facts: RunFacts) -> dict[str, Any]:
         "tokens": {
             "input": facts.usage.input_tokens,
             "output": facts.usage.output_tokens,
+            "cache_write": facts.usage.cache_write_tokens,
+            "cache_read": facts.usage.cache_read_tokens,
             "total": facts.usage.total,
         },
         "cost_usd": facts.cost_usd,

@@ -1,7 +1,7 @@
 """The typed composition API: a ``Program`` of prep steps, GEMM-epilogue kernels and aux steps.
 
-A Program is what an agent writes (as JSON, through a tool whose input schema is
-``Program.model_json_schema()``) and what the sandbox runs. Everything is a frozen pydantic model
+A Program is what an agent writes (as JSON, against ``Program.model_json_schema()``, which its
+system prompt renders) and what the sandbox runs. Everything is a frozen pydantic model
 with ``extra="forbid"``; its canonical JSON is its cache key. The op, aux and prep unions are
 collected from the registries in ``base`` — nothing here lists primitives by hand. They are resolved
 whenever a model's schema is built, and the models are rebuilt whenever a registry changes (a plugin

@@ -2,7 +2,11 @@
 
 Each ``complete`` is one ``client.messages.create`` call: the system prompt, the whole normalised
 history converted to Messages-API content blocks (``text``, ``tool_use``, ``tool_result``), and the
-tools with their JSON-Schema ``input_schema``. The key comes from ``ANTHROPIC_API_KEY``;
+tools with their JSON-Schema ``input_schema``. Every request asks for prompt caching
+(``cache_control`` breakpoints, see ``cached_request``), so the tools, the system prompt and the
+conversation so far are read from the cache on the next turn instead of being billed again at the
+full input rate.
+The key comes from ``ANTHROPIC_API_KEY``;
 ``base_url`` (``--base-url``) reaches a proxy or gateway. The SDK's own retries are off: the loop
 retries (``retry.py``) so that each wait is visible. SDK types never leave this module.
 """
@@ -88,17 +92,44 @@ class AnthropicProvider:
                 timeout=request_timeout(self.request_timeout_s, timeout_s),
                 model=self.model,
                 max_tokens=self.max_output_tokens,
-                system=system,
-                messages=[to_anthropic(m) for m in messages],
-                tools=[
-                    {"name": t.name, "description": t.description, "input_schema": t.input_schema}
-                    for t in tools
-                ],
+                **cached_request(system, messages, tools),
             )
         return from_anthropic(response, self.model)
 
 
 # -- conversion ------------------------------------------------------------------------------------
+EPHEMERAL = {"type": "ephemeral"}  # a 5-minute cache entry, refreshed each time it is read
+
+
+def cached_request(
+    system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+) -> dict[str, Any]:
+    """``system``, ``messages`` and ``tools`` for ``messages.create``, with cache breakpoints.
+
+    The Messages API caches the request's prefix (tools, then system, then messages) up to each
+    block marked ``cache_control``, at most 4 per request. The marks: the last tool (the tools),
+    the system prompt (tools + system: the same on every turn of every run), and the last block of
+    the last two user messages — the newest one writes the conversation so far to the cache, the
+    one before reads what the previous turn wrote, however many blocks a turn added. A prefix
+    shorter than the model's minimum (1,024–4,096 tokens) is simply not cached.
+    """
+    converted = [to_anthropic(m) for m in messages]
+    users = [m for m in converted if m["role"] == "user" and m["content"]]
+    for message in users[-2:]:
+        message["content"][-1] = {**message["content"][-1], "cache_control": EPHEMERAL}
+    specs = [
+        {"name": t.name, "description": t.description, "input_schema": t.input_schema}
+        for t in tools
+    ]
+    if specs:
+        specs[-1]["cache_control"] = EPHEMERAL
+    return {
+        "system": [{"type": "text", "text": system, "cache_control": EPHEMERAL}],
+        "messages": converted,
+        "tools": specs,
+    }
+
+
 def to_anthropic(message: UserMessage | AssistantTurn) -> dict[str, Any]:
     """One normalised message as a Messages-API message (tool results first, as the API wants)."""
     if isinstance(message, AssistantTurn):
@@ -168,7 +199,11 @@ def from_anthropic(response: Any, model: str) -> AssistantTurn:
 
 
 def _usage(usage: Any) -> Usage:
-    """The turn's tokens; every count present must be a whole number ≥ 0 (``token_count``)."""
+    """The turn's tokens; every count present must be a whole number ≥ 0 (``token_count``).
+
+    The Messages API reports uncached input (``input_tokens``), cache writes and cache reads
+    separately; ``Usage.input_tokens`` is their sum, with the cached parts kept apart for pricing.
+    """
     tokens = [getattr(usage, k, None) for k in ("input_tokens", "output_tokens")]
     if any(t is None for t in tokens):
         raise malformed("Anthropic", "no `usage` with `input_tokens` and `output_tokens`")
@@ -177,9 +212,13 @@ def _usage(usage: Any) -> Usage:
         for k in ("input_tokens", "output_tokens", *_CACHE_FIELDS)
         if (v := getattr(usage, k, None)) is not None
     }
-    cached = sum(counted.get(k, 0) for k in _CACHE_FIELDS)
+    written = counted.get("cache_creation_input_tokens", 0)
+    read = counted.get("cache_read_input_tokens", 0)
     return Usage(
-        input_tokens=counted["input_tokens"] + cached, output_tokens=counted["output_tokens"]
+        input_tokens=counted["input_tokens"] + written + read,
+        output_tokens=counted["output_tokens"],
+        cache_write_tokens=written,
+        cache_read_tokens=read,
     )
 
 

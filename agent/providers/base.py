@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
 
 class _Part(BaseModel):
@@ -85,21 +85,45 @@ AssistantPart = Annotated[TextPart | ToolCallPart, Field(discriminator="kind")]
 
 
 class Usage(BaseModel):
-    """Tokens one turn consumed, as the provider reported them (cached input tokens included in
-    ``input_tokens``)."""
+    """Tokens one turn consumed, as the provider reported them.
+
+    ``input_tokens`` counts every input token, cached or not; ``cache_write_tokens`` (written to
+    the provider's prompt cache) and ``cache_read_tokens`` (read from it) are the parts of it that
+    were billed at the cache rates (``pricing.py``). Every count is a whole number ≥ 0, and the
+    cached parts never exceed the input they belong to.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    input_tokens: int = 0
-    output_tokens: int = 0
+    input_tokens: NonNegativeInt = 0
+    output_tokens: NonNegativeInt = 0
+    cache_write_tokens: NonNegativeInt = 0
+    cache_read_tokens: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _cached_within_input(self) -> Usage:
+        cached = self.cache_write_tokens + self.cache_read_tokens
+        if cached > self.input_tokens:
+            raise ValueError(
+                f"cache_write_tokens + cache_read_tokens ({cached}) exceed input_tokens "
+                f"({self.input_tokens}): the cached tokens are part of the input"
+            )
+        return self
 
     @property
     def total(self) -> int:
         return self.input_tokens + self.output_tokens
 
+    @property
+    def uncached_input_tokens(self) -> int:
+        """Input tokens billed at the full input rate."""
+        return self.input_tokens - self.cache_write_tokens - self.cache_read_tokens
+
     def __add__(self, other: Usage) -> Usage:
         return Usage(
             input_tokens=self.input_tokens + other.input_tokens,
             output_tokens=self.output_tokens + other.output_tokens,
+            cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
+            cache_read_tokens=self.cache_read_tokens + other.cache_read_tokens,
         )
 
 

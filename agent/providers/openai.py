@@ -5,10 +5,19 @@ it at the API root that serves ``/chat/completions`` (e.g. ``http://localhost:80
 comes from ``OPENAI_API_KEY``; it is required for OpenAI's own API, and optional with a custom
 ``--base-url`` (local servers usually ignore it; a placeholder is sent). The SDK's own retries are
 off: the loop retries (``retry.py``). SDK types never leave this module.
+
+OpenAI caches the longest prefix a request shares with a recent one on its own; every request here
+starts with the same bytes (the tools, then the system prompt, then the conversation so far, each
+serialised the same way on every turn), so each turn reads the previous turn's prefix from the
+cache. To OpenAI's own API each request also names a ``prompt_cache_key`` (a hash of the tools and
+the system prompt) so that requests sharing that prefix are routed to the same cache; other
+OpenAI-compatible servers are not sent it (``cache_key=True`` sends it anyway). Cached tokens come
+back as ``usage.prompt_tokens_details.cached_tokens`` and are priced at the cached-input rate.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -56,6 +65,7 @@ class OpenAIProvider:
         base_url: str | None = None,
         api_key: str | None = None,
         request_timeout_s: float = 600.0,
+        cache_key: bool | None = None,
     ) -> None:
         base_url = base_url or os.environ.get("OPENAI_BASE_URL")
         key = api_key or os.environ.get(KEY_VAR)
@@ -69,6 +79,7 @@ class OpenAIProvider:
         self.model = model or DEFAULT_MODEL
         self.base_url = base_url or DEFAULT_BASE_URL
         self.request_timeout_s = request_timeout_s
+        self.cache_key = self.base_url == DEFAULT_BASE_URL if cache_key is None else cache_key
         self._client = openai.OpenAI(
             api_key=key or PLACEHOLDER_KEY,
             base_url=self.base_url,
@@ -90,23 +101,43 @@ class OpenAIProvider:
             completion = self._client.chat.completions.create(
                 timeout=request_timeout(self.request_timeout_s, timeout_s),
                 model=self.model,
-                messages=to_openai(system, messages),
-                tools=[
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": t.name,
-                            "description": t.description,
-                            "parameters": t.input_schema,
-                        },
-                    }
-                    for t in tools
-                ],
+                **self._request(system, messages, tools),
             )
         return from_openai(completion, self.model)
 
+    def _request(
+        self, system: str, messages: list[UserMessage | AssistantTurn], tools: list[ToolSpec]
+    ) -> dict[str, Any]:
+        """The request's body: tools first, then the messages, the same bytes turn after turn."""
+        specs = to_openai_tools(tools)
+        body: dict[str, Any] = {"tools": specs, "messages": to_openai(system, messages)}
+        if self.cache_key:
+            body["prompt_cache_key"] = prompt_cache_key(system, specs)
+        return body
+
 
 # -- conversion ------------------------------------------------------------------------------------
+def to_openai_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
+    """The tools as chat-completions functions, in the order given."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.input_schema,
+            },
+        }
+        for t in tools
+    ]
+
+
+def prompt_cache_key(system: str, tools: list[dict[str, Any]]) -> str:
+    """A name for the prefix every turn shares: a hash of the tools and the system prompt."""
+    prefix = json.dumps([tools, system], sort_keys=True, ensure_ascii=False)
+    return "coda-" + hashlib.sha256(prefix.encode()).hexdigest()[:32]
+
+
 def to_openai(system: str, messages: list[UserMessage | AssistantTurn]) -> list[dict[str, Any]]:
     """The history as chat messages: system first; each tool result as a ``tool`` message right
     after the assistant message that called it; other user parts as one ``user`` message."""
@@ -186,11 +217,28 @@ def _text(arguments: Any) -> str:
 
 def _usage(usage: Any) -> Usage:
     """Token counts; servers that report none (some local ones) count as zero tokens, and a
-    count that is reported must be a whole number ≥ 0 (``token_count``)."""
+    count that is reported must be a whole number ≥ 0 (``token_count``). ``prompt_tokens``
+    includes the cached tokens that ``prompt_tokens_details`` breaks out."""
     prompt, completion = (getattr(usage, k, None) for k in ("prompt_tokens", "completion_tokens"))
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = {
+        k: token_count("OpenAI", f"usage.prompt_tokens_details.{k}", v)
+        for k in ("cached_tokens", "cache_write_tokens")
+        if (v := getattr(details, k, None)) is not None
+    }
+    input_tokens = 0 if prompt is None else token_count("OpenAI", "usage.prompt_tokens", prompt)
+    if sum(cached.values()) > input_tokens:
+        raise malformed(
+            "OpenAI",
+            f"`usage.prompt_tokens_details` counts {sum(cached.values())} cached tokens, more than "
+            f"the {input_tokens} `usage.prompt_tokens` that include them; the turn is not counted "
+            "— check that --base-url points at a server that reports usage correctly",
+        )
     return Usage(
-        input_tokens=0 if prompt is None else token_count("OpenAI", "usage.prompt_tokens", prompt),
+        input_tokens=input_tokens,
         output_tokens=0
         if completion is None
         else token_count("OpenAI", "usage.completion_tokens", completion),
+        cache_write_tokens=cached.get("cache_write_tokens", 0),
+        cache_read_tokens=cached.get("cached_tokens", 0),
     )

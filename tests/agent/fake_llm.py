@@ -1,11 +1,15 @@
 """A scripted LLM API on 127.0.0.1 for the SDK loopback tests: it speaks Anthropic's
 ``/v1/messages`` and OpenAI's ``/v1/chat/completions`` wire formats, answers each POST with the
 next scripted response, and records every request (path, headers, JSON body). A ``STALL`` reply
-accepts the request and never answers (until the server closes)."""
+accepts the request and never answers (until the server closes). With ``cache`` set to a
+``PromptCache``, the server counts each request's input tokens itself and reports which were
+written to and read from Anthropic's prompt cache, as the Messages API does."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -36,6 +40,7 @@ class FakeLLM:
         self.replies: list[Reply] = []
         self.requests: list[Seen] = []
         self.closing = threading.Event()
+        self.cache: PromptCache | None = None
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,6 +55,8 @@ class FakeLLM:
                 if reply.stall:
                     owner.closing.wait(60)
                     return
+                if owner.cache is not None and isinstance(reply.body, dict):
+                    reply.body["usage"] = {**reply.body["usage"], **owner.cache.usage(body)}
                 data = reply.body if isinstance(reply.body, str) else json.dumps(reply.body)
                 raw = data.encode()
                 self.send_response(reply.status)
@@ -75,6 +82,68 @@ class FakeLLM:
         self.closing.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+class PromptCache:
+    """Anthropic's prompt cache, modelled on the Messages API's documented behaviour.
+
+    A request is a sequence of blocks: each tool, each system block, each message's content
+    blocks. A block marked ``cache_control`` is a breakpoint: the prefix up to it is looked up —
+    at the breakpoint and at up to ``lookback`` earlier block boundaries — and is stored when it
+    is at least ``min_tokens`` long. The longest prefix found is read from the cache, the rest up
+    to the last breakpoint is written to it, and what follows is plain input. Tokens are counted
+    as a quarter of each block's JSON characters (the marks themselves are not counted)."""
+
+    def __init__(self, min_tokens: int = 4096, lookback: int = 20) -> None:
+        self.min_tokens = min_tokens
+        self.lookback = lookback
+        self.stored: set[str] = set()
+
+    def usage(self, request: dict[str, Any]) -> dict[str, int]:
+        blocks = _blocks(request)
+        marks = [i for i, b in enumerate(blocks) if isinstance(b, dict) and "cache_control" in b]
+        tokens, hashes, digest = [], [], hashlib.sha256(request.get("model", "").encode())
+        for block in blocks:
+            text = json.dumps(_unmarked(block), sort_keys=True)
+            digest.update(text.encode())
+            hashes.append(digest.copy().hexdigest())
+            tokens.append(math.ceil(len(text) / 4))
+        prefix = [sum(tokens[: i + 1]) for i in range(len(blocks))]
+        read_end = -1
+        for mark in marks:
+            for i in range(mark, max(mark - self.lookback, -1), -1):
+                if hashes[i] in self.stored:
+                    read_end = max(read_end, i)
+                    break
+        last = marks[-1] if marks else -1
+        for mark in marks:
+            if prefix[mark] >= self.min_tokens:
+                self.stored.add(hashes[mark])
+        read = prefix[read_end] if read_end >= 0 else 0
+        cached_to = prefix[last] if last >= 0 and prefix[last] >= self.min_tokens else read
+        total = prefix[-1] if prefix else 0
+        return {
+            "input_tokens": total - max(cached_to, read),
+            "cache_creation_input_tokens": max(cached_to - read, 0),
+            "cache_read_input_tokens": read,
+        }
+
+
+def _blocks(request: dict[str, Any]) -> list[Any]:
+    system = request.get("system", [])
+    blocks: list[Any] = list(request.get("tools", []))
+    blocks += [system] if isinstance(system, str) else system
+    for message in request.get("messages", []):
+        content = message["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        blocks += [{"role": message["role"], **part} for part in parts]
+    return blocks
+
+
+def _unmarked(block: Any) -> Any:
+    if isinstance(block, dict):
+        return {k: v for k, v in block.items() if k != "cache_control"}
+    return block
 
 
 def closed_port() -> int:

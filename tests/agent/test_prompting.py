@@ -14,6 +14,7 @@ from coda.agent.prompting import (
     example_program,
     lookup,
     primitives,
+    structure,
     system_prompt,
     task_prompt,
 )
@@ -31,17 +32,49 @@ REGISTERED = [
 ]
 
 
+def what_the_model_sees() -> str:
+    """Everything sent with every request: the system prompt and the tool definitions."""
+    tools = [s.model_dump() for s in tool_specs()]
+    return system_prompt() + "\n" + json.dumps(tools, ensure_ascii=False)
+
+
+# Measured on 2026-12-01, before the catalogue became the only place a Program's fields are
+# described: the system prompt was 24,970 characters and the tool definitions 35,350 (as the
+# Anthropic adapter sends them, JSON), sent again on every turn.
+CONTEXT_CHARS_BEFORE = 24_970 + 35_350
+
+
+def test_the_context_is_at_most_half_of_what_it_was() -> None:
+    tools = [
+        {"name": t.name, "description": t.description, "input_schema": t.input_schema}
+        for t in tool_specs()
+    ]
+    chars = len(system_prompt()) + len(json.dumps(tools))
+    assert chars <= 0.5 * CONTEXT_CHARS_BEFORE, chars
+
+
 @pytest.mark.parametrize("family,name,cls", REGISTERED, ids=[r[1] for r in REGISTERED])
-def test_every_registered_primitive_is_in_the_catalogue(family: str, name: str, cls: type) -> None:
-    prompt = system_prompt()
+def test_every_registered_primitive_is_fully_described(family: str, name: str, cls: type) -> None:
+    """Its name, every field (with the tag it is written under) and its docstring's opening
+    paragraph reach the model, in one catalogue entry."""
+    seen = what_the_model_sees()
     heading = f"### `{name}` — {family}"
-    assert heading in prompt
-    entry = prompt[prompt.index(heading) :].split("\n### ", 1)[0]
-    assert inspect.cleandoc(cls.__doc__).splitlines()[0] in entry  # its own docstring
-    required = cls.model_json_schema().get("required", [])
-    for field in required:
-        assert f"`{field}`: " in entry and "required" in entry
+    assert seen.count(heading) == 1
+    entry = seen[seen.index(heading) :].split("\n### ", 1)[0]
+    opening = inspect.cleandoc(cls.__doc__).split("\n\n", 1)[0]
+    assert opening in entry  # its own docstring
+    tag = "op" if family == "epilogue op" else "kind"
+    assert f'`{{"{tag}": "{name}"' in entry
+    schema = cls.model_json_schema()
+    for field in schema["properties"]:
+        optional = "" if field in schema.get("required", []) or field == tag else "?"
+        assert f'"{field}"{optional}: ' in entry, field
     assert name in describe_primitive(name)
+
+
+def test_the_submit_schema_does_not_repeat_the_catalogue() -> None:
+    schema = json.dumps(tool_specs()[0].input_schema)
+    assert "$defs" not in schema and "scale_rows" not in schema and len(schema) < 300
 
 
 def test_the_catalogue_is_exactly_the_registries() -> None:
@@ -75,3 +108,12 @@ def test_tool_descriptions_come_from_the_tool_models() -> None:
     assert specs["submit_program"].description.startswith("Submit a Program")
     assert specs["describe_primitive"].input_schema["required"] == ["name"]
     assert specs["finish"].input_schema["properties"]["reason"]["type"] == "string"
+
+
+def test_every_node_of_the_program_schema_has_a_catalogue_entry() -> None:
+    """The tool schema does not carry the Program's ``$defs``: each needs an entry in the prompt."""
+    documented = {d.model.__name__ for d in [*primitives(), *structure()]}
+    nodes = set(Program.model_json_schema()["$defs"])
+    assert nodes <= documented, nodes - documented
+    prompt = system_prompt()
+    assert all(d.heading() in prompt for d in structure())

@@ -10,24 +10,28 @@ impossible token counts, a 10 MB reply. No network is used.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from coda.agent.clipping import MAX_PART_CHARS
 from coda.agent.loop import Budgets
-from coda.agent.providers import ProviderError
+from coda.agent.providers import ProviderError, Usage
 from coda.agent.providers.anthropic import AnthropicProvider
 from coda.agent.providers.openai import OpenAIProvider
 from coda.agent.providers.retry import RetryPolicy
 from coda.agent.synthesize import synthesize
+from coda.agent.transcript import RunState, read_transcript
 
 from .fake_llm import (
     STALL,
     FakeLLM,
+    PromptCache,
     Reply,
     anthropic_message,
     anthropic_tool,
@@ -67,25 +71,23 @@ def run(provider: Any, tmp_path: Path, budgets: Budgets | None = None):  # noqa:
     )
 
 
-def refs(node: Any) -> Iterator[str]:
-    if isinstance(node, dict):
-        if "$ref" in node:
-            yield node["$ref"]
-        for value in node.values():
-            yield from refs(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from refs(value)
-
-
 def check_submit_schema(schema: dict[str, Any]) -> None:
-    """The tool's input is {"program": <Program schema>} and every $ref resolves at its top."""
+    """The tool's input is {"program": <a JSON object>}: the Program's fields are in the system
+    prompt, not sent a second time in the tool schema."""
     assert schema["type"] == "object" and schema["required"] == ["program"]
-    program = schema["properties"]["program"]
-    assert set(program["required"]) == {"block", "inputs", "steps", "outputs"}
-    assert "$defs" not in program and "GemmEpilogue" in schema["$defs"]
-    for ref in refs(schema):
-        assert ref.startswith("#/$defs/") and ref.removeprefix("#/$defs/") in schema["$defs"]
+    assert schema["properties"]["program"]["type"] == "object"
+    assert "$defs" not in schema and len(json.dumps(schema)) < 300
+
+
+def breakpoints(body: dict[str, Any]) -> list[str]:
+    """Where a Messages-API request asks for caching: "tool i", "system", "message i"."""
+    marks = [f"tool {i}" for i, t in enumerate(body["tools"]) if "cache_control" in t]
+    marks += ["system" for b in body["system"] if "cache_control" in b]
+    for i, message in enumerate(body["messages"]):
+        if any("cache_control" in block for block in message["content"]):
+            assert "cache_control" in message["content"][-1]  # on its last block
+            marks.append(f"message {i}")
+    return marks
 
 
 def test_anthropic_sdk_end_to_end(server: FakeLLM, tmp_path: Path) -> None:
@@ -105,7 +107,8 @@ def test_anthropic_sdk_end_to_end(server: FakeLLM, tmp_path: Path) -> None:
         server.requests[0].headers.get("authorization") == "Bearer sk-ant-test"
     )
     assert first["model"] == "claude-haiku-4-5" and first["max_tokens"] > 0
-    assert first["system"].startswith("You are a GPU kernel engineer")
+    (system,) = first["system"]
+    assert system["text"].startswith("You are a GPU kernel engineer")
     assert [t["name"] for t in first["tools"]] == ["submit_program", "describe_primitive", "finish"]
     check_submit_schema(first["tools"][0]["input_schema"])
     assert "def llama_mlp(" in first["messages"][0]["content"][0]["text"]
@@ -116,6 +119,12 @@ def test_anthropic_sdk_end_to_end(server: FakeLLM, tmp_path: Path) -> None:
     (answer,) = results["content"]
     assert answer["type"] == "tool_result" and answer["tool_use_id"] == "toolu_1"
     assert "FAILED at semantics" in answer["content"] and answer["is_error"] is False
+    # caching: the tools, the system prompt and the newest user messages are breakpoints
+    assert breakpoints(first) == ["tool 2", "system", "message 0"]
+    assert breakpoints(second) == ["tool 2", "system", "message 0", "message 2"]
+    third = server.requests[2].body
+    assert breakpoints(third) == ["tool 2", "system", "message 2", "message 4"]
+    assert all(b["cache_control"] == {"type": "ephemeral"} for b in [*first["tools"][2:], system])
 
 
 def test_openai_sdk_end_to_end(server: FakeLLM, tmp_path: Path) -> None:
@@ -326,3 +335,135 @@ def test_a_10_mb_text_is_cut_in_the_transcript_and_the_model_is_told(
         f"Your reply's text was {len(text)} characters, over the {MAX_PART_CHARS}-character limit"
     )
     assert "Reply with a tool call" in note["content"]
+
+
+def test_anthropic_cache_reads_and_writes_are_priced_at_the_cache_rates(
+    server: FakeLLM, tmp_path: Path
+) -> None:
+    reply = anthropic_tool("t1", "finish", {"reason": "ok"})
+    reply.body["usage"].update(cache_creation_input_tokens=2_000, cache_read_input_tokens=10_000)
+    server.replies = [reply]
+    result = run(anthropic_at(server.url), tmp_path)  # claude-haiku-4-5: $1 in, $5 out
+    usage = result.usage
+    assert (usage.input_tokens, usage.cache_write_tokens, usage.cache_read_tokens) == (
+        12_120,
+        2_000,
+        10_000,
+    )
+    # 120 uncached at $1, 2,000 written at $1.25, 10,000 read at $0.10, 30 out at $5 per Mtok
+    assert result.cost_usd == pytest.approx(0.00377)
+    (run_dir,) = tmp_path.iterdir()
+    summary = (run_dir / "summary.md").read_text()
+    assert "12,150 (12,120 in: 10,000 read from the prompt cache, 2,000 written to it; 30 out)" in (
+        summary
+    )
+    end = json.loads((run_dir / "transcript.jsonl").read_text().splitlines()[-1])
+    assert (end["cache_write_tokens"], end["cache_read_tokens"]) == (2_000, 10_000)
+    assert RunState.from_transcript(read_transcript(run_dir / "transcript.jsonl")).usage == usage
+    # a transcript written before the cache counts were recorded still reads
+    old = tmp_path / "old.jsonl"
+    text = (run_dir / "transcript.jsonl").read_text()
+    for field in ("cache_write_tokens", "cache_read_tokens"):
+        text = re.sub(f', "{field}": [0-9]+', "", text)
+    old.write_text(text)
+    assert "cache_" not in text
+    state = RunState.from_transcript(read_transcript(old))
+    assert state.usage.input_tokens == 12_120 and state.usage.cache_read_tokens == 0
+
+
+def test_openai_cached_tokens_are_priced_at_the_cached_input_rate(
+    server: FakeLLM, tmp_path: Path
+) -> None:
+    reply = openai_tool("c1", "finish", {"reason": "ok"})
+    reply.body["usage"].update(prompt_tokens=10_000, prompt_tokens_details={"cached_tokens": 8_000})
+    server.replies = [reply]
+    result = run(openai_at(server.url), tmp_path)  # gpt-4.1-mini: $0.40 in, $0.10 cached, $1.60 out
+    assert (result.usage.input_tokens, result.usage.cache_read_tokens) == (10_000, 8_000)
+    assert result.cost_usd == pytest.approx((2_000 * 0.4 + 8_000 * 0.1 + 30 * 1.6) / 1e6)
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_cached_counts_that_cannot_be_are_a_provider_error(
+    server: FakeLLM, tmp_path: Path, vendor: str
+) -> None:
+    provider, tool, _ = VENDORS[vendor]
+    reply = tool("t1", "finish", {"reason": "ok"})
+    if vendor == "anthropic":
+        reply.body["usage"]["cache_read_input_tokens"] = -5
+        shown = "`usage.cache_read_input_tokens` is -5, not a token count"
+    else:
+        reply.body["usage"]["prompt_tokens_details"] = {"cached_tokens": 121}
+        shown = "counts 121 cached tokens, more than the 120 `usage.prompt_tokens`"
+    server.replies = [reply]
+    result = run(provider(server.url), tmp_path)
+    assert result.stop.kind == "provider_error" and shown in result.stop.message
+    assert result.turns == 0 and result.usage.total == 0
+
+
+def test_usage_keeps_the_cached_tokens_within_the_input() -> None:
+    with pytest.raises(ValidationError, match=r"\(6\) exceed input_tokens \(5\)"):
+        Usage(input_tokens=5, cache_read_tokens=6)
+    with pytest.raises(ValidationError, match="cache_write_tokens"):
+        Usage(input_tokens=5, cache_write_tokens=-1)
+    total = Usage(input_tokens=10, cache_read_tokens=4) + Usage(
+        input_tokens=3, cache_write_tokens=3
+    )
+    assert total == Usage(input_tokens=13, cache_write_tokens=3, cache_read_tokens=4)
+    assert total.uncached_input_tokens == 6
+
+
+def test_openai_requests_share_a_byte_identical_prefix(server: FakeLLM, tmp_path: Path) -> None:
+    """OpenAI caches the prefix a request shares with earlier ones: each turn's request must
+    start with the previous request's bytes (tools, system prompt, conversation so far)."""
+    server.replies = [
+        openai_tool("call_1", "submit_program", {"program": broken_program()}),
+        openai_tool("call_2", "describe_primitive", {"name": "swiglu"}),
+        openai_tool("call_3", "finish", {"reason": "done"}),
+    ]
+    provider = OpenAIProvider(
+        "gpt-4.1-mini", base_url=f"{server.url}/v1", api_key="sk-oai-test", cache_key=True
+    )
+    run(provider, tmp_path)
+    bodies = [r.body for r in server.requests]
+    assert len(bodies) == 3
+    for before, after in zip(bodies, bodies[1:], strict=False):
+        assert json.dumps(after["tools"]) == json.dumps(before["tools"])
+        sent = len(before["messages"])
+        assert len(after["messages"]) > sent
+        assert json.dumps(after["messages"][:sent]) == json.dumps(before["messages"])
+        assert after["prompt_cache_key"] == before["prompt_cache_key"]
+    assert bodies[0]["prompt_cache_key"].startswith("coda-")
+    # another OpenAI-compatible server is not sent a field it may not know
+    server.replies = [openai_tool("c1", "finish", {"reason": "ok"})]
+    run(openai_at(server.url), tmp_path / "plain")
+    assert "prompt_cache_key" not in server.requests[-1].body
+
+
+def test_a_10_turn_anthropic_run_bills_at_most_a_quarter_of_its_input_with_caching(
+    server: FakeLLM, tmp_path: Path
+) -> None:
+    """Against a server that models Anthropic's prompt cache (``PromptCache``), a 10-turn run
+    bills at most 25% of the input-token equivalent of the same requests without caching (writes
+    ×1.25, reads ×0.1, uncached ×1, against every input token ×1)."""
+    server.cache = PromptCache(min_tokens=4096)  # claude-haiku-4-5's minimum cacheable prefix
+    names = ["swiglu", "rstd", "scale_rows", "store", "add_tile", "interleave_rows"]
+    server.replies = [
+        anthropic_tool("t1", "submit_program", {"program": broken_program()}),
+        *(anthropic_tool(f"d{i}", "describe_primitive", {"name": n}) for i, n in enumerate(names)),
+        anthropic_tool("t2", "submit_program", {"program": broken_program()}),
+        anthropic_tool("t3", "submit_program", {"program": good_program()}),
+        anthropic_tool("t4", "finish", {"reason": "verified"}),
+    ]
+    result = run(anthropic_at(server.url), tmp_path)
+    assert result.stop.kind == "finished" and result.turns == 10 and result.verified
+    usage = result.usage
+    uncached = usage.input_tokens
+    billed = (
+        usage.uncached_input_tokens
+        + 1.25 * usage.cache_write_tokens
+        + 0.1 * usage.cache_read_tokens
+    )
+    assert usage.cache_read_tokens > 0 and usage.cache_write_tokens > 0
+    assert billed <= 0.25 * uncached, (billed / uncached, usage)
+    # and the dollar cost is that billed-equivalent at claude-haiku-4-5's $1 / Mtok input
+    assert result.cost_usd == pytest.approx((billed * 1.0 + usage.output_tokens * 5.0) / 1e6)
