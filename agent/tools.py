@@ -31,6 +31,8 @@ class SubmitProgram(BaseModel):
     two dtypes, several seeds) and, on a GPU, times them. The result is the Report: the first
     failing stage with what is wrong and what to change, or VERIFIED with the measured errors and
     timings (or why there are none). Input: {"program": <the Program as a JSON object>}.
+    You may call it several times in one turn to try alternatives side by side: the programs are
+    evaluated at once, each in its own worker, and each call gets its own Report.
     """
 
     program: Any  # a Program; the sandbox validates it so that errors come back as a Report
