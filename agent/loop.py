@@ -6,14 +6,17 @@ One turn:
 2. ``provider.complete(system, messages, tools)``, with bounded retries (``providers/retry.py``),
    each request cut off when the run's wall-clock budget ends (a ``timeout`` stop).
 3. Cut any reply part past ``clipping.MAX_PART_CHARS`` before it is recorded (a cut tool call
-   is answered with an error, not run). Answer every tool call: ``submit_program`` runs the
-   sandbox and returns its Report rendered compactly (the full Report rides along as data);
-   ``describe_primitive`` returns a primitive's documentation; ``finish`` ends the run. A
-   malformed call (bad JSON, unknown tool, missing field) is answered with the error, so the
-   model can fix it; a reply with no tool call gets a reminder.
+   is answered with an error, not run). Answer every tool call, in one message, in the order the
+   calls came: ``describe_primitive`` returns a primitive's documentation; each
+   ``submit_program`` runs the sandbox and returns its Report rendered compactly (the full Report
+   rides along as data) — a turn's submissions are evaluated at once, one worker each, as many
+   as there are worker slots (``batch.py``, ``Budgets.parallel``); ``finish``, answered after
+   them, ends the run. A malformed call (bad JSON, unknown tool, missing field) is answered with
+   the error, so the model can fix it; a reply with no tool call gets a reminder.
 4. Stop when the model finishes or refuses, when a verified candidate has not been improved on for
    ``patience`` turns, when a budget runs out, after ``max_malformed`` unusable replies in a row,
-   or when the provider fails for good.
+   or when the provider fails for good. Submissions past ``max_candidates``, or still waiting
+   for a worker when the wall-clock budget ends, are answered with an error saying so.
 
 Every message and candidate is appended to the run's transcript as it happens, so a crash loses
 nothing, ``resume`` continues from the transcript, and ``--provider replay`` replays it.
@@ -21,6 +24,7 @@ nothing, ``resume`` continues from the transcript, and ``--provider replay`` rep
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -28,9 +32,13 @@ from typing import Any
 
 from coda.blocks.block import Block
 from coda.primitives import backend
+from coda.primitives.plugins import PluginError, load_plugins
+from coda.sandbox.report import Report
 from coda.sandbox.runner import evaluate_candidate
+from coda.sandbox.slots import worker_slots
 from coda.sandbox.stages import SandboxOptions
 
+from .batch import Hooks, Outcome, Post, run_in_slots
 from .clipping import Cut, call_note, clip_reply, text_note
 from .events import (
     CandidateDone,
@@ -79,11 +87,17 @@ from .transcript import (
 
 @dataclass(frozen=True)
 class Budgets:
-    """When the loop stops on its own. ``None`` means no limit.
+    """When the loop stops on its own, and how many candidates it evaluates at once. ``None``
+    means no limit.
 
     ``patience``: once a candidate is verified, stop after this many turns without a better one.
     ``max_malformed``: stop after this many replies in a row with no usable tool call.
-    ``timeout_s`` is wall-clock time of this invocation (a resumed run gets a fresh one).
+    ``timeout_s`` is wall-clock time of this invocation (a resumed run gets a fresh one); it
+    bounds a turn's evaluations too (each worker's timeout is the time left when it starts).
+    ``max_candidates``: stop once this many candidates were evaluated; a turn that submits more
+    than are left has its first submissions evaluated and the rest answered with an error.
+    ``parallel``: how many of a turn's submissions are evaluated at once (``None``: one per GPU,
+    or min(CPU cores, 4) under the interpreter; never more than one per GPU: ``sandbox.slots``).
     """
 
     max_turns: int = 20
@@ -92,6 +106,20 @@ class Budgets:
     timeout_s: float | None = None
     patience: int = 3
     max_malformed: int = 3
+    max_candidates: int | None = None
+    parallel: int | None = None
+
+
+@dataclass
+class _Job:
+    """One ``submit_program`` call of a turn: where it stands among the turn's calls, and, once it
+    starts, its candidate index and the sandbox options it runs with."""
+
+    position: int
+    call: ToolCallPart
+    program: Any
+    index: int = 0
+    options: SandboxOptions | None = None
 
 
 @dataclass
@@ -170,6 +198,7 @@ class AgentLoop:
         self.best: Candidate | None = None
         self.next_index = 1
         self.started = time.monotonic()
+        self.slots = worker_slots(budgets.parallel, isolate=sandbox.isolate)
         self._pending: list[ToolCallPart] = []
         self._finish: str | None = None
         self._cuts: list[Cut] = []  # what was cut from the reply being answered
@@ -352,34 +381,39 @@ class AgentLoop:
         return None
 
     def _answer(self, calls: list[ToolCallPart]) -> Stop | None:
-        parts: list[Any] = []
+        """Answer every call of a turn in one message, in call order: malformed calls and
+        ``describe_primitive`` first, then the submissions (at once), then ``finish``."""
+        answers: dict[int, ToolResultPart | RetryPromptPart] = {}
+        submissions: list[_Job] = []
+        finishes: list[tuple[int, Request]] = []
         usable = False
         cut_calls = {c.call.id: c for c in self._cuts if c.call is not None}
-        for call in calls:
+        for position, call in enumerate(calls):
             if call.id in cut_calls:  # its arguments are no longer whole: not run
                 self.n.tool_errors += 1
                 note = call_note(cut_calls[call.id])
                 self.emit(ToolAnswered(call.name, False, note))
-                parts.append(RetryPromptPart(content=note, tool_call_id=call.id, name=call.name))
+                answers[position] = RetryPromptPart(
+                    content=note, tool_call_id=call.id, name=call.name
+                )
                 continue
             request = parse_call(call)
             if isinstance(request, RetryPromptPart):
                 self.n.tool_errors += 1
                 self.emit(ToolAnswered(call.name, False, request.content))
-                parts.append(request)
+                answers[position] = request
                 continue
             usable = True
-            try:
-                parts.append(self._run_tool(request))
-            except Exception as e:  # noqa: BLE001 - errors are data: the model is told, not killed
-                self.n.tool_errors += 1
-                text = f"internal error while running {call.name}: {type(e).__name__}: {e}"
-                self.emit(ToolAnswered(call.name, False, text))
-                parts.append(
-                    ToolResultPart(
-                        tool_call_id=call.id, name=call.name, content=text, is_error=True
-                    )
-                )
+            if isinstance(request.args, SubmitProgram):
+                submissions.append(_Job(position, call, request.args.program))
+            elif isinstance(request.args, Finish):
+                finishes.append((position, request))
+            else:
+                answers[position] = self._guarded(request)
+        answers.update(self._evaluate_all(submissions))
+        for position, request in finishes:
+            answers[position] = self._guarded(request)
+        parts: list[Any] = [answers[position] for position in range(len(calls))]
         parts += [RetryPromptPart(content=text_note(c)) for c in self._cuts if c.call is None]
         self._record(UserMessage(parts=parts))
         self.n.unusable_streak = 0 if usable else self.n.unusable_streak + 1
@@ -392,38 +426,107 @@ class AgentLoop:
             )
         return self._converged()
 
+    def _guarded(self, request: Request) -> ToolResultPart | RetryPromptPart:
+        """``describe_primitive`` or ``finish``; an exception is answered, not raised."""
+        try:
+            return self._run_tool(request)
+        except Exception as e:  # noqa: BLE001 - errors are data: the model is told, not killed
+            return self._internal_error(request.call, e)
+
+    def _internal_error(self, call: ToolCallPart, error: Exception) -> ToolResultPart:
+        self.n.tool_errors += 1
+        text = f"internal error while running {call.name}: {type(error).__name__}: {error}"
+        self.emit(ToolAnswered(call.name, False, text))
+        return ToolResultPart(tool_call_id=call.id, name=call.name, content=text, is_error=True)
+
     def _run_tool(self, request: Request) -> ToolResultPart | RetryPromptPart:
         call, args = request.call, request.args
-        if isinstance(args, SubmitProgram):
-            return self._submit(call, args.program)
-        if isinstance(args, DescribePrimitive):
-            try:
-                text = describe_primitive(args.name)
-            except UnknownPrimitive as e:
-                self.n.tool_errors += 1
-                self.emit(ToolAnswered(call.name, False, str(e)))
-                return RetryPromptPart(content=str(e), tool_call_id=call.id, name=call.name)
-            self.emit(ToolAnswered(call.name, True, args.name))
-            return ToolResultPart(tool_call_id=call.id, name=call.name, content=text)
-        assert isinstance(args, Finish)
-        self._finish = args.reason
-        self.emit(ToolAnswered(call.name, True, args.reason))
-        return ToolResultPart(tool_call_id=call.id, name=call.name, content="The run ends here.")
+        if isinstance(args, Finish):
+            self._finish = args.reason
+            self.emit(ToolAnswered(call.name, True, args.reason))
+            return ToolResultPart(
+                tool_call_id=call.id, name=call.name, content="The run ends here."
+            )
+        assert isinstance(args, DescribePrimitive)
+        try:
+            text = describe_primitive(args.name)
+        except UnknownPrimitive as e:
+            self.n.tool_errors += 1
+            self.emit(ToolAnswered(call.name, False, str(e)))
+            return RetryPromptPart(content=str(e), tool_call_id=call.id, name=call.name)
+        self.emit(ToolAnswered(call.name, True, args.name))
+        return ToolResultPart(tool_call_id=call.id, name=call.name, content=text)
 
     # -- candidates ------------------------------------------------------------------------------
-    def _submit(self, call: ToolCallPart, program_json: Any) -> ToolResultPart:
-        index, self.next_index = self.next_index, self.next_index + 1
-        self.emit(CandidateStarted(index, self.n.turns))
+    def _evaluate_all(self, jobs: list[_Job]) -> dict[int, ToolResultPart]:
+        """Each submission's answer, by its position among the turn's calls: its Report, or why
+        it was not evaluated (the candidate budget, the wall-clock budget)."""
+        answers: dict[int, ToolResultPart] = {}
+        room = self._candidates_left()
+        if room is not None and len(jobs) > room:
+            for job in jobs[room:]:
+                answers[job.position] = self._not_evaluated(job.call, self._over_count(room))
+            jobs = jobs[:room]
+        if not jobs:
+            return answers
+
+        def done(job: _Job, outcome: Outcome) -> None:
+            try:
+                answers[job.position] = self._commit(job, outcome)
+            except Exception as e:  # noqa: BLE001 - errors are data: the model is told, not killed
+                answers[job.position] = self._internal_error(job.call, e)
+
+        def skip(job: _Job, reason: str) -> None:
+            answers[job.position] = self._not_evaluated(job.call, reason)
+
+        hooks = Hooks(self._may_start, self._start, self.emit, done, skip)
+        run_in_slots(jobs, self._slots_for(jobs), self._evaluate, hooks)
+        return answers
+
+    def _slots_for(self, jobs: list[_Job]) -> list[str | None]:
+        """The worker slots for a batch. The sandbox's plugins are loaded here first, so that no
+        two threads import one at once; if one fails to load (each Report then says so), the
+        batch runs one candidate at a time."""
+        if len(jobs) < 2 or len(self.slots) < 2:
+            return self.slots
+        try:
+            load_plugins(self.sandbox.plugins)
+        except PluginError:
+            return self.slots[:1]
+        return self.slots
+
+    def _start(self, job: _Job) -> None:
+        """A submission gets a worker: its candidate index, and the time left as its timeout."""
+        job.index, self.next_index = self.next_index, self.next_index + 1
+        job.options = self._sandbox_options()
+        self.emit(CandidateStarted(job.index, self.n.turns))
+
+    def _evaluate(
+        self, job: _Job, gpu: str | None, post: Post, cancel: threading.Event
+    ) -> tuple[Report, Any, float]:
+        """The sandbox on one submission, in a thread of its own: it only posts its stage
+        results; the loop thread records them (``batch.py``)."""
         began = time.monotonic()
         report, program = evaluate_candidate(
-            program_json,
+            job.program,
             self.block,
-            self._sandbox_options(),
+            job.options,
             block_file=self.block_file,
-            kernels_dir=self.run_dir.candidate_kernels(index),
-            on_stage=lambda s: self.emit(StageDone(index, s)),
+            kernels_dir=self.run_dir.candidate_kernels(job.index),
+            on_stage=lambda stage: post(StageDone(job.index, stage)),
+            gpu=gpu,
+            cancel=cancel,
         )
-        candidate = Candidate(index, self.n.turns, call.id, program, report)
+        return report, program, time.monotonic() - began
+
+    def _commit(self, job: _Job, outcome: Outcome) -> ToolResultPart:
+        """Record an evaluated submission (in call order): its candidate, whether it is the best,
+        and its Report as the answer to its call."""
+        call = job.call
+        if outcome.error is not None:
+            return self._internal_error(call, outcome.error)
+        report, program, seconds = outcome.value
+        candidate = Candidate(job.index, self.n.turns, call.id, program, report)
         self.candidates.append(candidate)
         is_best = better(candidate, self.best)
         if is_best:
@@ -432,14 +535,14 @@ class AgentLoop:
         self.run_dir.append(
             CandidateRecord(
                 turn=self.n.turns,
-                index=index,
+                index=job.index,
                 tool_call_id=call.id,
                 program_hash=report.program_hash,
                 verified=report.verified,
                 headline=report.headline(),
                 time_ms=candidate.time_ms,
                 best=is_best,
-                seconds=round(time.monotonic() - began, 3),
+                seconds=round(seconds, 3),
             )
         )
         self.emit(CandidateDone(candidate, is_best, self.best))
@@ -447,8 +550,38 @@ class AgentLoop:
             tool_call_id=call.id,
             name=call.name,
             content=self._feedback(candidate),
-            data={"candidate": index, "report": report.model_dump(mode="json")},
+            data={"candidate": job.index, "report": report.model_dump(mode="json")},
         )
+
+    def _not_evaluated(self, call: ToolCallPart, reason: str) -> ToolResultPart:
+        self.emit(ToolAnswered(call.name, False, reason))
+        return ToolResultPart(tool_call_id=call.id, name=call.name, content=reason, is_error=True)
+
+    def _candidates_left(self) -> int | None:
+        limit = self.budgets.max_candidates
+        return None if limit is None else max(0, limit - len(self.candidates))
+
+    def _over_count(self, room: int) -> str:
+        limit = self.budgets.max_candidates
+        if room == 0:
+            return (
+                f"Not evaluated: the run has evaluated its {limit} candidates "
+                f"(--max-candidates {limit})."
+            )
+        return (
+            f"Not evaluated: --max-candidates {limit} left room for {room} more candidate(s), "
+            f"taken by this turn's first {room} submission(s)."
+        )
+
+    def _may_start(self) -> str | None:
+        """Why a submission still waiting for a worker may not start (``None``: it may)."""
+        left = self._time_left()
+        if left is not None and left <= 0:
+            return (
+                f"Not evaluated: the run's wall-clock budget (--timeout "
+                f"{self.budgets.timeout_s:g} s) ran out before a worker was free for it."
+            )
+        return None
 
     def _write_best(self, candidate: Candidate) -> None:
         if candidate.report.verified and candidate.program is not None:
@@ -492,6 +625,8 @@ class AgentLoop:
             return Stop("max_tokens", f"used {n.usage.total} tokens (--max-tokens {b.max_tokens})")
         if b.max_cost is not None and n.cost_usd is not None and n.cost_usd >= b.max_cost:
             return Stop("max_cost", f"spent ${n.cost_usd:.4f} (--max-cost {b.max_cost})")
+        if b.max_candidates is not None and len(self.candidates) >= b.max_candidates:
+            return Stop("max_candidates", f"reached --max-candidates {b.max_candidates}")
         left = self._time_left()
         if left is not None and left <= 0:
             return Stop("timeout", f"ran out of wall-clock time (--timeout {b.timeout_s:g} s)")

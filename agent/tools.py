@@ -30,6 +30,8 @@ class SubmitProgram(BaseModel):
     """Submit a Program for the block to the sandbox; the answer is its Report.
 
     Input: {"program": <the Program as a JSON object, as the system prompt describes it>}.
+    You may call it several times in one turn to try alternatives side by side: the programs are
+    evaluated at once, each in its own worker, and each call gets its own Report.
     """
 
     program: Any  # a Program; the sandbox validates it so that errors come back as a Report

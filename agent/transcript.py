@@ -43,6 +43,7 @@ StopKind = Literal[
     "max_turns",
     "max_tokens",
     "max_cost",
+    "max_candidates",
     "timeout",
     "refused",  # the model refused
     "malformed",  # too many unusable replies in a row
@@ -299,6 +300,9 @@ class RunState:
     model: str = ""
 
     notes: list[str] = field(default_factory=list)  # lines of the transcript that were skipped
+    # the largest index of a candidate record, answered or not (a crash between a turn's
+    # candidate records and its answers leaves records that no message holds)
+    recorded_index: int = 0
 
     @classmethod
     def from_records(cls, records: list[Any]) -> RunState:
@@ -329,6 +333,8 @@ class RunState:
     def absorb(self, record: Any) -> None:
         if isinstance(record, MessageRecord):
             self._message(record)
+        elif isinstance(record, CandidateRecord):
+            self.recorded_index = max(self.recorded_index, record.index)
         elif isinstance(record, RetryRecord):
             self.retries += 1
         elif isinstance(record, ResumeRecord):
@@ -381,7 +387,9 @@ class RunState:
 
     @property
     def next_candidate(self) -> int:
-        return max((c.index for c in self.candidates), default=0) + 1
+        """The index the next candidate gets: past every candidate recorded, so that a call
+        answered again on resume never reuses a recorded index (nor its kernels folder)."""
+        return max([self.recorded_index, *(c.index for c in self.candidates)]) + 1
 
 
 def _first_error(error: Exception) -> str:

@@ -213,6 +213,17 @@ def synthesize_cmd(
     patience: int = typer.Option(
         None, "--patience", min=1, help="stop after N turns without improving (default 3)"
     ),
+    max_candidates: int = typer.Option(
+        None, "--max-candidates", min=1, help="stop after N candidates were evaluated"
+    ),
+    parallel: int = typer.Option(
+        None,
+        "--parallel",
+        "-j",
+        min=1,
+        help="candidates of one turn evaluated at once (default: one per GPU, at most one per "
+        "GPU; min(CPU cores, 4) under the interpreter)",
+    ),
     resume_dir: Path = typer.Option(
         None, "--resume", help="continue an interrupted run from its transcript"
     ),
@@ -224,6 +235,8 @@ def synthesize_cmd(
         max_cost=max_cost,
         timeout_s=timeout,
         patience=patience,
+        max_candidates=max_candidates,
+        parallel=parallel,
     )
     progress = None if as_json else Progress()
     name = provider
@@ -484,6 +497,8 @@ def _spent(state: Any, b: Budgets) -> str | None:
         return f"{state.usage.total} tokens, --max-tokens {b.max_tokens}"
     if b.max_cost is not None and state.cost_usd is not None and state.cost_usd >= b.max_cost:
         return f"${state.cost_usd:.4f}, --max-cost {b.max_cost}"
+    if b.max_candidates is not None and len(state.candidates) >= b.max_candidates:
+        return f"{len(state.candidates)} candidates, --max-candidates {b.max_candidates}"
     return None
 
 

@@ -28,6 +28,7 @@ STAGES: tuple[Stage, ...] = ("validate", "semantics", "compile", "verify", "prof
 #   cuda_fault     a CUDA error (illegal address, device assert, ...): the GPU worker is discarded
 #   timeout        the worker ran past the wall-clock limit; its process group was killed
 #   crash          the worker died (a signal such as SIGSEGV, or an exit before it finished)
+#   cancelled      the caller stopped the evaluation (an interrupted run); its worker was killed
 Cause = Literal[
     "program",
     "block",
@@ -40,6 +41,7 @@ Cause = Literal[
     "cuda_fault",
     "timeout",
     "crash",
+    "cancelled",
 ]
 
 

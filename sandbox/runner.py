@@ -9,6 +9,10 @@ and kernel caches, a memory cap, an environment built from an allowlist, and no 
 process's ``/proc`` files (``fences``). A hang, crash, exception,
 out-of-memory or CUDA fault in a candidate becomes a failed stage in the Report, with its cause and
 the worker's last stderr lines — never an exception here.
+
+Several candidates may be evaluated at once, each from its own thread (the agent loop does, one
+per worker slot: ``slots.py``): ``gpu`` pins a worker to one GPU, and setting ``cancel`` kills a
+worker that is still running.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -184,9 +190,15 @@ def evaluate_candidate(
     block_file: str | None = None,
     kernels_dir: Path | None = None,
     on_stage: OnStage | None = None,
+    gpu: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> tuple[Report, Program | None]:
     """``evaluate``, and the Program the validate stage parsed ``data`` into (``None`` where
-    validate failed), so a caller that keeps candidates never parses the submission again."""
+    validate failed), so a caller that keeps candidates never parses the submission again.
+
+    ``gpu``: the worker's ``CUDA_VISIBLE_DEVICES`` (the one GPU it may use; ``None`` keeps this
+    process's). ``cancel``: once set, a running worker is killed and its stage fails as cancelled.
+    Both concern the worker only (``options.isolate``)."""
     options = options or SandboxOptions()
     results: list[StageResult] = _Results(on_stage)
     collected = _Collected(results)
@@ -202,7 +214,7 @@ def evaluate_candidate(
     if _load_plugins(options, results):
         program, _infos = validate(data, block, size_sets, results, options)
     if program is not None:
-        _run_stages(program, block, options, block_file, collected)
+        _run_stages(program, block, options, block_file, collected, _Worker(gpu, cancel))
         if kernels_dir is not None:
             _write_kernels(collected.kernels, kernels_dir)
     verified = (
@@ -233,12 +245,25 @@ def _write_kernels(kernels: dict[str, str], directory: Path) -> None:
             (directory / f"{name}.py").write_text(source)
 
 
+@dataclass(frozen=True)
+class _Worker:
+    """Where a worker runs and whether its caller still wants it: its GPU, the cancel event."""
+
+    gpu: str | None
+    cancel: threading.Event | None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+
 def _run_stages(
     program: Program,
     block: Block,
     options: SandboxOptions,
     block_file: str | None,
     collected: _Collected,
+    worker: _Worker,
 ) -> None:
     if not options.isolate:
         from coda.primitives.analysis import analyze
@@ -246,13 +271,15 @@ def _run_stages(
         info = analyze(program, options.verify_shapes(block)[0])
         run_worker_stages(program, info, block, options, collected.absorb)
         return
-    _run_isolated(program, block, options, block_file, collected)
+    _run_isolated(program, block, options, block_file, collected, worker)
 
 
-def worker_env(tmp: Path) -> dict[str, str]:
+def worker_env(tmp: Path, gpu: str | None = None) -> dict[str, str]:
     """The worker's environment: the allowed variables of ours (``fences.allowed``), private
-    caches, unbuffered output."""
+    caches, unbuffered output; ``gpu`` replaces ``CUDA_VISIBLE_DEVICES``."""
     env = worker_environment(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     env.update(
         TRITON_CACHE_DIR=str(tmp / "triton"),
         CODA_CACHE_DIR=str(tmp / "coda"),
@@ -268,6 +295,7 @@ def _run_isolated(
     options: SandboxOptions,
     block_file: str | None,
     collected: _Collected,
+    worker: _Worker,
 ) -> None:
     with tempfile.TemporaryDirectory(prefix="coda-worker-") as tmpdir:
         tmp = Path(tmpdir)
@@ -295,15 +323,18 @@ def _run_isolated(
                 proc = subprocess.Popen(
                     cmd,
                     cwd=tmp,
-                    env=worker_env(tmp),
+                    env=worker_env(tmp, worker.gpu),
                     stdout=out,
                     stderr=err,
                     start_new_session=True,
                 )
                 deadline = time.monotonic() + options.timeout_s
-                timed_out = _watch(proc, stream, collected, deadline)
+                timed_out = _watch(proc, stream, collected, deadline, worker)
             _drain(stream, collected.absorb)
         stderr = (tmp / "stderr").read_text(errors="replace")
+        if worker.cancelled and not (collected.done or collected.failed):
+            collected.results.append(_cancelled(collected))
+            return
         if collected.done or collected.failed:
             _attach_stderr(collected.results, stderr)
             return  # the worker reported everything (a fault it caught is already a stage)
@@ -324,8 +355,11 @@ def _attach_stderr(results: list[StageResult], stderr: str) -> None:
     results[-1] = last.model_copy(update={"message": message})
 
 
-def _watch(proc: subprocess.Popen, stream: Any, collected: _Collected, deadline: float) -> bool:
-    """Follow the worker's events until it exits or the deadline passes; True if it timed out.
+def _watch(
+    proc: subprocess.Popen, stream: Any, collected: _Collected, deadline: float, worker: _Worker
+) -> bool:
+    """Follow the worker's events until it exits, the deadline passes or the caller cancels; True
+    if it timed out.
 
     Either way the whole process group is killed afterwards: whatever the candidate started
     (compiler processes, stray children) does not outlive its worker.
@@ -334,6 +368,8 @@ def _watch(proc: subprocess.Popen, stream: Any, collected: _Collected, deadline:
     try:
         while proc.poll() is None:
             _drain(stream, collected.absorb)
+            if worker.cancelled:
+                break
             if time.monotonic() > deadline:
                 timed_out = True
                 break
@@ -341,6 +377,18 @@ def _watch(proc: subprocess.Popen, stream: Any, collected: _Collected, deadline:
     finally:
         _kill_group(proc)
     return timed_out
+
+
+def _cancelled(collected: _Collected) -> StageResult:
+    """The failed stage of a worker killed because its caller cancelled the evaluation."""
+    stage = collected.current_stage()
+    return StageResult(
+        stage=stage,
+        status="failed",
+        message=f"the worker was killed during {stage}: its caller cancelled the evaluation",
+        seconds=round(time.monotonic() - collected.started_at, 3),
+        cause="cancelled",
+    )
 
 
 _SLOW_START = (

@@ -467,3 +467,65 @@ def test_a_10_turn_anthropic_run_bills_at_most_a_quarter_of_its_input_with_cachi
     assert billed <= 0.25 * uncached, (billed / uncached, usage)
     # and the dollar cost is that billed-equivalent at claude-haiku-4-5's $1 / Mtok input
     assert result.cost_usd == pytest.approx((billed * 1.0 + usage.output_tokens * 5.0) / 1e6)
+
+
+def test_anthropic_parallel_tool_calls_get_their_results_in_one_user_message(
+    server: FakeLLM, tmp_path: Path
+) -> None:
+    server.replies = [
+        anthropic_message(
+            {"type": "text", "text": "two variants at once"},
+            {
+                "type": "tool_use",
+                "id": "toolu_a",
+                "name": "submit_program",
+                "input": {"program": broken_program()},
+            },
+            {
+                "type": "tool_use",
+                "id": "toolu_b",
+                "name": "submit_program",
+                "input": {"program": good_program()},
+            },
+        ),
+        anthropic_tool("toolu_c", "finish", {"reason": "verified"}),
+    ]
+    result = run(anthropic_at(server.url), tmp_path)
+    assert result.verified and result.stop.kind == "finished" and result.turns == 2
+    assert [c.tool_call_id for c in result.candidates] == ["toolu_a", "toolu_b"]
+    _, assistant, results = server.requests[1].body["messages"]
+    assert [b["id"] for b in assistant["content"] if b["type"] == "tool_use"] == [
+        "toolu_a",
+        "toolu_b",
+    ]
+    # one user message answers both calls, one tool_result block each, in call order
+    assert results["role"] == "user"
+    first, second = results["content"]
+    assert (first["type"], first["tool_use_id"]) == ("tool_result", "toolu_a")
+    assert (second["type"], second["tool_use_id"]) == ("tool_result", "toolu_b")
+    assert first["content"].startswith("Candidate 1: FAILED at semantics")
+    assert second["content"].startswith("Candidate 2: VERIFIED")
+
+
+def test_openai_parallel_tool_calls_get_one_tool_message_per_call_id(
+    server: FakeLLM, tmp_path: Path
+) -> None:
+    server.replies = [
+        openai_completion(
+            calls=[
+                ("call_a", "submit_program", {"program": broken_program()}),
+                ("call_b", "submit_program", {"program": good_program()}),
+            ]
+        ),
+        openai_tool("call_c", "finish", {"reason": "verified"}),
+    ]
+    result = run(openai_at(server.url), tmp_path)
+    assert result.verified and result.stop.kind == "finished" and result.turns == 2
+    assert [c.tool_call_id for c in result.candidates] == ["call_a", "call_b"]
+    messages = server.requests[1].body["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool"]
+    assert [c["id"] for c in messages[2]["tool_calls"]] == ["call_a", "call_b"]
+    first, second = messages[3:]
+    assert first["tool_call_id"] == "call_a" and second["tool_call_id"] == "call_b"
+    assert first["content"].startswith("Candidate 1: FAILED at semantics")
+    assert second["content"].startswith("Candidate 2: VERIFIED")

@@ -148,6 +148,23 @@ def test_resume_replay_and_show_through_the_cli(tmp_path: Path) -> None:
     assert data["divergences"] == [] and data["model"] == "coda-planner"
 
 
+def test_candidate_budget_and_parallel_flags(tmp_path: Path) -> None:
+    args = ["synthesize", "-b", "llama_mlp", "--runs-dir", str(tmp_path), "--json"]
+    done = runner.invoke(app, [*args, "--max-candidates", "1", "--parallel", "2"])
+    assert done.exit_code == 0, done.output  # verified by the first candidate
+    data = json.loads(done.output)
+    assert data["stop"] == {
+        "reason": "max_candidates",
+        "message": "reached --max-candidates 1",
+    }
+    (run,) = tmp_path.iterdir()
+    budgets = json.loads((run / "transcript.jsonl").read_text().splitlines()[0])["budgets"]
+    assert (budgets["max_candidates"], budgets["parallel"]) == (1, 2)
+    spent = runner.invoke(app, ["synthesize", "--resume", str(run)])
+    assert spent.exit_code == 2
+    assert "has spent its budget (1 candidates, --max-candidates 1)" in spent.output
+
+
 def test_show_renders_an_unfinished_run(tmp_path: Path) -> None:
     from coda.agent.synthesize import synthesize
     from tests.agent.scripted import BLOCK, Script

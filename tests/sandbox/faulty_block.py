@@ -5,9 +5,11 @@ a worker the block is well-behaved). It misbehaves only in the kernel dtypes: th
 semantics stage passes and the fault hits its verify stage, which also runs the reference in the
 dtype under test. ``$CODA_TEST_PID_FILE``, if set, collects the pid of every worker that ran
 the reference (one line each); the ``hang`` fault writes its child's pid to
-``$CODA_TEST_CHILD_PID_FILE``. The ``snoop`` fault is a candidate after secrets: it records the
-worker's environment, its capabilities and what reading its caller's ``/proc/<ppid>/environ``
-gave, as JSON in ``$CODA_TEST_SNOOP_FILE``, then computes correctly.
+``$CODA_TEST_CHILD_PID_FILE``. The ``sleep`` fault waits ``$CODA_TEST_SLEEP_S`` seconds, once per
+worker, then computes correctly: a candidate that verifies, slowly. The ``snoop`` fault is a
+candidate after secrets: it records the worker's environment, its capabilities and what reading
+its caller's ``/proc/<ppid>/environ`` gave, as JSON in ``$CODA_TEST_SNOOP_FILE``, then computes
+correctly.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def _fault(kind: str) -> None:
         os._exit(0)
     elif kind == "snoop":
         _snoop(os.environ["CODA_TEST_SNOOP_FILE"])
+    elif kind == "sleep" and not _SLEPT:
+        _SLEPT.append(True)
+        time.sleep(float(os.environ["CODA_TEST_SLEEP_S"]))
+
+
+_SLEPT: list[bool] = []  # the sleep fault has slept in this process
 
 
 def _snoop(path: str) -> None:
