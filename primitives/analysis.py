@@ -9,9 +9,12 @@ generates the kernels and each run's analysis sizes its buffers.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import edits
 from .checking import CheckEnv, ProgramEnv
 from .errors import ProgramError, did_you_mean
 from .ir import GemmEpilogue, Operand, OutputView, Program
@@ -119,10 +122,12 @@ def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> G
         try:
             op.check(cenv)
         except ProgramError as e:
-            raise e.at(f"epilogue[{j}] ({op.op})") from None
+            raise with_field(e, op).at(f"epilogue[{j}] ({op.op})") from None
     if not cenv.writes and not cenv.accumulates:
         raise ProgramError(
-            "the epilogue writes nothing", hint="end it with store(...) or partial_reduce(...)"
+            "the epilogue writes nothing",
+            loc="epilogue",
+            hint="end it with store(...) or partial_reduce(...)",
         )
     return GemmInfo(
         name,
@@ -146,7 +151,7 @@ def analyze(program: Program, sizes: dict[str, int]) -> ProgramInfo:
         try:
             step.check(env)
         except ProgramError as e:
-            raise e.at(f"prep[{i}] ({step.kind})") from None
+            raise with_field(e, step).at(f"prep[{i}] ({step.kind})") from None
     for i, (step, name) in enumerate(zip(program.steps, program.step_names(), strict=True)):
         env.where = name
         loc = f"steps[{i}] ({step.kind} {name!r})"
@@ -159,9 +164,54 @@ def analyze(program: Program, sizes: dict[str, int]) -> ProgramInfo:
             else:
                 step.check(env)
         except ProgramError as e:
-            raise e.at(loc) from None
-    _check_outputs(program, env)
+            if not isinstance(step, GemmEpilogue):
+                e = with_field(e, step)
+            raise _unstored(e.at(loc), info) from None
+    try:
+        _check_outputs(program, env)
+    except ProgramError as e:
+        raise _unstored(e, info) from None
     return info
+
+
+def with_field(error: ProgramError, node: Any) -> ProgramError:
+    """The error located at the field of ``node`` that holds the name it is about.
+
+    Primitives raise about a name (``vector 'r' must be ...``) without knowing which field held
+    it; the first quoted name of the message that is the value of exactly one string field of
+    the node (or of an operand's ``tensor``) gives that field. Unchanged when none does.
+    """
+    if error.loc:
+        return error
+    values: dict[str, list[str]] = {}
+    for key in type(node).model_fields:
+        value = getattr(node, key)
+        if isinstance(value, Operand):
+            values.setdefault(value.tensor, []).append(key)
+        elif isinstance(value, str) and key not in ("op", "kind", "name"):
+            values.setdefault(value, []).append(key)
+    for quoted in re.findall(r"'([^']+)'", error.message):
+        if len(values.get(quoted, [])) == 1:
+            return ProgramError(
+                error.message, loc=values[quoted][0], hint=error.hint, subject=error.subject
+            )
+    return error
+
+
+def _unstored(error: ProgramError, info: ProgramInfo) -> ProgramError:
+    """A read of a tensor no step writes, where an earlier GEMM computes an epilogue value of
+    that name: the fault is the missing store in that GEMM, so the error points there."""
+    name = error.subject
+    gemm = next((g for g in info.gemms.values() if name and name in g.locals), None)
+    if gemm is None:
+        return error
+    return ProgramError(
+        f"steps[{gemm.index}] (gemm {gemm.name!r}) computes {name!r} in its epilogue but never "
+        f"stores it, so {error.loc or 'a later read'} cannot read it",
+        loc=f"steps[{gemm.index}] (gemm {gemm.name!r}).epilogue",
+        hint=f"add store(src={name!r}, to={name!r}) to that epilogue",
+        subject=name,
+    )
 
 
 def _check_outputs(program: Program, env: ProgramEnv) -> None:
@@ -173,6 +223,7 @@ def _check_outputs(program: Program, env: ProgramEnv) -> None:
                 f"output {out!r} names {tensor!r}, which no step writes",
                 loc=loc,
                 hint=did_you_mean(tensor, env.tensors),
+                subject=tensor,
             )
         t = env.tensors[tensor]
         if t.producer == "input":
@@ -197,7 +248,10 @@ def _check_outputs(program: Program, env: ProgramEnv) -> None:
 
 
 def analyze_all(program: Program, size_sets: list[dict[str, int]]) -> list[ProgramInfo]:
-    """Analyse at every binding and check that codegen-relevant types agree across them."""
+    """Analyse at every binding and check that codegen-relevant types agree across them.
+
+    An error that one edit upstream of it removes (``upstream_fix``) is reported at that edit.
+    """
     infos = []
     for sizes in size_sets:
         try:
@@ -205,7 +259,9 @@ def analyze_all(program: Program, size_sets: list[dict[str, int]]) -> list[Progr
         except ProgramError as e:
             where = ", ".join(f"{k}={v}" for k, v in sizes.items())
             hint = (e.hint + f" [at {where}]").strip()
-            raise ProgramError(e.message, loc=e.loc, hint=hint) from None
+            raise upstream_fix(
+                program, size_sets, ProgramError(e.message, loc=e.loc, hint=hint, subject=e.subject)
+            ) from None
     if infos and any(i.signature() != infos[0].signature() for i in infos[1:]):
         raise ProgramError(
             "the epilogue value types differ between shape sets (a tensor's width relative to the "
@@ -213,3 +269,90 @@ def analyze_all(program: Program, size_sets: list[dict[str, int]]) -> list[Progr
             hint="tile tensors must have N/2, N or 2N columns at every size",
         )
     return infos
+
+
+def upstream_fix(
+    program: Program,
+    size_sets: list[dict[str, int]],
+    error: ProgramError,
+    also: Callable[[Program, list[ProgramInfo]], None] | None = None,
+) -> ProgramError:
+    """Where a type error comes from, when that is not where it surfaces.
+
+    A reduction on the wrong axis surfaces as a vector of the wrong length steps later; a store in
+    the wrong dtype as mismatched GEMM operands. Tries single edits (``edits.flips``: another
+    value of a Literal or bool field; ``edits.swaps``: two tensor fields or a GEMM's operands
+    exchanged) at the failing node and then upstream, nearest first; the first edit under which
+    the whole program type-checks at every shape set names the node. Errors about a name that
+    does not exist are local and returned as they are, and so is any error no single edit
+    removes. ``also``, given, is a further check an edit must pass (the caller's, e.g. that the
+    outputs have the block's shapes).
+    """
+    if error.subject or error.path is None:
+        return error
+    tensors = set(program.inputs) | _produced(program)
+    data = program.model_dump(mode="json")
+    order = _node_order(data)
+    here = _position(error.path, order)
+    candidates = [*edits.flips(program), *edits.swaps(data, tensors)]
+    ranked = sorted(
+        candidates,
+        key=lambda c: (
+            (0, here - _position(c.path, order))
+            if _position(c.path, order) <= here
+            else (1, _position(c.path, order))
+        ),
+    )
+    for cand in ranked:
+        if _type_checks(cand.program, size_sets, also):
+            if cand.path.startswith(error.path):
+                return ProgramError(
+                    error.message,
+                    loc=error.loc,
+                    hint=f"{cand.what} makes the program type-check — {error.hint}".strip(" —"),
+                    path=cand.path,
+                )
+            return ProgramError(
+                f"{error.loc}: {error.message}" if error.loc else error.message,
+                loc=cand.path,
+                hint=f"this surfaces downstream of {cand.path}: {cand.what} makes the whole "
+                f"program type-check ({error.hint})",
+            )
+    return error
+
+
+def _produced(program: Program) -> set[str]:
+    names = set()
+    for _, node in edits.nodes(program.model_dump(mode="json")):
+        for key in ("out", "to"):
+            if isinstance(node.get(key), str):
+                names.add(node[key])
+    return names
+
+
+def _node_order(data: dict[str, Any]) -> list[str]:
+    return [path for path, _ in edits.nodes(data)]
+
+
+def _position(path: str, order: list[str]) -> int:
+    """Index of the deepest node of ``order`` that ``path`` lies in (outputs: after the last)."""
+    best = len(order)
+    for k, node in enumerate(order):
+        if path == node or path.startswith(node + ".") or path.startswith(node + "["):
+            best = k
+    return best
+
+
+def _type_checks(
+    data: dict[str, Any],
+    size_sets: list[dict[str, int]],
+    also: Callable[[Program, list[ProgramInfo]], None] | None,
+) -> bool:
+    try:
+        candidate = Program.parse(data)
+        infos = [analyze(candidate, sizes) for sizes in size_sets]
+        if also is not None:
+            also(candidate, infos)
+    except ProgramError:
+        return False
+    return True
