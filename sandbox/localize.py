@@ -144,8 +144,7 @@ def _describe_literal(where: str, path: str, key: str, text: str, k: int) -> Cal
     def describe(found: Json) -> str:
         value = _value(found, path, key, k)
         return (
-            f"in {where}, the constant {text} should be {value:.6g} (solved from the block's "
-            "reference)"
+            f"set the constant {text} in {where} to {value:.6g} (solved from the block's reference)"
         )
 
     return describe
@@ -179,8 +178,6 @@ def _solver(data: Json, path: str, key: str, k: int | None) -> Solver:
             r0 = run.residual(current)
             if r0 is None:
                 return None
-            if run.error(current) <= SOLVE_TOL:
-                return current
             h = max(abs(c), 1e-12) * 1e-6
             r1 = run.residual(_with_value(data, path, key, k, c + h))
             if r1 is None:
@@ -189,9 +186,12 @@ def _solver(data: Json, path: str, key: str, k: int | None) -> Solver:
             denom = float(jac @ jac)
             if denom == 0.0:
                 return None
-            c = c - float(jac @ r0) / denom
+            step = float(jac @ r0) / denom
+            c = c - step
             if not c > 0 and (k is not None or key == "eps"):
                 return None  # literals are unsigned (a sign is an operator); eps is positive
+            if abs(step) <= 1e-12 * abs(c):
+                break  # converged
         final = _with_value(data, path, key, k, c)
         return final if run.error(final) <= SOLVE_TOL else None
 

@@ -348,7 +348,8 @@ def _localized(
     if found is None:
         return error
     return ProgramError(
-        f"{error.message}. At fault: {found.path} — {found.what} makes every output match",
+        f"{error.message}. At fault: {found.path} — every output matches after this one "
+        f"change: {found.what}",
         loc=found.path,
         hint=error.hint,
     )
