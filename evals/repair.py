@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import json
 import re
 import sys
 import time
@@ -38,7 +40,7 @@ from typing import Any
 
 from coda.blocks import get_block, list_blocks
 from coda.blocks.block import Block
-from coda.planner import lower
+from coda.planner import NoRule, lower
 from coda.primitives import edits
 from coda.sandbox.report import StageResult
 from coda.sandbox.stages import semantics, validate
@@ -79,6 +81,7 @@ class Outcome:
 @dataclass
 class Score:
     outcomes: list[Outcome] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # blocks without a planner Program
     seconds: float = 0.0
 
     def scored(self, kind: str | None = None) -> list[Outcome]:
@@ -267,8 +270,8 @@ def constant_changed(p: Json) -> Mutant | None:
 
 
 def view_start_shifted(p: Json) -> Mutant | None:
-    """A strided output view that starts one element late (``start: "1"`` → ``"2"``)... or, for
-    a view at 0, at 1: de-interleaving the wrong half of a fused result."""
+    """A strided output view on the wrong offset (``start: "1"`` ↔ ``"0"``): the gate half of a
+    de-interleaved result taken for the up half, or the reverse."""
     for name, value in p["outputs"].items():
         if isinstance(value, dict) and value.get("step") not in (None, 1):
             start = value.get("start") or "0"
@@ -355,7 +358,12 @@ def run(blocks: list[str] | None = None) -> Score:
     score = Score()
     start = time.perf_counter()
     for block in [get_block(n) for n in blocks] if blocks else list_blocks():
-        score.outcomes += [run_mutant(m, block) for m in mutants(block)]
+        try:
+            made = mutants(block)
+        except NoRule:
+            score.skipped.append(block.name)  # a registered block the planner cannot lower
+            continue
+        score.outcomes += [run_mutant(m, block) for m in made]
     score.seconds = time.perf_counter() - start
     return score
 
@@ -364,10 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m coda.evals.repair", description=__doc__)
     parser.add_argument("--blocks", help="a,b,c (default: every built-in block)")
     parser.add_argument("--misses", action="store_true", help="print every mutant not localised")
+    parser.add_argument("--json", action="store_true", help="print every outcome as JSON lines")
     args = parser.parse_args(argv)
     score = run(args.blocks.split(",") if args.blocks else None)
+    if args.json:
+        for o in score.outcomes:
+            print(json.dumps(dataclasses.asdict(o)))
+        return 0
     print(score.table())
-    print(f"\n{len(score.outcomes)} mutants in {score.seconds:.1f} s")
+    skipped = f"; skipped (no planner Program): {score.skipped}" if score.skipped else ""
+    print(f"\n{len(score.outcomes)} mutants in {score.seconds:.1f} s{skipped}")
     if args.misses:
         for o in score.scored():
             if not o.localised:

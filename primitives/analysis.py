@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from . import edits
 from .checking import CheckEnv, ProgramEnv
 from .errors import ProgramError, did_you_mean
@@ -290,6 +292,18 @@ def upstream_fix(
     """
     if error.subject or error.path is None:
         return error
+    try:
+        return _search_upstream(program, size_sets, error, also)
+    except Exception:  # noqa: BLE001 - a diagnosis that fails must not hide the error itself
+        return error
+
+
+def _search_upstream(
+    program: Program,
+    size_sets: list[dict[str, int]],
+    error: ProgramError,
+    also: Callable[[Program, list[ProgramInfo]], None] | None,
+) -> ProgramError:
     tensors = set(program.inputs) | _produced(program)
     data = program.model_dump(mode="json")
     order = _node_order(data)
@@ -349,10 +363,10 @@ def _type_checks(
     also: Callable[[Program, list[ProgramInfo]], None] | None,
 ) -> bool:
     try:
-        candidate = Program.parse(data)
+        candidate = Program.model_validate(data)  # a candidate edit, not a submission
         infos = [analyze(candidate, sizes) for sizes in size_sets]
         if also is not None:
             also(candidate, infos)
-    except ProgramError:
+    except (ProgramError, ValidationError):
         return False
     return True

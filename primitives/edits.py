@@ -30,7 +30,7 @@ from .ir import GemmEpilogue, Program
 
 Json = dict[str, Any]
 # Fields that name things rather than choose behaviour: never flipped, swapped or renamed.
-_NOT_CHOICES = {"op", "kind", "name", "config", "dtype_in"}
+_NOT_CHOICES = {"op", "kind", "name", "config"}
 _NAME_FIELDS = {"name", "op", "kind", "out", "to"}  # never a read of a tensor
 
 

@@ -27,7 +27,6 @@ import torch
 from coda.blocks.block import Block
 from coda.primitives import edits
 from coda.primitives.analysis import analyze
-from coda.primitives.errors import ProgramError
 from coda.primitives.ir import Program
 from coda.primitives.reference import execute_reference, outputs_of
 
@@ -57,10 +56,10 @@ class _Run:
     def residual(self, data: Json) -> torch.Tensor | None:
         """got − want over every output, flattened (None if the Program does not run here)."""
         try:
-            program = Program.parse(data)
+            program = Program.model_validate(data)  # a candidate, not a submission: no parse
             analyze(program, self.sizes)
             got = outputs_of(program, execute_reference(program, self.inputs, exact=True))
-        except (ProgramError, RuntimeError, ValueError, IndexError, KeyError):
+        except Exception:  # noqa: BLE001 - a candidate repair may fail in any way: not this one
             return None
         parts = []
         for name, want in self.want.items():
@@ -80,7 +79,7 @@ class _Run:
         return float(r.norm()) / scale
 
 
-def localize(program: Program, block: Block, runs: list[_Run]) -> Finding | None:
+def localize(program: Program, runs: list[_Run]) -> Finding | None:
     """The first single-node repair that makes every output match on every run, or None."""
     data = program.model_dump(mode="json")
     first = runs[0]

@@ -335,15 +335,15 @@ def _localized(
     smallest = min((s for s in shapes if s != failing.sizes), key=_elements, default=None)
     if smallest is None:
         return error
-    small = make_run(block, smallest, block.make_inputs(smallest, F64, seed=0))
-    cheaper = _elements(smallest) < _elements(failing.sizes)
-    if cheaper and small.error(program.model_dump(mode="json")) > SEMANTICS_REL_TOL:
-        runs = [small, failing]
-    else:
-        runs = [failing, small]
     try:
-        found = localize(program, block, runs)
-    except ProgramError:
+        small = make_run(block, smallest, block.make_inputs(smallest, F64, seed=0))
+        cheaper = _elements(smallest) < _elements(failing.sizes)
+        if cheaper and small.error(program.model_dump(mode="json")) > SEMANTICS_REL_TOL:
+            runs = [small, failing]
+        else:
+            runs = [failing, small]
+        found = localize(program, runs)
+    except Exception:  # noqa: BLE001 - a diagnosis that fails must not hide the mismatch itself
         found = None
     if found is None:
         return error
