@@ -250,10 +250,7 @@ def _check_outputs(program: Program, env: ProgramEnv) -> None:
 
 
 def analyze_all(program: Program, size_sets: list[dict[str, int]]) -> list[ProgramInfo]:
-    """Analyse at every binding and check that codegen-relevant types agree across them.
-
-    An error that one edit upstream of it removes (``upstream_fix``) is reported at that edit.
-    """
+    """Analyse at every binding and check that codegen-relevant types agree across them."""
     infos = []
     for sizes in size_sets:
         try:
@@ -261,9 +258,7 @@ def analyze_all(program: Program, size_sets: list[dict[str, int]]) -> list[Progr
         except ProgramError as e:
             where = ", ".join(f"{k}={v}" for k, v in sizes.items())
             hint = (e.hint + f" [at {where}]").strip()
-            raise upstream_fix(
-                program, size_sets, ProgramError(e.message, loc=e.loc, hint=hint, subject=e.subject)
-            ) from None
+            raise ProgramError(e.message, loc=e.loc, hint=hint, subject=e.subject) from None
     if infos and any(i.signature() != infos[0].signature() for i in infos[1:]):
         raise ProgramError(
             "the epilogue value types differ between shape sets (a tensor's width relative to the "

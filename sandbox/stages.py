@@ -249,10 +249,11 @@ def validate(
     with timed("validate", results) as box:
         program = data if isinstance(data, Program) else Program.parse(data)
         check_against_block(program, block)
-        infos = analyze_all(program, size_sets)
         try:
+            infos = analyze_all(program, size_sets)
             check_output_shapes(block, program, infos)
         except ProgramError as e:
+            # reported where one edit removes it, which may be upstream of where it surfaces
             also = lambda p, i: check_output_shapes(block, p, i)  # noqa: E731
             raise upstream_fix(program, size_sets, e, also=also) from None
         for info in infos:
