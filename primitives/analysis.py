@@ -285,9 +285,11 @@ def upstream_fix(
     removes. ``also``, given, is a further check an edit must pass (the caller's, e.g. that the
     outputs have the block's shapes).
     """
-    if error.subject or error.path is None:
+    if error.path is None:
         return error
     try:
+        if error.subject:
+            return _missing_store(program, size_sets, error, also)
         return _search_upstream(program, size_sets, error, also)
     except Exception:  # noqa: BLE001 - a diagnosis that fails must not hide the error itself
         return error
@@ -328,6 +330,32 @@ def _search_upstream(
                 f"program type-check ({error.hint})",
             )
     return error
+
+
+def _missing_store(
+    program: Program,
+    size_sets: list[dict[str, int]],
+    error: ProgramError,
+    also: Callable[[Program, list[ProgramInfo]], None] | None,
+) -> ProgramError:
+    """An output no step writes: the GEMM whose epilogue can store it (a store appended there
+    makes the program type-check, ``also`` included) is where it is missing — if exactly one
+    GEMM can. Other reads of a missing name are misspellings, reported where they are."""
+    if not error.path.startswith("outputs."):
+        return error
+    data = program.model_dump(mode="json")
+    fits = [
+        c for c in edits.stores(data, error.subject) if _type_checks(c.program, size_sets, also)
+    ]
+    if not fits or len({c.path for c in fits}) != 1:
+        return error
+    return ProgramError(
+        f"{error.loc}: {error.message}",
+        loc=fits[0].path,
+        hint=f"the output is never stored: {fits[0].what}"
+        + (f" (or {len(fits) - 1} other values of that epilogue fit)" if len(fits) > 1 else ""),
+        subject=error.subject,
+    )
 
 
 def _produced(program: Program) -> set[str]:

@@ -264,3 +264,18 @@ def size_changes(program: Json, size_names: list[str]) -> Iterator[Candidate]:
                     new["outputs"][name]["start"] = str(start)
                     where = f"outputs.{name}.start"
                     yield Candidate(where, f"set {where} to '{start}'", new)
+
+
+# -- stores ---------------------------------------------------------------------------------------
+def stores(program: Json, tensor: str) -> Iterator[Candidate]:
+    """A ``store(src=v, to=tensor)`` appended to each GEMM's epilogue, for each tile value ``v``
+    it has (``acc`` and every op's ``out``): a tensor the program reads but never writes."""
+    for i, step in enumerate(program["steps"]):
+        if step.get("kind") != "gemm":
+            continue
+        values = ["acc"] + [op["out"] for op in step["epilogue"] if isinstance(op.get("out"), str)]
+        for value in values:
+            new = copy.deepcopy(program)
+            new["steps"][i]["epilogue"].append({"op": "store", "src": value, "to": tensor})
+            path = f"steps[{i}].epilogue"
+            yield Candidate(path, f"add store(src={value!r}, to={tensor!r}) to {path}", new)

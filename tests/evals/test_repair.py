@@ -126,3 +126,11 @@ def test_locations_become_json_paths() -> None:
     with pytest.raises(ProgramError) as caught:
         Program.parse(data)
     assert caught.value.path == "steps[1].epilogue[0].vector"
+
+
+def test_an_output_never_stored_points_at_the_epilogue_that_can_store_it() -> None:
+    mutant = repair.missing_store(lower(get_block("gemm_swiglu")).model_dump(mode="json"))
+    outcome = _report(mutant.program, "gemm_swiglu")
+    assert outcome.failed_stage == "validate" and outcome.reported_loc == "steps[0].epilogue"
+    assert "output 'd' names 'd', which no step writes" in outcome.message
+    assert "add store(src='acc', to='d') to steps[0].epilogue" in outcome.message
