@@ -9,9 +9,14 @@ generates the kernels and each run's analysis sizes its buffers.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
+from . import edits
 from .checking import CheckEnv, ProgramEnv
 from .errors import ProgramError, did_you_mean
 from .ir import GemmEpilogue, Operand, OutputView, Program
@@ -119,10 +124,12 @@ def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> G
         try:
             op.check(cenv)
         except ProgramError as e:
-            raise e.at(f"epilogue[{j}] ({op.op})") from None
+            raise with_field(e, op).at(f"epilogue[{j}] ({op.op})") from None
     if not cenv.writes and not cenv.accumulates:
         raise ProgramError(
-            "the epilogue writes nothing", hint="end it with store(...) or partial_reduce(...)"
+            "the epilogue writes nothing",
+            loc="epilogue",
+            hint="end it with store(...) or partial_reduce(...)",
         )
     return GemmInfo(
         name,
@@ -146,7 +153,7 @@ def analyze(program: Program, sizes: dict[str, int]) -> ProgramInfo:
         try:
             step.check(env)
         except ProgramError as e:
-            raise e.at(f"prep[{i}] ({step.kind})") from None
+            raise with_field(e, step).at(f"prep[{i}] ({step.kind})") from None
     for i, (step, name) in enumerate(zip(program.steps, program.step_names(), strict=True)):
         env.where = name
         loc = f"steps[{i}] ({step.kind} {name!r})"
@@ -159,9 +166,54 @@ def analyze(program: Program, sizes: dict[str, int]) -> ProgramInfo:
             else:
                 step.check(env)
         except ProgramError as e:
-            raise e.at(loc) from None
-    _check_outputs(program, env)
+            if not isinstance(step, GemmEpilogue):
+                e = with_field(e, step)
+            raise _unstored(e.at(loc), info) from None
+    try:
+        _check_outputs(program, env)
+    except ProgramError as e:
+        raise _unstored(e, info) from None
     return info
+
+
+def with_field(error: ProgramError, node: Any) -> ProgramError:
+    """The error located at the field of ``node`` that holds the name it is about.
+
+    Primitives raise about a name (``vector 'r' must be ...``) without knowing which field held
+    it; the first quoted name of the message that is the value of exactly one string field of
+    the node (or of an operand's ``tensor``) gives that field. Unchanged when none does.
+    """
+    if error.loc:
+        return error
+    values: dict[str, list[str]] = {}
+    for key in type(node).model_fields:
+        value = getattr(node, key)
+        if isinstance(value, Operand):
+            values.setdefault(value.tensor, []).append(key)
+        elif isinstance(value, str) and key not in ("op", "kind", "name"):
+            values.setdefault(value, []).append(key)
+    for quoted in re.findall(r"'([^']+)'", error.message):
+        if len(values.get(quoted, [])) == 1:
+            return ProgramError(
+                error.message, loc=values[quoted][0], hint=error.hint, subject=error.subject
+            )
+    return error
+
+
+def _unstored(error: ProgramError, info: ProgramInfo) -> ProgramError:
+    """A read of a tensor no step writes, where an earlier GEMM computes an epilogue value of
+    that name: the fault is the missing store in that GEMM, so the error points there."""
+    name = error.subject
+    gemm = next((g for g in info.gemms.values() if name and name in g.locals), None)
+    if gemm is None:
+        return error
+    return ProgramError(
+        f"steps[{gemm.index}] (gemm {gemm.name!r}) computes {name!r} in its epilogue but never "
+        f"stores it, so {error.loc or 'a later read'} cannot read it",
+        loc=f"steps[{gemm.index}] (gemm {gemm.name!r}).epilogue",
+        hint=f"add store(src={name!r}, to={name!r}) to that epilogue",
+        subject=name,
+    )
 
 
 def _check_outputs(program: Program, env: ProgramEnv) -> None:
@@ -173,6 +225,7 @@ def _check_outputs(program: Program, env: ProgramEnv) -> None:
                 f"output {out!r} names {tensor!r}, which no step writes",
                 loc=loc,
                 hint=did_you_mean(tensor, env.tensors),
+                subject=tensor,
             )
         t = env.tensors[tensor]
         if t.producer == "input":
@@ -205,7 +258,7 @@ def analyze_all(program: Program, size_sets: list[dict[str, int]]) -> list[Progr
         except ProgramError as e:
             where = ", ".join(f"{k}={v}" for k, v in sizes.items())
             hint = (e.hint + f" [at {where}]").strip()
-            raise ProgramError(e.message, loc=e.loc, hint=hint) from None
+            raise ProgramError(e.message, loc=e.loc, hint=hint, subject=e.subject) from None
     if infos and any(i.signature() != infos[0].signature() for i in infos[1:]):
         raise ProgramError(
             "the epilogue value types differ between shape sets (a tensor's width relative to the "
@@ -213,3 +266,130 @@ def analyze_all(program: Program, size_sets: list[dict[str, int]]) -> list[Progr
             hint="tile tensors must have N/2, N or 2N columns at every size",
         )
     return infos
+
+
+def upstream_fix(
+    program: Program,
+    size_sets: list[dict[str, int]],
+    error: ProgramError,
+    also: Callable[[Program, list[ProgramInfo]], None] | None = None,
+) -> ProgramError:
+    """Where a type error comes from, when that is not where it surfaces.
+
+    A reduction on the wrong axis surfaces as a vector of the wrong length steps later; a store in
+    the wrong dtype as mismatched GEMM operands. Tries single edits (``edits.flips``: another
+    value of a Literal or bool field; ``edits.swaps``: two tensor fields or a GEMM's operands
+    exchanged) at the failing node and then upstream, nearest first; the first edit under which
+    the whole program type-checks at every shape set names the node. Errors about a name that
+    does not exist are local and returned as they are, and so is any error no single edit
+    removes. ``also``, given, is a further check an edit must pass (the caller's, e.g. that the
+    outputs have the block's shapes).
+    """
+    if error.path is None:
+        return error
+    try:
+        if error.subject:
+            return _missing_store(program, size_sets, error, also)
+        return _search_upstream(program, size_sets, error, also)
+    except Exception:  # noqa: BLE001 - a diagnosis that fails must not hide the error itself
+        return error
+
+
+def _search_upstream(
+    program: Program,
+    size_sets: list[dict[str, int]],
+    error: ProgramError,
+    also: Callable[[Program, list[ProgramInfo]], None] | None,
+) -> ProgramError:
+    tensors = set(program.inputs) | _produced(program)
+    data = program.model_dump(mode="json")
+    order = _node_order(data)
+    here = _position(error.path, order)
+    candidates = [*edits.flips(program), *edits.swaps(data, tensors)]
+    ranked = sorted(
+        candidates,
+        key=lambda c: (
+            (0, here - _position(c.path, order))
+            if _position(c.path, order) <= here
+            else (1, _position(c.path, order))
+        ),
+    )
+    for cand in ranked:
+        if _type_checks(cand.program, size_sets, also):
+            if cand.path.startswith(error.path):
+                return ProgramError(
+                    error.message,
+                    loc=error.loc,
+                    hint=f"{cand.what} makes the program type-check — {error.hint}".strip(" —"),
+                    path=cand.path,
+                )
+            return ProgramError(
+                f"{error.loc}: {error.message}" if error.loc else error.message,
+                loc=cand.path,
+                hint=f"this surfaces downstream of {cand.path}: {cand.what} makes the whole "
+                f"program type-check ({error.hint})",
+            )
+    return error
+
+
+def _missing_store(
+    program: Program,
+    size_sets: list[dict[str, int]],
+    error: ProgramError,
+    also: Callable[[Program, list[ProgramInfo]], None] | None,
+) -> ProgramError:
+    """An output no step writes: the GEMM whose epilogue can store it (a store appended there
+    makes the program type-check, ``also`` included) is where it is missing — if exactly one
+    GEMM can. Other reads of a missing name are misspellings, reported where they are."""
+    if not error.path.startswith("outputs."):
+        return error
+    data = program.model_dump(mode="json")
+    fits = [
+        c for c in edits.stores(data, error.subject) if _type_checks(c.program, size_sets, also)
+    ]
+    if not fits or len({c.path for c in fits}) != 1:
+        return error
+    return ProgramError(
+        f"{error.loc}: {error.message}",
+        loc=fits[0].path,
+        hint=f"the output is never stored: {fits[0].what}"
+        + (f" (or {len(fits) - 1} other values of that epilogue fit)" if len(fits) > 1 else ""),
+        subject=error.subject,
+    )
+
+
+def _produced(program: Program) -> set[str]:
+    names = set()
+    for _, node in edits.nodes(program.model_dump(mode="json")):
+        for key in ("out", "to"):
+            if isinstance(node.get(key), str):
+                names.add(node[key])
+    return names
+
+
+def _node_order(data: dict[str, Any]) -> list[str]:
+    return [path for path, _ in edits.nodes(data)]
+
+
+def _position(path: str, order: list[str]) -> int:
+    """Index of the deepest node of ``order`` that ``path`` lies in (outputs: after the last)."""
+    best = len(order)
+    for k, node in enumerate(order):
+        if path == node or path.startswith(node + ".") or path.startswith(node + "["):
+            best = k
+    return best
+
+
+def _type_checks(
+    data: dict[str, Any],
+    size_sets: list[dict[str, int]],
+    also: Callable[[Program, list[ProgramInfo]], None] | None,
+) -> bool:
+    try:
+        candidate = Program.model_validate(data)  # a candidate edit, not a submission
+        infos = [analyze(candidate, sizes) for sizes in size_sets]
+        if also is not None:
+            also(candidate, infos)
+    except (ProgramError, ValidationError):
+        return False
+    return True

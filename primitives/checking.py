@@ -37,6 +37,7 @@ class ProgramEnv:
                 f"{role} {name!r} is not a program tensor at this point",
                 hint=did_you_mean(name, self.tensors)
                 + " (a tensor can be used only after the step that produces it)",
+                subject=name,
             )
         return self.tensors[name]
 

@@ -8,16 +8,31 @@ verbatim, so a failing unit test and the agent's feedback read the same.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
+
+_LABEL = re.compile(r"\s*\([^()]*\)")
 
 
 class ProgramError(ValueError):
     """A Program is malformed, ill-typed or cannot run at the requested shapes."""
 
-    def __init__(self, message: str, *, loc: str = "", hint: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        loc: str = "",
+        hint: str = "",
+        subject: str = "",
+        path: str | None = None,
+    ) -> None:
         self.loc = loc
         self.message = message
         self.hint = hint
+        # The name the error is about (a tensor no step writes, ...), for callers that look for
+        # where it should have come from; and a JSON path that overrides the one ``loc`` gives.
+        self.subject = subject
+        self._path = path
         super().__init__(self.render())
 
     def render(self) -> str:
@@ -32,7 +47,20 @@ class ProgramError(ValueError):
             joined = loc + self.loc
         else:
             joined = f"{loc}.{self.loc}"
-        return ProgramError(self.message, loc=joined, hint=self.hint)
+        return ProgramError(self.message, loc=joined, hint=self.hint, subject=self.subject)
+
+    @property
+    def path(self) -> str | None:
+        """The location as a JSON path into the Program (``steps[2].epilogue[0].tensor``), the
+        labels that make ``loc`` readable dropped; None when the error has no location."""
+        return self._path if self._path is not None else json_path(self.loc)
+
+
+def json_path(loc: str) -> str | None:
+    """A ``loc`` as a JSON path: ``steps[2] (gemm 'down').epilogue[0] (add_tile).tensor`` →
+    ``steps[2].epilogue[0].tensor``."""
+    path = _LABEL.sub("", loc).strip()
+    return path or None
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:

@@ -279,7 +279,7 @@ class Program(Node):
                 return cls.model_validate_json(data)
             return cls.model_validate(data)
         except ValidationError as e:
-            raise ProgramError(format_validation_error(e)) from None
+            raise ProgramError(format_validation_error(e), path=error_path(e)) from None
 
     def to_python(self) -> str:
         """Builder calls that rebuild this program exactly (for bug reports and transcripts)."""
@@ -308,6 +308,27 @@ def _tag_hint(err: dict[str, Any]) -> str:
         names = [t.strip().strip("'") for t in str(expected).split(",")]
         return " (" + did_you_mean(str(tag), names) + ")"
     return ""
+
+
+def error_path(e: ValidationError) -> str | None:
+    """The JSON path of pydantic's first error (``steps[3].epilogue``): list indices in brackets,
+    the union tag pydantic inserts after an element of ``prep``/``steps``/``epilogue`` dropped."""
+    errors = e.errors()
+    if not errors:
+        return None
+    loc = list(errors[0]["loc"])
+    path = ""
+    for k, part in enumerate(loc):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif k >= 2 and isinstance(loc[k - 1], int) and loc[k - 2] in _TAGGED_LISTS:
+            continue  # the union's tag, not a field
+        else:
+            path += f".{part}" if path else str(part)
+    return path or None
+
+
+_TAGGED_LISTS = ("prep", "steps", "epilogue")
 
 
 def format_validation_error(e: ValidationError, limit: int = 12) -> str:

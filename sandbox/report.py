@@ -52,6 +52,9 @@ class StageResult(BaseModel):
     message: str = ""
     seconds: float = 0.0
     cause: Cause | None = None  # set when status == "failed"
+    # The JSON path of the Program node (and field) at fault, e.g. "steps[2].epilogue[1].vector"
+    # or "prep[1].gamma", when the stage could tell; None otherwise (and in older reports).
+    loc: str | None = None
 
 
 class SemanticsCoverage(BaseModel):
@@ -190,6 +193,8 @@ class Report(BaseModel):
         failed = self.failed_stage
         if failed is not None and failed.message and "\n" in failed.message:
             lines.append(failed.message)
+        if failed is not None and failed.loc:
+            lines.append(f"  where: {failed.loc} (the JSON path of the program node to change)")
         bad = [c for c in self.checks if not c.passed]
         for c in bad[:max_checks]:
             lines.append("  " + c.summary())

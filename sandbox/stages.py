@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from coda.blocks.block import Block
 from coda.blocks.draws import SCENARIOS, draw_shapes, scenario_inputs
 from coda.primitives import backend
-from coda.primitives.analysis import ProgramInfo, analyze_all
+from coda.primitives.analysis import ProgramInfo, analyze_all, upstream_fix
 from coda.primitives.errors import ProgramError
 from coda.primitives.footprint import check_footprint
 from coda.primitives.ir import Program
@@ -36,6 +36,7 @@ from coda.primitives.types import TORCH_DTYPES
 from .compare import OutputCheck, check_output
 from .errors import StageFailure
 from .faults import classify_exception, describe_exception
+from .localize import localize, make_run
 from .report import ProfileRow, SemanticsCoverage, Stage, StageResult
 from .screen import reference64, screen_block, screen_program
 
@@ -151,14 +152,14 @@ def _gib(value: float | None) -> int | None:
 @contextmanager
 def timed(stage: Stage, sink: list[StageResult]) -> Iterator[dict[str, Any]]:
     """Run a stage body; record passed / failed (with the error) and its wall time."""
-    box: dict[str, Any] = {"status": "passed", "message": "", "cause": None}
+    box: dict[str, Any] = {"status": "passed", "message": "", "cause": None, "loc": None}
     start = time.perf_counter()
     try:
         yield box
     except StageFailure as e:
-        box.update(status="failed", message=e.render(), cause=e.cause)
+        box.update(status="failed", message=e.render(), cause=e.cause, loc=e.path)
     except ProgramError as e:
-        box.update(status="failed", message=e.render(), cause="program")
+        box.update(status="failed", message=e.render(), cause="program", loc=e.path)
     except Exception as e:  # noqa: BLE001 - a candidate may throw anything; it becomes a report
         cause = classify_exception(e)
         box.update(status="failed", message=describe_exception(stage, e, cause), cause=cause)
@@ -169,6 +170,7 @@ def timed(stage: Stage, sink: list[StageResult]) -> Iterator[dict[str, Any]]:
             message=box["message"],
             seconds=round(time.perf_counter() - start, 3),
             cause=box["cause"],
+            loc=box["loc"],
         )
     )
 
@@ -210,6 +212,26 @@ def check_against_block(program: Program, block: Block) -> None:
         )
 
 
+def check_output_shapes(block: Block, program: Program, infos: list[ProgramInfo]) -> None:
+    """Every output must have the shape the block's reference gives it, at every shape set (from
+    the block's graph on meta tensors: nothing is computed)."""
+    for info in infos:
+        want = block.trace(info.sizes)
+        for name, value in program.outputs.items():
+            tensor = info.tensors[program.output_tensor(name)]
+            shape = tuple(tensor.shape)
+            if not isinstance(value, str):
+                meta = torch.empty(shape, device="meta")
+                shape = tuple(value.apply(meta, info.sizes).shape)
+            if name in want and shape != tuple(want[name]):
+                raise ProgramError(
+                    f"output {name!r} would have shape {list(shape)} but the block's reference "
+                    f"gives {list(want[name])} (at {_where(info.sizes)})",
+                    loc=f"outputs.{name}",
+                    hint="check the steps that produce it: their sizes, axes and transposes",
+                )
+
+
 def validate(
     data: Program | dict | str,
     block: Block,
@@ -227,7 +249,13 @@ def validate(
     with timed("validate", results) as box:
         program = data if isinstance(data, Program) else Program.parse(data)
         check_against_block(program, block)
-        infos = analyze_all(program, size_sets)
+        try:
+            infos = analyze_all(program, size_sets)
+            check_output_shapes(block, program, infos)
+        except ProgramError as e:
+            # reported where one edit removes it, which may be upstream of where it surfaces
+            also = lambda p, i: check_output_shapes(block, p, i)  # noqa: E731
+            raise upstream_fix(program, size_sets, e, also=also) from None
         for info in infos:
             check_footprint(
                 program,
@@ -284,11 +312,52 @@ def semantics(
                 continue
             got = outputs_of(program, execute_reference(program, inputs, exact=True))
             where = _describe_run(sizes, scenario, drawn_seed)
-            for name in block.outputs:
-                worst = max(worst, _semantic_error(name, got[name], want[name], where, scenario))
+            try:
+                for name in block.outputs:
+                    worst = max(
+                        worst, _semantic_error(name, got[name], want[name], where, scenario)
+                    )
+            except ProgramError as e:
+                raise _localized(
+                    e, program, block, make_run(block, sizes, inputs), shapes
+                ) from None
         coverage = SemanticsCoverage(seed=seed, drawn_shapes=fresh, inputs=list(SCENARIOS))
         box["message"] = _semantics_message(worst, shapes, fresh, seed, skipped)
     return coverage if results[-1].status == "passed" else None
+
+
+def _localized(
+    error: ProgramError, program: Program, block: Block, failing: Any, shapes: list[dict[str, int]]
+) -> ProgramError:
+    """The mismatch, located at the node whose single repair makes every output match (on two
+    runs: ``localize``); as it is when no single repair does. Repairs are searched at the
+    smallest shape set where the program fails too (cheapest), and confirmed on the failing run.
+    """
+    smallest = min((s for s in shapes if s != failing.sizes), key=_elements, default=None)
+    if smallest is None:
+        return error
+    try:
+        small = make_run(block, smallest, block.make_inputs(smallest, F64, seed=0))
+        cheaper = _elements(smallest) < _elements(failing.sizes)
+        if cheaper and small.error(program.model_dump(mode="json")) > SEMANTICS_REL_TOL:
+            runs = [small, failing]
+        else:
+            runs = [failing, small]
+        found = localize(program, runs)
+    except Exception:  # noqa: BLE001 - a diagnosis that fails must not hide the mismatch itself
+        found = None
+    if found is None:
+        return error
+    return ProgramError(
+        f"{error.message}. At fault: {found.path} — every output matches after this one "
+        f"change: {found.what}",
+        loc=found.path,
+        hint=error.hint,
+    )
+
+
+def _elements(sizes: dict[str, int]) -> int:
+    return math.prod(sizes.values())
 
 
 def _semantic_runs(
