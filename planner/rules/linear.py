@@ -7,17 +7,21 @@ absorbs what it can (``epilogue.emit_gemm``).
   saving them for its backward), ``split_pairs`` stores them too.
 * **fused QKV with RoPE** (``rope.qkv_group``): Linears of one input whose results are
   concatenated become one GEMM over the concatenated weights.
+* **bias**: ``add_col_vector(acc, bias)`` after any row scale (``diag(r)·(x W) + b``).
+* **GLU with any activation** (``glu``): an interleaved gate/up pair into a ``GLU`` contracts
+  with ``pairwise`` (``act(x0) * x1``) instead of ``swiglu``.
 * **row-scale commutation** (``rmsnorm.commute``): a Linear of an RMSNorm output runs on the norm's
   input with ``scale_rows(acc, r)``.
 """
 
 from __future__ import annotations
 
-from coda.blocks.ops import Linear
+from coda.blocks.ops import GLU, Linear
 
 from ..epilogue import Epilogue, emit_gemm
 from ..registry import Rule
 from ..state import PlanState
+from .glu import glu_pairs_expr
 from .rmsnorm import commute
 from .rope import lower_qkv, qkv_group
 from .swiglu import gate_up_pair
@@ -51,9 +55,12 @@ def lower_linear(st: PlanState, i: int, op: Linear) -> None:
     cur = "acc"
     if scale is not None:
         weight = scale[1]
-        ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": value})
-        cur = value
+        cur = value if op.bias is None else f"{value}_unbiased"
+        ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": cur})
     ep.products[cur] = (a, weight, scale[0] if scale is not None else None)
+    if op.bias is not None:  # never paired (gate_up_pair): the bias is op's own
+        ep.emit({"op": "add_col_vector", "src": cur, "vector": op.bias, "out": value})
+        cur = value
     if glu is not None:
         if {gate.out, up.out} & set(st.block.outputs):
             # the gate and up projections themselves are wanted (saved for a backward pass)
@@ -61,7 +68,12 @@ def lower_linear(st: PlanState, i: int, op: Linear) -> None:
             ep.emit(node)
             for half in (gate.out, up.out):
                 ep.result(half, half)
-        ep.emit({"op": "swiglu", "src": cur, "out": glu.out})
+        if isinstance(glu, GLU):
+            ep.emit(
+                {"op": "pairwise", "src": cur, "expr0": glu_pairs_expr(glu.act), "out": glu.out}
+            )
+        else:
+            ep.emit({"op": "swiglu", "src": cur, "out": glu.out})
         cur, value = glu.out, glu.out
     ep.result(value, cur)
     st.done.update(indices)

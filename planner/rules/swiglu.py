@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from coda.blocks.ops import Add, Linear, RMSNorm, SwiGLU, SwiGLUPairs, SwiGLUPairsBackward
+from coda.blocks.ops import GLU, Add, Linear, RMSNorm, SwiGLU, SwiGLUPairs, SwiGLUPairsBackward
 
 from ..backward import BackwardBuilder
 from ..epilogue import Epilogue
@@ -28,11 +28,12 @@ SWIGLU_DU = "{da} * silu(x0)"
 
 def gate_up_pair(
     st: PlanState, i: int, op: Linear
-) -> tuple[Linear, Linear, SwiGLU, list[int]] | None:
-    """(gate, up, swiglu, their graph indices) when Linear ``op`` (graph op ``i``) is half of a
-    SwiGLU whose other half projects the same input and is not lowered yet."""
+) -> tuple[Linear, Linear, SwiGLU | GLU, list[int]] | None:
+    """(gate, up, swiglu or glu, their graph indices) when Linear ``op`` (graph op ``i``) is half
+    of a SwiGLU (or GLU) whose other half projects the same input and is not lowered yet; biased
+    projections are not paired (their biases are not interleaved)."""
     users = st.consumers(op.out)
-    if len(users) != 1 or not isinstance(users[0][1], SwiGLU):
+    if len(users) != 1 or not isinstance(users[0][1], SwiGLU | GLU) or op.bias is not None:
         return None
     k, glu = users[0]
     other = glu.up if glu.gate == op.out else glu.gate
@@ -41,6 +42,7 @@ def gate_up_pair(
         found is None
         or not isinstance(found[1], Linear)
         or found[1].x != op.x
+        or found[1].bias is not None
         or found[0] in st.done
     ):
         return None

@@ -1,0 +1,170 @@
+"""Biased Linears, elementwise activations and GLUs with any activation, lowered by the planner
+and verified by the sandbox (GPT-2's MLP, Gemma's GeGLU MLP)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coda.blocks import GLU, Activation, Add, Block, Linear, RMSNorm, ShapeSets, TensorSpec
+from coda.blocks.ops import ActivationKind
+from coda.planner import NoRule, lower
+from coda.planner.rules.activation import ACTIVATION_EXPR
+from coda.sandbox import SandboxOptions, evaluate
+from coda.sandbox.report import StageResult
+from coda.sandbox.stages import semantics, validate
+
+OPTIONS = SandboxOptions(profile=False, isolate=False, seeds=[0])  # float32 + float16
+RAGGED = ShapeSets(cpu=[{"M": 33, "d": 40, "f": 56}, {"M": 7, "d": 24, "f": 40}])
+
+
+def _spec(*shape: str, init: str = "activation") -> TensorSpec:
+    return TensorSpec(shape=list(shape), init=init)
+
+
+def _block(name: str, graph: list, inputs: dict[str, TensorSpec], out: str = "out") -> Block:
+    return Block(
+        name=name, description=name, inputs=inputs, graph=graph, outputs=[out], shapes=RAGGED
+    )
+
+
+MLP_INPUTS = {
+    "x": _spec("M", "d"),
+    "w_fc": _spec("f", "d", init="linear_weight"),
+    "b_fc": _spec("f"),
+    "w_proj": _spec("d", "f", init="linear_weight"),
+    "b_proj": _spec("d"),
+}
+
+
+def gpt2_mlp(kind: ActivationKind = "gelu_tanh", cap: float | None = None) -> Block:
+    """GPT-2's MLP: ``c_proj(act(c_fc(x)))``, both Linears biased."""
+    return _block(
+        f"mlp_{kind}",
+        [
+            Linear(x="x", weight="w_fc", bias="b_fc", out="h"),
+            Activation(x="h", kind=kind, cap=cap, out="a"),
+            Linear(x="a", weight="w_proj", bias="b_proj", out="out"),
+        ],
+        MLP_INPUTS,
+    )
+
+
+GEMMA_MLP = _block(
+    "gemma_mlp",
+    [
+        RMSNorm(x="x", weight="gamma", eps=1e-6, out="h"),
+        Linear(x="h", weight="w_gate", out="g"),
+        Linear(x="h", weight="w_up", out="u"),
+        GLU(gate="g", up="u", act="gelu_tanh", out="a"),
+        Linear(x="a", weight="w_down", out="m"),
+        Add(a="x", b="m", out="out"),
+    ],
+    {
+        "x": _spec("M", "d"),
+        "gamma": _spec("d", init="norm_weight"),
+        "w_gate": _spec("f", "d", init="linear_weight"),
+        "w_up": _spec("f", "d", init="linear_weight"),
+        "w_down": _spec("d", "f", init="linear_weight"),
+    },
+)
+
+
+def _verify(block: Block):  # noqa: ANN202
+    program = lower(block)
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+    return program
+
+
+def _algebra_holds(block: Block) -> None:
+    """validate + semantics (float64 reference executor) only: milliseconds, no kernel run."""
+    results: list[StageResult] = []
+    program, _ = validate(lower(block), block, block.shapes.cpu, results)
+    assert program is not None, results[-1].message
+    semantics(program, block, block.shapes.cpu, results, seed=0, drawn=1)
+    assert results[-1].status == "passed", results[-1].message
+
+
+def test_gpt2_mlp_biases_and_gelu_tanh_join_the_epilogues() -> None:
+    program = _verify(gpt2_mlp())
+    fc, proj = program.steps
+    assert [op.op for op in fc.epilogue] == ["add_col_vector", "map", "store"]
+    assert "tanh" in fc.epilogue[1].expr
+    assert [op.op for op in proj.epilogue] == ["add_col_vector", "store"]
+
+
+@pytest.mark.parametrize(
+    "kind,cap", [(k, 30.0 if k == "softcap" else None) for k in ACTIVATION_EXPR]
+)
+def test_every_activation_kind_matches_its_pytorch_semantics(kind: str, cap: float | None) -> None:
+    _algebra_holds(gpt2_mlp(kind, cap))  # type: ignore[arg-type]
+
+
+def test_softcap_needs_its_cap() -> None:
+    with pytest.raises(ValueError, match="cap is required by softcap"):
+        Activation(x="h", kind="softcap", out="a")
+
+
+def test_gemma_geglu_mlp_interleaves_gate_and_up() -> None:
+    program = _verify(GEMMA_MLP)
+    assert [p.kind for p in program.prep] == ["interleave_rows", "fold_norm_weight"]
+    gate_up = program.steps[1]
+    assert [op.op for op in gate_up.epilogue] == ["scale_rows", "pairwise", "store"]
+    assert "x1" in gate_up.epilogue[1].expr0 and "tanh" in gate_up.epilogue[1].expr0
+
+
+def test_glu_of_two_inputs_reads_the_stored_gate() -> None:
+    block = _block(
+        "glu_two_inputs",
+        [
+            Linear(x="x", weight="w_gate", out="g"),
+            Linear(x="y", weight="w_up", out="u"),
+            GLU(gate="g", up="u", act="quick_gelu", out="out"),
+        ],
+        {
+            "x": _spec("M", "d"),
+            "y": _spec("M", "d"),
+            "w_gate": _spec("f", "d", init="linear_weight"),
+            "w_up": _spec("f", "d", init="linear_weight"),
+        },
+    )
+    program = _verify(block)
+    gate, up = program.steps
+    assert [op.op for op in gate.epilogue] == ["store"]
+    assert [op.op for op in up.epilogue] == ["load_tile", "map", "store"]
+
+
+def test_a_vector_added_after_a_linear_is_a_bias() -> None:
+    block = _block(
+        "linear_plus_vector",
+        [Linear(x="x", weight="w_fc", out="h"), Add(a="h", b="b_fc", out="out")],
+        {k: MLP_INPUTS[k] for k in ("x", "w_fc", "b_fc")},
+    )
+    program = lower(block)
+    assert [op.op for op in program.steps[0].epilogue] == ["add_col_vector", "store"]
+    _algebra_holds(block)
+
+
+def test_a_biased_linear_after_rmsnorm_scales_rows_before_the_bias() -> None:
+    block = _block(
+        "norm_linear_bias",
+        [
+            RMSNorm(x="x", weight="gamma", out="h"),
+            Linear(x="h", weight="w_fc", bias="b_fc", out="out"),
+        ],
+        {
+            **{k: MLP_INPUTS[k] for k in ("x", "w_fc", "b_fc")},
+            "gamma": _spec("d", init="norm_weight"),
+        },
+    )
+    program = lower(block)
+    assert [op.op for op in program.steps[-1].epilogue] == ["scale_rows", "add_col_vector", "store"]
+    _algebra_holds(block)
+
+
+def test_an_activation_of_a_block_input_names_the_op() -> None:
+    block = _block(
+        "act_of_input", [Activation(x="x", kind="relu", out="out")], {"x": _spec("M", "d")}
+    )
+    with pytest.raises(NoRule, match=r"graph\[0\] activation\(out='out'\): no lowering rule"):
+        lower(block)
