@@ -33,10 +33,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def activation(x: torch.Tensor, kind: str, cap: float | None = None) -> torch.Tensor:
-    """Hugging Face's elementwise activations (``ACT2FN``) and Gemma-2's logit softcap:
-    ``gelu_tanh`` (``gelu_pytorch_tanh``), ``quick_gelu`` ``x·σ(1.702x)``, ``relu2``
+    """Hugging Face's elementwise activations (``ACT2FN``) and Gemma-2's logit softcap: ``gelu``
+    (exact, erf), ``gelu_tanh`` (``gelu_pytorch_tanh``), ``quick_gelu`` ``x·σ(1.702x)``, ``relu2``
     ``relu(x)²``, ``relu``, ``silu``, ``sigmoid``, ``tanh`` and ``softcap`` ``cap·tanh(x/cap)``.
     """
+    if kind == "gelu":
+        return F.gelu(x)
     if kind == "gelu_tanh":
         return F.gelu(x, approximate="tanh")
     if kind == "quick_gelu":

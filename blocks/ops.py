@@ -115,9 +115,11 @@ class SwiGLU(GraphOp):
 
 
 ActivationKind = Literal[
-    "gelu_tanh", "quick_gelu", "relu2", "relu", "silu", "sigmoid", "tanh", "softcap"
+    "gelu", "gelu_tanh", "quick_gelu", "relu2", "relu", "silu", "sigmoid", "tanh", "softcap"
 ]
-GLUActivation = Literal["gelu_tanh", "quick_gelu", "relu2", "relu", "silu", "sigmoid", "tanh"]
+GLUActivation = Literal[
+    "gelu", "gelu_tanh", "quick_gelu", "relu2", "relu", "silu", "sigmoid", "tanh"
+]
 
 
 class Activation(GraphOp):

@@ -14,6 +14,7 @@ from ..registry import Rule, inputs_not_joined
 from ..state import PlanState
 
 ACTIVATION_EXPR = {
+    "gelu": "0.5 * {x} * (1 + erf({x} * 0.7071067811865476))",  # exact: x·Φ(x)
     # Hugging Face's gelu_pytorch_tanh: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
     "gelu_tanh": "0.5 * {x} * (1 + tanh(0.7978845608028654 * ({x} + 0.044715 * {x} ** 3)))",
     "quick_gelu": "{x} * sigmoid(1.702 * {x})",

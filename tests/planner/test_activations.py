@@ -5,8 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from coda.blocks import GLU, Activation, Add, Block, Linear, RMSNorm, ShapeSets, TensorSpec
-from coda.blocks.ops import ActivationKind
+from coda.blocks import (
+    GLU,
+    Activation,
+    Add,
+    Block,
+    Linear,
+    RMSNorm,
+    ShapeSets,
+    SwiGLU,
+    TensorSpec,
+    registry,
+)
+from coda.blocks.autodiff import backward_block
+from coda.blocks.ops import ActivationKind, Concat
 from coda.planner import NoRule, lower
 from coda.planner.rules.activation import ACTIVATION_EXPR
 from coda.sandbox import SandboxOptions, evaluate
@@ -93,6 +105,11 @@ def test_gpt2_mlp_biases_and_gelu_tanh_join_the_epilogues() -> None:
     assert [op.op for op in proj.epilogue] == ["add_col_vector", "store"]
 
 
+def test_exact_gelu_runs_erf_in_the_kernel() -> None:
+    program = _verify(gpt2_mlp("gelu"))
+    assert "erf" in program.steps[0].epilogue[1].expr
+
+
 @pytest.mark.parametrize(
     "kind,cap", [(k, 30.0 if k == "softcap" else None) for k in ACTIVATION_EXPR]
 )
@@ -134,6 +151,26 @@ def test_glu_of_two_inputs_reads_the_stored_gate() -> None:
     assert [op.op for op in up.epilogue] == ["load_tile", "map", "store"]
 
 
+def test_a_glu_of_biased_projections_takes_two_gemms() -> None:
+    inputs = {**MLP_INPUTS, "w_up": _spec("f", "d", init="linear_weight"), "b_up": _spec("f")}
+    block = _block(
+        "biased_glu",
+        [
+            Linear(x="x", weight="w_fc", bias="b_fc", out="g"),
+            Linear(x="x", weight="w_up", bias="b_up", out="u"),
+            GLU(gate="g", up="u", act="gelu_tanh", out="a"),
+            Linear(x="a", weight="w_proj", bias="b_proj", out="out"),
+        ],
+        inputs,
+    )
+    program = lower(block)
+    assert not program.prep  # biases are not interleaved: no gate/up pair
+    assert [op.op for op in program.steps[1].epilogue] == [
+        "add_col_vector", "load_tile", "map", "store",
+    ]  # fmt: skip
+    _algebra_holds(block)
+
+
 def test_a_vector_added_after_a_linear_is_a_bias() -> None:
     block = _block(
         "linear_plus_vector",
@@ -167,4 +204,44 @@ def test_an_activation_of_a_block_input_names_the_op() -> None:
         "act_of_input", [Activation(x="x", kind="relu", out="out")], {"x": _spec("M", "d")}
     )
     with pytest.raises(NoRule, match=r"graph\[0\] activation\(out='out'\): no lowering rule"):
+        lower(block)
+
+
+def test_the_backward_of_a_biased_linear_is_refused_by_name(monkeypatch) -> None:  # noqa: ANN001
+    forward = _block(
+        "biased_swiglu_mlp",
+        [
+            RMSNorm(x="x", weight="gamma", out="h"),
+            Linear(x="h", weight="w_gate", out="g"),
+            Linear(x="h", weight="w_up", out="u"),
+            SwiGLU(gate="g", up="u", out="a"),
+            Linear(x="a", weight="w_down", bias="b_down", out="m"),
+            Add(a="x", b="m", out="out"),
+        ],
+        {**GEMMA_MLP.inputs, "b_down": _spec("d")},
+    )
+    monkeypatch.setitem(registry._BLOCKS, forward.name, forward)
+    backward = backward_block(
+        forward, name="biased_swiglu_mlp_bwd", cotangents={"out": _spec("M", "d")}, wrt=["x"]
+    )
+    with pytest.raises(NoRule, match=r"biased Linears \['m'\]"):
+        lower(backward)
+
+
+def test_a_fused_qkv_of_biased_linears_is_refused_by_name() -> None:
+    block = _block(
+        "biased_kv",
+        [
+            Linear(x="x", weight="w_k", bias="b_k", out="k"),
+            Linear(x="x", weight="w_v", out="v"),
+            Concat(parts=["k", "v"], out="out"),
+        ],
+        {
+            "x": _spec("M", "d"),
+            "w_k": _spec("f", "d", init="linear_weight"),
+            "w_v": _spec("f", "d", init="linear_weight"),
+            "b_k": _spec("f"),
+        },
+    )
+    with pytest.raises(NoRule, match=r"its parts \['k'\] are biased Linears"):
         lower(block)
