@@ -31,9 +31,10 @@ def gate_up_pair(
 ) -> tuple[Linear, Linear, SwiGLU | GLU, list[int]] | None:
     """(gate, up, swiglu or glu, their graph indices) when Linear ``op`` (graph op ``i``) is half
     of a SwiGLU (or GLU) whose other half projects the same input and is not lowered yet; biased
-    projections are not paired (their biases are not interleaved)."""
+    projections pair only when neither is a block output (the stored halves would lack the
+    biases)."""
     users = st.consumers(op.out)
-    if len(users) != 1 or not isinstance(users[0][1], SwiGLU | GLU) or op.bias is not None:
+    if len(users) != 1 or not isinstance(users[0][1], SwiGLU | GLU):
         return None
     k, glu = users[0]
     other = glu.up if glu.gate == op.out else glu.gate
@@ -42,11 +43,12 @@ def gate_up_pair(
         found is None
         or not isinstance(found[1], Linear)
         or found[1].x != op.x
-        or found[1].bias is not None
         or found[0] in st.done
     ):
         return None
     j, partner = found
+    if (op.bias or partner.bias) and {op.out, partner.out} & set(st.block.outputs):
+        return None
     gate, up = (op, partner) if glu.gate == op.out else (partner, op)
     return gate, up, glu, [i, j, k]
 

@@ -151,24 +151,28 @@ def test_glu_of_two_inputs_reads_the_stored_gate() -> None:
     assert [op.op for op in up.epilogue] == ["load_tile", "map", "store"]
 
 
-def test_a_glu_of_biased_projections_takes_two_gemms() -> None:
+@pytest.mark.parametrize(
+    "unit",
+    [GLU(gate="g", up="u", act="gelu_tanh", out="a"), SwiGLU(gate="g", up="u", out="a")],
+    ids=["geglu", "swiglu"],
+)
+def test_biased_gate_and_up_add_their_biases_in_the_pair_contraction(unit) -> None:  # noqa: ANN001
     inputs = {**MLP_INPUTS, "w_up": _spec("f", "d", init="linear_weight"), "b_up": _spec("f")}
     block = _block(
         "biased_glu",
         [
             Linear(x="x", weight="w_fc", bias="b_fc", out="g"),
             Linear(x="x", weight="w_up", bias="b_up", out="u"),
-            GLU(gate="g", up="u", act="gelu_tanh", out="a"),
+            unit,
             Linear(x="a", weight="w_proj", bias="b_proj", out="out"),
         ],
         inputs,
     )
-    program = lower(block)
-    assert not program.prep  # biases are not interleaved: no gate/up pair
-    assert [op.op for op in program.steps[1].epilogue] == [
-        "add_col_vector", "load_tile", "map", "store",
-    ]  # fmt: skip
-    _algebra_holds(block)
+    program = _verify(block)
+    assert [p.kind for p in program.prep] == ["interleave_rows"]
+    gate_up = program.steps[0].epilogue
+    assert [op.op for op in gate_up] == ["load_col_vector", "load_col_vector", "pairwise", "store"]
+    assert {gate_up[0].vector, gate_up[1].vector} == {"b_fc", "b_up"}
 
 
 def test_a_vector_added_after_a_linear_is_a_bias() -> None:
