@@ -1,7 +1,7 @@
 """coda.blocks — target blocks: op graph, PyTorch reference, input factory, shapes, tolerances."""
 
 from .block import Block, ShapeSets, TensorSpec, Tolerance
-from .ops import Add, GraphOp, Linear, RMSNorm, SwiGLU
+from .ops import GLU, Activation, Add, GraphOp, Linear, RMSNorm, SwiGLU
 from .registry import (
     BlockFileError,
     BlockNotFound,
@@ -13,6 +13,8 @@ from .registry import (
 )
 
 __all__ = [
+    "GLU",
+    "Activation",
     "Add",
     "Block",
     "BlockFileError",

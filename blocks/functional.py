@@ -21,14 +21,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """nn.Linear without bias: ``x @ weight.T`` with ``weight`` of shape ``[out, in]``."""
-    return F.linear(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """nn.Linear: ``x @ weight.T (+ bias)`` with ``weight`` of shape ``[out, in]``, ``bias``
+    ``[out]``."""
+    return F.linear(x, weight, bias)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """LlamaMLP's activation: ``silu(gate) * up``."""
     return F.silu(gate) * up
+
+
+def activation(x: torch.Tensor, kind: str, cap: float | None = None) -> torch.Tensor:
+    """Hugging Face's elementwise activations (``ACT2FN``) and Gemma-2's logit softcap: ``gelu``
+    (exact, erf), ``gelu_tanh`` (``gelu_pytorch_tanh``), ``quick_gelu`` ``x·σ(1.702x)``, ``relu2``
+    ``relu(x)²``, ``relu``, ``silu``, ``sigmoid``, ``tanh`` and ``softcap`` ``cap·tanh(x/cap)``.
+    """
+    if kind == "gelu":
+        return F.gelu(x)
+    if kind == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if kind == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)
+    if kind == "relu2":
+        return torch.square(F.relu(x))
+    if kind == "relu":
+        return F.relu(x)
+    if kind == "silu":
+        return F.silu(x)
+    if kind == "sigmoid":
+        return torch.sigmoid(x)
+    if kind == "tanh":
+        return torch.tanh(x)
+    if kind == "softcap" and cap is not None:
+        return torch.tanh(x / cap) * cap
+    raise ValueError(f"unknown activation {kind!r} (softcap needs cap)")
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """A gated linear unit: ``act(gate) * up`` (SwiGLU with ``silu``, GeGLU with ``gelu_tanh``)."""
+    return activation(gate, act) * up
 
 
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

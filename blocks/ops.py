@@ -1,4 +1,5 @@
-"""The high-level ops a block's graph is written in (``Linear``, ``RMSNorm``, ``SwiGLU``, ``Add``).
+"""The high-level ops a block's graph is written in (``Linear``, ``RMSNorm``, ``SwiGLU``, ``GLU``,
+``Activation``, ``Add``).
 
 Each op names its input and output values, prints its line of the block's reference source, and says
 which functional helper it calls. The built-in planner lowers these ops with CODA's rewrite rules;
@@ -12,7 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import functional as fn
 
@@ -68,15 +69,17 @@ class GraphOp(BaseModel):
 
 
 class Linear(GraphOp):
-    """``out = x @ weight.T`` (``nn.Linear``, no bias; weight ``[out_features, in_features]``)."""
+    """``out = x @ weight.T (+ bias)`` (``nn.Linear``; weight ``[out_features, in_features]``,
+    bias ``[out_features]`` or None)."""
 
     op: Literal["linear"] = "linear"
     helper: ClassVar = staticmethod(fn.linear)
     x: str
     weight: str
+    bias: str | None = None
 
     def inputs(self) -> list[str]:
-        return [self.x, self.weight]
+        return [self.x, self.weight] + ([self.bias] if self.bias is not None else [])
 
     def matmuls(self, shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
         x, w = shapes[self.x], shapes[self.weight]
@@ -109,6 +112,57 @@ class SwiGLU(GraphOp):
 
     def inputs(self) -> list[str]:
         return [self.gate, self.up]
+
+
+ActivationKind = Literal[
+    "gelu", "gelu_tanh", "quick_gelu", "relu2", "relu", "silu", "sigmoid", "tanh", "softcap"
+]
+GLUActivation = Literal[
+    "gelu", "gelu_tanh", "quick_gelu", "relu2", "relu", "silu", "sigmoid", "tanh"
+]
+
+
+class Activation(GraphOp):
+    """``out = act(x)`` elementwise (``functional.activation``: Hugging Face's ``ACT2FN``
+    semantics); ``softcap`` is ``cap · tanh(x / cap)`` and needs ``cap``."""
+
+    op: Literal["activation"] = "activation"
+    helper: ClassVar = staticmethod(fn.activation)
+    x: str
+    kind: ActivationKind
+    cap: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _cap_with_softcap(self) -> Activation:
+        if (self.kind == "softcap") != (self.cap is not None):
+            raise ValueError(
+                f"activation {self.kind!r}: cap is required by softcap and only by it "
+                f"(got cap={self.cap!r})"
+            )
+        return self
+
+    def inputs(self) -> list[str]:
+        return [self.x]
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"kind": self.kind} | ({"cap": self.cap} if self.cap is not None else {})
+
+
+class GLU(GraphOp):
+    """``out = act(gate) * up``: a gated linear unit (GeGLU with ``gelu_tanh``, as Gemma; SwiGLU
+    with ``silu``)."""
+
+    op: Literal["glu"] = "glu"
+    helper: ClassVar = staticmethod(fn.glu)
+    gate: str
+    up: str
+    act: GLUActivation
+
+    def inputs(self) -> list[str]:
+        return [self.gate, self.up]
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"act": self.act}
 
 
 class Add(GraphOp):

@@ -3,7 +3,7 @@
 Grammar (Python syntax, parsed with ``ast`` and then whitelisted)::
 
     expr  := number | name | expr (+ | - | * | /) expr | -expr | expr ** k   (k an integer, |k| ≤ 4)
-           | f(expr) for f in exp, log, sigmoid, silu, tanh, sqrt, rsqrt, abs
+           | f(expr) for f in exp, log, sigmoid, silu, tanh, erf, sqrt, rsqrt, abs
            | min(expr, expr) | max(expr, expr) | where(cond, expr, expr)
     cond  := expr (< | <= | > | >= | == | !=) expr
 
@@ -36,6 +36,8 @@ UNARY = {
     "silu": ("({0} * tl.sigmoid({0}))", torch.nn.functional.silu),
     # tanh(x) = 2·sigmoid(2x) − 1: Triton's core language has no tanh the interpreter also runs.
     "tanh": ("(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)", torch.tanh),
+    # erf is in Triton's core language on GPUs and in the interpreter (GELU's exact form).
+    "erf": ("tl.erf({0})", torch.erf),
     "sqrt": ("tl.sqrt({0})", torch.sqrt),
     "rsqrt": ("tl.rsqrt({0})", torch.rsqrt),
     "abs": ("tl.abs({0})", torch.abs),

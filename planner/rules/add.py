@@ -1,6 +1,7 @@
 """``Add``: a residual joins the epilogue of the GEMM that produces one of its operands.
 
-With one operand in registers it is ``add_tile`` of the other (a stored tensor); with both in
+With one operand in registers it is ``add_tile`` of the other (a stored tensor), or
+``add_col_vector`` when the other is a ``[d]`` vector broadcast over the rows; with both in
 registers, or both existing tensors of this GEMM's tile shape, a ``map``. An ``Add`` no GEMM
 produces an operand of has no lowering (there is no standalone elementwise pass).
 """
@@ -11,7 +12,13 @@ from coda.blocks.ops import Add
 
 from ..epilogue import Epilogue
 from ..registry import Rule, inputs_not_joined
+from ..shapes import binding_shapes
 from ..state import PlanState
+
+
+def is_vector(st: PlanState, value: str) -> bool:
+    """``value`` is one-dimensional at every shape set (a bias-like ``[d]`` vector)."""
+    return all(len(shapes[value]) == 1 for _, shapes in binding_shapes(st))
 
 
 class AddRule(Rule):
@@ -21,7 +28,11 @@ class AddRule(Rule):
         a_reg, b_reg = op.a in ep.regs, op.b in ep.regs
         if a_reg != b_reg:
             src, other = (op.a, op.b) if a_reg else (op.b, op.a)
-            ep.define(op.out, {"op": "add_tile", "src": ep.regs[src], "tensor": other})
+            if is_vector(ep.st, other):  # a [d] vector broadcast over the rows: a bias
+                node = {"op": "add_col_vector", "src": ep.regs[src], "vector": other}
+            else:
+                node = {"op": "add_tile", "src": ep.regs[src], "tensor": other}
+            ep.define(op.out, node)
             return
         ep.define(op.out, {"op": "map", "expr": f"{ep.tile(op.a)} + {ep.tile(op.b)}"})
 

@@ -7,17 +7,24 @@ absorbs what it can (``epilogue.emit_gemm``).
   saving them for its backward), ``split_pairs`` stores them too.
 * **fused QKV with RoPE** (``rope.qkv_group``): Linears of one input whose results are
   concatenated become one GEMM over the concatenated weights.
+* **bias**: ``add_col_vector(acc, bias)`` after any row scale (``diag(r)·(x W) + b``).
+* **GLU with any activation** (``glu``): an interleaved gate/up pair into a ``GLU`` contracts
+  with ``pairwise`` (``act(x0) * x1``) instead of ``swiglu``; biased gate/up projections add
+  their biases inside that expression (``act(x0 + b_g) * (x1 + b_u)``).
 * **row-scale commutation** (``rmsnorm.commute``): a Linear of an RMSNorm output runs on the norm's
   input with ``scale_rows(acc, r)``.
 """
 
 from __future__ import annotations
 
-from coda.blocks.ops import Linear
+from typing import Any
+
+from coda.blocks.ops import GLU, Linear, SwiGLU
 
 from ..epilogue import Epilogue, emit_gemm
 from ..registry import Rule
 from ..state import PlanState
+from .glu import glu_expr
 from .rmsnorm import commute
 from .rope import lower_qkv, qkv_group
 from .swiglu import gate_up_pair
@@ -35,6 +42,15 @@ class LinearRule(Rule):
         return True
 
 
+def contract_pair(ep: Epilogue, gate: Linear, up: Linear, glu: SwiGLU | GLU) -> dict[str, Any]:
+    """The epilogue op contracting interleaved ``[gate, up]`` pairs: ``swiglu``, or ``pairwise``
+    for another activation or biased projections (each bias a pair-wide column vector)."""
+    if gate.bias is None and up.bias is None and isinstance(glu, SwiGLU):
+        return {"op": "swiglu"}
+    g, u = (f"(x{k} + {ep.col(p.bias)})" if p.bias else f"x{k}" for k, p in enumerate((gate, up)))
+    return {"op": "pairwise", "expr0": glu_expr(glu.act if isinstance(glu, GLU) else "silu", g, u)}
+
+
 def lower_linear(st: PlanState, i: int, op: Linear) -> None:
     """A Linear (or a gate/up pair into a SwiGLU) and everything its epilogue can absorb."""
     pair = gate_up_pair(st, i, op)
@@ -48,12 +64,16 @@ def lower_linear(st: PlanState, i: int, op: Linear) -> None:
     else:
         glu, indices, weights, weight, value = None, [i], [op.weight], op.weight, op.out
     a, scale = commute(st, i, op, weight)
+    bias = op.bias if glu is None else None  # a pair's biases join its pairwise expression
     cur = "acc"
     if scale is not None:
         weight = scale[1]
-        ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": value})
-        cur = value
+        cur = value if bias is None else f"{value}_unbiased"
+        ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": cur})
     ep.products[cur] = (a, weight, scale[0] if scale is not None else None)
+    if bias is not None:
+        ep.emit({"op": "add_col_vector", "src": cur, "vector": bias, "out": value})
+        cur = value
     if glu is not None:
         if {gate.out, up.out} & set(st.block.outputs):
             # the gate and up projections themselves are wanted (saved for a backward pass)
@@ -61,7 +81,7 @@ def lower_linear(st: PlanState, i: int, op: Linear) -> None:
             ep.emit(node)
             for half in (gate.out, up.out):
                 ep.result(half, half)
-        ep.emit({"op": "swiglu", "src": cur, "out": glu.out})
+        ep.emit({**contract_pair(ep, gate, up, glu), "src": cur, "out": glu.out})
         cur, value = glu.out, glu.out
     ep.result(value, cur)
     st.done.update(indices)

@@ -102,6 +102,14 @@ def lower_qkv(st: PlanState, group: QKVGroup) -> None:
         )
     if any(p.linear[1].x != first.x for p in group.parts):
         raise NoRule(concat_i, concat, "its parts project different inputs")
+    biased = [p.linear[1].out for p in group.parts if p.linear[1].bias is not None]
+    if biased:
+        raise NoRule(
+            concat_i,
+            concat,
+            f"its parts {biased} are biased Linears: fused QKV concatenates weights only (the "
+            "biases would have to be concatenated and RoPE-paired too); drop the biases",
+        )
     tables = {(p.rope[1].cos, p.rope[1].sin) for p in rotated}  # type: ignore[union-attr]
     if len(tables) > 1 or any(p.pairs[1].cos != p.rope[1].cos for p in rotated):  # type: ignore[union-attr]
         raise NoRule(concat_i, concat, "its rotated parts use different cos/sin tables")

@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from coda.blocks.ops import Add, Linear, RMSNorm, SwiGLU, SwiGLUPairs, SwiGLUPairsBackward
+from coda.blocks.ops import GLU, Add, Linear, RMSNorm, SwiGLU, SwiGLUPairs, SwiGLUPairsBackward
 
 from ..backward import BackwardBuilder
 from ..epilogue import Epilogue
@@ -28,11 +28,13 @@ SWIGLU_DU = "{da} * silu(x0)"
 
 def gate_up_pair(
     st: PlanState, i: int, op: Linear
-) -> tuple[Linear, Linear, SwiGLU, list[int]] | None:
-    """(gate, up, swiglu, their graph indices) when Linear ``op`` (graph op ``i``) is half of a
-    SwiGLU whose other half projects the same input and is not lowered yet."""
+) -> tuple[Linear, Linear, SwiGLU | GLU, list[int]] | None:
+    """(gate, up, swiglu or glu, their graph indices) when Linear ``op`` (graph op ``i``) is half
+    of a SwiGLU (or GLU) whose other half projects the same input and is not lowered yet; biased
+    projections pair only when neither is a block output (the stored halves would lack the
+    biases)."""
     users = st.consumers(op.out)
-    if len(users) != 1 or not isinstance(users[0][1], SwiGLU):
+    if len(users) != 1 or not isinstance(users[0][1], SwiGLU | GLU):
         return None
     k, glu = users[0]
     other = glu.up if glu.gate == op.out else glu.gate
@@ -45,6 +47,8 @@ def gate_up_pair(
     ):
         return None
     j, partner = found
+    if (op.bias or partner.bias) and {op.out, partner.out} & set(st.block.outputs):
+        return None
     gate, up = (op, partner) if glu.gate == op.out else (partner, op)
     return gate, up, glu, [i, j, k]
 

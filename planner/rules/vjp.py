@@ -6,6 +6,7 @@ forward graph whose rule differentiates (``Rule.differentiate``) writes the sche
 from __future__ import annotations
 
 from coda.blocks.autodiff import VJP, Pick
+from coda.blocks.ops import Linear
 
 from ..backward import BackwardBuilder
 from ..registry import Rule, backward_rules, rule_for
@@ -17,6 +18,14 @@ class VJPRule(Rule):
 
     def lower(self, st: PlanState, index: int, op: VJP) -> bool:
         forward = op.forward_block()
+        biased = [f.out for f in forward.graph if isinstance(f, Linear) and f.bias is not None]
+        if biased:
+            raise NoRule(
+                index,
+                op,
+                f"forward block {forward.name!r} has biased Linears {biased}: the backward rules "
+                "differentiate bias-free Linears only (drop the bias or write the backward block)",
+            )
         head = next(
             (r for r in map(rule_for, forward.graph) if r is not None and r.differentiates), None
         )

@@ -22,7 +22,7 @@ class Map(EpilogueOp):
 
     ``expr`` uses epilogue value names (``acc`` and results of earlier ops), numbers, ``+ - * /``,
     unary ``-``, ``x ** k`` (integer k, |k| ≤ 4) and the functions exp, log, sigmoid, silu, tanh,
-    sqrt, rsqrt, abs, min(a, b), max(a, b), where(a > b, x, y). Tiles, row vectors and column
+    erf, sqrt, rsqrt, abs, min(a, b), max(a, b), where(a > b, x, y). Tiles, row vectors and column
     vectors broadcast like ``[M, W]``, ``[M, 1]`` and ``[1, W]`` tensors; all tiles and column
     vectors named in one expression must share a column space. Example: ``{"op": "map", "expr":
     "silu(g) * u", "out": "a"}``.

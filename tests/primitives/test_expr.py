@@ -66,3 +66,11 @@ def test_torch_evaluation_matches_triton_semantics_of_tanh() -> None:
     x = torch.linspace(-6, 6, 101, dtype=torch.float64)
     emitted = 2 * torch.sigmoid(2 * x) - 1
     assert torch.allclose(parse("tanh(x)").evaluate(lambda _: x, torch.float64), emitted)
+
+
+def test_erf_is_tl_erf_and_torch_erf() -> None:
+    # Triton's core tl.erf runs on GPUs and in the interpreter (the sandbox runs it in
+    # tests/planner/test_activations.py, exact GELU).
+    x = torch.linspace(-4, 4, 65, dtype=torch.float64)
+    assert parse("erf(x)").to_triton(lambda name: f"v_{name}") == "tl.erf(v_x)"
+    assert torch.equal(parse("erf(x)").evaluate(lambda _: x, torch.float64), torch.erf(x))
