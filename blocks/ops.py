@@ -84,19 +84,30 @@ class Linear(GraphOp):
 
 
 class RMSNorm(GraphOp):
-    """``out = rms_norm(x, weight, eps)`` with Hugging Face ``LlamaRMSNorm`` semantics."""
+    """``out = rms_norm(x, weight, eps)``: ``x̂ · (offset + weight)`` with ``x̂ = x / rms(x)``.
+
+    The defaults are Hugging Face ``LlamaRMSNorm`` (``offset=0``, ``x̂`` cast to x's dtype before
+    the weight multiplies it); ``offset=1.0, cast="after_weight"`` is ``GemmaRMSNorm`` (``x̂ · (1 +
+    γ)`` formed in fp32, cast once after).
+    """
 
     op: Literal["rmsnorm"] = "rmsnorm"
     helper: ClassVar = staticmethod(fn.rms_norm)
     x: str
     weight: str
     eps: float = Field(1e-6, gt=0)
+    offset: float = 0.0
+    cast: Literal["before_weight", "after_weight"] = "before_weight"
 
     def inputs(self) -> list[str]:
         return [self.x, self.weight]
 
     def kwargs(self) -> dict[str, Any]:
-        return {"eps": self.eps}
+        """``eps``, and ``offset`` / ``cast`` where they differ from Llama's."""
+        extra = {"offset": self.offset} if self.offset else {}
+        if self.cast != "before_weight":
+            extra["cast"] = self.cast
+        return {"eps": self.eps, **extra}
 
 
 class SwiGLU(GraphOp):
