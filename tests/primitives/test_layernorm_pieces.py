@@ -1,0 +1,47 @@
+"""LayerNorm's Program pieces: the ``mean_rstd`` aux step, against PyTorch's own ``var_mean``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda.primitives import Program, ProgramError, analyze
+from tests.helpers import run_both
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def _mean_rstd_program() -> Program:
+    return Program.parse(
+        {
+            "block": "test",
+            "inputs": {"x": ["M", "d"]},
+            "steps": [{"kind": "mean_rstd", "src": "x", "eps": 1e-5, "mean": "mu", "out": "r"}],
+            "outputs": {"mu": "mu", "r": "r"},
+        }
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_mean_rstd_matches_var_mean_on_ragged_shapes(dtype: torch.dtype) -> None:
+    """Rows of one to several column tiles, an offset mean (variance by the two-pass formula)."""
+    gen = torch.Generator().manual_seed(0)
+    program = _mean_rstd_program()
+    for rows, cols in [(37, 53), (1, 7), (5, 1500)]:
+        x = (torch.randn(rows, cols, generator=gen) * 2 + 3).to(dtype)
+        var, mean = torch.var_mean(x.double(), dim=1, unbiased=False)
+        want_r = (var + 1e-5).rsqrt()
+        got, ref, exact = run_both(program, {"x": x})
+        for outs in (got, ref):
+            assert outs["mu"].dtype == torch.float32
+            torch.testing.assert_close(outs["mu"].double(), mean, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(outs["r"].double(), want_r, rtol=1e-5, atol=0)
+        torch.testing.assert_close(exact["mu"].double(), mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(exact["r"].double(), want_r, rtol=1e-12, atol=0)
+
+
+def test_mean_rstd_names_its_outputs_apart() -> None:
+    data = _mean_rstd_program().model_dump(mode="json")
+    data["steps"][0]["mean"] = "r"
+    with pytest.raises(ProgramError, match="same name 'r'"):
+        analyze(Program.parse(data), {"M": 4, "d": 8})
