@@ -1,7 +1,7 @@
 """coda.blocks — target blocks: op graph, PyTorch reference, input factory, shapes, tolerances."""
 
 from .block import Block, ShapeSets, TensorSpec, Tolerance
-from .ops import Add, GraphOp, Linear, RMSNorm, SwiGLU
+from .ops import Add, GraphOp, LayerNorm, Linear, RMSNorm, SwiGLU
 from .registry import (
     BlockFileError,
     BlockNotFound,
@@ -19,6 +19,7 @@ __all__ = [
     "BlockNotFound",
     "GraphOp",
     "Linear",
+    "LayerNorm",
     "RMSNorm",
     "ShapeSets",
     "SwiGLU",

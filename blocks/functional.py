@@ -31,6 +31,14 @@ def rms_norm(
     return (offset + weight if offset else weight) * xf.to(dtype)
 
 
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
+    """``nn.LayerNorm`` over the last dimension: ``(x − mean) / sqrt(var + eps) · weight +
+    bias`` (biased variance; PyTorch computes 16-bit inputs in fp32 and rounds once)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """nn.Linear without bias: ``x @ weight.T`` with ``weight`` of shape ``[out, in]``."""
     return F.linear(x, weight)

@@ -1,4 +1,5 @@
-"""The high-level ops a block's graph is written in (``Linear``, ``RMSNorm``, ``SwiGLU``, ``Add``).
+"""The high-level ops a block's graph is written in (``Linear``, ``RMSNorm``, ``LayerNorm``,
+``SwiGLU``, ``Add``).
 
 Each op names its input and output values, prints its line of the block's reference source, and says
 which functional helper it calls. The built-in planner lowers these ops with CODA's rewrite rules;
@@ -108,6 +109,24 @@ class RMSNorm(GraphOp):
         if self.cast != "before_weight":
             extra["cast"] = self.cast
         return {"eps": self.eps, **extra}
+
+
+class LayerNorm(GraphOp):
+    """``out = layer_norm(x, weight, bias, eps)``: ``nn.LayerNorm`` (GPT-2's ``ln_1``/``ln_2``),
+    ``bias`` None for a LayerNorm without one."""
+
+    op: Literal["layernorm"] = "layernorm"
+    helper: ClassVar = staticmethod(fn.layer_norm)
+    x: str
+    weight: str
+    bias: str | None = None
+    eps: float = Field(1e-5, gt=0)
+
+    def inputs(self) -> list[str]:
+        return [self.x, self.weight] + ([self.bias] if self.bias is not None else [])
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"eps": self.eps}
 
 
 class SwiGLU(GraphOp):

@@ -9,6 +9,8 @@ absorbs what it can (``epilogue.emit_gemm``).
   concatenated become one GEMM over the concatenated weights.
 * **row-scale commutation** (``rmsnorm.commute``): a Linear of an RMSNorm output runs on the norm's
   input with ``scale_rows(acc, r)``.
+* **LayerNorm in the epilogue** (``layernorm.apply_in_epilogue``): a Linear of a LayerNorm output
+  runs on the norm's input with ``r ⊙ (acc − μ ⊗ s) + c``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from coda.blocks.ops import Linear
 from ..epilogue import Epilogue, emit_gemm
 from ..registry import Rule
 from ..state import PlanState
+from .layernorm import apply_in_epilogue, layer_norm_of
 from .rmsnorm import commute
 from .rope import lower_qkv, qkv_group
 from .swiglu import gate_up_pair
@@ -47,13 +50,17 @@ def lower_linear(st: PlanState, i: int, op: Linear) -> None:
         value = f"{gate.out}{up.out}"
     else:
         glu, indices, weights, weight, value = None, [i], [op.weight], op.weight, op.out
-    a, scale = commute(st, i, op, weight)
-    cur = "acc"
-    if scale is not None:
-        weight = scale[1]
-        ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": value})
-        cur = value
-    ep.products[cur] = (a, weight, scale[0] if scale is not None else None)
+    layer_norm = layer_norm_of(st, op)
+    if layer_norm is not None:
+        a, weight, cur = apply_in_epilogue(st, layer_norm, weight, ep, value)
+    else:
+        a, scale = commute(st, i, op, weight)
+        cur = "acc"
+        if scale is not None:
+            weight = scale[1]
+            ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": value})
+            cur = value
+        ep.products[cur] = (a, weight, scale[0] if scale is not None else None)
     if glu is not None:
         if {gate.out, up.out} & set(st.block.outputs):
             # the gate and up projections themselves are wanted (saved for a backward pass)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coda.blocks import Block, Linear, RMSNorm, ShapeSets, TensorSpec
+from coda.blocks import Block, LayerNorm, Linear, RMSNorm, ShapeSets, TensorSpec
 from coda.blocks import functional as fn
-from coda.planner import LoweringOptions, lower
+from coda.planner import LoweringOptions, NoRule, lower
 from coda.primitives import Program
 from coda.sandbox import SandboxOptions, evaluate
 
@@ -96,3 +96,55 @@ def test_the_reference_source_names_non_default_fields_only(cast: str) -> None:
     op = RMSNorm(x="x", weight="g", out="h", cast=cast)
     extra = "" if cast == "before_weight" else ", cast='after_weight'"
     assert op.source() == f"h = rms_norm(x, g, eps=1e-06{extra})"
+
+
+def _layer_norm_block(bias: bool) -> Block:
+    extra = {"beta": _spec("d")} if bias else {}
+    return Block(
+        name="gpt2_ln_linear" if bias else "ln_linear",
+        description="y = LayerNorm(x) @ W.T (GPT-2's ln_1 into c_attn, without its bias)",
+        inputs={
+            "x": _spec("M", "d"),
+            "gamma": _spec("d", init="norm_weight"),
+            **extra,
+            "w": _spec("n", "d", init="linear_weight"),
+        },
+        graph=[
+            LayerNorm(x="x", weight="gamma", bias="beta" if bias else None, eps=1e-5, out="h"),
+            Linear(x="h", weight="w", out="y"),
+        ],
+        outputs=["y"],
+        shapes=ShapeSets(cpu=[{"M": 33, "d": 40, "n": 24}, {"M": 7, "d": 24, "n": 56}]),
+    )
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_layer_norm_into_a_linear_verifies(bias: bool) -> None:
+    block = _layer_norm_block(bias)
+    program = lower(block)
+    kinds = ["fold_norm_weight", "matvec"] + (["matvec"] if bias else [])
+    assert [p.kind for p in program.prep] == kinds
+    stats, gemm = program.steps
+    assert stats.kind == "mean_rstd" and gemm.a.tensor == "x"
+    ops = ["load_row_vector", "load_col_vector", "map", "scale_rows"]
+    assert [op.op for op in gemm.epilogue] == ops + (["add_col_vector"] if bias else []) + ["store"]
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
+def test_layer_norm_without_the_mean_correction_fails_verification() -> None:
+    """``r ⊙ (x W'ᵀ)`` alone is an RMSNorm-like product, not a LayerNorm: the sandbox rejects it."""
+    block = _layer_norm_block(bias=False)
+    data = lower(block).model_dump(mode="json")
+    gemm = data["steps"][1]
+    gemm["epilogue"] = [op for op in gemm["epilogue"] if op["op"] not in ("load_row_vector",)]
+    (centered,) = [op for op in gemm["epilogue"] if op["op"] == "map"]
+    centered["expr"] = "acc"
+    report = evaluate(Program.parse(data), block, OPTIONS)
+    assert not report.verified and "FAILED at semantics" in report.render_text()
+
+
+def test_a_layer_norm_read_by_a_non_gemm_has_no_lowering() -> None:
+    block = _layer_norm_block(bias=False).model_copy(update={"outputs": ["h", "y"]})
+    with pytest.raises(NoRule, match="its output 'h' feeds a block output"):
+        lower(block)
