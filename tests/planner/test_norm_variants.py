@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coda.blocks import Block, LayerNorm, Linear, RMSNorm, ShapeSets, TensorSpec
+from coda.blocks import Add, Block, LayerNorm, Linear, RMSNorm, ShapeSets, SwiGLU, TensorSpec
 from coda.blocks import functional as fn
 from coda.planner import LoweringOptions, NoRule, lower
 from coda.primitives import Program
@@ -148,3 +148,54 @@ def test_a_layer_norm_read_by_a_non_gemm_has_no_lowering() -> None:
     block = _layer_norm_block(bias=False).model_copy(update={"outputs": ["h", "y"]})
     with pytest.raises(NoRule, match="its output 'h' feeds a block output"):
         lower(block)
+
+
+def test_the_backward_of_an_offset_norm_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward rules fold γ alone: a Gemma norm's backward is refused, not mis-lowered."""
+    from coda.blocks import get_block, registry
+    from coda.blocks.autodiff import backward_block
+
+    llama = get_block("llama_mlp")
+    graph = [
+        op.model_copy(update={"offset": 1.0}) if isinstance(op, RMSNorm) else op
+        for op in llama.graph
+    ]
+    gemma = llama.model_copy(update={"name": "gemma_mlp", "graph": graph})
+    monkeypatch.setitem(registry._BLOCKS, gemma.name, gemma)
+    cotangent = {"out": TensorSpec(shape=["M", "d"])}
+    bwd = backward_block(gemma, name="gemma_mlp_bwd", cotangents=cotangent, wrt=["x", "gamma"])
+    with pytest.raises(NoRule, match=r"offset \+ γ \(offset=1.0\)"):
+        lower(bwd)
+
+
+LN_MLP = Block(
+    name="ln_swiglu_mlp",
+    description="out = x + down(silu(gate(LN(x))) * up(LN(x))): two GEMMs read one LayerNorm",
+    inputs={
+        "x": _spec("M", "d"),
+        "gamma": _spec("d", init="norm_weight"),
+        "beta": _spec("d"),
+        "w_gate": _spec("f", "d", init="linear_weight"),
+        "w_up": _spec("f", "d", init="linear_weight"),
+        "w_down": _spec("d", "f", init="linear_weight"),
+    },
+    graph=[
+        LayerNorm(x="x", weight="gamma", bias="beta", out="h"),
+        Linear(x="h", weight="w_gate", out="g"),
+        Linear(x="h", weight="w_up", out="u"),
+        SwiGLU(gate="g", up="u", out="a"),
+        Linear(x="a", weight="w_down", out="m"),
+        Add(a="x", b="m", out="out"),
+    ],
+    outputs=["out"],
+    shapes=ShapeSets(cpu=[{"M": 33, "d": 40, "f": 56}, {"M": 7, "d": 24, "f": 40}]),
+)
+
+
+def test_a_layer_norm_into_an_interleaved_gate_up_pair_verifies() -> None:
+    """The pair's interleaved weight is folded and corrected as one: μ ⊗ s then SwiGLU."""
+    program = lower(LN_MLP)
+    gate_up = program.steps[1]
+    assert [op.op for op in gate_up.epilogue][-3:] == ["add_col_vector", "swiglu", "store"]
+    report = evaluate(program, LN_MLP, OPTIONS)
+    assert report.verified, report.render_text()
