@@ -97,7 +97,7 @@ class RMSNorm(GraphOp):
     x: str
     weight: str
     eps: float = Field(1e-6, gt=0)
-    offset: float = 0.0
+    offset: float = Field(0.0, allow_inf_nan=False)
     cast: Literal["before_weight", "after_weight"] = "before_weight"
 
     def inputs(self) -> list[str]:

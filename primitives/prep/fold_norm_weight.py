@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from ..base import Name, PrepStep, RunEnv
 from ..checking import ProgramEnv
@@ -35,7 +35,7 @@ class FoldNormWeight(PrepStep):
     weight: Name
     gamma: Name
     out: Name
-    offset: float = 0.0
+    offset: float = Field(0.0, allow_inf_nan=False)
 
     @model_serializer(mode="wrap")
     def _omit_zero_offset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
