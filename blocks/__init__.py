@@ -1,7 +1,7 @@
 """coda.blocks — target blocks: op graph, PyTorch reference, input factory, shapes, tolerances."""
 
 from .block import Block, ShapeSets, TensorSpec, Tolerance
-from .ops import GLU, Activation, Add, GraphOp, Linear, RMSNorm, SwiGLU
+from .ops import GLU, Activation, Add, GraphOp, LayerNorm, Linear, RMSNorm, SwiGLU
 from .registry import (
     BlockFileError,
     BlockNotFound,
@@ -21,6 +21,7 @@ __all__ = [
     "BlockNotFound",
     "GraphOp",
     "Linear",
+    "LayerNorm",
     "RMSNorm",
     "ShapeSets",
     "SwiGLU",

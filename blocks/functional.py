@@ -10,15 +10,33 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm: ``weight * (x / sqrt(mean(x**2, -1) + eps))``, statistics in (at least)
-    fp32.
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    cast: str = "before_weight",
+) -> torch.Tensor:
+    """RMSNorm ``(offset + weight) * (x / sqrt(mean(x**2, -1) + eps))``, statistics in (at least)
+    fp32. ``cast="before_weight"`` is LlamaRMSNorm (``x̂`` rounded to x's dtype, then times the
+    weight); ``cast="after_weight"`` is GemmaRMSNorm (``offset=1``: ``x̂ · (1 + γ)`` formed in
+    fp32, rounded once at the end).
     """
     dtype = x.dtype
     xf = x.to(torch.promote_types(dtype, torch.float32))
     variance = xf.pow(2).mean(-1, keepdim=True)
     xf = xf * torch.rsqrt(variance + eps)
-    return weight * xf.to(dtype)
+    if cast == "after_weight":
+        return (xf * (offset + weight.to(xf.dtype))).to(dtype)
+    return (offset + weight if offset else weight) * xf.to(dtype)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
+    """``nn.LayerNorm`` over the last dimension: ``(x − mean) / sqrt(var + eps) · weight +
+    bias`` (biased variance; PyTorch computes 16-bit inputs in fp32 and rounds once)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The high-level ops a block's graph is written in (``Linear``, ``RMSNorm``, ``SwiGLU``, ``GLU``,
-``Activation``, ``Add``).
+"""The high-level ops a block's graph is written in (``Linear``, ``RMSNorm``, ``LayerNorm``,
+``SwiGLU``, ``GLU``, ``Activation``, ``Add``).
 
 Each op names its input and output values, prints its line of the block's reference source, and says
 which functional helper it calls. The built-in planner lowers these ops with CODA's rewrite rules;
@@ -87,16 +87,45 @@ class Linear(GraphOp):
 
 
 class RMSNorm(GraphOp):
-    """``out = rms_norm(x, weight, eps)`` with Hugging Face ``LlamaRMSNorm`` semantics."""
+    """``out = rms_norm(x, weight, eps)``: ``x̂ · (offset + weight)`` with ``x̂ = x / rms(x)``.
+
+    The defaults are Hugging Face ``LlamaRMSNorm`` (``offset=0``, ``x̂`` cast to x's dtype before
+    the weight multiplies it); ``offset=1.0, cast="after_weight"`` is ``GemmaRMSNorm`` (``x̂ · (1 +
+    γ)`` formed in fp32, cast once after).
+    """
 
     op: Literal["rmsnorm"] = "rmsnorm"
     helper: ClassVar = staticmethod(fn.rms_norm)
     x: str
     weight: str
     eps: float = Field(1e-6, gt=0)
+    offset: float = Field(0.0, allow_inf_nan=False)
+    cast: Literal["before_weight", "after_weight"] = "before_weight"
 
     def inputs(self) -> list[str]:
         return [self.x, self.weight]
+
+    def kwargs(self) -> dict[str, Any]:
+        """``eps``, and ``offset`` / ``cast`` where they differ from Llama's."""
+        extra = {"offset": self.offset} if self.offset else {}
+        if self.cast != "before_weight":
+            extra["cast"] = self.cast
+        return {"eps": self.eps, **extra}
+
+
+class LayerNorm(GraphOp):
+    """``out = layer_norm(x, weight, bias, eps)``: ``nn.LayerNorm`` (GPT-2's ``ln_1``/``ln_2``),
+    ``bias`` None for a LayerNorm without one."""
+
+    op: Literal["layernorm"] = "layernorm"
+    helper: ClassVar = staticmethod(fn.layer_norm)
+    x: str
+    weight: str
+    bias: str | None = None
+    eps: float = Field(1e-5, gt=0)
+
+    def inputs(self) -> list[str]:
+        return [self.x, self.weight] + ([self.bias] if self.bias is not None else [])
 
     def kwargs(self) -> dict[str, Any]:
         return {"eps": self.eps}

@@ -68,6 +68,11 @@ class BackwardBuilder:
         _, norm = self.find(RMSNorm, out=consumer_x)
         if norm.x not in self.forward.inputs or norm.weight not in self.forward.inputs:
             self.fail("the RMSNorm's input and weight must be block inputs")
+        if norm.offset:
+            self.fail(
+                f"the RMSNorm scales by offset + γ (offset={norm.offset}); the backward rules "
+                "differentiate x̂ · γ only: give the norm offset 0 and store 1 + γ as its weight"
+            )
         return norm
 
     def prep(self, key: tuple, node: dict[str, Any]) -> str:

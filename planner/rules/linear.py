@@ -13,6 +13,8 @@ absorbs what it can (``epilogue.emit_gemm``).
   their biases inside that expression (``act(x0 + b_g) * (x1 + b_u)``).
 * **row-scale commutation** (``rmsnorm.commute``): a Linear of an RMSNorm output runs on the norm's
   input with ``scale_rows(acc, r)``.
+* **LayerNorm in the epilogue** (``layernorm.apply_in_epilogue``): a Linear of a LayerNorm output
+  runs on the norm's input with ``r ⊙ (acc − μ ⊗ s) + c``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..epilogue import Epilogue, emit_gemm
 from ..registry import Rule
 from ..state import PlanState
 from .glu import glu_expr
+from .layernorm import apply_in_epilogue, layer_norm_of
 from .rmsnorm import commute
 from .rope import lower_qkv, qkv_group
 from .swiglu import gate_up_pair
@@ -63,14 +66,19 @@ def lower_linear(st: PlanState, i: int, op: Linear) -> None:
         value = f"{gate.out}{up.out}"
     else:
         glu, indices, weights, weight, value = None, [i], [op.weight], op.weight, op.out
-    a, scale = commute(st, i, op, weight)
     bias = op.bias if glu is None else None  # a pair's biases join its pairwise expression
-    cur = "acc"
-    if scale is not None:
-        weight = scale[1]
-        cur = value if bias is None else f"{value}_unbiased"
-        ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": cur})
-    ep.products[cur] = (a, weight, scale[0] if scale is not None else None)
+    layer_norm = layer_norm_of(st, op)
+    if layer_norm is not None:
+        normed = value if bias is None else f"{value}_unbiased"
+        a, weight, cur = apply_in_epilogue(st, layer_norm, weight, ep, normed)
+    else:
+        a, scale = commute(st, i, op, weight)
+        cur = "acc"
+        if scale is not None:
+            weight = scale[1]
+            cur = value if bias is None else f"{value}_unbiased"
+            ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": cur})
+        ep.products[cur] = (a, weight, scale[0] if scale is not None else None)
     if bias is not None:
         ep.emit({"op": "add_col_vector", "src": cur, "vector": bias, "out": value})
         cur = value

@@ -10,7 +10,12 @@
   ``x``.
 * **γ as a side output** (``LoweringOptions(gamma="side_output")``): when ``x`` is stored by an
   earlier epilogue, that epilogue also stores ``x ⊙ γ`` (``scale_cols``) and the following GEMMs
-  read it with their weights unfolded (docs/algebra.md §1).
+  read it with their weights unfolded (docs/algebra.md §1). A norm with an ``offset`` (Gemma's
+  ``x̂ · (1 + γ)``) always folds ``offset + γ`` into the weights instead.
+
+Both casting conventions (``cast``: Llama rounds ``x̂`` before the weight, Gemma after) lower to
+the same Program: the kernel forms ``r ⊙ (x W'ᵀ)`` in fp32 and rounds once, and the sandbox checks
+it against the block's reference of either convention.
 
 An RMSNorm whose output anything but a GEMM reads (or that is a block output) has no lowering.
 """
@@ -51,7 +56,7 @@ class RMSNormRule(Rule):
                 {"op": "partial_reduce", "src": src, "kind": "sumsq", "axis": "row", "to": partials}
             )
             st.partials[value] = partials
-        if st.options.gamma == "side_output":
+        if st.options.gamma == "side_output" and not op.offset:
             scaled = f"{value}_{short_name(op.weight)}"
             ep.emit({"op": "scale_cols", "src": src, "vector": op.weight, "out": scaled})
             ep.emit({"op": "store", "src": scaled, "to": scaled})
@@ -86,16 +91,17 @@ def commute(
         r = ensure_rstd(st, norm)
         if norm.out in st.scaled:
             return st.scaled[norm.out], (r, weight)
-        folded = st.prepare(
-            ("fold", weight, norm.weight),
-            {
-                "kind": "fold_norm_weight",
-                "weight": weight,
-                "gamma": norm.weight,
-                "out": f"{weight}_folded",
-            },
-        )
-        return norm.x, (r, folded)
+        return norm.x, (r, fold(st, norm, weight))
     if op.x not in st.available:
         raise NoRule(index, op, f"its input {op.x!r} is not materialised by an earlier step")
     return op.x, None
+
+
+def fold(st: PlanState, norm: RMSNorm, weight: str) -> str:
+    """``weight`` with the norm's ``offset + γ`` folded into its columns (prep
+    ``fold_norm_weight``, added once per weight and scale)."""
+    node = {"kind": "fold_norm_weight", "weight": weight, "gamma": norm.weight}
+    if norm.offset:
+        node["offset"] = norm.offset
+    key = ("fold", weight, norm.weight) + ((norm.offset,) if norm.offset else ())
+    return st.prepare(key, {**node, "out": f"{weight}_folded"})

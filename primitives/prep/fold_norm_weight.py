@@ -10,9 +10,10 @@ rows (``prep/fusion.py``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from ..base import Name, PrepStep, RunEnv
 from ..checking import ProgramEnv
@@ -21,17 +22,29 @@ from .rows import scale_columns
 
 
 class FoldNormWeight(PrepStep):
-    """Fold a norm weight γ into the following ``nn.Linear`` weight: ``out = weight · diag(γ)``.
+    """Fold a norm weight γ into the following ``nn.Linear`` weight: ``out = weight · diag(offset +
+    γ)``.
 
     ``weight`` is ``[out, in]`` and ``gamma`` has length ``in``: ``out[o, i] = weight[o, i] *
-    γ[i]``, computed in fp32 and rounded once to the weight's dtype. Then ``rmsnorm(x) @ weightᵀ ==
-    diag(r) · (x @ outᵀ)``: the norm becomes ``rstd`` + ``scale_rows`` (docs/algebra.md §1).
+    (offset + γ[i])``, computed in fp32 and rounded once to the weight's dtype. Then ``rmsnorm(x)
+    @ weightᵀ == diag(r) · (x @ outᵀ)``: the norm becomes ``rstd`` + ``scale_rows``
+    (docs/algebra.md §1). ``offset`` is 0 for Llama's γ and 1 for Gemma's ``x̂ · (1 + γ)``.
     """
 
     kind: Literal["fold_norm_weight"] = "fold_norm_weight"
     weight: Name
     gamma: Name
     out: Name
+    offset: float = Field(0.0, allow_inf_nan=False)
+
+    @model_serializer(mode="wrap")
+    def _omit_zero_offset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A fold without an offset serializes as before the field existed (its canonical JSON,
+        hence the Program's hash, does not change)."""
+        data = handler(self)
+        if not self.offset:
+            data.pop("offset", None)
+        return data
 
     def check(self, env: ProgramEnv) -> None:
         w = env.matrix(self.weight, role="weight")
@@ -40,7 +53,19 @@ class FoldNormWeight(PrepStep):
 
     def apply(self, env: RunEnv) -> None:
         w, gamma = env.tensors[self.weight], env.tensors[self.gamma]
-        env.tensors[self.out] = fold_columns(w, gamma, env.compute)
+        env.tensors[self.out] = fold_columns(
+            w, offset_gamma(gamma, self.offset, env.compute), env.compute
+        )
+
+
+def offset_gamma(gamma: torch.Tensor, offset: float, compute: torch.dtype) -> torch.Tensor:
+    """The column scale ``offset + γ``: γ itself when ``offset`` is 0, else formed in fp32 (float64
+    for the exact reference executor) so the sum is not rounded to γ's 16-bit dtype before the
+    fold multiplies by it."""
+    if not offset:
+        return gamma
+    wide = torch.float64 if compute == torch.float64 else torch.float32
+    return gamma.to(wide) + offset
 
 
 def fold_columns(w: torch.Tensor, gamma: torch.Tensor, compute: torch.dtype) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..base import PrepStep, RunEnv
-from .fold_norm_weight import FoldNormWeight, fold_columns
+from .fold_norm_weight import FoldNormWeight, fold_columns, offset_gamma
 from .layout import ConcatRows, RopePairs
 from .rows import assemble_rows
 
@@ -95,7 +95,8 @@ def _describe(step: PrepStep, env: RunEnv, pending: dict[str, RowStack]) -> RowS
         return RowStack(tuple(parts))
     if isinstance(step, FoldNormWeight) and step.gamma in env.tensors:
         stack = _unscaled(step.weight, env, pending)
-        return None if stack is None else RowStack(stack.parts, env.tensors[step.gamma])
+        gamma = offset_gamma(env.tensors[step.gamma], step.offset, env.compute)
+        return None if stack is None else RowStack(stack.parts, gamma)
     return None
 
 

@@ -249,3 +249,26 @@ def test_a_fused_qkv_of_biased_linears_is_refused_by_name() -> None:
     )
     with pytest.raises(NoRule, match=r"its parts \['k'\] are biased Linears"):
         lower(block)
+
+
+def test_gpt2_block_mlp_half_layer_norm_biases_and_gelu_verify() -> None:
+    """GPT-2's ``x + c_proj(gelu_tanh(c_fc(ln_2(x))))``: the LayerNorm's rank-one correction
+    and β, the c_fc bias and the activation in one epilogue; c_proj's bias and the residual in
+    the other."""
+    from coda.blocks import LayerNorm
+
+    block = _block(
+        "gpt2_mlp_half",
+        [
+            LayerNorm(x="x", weight="gamma", bias="beta", eps=1e-5, out="h"),
+            Linear(x="h", weight="w_fc", bias="b_fc", out="f1"),
+            Activation(x="f1", kind="gelu_tanh", out="a"),
+            Linear(x="a", weight="w_proj", bias="b_proj", out="m"),
+            Add(a="x", b="m", out="out"),
+        ],
+        {**MLP_INPUTS, "gamma": _spec("d", init="norm_weight"), "beta": _spec("d")},
+    )
+    program = _verify(block)
+    fc = next(s for s in program.steps if getattr(s, "name", None) and s.kind == "gemm")
+    ops = [op.op for op in fc.epilogue]
+    assert ops.count("add_col_vector") == 2 and "scale_rows" in ops  # β·W and the c_fc bias

@@ -552,6 +552,35 @@ def test_fold_norm_weight_in_16_bits_is_the_fp32_formula_bit_for_bit(dtype: torc
     assert env.tensors["wg"].dtype == dtype and torch.equal(env.tensors["wg"], want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_fold_norm_weight_with_an_offset_scales_by_one_plus_gamma(dtype: torch.dtype) -> None:
+    """Gemma's ``x̂ · (1 + γ)``: ``offset=1`` folds ``1 + γ`` (formed wider than γ's dtype), one
+    rounding from the exact product on ragged shapes; the fused prep path gives the same bits,
+    and the float64 reference executor the exact product."""
+    from coda.primitives.base import RunEnv
+    from coda.primitives.prep.fold_norm_weight import FoldNormWeight
+    from coda.primitives.prep.fusion import run_prep
+
+    gen = torch.Generator().manual_seed(2)
+    step = FoldNormWeight(weight="w", gamma="gamma", out="wg", offset=1.0)
+    for rows, cols in [(37, 53), (1, 7), (5, 1)]:
+        w = torch.randn(rows, cols, generator=gen).to(dtype)
+        gamma = (torch.randn(cols, generator=gen) * 0.3).to(dtype)
+        exact = w.double() * (1.0 + gamma.double())[None, :]
+        env = RunEnv({"w": w, "gamma": gamma}, {})
+        step.apply(env)
+        got = env.tensors["wg"]
+        ulp = 2.0**-10 if dtype == torch.float16 else 2.0**-23
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), exact, rtol=ulp, atol=0)
+        fused = RunEnv({"w": w, "gamma": gamma}, {})
+        run_prep([step], fused, {"wg"})
+        assert torch.equal(fused.tensors["wg"], got)
+        ref = RunEnv({"w": w.double(), "gamma": gamma.double()}, {}, compute=torch.float64)
+        step.apply(ref)
+        assert torch.equal(ref.tensors["wg"], exact)
+
+
 @pytest.mark.parametrize(
     "w_dtype,g_dtype",
     [
