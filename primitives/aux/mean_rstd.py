@@ -18,8 +18,9 @@ from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
 from ..launch import launch_kernel
-from ..sizes import cdiv, next_power_of_2
+from ..sizes import cdiv
 from ..types import TensorInfo
+from .rstd import row_blocks
 
 
 @backend.jit
@@ -62,12 +63,6 @@ def _mean_rstd_kernel(
     tl.store(rstd_ptr + offs_r, r, mask=mask_r)
 
 
-def _blocks(rows: int, cols: int) -> tuple[int, int]:
-    block_cols = min(next_power_of_2(cols), 1024)
-    block_rows = max(1, min(64, 2048 // block_cols, next_power_of_2(rows)))
-    return block_rows, block_cols
-
-
 class MeanRstd(AuxStep):
     """LayerNorm's statistics per row of a 2-D tensor ``src`` ``[rows, d]``: ``mean[i] = mean_j
     src[i, j]`` and ``out[i] = rsqrt(mean_j (src[i, j] − mean[i])² + eps)`` (both fp32, length
@@ -108,7 +103,7 @@ class MeanRstd(AuxStep):
     def launch(self, env: RunEnv) -> None:
         x = env.tensors[self.src]
         rows, cols = x.shape
-        block_rows, block_cols = _blocks(rows, cols)
+        block_rows, block_cols = row_blocks(rows, cols)
         launch_kernel(
             _mean_rstd_kernel,
             (cdiv(rows, block_rows),),

@@ -54,7 +54,9 @@ def _rstd_kernel(
     tl.store(out_ptr + offs_r, r, mask=mask_r)
 
 
-def _blocks(rows: int, cols: int) -> tuple[int, int]:
+def row_blocks(rows: int, cols: int) -> tuple[int, int]:
+    """Rows and columns per chunk of a per-row statistic kernel (``rstd``, ``mean_rstd``): up to
+    1024 columns, about 2048 elements per chunk."""
     block_cols = min(next_power_of_2(cols), 1024)
     block_rows = max(1, min(64, 2048 // block_cols, next_power_of_2(rows)))
     return block_rows, block_cols
@@ -103,7 +105,7 @@ class Rstd(AuxStep):
         partials = env.infos[self.src].partials
         square = partials is None
         n = cols if square else partials.length
-        block_rows, block_cols = _blocks(rows, cols)
+        block_rows, block_cols = row_blocks(rows, cols)
         launch_kernel(
             _rstd_kernel,
             (cdiv(rows, block_rows),),
