@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from coda.blocks.block import Block
-from coda.blocks.ops import GraphOp
+from coda.blocks.ops import GraphOp, Linear
 
 
 class NoRule(ValueError):
@@ -93,6 +93,20 @@ class PlanState:
         if len(users) != 1 or value in self.block.outputs:
             return None
         return users[0]
+
+    def require_gemm_readers(self, index: int, op: GraphOp, what: str, how: str) -> None:
+        """``NoRule`` unless only Linears read ``op``'s output and it is no block output: a norm is
+        lowered only into the GEMMs that consume it (``what``: the op as the message names it,
+        e.g. "an RMSNorm"; ``how``: the rewrite that applies it there)."""
+        others = [(j, c) for j, c in self.consumers(op.out) if not isinstance(c, Linear)]
+        if others or op.out in self.block.outputs:
+            who = f"{others[0][1].op} (graph[{others[0][0]}])" if others else "a block output"
+            raise NoRule(
+                index,
+                op,
+                f"its output {op.out!r} feeds {who}; {what} is lowered only into the GEMMs that "
+                f"consume it ({how})",
+            )
 
     # -- the Program -------------------------------------------------------------------------------
     def prepare(self, key: tuple, node: dict[str, Any]) -> str:

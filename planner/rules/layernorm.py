@@ -23,15 +23,7 @@ class LayerNormRule(Rule):
 
     def lower(self, st: PlanState, index: int, op: LayerNorm) -> bool:
         """Check that only GEMMs read the norm (each applies it in its epilogue)."""
-        others = [(j, c) for j, c in st.consumers(op.out) if not isinstance(c, Linear)]
-        if others or op.out in st.block.outputs:
-            who = f"{others[0][1].op} (graph[{others[0][0]}])" if others else "a block output"
-            raise NoRule(
-                index,
-                op,
-                f"its output {op.out!r} feeds {who}; a LayerNorm is lowered only into the GEMMs "
-                "that consume it (x W'ᵀ − μ ⊗ colsum(W'), scaled by rstd)",
-            )
+        st.require_gemm_readers(index, op, "a LayerNorm", "x W'ᵀ − μ ⊗ colsum(W'), scaled by rstd")
         st.done.add(index)
         return True
 

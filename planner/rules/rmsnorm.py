@@ -34,15 +34,7 @@ class RMSNormRule(Rule):
 
     def lower(self, st: PlanState, index: int, op: RMSNorm) -> bool:
         """Check that only GEMMs read the norm (each commutes it into its epilogue)."""
-        others = [(j, c) for j, c in st.consumers(op.out) if not isinstance(c, Linear)]
-        if others or op.out in st.block.outputs:
-            who = f"{others[0][1].op} (graph[{others[0][0]}])" if others else "a block output"
-            raise NoRule(
-                index,
-                op,
-                f"its output {op.out!r} feeds {who}; an RMSNorm is lowered only into "
-                "the GEMMs that consume it (row-scale commutation)",
-            )
+        st.require_gemm_readers(index, op, "an RMSNorm", "row-scale commutation")
         st.done.add(index)
         return True
 
