@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from coda.blocks import get_block, list_blocks
+from coda.blocks import builtin_blocks, get_block
 from coda.blocks.block import Block
 from coda.planner import NoRule, lower
 from coda.primitives import edits
@@ -357,7 +357,7 @@ def run(blocks: list[str] | None = None) -> Score:
     """The benchmark over ``blocks`` (default: every built-in block)."""
     score = Score()
     start = time.perf_counter()
-    for block in [get_block(n) for n in blocks] if blocks else list_blocks():
+    for block in [get_block(n) for n in blocks] if blocks else builtin_blocks():
         try:
             made = mutants(block)
         except NoRule:

@@ -25,8 +25,7 @@ from coda.sandbox.stages import validate
 
 @pytest.fixture(scope="module")
 def score() -> repair.Score:
-    """The benchmark in a fresh interpreter: exactly the built-in blocks (other tests register
-    blocks of their own in this process)."""
+    """The benchmark as its command runs it (``python -m coda.evals.repair --json``)."""
     done = subprocess.run(
         [sys.executable, "-m", "coda.evals.repair", "--json"],
         capture_output=True,
