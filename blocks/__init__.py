@@ -1,7 +1,20 @@
 """coda.blocks — target blocks: op graph, PyTorch reference, input factory, shapes, tolerances."""
 
 from .block import Block, ShapeSets, TensorSpec, Tolerance
-from .ops import GLU, Activation, Add, GraphOp, LayerNorm, Linear, RMSNorm, SwiGLU
+from .ops import (
+    GLU,
+    Activation,
+    Add,
+    Chunk,
+    GraphOp,
+    HeadRMSNorm,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    RoPE,
+    Scale,
+    SwiGLU,
+)
 from .registry import (
     BlockFileError,
     BlockNotFound,
@@ -19,10 +32,14 @@ __all__ = [
     "Block",
     "BlockFileError",
     "BlockNotFound",
+    "Chunk",
     "GraphOp",
+    "HeadRMSNorm",
     "Linear",
     "LayerNorm",
     "RMSNorm",
+    "RoPE",
+    "Scale",
     "ShapeSets",
     "SwiGLU",
     "TensorSpec",

@@ -86,6 +86,46 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
 
 
+def scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x * factor`` for a Python scalar (Gemma's embedding normaliser, an attention scaling)."""
+    return x * factor
+
+
+def chunk(x: torch.Tensor, chunks: int, index: int) -> torch.Tensor:
+    """``x.chunk(chunks, dim=-1)[index]``: one part of a concatenated projection (Phi-3's
+    ``gate_up_proj`` output is ``[gate | up]``, so gate is ``chunk(z, 2, 0)``)."""
+    return x.chunk(chunks, dim=-1)[index]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``rotate_half``: ``[x1, x2] -> [-x2, x1]`` over the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as Hugging Face's ``apply_rotary_pos_emb`` on ``x`` of shape ``[M, heads·D]`` with
+    ``cos``/``sin`` of shape ``[M, D]``: each head ``h`` becomes ``h·cos + rotate_half(h)·sin``
+    (the column order stays Hugging Face's rotate-half order)."""
+    rows, head = x.shape[0], cos.shape[-1]
+    heads = x.reshape(rows, -1, head)
+    out = heads * cos[:, None, :] + rotate_half(heads) * sin[:, None, :]
+    return out.reshape(rows, -1)
+
+
+def head_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    cast: str = "before_weight",
+) -> torch.Tensor:
+    """``rms_norm`` of each head of ``x`` (``[M, heads·D]``, ``D = len(weight)``) on its own:
+    Qwen3's and Gemma 3's ``q_norm``/``k_norm`` over ``head_dim``."""
+    rows, head = x.shape[0], weight.shape[-1]
+    return rms_norm(x.reshape(rows, -1, head), weight, eps, offset, cast).reshape(rows, -1)
+
+
 # -- kernel-level semantics (docs/algebra.md §6) ---------------------------------------------------
 # Each helper computes in at least fp32 and returns the activation dtype of its main input (or fp32
 # for row statistics), so a block's reference in bfloat16 rounds where a PyTorch user's code would.

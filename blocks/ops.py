@@ -1,5 +1,5 @@
-"""The high-level ops a block's graph is written in (``Linear``, ``RMSNorm``, ``LayerNorm``,
-``SwiGLU``, ``GLU``, ``Activation``, ``Add``).
+"""The high-level ops a block's graph is written in (``Linear``, ``RMSNorm``, ``HeadRMSNorm``,
+``LayerNorm``, ``SwiGLU``, ``GLU``, ``Activation``, ``Add``, ``Scale``, ``Chunk``, ``RoPE``).
 
 Each op names its input and output values, prints its line of the block's reference source, and says
 which functional helper it calls. The built-in planner lowers these ops with CODA's rewrite rules;
@@ -86,16 +86,10 @@ class Linear(GraphOp):
         return [(math.prod(x[:-1]), w[0], w[1])]
 
 
-class RMSNorm(GraphOp):
-    """``out = rms_norm(x, weight, eps)``: ``x̂ · (offset + weight)`` with ``x̂ = x / rms(x)``.
+class _RMSFields(GraphOp):
+    """The fields of an RMSNorm: ``x``, ``weight``, ``eps``, and the weight ``offset`` and
+    ``cast`` order of the family (``functional.rms_norm``)."""
 
-    The defaults are Hugging Face ``LlamaRMSNorm`` (``offset=0``, ``x̂`` cast to x's dtype before
-    the weight multiplies it); ``offset=1.0, cast="after_weight"`` is ``GemmaRMSNorm`` (``x̂ · (1 +
-    γ)`` formed in fp32, cast once after).
-    """
-
-    op: Literal["rmsnorm"] = "rmsnorm"
-    helper: ClassVar = staticmethod(fn.rms_norm)
     x: str
     weight: str
     eps: float = Field(1e-6, gt=0)
@@ -111,6 +105,18 @@ class RMSNorm(GraphOp):
         if self.cast != "before_weight":
             extra["cast"] = self.cast
         return {"eps": self.eps, **extra}
+
+
+class RMSNorm(_RMSFields):
+    """``out = rms_norm(x, weight, eps)``: ``x̂ · (offset + weight)`` with ``x̂ = x / rms(x)``.
+
+    The defaults are Hugging Face ``LlamaRMSNorm`` (``offset=0``, ``x̂`` cast to x's dtype before
+    the weight multiplies it); ``offset=1.0, cast="after_weight"`` is ``GemmaRMSNorm`` (``x̂ · (1 +
+    γ)`` formed in fp32, cast once after).
+    """
+
+    op: Literal["rmsnorm"] = "rmsnorm"
+    helper: ClassVar = staticmethod(fn.rms_norm)
 
 
 class LayerNorm(GraphOp):
@@ -204,6 +210,75 @@ class Add(GraphOp):
 
     def inputs(self) -> list[str]:
         return [self.a, self.b]
+
+
+class Scale(GraphOp):
+    """``out = x * factor`` for a constant ``factor`` (Gemma's ``hidden * sqrt(d)`` embedding
+    normaliser, a ``1/sqrt(D)`` scaling)."""
+
+    op: Literal["scale"] = "scale"
+    helper: ClassVar = staticmethod(fn.scale)
+    x: str
+    factor: float = Field(allow_inf_nan=False)
+
+    def inputs(self) -> list[str]:
+        return [self.x]
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"factor": self.factor}
+
+
+class Chunk(GraphOp):
+    """``out = x.chunk(chunks, dim=-1)[index]``: one equal part of a concatenated projection
+    (Phi-3's ``gate_up_proj``: gate is part 0 of 2, up part 1)."""
+
+    op: Literal["chunk"] = "chunk"
+    helper: ClassVar = staticmethod(fn.chunk)
+    x: str
+    chunks: int = Field(ge=2, le=64)
+    index: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _index_in_range(self) -> Chunk:
+        if self.index >= self.chunks:
+            raise ValueError(f"chunk index {self.index} is not below chunks={self.chunks}")
+        return self
+
+    def inputs(self) -> list[str]:
+        return [self.x]
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"chunks": self.chunks, "index": self.index}
+
+
+class RoPE(GraphOp):
+    """``out = rope(x, cos, sin)``: Hugging Face's ``apply_rotary_pos_emb`` on ``x`` ``[M,
+    heads·D]`` (heads concatenated) with cos/sin tables ``[M, D]``, in Hugging Face's rotate-half
+    column order."""
+
+    op: Literal["rope"] = "rope"
+    helper: ClassVar = staticmethod(fn.rope)
+    x: str
+    cos: str
+    sin: str
+
+    def inputs(self) -> list[str]:
+        return [self.x, self.cos, self.sin]
+
+    def helper_sources(self) -> list[str]:
+        return [inspect.getsource(fn.rotate_half), inspect.getsource(fn.rope)]
+
+
+class HeadRMSNorm(_RMSFields):
+    """``out = head_rms_norm(x, weight, eps)``: RMSNorm over each head of ``x`` ``[M, heads·D]``
+    separately, weight ``[D]`` shared by the heads (Qwen3's and Gemma 3's ``q_norm``/``k_norm``;
+    ``offset``/``cast`` as ``RMSNorm``)."""
+
+    op: Literal["head_rmsnorm"] = "head_rmsnorm"
+    helper: ClassVar = staticmethod(fn.head_rms_norm)
+
+    def helper_sources(self) -> list[str]:
+        return [inspect.getsource(fn.rms_norm), inspect.getsource(fn.head_rms_norm)]
 
 
 class _Fields(GraphOp):
