@@ -134,6 +134,24 @@ def test_a_refusal_lists_every_op_and_shows_the_partial_program(tmp_path: Path) 
     assert partial["computes"] == ["out", "y"] and partial["program"]["block"] == "mixed"
 
 
+def test_an_llm_provider_runs_on_a_block_the_planner_refuses(tmp_path: Path) -> None:
+    from tests.agent.fake_llm import FakeLLM, openai_tool
+
+    server = FakeLLM()
+    server.replies = [openai_tool("call_1", "finish", {"reason": "read the task"})]
+    try:
+        result = runner.invoke(
+            app,
+            ["synthesize", "--block-file", str(MYSTERY_FILE), "--runs-dir", str(tmp_path)]
+            + ["--provider", "openai", "--base-url", f"{server.url}/v1", "--model", "local"],
+        )
+    finally:
+        server.close()
+    assert "Traceback" not in result.output and "NOT VERIFIED mixed" in result.output
+    task = server.requests[0].body["messages"][1]["content"]
+    assert "## What the built-in planner could not lower" in str(task)
+
+
 def test_provider_configuration_errors_exit_2(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     base = ["synthesize", "-b", "llama_mlp", "--runs-dir", str(tmp_path)]
