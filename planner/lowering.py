@@ -31,8 +31,10 @@ from .state import LoweringOptions, NoRule, PlanState, Unlowered
 class PartialProgram:
     """The part of a block the rules lowered: ``program`` computes graph values ``computes`` (the
     block outputs it reaches, then the values the unlowered ops read), and ``block`` is the block
-    with exactly those outputs, so ``coda.sandbox.evaluate(program, block)`` checks it. The
-    program keeps the block's name and inputs: the rest of the block is written on top of it."""
+    with exactly those outputs, which the sandbox checks it against (``validate`` passes; the
+    later stages do too unless an input only the unlowered ops read moves none of ``computes``,
+    which the semantics stage's input screen reports). The program keeps the block's name and
+    inputs: the rest of the block is written on top of it."""
 
     program: Program
     block: Block
