@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from coda import prompts
 from coda.blocks import Add, Block, Linear, RMSNorm, ShapeSets, TensorSpec
-from coda.planner import lower, lower_partial
+from coda.planner import lower, refusal
 from coda.primitives import backend
 from coda.primitives.base import AuxStep, EpilogueOp, PrepStep
 from coda.primitives.errors import did_you_mean
@@ -300,8 +300,8 @@ def planner_note(block: Block) -> str:
     """The task's section on what the built-in planner could not lower: every op it left, with
     why, and the partial Program of the rest to start from. Empty when it lowers the whole block
     (the model then writes its own Program)."""
-    result = lower_partial(block)
-    if not result.unlowered:
+    result = refusal(block)
+    if result is None:
         return ""
     lines = [
         "",

@@ -8,7 +8,7 @@ Below it: ``coda.primitives`` (the IR it emits) and ``coda.blocks`` (the graphs 
 imports nothing above it; the search reads sandbox outcomes as plain ``Outcome`` records.
 """
 
-from .lowering import Lowering, NoRules, PartialProgram, lower, lower_partial
+from .lowering import Lowering, NoRules, PartialProgram, lower, lower_partial, refusal
 from .registry import Rule, rule_for
 from .search import TUNING_CONFIGS, Finish, Outcome, PlanSearch, Proposal, describe
 from .state import LoweringOptions, NoRule, PlanState, Unlowered
@@ -30,5 +30,6 @@ __all__ = [
     "describe",
     "lower",
     "lower_partial",
+    "refusal",
     "rule_for",
 ]

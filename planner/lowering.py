@@ -100,6 +100,22 @@ def lower(block: Block, options: LoweringOptions | None = None) -> Program:
 
 def lower_partial(block: Block, options: LoweringOptions | None = None) -> Lowering:
     """Lower every op the rules can; see the module docstring."""
+    st, unlowered = _walk(block, options)
+    if not unlowered:
+        return Lowering(Program.parse(st.program_data()))
+    return Lowering(None, unlowered, _partial(st, unlowered))
+
+
+def refusal(block: Block, options: LoweringOptions | None = None) -> NoRules | None:
+    """The ``NoRules`` that ``lower`` would raise for ``block`` (returned, not raised), or None
+    when the rules lower it whole — without building that whole Program."""
+    st, unlowered = _walk(block, options)
+    return NoRules(unlowered, _partial(st, unlowered)) if unlowered else None
+
+
+def _walk(block: Block, options: LoweringOptions | None) -> tuple[PlanState, tuple[Unlowered, ...]]:
+    """Lower the graph in order, past every op that cannot be lowered: the state, and the ops
+    left (in graph order)."""
     st = PlanState.start(block, options)
     left: dict[int, Unlowered] = {}
     lost: dict[str, int] = {}  # graph value -> the graph op that could not produce it
@@ -118,10 +134,7 @@ def lower_partial(block: Block, options: LoweringOptions | None = None) -> Lower
         except NoRule as e:
             st.restore(before)
             _record(st, left, lost, i, op, e)
-    if not left:
-        return Lowering(Program.parse(st.program_data()))
-    unlowered = tuple(left[i] for i in sorted(left))
-    return Lowering(None, unlowered, _partial(st, unlowered))
+    return st, tuple(left[i] for i in sorted(left))
 
 
 def _lower_op(st: PlanState, i: int, op: GraphOp) -> None:
