@@ -7,6 +7,10 @@ appears here with no edit, and the prompt cannot drift from the schema the sandb
 against. The system prompt is the one place the model reads a Program's fields: the
 ``submit_program`` tool's input schema only says that ``program`` is an object (``tools.py``), so
 the same facts are not sent twice on every turn. Templates live in ``coda.prompts``.
+
+For a block the built-in planner cannot lower whole, the task also lists every op it left (with
+its reason) and the partial Program of the rest, as a starting point (``planner_note``); for a
+block it lowers whole, the model gets no part of the planner's Program.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pydantic import BaseModel
 
 from coda import prompts
 from coda.blocks import Add, Block, Linear, RMSNorm, ShapeSets, TensorSpec
-from coda.planner import lower
+from coda.planner import lower, refusal
 from coda.primitives import backend
 from coda.primitives.base import AuxStep, EpilogueOp, PrepStep
 from coda.primitives.errors import did_you_mean
@@ -228,7 +232,11 @@ def system_prompt() -> str:
 
 def example_program() -> dict[str, Any]:
     """The worked example as an author would write it: tags, shorthands, no default fields."""
-    program = lower(_example_block())
+    return authored(lower(_example_block()))
+
+
+def authored(program: Program) -> dict[str, Any]:
+    """``program`` as an author would write it: tags, shorthands, no default fields."""
     data = program.model_dump(mode="json", exclude_defaults=True)
     data["inputs"] = {n: d.shape for n, d in program.inputs.items()}
     data["prep"] = [{"kind": p.kind, **d} for p, d in zip(program.prep, data["prep"], strict=True)]
@@ -284,7 +292,43 @@ def task_prompt(block: Block, options: SandboxOptions | None = None) -> str:
             f"error is within {json.dumps(tol.rel)}, and it has no NaN or Inf."
         ),
         device=_device_note(),
+        planner=planner_note(block),
     )
+
+
+def planner_note(block: Block) -> str:
+    """The task's section on what the built-in planner could not lower: every op it left, with
+    why, and the partial Program of the rest to start from. Empty when it lowers the whole block
+    (the model then writes its own Program)."""
+    result = refusal(block)
+    if result is None:
+        return ""
+    lines = [
+        "",
+        "## What the built-in planner could not lower",
+        "",
+        "CODA's rewrite rules do not lower these ops of the block (`graph[i]` is the i-th line, "
+        "from 0, of the block function's body above):",
+        "",
+        *(f"- {u.line()}" for u in result.unlowered),
+        "",
+    ]
+    partial = result.partial
+    if partial is None:
+        lines.append("They lowered nothing else into a Program: write the whole Program.")
+        return "\n".join(lines) + "\n"
+    computes = ", ".join(f"`{v}`" for v in partial.computes)
+    lines += [
+        f"They lowered the other ops into this partial Program, which computes {computes} (the "
+        "block outputs it reaches and the values the ops above read). Start from it: keep its "
+        "steps, add steps for what the ops above compute (in an epilogue of a GEMM, or an aux "
+        "step), and map `outputs` to the block's outputs as the header says.",
+        "",
+        "```json",
+        compact_json(authored(partial.program)),
+        "```",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _device_note() -> str:

@@ -44,6 +44,7 @@ from .common import (
     note,
     print_json,
     resolve_block,
+    stderr,
 )
 
 if TYPE_CHECKING:
@@ -376,11 +377,33 @@ def _make_provider(
             replay_skip=replay_skip,
         )
     except NoRule as e:
-        raise fail(
-            f"the built-in planner cannot lower block {blk.name!r}: {e}", as_json=as_json
-        ) from None
+        raise _refused(blk, e, as_json) from None
     except (ProviderError, TranscriptError) as e:
         raise fail(getattr(e, "message", str(e)), as_json=as_json) from None
+
+
+def _refused(blk: Block, error: Exception, as_json: bool) -> typer.Exit:
+    """The built-in planner's refusal (exit 2): every op it cannot lower, and the partial Program
+    of what it did lower — printed after the error, or, with ``--json``, the object's
+    ``unlowered`` and ``partial_program``."""
+    from coda.agent.prompting import compact_json
+    from coda.planner import NoRules
+
+    message = f"the built-in planner cannot lower block {blk.name!r}: {error}"
+    if not isinstance(error, NoRules):
+        return fail(message, as_json=as_json)
+    exit_ = fail(message, as_json=as_json, details=error.to_json())
+    if error.partial is not None and not as_json:
+        computes = ", ".join(repr(v) for v in error.partial.computes)
+        stderr().print(
+            "The planner lowered the other ops into a partial Program computing "
+            f"{escape(computes)} (the block outputs it reaches and the values the ops above "
+            "read). Start from it: --provider anthropic|openai gives it to the model with the "
+            "list above.",
+            soft_wrap=True,
+        )
+        print(compact_json(error.partial.program.model_dump(mode="json")), file=sys.stderr)
+    return exit_
 
 
 def _interruptible(fn: Any, as_json: bool = False) -> AgentResult:

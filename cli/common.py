@@ -62,12 +62,14 @@ def stderr() -> Console:
     return Console(stderr=True, highlight=False)
 
 
-def fail(message: str, code: int = 2, as_json: bool = False) -> typer.Exit:
+def fail(
+    message: str, code: int = 2, as_json: bool = False, details: dict[str, Any] | None = None
+) -> typer.Exit:
     """Print ``message`` as an error on stderr (and, for ``--json``, as the one JSON object on
-    stdout: ``{"error": ..., "exit_code": ...}``); the ``Exit`` to raise."""
+    stdout: ``{"error": ..., "exit_code": ...}`` plus ``details``' keys); the ``Exit`` to raise."""
     stderr().print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
     if as_json:
-        print(json.dumps({"error": message, "exit_code": code}))
+        print(json.dumps({"error": message, "exit_code": code, **(details or {})}))
     return typer.Exit(code)
 
 

@@ -102,7 +102,7 @@ def fuse(st: PlanState, ep: Epilogue, gemm_out: str) -> None:
     while progress:
         progress = False
         for j, op in enumerate(st.block.graph):
-            if j not in st.done and _fusable(st, ep, op, gemm_out):
+            if j not in st.done and j not in st.skipped and _fusable(st, ep, op, gemm_out):
                 rule_for(op).fuse(ep, op)  # type: ignore[union-attr]
                 st.done.add(j)
                 progress = True

@@ -1,6 +1,7 @@
 """What the rules share while one block is lowered: ``PlanState`` (the Program being built and what
-is known about the block graph so far), the ``LoweringOptions`` that vary between candidates, and
-``NoRule``, the error for a graph the rules cannot lower.
+is known about the block graph so far), the ``LoweringOptions`` that vary between candidates,
+``NoRule``, the error a rule raises for an op it cannot lower, and ``Unlowered``, the record of
+one op the planner left unlowered (``NoRules``, in ``lowering.py``, lists them all).
 
 Rules read and extend a ``PlanState`` through its attributes and methods only; the state knows no
 rule.
@@ -8,9 +9,10 @@ rule.
 
 from __future__ import annotations
 
+import copy
 import keyword
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from coda.blocks.block import Block
@@ -23,6 +25,31 @@ class NoRule(ValueError):
     def __init__(self, index: int, op: GraphOp, reason: str) -> None:
         self.index, self.op, self.reason = index, op, reason
         super().__init__(f"graph[{index}] {op.op}(out={op.out!r}): no lowering rule — {reason}")
+
+
+@dataclass(frozen=True)
+class Unlowered:
+    """One graph op the planner did not lower: graph op ``index`` and why.
+
+    ``after`` is None when a rule could not lower the op itself (``reason``: the rule's text, or
+    that no rule exists for its type). Otherwise the op was never judged: it reads a value that
+    graph op ``after`` could not produce, or is lowered only together with that op.
+    """
+
+    index: int
+    op: GraphOp
+    reason: str
+    after: int | None = None
+
+    def line(self) -> str:
+        """``graph[i] op(out='v'): no lowering rule — why`` (or ``not judged — why``)."""
+        verdict = "no lowering rule" if self.after is None else "not judged"
+        return f"graph[{self.index}] {self.op.op}(out={self.op.out!r}): {verdict} — {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as JSON data (``--json`` and the agent's prompt)."""
+        data = {"index": self.index, "op": self.op.op, "out": self.op.out, "reason": self.reason}
+        return {**data, "after": self.after} if self.after is not None else data
 
 
 @dataclass(frozen=True)
@@ -56,6 +83,7 @@ class PlanState:
     ``prep``/``steps``/``outputs`` become the Program's fields. ``available``: program tensors
     that exist at this point of the schedule (block inputs, stored results, aux outputs).
     ``done``: indices of graph ops already lowered (a rule that absorbs an op marks it).
+    ``skipped``: indices of graph ops left unlowered (no epilogue may absorb them later).
     ``partials``: value → the buffer of its row sums of squares, written by the epilogue that
     stored it. ``scaled``: RMSNorm output → the stored ``x ⊙ γ`` its GEMMs read. ``rstd``: RMSNorm
     output → its rstd tensor. ``prepared``: prep memo (``prepare``).
@@ -67,6 +95,7 @@ class PlanState:
     steps: list[dict[str, Any]] = field(default_factory=list)
     available: set[str] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
+    skipped: set[int] = field(default_factory=set)
     partials: dict[str, str] = field(default_factory=dict)
     scaled: dict[str, str] = field(default_factory=dict)
     rstd: dict[str, str] = field(default_factory=dict)
@@ -77,6 +106,20 @@ class PlanState:
     def start(cls, block: Block, options: LoweringOptions | None = None) -> PlanState:
         """A fresh state: nothing lowered, the block's inputs available."""
         return cls(block, options or LoweringOptions(), available=set(block.inputs))
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a rule may change, copied: ``restore`` undoes an op whose rule raised
+        ``NoRule`` halfway (after appending an aux step, say), so lowering can go on without it."""
+        return {
+            f.name: copy.deepcopy(getattr(self, f.name))
+            for f in fields(self)
+            if f.name not in ("block", "options")
+        }
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Back to the state ``snapshot`` was taken in."""
+        for name, value in snapshot.items():
+            setattr(self, name, value)
 
     # -- the graph ---------------------------------------------------------------------------------
     def consumers(self, value: str) -> list[tuple[int, GraphOp]]:

@@ -96,6 +96,12 @@ def test_the_task_prompt_carries_source_header_shapes_and_device() -> None:
     assert "Timings are NOT measured" in text
 
 
+def test_the_task_prompt_hands_over_no_part_of_a_program_the_planner_finds_whole() -> None:
+    text = task_prompt(BLOCK, FAST)
+    assert "could not lower" not in text and '"steps"' not in text
+    assert "tensor.\n\n## Shapes, dtypes and tolerance" in text
+
+
 def test_describe_primitive_suggests_the_closest_name() -> None:
     with pytest.raises(KeyError, match="did you mean 'partial_reduce'"):
         lookup("partial_reduction")

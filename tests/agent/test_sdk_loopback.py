@@ -27,6 +27,9 @@ from coda.agent.providers.openai import OpenAIProvider
 from coda.agent.providers.retry import RetryPolicy
 from coda.agent.synthesize import synthesize
 from coda.agent.transcript import RunState, read_transcript
+from coda.planner import lower_partial
+from coda.primitives import Program
+from tests.planner.mystery_block import MIXED
 
 from .fake_llm import (
     STALL,
@@ -154,6 +157,36 @@ def test_openai_sdk_end_to_end(server: FakeLLM, tmp_path: Path) -> None:
     assert report["tool_call_id"] == "call_1" and "FAILED at semantics" in report["content"]
     assert bad_call["tool_calls"][0]["function"]["arguments"] == "{this is not json"
     assert error["tool_call_id"] == "call_2" and "not valid JSON" in error["content"]
+
+
+def first_user_text(body: dict[str, Any]) -> str:
+    """The text of a request's first user message (the task), in either wire format."""
+    message = next(m for m in body["messages"] if m["role"] == "user")
+    content = message["content"]
+    return content if isinstance(content, str) else "".join(b.get("text", "") for b in content)
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_the_model_gets_what_the_planner_could_not_lower(
+    server: FakeLLM, tmp_path: Path, vendor: str
+) -> None:
+    """A block the built-in planner cannot lower whole still runs with an LLM provider, and its
+    task lists every op the planner left and the partial Program of the rest."""
+    provider, tool, _ = VENDORS[vendor]
+    server.replies = [tool("t1", "finish", {"reason": "seen"})]
+    result = synthesize(
+        MIXED, tmp_path, provider=provider(server.url), sandbox=FAST, retry=QUICK_RETRY
+    )
+    assert result.stop.kind == "finished" and len(server.requests) == 1
+    task = first_user_text(server.requests[0].body)
+    assert "def mixed(x, w, w2, g):" in task
+    assert "## What the built-in planner could not lower" in task
+    assert "- graph[1] test_mystery(out='m'): no lowering rule — no rule for op" in task
+    assert "- graph[2] linear(out='z'): not judged — it reads 'm', which graph[1]" in task
+    assert "- graph[3] rmsnorm(out='n'): no lowering rule — its output 'n' feeds" in task
+    partial = task.split("```json\n")[-1].split("```")[0]  # the last JSON block of the task
+    expected = lower_partial(MIXED).partial
+    assert expected is not None and Program.parse(partial) == expected.program
 
 
 @pytest.mark.parametrize("vendor", VENDORS)

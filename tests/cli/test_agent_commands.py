@@ -101,6 +101,57 @@ def test_a_block_the_planner_cannot_lower_is_a_usage_error(tmp_path: Path) -> No
     assert "Traceback" not in result.output and not runs.exists()
 
 
+MYSTERY_FILE = Path(__file__).parents[1] / "planner" / "mystery_block.py"
+
+
+def test_a_refusal_lists_every_op_and_shows_the_partial_program(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    args = ["synthesize", "--block-file", str(MYSTERY_FILE), "--runs-dir", str(runs)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output and not runs.exists()
+    assert "the built-in planner cannot lower block 'mixed': 3 graph ops are not lowered:" in (
+        result.stderr
+    )
+    for line in (
+        "graph[1] test_mystery(out='m'): no lowering rule — no rule for op 'test_mystery'",
+        "graph[2] linear(out='z'): not judged — it reads 'm', which graph[1] could not produce",
+        "graph[3] rmsnorm(out='n'): no lowering rule — its output 'n' feeds a block output",
+    ):
+        assert line in result.stderr
+    shown = result.stderr[result.stderr.index("{") :]  # the partial Program, as JSON
+    assert json.loads(shown)["outputs"] == {"out": "out", "y": "y"}
+
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 2
+    data = json.loads(result.stdout)
+    assert data["exit_code"] == 2 and "3 graph ops are not lowered" in data["error"]
+    assert [(u["index"], u["op"], u.get("after")) for u in data["unlowered"]] == [
+        (1, "test_mystery", None),
+        (2, "linear", 1),
+        (3, "rmsnorm", None),
+    ]
+    partial = data["partial_program"]
+    assert partial["computes"] == ["out", "y"] and partial["program"]["block"] == "mixed"
+
+
+def test_an_llm_provider_runs_on_a_block_the_planner_refuses(tmp_path: Path) -> None:
+    from tests.agent.fake_llm import FakeLLM, openai_tool
+
+    server = FakeLLM()
+    server.replies = [openai_tool("call_1", "finish", {"reason": "read the task"})]
+    try:
+        result = runner.invoke(
+            app,
+            ["synthesize", "--block-file", str(MYSTERY_FILE), "--runs-dir", str(tmp_path)]
+            + ["--provider", "openai", "--base-url", f"{server.url}/v1", "--model", "local"],
+        )
+    finally:
+        server.close()
+    assert "Traceback" not in result.output and "NOT VERIFIED mixed" in result.output
+    task = server.requests[0].body["messages"][1]["content"]
+    assert "## What the built-in planner could not lower" in str(task)
+
+
 def test_provider_configuration_errors_exit_2(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     base = ["synthesize", "-b", "llama_mlp", "--runs-dir", str(tmp_path)]
