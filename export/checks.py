@@ -20,17 +20,29 @@ def check_rms_norm(norm: nn.Module, where: str) -> float:
     with torch.no_grad():
         w = weight.detach().float().cpu()
         probe = torch.linspace(-3, 3, 2 * w.numel()).reshape(2, -1)
-        want = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + float(eps)) * w
+        normed = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + float(eps))
+        want = normed * w
         try:
             got = _run_on_probe(norm, probe)
         except Exception as e:  # noqa: BLE001 - a module that cannot run the probe is not one
             raise ValueError(f"{where} ({type(norm).__name__}) failed on a probe: {e}") from e
-    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+    if not _near(got, want):
         raise ValueError(
             f"{where} ({type(norm).__name__}) is not x · rsqrt(mean(x²) + eps) · weight, the "
-            "RMSNorm the fused kernels compute"
+            f"RMSNorm the fused kernels compute{_offset_hint(got, normed * (1 + w))}"
         )
     return float(eps)
+
+
+def _near(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def _offset_hint(got: torch.Tensor, gemma: torch.Tensor) -> str:
+    """What the norm computes instead, when it is Gemma's ``x̂ · (1 + weight)`` (``gemma``)."""
+    if _near(got, gemma):
+        return " — it computes x̂ · (1 + weight), Gemma's RMSNorm, which no shipped kernel applies"
+    return ""
 
 
 def _run_on_probe(norm: nn.Module, probe: torch.Tensor) -> torch.Tensor:
