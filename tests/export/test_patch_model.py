@@ -270,3 +270,26 @@ def test_patching_twice_changes_nothing_and_options_are_reported() -> None:
     assert kept.lines[fam.LM_HEAD_LOSS].startswith("kept: fused_loss=False")
     with pytest.raises(ValueError, match="has no decoder layer"):
         patch_model(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_a_patched_model_survives_deepcopy_and_torch_save(family: str) -> None:
+    """The drop-in classes of other attention classes (``CodaMistralAttention``, …) are found by
+    name when a pickled model loads; the recipes' layouts pickle with the blocks."""
+    import io
+
+    model = _model(family, seed=8)
+    patched, _ = _patched(model)
+    buffer = io.BytesIO()
+    torch.save(patched, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for copied in (copy.deepcopy(patched), loaded):
+            torch.testing.assert_close(copied(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+    assert (
+        type(loaded.model.layers[0].self_attn).__name__
+        == f"Coda{FAMILIES[family][0][:-6]}Attention"
+    )
