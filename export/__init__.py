@@ -17,8 +17,9 @@
   sits where the patched layer computes with it; otherwise ``ValueError``.
 * ``patch_model(model)``: the same for any Hugging Face causal LM, per module kind — what a
   recipe (``coda.export.families.RECIPES``) proves a shipped kernel computes exactly is patched
-  (Llama, Mistral, Qwen2/3's MLP, Phi-3's fused projections, …), the rest kept as Hugging
-  Face's; returns a ``PatchReport`` saying "patched" or "kept: <reason>" per kind.
+  (Llama, Mistral, Phi-3's fused projections, Qwen2/3's MLP, Gemma's attention input, …), the
+  rest kept as Hugging Face's; returns a ``PatchReport`` saying "patched" or "kept: <reason>"
+  per kind.
 
 The drop-ins run the built-in planner's Programs, shipped verified in ``coda.export.programs``
 and checked against the planner's on load (milliseconds, no sandbox worker); ``verify=True``

@@ -42,7 +42,7 @@ from torch import nn
 from coda.blocks.llama import llama_attn_in_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .checks import check_rms_norm
+from .checks import norm_gamma, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
 from .resolve import dropin_programs
 
@@ -130,6 +130,7 @@ class AttentionRecipe:
 
 
 LLAMA_ATTENTION = AttentionRecipe("transformers.models.llama.modeling_llama.LlamaAttention")
+GEMMA_ATTENTION = AttentionRecipe("transformers.models.gemma.modeling_gemma.GemmaAttention")
 MISTRAL_ATTENTION = AttentionRecipe(
     "transformers.models.mistral.modeling_mistral.MistralAttention",
     extras=_config_sliding_window,
@@ -199,11 +200,12 @@ class _CodaAttentionIn(nn.Module):
 
     ``attn`` is the original attention module — its projections (``recipe.layout``) and
     ``o_proj`` become this module's (same parameters and state-dict keys) — and ``norm`` the
-    layer's ``input_layernorm``, whose ``weight`` the kernel applies (the layer hands this module
-    the un-normalized ``x`` once the norm is a ``DeferredRMSNorm``). ``forward`` takes what the
-    Hugging Face forward takes and returns ``(attn_output, attn_weights)``. Parameters must
-    have ``x``'s dtype, or run under ``torch.autocast`` (then the kernel runs in the autocast
-    dtype, as Hugging Face's projections do).
+    layer's ``input_layernorm``, whose ``weight`` the kernel applies (``1 + weight`` for Gemma's
+    RMSNorm: ``rms_norm_form``; the layer hands this module the un-normalized ``x`` once the norm
+    is a ``DeferredRMSNorm``). ``forward`` takes what the Hugging Face forward takes and returns
+    ``(attn_output, attn_weights)``. Parameters must have ``x``'s dtype, or run under
+    ``torch.autocast`` (then the kernel runs in the autocast dtype, as Hugging Face's
+    projections do).
     """
 
     recipe: AttentionRecipe = LLAMA_ATTENTION
@@ -213,7 +215,7 @@ class _CodaAttentionIn(nn.Module):
     ) -> None:
         nn.Module.__init__(self)  # not the Hugging Face class's: it would build new projections
         check_attention(attn, self.recipe)
-        self.eps = check_rms_norm(norm, "input_layernorm")
+        self.eps, self.norm_offset = rms_norm_form(norm, "input_layernorm")
         for proj in (*self.recipe.layout.projections, "o_proj"):
             setattr(self, proj, getattr(attn, proj))
         for name in ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling"):
@@ -241,7 +243,8 @@ class _CodaAttentionIn(nn.Module):
         """``[tokens, Nq + 2·Nkv]`` from ``x`` ``[..., hidden]`` and Hugging Face's rotary tables
         ``[..., T, head_dim]`` (broadcast over the batch when it is 1)."""
         flat = x.reshape(-1, x.shape[-1])
-        weights = [self.norm.weight, *self.recipe.layout.split(self)]
+        gamma = norm_gamma(self.norm.weight, self.norm_offset)
+        weights = [gamma, *self.recipe.layout.split(self)]
         tables = [
             t.expand(*x.shape[:-1], t.shape[-1]).reshape(flat.shape[0], -1) for t in (cos, sin)
         ]
@@ -370,7 +373,9 @@ def _attention_interface(config: Any, recipe: AttentionRecipe) -> tuple[str | No
     return impl, ALL_ATTENTION_FUNCTIONS[impl]
 
 
-_RECIPES = {r.class_name: r for r in (LLAMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION)}
+_RECIPES = {
+    r.class_name: r for r in (LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION)
+}
 
 
 def __getattr__(name: str) -> Any:

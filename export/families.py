@@ -28,6 +28,7 @@ from typing import Any
 from torch import nn
 
 from .attention import (
+    GEMMA_ATTENTION,
     LLAMA_ATTENTION,
     MISTRAL_ATTENTION,
     PHI3_ATTENTION,
@@ -39,7 +40,7 @@ from .attention import (
     coda_attention_class,
 )
 from .autograd import Tuning
-from .checks import check_rms_norm
+from .checks import check_rms_norm, rms_norm_form
 from .lm_head import install_fused_loss
 from .mlp import CONCATENATED_GATE_UP, SEPARATE_GATE_UP, CodaLlamaMLPBlock, GateUpLayout
 from .patch import (
@@ -127,7 +128,7 @@ def _mlp_recipe(layout: GateUpLayout) -> Recipe:
                 f"{name} has no post_attention_layernorm: the llama_mlp kernels normalize the "
                 "MLP's input with it"
             )
-        _all_or_first(
+        _all_reasons(
             lambda: _in_layer(name, layout.check, layer.mlp),
             lambda: _in_layer(name, check_rms_norm, norm, "post_attention_layernorm"),
             lambda: check_mlp_half(recording, name, layer),
@@ -173,9 +174,9 @@ def _attention_recipe(recipe: AttentionRecipe) -> Recipe:
         attn, norm = layer.self_attn, getattr(layer, "input_layernorm", None)
         if norm is None:
             raise ValueError(_no_input_norm(name))
-        _all_or_first(
+        _all_reasons(
             lambda: _in_layer(name, check_attention, attn, recipe),
-            lambda: _in_layer(name, check_rms_norm, norm, "input_layernorm"),
+            lambda: _in_layer(name, rms_norm_form, norm, "input_layernorm"),
             lambda: check_attention_half(recording, name, layer),
         )
         attention = attention_interface(attn.config, recipe)
@@ -211,7 +212,7 @@ def _no_input_norm(name: str) -> str:
 
 
 # The table: the first recipe of a kind that applies to a layer is the one tried.
-ATTENTION_RECIPES = (LLAMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION)
+ATTENTION_RECIPES = (LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION)
 RECIPES: tuple[Recipe, ...] = (
     *(_attention_recipe(recipe) for recipe in ATTENTION_RECIPES),
     _mlp_recipe(SEPARATE_GATE_UP),
@@ -219,7 +220,7 @@ RECIPES: tuple[Recipe, ...] = (
 )
 
 
-def _all_or_first(*checks: Callable[[], None]) -> None:
+def _all_reasons(*checks: Callable[[], None]) -> None:
     """Run every check; ``ValueError`` with all their reasons, in order, if any fails (a
     module can be off in more than one way, and each says what a kernel would need)."""
     reasons = []
@@ -276,7 +277,7 @@ def _unmatched_attention(name: str, layer: nn.Module, family: str) -> str:
 def _with_norm_reason(name: str, layer: nn.Module) -> str:
     """``"<why the input norm is no Llama RMSNorm>; "``, or nothing when it is one."""
     try:
-        _in_layer(name, check_rms_norm, layer.input_layernorm, "input_layernorm")
+        _in_layer(name, rms_norm_form, layer.input_layernorm, "input_layernorm")
     except ValueError as e:
         return f"{e}; "
     return ""
@@ -440,9 +441,9 @@ def _lm_head_line(
         return "kept: fused_loss=False (patch_model(fused_loss=True) fuses it in training)"
     if error is None:
         try:
-            _all_or_first(
+            _all_reasons(
                 lambda: check_causal_lm_head(recording, model),
-                lambda: check_rms_norm(causal_lm_head(model)[1], "model.model.norm"),
+                lambda: rms_norm_form(causal_lm_head(model)[1], "model.model.norm"),
             )
         except ValueError as e:
             error = e

@@ -43,14 +43,14 @@ FAMILIES = {
         fam.ATTENTION_INPUT: (P, "Phi3Attention's qkv_proj"),
         fam.MLP_HALF: (P, "gate_up_proj = [gate; up]"), fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}, {
-        fam.ATTENTION_INPUT: (K, "Gemma's RMSNorm"), fam.MLP_HALF: (K, "a GeGLU MLP"),
-        fam.LM_HEAD_LOSS: (K, "Gemma's RMSNorm")}),
+        fam.ATTENTION_INPUT: (P, "GemmaAttention"), fam.MLP_HALF: (K, "a GeGLU MLP"),
+        fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (K, "no attention recipe for this class"),
         fam.MLP_HALF: (K, "a post-norm"), fam.LM_HEAD_LOSS: (K, "final-logit softcapping")}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (K, "q/k RMSNorm (Gemma 3)"), fam.MLP_HALF: (K, "a GeGLU MLP"),
-        fam.LM_HEAD_LOSS: (K, "Gemma's RMSNorm")}),
+        fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (K, "has no input_layernorm"), fam.MLP_HALF: (K, "a post-norm"),
         fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
@@ -178,13 +178,17 @@ def test_greedy_generation_is_unchanged(family: str) -> None:
     assert torch.equal(patched.generate(ids, **kwargs), model.generate(ids, **kwargs))
 
 
-def test_under_fp16_autocast_phi3_keeps_hugging_face_precision() -> None:
+@pytest.mark.parametrize("family", ["phi3", "gemma"])
+def test_under_fp16_autocast_the_patched_model_keeps_hugging_face_precision(family: str) -> None:
     """fp32 weights under fp16 autocast: logits and every gradient held to the sandbox's rule
-    against the fp32 model (within 2× Hugging Face's own autocast error plus a floor)."""
+    against the fp32 model (within 2× Hugging Face's own autocast error plus a floor, relative
+    error within the llama_mlp bound — or, where Hugging Face's own autocast error is above that
+    bound, as Gemma's attention gradients are at these sizes, within Hugging Face's own). Phi-3's
+    kernels read row views of its fused weights; Gemma's read 1 + w for its norms."""
     from coda.blocks import get_block
     from coda.sandbox import check_output
 
-    model = _model("phi3", seed=4)
+    model = _model(family, seed=4)
     patched, _ = _patched(model)
     batch = {"input_ids": _batch()["input_ids"], "labels": _batch()["input_ids"]}
 
@@ -203,8 +207,16 @@ def test_under_fp16_autocast_phi3_keeps_hugging_face_precision() -> None:
     pairs += [(n, grads[n], ref_grads[n], hf_grads[n]) for n in ref_grads]
     for name, got, want, theirs in pairs:
         assert got.dtype == theirs.dtype, name
-        c = check_output(name, got, want, theirs, tol, sizes={}, seed=0, run_dtype=torch.float16)
+        rel = {**tol.rel, "float16": max(tol.rel["float16"], _relative_error(theirs, want))}
+        rule = tol.model_copy(update={"rel": rel})
+        c = check_output(name, got, want, theirs, rule, sizes={}, seed=0, run_dtype=torch.float16)
         assert c.passed, c.summary()
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``‖got − want‖ / ‖want‖``, as the sandbox's rule measures it."""
+    diff = (got.double() - want.double()).norm()
+    return float(diff / want.double().norm().clamp(min=1e-300))
 
 
 def test_phi3_weights_stay_one_parameter_each() -> None:
