@@ -305,3 +305,17 @@ def test_a_patched_model_survives_deepcopy_and_torch_save(family: str) -> None:
         type(loaded.model.layers[0].self_attn).__name__
         == f"Coda{FAMILIES[family][0][:-6]}Attention"
     )
+
+
+def test_fuse_gate_up_interleaves_separate_projections_and_leaves_phi3_as_views() -> None:
+    """``fuse_gate_up`` makes Llama's gate and up one interleaved Parameter; Phi-3's MLP keeps
+    its one ``gate_up_proj`` (read as row views) — both compute the original's logits."""
+    ids = _batch()["input_ids"]
+    for family, fused in (("llama", True), ("phi3", False)):
+        model = _model(family, seed=9)
+        patched, report = _patched(model, fuse_gate_up=True)
+        assert report.patched(fam.MLP_HALF)
+        assert patched.model.layers[0].mlp.block.fused is fused
+        with torch.no_grad():
+            want, got = model(input_ids=ids).logits, patched(input_ids=ids).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
