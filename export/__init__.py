@@ -15,16 +15,22 @@
   the MLP half's residual add inside its kernels (``CodaLlamaDecoderLayer``) — after proving,
   on one recorded forward of the model (``coda.export.probe``), that every module it replaces
   sits where the patched layer computes with it; otherwise ``ValueError``.
+* ``patch_model(model)``: the same for any Hugging Face causal LM, per module kind — what a
+  recipe (``coda.export.families.RECIPES``) proves a shipped kernel computes exactly is patched
+  (Llama, Mistral, Phi-3's fused projections, Qwen2/3's MLP, Gemma's attention input, …), the
+  rest kept as Hugging Face's; returns a ``PatchReport`` saying "patched" or "kept: <reason>"
+  per kind.
 
 The drop-ins run the built-in planner's Programs, shipped verified in ``coda.export.programs``
 and checked against the planner's on load (milliseconds, no sandbox worker); ``verify=True``
 verifies them in the sandbox instead (``coda.export.resolve``). Modules: ``mlp`` (the MLP
-drop-in), ``attention``, ``lm_head``, ``patch``, ``probe``; ``checks`` and ``dtypes`` hold what
-they share; ``autograd`` the custom ops.
+drop-in), ``attention``, ``lm_head``, ``patch``, ``families``, ``probe``; ``checks`` and
+``dtypes`` hold what they share; ``autograd`` the custom ops.
 """
 
 from .attention import CodaLlamaAttention, llama_attn_in_function
 from .autograd import ExportedFunction, PackedRows, export_autograd
+from .families import PatchReport, patch_model
 from .lm_head import (
     CodaLlamaLMHeadLoss,
     causal_lm_loss,
@@ -45,6 +51,7 @@ __all__ = [
     "ExportedFunction",
     "NotVerified",
     "PackedRows",
+    "PatchReport",
     "causal_lm_loss",
     "export_autograd",
     "fuse_causal_lm_loss",
@@ -52,5 +59,6 @@ __all__ = [
     "llama_lm_head_ce_function",
     "llama_mlp_function",
     "patch_llama",
+    "patch_model",
     "verified_program",
 ]

@@ -11,6 +11,12 @@ projections + RoPE as one GEMM (``llama_attn_in``, docs/algebra.md §2–3), and
   ``input_layernorm``, which ``patch_llama`` turns into a ``DeferredRMSNorm``), projections and
   rotary embedding run in that one kernel; attention itself (Hugging Face's configured
   implementation: SDPA, eager, flash…), the KV cache and ``o_proj`` are Hugging Face's.
+* ``AttentionRecipe``: which Hugging Face attention class the kernel's input fits, where that
+  class keeps its Q/K/V weights (``QKVLayout``: Llama's three projections, or Phi-3's one
+  ``qkv_proj`` read as row views) and which keyword arguments its forward hands the attention
+  function besides Llama's (Mistral's sliding window). ``coda_attention_class(recipe)`` is the
+  drop-in for it: ``CodaLlamaAttention`` for Llama's, else a ``Coda<Class>`` subclass of the
+  Hugging Face class, so Hugging Face's output recorders still find it.
 
 Keys in a KV cache are stored in the pair order too, consistently for every later query — a
 cache filled by the unpatched model cannot be continued by the patched one (or the reverse).
@@ -21,7 +27,12 @@ Hugging Face records the outputs of modules of that class.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -31,7 +42,7 @@ from torch import nn
 from coda.blocks.llama import llama_attn_in_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .checks import check_rms_norm
+from .checks import norm_gamma, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
 from .resolve import dropin_programs
 
@@ -58,28 +69,105 @@ def _attn_in_function(eps: float, verify: bool) -> ExportedFunction:
     return export_autograd(forward, backward, llama_attn_in_family(eps)["backward_saved"])
 
 
+@dataclass(frozen=True)
+class QKVLayout:
+    """Where an attention module keeps its Q, K and V weights: ``projections`` are its
+    projection submodules (kept by the drop-in under the same names, so state-dict keys stay);
+    ``split(attn)`` returns ``(w_q, w_k, w_v)`` — the Parameters, or row views of one (then
+    gradients reach that one Parameter)."""
+
+    name: str
+    projections: tuple[str, ...]
+    split: Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _separate_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+
+
+def _concatenated_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Phi-3's ``qkv_proj`` rows: the query heads, then the key heads, then the value heads."""
+    weight = attn.qkv_proj.weight
+    nq = attn.config.num_attention_heads * attn.head_dim
+    nkv = attn.config.num_key_value_heads * attn.head_dim
+    return weight[:nq], weight[nq : nq + nkv], weight[nq + nkv :]
+
+
+SEPARATE_QKV = QKVLayout("q_proj, k_proj, v_proj", ("q_proj", "k_proj", "v_proj"), _separate_qkv)
+CONCATENATED_QKV = QKVLayout("qkv_proj = [q; k; v]", ("qkv_proj",), _concatenated_qkv)
+
+
+def _no_extras(_attn: nn.Module) -> dict[str, Any]:
+    return {}
+
+
+def _config_sliding_window(attn: nn.Module) -> dict[str, Any]:
+    """What Mistral's and Phi-3's forwards pass: the config's sliding window (None: none)."""
+    return {"sliding_window": getattr(attn.config, "sliding_window", None)}
+
+
+@dataclass(frozen=True)
+class AttentionRecipe:
+    """A Hugging Face attention class whose forward is Llama's but for where it keeps Q/K/V
+    (``layout``) and what more it hands the attention function (``extras(attn)``, keyword
+    arguments; the attention function itself stays Hugging Face's). ``hf_class`` is the class's
+    import path; ``resolve()`` the class, or None when the installed transformers lacks it."""
+
+    hf_class: str
+    layout: QKVLayout = SEPARATE_QKV
+    extras: Callable[[nn.Module], dict[str, Any]] = _no_extras
+
+    @property
+    def class_name(self) -> str:
+        return self.hf_class.rsplit(".", 1)[1]
+
+    def resolve(self) -> type[nn.Module] | None:
+        module, name = self.hf_class.rsplit(".", 1)
+        try:
+            return getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            return None
+
+
+LLAMA_ATTENTION = AttentionRecipe("transformers.models.llama.modeling_llama.LlamaAttention")
+GEMMA_ATTENTION = AttentionRecipe("transformers.models.gemma.modeling_gemma.GemmaAttention")
+MISTRAL_ATTENTION = AttentionRecipe(
+    "transformers.models.mistral.modeling_mistral.MistralAttention",
+    extras=_config_sliding_window,
+)
+PHI3_ATTENTION = AttentionRecipe(
+    "transformers.models.phi3.modeling_phi3.Phi3Attention",
+    layout=CONCATENATED_QKV,
+    extras=_config_sliding_window,
+)
+
+
 def check_llama_attention(attn: nn.Module) -> None:
     """``ValueError`` unless ``attn`` is a Hugging Face ``LlamaAttention`` with its forward (a
     subclass that overrides it is refused) that projects like ``llama_attn_in``: bias-free q/k/v
     projections, heads of ``head_dim`` with an even width.
     Look-alikes differ where the fused kernel cannot see it (Mistral's sliding window, Qwen3's
     per-head q/k norms before RoPE): they are refused, not silently computed as Llama."""
-    try:
-        from transformers.models.llama.modeling_llama import LlamaAttention
-    except ImportError:  # no transformers: no Hugging Face attention to patch either
-        LlamaAttention = None  # noqa: N806
-    if LlamaAttention is None or not isinstance(attn, LlamaAttention):
+    check_attention(attn, LLAMA_ATTENTION)
+
+
+def check_attention(attn: nn.Module, recipe: AttentionRecipe) -> None:
+    """``ValueError`` unless ``attn`` is an instance of ``recipe``'s Hugging Face class with that
+    class's own forward, its Q/K/V projections (``recipe.layout``) bias-free 2-D weights of
+    whole heads of an even ``head_dim``."""
+    cls, name = recipe.resolve(), recipe.class_name
+    if cls is None or not isinstance(attn, cls):
         raise ValueError(
-            f"self_attn is a {type(attn).__name__}, not Hugging Face's LlamaAttention: its "
+            f"self_attn is a {type(attn).__name__}, not Hugging Face's {name}: its "
             "forward may differ from what the llama_attn_in kernel computes (e.g. sliding "
             "windows, q/k norms); patch with attention=False to keep it"
         )
-    if type(attn).forward is not LlamaAttention.forward:
+    if type(attn).forward is not cls.forward:
         raise ValueError(
-            f"self_attn is a {type(attn).__name__}, a LlamaAttention with its own forward; the "
-            "llama_attn_in kernel computes LlamaAttention's — patch with attention=False to keep it"
+            f"self_attn is a {type(attn).__name__}, a {name} with its own forward; the "
+            f"llama_attn_in kernel computes {name}'s — patch with attention=False to keep it"
         )
-    for proj in ("q_proj", "k_proj", "v_proj"):
+    for proj in recipe.layout.projections:
         weight = getattr(getattr(attn, proj, None), "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(f"self_attn has no {proj} with a 2-D weight")
@@ -88,50 +176,58 @@ def check_llama_attention(attn: nn.Module) -> None:
     head = getattr(attn, "head_dim", None)
     if not isinstance(head, int) or head % 2:
         raise ValueError(f"head_dim {head!r}: RoPE pairs need an even head width")
-    for proj in ("q_proj", "k_proj"):
-        if getattr(attn, proj).weight.shape[0] % head:
-            raise ValueError(f"self_attn.{proj} has no whole number of heads of width {head}")
+    w_q, w_k, w_v = recipe.layout.split(attn)
+    for proj, weight in (("q", w_q), ("k", w_k)):
+        if weight.shape[0] % head or weight.shape[0] == 0:
+            raise ValueError(
+                f"self_attn's {proj} rows are no whole number of heads of width {head}"
+            )
+    if w_v.shape[0] != w_k.shape[0]:
+        raise ValueError(
+            f"self_attn's v rows ({w_v.shape[0]}) are not as many as its k rows ({w_k.shape[0]})"
+        )
 
 
 def _hf_llama_attention() -> type[nn.Module]:
     """Hugging Face's ``LlamaAttention`` class, or ``nn.Module`` without transformers."""
-    try:
-        from transformers.models.llama.modeling_llama import LlamaAttention
-    except ImportError:
-        return nn.Module
-    return LlamaAttention
+    return LLAMA_ATTENTION.resolve() or nn.Module
 
 
-class CodaLlamaAttention(_hf_llama_attention()):
-    """``self_attn(input_layernorm(x))`` of one decoder layer with the norm, Q/K/V projections and
-    RoPE in one CODA kernel (``llama_attn_in``), in place of its ``LlamaAttention``.
+class _CodaAttentionIn(nn.Module):
+    """``self_attn(input_layernorm(x))`` with the norm, Q/K/V projections and RoPE in one CODA
+    kernel (``llama_attn_in``); the subclasses (``coda_attention_class``) add the Hugging Face
+    attention class and ``recipe``.
 
-    ``attn`` is the original ``LlamaAttention`` — its ``q_proj``, ``k_proj``, ``v_proj`` and
+    ``attn`` is the original attention module — its projections (``recipe.layout``) and
     ``o_proj`` become this module's (same parameters and state-dict keys) — and ``norm`` the
-    layer's ``input_layernorm``, whose ``weight`` the kernel applies (the layer hands this module
-    the un-normalized ``x`` once the norm is a ``DeferredRMSNorm``). ``forward`` takes what
-    ``LlamaAttention.forward`` takes and returns ``(attn_output, attn_weights)``. Parameters must
-    have ``x``'s dtype, or run under ``torch.autocast`` (then the kernel runs in the autocast
-    dtype, as Hugging Face's projections do).
+    layer's ``input_layernorm``, whose ``weight`` the kernel applies (``1 + weight`` for Gemma's
+    RMSNorm: ``rms_norm_form``; the layer hands this module the un-normalized ``x`` once the norm
+    is a ``DeferredRMSNorm``). ``forward`` takes what the Hugging Face forward takes and returns
+    ``(attn_output, attn_weights)``. Parameters must have ``x``'s dtype, or run under
+    ``torch.autocast`` (then the kernel runs in the autocast dtype, as Hugging Face's
+    projections do).
     """
+
+    recipe: AttentionRecipe = LLAMA_ATTENTION
 
     def __init__(
         self, attn: nn.Module, norm: nn.Module, *, verify: bool = False, tune: Tuning = "quick"
     ) -> None:
-        nn.Module.__init__(self)  # not LlamaAttention's: it would build new projections
-        check_llama_attention(attn)
-        self.eps = check_rms_norm(norm, "input_layernorm")
-        self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
-        self.o_proj = attn.o_proj
+        nn.Module.__init__(self)  # not the Hugging Face class's: it would build new projections
+        check_attention(attn, self.recipe)
+        self.eps, self.norm_offset = rms_norm_form(norm, "input_layernorm")
+        for proj in (*self.recipe.layout.projections, "o_proj"):
+            setattr(self, proj, getattr(attn, proj))
         for name in ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling"):
             setattr(self, name, getattr(attn, name, None))
+        self.num_key_value_heads = getattr(attn, "num_key_value_heads", None)
         self.attention_dropout = float(getattr(attn, "attention_dropout", 0.0))
         self.is_causal = bool(getattr(attn, "is_causal", True))
         object.__setattr__(self, "norm", norm)  # the layer's module: not registered twice
         self._tune = tune
         self.function = llama_attn_in_function(self.eps, verify=verify, tune=tune)
         # looked up here, not in forward: torch.compile traces no import or signature inspection
-        self._attention = _attention_interface(self.config)
+        self._attention = _attention_interface(self.config, self.recipe)
         self._cache_takes_kwargs = _cache_update_takes_kwargs()
 
     def __getstate__(self) -> dict[str, Any]:  # the registered op neither pickles nor copies
@@ -147,7 +243,8 @@ class CodaLlamaAttention(_hf_llama_attention()):
         """``[tokens, Nq + 2·Nkv]`` from ``x`` ``[..., hidden]`` and Hugging Face's rotary tables
         ``[..., T, head_dim]`` (broadcast over the batch when it is 1)."""
         flat = x.reshape(-1, x.shape[-1])
-        weights = [self.norm.weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        gamma = norm_gamma(self.norm.weight, self.norm_offset)
+        weights = [gamma, *self.recipe.layout.split(self)]
         tables = [
             t.expand(*x.shape[:-1], t.shape[-1]).reshape(flat.shape[0], -1) for t in (cos, sin)
         ]
@@ -164,12 +261,13 @@ class CodaLlamaAttention(_hf_llama_attention()):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if position_embeddings is None:
-            raise ValueError("CodaLlamaAttention needs position_embeddings (cos, sin)")
+            raise ValueError(f"{type(self).__name__} needs position_embeddings (cos, sin)")
         batch = hidden_states.shape[:-1]
         cos, sin = position_embeddings
         qkv = self.qkv(hidden_states, cos, sin).view(*batch, -1)
-        widths = [self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]]
-        q, k, v = qkv.split([widths[0], widths[1], widths[1]], dim=-1)
+        _, w_k, _ = self.recipe.layout.split(self)
+        nkv = w_k.shape[0]
+        q, k, v = qkv.split([qkv.shape[-1] - 2 * nkv, nkv, nkv], dim=-1)
         q, k, v = (t.view(*batch, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         cache = cache if cache is not None else past_key_values
         if cache is not None:
@@ -180,15 +278,67 @@ class CodaLlamaAttention(_hf_llama_attention()):
                 k, v = cache.update(k, v, self.layer_idx, tables)
         impl, attention = self._attention
         if impl != getattr(self.config, "_attn_implementation", None):  # switched since
-            self._attention = _attention_interface(self.config)
+            self._attention = _attention_interface(self.config, self.recipe)
             attention = self._attention[1]
-        out, weights = attention(
-            self, q, k, v, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling, **kwargs,
-        )  # fmt: skip
-        out = out.reshape(*batch, -1).contiguous()
-        return self.o_proj(out), weights
+        out, weights = attend(self, self.recipe, attention, q, k, v, attention_mask, kwargs)
+        return self.o_proj(out.reshape(*batch, -1).contiguous()), weights
+
+
+def attend(
+    attn: nn.Module,
+    recipe: AttentionRecipe,
+    attention: Callable[..., Any],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Hugging Face's ``attention`` function on rotated heads ``[B, heads, T, D]``, with the
+    arguments the recipe's Hugging Face forward passes it (dropout while training, scaling, the
+    recipe's extras, the call's other keyword arguments); ``attn`` is the module it reads its
+    head counts from (the original or the drop-in)."""
+    dropout = 0.0 if not attn.training else float(getattr(attn, "attention_dropout", 0.0))
+    return attention(
+        attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling, **recipe.extras(attn), **kwargs
+    )
+
+
+class CodaLlamaAttention(_CodaAttentionIn, _hf_llama_attention()):
+    """``self_attn(input_layernorm(x))`` of one decoder layer with the norm, Q/K/V projections and
+    RoPE in one CODA kernel (``llama_attn_in``), in place of its ``LlamaAttention``.
+
+    ``attn`` is the original ``LlamaAttention`` — its ``q_proj``, ``k_proj``, ``v_proj`` and
+    ``o_proj`` become this module's (same parameters and state-dict keys) — and ``norm`` the
+    layer's ``input_layernorm``, whose ``weight`` the kernel applies (the layer hands this module
+    the un-normalized ``x`` once the norm is a ``DeferredRMSNorm``). ``forward`` takes what
+    ``LlamaAttention.forward`` takes and returns ``(attn_output, attn_weights)``. Parameters must
+    have ``x``'s dtype, or run under ``torch.autocast`` (then the kernel runs in the autocast
+    dtype, as Hugging Face's projections do).
+    """
+
+    recipe = LLAMA_ATTENTION
+
+
+_DROP_INS: dict[AttentionRecipe, type[nn.Module]] = {LLAMA_ATTENTION: CodaLlamaAttention}
+
+
+@functools.cache
+def coda_attention_class(recipe: AttentionRecipe) -> type[nn.Module]:
+    """The drop-in class for ``recipe``'s Hugging Face attention: ``CodaLlamaAttention`` for
+    Llama's, else ``Coda<Class>``, a subclass of that class (built once, named in this module so
+    a pickled model finds it). ``ValueError`` when the installed transformers lacks the class."""
+    if recipe in _DROP_INS:
+        return _DROP_INS[recipe]
+    base = recipe.resolve()
+    if base is None:
+        raise ValueError(f"the installed transformers has no {recipe.hf_class}")
+    name = f"Coda{base.__name__}"
+    doc = f"``{base.__name__}`` with its input norm, Q/K/V and RoPE in ``llama_attn_in``."
+    cls = type(name, (_CodaAttentionIn, base), {"recipe": recipe, "__doc__": doc})
+    cls.__module__, cls.__qualname__ = __name__, name
+    setattr(sys.modules[__name__], name, cls)
+    return cls
 
 
 def _cache_update_takes_kwargs() -> bool:
@@ -199,16 +349,39 @@ def _cache_update_takes_kwargs() -> bool:
     return "cache_kwargs" not in inspect.signature(Cache.update).parameters
 
 
-def _attention_interface(config: Any) -> tuple[str | None, Any]:
-    """``(config._attn_implementation, Hugging Face's attention function for it)`` (eager by
-    default), looked up as the installed transformers does."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
+def attention_interface(config: Any, recipe: AttentionRecipe) -> Callable[..., Any]:
+    """Hugging Face's attention function for ``config._attn_implementation``, the recipe's
+    module's ``eager_attention_forward`` by default, looked up as the installed transformers
+    does."""
+    return _attention_interface(config, recipe)[1]
 
+
+def _attention_interface(config: Any, recipe: AttentionRecipe) -> tuple[str | None, Any]:
+    """``(config._attn_implementation, attention_interface(config, recipe))``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cls = recipe.resolve()
+    eager = getattr(sys.modules[cls.__module__], "eager_attention_forward", None) if cls else None
+    if eager is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as eager
     impl = getattr(config, "_attn_implementation", None)
     lookup = getattr(ALL_ATTENTION_FUNCTIONS, "get_interface", None)
     if lookup is not None:
-        return impl, lookup(impl, eager_attention_forward)
+        return impl, lookup(impl, eager)
     if impl in (None, "eager"):
-        return impl, eager_attention_forward
+        return impl, eager
     return impl, ALL_ATTENTION_FUNCTIONS[impl]
+
+
+_RECIPES = {
+    r.class_name: r for r in (LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION)
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``Coda<Class>`` drop-in classes built on first use (a model pickled with one loads in a
+    process that has not built it yet)."""
+    recipe = _RECIPES.get(name.removeprefix("Coda")) if name.startswith("Coda") else None
+    if recipe is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return coda_attention_class(recipe)

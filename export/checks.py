@@ -1,36 +1,71 @@
-"""Checks that a Hugging Face norm computes what the fused kernels do (Llama's RMSNorm), shared by
-the MLP, attention and LM-head drop-ins."""
+"""Checks that a Hugging Face norm computes what the fused kernels do, shared by the MLP, attention
+and LM-head drop-ins: ``check_rms_norm`` (Llama's RMSNorm ``x̂ · w``, the only form the MLP's
+kernels take) and ``rms_norm_form`` (also Gemma's ``x̂ · (1 + w)``: the attention-input and LM-head
+kernels read ``γ = w + offset``, ``norm_gamma``, so the gradient reaches ``w`` unchanged)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+GEMMA_OFFSET = 1.0  # Gemma's RMSNorm scales by (1 + weight)
+
 
 def check_rms_norm(norm: nn.Module, where: str) -> float:
     """``norm``'s epsilon; ``ValueError`` unless ``norm`` computes ``x · rsqrt(mean(x²) + eps) ·
     weight`` (Llama's RMSNorm; not e.g. Gemma's ``· (1 + weight)`` or a LayerNorm), checked on a
     probe input with its own weight and epsilon — the fused kernels apply exactly that formula."""
+    return rms_norm_form(norm, where, offsets=(0.0,))[0]
+
+
+def rms_norm_form(
+    norm: nn.Module, where: str, offsets: tuple[float, ...] = (0.0, GEMMA_OFFSET)
+) -> tuple[float, float]:
+    """``(eps, offset)``: ``norm`` computes ``x · rsqrt(mean(x²) + eps) · (weight + offset)`` for
+    one of ``offsets`` (0: Llama's RMSNorm; 1: Gemma's), checked on a probe input with its own
+    weight and epsilon; else ``ValueError``. A kernel that applies ``γ = weight + offset``
+    (``norm_gamma``) computes exactly that norm (in a low-precision dtype up to where ``1 + w`` is
+    rounded: Gemma's own norm adds it in fp32)."""
     weight = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
         raise ValueError(f"{where} ({type(norm).__name__}) is no RMSNorm with a weight and eps")
     if weight.is_meta:
-        return float(eps)  # nothing to compute with; checked again once the weights exist
+        return float(eps), offsets[0]  # nothing to compute with; checked once weights exist
     with torch.no_grad():
         w = weight.detach().float().cpu()
         probe = torch.linspace(-3, 3, 2 * w.numel()).reshape(2, -1)
-        want = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + float(eps)) * w
+        normed = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + float(eps))
         try:
             got = _run_on_probe(norm, probe)
         except Exception as e:  # noqa: BLE001 - a module that cannot run the probe is not one
             raise ValueError(f"{where} ({type(norm).__name__}) failed on a probe: {e}") from e
-    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+    offset = next((o for o in offsets if _near(got, normed * (w + o))), None)
+    if offset is None:
+        forms = " or ".join("weight" if not o else f"({o:g} + weight)" for o in offsets)
+        hint = "" if GEMMA_OFFSET in offsets else _offset_hint(got, normed * (1 + w))
         raise ValueError(
-            f"{where} ({type(norm).__name__}) is not x · rsqrt(mean(x²) + eps) · weight, the "
-            "RMSNorm the fused kernels compute"
+            f"{where} ({type(norm).__name__}) is not x · rsqrt(mean(x²) + eps) · {forms}, the "
+            f"RMSNorm the fused kernels compute{hint}"
         )
-    return float(eps)
+    return float(eps), offset
+
+
+def norm_gamma(weight: torch.Tensor, offset: float) -> torch.Tensor:
+    """The ``γ`` a fused kernel applies for a norm of form ``offset``: the weight itself, or
+    ``weight + offset`` (a new tensor whose gradient is the weight's)."""
+    return weight if not offset else weight + offset
+
+
+def _near(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def _offset_hint(got: torch.Tensor, gemma: torch.Tensor) -> str:
+    """What the norm computes instead, when it is Gemma's ``x̂ · (1 + weight)`` (``gemma``)."""
+    if _near(got, gemma):
+        return " — it computes x̂ · (1 + weight), Gemma's RMSNorm, which these kernels do not apply"
+    return ""
 
 
 def _run_on_probe(norm: nn.Module, probe: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import nn
 from coda.blocks.llama import llama_lm_head_ce_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .checks import check_rms_norm
+from .checks import norm_gamma, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
 from .probe import causal_lm_head, check_causal_lm_head, probe_forward
 from .resolve import dropin_programs
@@ -63,7 +63,8 @@ def _lm_head_function(eps: float, verify: bool) -> ExportedFunction:
 
 class CodaLlamaLMHeadLoss(nn.Module):
     """Hugging Face's causal-LM loss from the last hidden states before the final norm, for a
-    ``LlamaRMSNorm`` (``model.model.norm``) + ``lm_head``, on CODA kernels (no logits stored).
+    ``LlamaRMSNorm`` (``model.model.norm``; or Gemma's ``x̂ · (1 + w)``, the kernel then applying
+    ``γ = 1 + w``) + ``lm_head``, on CODA kernels (no logits stored).
 
     ``forward(hidden, labels, num_items_in_batch=None)``: ``hidden`` ``[..., T, d]``, ``labels``
     ``[..., T]`` (token ids; -100 is ignored); position t predicts ``labels[t + 1]``. The loss is
@@ -82,7 +83,7 @@ class CodaLlamaLMHeadLoss(nn.Module):
         super().__init__()
         if getattr(lm_head, "bias", None) is not None:
             raise ValueError("lm_head has a bias; the llama_lm_head_ce block has none")
-        eps = check_rms_norm(norm, "the final norm")
+        eps, self.norm_offset = rms_norm_form(norm, "the final norm")
         self.norm, self.lm_head = norm, lm_head
         self.function = llama_lm_head_ce_function(eps, verify=verify, tune=tune)
 
@@ -102,7 +103,7 @@ class CodaLlamaLMHeadLoss(nn.Module):
         targets = targets.reshape(-1)
         counted = targets != IGNORE_INDEX
         x = hidden.reshape(-1, hidden.shape[-1])
-        weights = [self.norm.weight, self.lm_head.weight]
+        weights = [norm_gamma(self.norm.weight, self.norm_offset), self.lm_head.weight]
         # ignored tokens get a valid class (0) and no weight: their gradient is zero
         classes = torch.where(counted, targets, 0)
         amp = autocast_dtype(x, weights)  # under autocast: as Hugging Face's lm_head
@@ -198,10 +199,10 @@ def check_fused_loss_fits(model: nn.Module) -> None:
     with labels (``coda.export.probe``) shows the logits are ``lm_head``'s output of
     ``model.model.norm``'s (the base model's last module), ``lm_head`` a bias-free ``x @ Wᵀ``,
     the loss the mean next-token cross-entropy — no softcapping, logit scale or other loss — and
-    the final norm is Llama's RMSNorm."""
+    the final norm is Llama's or Gemma's RMSNorm (``rms_norm_form``)."""
     recording = probe_forward(model, list(causal_lm_head(model)), labels=True)
     check_causal_lm_head(recording, model)
-    check_rms_norm(causal_lm_head(model)[1], "model.model.norm")
+    rms_norm_form(causal_lm_head(model)[1], "model.model.norm")
     _CHECKED.add(model)
 
 

@@ -11,12 +11,19 @@ of interleaved rows, ``gate_up_weight`` ``[2f, d]`` — the layout the fused ker
 fused weight-gradient GEMM writes — so a training step moves no weight layouts at all (build the
 optimizer after wrapping). State dicts keep Hugging Face's keys both ways.
 
+Where an MLP keeps its gate and up weights is a ``GateUpLayout``: ``SEPARATE_GATE_UP``
+(Llama's ``gate_proj`` + ``up_proj``) or ``CONCATENATED_GATE_UP`` (Phi-3's ``gate_up_proj``
+``[2f, d]``, gate rows first): the kernels read row views of the one weight, so it stays one
+Parameter and its gradient is the two views' gradients in place.
+
 Also here, for ``patch_llama``'s ``CodaLlamaMLP``: ``llama_mlp_function`` (the exported op),
 ``check_llama_mlp``, ``interleave_gate_up`` and ``keep_hf_gate_up_keys``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -108,15 +115,99 @@ def check_llama_mlp(mlp: nn.Module) -> None:
     if not hasattr(mlp, "act_fn"):
         raise ValueError(f"mlp ({type(mlp).__name__}) has no act_fn; the llama_mlp block uses SiLU")
     if not _is_silu(mlp.act_fn):
-        raise ValueError(f"mlp.act_fn is {mlp.act_fn!r}; the llama_mlp block uses SiLU")
+        raise ValueError(
+            f"mlp.act_fn is {mlp.act_fn!r}{_glu_kind(mlp.act_fn)}; the llama_mlp block uses SiLU"
+        )
 
 
 def _is_silu(act: Any) -> bool:
+    return activation_name(act) == "silu"
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,
+    "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "relu": nn.functional.relu,
+}
+
+
+def activation_name(act: Any) -> str | None:
+    """Which of SiLU, GELU, tanh-GELU and ReLU ``act`` computes (probed on [-4, 4]), or None."""
     probe = torch.linspace(-4, 4, 17)
     try:
-        return bool(torch.allclose(act(probe), nn.functional.silu(probe), atol=1e-6))
-    except Exception:  # noqa: BLE001 - any activation that cannot run on a probe is not SiLU
-        return False
+        got = act(probe)
+    except Exception:  # noqa: BLE001 - an activation that cannot run on a probe is none of them
+        return None
+    for name, fn in _ACTIVATIONS.items():
+        if isinstance(got, torch.Tensor) and torch.allclose(got, fn(probe), atol=1e-6):
+            return name
+    return None
+
+
+def check_concatenated_mlp(mlp: nn.Module) -> None:
+    """``ValueError`` unless ``mlp`` is a Phi-3-style SwiGLU MLP: a bias-free ``gate_up_proj``
+    with a 2-D weight of ``2f`` rows, a bias-free ``down_proj`` of ``f`` columns and a SiLU
+    ``activation_fn`` (which rows are the gate is proven on the probe forward, not here)."""
+    gate_up = getattr(getattr(mlp, "gate_up_proj", None), "weight", None)
+    down = getattr(getattr(mlp, "down_proj", None), "weight", None)
+    for proj, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(
+                f"mlp ({type(mlp).__name__}) has no {proj} with a 2-D weight; the llama_mlp "
+                "block computes down_proj(silu(gate) · up) with [gate; up] = gate_up_proj(x)"
+            )
+        if getattr(getattr(mlp, proj), "bias", None) is not None:
+            raise ValueError(f"mlp.{proj} has a bias; the llama_mlp block has none")
+    if gate_up.shape[0] != 2 * down.shape[1]:
+        raise ValueError(
+            f"mlp.gate_up_proj has {gate_up.shape[0]} rows, not twice down_proj's "
+            f"{down.shape[1]} input features: not a concatenated [gate; up] weight"
+        )
+    act = getattr(mlp, "activation_fn", None)
+    if activation_name(act) != "silu":
+        raise ValueError(
+            f"mlp.activation_fn is {act!r}{_glu_kind(act)}; the llama_mlp block uses SiLU"
+        )
+
+
+def _glu_kind(act: Any) -> str:
+    """`` (a GeGLU MLP, no shipped kernel yet)`` for a GELU gate, else nothing: names what the
+    MLP is when it is not the SwiGLU the kernels compute."""
+    if activation_name(act) in ("gelu", "gelu_tanh"):
+        return " (a GeGLU MLP: no shipped kernel computes it yet)"
+    return ""
+
+
+def _separate_gate_up(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    return mlp.gate_proj.weight, mlp.up_proj.weight
+
+
+def _concatenated_gate_up(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = mlp.gate_up_proj.weight
+    f = weight.shape[0] // 2
+    return weight[:f], weight[f:]
+
+
+@dataclass(frozen=True)
+class GateUpLayout:
+    """Where an MLP module keeps its gate and up weights: ``check(mlp)`` raises ``ValueError``
+    unless ``mlp`` has this layout and computes a SwiGLU; ``split(mlp)`` returns ``(w_gate,
+    w_up)``, each ``[f, d]`` (the Parameters themselves or row views of one, so gradients reach
+    the module's own Parameters); ``weights`` names the module's weight keys."""
+
+    name: str
+    check: Callable[[nn.Module], None]
+    split: Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]]
+    weights: tuple[str, ...]
+
+
+SEPARATE_GATE_UP = GateUpLayout(
+    "gate_proj + up_proj", check_llama_mlp, _separate_gate_up, ("gate_proj", "up_proj")
+)
+CONCATENATED_GATE_UP = GateUpLayout(
+    "gate_up_proj = [gate; up]", check_concatenated_mlp, _concatenated_gate_up, ("gate_up_proj",)
+)
 
 
 class CodaLlamaMLPBlock(nn.Module):
@@ -145,6 +236,9 @@ class CodaLlamaMLPBlock(nn.Module):
     ``residual=False``: compute ``mlp(norm(x))`` alone (``llama_mlp_branch``), for a caller that
     adds the residual itself — a Hugging Face decoder layer does (``coda.export.patch_llama``).
     Under autocast the branch then comes back in the autocast dtype, like ``LlamaMLP``'s output.
+    ``layout``: where ``mlp`` keeps its gate and up weights (``SEPARATE_GATE_UP``, Llama's, or
+    ``CONCATENATED_GATE_UP``, Phi-3's ``gate_up_proj`` read as two row views; ``fuse_gate_up``
+    needs the separate layout).
     """
 
     def __init__(
@@ -157,11 +251,17 @@ class CodaLlamaMLPBlock(nn.Module):
         tune: Tuning = "quick",
         fuse_gate_up: bool = False,
         residual: bool = True,
+        layout: GateUpLayout = SEPARATE_GATE_UP,
     ) -> None:
         super().__init__()
-        check_llama_mlp(mlp)
+        layout.check(mlp)
+        if fuse_gate_up and layout is not SEPARATE_GATE_UP:
+            raise ValueError(
+                f"fuse_gate_up interleaves separate gate_proj and up_proj weights; this MLP "
+                f"keeps them as {layout.name} — build the block without fuse_gate_up"
+            )
         eps = check_rms_norm(norm, "norm")
-        self.norm, self.mlp = norm, mlp
+        self.norm, self.mlp, self.layout = norm, mlp, layout
         self.fused, self.residual = fuse_gate_up, residual
         self._function_args = {"eps": eps, "verify": verify, "saved": saved}
         # Resolved here, not in forward: torch.compile then sees only the custom op. fp32
@@ -212,17 +312,17 @@ class CodaLlamaMLPBlock(nn.Module):
     @property
     def gate_weight(self) -> torch.Tensor:
         """``gate_proj``'s weight ``[f, d]`` (a view of ``gate_up_weight`` when fused)."""
-        return self.gate_up_weight[0::2] if self.fused else self.mlp.gate_proj.weight
+        return self.gate_up_weight[0::2] if self.fused else self.layout.split(self.mlp)[0]
 
     @property
     def up_weight(self) -> torch.Tensor:
         """``up_proj``'s weight ``[f, d]`` (a view of ``gate_up_weight`` when fused)."""
-        return self.gate_up_weight[1::2] if self.fused else self.mlp.up_proj.weight
+        return self.gate_up_weight[1::2] if self.fused else self.layout.split(self.mlp)[1]
 
     def weights(self) -> list[torch.Tensor]:
         """What the kernels read besides ``x``: γ, the gate and up weights (or the fused one),
         the down weight."""
-        gate_up = [self.gate_up_weight] if self.fused else [self.gate_weight, self.up_weight]
+        gate_up = [self.gate_up_weight] if self.fused else [*self.layout.split(self.mlp)]
         return [self.norm.weight, *gate_up, self.mlp.down_proj.weight]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -74,21 +74,20 @@ class DeferredRMSNorm(nn.Module):
 class CodaLlamaMLP(nn.Module):
     """``mlp(norm(x))`` of one decoder layer on CODA kernels, in place of its ``LlamaMLP``.
 
-    ``gate_proj``, ``up_proj`` and ``down_proj`` are the original modules (Hugging Face's keys);
-    the computation is ``block`` (a ``CodaLlamaMLPBlock(norm, mlp)``, built with or without its
-    residual; held outside the module tree so no parameter is registered twice). A block built with
-    ``fuse_gate_up`` puts its ``gate_up_weight`` here (the projections then hold no weight);
-    state dicts keep ``gate_proj.weight`` / ``up_proj.weight``.
+    The original MLP's submodules (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``; or
+    Phi-3's ``gate_up_proj``, ``down_proj``, ``activation_fn``) are this module's, under the same
+    names (Hugging Face's keys); the computation is ``block`` (a ``CodaLlamaMLPBlock(norm, mlp)``,
+    built with or without its residual; held outside the module tree so no parameter is
+    registered twice). A block built with ``fuse_gate_up`` puts its ``gate_up_weight`` here (the
+    projections then hold no weight); state dicts keep ``gate_proj.weight`` / ``up_proj.weight``.
     """
 
     _HF_KEYS = ("gate_proj.weight", "up_proj.weight")
 
     def __init__(self, block: CodaLlamaMLPBlock) -> None:
         super().__init__()
-        self.gate_proj = block.mlp.gate_proj
-        self.up_proj = block.mlp.up_proj
-        self.down_proj = block.mlp.down_proj
-        self.act_fn = block.mlp.act_fn
+        for name, child in block.mlp.named_children():
+            setattr(self, name, child)
         if block.fused:
             self.gate_up_weight = block.gate_up_weight
             keep_hf_gate_up_keys(self)

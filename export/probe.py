@@ -223,7 +223,7 @@ def check_mlp_half(recording: Recording, name: str, layer: nn.Module) -> None:
             raise ValueError(
                 f"{name}: the layer's output is not h + mlp(post_attention_layernorm(h)) with h "
                 "the norm's input (a norm or scale after the MLP, or a residual other than h?); "
-                "the patched layer computes exactly that — patch_llama does not fit this layer"
+                "the patched layer computes exactly that — the MLP kernels do not fit this layer"
             )
 
 
@@ -233,11 +233,11 @@ def _mlp_input_reason(name: str, h: Any, attn: Call | None) -> str:
             f"{name}: post_attention_layernorm normalizes the attention output (a post-norm), "
             "and the MLP does not receive its output; the patched layer would compute "
             "mlp(post_attention_layernorm(h)) on the residual stream h — another model. "
-            "patch_llama does not fit post-norm layers"
+            "The MLP kernels do not fit post-norm layers"
         )
     return (
         f"{name}: the MLP does not receive post_attention_layernorm's output; the patched layer "
-        "computes mlp(post_attention_layernorm(h)) — patch_llama does not fit this layer"
+        "computes mlp(post_attention_layernorm(h)) — the MLP kernels do not fit this layer"
     )
 
 
@@ -290,11 +290,19 @@ def _check_rotary(name: str, attn: nn.Module, call: Call) -> None:
         )
 
 
-def check_mlp_formula(recording: Recording, name: str, mlp: nn.Module) -> None:
+def check_mlp_formula(
+    recording: Recording,
+    name: str,
+    mlp: nn.Module,
+    gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """``ValueError`` unless each recorded call of ``mlp`` returned ``down(silu(gate(x)) ·
     up(x))`` of its projections' weights — the kernels read the weights alone, so a wrapper
-    that adds to a projection (an adapter) or scales the output is refused."""
-    w_gate, w_up, w_down = (getattr(mlp, p).weight for p in ("gate_proj", "up_proj", "down_proj"))
+    that adds to a projection (an adapter) or scales the output is refused. ``gate_up``: the
+    gate and up weights as the kernels will read them (row views of a fused ``gate_up_proj``),
+    by default ``gate_proj``'s and ``up_proj``'s."""
+    w_gate, w_up = gate_up or (mlp.gate_proj.weight, mlp.up_proj.weight)
+    w_down = mlp.down_proj.weight
     for call in recording.of(mlp):
         x = call.input()
         want = call.result()
@@ -306,6 +314,63 @@ def check_mlp_formula(recording: Recording, name: str, mlp: nn.Module) -> None:
                 "down_proj(silu(gate_proj(x)) · up_proj(x)) of its projections' weights, which "
                 "the llama_mlp kernels compute"
             )
+
+
+def check_attention_formula(
+    recording: Recording,
+    name: str,
+    attn: nn.Module,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    attend: Any,
+) -> None:
+    """``ValueError`` unless each recorded call of ``attn`` returned what the patched attention
+    computes from the same arguments: ``o_proj`` of ``attend(q, k, v, mask, kwargs)`` (the
+    Hugging Face attention function with the drop-in's arguments, no cache) with ``q, k, v``
+    the hidden states times ``qkv``'s weights (as the kernel will read them: a fused
+    projection's row views), rotated in Hugging Face's rotate-half order by the recorded
+    tables. Proves on the probe that the drop-in reads the right rows and passes what the
+    module's own forward passes."""
+    w_q, w_k, w_v = qkv
+    head = attn.head_dim
+    for call in recording.of(attn):
+        x, (cos, sin) = call.input(), _tables(call)
+        kwargs = {k: v for k, v in call.kwargs.items() if k not in _ATTENTION_OWN}
+        mask = call.kwargs.get("attention_mask", call.args[2] if len(call.args) > 2 else None)
+        with torch.no_grad():
+            q, k, v = (
+                F.linear(x, w).view(*x.shape[:-1], -1, head).transpose(1, 2)
+                for w in (w_q, w_k, w_v)
+            )
+            q, k = (_rotate(t, cos, sin) for t in (q, k))
+            out, _ = attend(q, k, v, mask, kwargs)
+            got = attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+        if not close(got, call.result()):
+            raise ValueError(
+                f"{name}.self_attn ({type(attn).__name__}) returned something other than "
+                "o_proj(attention(rope(x Wqᵀ), rope(x Wkᵀ), x Wvᵀ)) with the weights and "
+                "arguments the llama_attn_in drop-in uses; its forward differs from the one "
+                "the drop-in mirrors"
+            )
+
+
+# the attention forward's own arguments; the rest go to the attention function
+_ATTENTION_OWN = (
+    "hidden_states", "position_embeddings", "attention_mask", "past_key_values", "cache",
+    "past_key_value",
+)  # fmt: skip
+
+
+def _tables(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    tables = call.kwargs.get("position_embeddings")
+    return tables if tables is not None else call.args[1]
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``apply_rotary_pos_emb`` on one of ``[B, heads, T, D]``."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = t.shape[-1] // 2
+    rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+    return t * cos + rotated * sin
 
 
 # -- the final norm and LM head --------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""patch_llama over every causal-LM architecture of the installed transformers
+"""patch_llama and patch_model over every causal-LM architecture of the installed transformers
 (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) that builds from one set of tiny generic sizes: each patched
 model computes the original's logits and loss (fp32, tight tolerance) or is refused with a
 ``ValueError`` naming the module and reason, the model untouched — never a silent difference,
-never another exception. Architectures that do not build tiny (a config that rejects the sizes, a
-model still large at them, a forward that fails unpatched) are skipped with the reason
-(``pytest -rs`` lists them). Kernels run in Triton's interpreter: the probe input is 5 tokens."""
+never another exception; patch_model patches what it proves and reports every other module kind
+kept with a reason, the model computing the original's logits and loss. Architectures that do not
+build tiny (a config that rejects the sizes, a model still large at them, a forward that fails
+unpatched) are skipped with the reason (``pytest -rs`` lists them). Kernels run in Triton's
+interpreter: the probe input is 5 tokens."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import copy
 import pytest
 import torch
 
-from coda.export import causal_lm_loss, patch_llama
+from coda.export import causal_lm_loss, patch_llama, patch_model
+from coda.export.families import KINDS, LM_HEAD_LOSS
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,3 +122,29 @@ def test_every_architecture_is_patched_exactly_or_refused(model_type: str) -> No
             continue
         _assert_same_model(patched, model, f"{model_type}, attention={attention}")
         return
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+def test_patch_model_patches_exactly_or_keeps_with_a_reason(model_type: str) -> None:
+    """Every kind ``patched (<recipe>)`` or ``kept: <reason>``; logits and loss (the fused one
+    where the head is patched) the original's; a model without decoder layers refused cleanly."""
+    model = _tiny(model_type)
+    patched = copy.deepcopy(model)
+    try:
+        report = patch_model(patched, verify=False, tune="off", fused_loss=True)
+    except ValueError as e:
+        _refused_cleanly(e, patched, model)
+        return
+    for kind in KINDS:
+        line = report.lines[kind]
+        assert line.startswith("patched (") or len(line) > len("kept: ") + 10, (kind, line)
+    with torch.no_grad():
+        want = model(input_ids=IDS, labels=IDS)
+        got = patched(input_ids=IDS, labels=IDS)
+    scale = float(want.logits.abs().max().clamp(min=1))
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-5 * scale, rtol=2e-5)
+    torch.testing.assert_close(got.loss, want.loss, atol=2e-5, rtol=2e-5)
+    if report.patched(LM_HEAD_LOSS):
+        with torch.no_grad():
+            loss = causal_lm_loss(patched, IDS, IDS, verify=False, tune="off")
+        torch.testing.assert_close(loss, want.loss, atol=2e-5, rtol=2e-5)

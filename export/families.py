@@ -1,0 +1,452 @@
+"""``patch_model``: patch whatever a Hugging Face causal LM's decoder layers let the shipped kernels
+compute exactly, keep the rest, and say which is which.
+
+A decoder layer has four module kinds (``KINDS``): the input norm + attention input (norm, Q/K/V
+projections, RoPE: ``llama_attn_in``), the attention output (``o_proj`` and the attention
+residual: no shipped kernel, always Hugging Face's), the MLP half (post-attention norm + SwiGLU
+MLP + residual: ``llama_mlp``) and, once per model, the final norm + LM head loss
+(``llama_lm_head_ce``). Which recipe patches a kind is decided by what the modules *are* — their
+classes and submodules — never by the model's name; ``config.model_type`` only names the family
+in the report.
+
+``RECIPES`` is the table: each ``Recipe`` has a ``kind``, an ``applies(module)`` test on the
+module's structure (an attention class, an MLP's projection names), a ``prove(recording, name,
+layer)`` that raises ``ValueError`` unless the layer computes, on the recorded probe forward
+(``coda.export.probe``), exactly what the drop-in does, and a ``build(layer, options)`` that
+resolves the drop-in's verified Programs and returns how to install it. Adding a family whose
+modules a shipped kernel computes is adding a row (an ``AttentionRecipe`` or ``GateUpLayout``
+for another weight layout or attention class), not a branch. A kind that no recipe applies to,
+or whose proof fails in any layer, stays Hugging Face's in every layer, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .attention import (
+    GEMMA_ATTENTION,
+    LLAMA_ATTENTION,
+    MISTRAL_ATTENTION,
+    PHI3_ATTENTION,
+    AttentionRecipe,
+    _CodaAttentionIn,
+    attend,
+    attention_interface,
+    check_attention,
+    coda_attention_class,
+)
+from .autograd import Tuning
+from .checks import check_rms_norm, rms_norm_form
+from .lm_head import install_fused_loss
+from .mlp import CONCATENATED_GATE_UP, SEPARATE_GATE_UP, CodaLlamaMLPBlock, GateUpLayout
+from .patch import (
+    _LAYER_PARTS,
+    CodaLlamaDecoderLayer,
+    CodaLlamaMLP,
+    DeferredRMSNorm,
+    _in_layer,
+    _LlamaDecoderLayer,
+    _replace,
+)
+from .probe import (
+    Recording,
+    causal_lm_head,
+    check_attention_formula,
+    check_attention_half,
+    check_causal_lm_head,
+    check_mlp_formula,
+    check_mlp_half,
+    probe_forward,
+)
+
+ATTENTION_INPUT = "input norm + attention input"
+ATTENTION_OUTPUT = "attention output"
+MLP_HALF = "MLP half"
+LM_HEAD_LOSS = "final norm + LM head loss"
+KINDS = (ATTENTION_INPUT, ATTENTION_OUTPUT, MLP_HALF, LM_HEAD_LOSS)
+
+# config.model_type -> the family's name in reports (unlisted types are named by model_type)
+FAMILY_NAMES = {
+    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi-3",
+    "gemma": "Gemma", "gemma2": "Gemma 2", "gemma3_text": "Gemma 3", "gemma3": "Gemma 3",
+    "olmo2": "OLMo 2",
+}  # fmt: skip
+
+_ATTENTION_OUTPUT_KEPT = (
+    "kept: o_proj and the attention residual run as Hugging Face's (no shipped kernel computes "
+    "the attention output)"
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``patch_model`` was asked for, handed to each recipe's ``build``."""
+
+    verify: bool = False
+    saved: bool = True
+    tune: Tuning = "quick"
+    fuse_gate_up: bool = False
+    fuse_residual: bool = True
+
+
+Install = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one module kind of a decoder layer is patched (see the module docstring): ``name``
+    says which kernel on which weights; ``applies(layer)`` whether the layer's modules have the
+    structure this recipe is for; ``prove(recording, name, layer)`` raises ``ValueError``
+    (naming the layer) unless the layer computes what the drop-in does; ``build(layer,
+    options)`` resolves the drop-in and returns the function that installs it."""
+
+    kind: str
+    name: str
+    applies: Callable[[nn.Module], bool]
+    prove: Callable[[Recording, str, nn.Module], None]
+    build: Callable[[nn.Module, Options], Install]
+
+
+# -- the MLP half ----------------------------------------------------------------------------------
+
+
+def _mlp_recipe(layout: GateUpLayout) -> Recipe:
+    """The MLP half on ``llama_mlp`` for MLPs that keep gate and up as ``layout`` says."""
+
+    def applies(layer: nn.Module) -> bool:
+        mlp = getattr(layer, "mlp", None)
+        return not isinstance(mlp, CodaLlamaMLP) and hasattr(mlp, layout.weights[0])
+
+    def prove(recording: Recording, name: str, layer: nn.Module) -> None:
+        norm = getattr(layer, "post_attention_layernorm", None)
+        if norm is None:
+            raise ValueError(
+                f"{name} has no post_attention_layernorm: the llama_mlp kernels normalize the "
+                "MLP's input with it"
+            )
+        _all_reasons(
+            lambda: _in_layer(name, layout.check, layer.mlp),
+            lambda: _in_layer(name, check_rms_norm, norm, "post_attention_layernorm"),
+            lambda: check_mlp_half(recording, name, layer),
+        )
+        check_mlp_formula(recording, name, layer.mlp, layout.split(layer.mlp))
+
+    def build(layer: nn.Module, options: Options) -> Install:
+        block = CodaLlamaMLPBlock(
+            layer.post_attention_layernorm, layer.mlp, verify=options.verify,
+            saved=options.saved, tune=options.tune, residual=_fuses_residual(layer, options),
+            fuse_gate_up=options.fuse_gate_up and layout is SEPARATE_GATE_UP, layout=layout,
+        )  # fmt: skip
+
+        def install() -> None:
+            _replace(layer, "post_attention_layernorm", DeferredRMSNorm(block.norm))
+            _replace(layer, "mlp", CodaLlamaMLP(block))
+            if _fuses_residual(layer, options):
+                layer.__class__ = CodaLlamaDecoderLayer
+
+        return install
+
+    return Recipe(MLP_HALF, f"llama_mlp on {layout.name}", applies, prove, build)
+
+
+def _fuses_residual(layer: nn.Module, options: Options) -> bool:
+    """Whether the layer's MLP half adds its residual in the MLP's kernels: a Hugging Face
+    ``LlamaDecoderLayer`` (its class becomes ``CodaLlamaDecoderLayer``); other layer classes
+    keep their forward and add, so that Hugging Face's output recorders still find them."""
+    return options.fuse_residual and type(layer) is _LlamaDecoderLayer
+
+
+# -- the attention input ---------------------------------------------------------------------------
+
+
+def _attention_recipe(recipe: AttentionRecipe) -> Recipe:
+    """The input norm + attention input on ``llama_attn_in`` for ``recipe``'s attention class."""
+
+    def applies(layer: nn.Module) -> bool:
+        attn, cls = getattr(layer, "self_attn", None), recipe.resolve()
+        return cls is not None and cls in type(attn).__mro__ and not _patched_attention(attn)
+
+    def prove(recording: Recording, name: str, layer: nn.Module) -> None:
+        attn, norm = layer.self_attn, getattr(layer, "input_layernorm", None)
+        if norm is None:
+            raise ValueError(_no_input_norm(name))
+        _all_reasons(
+            lambda: _in_layer(name, check_attention, attn, recipe),
+            lambda: _in_layer(name, rms_norm_form, norm, "input_layernorm"),
+            lambda: check_attention_half(recording, name, layer),
+        )
+        attention = attention_interface(attn.config, recipe)
+
+        def run(q: Any, k: Any, v: Any, mask: Any, kwargs: dict[str, Any]) -> Any:
+            return attend(attn, recipe, attention, q, k, v, mask, kwargs)
+
+        check_attention_formula(recording, name, attn, recipe.layout.split(attn), run)
+
+    def build(layer: nn.Module, options: Options) -> Install:
+        cls = coda_attention_class(recipe)
+        attn = cls(layer.self_attn, layer.input_layernorm, verify=options.verify, tune=options.tune)
+
+        def install() -> None:
+            _replace(layer, "input_layernorm", DeferredRMSNorm(layer.input_layernorm))
+            _replace(layer, "self_attn", attn)
+
+        return install
+
+    name = f"llama_attn_in on {recipe.class_name}'s {recipe.layout.name}"
+    return Recipe(ATTENTION_INPUT, name, applies, prove, build)
+
+
+def _patched_attention(attn: Any) -> bool:
+    return isinstance(attn, _CodaAttentionIn)
+
+
+def _no_input_norm(name: str) -> str:
+    return (
+        f"{name} has no input_layernorm: the layer does not normalize its input before "
+        "attention (post-norms, as OLMo 2's), and the llama_attn_in kernel normalizes it"
+    )
+
+
+# The table: the first recipe of a kind that applies to a layer is the one tried.
+ATTENTION_RECIPES = (LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION)
+RECIPES: tuple[Recipe, ...] = (
+    *(_attention_recipe(recipe) for recipe in ATTENTION_RECIPES),
+    _mlp_recipe(SEPARATE_GATE_UP),
+    _mlp_recipe(CONCATENATED_GATE_UP),
+)
+
+
+def _all_reasons(*checks: Callable[[], None]) -> None:
+    """Run every check; ``ValueError`` with all their reasons, in order, if any fails (a
+    module can be off in more than one way, and each says what a kernel would need)."""
+    reasons = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as e:
+            reasons.append(str(e))
+    if reasons:
+        raise ValueError("; ".join(reasons))
+
+
+# -- kinds no recipe applies to --------------------------------------------------------------------
+
+
+def _unmatched(kind: str, name: str, layer: nn.Module, family: str) -> str:
+    """Why no recipe of ``kind`` applies to ``layer``: what its modules are instead."""
+    if kind == ATTENTION_INPUT:
+        return _unmatched_attention(name, layer, family)
+    mlp = getattr(layer, "mlp", None)
+    return (
+        f"{name}.mlp ({type(mlp).__name__}) has neither gate_proj/up_proj/down_proj nor "
+        "gate_up_proj/down_proj (a mixture of experts, a two-matrix MLP?): the llama_mlp "
+        "kernels compute one SwiGLU MLP"
+    )
+
+
+def _unmatched_attention(name: str, layer: nn.Module, family: str) -> str:
+    attn = getattr(layer, "self_attn", None)
+    cls = type(attn).__name__
+    if getattr(layer, "input_layernorm", None) is None:
+        return _no_input_norm(name)
+    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+        return (
+            f"{name}.self_attn ({cls}): q/k RMSNorm ({family}) has no shipped kernel yet — "
+            "llama_attn_in applies no per-head norm before RoPE"
+        )
+    biased = [
+        p for p in ("q_proj", "k_proj", "v_proj", "qkv_proj")
+        if getattr(getattr(attn, p, None), "bias", None) is not None
+    ]  # fmt: skip
+    if biased:
+        return (
+            f"{name}.self_attn ({cls}): {'/'.join(biased)} with biases ({family}) — the "
+            "llama_attn_in kernel has none"
+        )
+    return _with_norm_reason(name, layer) + (
+        f"{name}.self_attn ({cls}): no attention recipe for this class (its forward may "
+        "differ from Llama's: scaling, softcapping, sliding windows, partial rotary); recipes "
+        f"cover {', '.join(r.class_name for r in ATTENTION_RECIPES)}"
+    )
+
+
+def _with_norm_reason(name: str, layer: nn.Module) -> str:
+    """``"<why the input norm is no Llama RMSNorm>; "``, or nothing when it is one."""
+    try:
+        _in_layer(name, rms_norm_form, layer.input_layernorm, "input_layernorm")
+    except ValueError as e:
+        return f"{e}; "
+    return ""
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+
+@dataclass
+class PatchReport:
+    """What ``patch_model`` did: per module kind (``KINDS``), ``"patched (<recipe>)"`` or
+    ``"kept: <reason>"``. ``str(report)`` is one line per kind under the family's name."""
+
+    family: str
+    layers: int
+    lines: dict[str, str] = field(default_factory=dict)
+    model: nn.Module | None = field(default=None, repr=False)
+
+    def patched(self, kind: str) -> bool:
+        return self.lines[kind].startswith("patched")
+
+    def __str__(self) -> str:
+        head = f"{self.family}, {self.layers} decoder layers:"
+        return "\n".join([head, *(f"  {kind}: {self.lines[kind]}" for kind in KINDS)])
+
+
+def family_name(model: nn.Module) -> str:
+    """``config.model_type``'s family name (``FAMILY_NAMES``), else the model type or class."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model_type, str):
+        return type(model).__name__
+    return FAMILY_NAMES.get(model_type, model_type)
+
+
+# -- patch_model -----------------------------------------------------------------------------------
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: the modules with both a ``self_attn`` and an ``mlp``."""
+    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    verify: bool = False,
+    saved: bool = True,
+    tune: Tuning = "quick",
+    fuse_gate_up: bool = False,
+    fused_loss: bool = False,
+    attention: bool = True,
+    fuse_residual: bool = True,
+    verbose: bool = False,
+) -> PatchReport:
+    """Patch, in place, every module kind of ``model``'s decoder layers that a recipe
+    (``RECIPES``) proves computes exactly what its shipped verified kernel computes; keep the
+    rest as Hugging Face's. Returns a ``PatchReport`` (printed with ``verbose``): per kind
+    ``patched`` or ``kept: <reason>`` — never a silent difference.
+
+    One probe forward (``coda.export.probe``) records every layer; for each kind, the first
+    recipe that applies to a layer's modules must prove itself on every layer (its module
+    checks, the layer's recorded dataflow and the module's recorded output recomputed the way
+    the drop-in computes it), else the kind is kept in every layer with the first failing
+    layer's reasons. Every drop-in is built (its Programs resolved) before any module changes.
+    ``attention=False`` keeps the attention input; ``fused_loss`` also fuses the final norm,
+    LM head and cross-entropy (``fuse_causal_lm_loss``'s training forward) when the probe proves
+    the logits and loss are Hugging Face's plain ones. ``verify``, ``saved``, ``tune``,
+    ``fuse_gate_up``, ``fuse_residual``: as ``patch_llama`` (``fuse_gate_up`` applies to MLPs
+    with separate gate and up projections; Phi-3's ``gate_up_proj`` is read as row views of
+    its one Parameter). Layers already patched stay as they are (patching twice changes
+    nothing). ``ValueError`` for a model with no decoder layer (``self_attn`` + ``mlp``).
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no decoder layer (a module with a self_attn and an "
+            "mlp): patch_model patches the decoder layers of Hugging Face causal LMs"
+        )
+    family = family_name(model)
+    options = Options(verify, saved, tune, fuse_gate_up, fuse_residual)
+    names = {m: n for n, m in model.named_modules()}
+    named = [(names.get(layer) or type(layer).__name__, layer) for layer in layers]
+    report = PatchReport(family, len(layers), model=model)
+    head, head_error = _lm_head(model) if fused_loss else ([], None)
+    recording = _probe(model, layers, head, labels=fused_loss and head_error is None)
+    installs: list[Install] = []
+    for kind in (ATTENTION_INPUT, MLP_HALF):
+        if kind == ATTENTION_INPUT and not attention:
+            report.lines[kind] = "kept: attention=False"
+            continue
+        report.lines[kind], built = _patch_kind(kind, named, recording, family, options)
+        installs += built
+    report.lines[ATTENTION_OUTPUT] = _ATTENTION_OUTPUT_KEPT
+    report.lines[LM_HEAD_LOSS] = _lm_head_line(model, recording, fused_loss, head_error)
+    for install in installs:
+        install()
+    if report.patched(LM_HEAD_LOSS):
+        install_fused_loss(model, verify=verify, tune=tune)
+    if verbose:
+        print(report)
+    return report
+
+
+def _probe(
+    model: nn.Module, layers: list[nn.Module], head: list[nn.Module], *, labels: bool
+) -> Recording:
+    watched = list(head)
+    for layer in layers:
+        parts = (getattr(layer, part, None) for part in _LAYER_PARTS)
+        watched += [layer, *(p for p in parts if isinstance(p, nn.Module))]
+    return probe_forward(model, watched, labels=labels)
+
+
+def _patch_kind(
+    kind: str,
+    named: list[tuple[str, nn.Module]],
+    recording: Recording,
+    family: str,
+    options: Options,
+) -> tuple[str, list[Install]]:
+    """``(report line, installers)`` for one kind over every layer: each unpatched layer's
+    first applicable recipe proven and built, or the first failure as the reason."""
+    todo: list[tuple[str, nn.Module, Recipe]] = []
+    done: set[str] = set()
+    for name, layer in named:
+        if _already_patched(kind, layer):
+            done.add("already patched")
+            continue
+        recipe = next((r for r in RECIPES if r.kind == kind and r.applies(layer)), None)
+        if recipe is None:
+            return f"kept: {_unmatched(kind, name, layer, family)}", []
+        try:
+            recipe.prove(recording, name, layer)
+        except ValueError as e:
+            return f"kept: {e}", []
+        todo.append((name, layer, recipe))
+    installs = [recipe.build(layer, options) for _, layer, recipe in todo]
+    done.update(dict.fromkeys(recipe.name for _, _, recipe in todo))
+    return f"patched ({', '.join(sorted(done))})", installs
+
+
+def _already_patched(kind: str, layer: nn.Module) -> bool:
+    if kind == MLP_HALF:
+        return isinstance(getattr(layer, "mlp", None), CodaLlamaMLP)
+    return _patched_attention(getattr(layer, "self_attn", None))
+
+
+def _lm_head(model: nn.Module) -> tuple[list[nn.Module], ValueError | None]:
+    try:
+        return list(causal_lm_head(model)), None
+    except ValueError as e:
+        return [], e
+
+
+def _lm_head_line(
+    model: nn.Module, recording: Recording, fused_loss: bool, error: ValueError | None
+) -> str:
+    """The final norm + LM head loss: patched when asked and proven (``check_causal_lm_head``,
+    the final norm Llama's RMSNorm), else kept with the reason."""
+    if not fused_loss:
+        return "kept: fused_loss=False (patch_model(fused_loss=True) fuses it in training)"
+    if error is None:
+        try:
+            _all_reasons(
+                lambda: check_causal_lm_head(recording, model),
+                lambda: rms_norm_form(causal_lm_head(model)[1], "model.model.norm"),
+            )
+        except ValueError as e:
+            error = e
+    if error is not None:
+        return f"kept: {error}"
+    return "patched (llama_lm_head_ce: final norm + LM head + cross-entropy, no logits stored)"

@@ -1,0 +1,321 @@
+"""coda.export.patch_model over the families people fine-tune (random tiny configs, no downloads,
+kernels in Triton's interpreter): the report says per module kind "patched" or "kept: <reason>",
+and the patched model computes the original's logits, loss and every parameter's gradient (fp32),
+keeps its state-dict keys both ways, generates the same greedy tokens, handles GQA, one KV head,
+left padding and fp16 autocast. A family whose classes the installed transformers lacks is
+skipped with the reason. The proofs bite: a recipe that reads the wrong rows of a fused weight is
+kept, not run."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from coda.export import PatchReport, patch_model
+from coda.export import families as fam
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = {
+    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+P, K = "patched", "kept"
+# family: (config class, causal-LM class, config extras, {kind: (status, reason substring)})
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, {
+        fam.ATTENTION_INPUT: (P, "LlamaAttention"), fam.MLP_HALF: (P, "gate_proj + up_proj"),
+        fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4}, {
+        fam.ATTENTION_INPUT: (P, "MistralAttention"), fam.MLP_HALF: (P, "gate_proj + up_proj"),
+        fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, {
+        fam.ATTENTION_INPUT: (K, "q_proj/k_proj/v_proj with biases (Qwen2)"),
+        fam.MLP_HALF: (P, "gate_proj + up_proj"), fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}, {
+        fam.ATTENTION_INPUT: (K, "q/k RMSNorm (Qwen3) has no shipped kernel yet"),
+        fam.MLP_HALF: (P, "gate_proj + up_proj"), fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}, {
+        fam.ATTENTION_INPUT: (P, "Phi3Attention's qkv_proj"),
+        fam.MLP_HALF: (P, "gate_up_proj = [gate; up]"), fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}, {
+        fam.ATTENTION_INPUT: (P, "GemmaAttention"), fam.MLP_HALF: (K, "a GeGLU MLP"),
+        fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}, {
+        fam.ATTENTION_INPUT: (K, "no attention recipe for this class"),
+        fam.MLP_HALF: (K, "a post-norm"), fam.LM_HEAD_LOSS: (K, "final-logit softcapping")}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}, {
+        fam.ATTENTION_INPUT: (K, "q/k RMSNorm (Gemma 3)"), fam.MLP_HALF: (K, "a GeGLU MLP"),
+        fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, {
+        fam.ATTENTION_INPUT: (K, "has no input_layernorm"), fam.MLP_HALF: (K, "a post-norm"),
+        fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+}  # fmt: skip
+# the families whose attention input is patched, for the attention variants
+ATTENDED = [f for f, spec in FAMILIES.items() if spec[3][fam.ATTENTION_INPUT][0] == P]
+
+
+def _model(family: str, seed: int = 0, **config: object) -> torch.nn.Module:
+    """The family's tiny causal LM (fp32, eval mode, dropout off), norms away from their init so
+    a norm applied twice or never shows; skipped when transformers lacks its classes."""
+    config_name, model_name, extras, _ = FAMILIES[family]
+    config_cls, model_cls = (getattr(transformers, n, None) for n in (config_name, model_name))
+    if config_cls is None or model_cls is None:
+        pytest.skip(f"{family}: the installed transformers has no {config_name}/{model_name}")
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**SMALL, **extras, **config})).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def _patched(model: torch.nn.Module, **options: object) -> tuple[torch.nn.Module, PatchReport]:
+    patched = copy.deepcopy(model)
+    return patched, patch_model(patched, verify=False, tune="off", **options)
+
+
+def _batch(seed: int = 1) -> dict[str, torch.Tensor]:
+    """Two sequences of 7 tokens, the second left-padded by 3."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 64, (2, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_report_says_what_is_patched_and_why_the_rest_is_kept(family: str) -> None:
+    """One line per module kind; the attention output is always Hugging Face's; kept kinds keep
+    their modules; the patched model's logits are the original's."""
+    model = _model(family)
+    patched, report = _patched(model, fused_loss=True)
+    lines = str(report).splitlines()
+    assert len(lines) == 1 + len(fam.KINDS)
+    assert lines[0] == f"{fam.family_name(model)}, 2 decoder layers:"
+    expected = {**FAMILIES[family][3], fam.ATTENTION_OUTPUT: (K, "no shipped kernel")}
+    for kind, (status, reason) in expected.items():
+        line = report.lines[kind]
+        assert line.startswith(status), f"{kind}: {line}"
+        assert reason in line, f"{kind}: {line}"
+        assert f"  {kind}: {line}" in lines
+    for hf_layer, layer in zip(model.model.layers, patched.model.layers, strict=True):
+        if not report.patched(fam.MLP_HALF):
+            assert type(layer.mlp) is type(hf_layer.mlp)
+        if not report.patched(fam.ATTENTION_INPUT):
+            assert type(layer.self_attn) is type(hf_layer.self_attn)
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        want, got = model(input_ids=ids).logits, patched(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _train_step(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("family", "kv_heads"),
+    [(f, 2) for f in FAMILIES if any(s == P for s, _ in FAMILIES[f][3].values())]
+    + [(f, kv) for f in ATTENDED for kv in (1, 4)],
+)
+def test_loss_and_every_gradient_match_with_left_padding(family: str, kv_heads: int) -> None:
+    """Training mode with the fused loss (no logits made) and a left-padded batch: the loss and
+    every parameter's gradient equal the original's (fp32); GQA, one KV head and MHA."""
+    model = _model(family, seed=kv_heads, num_key_value_heads=kv_heads).train()
+    patched, report = _patched(model, fused_loss=True)
+    batch = _batch(seed=kv_heads)
+    want_loss, want = _train_step(model, batch)
+    got_loss, got = _train_step(patched, batch)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
+    assert got.keys() == want.keys()  # the same parameters, by the same names
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=2e-6, rtol=1e-5, msg=name)
+    assert report.patched(fam.LM_HEAD_LOSS)
+    assert patched(**batch).logits is None  # the fused loss made no logits
+    model.eval(), patched.eval()
+    with torch.no_grad():
+        want_logits, got_logits = model(**batch).logits, patched(**batch).logits
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ATTENDED)
+def test_state_dicts_keep_hugging_face_keys_both_ways(family: str) -> None:
+    model = _model(family)
+    patched, _ = _patched(model)
+    theirs, ours = model.state_dict(), patched.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
+    other = _model(family, seed=3)  # other weights, loaded both ways
+    patched.load_state_dict(other.state_dict())
+    fresh = _model(family, seed=5)
+    fresh.load_state_dict(patched.state_dict())
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        want = other(input_ids=ids).logits
+        torch.testing.assert_close(patched(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fresh(input_ids=ids).logits, want)
+
+
+@pytest.mark.parametrize("family", ATTENDED)
+def test_greedy_generation_is_unchanged(family: str) -> None:
+    """Through the KV cache the patched attention fills (keys in the kernel's pair order)."""
+    model = _model(family, seed=7)
+    patched, _ = _patched(model)
+    ids = _batch()["input_ids"][:1, :5]
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(patched.generate(ids, **kwargs), model.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma"])
+def test_under_fp16_autocast_the_patched_model_keeps_hugging_face_precision(family: str) -> None:
+    """fp32 weights under fp16 autocast: logits and every gradient held to the sandbox's rule
+    against the fp32 model (within 2× Hugging Face's own autocast error plus a floor, relative
+    error within the llama_mlp bound — or, where Hugging Face's own autocast error is above that
+    bound, as Gemma's attention gradients are at these sizes, within Hugging Face's own). Phi-3's
+    kernels read row views of its fused weights; Gemma's read 1 + w for its norms."""
+    from coda.blocks import get_block
+    from coda.sandbox import check_output
+
+    model = _model(family, seed=4)
+    patched, _ = _patched(model)
+    batch = {"input_ids": _batch()["input_ids"], "labels": _batch()["input_ids"]}
+
+    def step(m: torch.nn.Module) -> tuple[torch.Tensor, dict]:
+        m.zero_grad(set_to_none=True)
+        out = m(**batch)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    ref_logits, ref_grads = step(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        hf_logits, hf_grads = step(model)
+        logits, grads = step(patched)
+    tol = get_block("llama_mlp").tolerance
+    pairs = [("logits", logits, ref_logits, hf_logits)]
+    pairs += [(n, grads[n], ref_grads[n], hf_grads[n]) for n in ref_grads]
+    for name, got, want, theirs in pairs:
+        assert got.dtype == theirs.dtype, name
+        rel = {**tol.rel, "float16": max(tol.rel["float16"], _relative_error(theirs, want))}
+        rule = tol.model_copy(update={"rel": rel})
+        c = check_output(name, got, want, theirs, rule, sizes={}, seed=0, run_dtype=torch.float16)
+        assert c.passed, c.summary()
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``‖got − want‖ / ‖want‖``, as the sandbox's rule measures it."""
+    diff = (got.double() - want.double()).norm()
+    return float(diff / want.double().norm().clamp(min=1e-300))
+
+
+def test_phi3_weights_stay_one_parameter_each() -> None:
+    """The kernels read row views of ``gate_up_proj`` and ``qkv_proj``: no new Parameter, so an
+    optimizer built before patching keeps training the model."""
+    model = _model("phi3")
+    before = dict(model.named_parameters())
+    patch_model(model, verify=False, tune="off")
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[n] is p for n, p in before.items())
+
+
+def test_the_proofs_keep_a_recipe_that_reads_the_wrong_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Phi-3 MLP recipe that took [up; gate] for [gate; up], or an attention recipe that swapped
+    the key and value rows, would compute another model: the probe forward shows it and the kind
+    is kept with the reason — the correct recipes are patched (the previous tests)."""
+    from coda.export import attention as attn_mod
+    from coda.export import mlp as mlp_mod
+
+    def swapped_gate_up(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = mlp_mod.CONCATENATED_GATE_UP.split(mlp)
+        return up, gate
+
+    def swapped_kv(attn: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+        q, k, v = attn_mod.CONCATENATED_QKV.split(attn)
+        return q, v, k
+
+    gate_up = dataclasses.replace(mlp_mod.CONCATENATED_GATE_UP, split=swapped_gate_up)
+    qkv = dataclasses.replace(attn_mod.CONCATENATED_QKV, split=swapped_kv)
+    phi3 = dataclasses.replace(attn_mod.PHI3_ATTENTION, layout=qkv)
+    monkeypatch.setattr(fam, "RECIPES", (fam._attention_recipe(phi3), fam._mlp_recipe(gate_up)))
+    model = _model("phi3")
+    patched, report = _patched(model)
+    assert "returned something other than o_proj(attention(" in report.lines[fam.ATTENTION_INPUT]
+    assert "returned something other than down_proj(silu(" in report.lines[fam.MLP_HALF]
+    assert [type(m) for m in patched.modules()] == [type(m) for m in model.modules()]
+
+
+def test_phi3_partial_rotary_keeps_the_attention_input() -> None:
+    """Phi-3 with partial_rotary_factor (Phi-4-mini's): the rotary tables are narrower than the
+    heads, which the llama_attn_in kernel rotates whole — kept; the MLP half still patches."""
+    model = _model("phi3", rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5})
+    _, report = _patched(model)
+    assert report.lines[fam.ATTENTION_INPUT].startswith("kept: ")
+    assert "no rotary tables (cos, sin) of the head width 8" in report.lines[fam.ATTENTION_INPUT]
+    assert report.patched(fam.MLP_HALF)
+
+
+def test_patching_twice_changes_nothing_and_options_are_reported() -> None:
+    model = _model("mistral")
+    report = patch_model(model, verify=False, tune="off")
+    assert report.model is model
+    modules = list(model.modules())
+    again = patch_model(model, verify=False, tune="off")
+    assert list(model.modules()) == modules
+    assert again.lines[fam.MLP_HALF] == "patched (already patched)"
+    assert again.lines[fam.ATTENTION_INPUT] == "patched (already patched)"
+    kept = patch_model(_model("llama"), verify=False, tune="off", attention=False)
+    assert kept.lines[fam.ATTENTION_INPUT] == "kept: attention=False"
+    assert kept.lines[fam.LM_HEAD_LOSS].startswith("kept: fused_loss=False")
+    with pytest.raises(ValueError, match="has no decoder layer"):
+        patch_model(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_a_patched_model_survives_deepcopy_and_torch_save(family: str) -> None:
+    """The drop-in classes of other attention classes (``CodaMistralAttention``, …) are found by
+    name when a pickled model loads; the recipes' layouts pickle with the blocks."""
+    import io
+
+    model = _model(family, seed=8)
+    patched, _ = _patched(model)
+    buffer = io.BytesIO()
+    torch.save(patched, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for copied in (copy.deepcopy(patched), loaded):
+            torch.testing.assert_close(copied(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+    assert (
+        type(loaded.model.layers[0].self_attn).__name__
+        == f"Coda{FAMILIES[family][0][:-6]}Attention"
+    )
+
+
+def test_fuse_gate_up_interleaves_separate_projections_and_leaves_phi3_as_views() -> None:
+    """``fuse_gate_up`` makes Llama's gate and up one interleaved Parameter; Phi-3's MLP keeps
+    its one ``gate_up_proj`` (read as row views) — both compute the original's logits."""
+    ids = _batch()["input_ids"]
+    for family, fused in (("llama", True), ("phi3", False)):
+        model = _model(family, seed=9)
+        patched, report = _patched(model, fuse_gate_up=True)
+        assert report.patched(fam.MLP_HALF)
+        assert patched.model.layers[0].mlp.block.fused is fused
+        with torch.no_grad():
+            want, got = model(input_ids=ids).logits, patched(input_ids=ids).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
