@@ -54,13 +54,11 @@ def _rescale_rows_kernel(
 
 
 class RescaleRows(AuxStep):
-    """Scale each row of a 2-D tensor: ``out[i, j] = src[i, j] * vector[i]``, into a new tensor.
+    """Scale each row of a 2-D tensor into a new one: ``out[i, j] = src[i, j] * vector[i]``.
 
-    ``vector`` has one fp32 value per row (e.g. ``rstd`` of partial sums of squares). ``dtype``:
-    ``act`` (default, the run's activation dtype) or ``float32``. Use it when a row scale must come
-    after something the epilogue already did and the scale is only known once every tile of the
-    row has been written — e.g. an RMSNorm over the whole RoPE'd q projection (its ``r`` commutes
-    with the rotation; store the epilogue's result in float32 so the value is rounded once, here).
+    ``vector``: float32, one value per row (e.g. ``rstd``'s output); ``dtype``: ``act`` or
+    ``float32``. For a row scale known only once every tile of the row is written, e.g. an
+    RMSNorm over a whole RoPE'd projection (r commutes with the rotation).
     """
 
     kind: Literal["rescale_rows"] = "rescale_rows"

@@ -31,16 +31,13 @@ MAX_HEAD_DIM = 256
 
 
 class HeadRmsnorm(EpilogueOp):
-    """RMSNorm of every head of tile ``src`` on its own: for the head ``h`` holding column ``j``,
-    ``out[i, j] = src[i, j] · rsqrt(mean_{j' ∈ h} src[i, j']² + eps) · (offset + weight[j mod D])``.
+    """RMSNorm of each ``head_dim``-wide head of tile ``src`` on its own: ``out = src ·
+    rsqrt(mean over the head of src² + eps) · (offset + weight[j mod head_dim])``.
 
-    ``head_dim`` (D, a size expression such as ``"D"``) must be a power of two ≤ 256 dividing
-    src's width (src in the accumulator's column space N); ``weight`` is a vector ``[D]`` in the
-    tile's per-head column order (after prep ``rope_pairs`` of the projection weight, permute the
-    norm weight with ``rope_pairs`` too). ``offset`` 1.0 is Gemma's ``(1 + γ)``. The kernel needs
-    every head inside one epilogue sub-tile, so the GEMM's sub-tiles are a multiple of D columns:
-    ``"auto"`` picks such a config; an explicit one must have ``block_n // epilogue_subtiles`` a
-    multiple of D.
+    ``head_dim``: a power of two ≤ 256 dividing src's width (space N); ``weight`` ``[head_dim]``
+    in the tile's per-head column order (``rope_pairs`` it like the projection). Sub-tiles must
+    hold whole heads: ``"auto"`` widens them; an explicit config needs ``block_n //
+    epilogue_subtiles`` a multiple of ``head_dim``.
     """
 
     op: Literal["head_rmsnorm"] = "head_rmsnorm"

@@ -24,16 +24,11 @@ if TYPE_CHECKING:
 
 
 class RopeFull(EpilogueOp):
-    """Rotate adjacent column pairs of tile ``src`` by per-token angles, each member with its own
-    table column (RoPE on any tables), 2→2.
+    """RoPE on adjacent pairs like ``rope``, each member with its own table column, 2→2.
 
-    Pair k = columns ``(2k, 2k+1)`` belongs to head ``2k // D`` (D = the width of ``cos``) and is
-    the rotate-half pair ``(p, p + D/2)`` with ``p = k mod D/2`` (weights permuted by prep
-    ``rope_pairs``): ``out[:, 2k] = x·cos[i, p] − y·sin[i, p]`` and ``out[:, 2k+1] =
-    y·cos[i, p + D/2] + x·sin[i, p + D/2]`` with ``x, y = src[:, 2k], src[:, 2k+1]`` — Hugging
-    Face's ``apply_rotary_pos_emb`` whatever the tables hold. ``rotary_cols`` as for ``rope``
-    (columns past it pass through). Write the result in rotate-half order with
-    ``store_rotate_half``, or keep the pair order for attention (scores are unchanged).
+    Pair k is the rotate-half pair ``(p, p + D/2)``, ``p = k mod D/2``: ``out[:, 2k] = x·cos[i,
+    p] − y·sin[i, p]``, ``out[:, 2k+1] = y·cos[i, p + D/2] + x·sin[i, p + D/2]`` — Hugging Face's
+    ``apply_rotary_pos_emb`` on any tables. ``rotary_cols`` as for ``rope``.
     """
 
     op: Literal["rope_full"] = "rope_full"

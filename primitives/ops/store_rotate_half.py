@@ -37,15 +37,11 @@ def rotate_half_columns(width: int, head_dim: int, rotated: int) -> torch.Tensor
 
 
 class StoreRotateHalf(EpilogueOp):
-    """Write tile ``src`` (heads in adjacent-pair order) to a new tensor ``to`` in Hugging Face's
-    rotate-half order, rounding once.
+    """Store tile ``src`` (heads in adjacent-pair order) to new tensor ``to`` in Hugging Face's
+    rotate-half order: the inverse of prep ``rope_pairs``, rounding once.
 
-    Within each head of ``head_dim`` columns (a size expression, e.g. ``"D"``), column ``2p + e``
-    of ``src`` is written to column ``e·D/2 + p`` of ``to``: the inverse of prep ``rope_pairs``, so
-    ``x @ rope_pairs(W)ᵀ`` followed by ``rope`` and this store gives exactly Hugging Face's
-    ``apply_rotary_pos_emb`` output. ``rotary_cols`` (a size expression, default all of src's
-    columns; a multiple of ``head_dim``): columns at or past it are stored where they are (the V
-    part of a fused QKV projection). ``dtype`` as ``store``.
+    Column ``h·D + 2p + e`` goes to ``h·D + e·D/2 + p`` (D = ``head_dim``, a size expression).
+    Columns from ``rotary_cols`` on (default: none) stay in place. ``dtype`` as ``store``.
     """
 
     op: Literal["store_rotate_half"] = "store_rotate_half"

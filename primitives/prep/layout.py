@@ -111,9 +111,8 @@ class RopePairs(PrepStep):
     Within each head of ``head_dim`` rows (a size expression, e.g. ``"D"``), new row ``2p + e``
     is old row ``e·D/2 + p``: the partners of rotate-half (p and p + D/2) become output columns
     ``(2p, 2p+1)`` of ``x @ outᵀ``. Apply it to the Q and K projection weights only (V is not
-    rotated). The GEMM's output is then Hugging Face's in that same per-head order. A vector
-    (a projection's bias ``[heads·head_dim]``, a norm weight over those columns, or one head's
-    ``[head_dim]``) is permuted the same way, to meet that output column for column.
+    rotated). The GEMM's output is then Hugging Face's in that same per-head order. Vectors
+    (a bias, a norm weight) are permuted the same way.
     """
 
     kind: Literal["rope_pairs"] = "rope_pairs"
