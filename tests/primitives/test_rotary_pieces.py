@@ -51,8 +51,15 @@ def _head_norm_program(offset: float, config: Any = "auto") -> Program:
 def test_head_rmsnorm_normalises_each_head(
     sizes: dict[str, int], offset: float, dtype: torch.dtype
 ) -> None:
+    check_head_rmsnorm(sizes, offset, dtype)
+
+
+def check_head_rmsnorm(
+    sizes: dict[str, int], offset: float, dtype: torch.dtype, device: str = "cpu"
+) -> None:
+    """``head_rmsnorm`` of a GEMM's output against the per-head formula and the reference."""
     program = _head_norm_program(offset)
-    inputs = make_inputs(program, sizes, dtype)
+    inputs = make_inputs(program, sizes, dtype, device=device)
     got, ref, _ = run_both(program, inputs)
     acc = inputs["a"].double() @ inputs["b"].double().T
     want = _head_rms_formula(acc, inputs["g"].double(), 1e-6, offset)
@@ -100,8 +107,13 @@ def _rescale_program() -> Program:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("sizes", [{"M": 37, "N": 300, "K": 7}, {"M": 1, "N": 6, "K": 3}])
 def test_rescale_rows_scales_each_row(sizes: dict[str, int], dtype: torch.dtype) -> None:
+    check_rescale_rows(sizes, dtype)
+
+
+def check_rescale_rows(sizes: dict[str, int], dtype: torch.dtype, device: str = "cpu") -> None:
+    """``rescale_rows`` by an ``rstd`` against ``x · rsqrt(mean a² + eps)``."""
     program = _rescale_program()
-    inputs = make_inputs(program, sizes, dtype)
+    inputs = make_inputs(program, sizes, dtype, device=device)
     got, _, _ = run_both(program, inputs)
     a = inputs["a"].double()
     want = inputs["x"].double() * torch.rsqrt((a * a).mean(1, keepdim=True) + 1e-5)
