@@ -6,7 +6,9 @@ when each sub-tile holds whole heads: epilogue op ``head_rmsnorm`` (a segmented 
 with the norm weight permuted like the projection's rows (prep ``rope_pairs``), and the GEMM's
 sub-tiles widened to a multiple of ``head_dim`` (``"auto"`` resolves to such a config). A head
 width that is no power of two, or wider than the widest tile (256), cannot fit a sub-tile: the
-``head_rmsnorm`` check refuses it, naming the head width, and such a block has no lowering.
+rule raises ``NoRule`` naming the head width (no lowering across tiles exists yet: it would need
+per-head partial sums and a finishing pass before the rotation, since γ does not commute with
+it). The sandbox's drawn shapes keep such a head width a power of two (``blocks/draws.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from coda.blocks.ops import HeadRMSNorm
+from coda.primitives.ops.head_rmsnorm import MAX_HEAD_DIM
 
 from ..epilogue import Epilogue
 from ..registry import Rule
-from ..state import PlanState
+from ..shapes import binding_shapes
+from ..state import NoRule, PlanState
 
 
 class HeadRMSNormRule(Rule):
@@ -32,10 +36,26 @@ class HeadRMSNormRule(Rule):
 
 
 def head_norm_in_epilogue(
-    ep: Epilogue, norm: HeadRMSNorm, cur: str, head: str, paired: Callable[[str], str]
+    ep: Epilogue,
+    found: tuple[int, HeadRMSNorm],
+    cur: str,
+    head: str,
+    paired: Callable[[str], str],
 ) -> str:
-    """Emit the per-head RMSNorm of epilogue value ``cur`` (heads of ``head`` columns, in the
-    pair order ``paired`` gives the weights); returns the normalised value."""
+    """Emit the per-head RMSNorm (graph op ``found``) of epilogue value ``cur`` (heads of
+    ``head`` columns, in the pair order ``paired`` gives the weights); returns the normalised
+    value. ``NoRule`` when a head width of the block's shape sets cannot fit a sub-tile."""
+    index, norm = found
+    widths = sorted({shapes[norm.weight][0] for _, shapes in binding_shapes(ep.st)})
+    unfit = [w for w in widths if w & (w - 1) or w > MAX_HEAD_DIM]
+    if unfit:
+        raise NoRule(
+            index,
+            norm,
+            f"its head width {unfit[0]} (the length of {norm.weight!r}) is no power of two "
+            f"≤ {MAX_HEAD_DIM}: a per-head norm runs inside an epilogue sub-tile holding whole "
+            "heads, which only such widths fit (there is no lowering of it across tiles)",
+        )
     node = {
         "op": "head_rmsnorm",
         "src": cur,

@@ -140,7 +140,7 @@ def lower_rotary(st: PlanState, chain: RotaryChain) -> None:
     if chain.norm is not None:
         norm = chain.norm[1]
         if isinstance(norm, HeadRMSNorm):
-            cur = head_norm_in_epilogue(ep, norm, cur, head, paired)
+            cur = head_norm_in_epilogue(ep, chain.norm, cur, head, paired)  # type: ignore[arg-type]
         else:
             cur, store = norm_before_rotation(ep, norm, cur, paired, rope.out)
     rotated = f"{rope.out}_pairs"

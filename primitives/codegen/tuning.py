@@ -28,7 +28,7 @@ import torch
 from ..ir import MainloopConfig
 from ..settings import current
 from ..tolerance import allowed_error, tuning_floor
-from .configs import INTERPRETER_DEFAULT, fit_columns
+from .configs import GPU_DEFAULT, INTERPRETER_DEFAULT, fit_columns
 
 # Hopper, 16-bit operands: 228 KB of shared memory per SM (a little is reserved).
 SMEM_LIMIT = 220 * 1024
@@ -129,6 +129,8 @@ def candidate_configs(
             continue  # mostly padding
         if cfg not in out:
             out.append(cfg)
+    if not out and column_multiple > 1:  # no candidate's sub-tiles hold whole segments
+        out.append(fit_columns(GPU_DEFAULT, column_multiple))
     return out
 
 

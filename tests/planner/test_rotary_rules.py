@@ -138,3 +138,9 @@ def test_a_rope_whose_input_is_also_an_output_has_no_lowering() -> None:
     block = LLAMA.model_copy(update={"name": "q_also_out", "outputs": outputs})
     with pytest.raises(NoRule, match=r"rope\(out='q_rot'\).*'q' is a block output"):
         lower(block)
+
+
+def test_a_head_width_no_sub_tile_fits_is_refused_by_the_planner() -> None:
+    block = attention_input("qwen3_d12", qk_norm={"eps": 1e-6}, shapes=ANY_HEAD)
+    with pytest.raises(NoRule, match=r"head_rmsnorm\(out='q_normed'\).*head width 12"):
+        lower(block)

@@ -156,3 +156,15 @@ def test_rope_pairs_permutes_a_bias_like_the_weight_rows() -> None:
     assert torch.equal(got["w_p"][:, 0], got["bias_p"])
     order = [0, 3, 1, 4, 2, 5]
     assert torch.equal(got["bias_p"][:6], inputs["bias"][order])
+
+
+def test_tuning_times_only_configs_whose_sub_tiles_hold_whole_heads() -> None:
+    from coda.primitives.codegen.tuning import candidate_configs
+
+    configs = candidate_configs(4096, 4096, 4096, itemsize=2, interpret=False, column_multiple=256)
+    assert configs and all(c.epilogue_block_n % 256 == 0 for c in configs)
+    narrow = [(128, 128, 64, 8, 3, 2)]  # 64-wide sub-tiles only: the default, widened, instead
+    (only,) = candidate_configs(
+        4096, 4096, 4096, itemsize=2, interpret=False, space=narrow, column_multiple=256
+    )
+    assert only.block_n == 256 and only.epilogue_subtiles == 1
