@@ -14,10 +14,14 @@
   Why not rotate half-heads in registers: that needs a tile holding whole heads (BLOCK_N a
   multiple of head_dim: impossible for head_dim 80 or 96, and a constraint on every tile
   config), while the pair order works at any head_dim and tile, and the permuted store costs
-  only different store addresses. Each projection is its own GEMM (Q, K, V are separate block
-  outputs; one fused QKV GEMM with three stores is left for later); the bias is added before the
-  rotation, a ``HeadRMSNorm`` runs in the epilogue (``head_rmsnorm.py``), an ``RMSNorm`` of the
-  whole projection finishes after it (``rmsnorm.norm_before_rotation``).
+  only different store addresses. The bias is added before the rotation, a ``HeadRMSNorm`` runs
+  in the epilogue (``head_rmsnorm.py``), an ``RMSNorm`` of the whole projection finishes after
+  it (``rmsnorm.norm_before_rotation``); each such projection is a GEMM of its own.
+* **separate Q, K, V outputs in one GEMM** (``separate_qkv`` / ``lower_separate_qkv``): when every
+  Linear of the normed input is unbiased and goes straight to a RoPE output or is an output
+  itself (Llama, Mistral), one GEMM over ``concat_rows`` of the (Q/K paired) weights rotates the
+  Q/K columns (``rotary_cols``) and stores all three side by side in Hugging Face's order; the
+  outputs are column views of that tensor (nothing is copied).
 * **backward** of ``concat(rope(q), rope(k), v)`` of ``h = rmsnorm(x)·γ``: the inverse rotation of
   ``dqkv`` (in the epilogue of the recomputed projection, or one ``rope_rows`` pass over the saved
   output), the RMSNorm backward in the epilogue of ``dz W_qkv``, the weight gradient as a plain
@@ -114,6 +118,77 @@ def rotary_chain(st: PlanState, i: int, op: Linear) -> RotaryChain | None:
     return RotaryChain((i, op), norm, user)  # type: ignore[arg-type]
 
 
+def separate_qkv(st: PlanState, i: int, op: Linear) -> list[QKVPart] | None:
+    """Q, K, V as separate outputs of one fused GEMM, when Linear ``op`` (graph op ``i``) starts
+    such a group: every Linear of ``op.x`` is unbiased and either a block output nothing reads
+    (V) or the input of a ``RoPE`` (no norm between) whose output is a block output nothing reads
+    (Q, K); at least two parts, one rotated, one cos/sin pair. Rotated parts come first."""
+    linears = [(j, c) for j, c in st.consumers(op.x) if isinstance(c, Linear)]
+    if len(linears) < 2 or linears[0][0] != i or any(c.bias for _, c in linears):
+        return None
+    rotated, plain = [], []
+    for j, lin in linears:
+        chain = rotary_chain(st, j, lin)
+        if chain is not None and chain.norm is None and _final(st, chain.rope[1].out):
+            rotated.append(QKVPart((j, lin), rope=chain.rope))  # type: ignore[arg-type]
+        elif _final(st, lin.out):
+            plain.append(QKVPart((j, lin)))
+        else:
+            return None
+    tables = {(p.rope[1].cos, p.rope[1].sin) for p in rotated}  # type: ignore[index, union-attr]
+    return [*rotated, *plain] if rotated and len(tables) == 1 else None
+
+
+def _final(st: PlanState, value: str) -> bool:
+    """``value`` is a block output and no op reads it."""
+    return value in st.block.outputs and not st.consumers(value)
+
+
+def lower_separate_qkv(st: PlanState, parts: list[QKVPart]) -> None:
+    """One GEMM over ``concat_rows`` of the weights (Q/K rows paired) whose epilogue rotates the
+    Q/K columns (``rope_full``) and stores Q, K, V side by side in Hugging Face's order
+    (``store_rotate_half``); the block's outputs are column views of that tensor."""
+    first_i, first = parts[0].linear
+    rotated = [p for p in parts if p.rope is not None]
+    rope = rotated[0].rope[1]  # type: ignore[index]
+    head = size_expr_of(st, rope.cos, 1)
+    weights = []
+    for part in parts:
+        w = part.linear[1].weight
+        if part.rope is not None:
+            node = {"kind": "rope_pairs", "weight": w, "head_dim": head, "out": f"{w}_pairs"}
+            w = st.prepare(("rope_pairs", w), node)
+        weights.append(w)
+    outs = [p.rope[1].out if p.rope is not None else p.linear[1].out for p in parts]
+    name = "_".join(outs)
+    fused = st.prepare(
+        ("concat", *weights), {"kind": "concat_rows", "tensors": weights, "out": f"w_{name}"}
+    )
+    a, scale = commute(st, first_i, first, fused)
+    ep = Epilogue(st)
+    cur = "acc"
+    if scale is not None:
+        fused, cur = scale[1], f"{name}_z"
+        ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": cur})
+    widths = [size_expr_of(st, p.linear[1].weight, 0) for p in parts]
+    extra = {"rotary_cols": " + ".join(widths[: len(rotated)])} if len(rotated) < len(parts) else {}
+    node = {"op": "rope_full", "src": cur, "cos": rope.cos, "sin": rope.sin, **extra}
+    ep.emit({**node, "out": f"{name}_pairs"})
+    ep.emit(
+        {"op": "store_rotate_half", "src": f"{name}_pairs", "to": name, "head_dim": head, **extra}
+    )
+    start = "0"
+    for out, width in zip(outs, widths, strict=True):
+        stop = width if start == "0" else f"{start} + {width}"
+        st.outputs[out] = {"tensor": name, "dim": 1, "start": start, "stop": stop}
+        start = stop
+    for part in parts:
+        for found in (part.linear, part.rope):
+            if found is not None:
+                st.done.add(found[0])
+    emit_gemm(st, first_i, ep, a, f"{fused}.T", [p.linear[1].weight for p in parts], name)
+
+
 def lower_rotary(st: PlanState, chain: RotaryChain) -> None:
     """One GEMM over ``rope_pairs(W)``: [row scale of the input norm] → [bias] → [norm] → ``rope``
     → ``store_rotate_half`` (and, for a norm over the whole projection, its finishing aux steps)."""
@@ -161,7 +236,7 @@ class QKVPart:
 
     linear: tuple[int, Linear]
     pairs: tuple[int, PairLayout] | None = None
-    rope: tuple[int, RoPEPairs] | None = None
+    rope: tuple[int, RoPEPairs | RoPE] | None = None
 
 
 @dataclass

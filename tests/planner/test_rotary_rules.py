@@ -90,19 +90,29 @@ def _ops(program: Any, step: int) -> list[str]:
     return [op.op for op in program.steps[step].epilogue]
 
 
-def test_llama_order_rotates_pairs_and_stores_rotate_half() -> None:
+def test_llama_q_k_v_are_one_gemm_stored_in_rotate_half_order() -> None:
+    """One GEMM over [rope_pairs(w_q); rope_pairs(w_k); w_v]: V passes the rotation, the store
+    puts Q/K columns back in rotate-half order, and q_rot, k_rot, v are column views of it."""
     program = lower(LLAMA)
     kinds = [p.kind for p in program.prep]
-    assert kinds.count("rope_pairs") == 2 and kinds.count("fold_norm_weight") == 3
-    assert [s.kind for s in program.steps] == ["rstd", "gemm", "gemm", "gemm"]
+    assert kinds == ["rope_pairs", "rope_pairs", "concat_rows", "fold_norm_weight"]
+    assert [s.kind for s in program.steps] == ["rstd", "gemm"]
     assert _ops(program, 1) == ["scale_rows", "rope_full", "store_rotate_half"]
-    assert _ops(program, 3) == ["scale_rows", "store"]  # v: no rotation
+    views = {name: (v.start, v.stop) for name, v in program.outputs.items()}
+    assert views == {
+        "q_rot": ("0", "Nq"),
+        "k_rot": ("Nq", "Nq + Nkv"),
+        "v": ("Nq + Nkv", "Nq + Nkv + Nkv"),
+    }
     report = evaluate(program, LLAMA, OPTIONS)
     assert report.verified, report.render_text()
 
 
 def test_qwen2_bias_is_added_before_the_rotation() -> None:
+    """One GEMM per projection (fused Q/K/V concatenates weights only, not biases)."""
     program = lower(QWEN2)
+    assert [s.kind for s in program.steps] == ["rstd", "gemm", "gemm", "gemm"]
+    assert _ops(program, 3) == ["scale_rows", "add_col_vector", "store"]  # v: no rotation
     assert _ops(program, 1) == ["scale_rows", "add_col_vector", "rope_full", "store_rotate_half"]
     paired = {p.weight for p in program.prep if p.kind == "rope_pairs"}
     assert paired == {"w_q", "w_k", "b_q", "b_k"}
