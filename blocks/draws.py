@@ -12,7 +12,10 @@ relation that holds at *all* of them (CPU, GPU and benchmark sets) is kept (``Si
   (``N2 = 2·N``, ``Nqkv = Nq + 2·Nkv``) is computed, not drawn;
 * ``multiple_of``: a size divisible by another at every set (``Nq`` by the head width ``D``) is
   drawn as a multiple of it;
-* ``granule``: every drawn size is a multiple of the gcd of its values in the sets (``D`` even).
+* ``granule``: every drawn size is a multiple of the gcd of its values in the sets (``D`` even);
+* ``power_of_two``: the head width of a ``HeadRMSNorm`` (its weight's size) that is a power of
+  two at every set is drawn as one, at most ``MAX_HEAD_WIDTH``: a per-head norm is lowered
+  inside an epilogue sub-tile holding whole heads, which only such widths fit.
 
 A relation that holds by accident only narrows the draws (they stay valid bindings). The row count
 ``M`` takes no part in relations and stays small (float64 on the CPU): at most ``MAX_ROWS``, and
@@ -39,12 +42,14 @@ from typing import Any
 import torch
 
 from .block import Block
+from .ops import HeadRMSNorm
 
 ROWS = "M"  # the token dimension: kept small, never related to other sizes
 MAX_ROWS = 40
 MAX_SIZE = 4096
 MAX_ELEMENTS = 1 << 17  # per input tensor: 1 MiB in float64
 MAX_COEFF = 4  # derived sizes: c1·a (+ c2·b) with 1 ≤ c ≤ MAX_COEFF
+MAX_HEAD_WIDTH = 256  # the widest epilogue sub-tile (block_n ≤ 256)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class SizeRelations:
     derived: dict[str, dict[str, int]]  # size -> {other size: coefficient}
     multiple_of: dict[str, list[str]] = field(default_factory=dict)
     granule: dict[str, int] = field(default_factory=dict)
+    power_of_two: frozenset[str] = frozenset()
 
     def describe(self) -> str:
         parts = [
@@ -63,6 +69,7 @@ class SizeRelations:
         ]
         parts += [f"{s} a multiple of {', '.join(d)}" for s, d in self.multiple_of.items() if d]
         parts += [f"{s} a multiple of {g}" for s, g in self.granule.items() if g > 1]
+        parts += [f"{s} a power of two ≤ {MAX_HEAD_WIDTH}" for s in sorted(self.power_of_two)]
         return "; ".join(parts) or "none"
 
 
@@ -94,7 +101,16 @@ def infer_relations(block: Block) -> SizeRelations:
     }
     granule = {s: reduce(math.gcd, (v[s] for v in sets)) for s in free}
     order = sorted(free, key=lambda s: _depth(s, multiple_of))
-    return SizeRelations(free=order, derived=derived, multiple_of=multiple_of, granule=granule)
+    powers = frozenset(_head_widths(block) & set(free))
+    powers = frozenset(s for s in powers if all(v[s] & (v[s] - 1) == 0 for v in sets))
+    return SizeRelations(order, derived, multiple_of, granule, powers)
+
+
+def _head_widths(block: Block) -> set[str]:
+    """The size names of the weights of the block's ``HeadRMSNorm`` ops (their head widths)."""
+    heads = [op.weight for op in block.graph if isinstance(op, HeadRMSNorm)]
+    shapes = [block.inputs[w].shape for w in heads if w in block.inputs]
+    return {d for shape in shapes for d in shape if isinstance(d, str)}
 
 
 def _combination(name: str, others: list[str], sets: list[dict[str, int]]) -> dict[str, int] | None:
@@ -143,6 +159,8 @@ def _draw_one(
             step = reduce(_lcm, (sizes[d] for d in rel.multiple_of[name]), rel.granule[name])
             value = _log_uniform(rng, min(low[name], top), top)
             sizes[name] = step * max(1, math.ceil(value / step))
+            if name in rel.power_of_two:  # the granule of powers of two is one too
+                sizes[name] = max(step, min(MAX_HEAD_WIDTH, 1 << round(math.log2(value))))
         for name, terms in rel.derived.items():
             sizes[name] = sum(c * sizes[o] for o, c in terms.items())
         if _fits(block, sizes):

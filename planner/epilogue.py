@@ -131,7 +131,8 @@ def emit_gemm(
     """Fuse, store and append the gemm step (graph op ``i``) and its aux steps to the program."""
     fuse(st, ep, gemm_out)
     store_results(st, ep)
-    if not any(node["op"] in ("store", "partial_reduce", "select_column") for node in ep.ops):
+    sinks = ("store", "store_rotate_half", "partial_reduce", "select_column")
+    if not any(node["op"] in sinks for node in ep.ops):
         if ep.aux and all(node["kind"] == "gather_dot" for node in ep.aux):
             st.steps.extend(ep.aux)  # only single entries of the product are wanted: no GEMM
             return

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from . import edits
 from .checking import CheckEnv, ProgramEnv
 from .errors import ProgramError, did_you_mean
-from .ir import GemmEpilogue, Operand, OutputView, Program
+from .ir import GemmEpilogue, MainloopConfig, Operand, OutputView, Program
 from .types import LocalType, TensorInfo
 
 
@@ -36,6 +36,7 @@ class GemmInfo:
     writes: dict[str, TensorInfo]  # tensors this kernel creates
     accumulates: set[str]  # existing tensors it adds into
     vendor: bool  # plain store: runs on torch.matmul (cuBLAS on a GPU)
+    column_multiple: int = 1  # EPI_N must be a multiple of this (``CheckEnv.require_columns``)
 
 
 @dataclass
@@ -131,6 +132,15 @@ def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> G
             loc="epilogue",
             hint="end it with store(...) or partial_reduce(...)",
         )
+    cfg, multiple = step.config, cenv.column_multiple
+    if isinstance(cfg, MainloopConfig) and cfg.epilogue_block_n % multiple:
+        raise ProgramError(
+            f"the epilogue needs sub-tiles of a multiple of {multiple} columns, but config "
+            f"block_n={cfg.block_n} with epilogue_subtiles={cfg.epilogue_subtiles} gives "
+            f"{cfg.epilogue_block_n}",
+            loc="config",
+            hint=f"use block_n // epilogue_subtiles = a multiple of {multiple}, or config 'auto'",
+        )
     return GemmInfo(
         name,
         index,
@@ -141,6 +151,7 @@ def _check_gemm(env: ProgramEnv, step: GemmEpilogue, name: str, index: int) -> G
         cenv.writes,
         cenv.accumulates,
         step.is_plain_store,
+        multiple,
     )
 
 

@@ -82,6 +82,13 @@ class CheckEnv:
     locals: dict[str, LocalType] = field(default_factory=dict)
     writes: dict[str, TensorInfo] = field(default_factory=dict)  # tensors this kernel creates
     accumulates: set[str] = field(default_factory=set)  # existing tensors it adds into
+    # every epilogue sub-tile's width (EPI_N) must be a multiple of this: an op reducing over
+    # whole column segments inside a tile (``head_rmsnorm``) raises it with ``require_columns``
+    column_multiple: int = 1
+
+    def require_columns(self, multiple: int) -> None:
+        """Every epilogue sub-tile must hold a multiple of ``multiple`` columns (a power of two)."""
+        self.column_multiple = max(self.column_multiple, multiple)
 
     # -- epilogue values -------------------------------------------------------------------------
     def local(self, name: str, *, role: str = "value") -> LocalType:

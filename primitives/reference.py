@@ -119,7 +119,12 @@ def execute_reference(
         if isinstance(step, GemmEpilogue):
             g = info.gemms[name]
             cfg = (configs or {}).get(name) or resolve_config(
-                step.config, g.M, g.N, g.K, interpret=backend.INTERPRET
+                step.config,
+                g.M,
+                g.N,
+                g.K,
+                interpret=backend.INTERPRET,
+                column_multiple=g.column_multiple,
             )
             _run_gemm(step, g, env, act, exact, cfg)
         else:

@@ -114,11 +114,16 @@ class CompiledProgram:
     def config_for(self, name: str, gemm: GemmInfo) -> MainloopConfig:
         if name in self.configs:
             return self.configs[name]
-        key = (name, gemm.M, gemm.N, gemm.K)
+        key = (name, gemm.M, gemm.N, gemm.K, gemm.column_multiple)
         if key not in self._default_configs:
             step = self._step(name)
             self._default_configs[key] = resolve_config(
-                step.config, gemm.M, gemm.N, gemm.K, interpret=backend.INTERPRET
+                step.config,
+                gemm.M,
+                gemm.N,
+                gemm.K,
+                interpret=backend.INTERPRET,
+                column_multiple=gemm.column_multiple,
             )
         return self._default_configs[key]
 

@@ -7,6 +7,10 @@ absorbs what it can (``epilogue.emit_gemm``).
   saving them for its backward), ``split_pairs`` stores them too.
 * **fused QKV with RoPE** (``rope.qkv_group``): Linears of one input whose results are
   concatenated become one GEMM over the concatenated weights.
+* **RoPE in Hugging Face's order** (``rope.separate_qkv``, ``rope.rotary_chain``): unbiased Q, K,
+  V Linears whose outputs (Q and K through ``RoPE``) are the block's become one GEMM; otherwise
+  a Linear whose output goes through an optional ``HeadRMSNorm``/``RMSNorm`` into a ``RoPE`` runs
+  on ``rope_pairs`` of its weight with the rotation in its epilogue and a column-permuting store.
 * **bias**: ``add_col_vector(acc, bias)`` after any row scale (``diag(r)·(x W) + b``).
 * **GLU with any activation** (``glu``): an interleaved gate/up pair into a ``GLU`` contracts
   with ``pairwise`` (``act(x0) * x1``) instead of ``swiglu``; biased gate/up projections add
@@ -29,7 +33,14 @@ from ..state import PlanState
 from .glu import glu_expr
 from .layernorm import apply_in_epilogue, layer_norm_of
 from .rmsnorm import commute
-from .rope import lower_qkv, qkv_group
+from .rope import (
+    lower_qkv,
+    lower_rotary,
+    lower_separate_qkv,
+    qkv_group,
+    rotary_chain,
+    separate_qkv,
+)
 from .swiglu import gate_up_pair
 
 
@@ -38,8 +49,14 @@ class LinearRule(Rule):
 
     def lower(self, st: PlanState, index: int, op: Linear) -> bool:
         group = qkv_group(st, index, op)
+        parts = separate_qkv(st, index, op) if group is None else None
+        chain = rotary_chain(st, index, op) if group is None and parts is None else None
         if group is not None:
             lower_qkv(st, group)
+        elif parts is not None:
+            lower_separate_qkv(st, parts)
+        elif chain is not None:
+            lower_rotary(st, chain)
         else:
             lower_linear(st, index, op)
         return True

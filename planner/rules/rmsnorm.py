@@ -17,10 +17,21 @@ Both casting conventions (``cast``: Llama rounds ``x̂`` before the weight, Gemm
 the same Program: the kernel forms ``r ⊙ (x W'ᵀ)`` in fp32 and rounds once, and the sandbox checks
 it against the block's reference of either convention.
 
-An RMSNorm whose output anything but a GEMM reads (or that is a block output) has no lowering.
+* **a norm of a whole projection before RoPE** (``norm_before_rotation``, OLMo 2's ``q_norm`` /
+  ``k_norm`` over ``heads·D`` columns, lowered with the RoPE chain of ``rope.py``): no tile sees a
+  whole row, so the epilogue writes partial sums of squares of the projection, multiplies by γ
+  (permuted like the weight) and rotates; ``r`` is a row scale, which commutes with the rotation
+  (``rope(r ⊙ q ⊙ γ) = r ⊙ rope(q ⊙ γ)``) while γ does not — so ``rstd`` finishes ``r`` and aux
+  ``rescale_rows`` applies it to the stored result (kept in float32 until then, rounded once).
+
+Any other RMSNorm whose output anything but a GEMM reads (or that is a block output) has no
+lowering.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from coda.blocks.ops import Linear, RMSNorm
 
@@ -97,3 +108,21 @@ def fold(st: PlanState, norm: RMSNorm, weight: str) -> str:
         node["offset"] = norm.offset
     key = ("fold", weight, norm.weight) + ((norm.offset,) if norm.offset else ())
     return st.prepare(key, {**node, "out": f"{weight}_folded"})
+
+
+def norm_before_rotation(
+    ep: Epilogue, norm: RMSNorm, cur: str, paired: Callable[[str], str], out: str
+) -> tuple[str, dict[str, Any]]:
+    """RMSNorm of the projection ``cur`` (in pair order) ahead of RoPE, with ``r`` deferred: the
+    epilogue value to rotate (``cur ⊙ (offset + γ)``, γ paired by ``paired``) and the store of
+    the rotated tile (float32, unscaled); aux ``rstd`` + ``rescale_rows`` then write ``out``."""
+    partials = ep.partials(cur, "sumsq", f"{norm.out}_sumsq")
+    r = f"rstd_{norm.out}"
+    ep.aux.append({"kind": "rstd", "src": partials, "eps": norm.eps, "out": r})
+    g = ep.col(paired(norm.weight))
+    factor = f"({norm.offset} + {g})" if norm.offset else g
+    weighted = f"{norm.out}_weighted"
+    ep.emit({"op": "map", "expr": f"{cur} * {factor}", "out": weighted})
+    unscaled = f"{out}_unscaled"
+    ep.aux.append({"kind": "rescale_rows", "src": unscaled, "vector": r, "out": out})
+    return weighted, {"to": unscaled, "dtype": "float32"}

@@ -6,6 +6,22 @@
   ``rope_pairs`` first — become one GEMM over ``concat_rows`` of the weights (Q/K rows permuted
   by prep ``rope_pairs``) with ``rope(rotary_cols=…)`` letting V pass through. A ``Concat`` that
   is not such a group has no lowering.
+* **RoPE in Hugging Face's order** (``rotary_chain`` / ``lower_rotary``, started by the Linear
+  rule): ``Linear → [HeadRMSNorm | RMSNorm] → RoPE``, each value read only by the next op, is one
+  GEMM over prep ``rope_pairs`` of the weight (and of the bias and norm weight), whose epilogue
+  rotates adjacent pairs with ``rope_full`` (the graph op's meaning on any tables: both halves
+  read) and writes each column back to its rotate-half position with ``store_rotate_half``.
+  Why not rotate half-heads in registers: that needs a tile holding whole heads (BLOCK_N a
+  multiple of head_dim: impossible for head_dim 80 or 96, and a constraint on every tile
+  config), while the pair order works at any head_dim and tile, and the permuted store costs
+  only different store addresses. The bias is added before the rotation, a ``HeadRMSNorm`` runs
+  in the epilogue (``head_rmsnorm.py``), an ``RMSNorm`` of the whole projection finishes after
+  it (``rmsnorm.norm_before_rotation``); each such projection is a GEMM of its own.
+* **separate Q, K, V outputs in one GEMM** (``separate_qkv`` / ``lower_separate_qkv``): when every
+  Linear of the normed input is unbiased and goes straight to a RoPE output or is an output
+  itself (Llama, Mistral), one GEMM over ``concat_rows`` of the (Q/K paired) weights rotates the
+  Q/K columns (``rotary_cols``) and stores all three side by side in Hugging Face's order; the
+  outputs are column views of that tensor (nothing is copied).
 * **backward** of ``concat(rope(q), rope(k), v)`` of ``h = rmsnorm(x)·γ``: the inverse rotation of
   ``dqkv`` (in the epilogue of the recomputed projection, or one ``rope_rows`` pass over the saved
   output), the RMSNorm backward in the epilogue of ``dz W_qkv``, the weight gradient as a plain
@@ -15,15 +31,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from coda.blocks.ops import Concat, GraphOp, Linear, PairLayout, RMSNorm, RoPEPairs
+from coda.blocks.ops import (
+    Concat,
+    GraphOp,
+    HeadRMSNorm,
+    Linear,
+    PairLayout,
+    RMSNorm,
+    RoPE,
+    RoPEPairs,
+)
 
 from ..backward import BackwardBuilder
 from ..epilogue import Epilogue, emit_gemm
 from ..registry import Rule
 from ..shapes import size_expr_of
 from ..state import NoRule, PlanState
-from .rmsnorm import commute
+from .head_rmsnorm import head_norm_in_epilogue
+from .rmsnorm import commute, norm_before_rotation
 
 
 class RoPEPairsRule(Rule):
@@ -41,6 +68,166 @@ class ConcatRule(Rule):
         attention_in_backward(b)
 
 
+class RoPERule(Rule):
+    op = RoPE
+
+    def unlowered(self, st: PlanState, op: RoPE) -> str:
+        return (
+            "RoPE is lowered only in the epilogue of the Linear producing its input x, directly "
+            "or through one HeadRMSNorm or RMSNorm, when nothing else reads the Linear's (or the "
+            f"norm's) output and it is no block output; here {_chain_break(st, op.x)}"
+        )
+
+
+def _chain_break(st: PlanState, value: str) -> str:
+    """Where the chain ``Linear → [norm] → RoPE`` ending in ``value`` breaks, in words."""
+    found = st.producer(value)
+    if found is None:
+        return f"{value!r} is a block input, which no Linear produces"
+    readers = [f"{c.op} (graph[{j}])" for j, c in st.consumers(value)]
+    if value in st.block.outputs:
+        return f"{value!r} is a block output (the rotation would change it): drop it from outputs"
+    if len(readers) > 1:
+        return f"{value!r} is read by {', '.join(readers)}: only the RoPE may read it"
+    if isinstance(found[1], HeadRMSNorm | RMSNorm):
+        return _chain_break(st, found[1].x)
+    if not isinstance(found[1], Linear):
+        return f"{value!r} comes from {found[1].op} (graph[{found[0]}]), not from a Linear"
+    return f"the chain from {found[1].op} (graph[{found[0]}]) did not form"
+
+
+# -- RoPE in Hugging Face's rotate-half order ------------------------------------------------------
+@dataclass
+class RotaryChain:
+    """``Linear → [norm] → RoPE`` (each as (graph index, op)), each value read only by the next."""
+
+    linear: tuple[int, Linear]
+    norm: tuple[int, HeadRMSNorm | RMSNorm] | None
+    rope: tuple[int, RoPE]
+
+
+def rotary_chain(st: PlanState, i: int, op: Linear) -> RotaryChain | None:
+    """The chain from Linear ``op`` (graph op ``i``) to a ``RoPE`` of its output, if any."""
+    user = st.only_consumer(op.out)
+    norm = None
+    if user is not None and isinstance(user[1], HeadRMSNorm | RMSNorm) and user[1].x == op.out:
+        norm, user = user, st.only_consumer(user[1].out)
+    x = norm[1].out if norm is not None else op.out
+    if user is None or not isinstance(user[1], RoPE) or user[1].x != x:
+        return None
+    return RotaryChain((i, op), norm, user)  # type: ignore[arg-type]
+
+
+def separate_qkv(st: PlanState, i: int, op: Linear) -> list[QKVPart] | None:
+    """Q, K, V as separate outputs of one fused GEMM, when Linear ``op`` (graph op ``i``) starts
+    such a group: every Linear of ``op.x`` is unbiased and either a block output nothing reads
+    (V) or the input of a ``RoPE`` (no norm between) whose output is a block output nothing reads
+    (Q, K); at least two parts, one rotated, one cos/sin pair. Rotated parts come first."""
+    linears = [(j, c) for j, c in st.consumers(op.x) if isinstance(c, Linear)]
+    if len(linears) < 2 or linears[0][0] != i or any(c.bias for _, c in linears):
+        return None
+    rotated, plain = [], []
+    for j, lin in linears:
+        chain = rotary_chain(st, j, lin)
+        if chain is not None and chain.norm is None and _final(st, chain.rope[1].out):
+            rotated.append(QKVPart((j, lin), rope=chain.rope))  # type: ignore[arg-type]
+        elif _final(st, lin.out):
+            plain.append(QKVPart((j, lin)))
+        else:
+            return None
+    tables = {(p.rope[1].cos, p.rope[1].sin) for p in rotated}  # type: ignore[index, union-attr]
+    return [*rotated, *plain] if rotated and len(tables) == 1 else None
+
+
+def _final(st: PlanState, value: str) -> bool:
+    """``value`` is a block output and no op reads it."""
+    return value in st.block.outputs and not st.consumers(value)
+
+
+def lower_separate_qkv(st: PlanState, parts: list[QKVPart]) -> None:
+    """One GEMM over ``concat_rows`` of the weights (Q/K rows paired) whose epilogue rotates the
+    Q/K columns (``rope_full``) and stores Q, K, V side by side in Hugging Face's order
+    (``store_rotate_half``); the block's outputs are column views of that tensor."""
+    first_i, first = parts[0].linear
+    rotated = [p for p in parts if p.rope is not None]
+    rope = rotated[0].rope[1]  # type: ignore[index]
+    head = size_expr_of(st, rope.cos, 1)
+    weights = []
+    for part in parts:
+        w = part.linear[1].weight
+        if part.rope is not None:
+            node = {"kind": "rope_pairs", "weight": w, "head_dim": head, "out": f"{w}_pairs"}
+            w = st.prepare(("rope_pairs", w), node)
+        weights.append(w)
+    outs = [p.rope[1].out if p.rope is not None else p.linear[1].out for p in parts]
+    name = "_".join(outs)
+    fused = st.prepare(
+        ("concat", *weights), {"kind": "concat_rows", "tensors": weights, "out": f"w_{name}"}
+    )
+    a, scale = commute(st, first_i, first, fused)
+    ep = Epilogue(st)
+    cur = "acc"
+    if scale is not None:
+        fused, cur = scale[1], f"{name}_z"
+        ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": cur})
+    widths = [size_expr_of(st, p.linear[1].weight, 0) for p in parts]
+    extra = {"rotary_cols": " + ".join(widths[: len(rotated)])} if len(rotated) < len(parts) else {}
+    node = {"op": "rope_full", "src": cur, "cos": rope.cos, "sin": rope.sin, **extra}
+    ep.emit({**node, "out": f"{name}_pairs"})
+    ep.emit(
+        {"op": "store_rotate_half", "src": f"{name}_pairs", "to": name, "head_dim": head, **extra}
+    )
+    start = "0"
+    for out, width in zip(outs, widths, strict=True):
+        stop = width if start == "0" else f"{start} + {width}"
+        st.outputs[out] = {"tensor": name, "dim": 1, "start": start, "stop": stop}
+        start = stop
+    for part in parts:
+        for found in (part.linear, part.rope):
+            if found is not None:
+                st.done.add(found[0])
+    emit_gemm(st, first_i, ep, a, f"{fused}.T", [p.linear[1].weight for p in parts], name)
+
+
+def lower_rotary(st: PlanState, chain: RotaryChain) -> None:
+    """One GEMM over ``rope_pairs(W)``: [row scale of the input norm] → [bias] → [norm] → ``rope``
+    → ``store_rotate_half`` (and, for a norm over the whole projection, its finishing aux steps)."""
+    i, lin = chain.linear
+    rope = chain.rope[1]
+    head = size_expr_of(st, rope.cos, 1)
+
+    def paired(tensor: str) -> str:
+        node = {"kind": "rope_pairs", "weight": tensor, "head_dim": head, "out": f"{tensor}_pairs"}
+        return st.prepare(("rope_pairs", tensor), node)
+
+    weight = paired(lin.weight)
+    a, scale = commute(st, i, lin, weight)
+    ep = Epilogue(st)
+    cur = "acc"
+    if scale is not None:
+        weight, cur = scale[1], f"{lin.out}_z"
+        ep.emit({"op": "scale_rows", "src": "acc", "vector": scale[0], "out": cur})
+    if lin.bias is not None:
+        node = {"op": "add_col_vector", "src": cur, "vector": paired(lin.bias)}
+        cur = f"{lin.out}_biased"
+        ep.emit({**node, "out": cur})
+    store: dict[str, Any] = {"to": rope.out}
+    if chain.norm is not None:
+        norm = chain.norm[1]
+        if isinstance(norm, HeadRMSNorm):
+            cur = head_norm_in_epilogue(ep, chain.norm, cur, head, paired)  # type: ignore[arg-type]
+        else:
+            cur, store = norm_before_rotation(ep, norm, cur, paired, rope.out)
+    rotated = f"{rope.out}_pairs"
+    ep.emit({"op": "rope_full", "src": cur, "cos": rope.cos, "sin": rope.sin, "out": rotated})
+    ep.emit({"op": "store_rotate_half", "src": rotated, "head_dim": head, **store})
+    for found in (chain.linear, chain.norm, chain.rope):
+        if found is not None:
+            st.done.add(found[0])
+    emit_gemm(st, i, ep, a, f"{weight}.T", [lin.weight], rope.out)
+    st.available.add(rope.out)
+
+
 # -- fused QKV + RoPE ------------------------------------------------------------------------------
 @dataclass
 class QKVPart:
@@ -49,7 +236,7 @@ class QKVPart:
 
     linear: tuple[int, Linear]
     pairs: tuple[int, PairLayout] | None = None
-    rope: tuple[int, RoPEPairs] | None = None
+    rope: tuple[int, RoPEPairs | RoPE] | None = None
 
 
 @dataclass

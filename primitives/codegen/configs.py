@@ -23,9 +23,26 @@ GPU_DEFAULT = MainloopConfig(
 
 
 def resolve_config(
-    config: Literal["auto"] | MainloopConfig, M: int, N: int, K: int, *, interpret: bool
+    config: Literal["auto"] | MainloopConfig,
+    M: int,
+    N: int,
+    K: int,
+    *,
+    interpret: bool,
+    column_multiple: int = 1,
 ) -> MainloopConfig:
-    """The concrete config a step runs with at sizes ``M, N, K``."""
+    """The concrete config a step runs with at sizes ``M, N, K``; ``"auto"`` widens its epilogue
+    sub-tiles to a multiple of ``column_multiple`` (a power of two: an epilogue reducing over
+    whole heads needs every head inside one sub-tile)."""
     if config != "auto":
         return config
-    return INTERPRETER_DEFAULT if interpret else GPU_DEFAULT
+    return fit_columns(INTERPRETER_DEFAULT if interpret else GPU_DEFAULT, column_multiple)
+
+
+def fit_columns(config: MainloopConfig, multiple: int) -> MainloopConfig:
+    """``config`` with one epilogue sub-tile of ``block_n ≥ multiple`` columns when its sub-tiles
+    are not a multiple of ``multiple`` wide (unchanged otherwise)."""
+    if config.epilogue_block_n % multiple == 0:
+        return config
+    block_n = max(config.block_n, multiple)
+    return config.model_copy(update={"block_n": block_n, "epilogue_subtiles": 1})

@@ -255,11 +255,14 @@ class EmitContext:
         code = f"tl.load({ptrs}, mask={cols.mask}, other=0.0).to(tl.float32)[None, :]"
         return self._named_load(("col", tensor, scale), f"{self.base(tensor)}_col", code)
 
-    def load_gather(self, tensor: str, cols: str, cols_mask: str, other: float) -> str:
+    def load_gather(
+        self, tensor: str, cols: str, cols_mask: str, other: float, tag: str = ""
+    ) -> str:
         """An fp32 ``[BLOCK_SIZE_M, len(cols)]`` tile of ``tensor[rows of this tile, cols]``.
 
         ``cols`` is a kernel expression of column indices (e.g. a per-pair frequency index into a
-        cos table); lanes outside the rows or ``cols_mask`` read ``other``.
+        cos table); lanes outside the rows or ``cols_mask`` read ``other``. ``tag`` tells apart
+        the variables of two gathers of one tensor at different columns.
         """
         rows = self.rows()
         ptrs = (
@@ -268,7 +271,8 @@ class EmitContext:
         )
         mask = f"{rows.mask}[:, None] & ({cols_mask})[None, :]"
         code = f"tl.load({ptrs}, mask={mask}, other={other!r}).to(tl.float32)"
-        return self._named_load(("gather", tensor, cols), f"{self.base(tensor)}_gather", code)
+        name = f"{self.base(tensor)}_gather{tag}"
+        return self._named_load(("gather", tensor, cols), name, code)
 
     def store_tile(self, tensor: str, value: str, scale: Fraction, *, accumulate: bool) -> None:
         """Store a tile, cast to the destination's dtype; ``accumulate`` adds to what is there."""

@@ -28,7 +28,7 @@ import torch
 from ..ir import MainloopConfig
 from ..settings import current
 from ..tolerance import allowed_error, tuning_floor
-from .configs import INTERPRETER_DEFAULT
+from .configs import GPU_DEFAULT, INTERPRETER_DEFAULT, fit_columns
 
 # Hopper, 16-bit operands: 228 KB of shared memory per SM (a little is reserved).
 SMEM_LIMIT = 220 * 1024
@@ -113,20 +113,24 @@ def candidate_configs(
     itemsize: int,
     interpret: bool,
     space: list[tuple] | None = None,
+    column_multiple: int = 1,
 ) -> list[MainloopConfig]:
-    """The configs worth timing for one gemm of these sizes."""
+    """The configs worth timing for one gemm of these sizes (whose epilogue sub-tiles are a
+    multiple of ``column_multiple`` columns wide)."""
     if interpret:
-        return [INTERPRETER_DEFAULT]
+        return [fit_columns(INTERPRETER_DEFAULT, column_multiple)]
     out = []
     for entry in space or _HOPPER_SPACE:
         cfg = MainloopConfig(group_m=8, **Candidate(*entry)._asdict())
-        if smem_bytes(cfg, itemsize) > SMEM_LIMIT:
+        if smem_bytes(cfg, itemsize) > SMEM_LIMIT or cfg.epilogue_block_n % column_multiple:
             continue
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         if bm > 2 * max(M, 64) or bn > 2 * max(N, 64) or bk > max(K, 16):
             continue  # mostly padding
         if cfg not in out:
             out.append(cfg)
+    if not out and column_multiple > 1:  # no candidate's sub-tiles hold whole segments
+        out.append(fit_columns(GPU_DEFAULT, column_multiple))
     return out
 
 
@@ -225,7 +229,12 @@ def _settle(compiled, prepared: dict, results: dict[str, TuningResult], cache) -
             )
             g = info.gemms[name]  # the step's own config, as it runs untuned
             default = resolve_config(
-                compiled._step(name).config, g.M, g.N, g.K, interpret=backend.INTERPRET
+                compiled._step(name).config,
+                g.M,
+                g.N,
+                g.K,
+                interpret=backend.INTERPRET,
+                column_multiple=g.column_multiple,
             )
             if timed:
                 r.best, r.ms = timed[0].config, timed[0].final_ms or timed[0].ms
@@ -385,8 +394,9 @@ def tune_program(
         key = tuning_key(source.digest, device_name, gemm.M, gemm.N, gemm.K, dtype)
         cached = cache.get(key)
         if backend.INTERPRET:  # nothing to time on a CPU: the interpreter's one config
-            compiled.configs[name] = INTERPRETER_DEFAULT
-            results[name] = TuningResult(name, key, INTERPRETER_DEFAULT, None, cached=False)
+            only = fit_columns(INTERPRETER_DEFAULT, gemm.column_multiple)
+            compiled.configs[name] = only
+            results[name] = TuningResult(name, key, only, None, cached=False)
             continue
         if cached is not None:
             compiled.configs[name] = cached
@@ -403,6 +413,7 @@ def tune_program(
                 itemsize=dtype.itemsize,
                 interpret=False,
                 space=space,
+                column_multiple=gemm.column_multiple,
             ),
             warmup,
             rep,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from fractions import Fraction
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -52,20 +52,32 @@ def check_rope_tables(
 
 
 def rotate_pairs(
-    z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int, *, inverse: bool
+    z: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotated: int,
+    *,
+    inverse: bool,
+    full_tables: bool = False,
 ) -> torch.Tensor:
-    """RoPE on adjacent column pairs of ``z`` in PyTorch (the references of ``rope`` and aux
-    ``rope_rows``): pair k uses column ``k mod D/2`` of the tables; columns from ``rotated`` on
-    pass through; ``inverse`` rotates by the negative angle."""
+    """RoPE on adjacent column pairs of ``z`` in PyTorch (the references of ``rope``,
+    ``rope_full`` and aux ``rope_rows``): pair k uses column ``p = k mod D/2`` of the tables
+    (``full_tables``: its second member column ``p + D/2``); columns from ``rotated`` on pass
+    through; ``inverse`` rotates by the negative angle."""
     x, y = z[:, 0::2], z[:, 1::2]
     pair = torch.arange(x.shape[1], device=z.device)
-    freq = pair % (cos.shape[1] // 2)
+    half = cos.shape[1] // 2
+    freq = pair % half
     keep = (2 * pair < rotated)[None, :]
-    c = torch.where(keep, cos[:, freq], 1.0)
-    s = torch.where(keep, sin[:, freq], 0.0)
+
+    def angle(column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.where(keep, cos[:, column], 1.0), torch.where(keep, sin[:, column], 0.0)
+
+    c, s = angle(freq)
+    c2, s2 = angle(freq + half) if full_tables else (c, s)
     if inverse:
-        s = -s
-    return interleave(x * c - y * s, y * c + x * s)
+        s, s2 = -s, -s2
+    return interleave(x * c - y * s, y * c2 + x * s2)
 
 
 class Rope(EpilogueOp):
@@ -94,57 +106,85 @@ class Rope(EpilogueOp):
     rotary_cols: SizeExpr | None = None
 
     def check(self, env: CheckEnv) -> None:
-        contract_pairs(env, self.src, "rope")
-        t = env.tile(self.src)
-        width = env.cols(t.scale)
-        head_dim = self._check_tables(env)
-        rotated = width
-        if self.rotary_cols is not None:
-            rotated = env.program.size(self.rotary_cols, what="rope rotary_cols")
-            if not 0 <= rotated <= width:
-                raise ProgramError(
-                    f"rope rotary_cols {self.rotary_cols!r} = {rotated} is outside src "
-                    f"{self.src!r}'s {width} columns"
-                )
-        if rotated % head_dim:
-            raise ProgramError(
-                f"rope rotates {rotated} columns of {self.src!r}, which is not a whole number of "
-                f"heads of width {head_dim} (the width of {self.cos!r})",
-                hint="set rotary_cols to the Q and K columns only (e.g. 'Nq + Nkv'), or check "
-                "that cos/sin are [M, head_dim]",
-            )
-        env.define_local(self.out, t)
-
-    def _check_tables(self, env: CheckEnv) -> int:
-        def table(name: str) -> TensorInfo:
-            env.tensor(name, role="table")
-            return env.program.matrix(name, role="table")
-
-        return check_rope_tables(table, self.cos, self.sin, env.M, "rope", "one per token")
+        check_rotation(self, env)
 
     def reference(self, env: RefEnv) -> None:
-        z = env.locals[self.src]
-        rotated = evaluate_size(self.rotary_cols, env.sizes) if self.rotary_cols else z.shape[1]
-        cos, sin = env.load(self.cos), env.load(self.sin)
-        env.locals[self.out] = rotate_pairs(z, cos, sin, rotated, inverse=self.inverse)
+        reference_rotation(self, env, inverse=self.inverse, full_tables=False)
 
     def emit(self, ctx: EmitContext) -> None:
-        scale: Fraction = ctx.type_of(self.src).scale
-        pairs = ctx.cols(scale / 2)  # pair k of this tile: index vector over the half space
-        x, y, p = f"p_{self.out}_x", f"p_{self.out}_y", f"p_{self.out}"
-        ctx.split_pairs(ctx.var(self.src), scale, x, y)
-        # Frequency of pair k: k mod D/2 (pairs of one head are consecutive; D = the table width).
-        ctx.line(f"{p}_freq = {pairs.offs} % ({ctx.shape(self.cos, 1)} // 2)")
-        cos = ctx.load_gather(self.cos, f"{p}_freq", pairs.mask, 1.0)
-        sin = ctx.load_gather(self.sin, f"{p}_freq", pairs.mask, 0.0)
-        if self.rotary_cols is not None:
-            # Columns at or past rotary_cols (the V heads) pass through: cos = 1, sin = 0.
-            limit = ctx.size(self.rotary_cols, f"rot_{self.out}")
-            ctx.line(f"{p}_rot = (2 * {pairs.offs} < {limit})[None, :]")
-            ctx.line(f"{p}_cos = tl.where({p}_rot, {cos}, 1.0)")
-            ctx.line(f"{p}_sin = tl.where({p}_rot, {sin}, 0.0)")
-            cos, sin = f"{p}_cos", f"{p}_sin"
-        sign = ("+", "-") if self.inverse else ("-", "+")
-        ctx.line(f"{p}_x2 = {x} * {cos} {sign[0]} {y} * {sin}")
-        ctx.line(f"{p}_y2 = {y} * {cos} {sign[1]} {x} * {sin}")
-        ctx.line(f"{ctx.define(self.out)} = {ctx.join_pairs(f'{p}_x2', f'{p}_y2', scale)}")
+        emit_rotation(self, ctx, inverse=self.inverse, full_tables=False)
+
+
+# -- shared with ``rope_full`` (its ``op`` is any node with src, cos, sin, out, rotary_cols) ------
+def check_rotation(op: Any, env: CheckEnv) -> None:
+    """Types of a pair rotation of tile ``op.src`` by tables ``op.cos``/``op.sin``."""
+    contract_pairs(env, op.src, op.op)
+    t = env.tile(op.src)
+    width = env.cols(t.scale)
+
+    def table(name: str) -> TensorInfo:
+        env.tensor(name, role="table")
+        return env.program.matrix(name, role="table")
+
+    head_dim = check_rope_tables(table, op.cos, op.sin, env.M, op.op, "one per token")
+    rotated = width
+    if op.rotary_cols is not None:
+        rotated = env.program.size(op.rotary_cols, what=f"{op.op} rotary_cols")
+        if not 0 <= rotated <= width:
+            raise ProgramError(
+                f"{op.op} rotary_cols {op.rotary_cols!r} = {rotated} is outside src "
+                f"{op.src!r}'s {width} columns"
+            )
+    if rotated % head_dim:
+        raise ProgramError(
+            f"{op.op} rotates {rotated} columns of {op.src!r}, which is not a whole number of "
+            f"heads of width {head_dim} (the width of {op.cos!r})",
+            hint="set rotary_cols to the Q and K columns only (e.g. 'Nq + Nkv'), or check "
+            "that cos/sin are [M, head_dim]",
+        )
+    env.define_local(op.out, t)
+
+
+def reference_rotation(op: Any, env: RefEnv, *, inverse: bool, full_tables: bool) -> None:
+    """``rotate_pairs`` of ``op.src`` into ``op.out``."""
+    z = env.locals[op.src]
+    rotated = evaluate_size(op.rotary_cols, env.sizes) if op.rotary_cols else z.shape[1]
+    cos, sin = env.load(op.cos), env.load(op.sin)
+    env.locals[op.out] = rotate_pairs(
+        z, cos, sin, rotated, inverse=inverse, full_tables=full_tables
+    )
+
+
+def emit_rotation(op: Any, ctx: EmitContext, *, inverse: bool, full_tables: bool) -> None:
+    """The rotation of ``op.src``'s pairs in Triton (``full_tables``: the second member of a
+    pair reads its own angle, table column ``p + D/2``)."""
+    scale: Fraction = ctx.type_of(op.src).scale
+    pairs = ctx.cols(scale / 2)  # pair k of this tile: index vector over the half space
+    x, y, p = f"p_{op.out}_x", f"p_{op.out}_y", f"p_{op.out}"
+    ctx.split_pairs(ctx.var(op.src), scale, x, y)
+    # Frequency of pair k: k mod D/2 (pairs of one head are consecutive; D = the table width).
+    ctx.line(f"{p}_freq = {pairs.offs} % ({ctx.shape(op.cos, 1)} // 2)")
+    angles = [
+        (
+            ctx.load_gather(op.cos, f"{p}_freq", pairs.mask, 1.0),
+            ctx.load_gather(op.sin, f"{p}_freq", pairs.mask, 0.0),
+        )
+    ]
+    if full_tables:
+        ctx.line(f"{p}_freq2 = {p}_freq + {ctx.shape(op.cos, 1)} // 2")
+        cos2 = ctx.load_gather(op.cos, f"{p}_freq2", pairs.mask, 1.0, tag="2")
+        angles.append((cos2, ctx.load_gather(op.sin, f"{p}_freq2", pairs.mask, 0.0, tag="2")))
+    if op.rotary_cols is not None:
+        # Columns at or past rotary_cols (the V heads) pass through: cos = 1, sin = 0.
+        limit = ctx.size(op.rotary_cols, f"rot_{op.out}")
+        ctx.line(f"{p}_rot = (2 * {pairs.offs} < {limit})[None, :]")
+        for k, (cos, sin) in enumerate(list(angles)):
+            tag = "2" if k else ""
+            ctx.line(f"{p}_cos{tag} = tl.where({p}_rot, {cos}, 1.0)")
+            ctx.line(f"{p}_sin{tag} = tl.where({p}_rot, {sin}, 0.0)")
+            angles[k] = (f"{p}_cos{tag}", f"{p}_sin{tag}")
+    (cos, sin), (cos2, sin2) = angles[0], angles[-1]
+    sign = ("+", "-") if inverse else ("-", "+")
+    ctx.line(f"{p}_x2 = {x} * {cos} {sign[0]} {y} * {sin}")
+    ctx.line(f"{p}_y2 = {y} * {cos2} {sign[1]} {x} * {sin2}")
+    ctx.line(f"{ctx.define(op.out)} = {ctx.join_pairs(f'{p}_x2', f'{p}_y2', scale)}")

@@ -111,7 +111,8 @@ class RopePairs(PrepStep):
     Within each head of ``head_dim`` rows (a size expression, e.g. ``"D"``), new row ``2p + e``
     is old row ``e·D/2 + p``: the partners of rotate-half (p and p + D/2) become output columns
     ``(2p, 2p+1)`` of ``x @ outᵀ``. Apply it to the Q and K projection weights only (V is not
-    rotated). The GEMM's output is then Hugging Face's in that same per-head order.
+    rotated). The GEMM's output is then Hugging Face's in that same per-head order. Vectors
+    (a bias, a norm weight) are permuted the same way.
     """
 
     kind: Literal["rope_pairs"] = "rope_pairs"
@@ -120,13 +121,19 @@ class RopePairs(PrepStep):
     out: Name
 
     def check(self, env: ProgramEnv) -> None:
-        w = env.matrix(self.weight, role="weight")
+        w = env.tensor(self.weight, role="weight")
+        if len(w.shape) not in (1, 2) or w.partials is not None:
+            raise ProgramError(
+                f"rope_pairs: weight {self.weight!r} is {w.describe()}; it must be a weight "
+                "[heads·head_dim, d] or a vector [heads·head_dim]"
+            )
         head_dim = env.size(self.head_dim, what="rope_pairs head_dim")
         if head_dim <= 0 or head_dim % 2 or w.shape[0] % head_dim:
             raise ProgramError(
                 f"rope_pairs: weight {self.weight!r} has {w.shape[0]} rows, which is not a whole "
                 f"number of heads of even width head_dim = {head_dim}",
-                hint="pass the Q or K projection weight [heads·head_dim, d] and the head width",
+                hint="pass the Q or K projection weight [heads·head_dim, d] (or its bias) and "
+                "the head width",
             )
         env.define(self.out, TensorInfo(w.shape, w.dtype, env.where))
 

@@ -117,6 +117,34 @@ def _rope_formula(
     return out
 
 
+def _rope_hf_formula(
+    acc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int | None = None
+) -> torch.Tensor:
+    """Hugging Face's rotate-half RoPE of acc's heads read as pairs (x1_p, x2_p), each head
+    written in rotate-half order ``[x1 | x2]``; columns from ``rotated`` on are kept."""
+    out = acc.clone()
+    head = cos.shape[1]
+    for h in range((acc.shape[1] if rotated is None else rotated) // head):
+        cols = slice(h * head, (h + 1) * head)
+        x1, x2 = acc[:, cols][:, 0::2], acc[:, cols][:, 1::2]
+        q = torch.cat([x1, x2], dim=1)
+        out[:, cols] = q * cos + torch.cat([-x2, x1], dim=1) * sin
+    return out
+
+
+def _head_rms_formula(
+    acc: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """RMSNorm of each ``len(weight)``-wide head of acc, head by head."""
+    head, out = weight.shape[0], torch.empty_like(acc)
+    for h in range(acc.shape[1] // head):
+        x = acc[:, h * head : (h + 1) * head]
+        out[:, h * head : (h + 1) * head] = (
+            x / torch.sqrt((x * x).mean(1, keepdim=True) + eps) * (offset + weight)
+        )
+    return out
+
+
 SWIGLU_DG = "acc * x1 * sigmoid(x0) * (1 + x0 * (1 - sigmoid(x0)))"
 SWIGLU_DU = "acc * silu(x0)"
 
@@ -212,6 +240,32 @@ CASES: dict[str, Case] = {
         {"cos": ["M", "D"], "sin": ["M", "D"]},
         rope=True,
     ),
+    "head_rmsnorm": Case(
+        # heads of 2 columns (a width dividing every test N; wider heads: test_rotary_pieces.py)
+        [
+            {"op": "head_rmsnorm", "src": "acc", "weight": "g", "head_dim": "2", "eps": 1e-5}
+            | {"out": "y"},
+            _store("y"),
+        ],
+        lambda acc, t: {"y": _head_rms_formula(acc, t["g"], 1e-5)},
+        {"g": [2]},
+    ),
+    "rope_full": Case(
+        # random tables whose halves differ: each member of a pair has its own angle
+        [{"op": "rope_full", "src": "acc", "cos": "cos", "sin": "sin", "out": "y"}, _store("y")],
+        lambda acc, t: {"y": _rope_formula(acc, t["cos"], t["sin"])},
+        {"cos": ["M", "D"], "sin": ["M", "D"]},
+    ),
+    "store_rotate_half": Case(
+        [
+            {"op": "rope", "src": "acc", "cos": "cos", "sin": "sin", "out": "r"},
+            {"op": "store_rotate_half", "src": "r", "to": "y", "head_dim": "D"},
+        ],
+        lambda acc, t: {"y": _rope_hf_formula(acc, t["cos"], t["sin"])},
+        {"cos": ["M", "D"], "sin": ["M", "D"]},
+        outputs={"y": "y"},
+        rope=True,
+    ),
     "pairwise": Case(
         # SwiGLU backward: z = [g, u] interleaved (2N wide) next to da = acc (N wide).
         [
@@ -298,6 +352,38 @@ EXTRA_CASES["rope[inverse,V passes]"] = Case(
         )
     },
     {"cos": ["M", "D"], "sin": ["M", "D"]},
+    rope=True,
+)
+EXTRA_CASES["rope_full[V passes]"] = Case(
+    [
+        {"op": "rope_full", "src": "acc", "cos": "cos", "sin": "sin", "out": "y"}
+        | {"rotary_cols": "N - D"},
+        _store("y"),
+    ],
+    lambda acc, t: {
+        "y": _rope_formula(acc, t["cos"], t["sin"], rotated=acc.shape[1] - t["cos"].shape[1])
+    },
+    {"cos": ["M", "D"], "sin": ["M", "D"]},
+)
+EXTRA_CASES["store_rotate_half[V passes,float32]"] = Case(
+    # the last head is stored where it is (a V head of a fused QKV output)
+    [
+        {"op": "rope", "src": "acc", "cos": "cos", "sin": "sin", "out": "r"}
+        | {"rotary_cols": "N - D"},
+        {
+            "op": "store_rotate_half",
+            "src": "r",
+            "to": "y",
+            "head_dim": "D",
+            "rotary_cols": "N - D",
+            "dtype": "float32",
+        },
+    ],
+    lambda acc, t: {
+        "y": _rope_hf_formula(acc, t["cos"], t["sin"], rotated=acc.shape[1] - t["cos"].shape[1])
+    },
+    {"cos": ["M", "D"], "sin": ["M", "D"]},
+    outputs={"y": "y"},
     rope=True,
 )
 EXTRA_CASES["pairwise[2to1,row vector]"] = Case(
