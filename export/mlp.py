@@ -225,21 +225,24 @@ class CodaLlamaMLPBlock(nn.Module):
         gate_up = [self.gate_up_weight] if self.fused else [self.gate_weight, self.up_weight]
         return [self.norm.weight, *gate_up, self.mlp.down_proj.weight]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = self.weights()
+    def forward(self, x: torch.Tensor, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``x + mlp(norm(x))`` (or the branch alone, built with ``residual=False``) with
+        ``weights`` as ``weights()`` lists them (default: this block's own) — a caller whose
+        model owns the parameters passes them as its modules hold them at this call."""
+        weights = self.weights() if weights is None else weights
         flat = x.reshape(-1, x.shape[-1])
         amp = autocast_dtype(x, weights)
         if amp is not None:
             return self._autocast_forward(flat, weights, amp).reshape(x.shape)
         return self.function(flat, *weights).reshape(x.shape)
 
-    def branch(self, x: torch.Tensor) -> torch.Tensor:
+    def branch(self, x: torch.Tensor, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``mlp(norm(x))`` alone — what ``forward`` computes with ``residual=False`` — from a
         block built either way (one built with ``residual=True`` resolves the branch Programs
-        on first use, unless it already has them for autocast)."""
+        on first use, unless it already has them for autocast); ``weights`` as ``forward``'s."""
         if not self.residual:
-            return self(x)
-        weights = self.weights()
+            return self(x, weights)
+        weights = self.weights() if weights is None else weights
         dtype = autocast_dtype(x, weights) or x.dtype
         return self._run_branch(x.reshape(-1, x.shape[-1]), weights, dtype).reshape(x.shape)
 

@@ -79,11 +79,17 @@ class CodaLlamaMLP(nn.Module):
     residual; held outside the module tree so no parameter is registered twice). A block built with
     ``fuse_gate_up`` puts its ``gate_up_weight`` here (the projections then hold no weight);
     state dicts keep ``gate_proj.weight`` / ``up_proj.weight``.
+
+    Each call hands the block the weights as the model's modules hold them then (``weights``):
+    ``norm`` (the layer's ``post_attention_layernorm``, not registered here) and this module's
+    own. Whatever registers new parameters on the model's modules — FSDP2's ``fully_shard``
+    (full weights while a layer runs, shards between), ``load_state_dict(assign=True)`` — is
+    then what the kernels read and what gets the gradients.
     """
 
     _HF_KEYS = ("gate_proj.weight", "up_proj.weight")
 
-    def __init__(self, block: CodaLlamaMLPBlock) -> None:
+    def __init__(self, block: CodaLlamaMLPBlock, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.gate_proj = block.mlp.gate_proj
         self.up_proj = block.mlp.up_proj
@@ -93,19 +99,27 @@ class CodaLlamaMLP(nn.Module):
             self.gate_up_weight = block.gate_up_weight
             keep_hf_gate_up_keys(self)
         object.__setattr__(self, "block", block)  # not a submodule: see the class docstring
+        object.__setattr__(self, "norm", block.norm if norm is None else norm)  # the layer's
+
+    def weights(self) -> list[torch.Tensor]:
+        """γ, the gate and up weights (or the packed one), the down weight: read from the
+        modules that hold them now, in the order ``CodaLlamaMLPBlock.weights`` lists them."""
+        fused = self.block.fused
+        gate_up = [self.gate_up_weight] if fused else [self.gate_proj.weight, self.up_proj.weight]
+        return [self.norm.weight, *gate_up, self.down_proj.weight]
 
     def forward(self, x: torch.Tensor, *, residual: bool = False) -> torch.Tensor:
         """``mlp(norm(x))``, as the ``LlamaMLP`` it replaces returns after its norm; with
         ``residual``, ``x + mlp(norm(x))`` in one call (``CodaLlamaDecoderLayer``'s), which
         needs a block built with ``residual=True``."""
         if not residual:
-            return self.block.branch(x)
+            return self.block.branch(x, self.weights())
         if not self.block.residual:
             raise ValueError(
                 "CodaLlamaMLP(residual=True) needs a block built with residual=True "
                 "(patch_llama(fuse_residual=True) builds one)"
             )
-        return self.block(x)
+        return self.block(x, self.weights())
 
 
 def _hf_llama_decoder_layer() -> type[nn.Module]:
@@ -207,14 +221,19 @@ def patch_llama(
         CodaLlamaAttention(layer.self_attn, layer.input_layernorm, verify=verify, tune=tune)
         for layer in attended
     ]  # every Program resolved before the first layer changes
+    # The kernels read each norm's weight from the DeferredRMSNorm in the layer (the module that
+    # owns it in the model), not from the replaced norm (CodaLlamaMLP's docstring says why).
     for layer, block in zip(layers, blocks, strict=True):
-        _replace(layer, "post_attention_layernorm", DeferredRMSNorm(block.norm))
-        _replace(layer, "mlp", CodaLlamaMLP(block))
+        deferred = DeferredRMSNorm(block.norm)
+        _replace(layer, "post_attention_layernorm", deferred)
+        _replace(layer, "mlp", CodaLlamaMLP(block, deferred))
         if fuse_residual and type(layer) is _LlamaDecoderLayer:
             layer.__class__ = CodaLlamaDecoderLayer
     for layer, attn in zip(attended, attns, strict=True):
-        _replace(layer, "input_layernorm", DeferredRMSNorm(layer.input_layernorm))
+        deferred = DeferredRMSNorm(layer.input_layernorm)
+        _replace(layer, "input_layernorm", deferred)
         _replace(layer, "self_attn", attn)
+        object.__setattr__(attn, "norm", deferred)  # as CodaLlamaAttention holds its norm
     if fused_loss:
         install_fused_loss(model, verify=verify, tune=tune)
     return model
