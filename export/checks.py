@@ -1,5 +1,6 @@
-"""Checks that a Hugging Face norm computes what the fused kernels do (Llama's RMSNorm), shared by
-the MLP, attention and LM-head drop-ins."""
+"""Checks shared by the drop-ins: that a Hugging Face norm computes what the fused kernels do
+(Llama's RMSNorm; the MLP, attention and LM-head drop-ins), and that a model to patch is not yet
+wrapped or sharded for data-parallel training."""
 
 from __future__ import annotations
 
@@ -37,3 +38,37 @@ def _run_on_probe(norm: nn.Module, probe: torch.Tensor) -> torch.Tensor:
     """``norm`` applied to ``probe`` (in the weight's dtype and device), as fp32 on the CPU."""
     weight = norm.weight
     return norm(probe.to(device=weight.device, dtype=weight.dtype)).float().cpu()
+
+
+def check_not_distributed(model: nn.Module) -> None:
+    """``ValueError`` if ``model`` is already wrapped (``DistributedDataParallel``,
+    ``DataParallel``, FSDP1) or sharded (DTensor parameters: FSDP2's ``fully_shard``, tensor
+    parallelism): patching replaces modules and, with ``fuse_gate_up``, parameters, which a
+    wrapper built before would not see — patch the model first, then wrap or shard it."""
+    wrappers: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers += (FullyShardedDataParallel,)
+    wrapped = next((n for n, m in model.named_modules() if isinstance(m, wrappers)), None)
+    if wrapped is not None:
+        where = f"{type(model).__name__}" + (f" (at {wrapped!r})" if wrapped else "")
+        raise ValueError(
+            f"{where} is wrapped for data-parallel training already: patch the model before "
+            "wrapping it (patch_llama(model), then DistributedDataParallel(model)); a wrapper "
+            "built first does not see the modules and parameters the patch replaces"
+        )
+    sharded = next((n for n, p in model.named_parameters() if _is_dtensor(p)), None)
+    if sharded is not None:
+        raise ValueError(
+            f"parameter {sharded!r} is a DTensor (sharded, e.g. by FSDP2's fully_shard): patch the "
+            "full model first, then fully_shard each decoder layer and the root"
+        )
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)

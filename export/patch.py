@@ -40,7 +40,7 @@ from torch import nn
 
 from .attention import CodaLlamaAttention, check_llama_attention
 from .autograd import Tuning
-from .checks import check_rms_norm
+from .checks import check_not_distributed, check_rms_norm
 from .lm_head import install_fused_loss
 from .mlp import CodaLlamaMLPBlock, check_llama_mlp, keep_hf_gate_up_keys
 from .probe import (
@@ -185,7 +185,9 @@ def patch_llama(
     shipped verified Programs by default; ``verify=True`` verifies them in the sandbox, once per
     process and epsilon). Without ``fuse_gate_up`` the parameters
     stay the same objects (an optimizer built before patching keeps working); with it each
-    layer's gate and up weights become one new parameter — build the optimizer after. Every
+    layer's gate and up weights become one new parameter — build the optimizer after, and
+    patch before wrapping the model for DDP or sharding it with FSDP2 (a model already wrapped
+    or sharded is refused: ``check_not_distributed``). Every
     replaced module is checked first, on one probe forward of the model and by itself
     (``_prove``): a layer wired otherwise (OLMo-2's post-norms, a scaled residual) or a module
     the kernels cannot compute (a mixture of experts, a bias, an activation other than SiLU)
@@ -197,6 +199,7 @@ def patch_llama(
     down projection's epilogue (and its gradient in the backward's); ``False`` keeps Hugging
     Face's forward and its add.
     """
+    check_not_distributed(model)
     layers = [
         m
         for m in model.modules()

@@ -58,3 +58,26 @@ def test_the_kernels_read_the_parameters_the_model_holds_at_each_call(fuse_gate_
             g = grads[name]
         assert g is not None, f"{name} got no gradient"
         torch.testing.assert_close(g, p.grad, atol=2e-5, rtol=2e-5, msg=name)
+
+
+def test_a_model_wrapped_or_sharded_before_patching_is_refused(tmp_path: Path) -> None:
+    """A DistributedDataParallel wrapper, or FSDP2's DTensor parameters, built before the patch
+    would not see the modules and parameters it replaces: refused, nothing changed."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        wrapped = DistributedDataParallel(tiny_llama())
+        with pytest.raises(ValueError, match="patch the model before wrapping it"):
+            patch_llama(wrapped, verify=False, tune="off")
+        sharded = tiny_llama()
+        fully_shard(sharded.model.layers[0])
+        with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight'.*"):
+            patch_llama(sharded, verify=False, tune="off", fuse_gate_up=True)
+        assert type(sharded.model.layers[1].mlp).__name__ == "LlamaMLP"  # untouched
+    finally:
+        dist.destroy_process_group()
