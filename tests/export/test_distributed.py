@@ -81,3 +81,22 @@ def test_a_model_wrapped_or_sharded_before_patching_is_refused(tmp_path: Path) -
         assert type(sharded.model.layers[1].mlp).__name__ == "LlamaMLP"  # untouched
     finally:
         dist.destroy_process_group()
+
+
+def test_a_patched_layer_returns_a_tensor_of_its_own_not_a_view() -> None:
+    """FSDP2 registers its pre-backward hook on each layer's output and warns when that is a view
+    (an in-place op on it would drop the hook): the MLP's ``[tokens, d]`` output comes back in the
+    layer's shape as a tensor of its own, as Hugging Face's ``Linear`` output does — in the
+    residual, branch-only and autocast paths alike."""
+    hf = tiny_llama()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    for options in ({}, {"fuse_residual": False}):
+        coda = patch_llama(copy.deepcopy(hf), verify=False, tune="off", **options)
+        mlp = coda.model.layers[0].mlp
+        outs = [mlp(x)] + ([mlp(x, residual=True)] if not options else [])
+        with torch.autocast("cpu", dtype=torch.float16):
+            outs.append(mlp(x))
+        for out in outs:
+            assert out.shape == x.shape and out._base is None
+        out.sum().backward()  # differentiable as before
+        assert x.grad is not None
