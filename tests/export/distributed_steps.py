@@ -4,8 +4,8 @@
 Every rank builds the same random ``LlamaForCausalLM`` and a ``patch_llama`` copy of it for each
 variant (``VARIANTS``: the packed gate/up parameter, activation checkpointing, the fused loss),
 wraps both the same way, runs forward + backward on its own batch, steps SGD and runs the
-forward once more; it saves its losses and every parameter's full gradient (under Hugging Face's
-names) to ``rank<r>.pt``, which ``assert_ranks_match`` compares. Shared by
+forward once more; it saves its losses, every parameter's full gradient (under Hugging Face's
+names) and its state dict to ``rank<r>.pt``, which ``assert_ranks_match`` compares. Shared by
 ``tests/export/test_distributed.py`` (gloo, CPU, the Triton interpreter) and
 ``tests/gpu/test_distributed_gpu.py`` (NCCL).
 """
@@ -63,8 +63,8 @@ def run(
 
 
 def assert_ranks_match(ranks: list[dict[str, Any]], *, atol: float, rtol: float) -> None:
-    """Per variant and rank: the patched model's losses and gradients equal the unpatched
-    model's, and every rank holds the same (reduced) gradients."""
+    """Per variant and rank: the patched model's losses, gradients and state dict after the step
+    equal the unpatched model's, and every rank holds the same (reduced) gradients."""
     for name in ranks[0]:
         for rank, results in enumerate(ranks):
             want, got = results[name]["hf"], results[name]["coda"]
@@ -78,6 +78,11 @@ def assert_ranks_match(ranks: list[dict[str, Any]], *, atol: float, rtol: float)
                 assert got["grads"][param] is not None, f"{where}: {param} got no gradient"
                 torch.testing.assert_close(
                     got["grads"][param], g, atol=atol, rtol=rtol, msg=f"{where}: {param}"
+                )
+            assert got["state"].keys() == want["state"].keys(), f"{where}: state-dict keys"
+            for key, value in want["state"].items():
+                torch.testing.assert_close(
+                    got["state"][key], value, atol=atol, rtol=rtol, msg=f"{where}: state {key}"
                 )
         first, *others = (results[name]["coda"]["grads"] for results in ranks)
         for other in others:  # the gradients were reduced over the ranks
@@ -146,7 +151,9 @@ def _compare(options: dict[str, Any], wrap: str, rank: int, device: torch.device
 
 
 def _step(model: torch.nn.Module, wrap: str, ids: torch.Tensor, labels: torch.Tensor) -> dict:
-    """Loss, full gradients (Hugging Face's names, on the CPU), SGD step, loss again."""
+    """Loss, full gradients (Hugging Face's names, on the CPU), SGD step, loss again, and the
+    state dict after the step (whole tensors: Hugging Face's keys, the packed gate/up parameter
+    saved as its two weights also when sharded)."""
     wrapped = _wrap(model, wrap)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loss = wrapped(input_ids=ids, labels=labels).loss
@@ -155,7 +162,8 @@ def _step(model: torch.nn.Module, wrap: str, ids: torch.Tensor, labels: torch.Te
     optimizer.step()
     with torch.no_grad():
         after = wrapped(input_ids=ids, labels=labels).loss
-    return {"losses": [loss.item(), after.item()], "grads": grads}
+    state = {k: _full(v) for k, v in model.state_dict().items()}
+    return {"losses": [loss.item(), after.item()], "grads": grads, "state": state}
 
 
 def _wrap(model: torch.nn.Module, wrap: str) -> torch.nn.Module:
@@ -175,12 +183,12 @@ def _wrap(model: torch.nn.Module, wrap: str) -> torch.nn.Module:
     raise ValueError(f"wrap must be 'ddp' or 'fsdp', not {wrap!r}")
 
 
-def _full(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """The whole gradient on the CPU (an FSDP2 gradient is a sharded DTensor)."""
-    if grad is None:
+def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole tensor on the CPU (FSDP2's gradients and parameters are sharded DTensors)."""
+    if tensor is None:
         return None
-    full = getattr(grad, "full_tensor", None)
-    return (full() if full is not None else grad).detach().cpu()
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().cpu()
 
 
 def _hf_names(grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
