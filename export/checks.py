@@ -50,13 +50,14 @@ def check_not_distributed(model: nn.Module) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         wrappers += (FullyShardedDataParallel,)
-    wrapped = next((n for n, m in model.named_modules() if isinstance(m, wrappers)), None)
-    if wrapped is not None:
-        where = f"{type(model).__name__}" + (f" (at {wrapped!r})" if wrapped else "")
+    wrapper = next(((n, m) for n, m in model.named_modules() if isinstance(m, wrappers)), None)
+    if wrapper is not None:
+        name, module = wrapper
+        what = f"module {name!r} is a" if name else "the model is a"
         raise ValueError(
-            f"{where} is wrapped for data-parallel training already: patch the model before "
-            "wrapping it (patch_llama(model), then DistributedDataParallel(model)); a wrapper "
-            "built first does not see the modules and parameters the patch replaces"
+            f"{what} {type(module).__name__}: patch the model before wrapping it for "
+            "data-parallel training (patch_llama(model), then DistributedDataParallel(model)); "
+            "a wrapper built first does not see the modules and parameters the patch replaces"
         )
     sharded = next((n for n, p in model.named_parameters() if _is_dtensor(p)), None)
     if sharded is not None:

@@ -72,7 +72,8 @@ def test_a_model_wrapped_or_sharded_before_patching_is_refused(tmp_path: Path) -
     )
     try:
         wrapped = DistributedDataParallel(tiny_llama())
-        with pytest.raises(ValueError, match="patch the model before wrapping it"):
+        refused = "the model is a DistributedDataParallel: patch the model before wrapping"
+        with pytest.raises(ValueError, match=refused):
             patch_llama(wrapped, verify=False, tune="off")
         sharded = tiny_llama()
         fully_shard(sharded.model.layers[0])
