@@ -1,7 +1,8 @@
-"""Checks that a Hugging Face norm computes what the fused kernels do, shared by the MLP, attention
-and LM-head drop-ins: ``check_rms_norm`` (Llama's RMSNorm ``x̂ · w``, the only form the MLP's
-kernels take) and ``rms_norm_form`` (also Gemma's ``x̂ · (1 + w)``: the attention-input and LM-head
-kernels read ``γ = w + offset``, ``norm_gamma``, so the gradient reaches ``w`` unchanged)."""
+"""Checks shared by the drop-ins: that a Hugging Face norm computes what the fused kernels do —
+``check_rms_norm`` (Llama's RMSNorm ``x̂ · w``, the only form the MLP's kernels take) and
+``rms_norm_form`` (also Gemma's ``x̂ · (1 + w)``: the attention-input and LM-head kernels read
+``γ = w + offset``, ``norm_gamma``, so the gradient reaches ``w`` unchanged) — and that a model to
+patch is not yet wrapped or sharded for data-parallel training."""
 
 from __future__ import annotations
 
@@ -72,3 +73,38 @@ def _run_on_probe(norm: nn.Module, probe: torch.Tensor) -> torch.Tensor:
     """``norm`` applied to ``probe`` (in the weight's dtype and device), as fp32 on the CPU."""
     weight = norm.weight
     return norm(probe.to(device=weight.device, dtype=weight.dtype)).float().cpu()
+
+
+def check_not_distributed(model: nn.Module) -> None:
+    """``ValueError`` if ``model`` is already wrapped (``DistributedDataParallel``,
+    ``DataParallel``, FSDP1) or sharded (DTensor parameters: FSDP2's ``fully_shard``, tensor
+    parallelism): patching replaces modules and, with ``fuse_gate_up``, parameters, which a
+    wrapper built before would not see — patch the model first, then wrap or shard it."""
+    wrappers: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers += (FullyShardedDataParallel,)
+    wrapper = next(((n, m) for n, m in model.named_modules() if isinstance(m, wrappers)), None)
+    if wrapper is not None:
+        name, module = wrapper
+        what = f"module {name!r} is a" if name else "the model is a"
+        raise ValueError(
+            f"{what} {type(module).__name__}: patch the model before wrapping it for "
+            "data-parallel training (patch_llama(model), then DistributedDataParallel(model)); "
+            "a wrapper built first does not see the modules and parameters the patch replaces"
+        )
+    sharded = next((n for n, p in model.named_parameters() if _is_dtensor(p)), None)
+    if sharded is not None:
+        raise ValueError(
+            f"parameter {sharded!r} is a DTensor (sharded, e.g. by FSDP2's fully_shard): patch the "
+            "full model first, then fully_shard each decoder layer and the root"
+        )
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)

@@ -40,7 +40,7 @@ from .attention import (
     coda_attention_class,
 )
 from .autograd import Tuning
-from .checks import check_rms_norm, rms_norm_form
+from .checks import check_not_distributed, check_rms_norm, rms_norm_form
 from .lm_head import install_fused_loss
 from .mlp import CONCATENATED_GATE_UP, SEPARATE_GATE_UP, CodaLlamaMLPBlock, GateUpLayout
 from .patch import (
@@ -143,8 +143,10 @@ def _mlp_recipe(layout: GateUpLayout) -> Recipe:
         )  # fmt: skip
 
         def install() -> None:
-            _replace(layer, "post_attention_layernorm", DeferredRMSNorm(block.norm))
-            _replace(layer, "mlp", CodaLlamaMLP(block))
+            # the kernels read the norm weight from the module the model holds (FSDP2, assign=True)
+            deferred = DeferredRMSNorm(block.norm)
+            _replace(layer, "post_attention_layernorm", deferred)
+            _replace(layer, "mlp", CodaLlamaMLP(block, deferred))
             if _fuses_residual(layer, options):
                 layer.__class__ = CodaLlamaDecoderLayer
 
@@ -191,8 +193,10 @@ def _attention_recipe(recipe: AttentionRecipe) -> Recipe:
         attn = cls(layer.self_attn, layer.input_layernorm, verify=options.verify, tune=options.tune)
 
         def install() -> None:
-            _replace(layer, "input_layernorm", DeferredRMSNorm(layer.input_layernorm))
+            deferred = DeferredRMSNorm(layer.input_layernorm)
+            _replace(layer, "input_layernorm", deferred)
             _replace(layer, "self_attn", attn)
+            object.__setattr__(attn, "norm", deferred)  # as CodaLlamaAttention holds its norm
 
         return install
 
@@ -348,8 +352,10 @@ def patch_model(
     ``fuse_gate_up``, ``fuse_residual``: as ``patch_llama`` (``fuse_gate_up`` applies to MLPs
     with separate gate and up projections; Phi-3's ``gate_up_proj`` is read as row views of
     its one Parameter). Layers already patched stay as they are (patching twice changes
-    nothing). ``ValueError`` for a model with no decoder layer (``self_attn`` + ``mlp``).
+    nothing). ``ValueError`` for a model with no decoder layer (``self_attn`` + ``mlp``), and
+    for one already wrapped for DDP or sharded by FSDP2 (patch first, then wrap).
     """
+    check_not_distributed(model)
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(

@@ -19,6 +19,7 @@ keeps them in fp32 (16384 tokens × 128256 classes: 8 GB).
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from functools import lru_cache
@@ -214,6 +215,9 @@ def install_fused_loss(
     _CHECKED.add(model)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    # The class forward's signature (``__wrapped__``): the Trainer keeps only the batch columns
+    # the model's forward names, and would drop ``input_ids`` for a bare ``*args, **kwargs``.
+    @functools.wraps(type(model).forward)
     def forward(self: nn.Module, *args: Any, labels: Any = None, **kwargs: Any) -> Any:
         if labels is None or not self.training or args or kwargs.get("input_ids") is None:
             return type(self).forward(self, *args, labels=labels, **kwargs)

@@ -325,23 +325,26 @@ class CodaLlamaMLPBlock(nn.Module):
         gate_up = [self.gate_up_weight] if self.fused else [*self.layout.split(self.mlp)]
         return [self.norm.weight, *gate_up, self.mlp.down_proj.weight]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = self.weights()
+    def forward(self, x: torch.Tensor, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``x + mlp(norm(x))`` (or the branch alone, built with ``residual=False``) with
+        ``weights`` as ``weights()`` lists them (default: this block's own) — a caller whose
+        model owns the parameters passes them as its modules hold them at this call."""
+        weights = self.weights() if weights is None else weights
         flat = x.reshape(-1, x.shape[-1])
         amp = autocast_dtype(x, weights)
         if amp is not None:
-            return self._autocast_forward(flat, weights, amp).reshape(x.shape)
-        return self.function(flat, *weights).reshape(x.shape)
+            return _shaped(self._autocast_forward(flat, weights, amp), x.shape)
+        return _shaped(self.function(flat, *weights), x.shape)
 
-    def branch(self, x: torch.Tensor) -> torch.Tensor:
+    def branch(self, x: torch.Tensor, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``mlp(norm(x))`` alone — what ``forward`` computes with ``residual=False`` — from a
         block built either way (one built with ``residual=True`` resolves the branch Programs
-        on first use, unless it already has them for autocast)."""
+        on first use, unless it already has them for autocast); ``weights`` as ``forward``'s."""
         if not self.residual:
-            return self(x)
-        weights = self.weights()
+            return self(x, weights)
+        weights = self.weights() if weights is None else weights
         dtype = autocast_dtype(x, weights) or x.dtype
-        return self._run_branch(x.reshape(-1, x.shape[-1]), weights, dtype).reshape(x.shape)
+        return _shaped(self._run_branch(x.reshape(-1, x.shape[-1]), weights, dtype), x.shape)
 
     def _autocast_forward(
         self, x: torch.Tensor, weights: list[torch.Tensor], dtype: torch.dtype
@@ -359,6 +362,14 @@ class CodaLlamaMLPBlock(nn.Module):
         if self.branch_function is None:
             self.branch_function = _resolve_branch(self)
         return run_in_dtype(self.branch_function, dtype, x, *weights)
+
+
+def _shaped(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``out`` ``[tokens, d]`` (a tensor computed for this call, which nothing else holds) in
+    ``shape``, as a tensor of its own rather than a view — as ``torch.matmul`` returns a
+    ``Linear``'s 3-D output: FSDP2 warns when a layer returns a view (an in-place op on one
+    would drop the hook it registers on the layer's output)."""
+    return torch.ops.aten._unsafe_view(out, shape)
 
 
 @torch.compiler.disable

@@ -40,7 +40,7 @@ from torch import nn
 
 from .attention import CodaLlamaAttention, check_llama_attention
 from .autograd import Tuning
-from .checks import check_rms_norm
+from .checks import check_not_distributed, check_rms_norm
 from .lm_head import install_fused_loss
 from .mlp import CodaLlamaMLPBlock, check_llama_mlp, keep_hf_gate_up_keys
 from .probe import (
@@ -80,11 +80,17 @@ class CodaLlamaMLP(nn.Module):
     built with or without its residual; held outside the module tree so no parameter is
     registered twice). A block built with ``fuse_gate_up`` puts its ``gate_up_weight`` here (the
     projections then hold no weight); state dicts keep ``gate_proj.weight`` / ``up_proj.weight``.
+
+    Each call hands the block the weights as the model's modules hold them then (``weights``):
+    ``norm`` (the layer's ``post_attention_layernorm``, not registered here) and this module's
+    own. Whatever registers new parameters on the model's modules — FSDP2's ``fully_shard``
+    (full weights while a layer runs, shards between), ``load_state_dict(assign=True)`` — is
+    then what the kernels read and what gets the gradients.
     """
 
     _HF_KEYS = ("gate_proj.weight", "up_proj.weight")
 
-    def __init__(self, block: CodaLlamaMLPBlock) -> None:
+    def __init__(self, block: CodaLlamaMLPBlock, norm: nn.Module | None = None) -> None:
         super().__init__()
         for name, child in block.mlp.named_children():
             setattr(self, name, child)
@@ -92,19 +98,27 @@ class CodaLlamaMLP(nn.Module):
             self.gate_up_weight = block.gate_up_weight
             keep_hf_gate_up_keys(self)
         object.__setattr__(self, "block", block)  # not a submodule: see the class docstring
+        object.__setattr__(self, "norm", block.norm if norm is None else norm)  # the layer's
+
+    def weights(self) -> list[torch.Tensor]:
+        """γ, the gate and up weights (or the packed one), the down weight: read from the
+        modules that hold them now, in the order ``CodaLlamaMLPBlock.weights`` lists them."""
+        fused = self.block.fused
+        gate_up = [self.gate_up_weight] if fused else [*self.block.layout.split(self)]
+        return [self.norm.weight, *gate_up, self.down_proj.weight]
 
     def forward(self, x: torch.Tensor, *, residual: bool = False) -> torch.Tensor:
         """``mlp(norm(x))``, as the ``LlamaMLP`` it replaces returns after its norm; with
         ``residual``, ``x + mlp(norm(x))`` in one call (``CodaLlamaDecoderLayer``'s), which
         needs a block built with ``residual=True``."""
         if not residual:
-            return self.block.branch(x)
+            return self.block.branch(x, self.weights())
         if not self.block.residual:
             raise ValueError(
                 "CodaLlamaMLP(residual=True) needs a block built with residual=True "
                 "(patch_llama(fuse_residual=True) builds one)"
             )
-        return self.block(x)
+        return self.block(x, self.weights())
 
 
 def _hf_llama_decoder_layer() -> type[nn.Module]:
@@ -170,7 +184,9 @@ def patch_llama(
     shipped verified Programs by default; ``verify=True`` verifies them in the sandbox, once per
     process and epsilon). Without ``fuse_gate_up`` the parameters
     stay the same objects (an optimizer built before patching keeps working); with it each
-    layer's gate and up weights become one new parameter — build the optimizer after. Every
+    layer's gate and up weights become one new parameter — build the optimizer after, and
+    patch before wrapping the model for DDP or sharding it with FSDP2 (a model already wrapped
+    or sharded is refused: ``check_not_distributed``). Every
     replaced module is checked first, on one probe forward of the model and by itself
     (``_prove``): a layer wired otherwise (OLMo-2's post-norms, a scaled residual) or a module
     the kernels cannot compute (a mixture of experts, a bias, an activation other than SiLU)
@@ -182,6 +198,7 @@ def patch_llama(
     down projection's epilogue (and its gradient in the backward's); ``False`` keeps Hugging
     Face's forward and its add.
     """
+    check_not_distributed(model)
     layers = [
         m
         for m in model.modules()
@@ -206,14 +223,19 @@ def patch_llama(
         CodaLlamaAttention(layer.self_attn, layer.input_layernorm, verify=verify, tune=tune)
         for layer in attended
     ]  # every Program resolved before the first layer changes
+    # The kernels read each norm's weight from the DeferredRMSNorm in the layer (the module that
+    # owns it in the model), not from the replaced norm (CodaLlamaMLP's docstring says why).
     for layer, block in zip(layers, blocks, strict=True):
-        _replace(layer, "post_attention_layernorm", DeferredRMSNorm(block.norm))
-        _replace(layer, "mlp", CodaLlamaMLP(block))
+        deferred = DeferredRMSNorm(block.norm)
+        _replace(layer, "post_attention_layernorm", deferred)
+        _replace(layer, "mlp", CodaLlamaMLP(block, deferred))
         if fuse_residual and type(layer) is _LlamaDecoderLayer:
             layer.__class__ = CodaLlamaDecoderLayer
     for layer, attn in zip(attended, attns, strict=True):
-        _replace(layer, "input_layernorm", DeferredRMSNorm(layer.input_layernorm))
+        deferred = DeferredRMSNorm(layer.input_layernorm)
+        _replace(layer, "input_layernorm", deferred)
         _replace(layer, "self_attn", attn)
+        object.__setattr__(attn, "norm", deferred)  # as CodaLlamaAttention holds its norm
     if fused_loss:
         install_fused_loss(model, verify=verify, tune=tune)
     return model
