@@ -1,0 +1,131 @@
+"""Recognisers of elementwise activations and gated units, table-driven.
+
+``ACTIVATIONS`` maps an op's pattern to ``Activation`` kinds: ``gelu`` (erf, or ``tanh``
+approximation), ``silu`` (also written ``x * sigmoid(x)``), ``relu``, ``relu2`` (``relu(x)²``),
+``sigmoid``, ``tanh``, QuickGELU ``x * sigmoid(1.702 x)`` and the softcap ``tanh(x / c) * c``.
+``glu`` reads ``act(a) * b`` as ``GLU`` (``SwiGLU`` for silu, as the Llama blocks use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import fx
+
+from ..ops import GLU, Activation, SwiGLU
+from .nodes import Found, Ref, arg, commuted, is_op, op_name, scalar, see_through, shape
+
+if TYPE_CHECKING:
+    from .matcher import Matcher
+
+# (x, kind, cap) of an activation rooted at a node
+Act = tuple[fx.Node, str, float | None]
+
+# aten ops that are one activation each: op name -> kind
+_UNARY = {"silu": "silu", "relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh"}
+
+
+def _unary(n: Any) -> Act | None:
+    if is_op(n, *_UNARY):
+        return see_through(n.args[0]), _UNARY[op_name(n)], None
+    return None
+
+
+def _gelu(n: Any) -> Act | None:
+    if not is_op(n, "gelu"):
+        return None
+    approximate = arg(n, 1, "approximate", "none")
+    kind = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+    return (see_through(n.args[0]), kind, None) if kind else None
+
+
+def _relu2(n: Any) -> Act | None:
+    """``relu(x) ** 2``, ``relu(x).square()`` or ``relu(x) * relu(x)``."""
+    if not _squares(n):
+        return None
+    inner = see_through(n.args[0])
+    return (see_through(inner.args[0]), "relu2", None) if is_op(inner, "relu") else None
+
+
+def _squares(n: Any) -> bool:
+    """``n`` squares its first operand."""
+    if is_op(n, "pow"):
+        return scalar(n.args[1]) == 2.0
+    if is_op(n, "mul"):
+        return see_through(n.args[0]) is see_through(n.args[1])
+    return is_op(n, "square")
+
+
+def _sigmoid_product(n: Any) -> Act | None:
+    """``x * sigmoid(x)`` (silu) and ``x * sigmoid(1.702 * x)`` (QuickGELU)."""
+    if not is_op(n, "mul"):
+        return None
+    for x, s in commuted(n):
+        if not is_op(s, "sigmoid") or not isinstance(x, fx.Node):
+            continue
+        inner = see_through(s.args[0])
+        if inner is x:
+            return x, "silu", None
+        if is_op(inner, "mul"):
+            for y, c in commuted(inner):
+                if y is x and scalar(c) == 1.702:
+                    return x, "quick_gelu", None
+    return None
+
+
+def _softcap(n: Any) -> Act | None:
+    """``tanh(x / c) * c`` (Gemma 2's logit and attention softcapping)."""
+    if not is_op(n, "mul"):
+        return None
+    for t, c in commuted(n):
+        cap = scalar(c)
+        if cap is None or cap <= 0 or not is_op(t, "tanh"):
+            continue
+        inner = see_through(t.args[0])
+        if is_op(inner, "div") and scalar(inner.args[1]) == cap:
+            return see_through(inner.args[0]), "softcap", cap
+    return None
+
+
+ACTIVATIONS: list[Callable[[Any], Act | None]] = [
+    _unary,
+    _gelu,
+    _relu2,
+    _sigmoid_product,
+    _softcap,
+]
+
+
+def activation_of(n: Any) -> Act | None:
+    """The activation rooted at ``n`` (the first pattern of ``ACTIVATIONS`` that matches)."""
+    n = see_through(n)
+    for pattern in ACTIVATIONS:
+        found = pattern(n)
+        if found is not None and found[1] is not None:
+            return found
+    return None
+
+
+def activation(m: Matcher, n: fx.Node) -> Found | None:
+    found = activation_of(n)
+    if found is None:
+        return None
+    x, kind, cap = found
+    params: dict[str, Any] = {"kind": kind} | ({"cap": cap} if cap is not None else {})
+    return Found(Activation, kind, {"x": Ref(x)}, **params)
+
+
+def glu(m: Matcher, n: fx.Node) -> Found | None:
+    """``act(gate) * up`` of two same-shape tensors (either order)."""
+    if not is_op(n, "mul"):
+        return None
+    for a, up in commuted(n):
+        found = activation_of(a) if isinstance(up, fx.Node) else None
+        if found is None or found[1] == "softcap" or shape(found[0]) != shape(up):
+            continue
+        gate, kind, _ = found
+        if kind == "silu":
+            return Found(SwiGLU, "swiglu", {"gate": Ref(gate), "up": Ref(up)})
+        return Found(GLU, "glu", {"gate": Ref(gate), "up": Ref(up)}, act=kind)
+    return None
