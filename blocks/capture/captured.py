@@ -38,6 +38,11 @@ class CapturedBlock(Block):
     capture_seconds: float = 0.0
     _fn: Callable[..., Any] = PrivateAttr()
 
+    @property
+    def function(self) -> Callable[..., Any]:
+        """The captured function: the block's reference."""
+        return self._fn
+
     def reference_source(self) -> str:
         """The user's source: imports, the helpers the function calls from its file, the
         function, and a comment naming the inputs and outputs."""
