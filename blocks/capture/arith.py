@@ -24,7 +24,7 @@ def add(m: Matcher, n: fx.Node) -> Found | None:
 
 
 def scale(m: Matcher, n: fx.Node) -> Found | None:
-    if not is_op(n, "mul", "div") or len(n.args) != 2:
+    if not is_op(n, "mul", "div") or len(n.args) != 2 or n.kwargs.get("rounding_mode"):
         return None
     x, c = see_through(n.args[0]), scalar(n.args[1])
     if is_op(n, "mul") and c is None:

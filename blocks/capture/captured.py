@@ -35,8 +35,13 @@ class CapturedBlock(Block):
     function's code, and the reference is the function itself."""
 
     source: str
-    capture_seconds: float = 0.0
     _fn: Callable[..., Any] = PrivateAttr()
+    _seconds: float = PrivateAttr(0.0)
+
+    @property
+    def capture_seconds(self) -> float:
+        """How long torch.export took for this block (not part of the block's definition)."""
+        return self._seconds
 
     @property
     def function(self) -> Callable[..., Any]:
@@ -243,11 +248,10 @@ def from_torch(
             shapes=shapes,
             tolerance=tolerance or Tolerance(),
             source=function_source(fn, ordered, out_names),
-            capture_seconds=round(traced.seconds, 3),
         )
     except ValueError as e:
         raise CaptureError(
             f"{fn.__qualname__}: the captured block is not well formed: {e}"
         ) from None
-    block._fn = fn
+    block._fn, block._seconds = fn, traced.seconds
     return block

@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from . import loss
-from .nodes import op_name, rank, target_name
+from .nodes import op_name, rank, scalar, target_name
 
 # Why common aten ops are opaque, beyond "no block op computes it".
 _REASONS = {
@@ -34,6 +34,8 @@ def reason(n: fx.Node) -> str:
         why = loss.unsupported(n)
         if why:
             return why
+    if name in ("add", "sub") and any(scalar(a) is not None for a in n.args):
+        return f"{target_name(n)} of a constant: no block op adds one (Scale multiplies by one)"
     if name in _REASONS:
         return _REASONS[name]
     if rank(n) > 2 and name in ("view", "reshape", "unsqueeze", "transpose", "permute", "expand"):
