@@ -3,6 +3,9 @@
 ``ACTIVATIONS`` maps an op's pattern to ``Activation`` kinds: ``gelu`` (erf, or ``tanh``
 approximation), ``silu`` (also written ``x * sigmoid(x)``), ``relu``, ``relu2`` (``relu(x)²``),
 ``sigmoid``, ``tanh``, QuickGELU ``x * sigmoid(1.702 x)`` and the softcap ``tanh(x / c) * c``.
+Last, ``_by_value`` reads any other spelling of a kind (GPT-2's ``gelu_new`` formula ``0.5 · x ·
+(1 + tanh(√(2/π) · (x + 0.044715 x³)))``, a hand-written sigmoid): an elementwise chain of one
+tensor is evaluated in float64 at probe points and compared with each kind.
 ``glu`` reads ``act(a) * b`` as ``GLU`` (``SwiGLU`` for silu, as the Llama blocks use).
 """
 
@@ -11,10 +14,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import fx
 
+from .. import functional as fn
 from ..ops import GLU, Activation, SwiGLU
-from .nodes import Found, Ref, arg, commuted, is_op, op_name, scalar, see_through, shape
+from .nodes import (
+    Found,
+    Ref,
+    arg,
+    cast_source,
+    commuted,
+    dtype,
+    is_op,
+    op_name,
+    scalar,
+    see_through,
+    shape,
+)
 
 if TYPE_CHECKING:
     from .matcher import Matcher
@@ -88,12 +105,104 @@ def _softcap(n: Any) -> Act | None:
     return None
 
 
+# Elementwise aten ops a hand-written activation is made of, as float64 functions.
+_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
+    "mul": torch.mul,
+    "add": torch.add,
+    "sub": torch.sub,
+    "rsub": torch.rsub,
+    "div": torch.div,
+    "pow": torch.pow,
+    "neg": torch.neg,
+    "exp": torch.exp,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "erf": torch.erf,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal,
+    "relu": torch.relu,
+    "square": torch.square,
+}
+_CHAIN_LIMIT = 40  # nodes: an activation is a short chain
+_PROBE = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64)
+_KINDS = ("gelu", "gelu_tanh", "silu", "relu", "relu2", "sigmoid", "tanh", "quick_gelu")
+
+
+def _by_value(n: Any) -> Act | None:
+    """An elementwise chain of one tensor ``x`` (constants aside) that equals an activation kind
+    at every probe point, in float64 (its casts are dropped)."""
+    chain = _chain(n)
+    if chain is None:
+        return None
+    x, nodes = chain
+    if shape(x) != shape(n) or dtype(x) != dtype(n):
+        return None
+    values: dict[fx.Node, torch.Tensor] = {x: _PROBE}
+    for node in nodes:
+        values[node] = _apply(node, values)
+    got = values[n]
+    for kind in _KINDS:
+        if torch.allclose(got, fn.activation(_PROBE, kind), rtol=1e-10, atol=1e-12):
+            return x, kind, None
+    return None
+
+
+def _chain(root: Any) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(x, nodes)``: the one tensor a chain of elementwise ops rooted at ``root`` reads, and the
+    chain's nodes in evaluation order; ``None`` if it reads two tensors or anything else."""
+    leaves: set[fx.Node] = set()
+    order: list[fx.Node] = []
+
+    def visit(n: fx.Node) -> bool:
+        if n in order:
+            return True
+        if op_name(n) not in _ELEMENTWISE and cast_source(n) is None:
+            leaves.add(n)
+            return len(leaves) == 1
+        if len(order) >= _CHAIN_LIMIT:
+            return False
+        source = cast_source(n)
+        if source is not None:  # a cast: its value passes through in float64
+            if not visit(see_through(source)):
+                return False
+            order.append(n)
+            return True
+        if n.kwargs:
+            return False
+        for a in n.args:
+            if isinstance(a, fx.Node):
+                if not visit(see_through(a)):
+                    return False
+            elif scalar(a) is None:
+                return False
+        order.append(n)
+        return True
+
+    root = see_through(root)
+    if not isinstance(root, fx.Node) or op_name(root) not in _ELEMENTWISE:
+        return None
+    if not visit(root) or len(leaves) != 1:
+        return None
+    return leaves.pop(), order
+
+
+def _apply(n: fx.Node, values: dict[fx.Node, torch.Tensor]) -> torch.Tensor:
+    """One chain node in float64 (a cast passes its value through)."""
+    source = cast_source(n)
+    if source is not None:
+        return values[see_through(source)]
+    args = [values[see_through(a)] if isinstance(a, fx.Node) else a for a in n.args]
+    return _ELEMENTWISE[op_name(n)](*args).to(torch.float64)
+
+
 ACTIVATIONS: list[Callable[[Any], Act | None]] = [
     _unary,
     _gelu,
     _relu2,
     _sigmoid_product,
     _softcap,
+    _by_value,
 ]
 
 

@@ -157,6 +157,28 @@ def test_activations_gated_units_residuals_and_scales() -> None:
     assert len(block.graph) == 15
 
 
+def written_out(x, y):
+    inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))
+    return {
+        "gelu_new": 0.5 * x * (1.0 + torch.tanh(inner)),
+        "sigmoid": 1.0 / (1.0 + torch.exp(-x.float())).to(x.dtype),
+        "gated": y * (x * torch.sigmoid(x)),
+        "cubic": x * x * x + 1.0,
+    }
+
+
+def test_activations_written_out_are_recognised_by_their_values() -> None:
+    block = Block.from_torch(
+        written_out, name="written_out", inputs={"x": ACT, "y": ACT}, shapes=SIZES
+    )
+    ops = by_out(block)
+    assert ops["gelu_new"] == Activation(x="x", kind="gelu_tanh", out="gelu_new")
+    assert ops["sigmoid"] == Activation(x="x", kind="sigmoid", out="sigmoid")
+    assert ops["gated"] == SwiGLU(gate="x", up="y", out="gated")
+    cubic = ops["cubic"]  # an elementwise chain that is no activation stays opaque
+    assert isinstance(cubic, Opaque) and "adds one" in cubic.reason
+
+
 def fused_mlp(z):
     gate, up = z.chunk(2, dim=-1)
     first, second = z.split(z.shape[-1] // 2, dim=-1)

@@ -134,9 +134,8 @@ def test_gemma2_lm_head_ce_is_the_causal_lm_with_its_softcap(blocks, dtype) -> N
 
 @DTYPES
 def test_gpt2_mlp_is_the_gpt2_block(blocks, dtype) -> None:  # noqa: ANN001
-    config = transformers.GPT2Config(
-        n_embd=D, n_head=HEADS, n_inner=F_, activation_function="gelu_pytorch_tanh"
-    )
+    config = transformers.GPT2Config(n_embd=D, n_head=HEADS, n_inner=F_)
+    assert config.activation_function == "gelu_new"  # GPT-2's own, written out by hand
     layer = transformers.models.gpt2.modeling_gpt2.GPT2Block(config).eval()
     _randomize(layer.ln_2, layer.mlp)
     layer, x = layer.to(dtype), _x(M, D, dtype=dtype)

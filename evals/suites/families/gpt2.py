@@ -1,9 +1,13 @@
 """GPT-2's MLP sub-layer as plain PyTorch (transformers' ``models/gpt2/modeling_gpt2.py``:
-``ln_2``, ``GPT2MLP`` with ``activation_function="gelu_pytorch_tanh"`` and the residual of
-``GPT2Block``), over ``[M, d]`` tokens. GPT-2's ``Conv1D`` stores its weight as ``[in, out]``
-and computes ``x @ weight + bias``; here the weights are ``[out, in]`` as ``nn.Linear`` keeps
-them (``Conv1D.weight.T``), so the projection is ``F.linear``."""
+``ln_2``, ``GPT2MLP`` with GPT-2's own activation ``gelu_new`` — transformers'
+``NewGELUActivation`` — and the residual of ``GPT2Block``), over ``[M, d]`` tokens. GPT-2's
+``Conv1D`` stores its weight as ``[in, out]`` and computes ``x @ weight + bias``; here the
+weights are ``[out, in]`` as ``nn.Linear`` keeps them (``Conv1D.weight.T``), so the projection
+is ``F.linear``."""
 
+import math
+
+import torch
 import torch.nn.functional as F
 
 from coda.blocks import Block, ShapeSets, TensorSpec, register
@@ -11,12 +15,19 @@ from coda.blocks import Block, ShapeSets, TensorSpec, register
 LAYER_NORM_EPSILON = 1e-5
 
 
+def new_gelu(input):
+    """``NewGELUActivation.forward``: the tanh approximation of GELU, written out (GPT-2's
+    ``gelu_new``)."""
+    inner = math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))
+    return 0.5 * input * (1.0 + torch.tanh(inner))
+
+
 def gpt2_mlp(x, ln_weight, ln_bias, w_fc, b_fc, w_proj, b_proj):
-    """GPT-2 MLP sub-layer: out = x + c_proj(gelu_tanh(c_fc(ln_2(x)))), biased projections."""
+    """GPT-2 MLP sub-layer: out = x + c_proj(gelu_new(c_fc(ln_2(x)))), biased projections."""
     residual = x
     hidden_states = F.layer_norm(x, (x.shape[-1],), ln_weight, ln_bias, LAYER_NORM_EPSILON)
     hidden_states = F.linear(hidden_states, w_fc, b_fc)
-    hidden_states = F.gelu(hidden_states, approximate="tanh")
+    hidden_states = new_gelu(hidden_states)
     hidden_states = F.linear(hidden_states, w_proj, b_proj)
     return residual + hidden_states
 
