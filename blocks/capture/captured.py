@@ -171,7 +171,13 @@ def function_source(
 
 
 def _source(fn: Callable[..., Any]) -> str:
-    return textwrap.dedent(inspect.getsource(fn))
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        raise CaptureError(
+            f"the source of {fn.__qualname__}() cannot be read (it was not defined in a file): "
+            "the block's reference source is the function's code, so define it in a .py file"
+        ) from None
 
 
 def _dependencies(fn: Callable[..., Any]) -> tuple[list[Callable[..., Any]], dict[str, Any]]:
@@ -238,6 +244,7 @@ def from_torch(
     out_names = [o for o, _ in traced.outputs]
     doc = inspect.getdoc(fn)
     summary = description or (doc.split("\n\n")[0].replace("\n", " ") if doc else "")
+    source = function_source(fn, ordered, out_names)
     try:
         block = CapturedBlock(
             name=name,
@@ -247,7 +254,7 @@ def from_torch(
             outputs=out_names,
             shapes=shapes,
             tolerance=tolerance or Tolerance(),
-            source=function_source(fn, ordered, out_names),
+            source=source,
         )
     except ValueError as e:
         raise CaptureError(

@@ -279,7 +279,7 @@ def test_an_unrecognised_op_is_opaque_and_the_planner_names_it() -> None:
     with pytest.raises(NotImplementedError, match=r"'cumsum_1' is opaque \(aten.cumsum.default\)"):
         opaque.call({"x": torch.zeros(2, 3)})
     assert block.trace({"M": 3, "d": 5, "f": 7})[opaque.out] == (3, 5)
-    with pytest.raises(NoRule, match="opaque"):
+    with pytest.raises(NoRule, match=r"opaque\(out='cumsum_1'\).*captured aten.cumsum"):
         lower(block)
     # the reference is the function, so the block still runs
     inputs = block.make_inputs({"M": 3, "d": 5, "f": 7}, torch.float32, seed=0)
@@ -373,6 +373,15 @@ def test_inputs_and_outputs_must_match_the_function() -> None:
         Block.from_torch(
             elementwise, name="e", inputs={"x": ACT, "y": ACT}, shapes=SIZES, outputs=["z"]
         )
+
+
+def test_a_module_or_a_function_without_source_is_refused() -> None:
+    with pytest.raises(CaptureError, match="takes a Python function, not Linear"):
+        Block.from_torch(torch.nn.Linear(4, 4), name="m", inputs={"x": ACT}, shapes=SIZES)
+    scope: dict = {"torch": torch}
+    exec("def typed_in(x):\n    return torch.tanh(x)\n", scope)
+    with pytest.raises(CaptureError, match=r"source of typed_in\(\) cannot be read"):
+        Block.from_torch(scope["typed_in"], name="t", inputs={"x": ACT}, shapes=SIZES)
 
 
 BLOCK_FILE = """
