@@ -11,6 +11,7 @@ a Llama RMSNorm's fp32 statistics do not round the float64 reference to fp32.
 
 from __future__ import annotations
 
+import ast
 import dis
 import inspect
 import textwrap
@@ -93,8 +94,6 @@ class CapturedBlock(Block):
 
 def opaque_shape(op: Opaque, sizes: dict[str, int]) -> tuple[int, ...] | None:
     """An opaque op's recorded shape at ``sizes`` (``None`` if an expression does not read)."""
-    import ast
-
     out = []
     for d in op.shape:
         if isinstance(d, int):
@@ -109,8 +108,6 @@ def opaque_shape(op: Opaque, sizes: dict[str, int]) -> tuple[int, ...] | None:
 
 def _evaluate(node: Any, sizes: dict[str, int]) -> int:
     """A size expression of integers, size names, ``+ - * // %`` and parentheses."""
-    import ast
-
     ops = {
         ast.Add: int.__add__,
         ast.Sub: int.__sub__,
@@ -165,9 +162,9 @@ def function_source(
     parts = ["\n".join(header), "import math\n\nimport torch\nimport torch.nn.functional as F"]
     if constants:
         parts.append("\n".join(f"{k} = {v!r}" for k, v in constants.items()))
-    parts += [_source(h) for h in helpers]
-    parts.append(_source(fn))
-    return "\n\n".join(p.rstrip() for p in parts) + "\n"
+    head = "\n\n".join(p.rstrip() for p in parts)
+    functions = "\n\n\n".join(_source(f).rstrip() for f in [*helpers, fn])
+    return f"{head}\n\n\n{functions}\n"
 
 
 def _source(fn: Callable[..., Any]) -> str:
@@ -182,19 +179,19 @@ def _source(fn: Callable[..., Any]) -> str:
 
 def _dependencies(fn: Callable[..., Any]) -> tuple[list[Callable[..., Any]], dict[str, Any]]:
     """The functions of ``fn``'s file it calls (transitively, callees first) and the numbers and
-    strings it reads from its module."""
+    strings it reads from its module (in its body or its parameters' defaults)."""
     home = _file(fn)
     helpers: list[Callable[..., Any]] = []
     constants: dict[str, Any] = {}
+    seen: set[Any] = {fn}
 
-    def visit(f: Callable[..., Any]) -> None:
-        for name in _global_names(f.__code__):
+    def visit(f: types.FunctionType) -> None:
+        for name in _global_names(f):
             obj = f.__globals__.get(name)
-            if isinstance(obj, types.FunctionType) and obj is not fn and _file(obj) == home:
-                if obj not in helpers:
-                    visit(obj)
-                    if obj not in helpers:
-                        helpers.append(obj)
+            if isinstance(obj, types.FunctionType) and _file(obj) == home and obj not in seen:
+                seen.add(obj)
+                visit(obj)
+                helpers.append(obj)
             elif isinstance(obj, int | float | str) and not isinstance(obj, bool):
                 constants.setdefault(name, obj)
 
@@ -202,12 +199,27 @@ def _dependencies(fn: Callable[..., Any]) -> tuple[list[Callable[..., Any]], dic
     return helpers, constants
 
 
-def _global_names(code: types.CodeType) -> list[str]:
-    """The global names ``code`` (and the functions nested in it) loads."""
+def _global_names(f: types.FunctionType) -> list[str]:
+    """The global names ``f`` loads (nested functions included), then those its parameters'
+    defaults name (``eps=RMS_NORM_EPS``)."""
+    names = _loads(f.__code__)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(f)))
+    except (OSError, TypeError, SyntaxError):
+        return names
+    defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.Lambda)]
+    if defs:
+        args = defs[0].args
+        for default in [*args.defaults, *args.kw_defaults]:
+            names += [n.id for n in ast.walk(default) if isinstance(n, ast.Name)] if default else []
+    return names
+
+
+def _loads(code: types.CodeType) -> list[str]:
     names = [i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOADS]
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names += _global_names(const)
+            names += _loads(const)
     return names
 
 

@@ -295,6 +295,20 @@ def test_every_suite_block_captures_into_its_op_graph(blocks) -> None:  # noqa: 
         assert not [op for op in blocks[name].graph if op.op == "opaque"], name
 
 
+def test_each_reference_source_runs_as_the_reference(blocks) -> None:  # noqa: ANN001
+    """What an LLM reads is what runs: the shown source alone (helpers, constants, defaults)
+    computes the block's reference."""
+    for name, block in blocks.items():
+        scope: dict = {}
+        exec(compile(block.reference_source(), f"<{name}>", "exec"), scope)
+        sizes = block.shapes.cpu[-1]
+        inputs = block.make_inputs(sizes, torch.float32, seed=0)
+        got = scope[block.function.__name__](**inputs)
+        got = got if isinstance(got, dict) else {block.outputs[0]: got}
+        for out, want in block.reference(inputs).items():
+            torch.testing.assert_close(got[out], want, rtol=0, atol=0, msg=f"{name}.{out}")
+
+
 def test_the_odd_sizes_are_there(blocks) -> None:  # noqa: ANN001
     sets = [s for b in blocks.values() for s in b.shapes.cpu]
     assert any(s["M"] == 1 for s in sets)
