@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -130,7 +131,7 @@ def export(
         inputs=dict(zip(placeholders, names, strict=True)),
         outputs=list(zip(named, results, strict=True)),
         sizes=sizes,
-        symbols=_symbols(placeholders, names, inputs, fn),
+        symbols=_symbols(placeholders, names, inputs),
         seconds=seconds,
     )
 
@@ -190,22 +191,13 @@ def output_values(
 
 
 def _symbols(
-    placeholders: list[fx.Node],
-    names: list[str],
-    inputs: dict[str, TensorSpec],
-    fn: Callable[..., Any],
+    placeholders: list[fx.Node], names: list[str], inputs: dict[str, TensorSpec]
 ) -> dict[Any, str]:
     """Each size symbol of the export -> the size name the inputs give that dimension."""
     found: dict[Any, str] = {}
     for node, name in zip(placeholders, names, strict=True):
         traced = node.meta["val"].shape
-        declared = inputs[name].shape
-        if len(traced) != len(declared):
-            raise CaptureError(
-                f"input {name!r} of {_name(fn)} is declared with rank {len(declared)} "
-                f"({declared}) but traced with rank {len(traced)}: make them agree"
-            )
-        for size, dim in zip(declared, traced, strict=True):
+        for size, dim in zip(inputs[name].shape, traced, strict=True):
             if isinstance(size, str) and isinstance(dim, torch.SymInt):
                 found.setdefault(dim.node.expr, size)
     return found
@@ -274,6 +266,4 @@ def _same(filename: str, path: str) -> bool:
 
 
 def _mentions(code: str, name: str) -> bool:
-    import re
-
     return re.search(rf"\b{re.escape(name)}\b", code) is not None

@@ -10,6 +10,7 @@ they view, or a head-wise op (``RoPE``, ``HeadRMSNorm``) rooted at them whose ou
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -165,7 +166,5 @@ def rename(op: GraphOp, old: str, new: str) -> GraphOp:
         elif isinstance(value, list) and old in value and old in reads:
             update[field] = [new if v == old else v for v in value]
     if isinstance(op, Opaque) and old in reads:
-        import re
-
         update["call_text"] = re.sub(rf"\b{re.escape(old)}\b", new, op.call_text)
     return op.model_copy(update=update)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import sympy
 import torch
 from torch import fx
 
@@ -89,8 +90,6 @@ def size_text(d: Any, symbols: dict[Any, str]) -> str:
 
 
 def _symbol(name: str) -> Any:
-    import sympy
-
     return sympy.Symbol(name, integer=True, positive=True)
 
 
