@@ -11,6 +11,7 @@ tensor is evaluated in float64 at probe points and compared with each kind.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +93,8 @@ def _sigmoid_product(n: Any) -> Act | None:
 
 
 def _softcap(n: Any) -> Act | None:
-    """``tanh(x / c) * c`` (Gemma 2's logit and attention softcapping)."""
+    """``tanh(x / c) * c`` or ``tanh(x * (1/c)) * c`` (Gemma 2's logit and attention
+    softcapping)."""
     if not is_op(n, "mul"):
         return None
     for t, c in commuted(n):
@@ -102,6 +104,10 @@ def _softcap(n: Any) -> Act | None:
         inner = see_through(t.args[0])
         if is_op(inner, "div") and scalar(inner.args[1]) == cap:
             return see_through(inner.args[0]), "softcap", cap
+        if is_op(inner, "mul"):  # tanh(x * (1 / c)) * c
+            for x, k in commuted(inner):
+                if scalar(k) is not None and math.isclose(scalar(k) * cap, 1.0, rel_tol=1e-12):
+                    return x, "softcap", cap
     return None
 
 

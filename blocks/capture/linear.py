@@ -1,6 +1,7 @@
 """Recognisers of ``Linear``: ``F.linear``/``nn.Linear`` (``aten.linear``, with or without a
 bias), and the same written as a matrix product with a transposed weight, ``x @ w.t()``
-(``.T``, ``transpose(0, 1)``, ``permute(1, 0)``), plus a bias added after it."""
+(``.T``, ``transpose(0, 1)``, ``permute(1, 0)``), plus a bias added after it or given to
+``torch.addmm(b, x, w.t())``."""
 
 from __future__ import annotations
 
@@ -17,9 +18,7 @@ if TYPE_CHECKING:
 
 def linear(m: Matcher, n: fx.Node) -> Found | None:
     """``x @ w.T (+ b)`` of a 2-D ``x``, ``w`` ``[out, in]`` and ``b`` ``[out]``."""
-    parts = _aten_linear(n) or _matmul_transposed(n)
-    if parts is None:
-        parts = _bias_added(n)
+    parts = _aten_linear(n) or _matmul_transposed(n) or _addmm(n) or _bias_added(n)
     if parts is None:
         return None
     x, w, b = parts
@@ -49,6 +48,17 @@ def _matmul_transposed(n: fx.Node) -> Parts | None:
         return None
     w = _transposed(see_through(n.args[1]))
     return (see_through(n.args[0]), w, None) if w is not None else None
+
+
+def _addmm(n: fx.Node) -> Parts | None:
+    """``torch.addmm(b, x, w.t())`` with ``beta = alpha = 1``."""
+    if not is_op(n, "addmm") or n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+        return None
+    w = _transposed(see_through(n.args[2]))
+    b = see_through(n.args[0])
+    if w is None or not isinstance(b, fx.Node):
+        return None
+    return see_through(n.args[1]), w, b
 
 
 def _transposed(n: Any) -> Any:

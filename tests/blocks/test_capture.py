@@ -98,6 +98,7 @@ def projections(x, w, w2, b):
         "biased": F.linear(x, w, b),
         "matmul": x @ w2.t() + b,
         "dot_T": torch.mm(x, w.T),
+        "addmm": torch.addmm(b, x, w2.t()),
     }
 
 
@@ -118,6 +119,7 @@ def test_linear_spellings() -> None:
     assert ops["biased"] == Linear(x="x", weight="w", bias="b", out="biased")
     assert ops["matmul"] == Linear(x="x", weight="w2", bias="b", out="matmul")
     assert ops["dot_T"] == Linear(x="x", weight="w", out="dot_T")
+    assert ops["addmm"] == Linear(x="x", weight="w2", bias="b", out="addmm")
 
 
 def elementwise(x, y):
@@ -132,6 +134,7 @@ def elementwise(x, y):
         "tanh": torch.tanh(x),
         "quick_gelu": x * torch.sigmoid(1.702 * x),
         "softcap": torch.tanh(x / 30.0) * 30.0,
+        "softcap_by_product": 50.0 * torch.tanh(x * (1 / 50.0)),
         "swiglu": F.silu(x) * y,
         "geglu": y * F.gelu(x, approximate="tanh"),
         "residual": x + y,
@@ -149,12 +152,15 @@ def test_activations_gated_units_residuals_and_scales() -> None:
         assert ops[kind] == Activation(x="x", kind=kind, out=kind), kind
     assert ops["silu_by_hand"] == Activation(x="x", kind="silu", out="silu_by_hand")
     assert ops["softcap"] == Activation(x="x", kind="softcap", cap=30.0, out="softcap")
+    assert ops["softcap_by_product"] == Activation(
+        x="x", kind="softcap", cap=50.0, out="softcap_by_product"
+    )
     assert ops["swiglu"] == SwiGLU(gate="x", up="y", out="swiglu")
     assert ops["geglu"] == GLU(gate="x", up="y", act="gelu_tanh", out="geglu")
     assert ops["residual"] == Add(a="x", b="y", out="residual")
     assert ops["scaled"] == Scale(x="x", factor=0.125, out="scaled")
     assert ops["divided"] == Scale(x="x", factor=0.25, out="divided")
-    assert len(block.graph) == 15
+    assert len(block.graph) == 16
 
 
 def written_out(x, y):
