@@ -106,9 +106,12 @@ def cast_source(n: Any) -> Any:
 
 def see_through(n: Any) -> Any:
     """``n`` with identities looked through: ``clone``/``contiguous``, a cast or view to the same
-    dtype and shape."""
+    dtype and shape, dropout outside training (``F.dropout(x, p, training=False)``)."""
     while isinstance(n, fx.Node):
         src = n.args[0] if n.args else None
+        if is_op(n, "dropout") and not arg(n, 2, "train", True):
+            n = src
+            continue
         same = isinstance(src, fx.Node) and dtype(src) == dtype(n) and shape(src) == shape(n)
         if same and (is_op(n, *_IDENTITIES, *_CASTS, "view", "reshape", "_unsafe_view")):
             n = src

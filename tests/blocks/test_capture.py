@@ -137,7 +137,7 @@ def elementwise(x, y):
         "softcap_by_product": 50.0 * torch.tanh(x * (1 / 50.0)),
         "swiglu": F.silu(x) * y,
         "geglu": y * F.gelu(x, approximate="tanh"),
-        "residual": x + y,
+        "residual": x + F.dropout(y, p=0.1, training=False),
         "scaled": x * 0.125,
         "divided": x / 4.0,
     }
