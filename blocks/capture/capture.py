@@ -8,12 +8,16 @@ keeps the composite ops a block op stands for intact (``aten.linear``, ``aten.rm
 a recogniser can tell a ``[M, H, D]`` view of an ``[M, H·D]`` projection from any other view;
 torch.fx would leave ``call_method``/``call_module`` spellings that need many patterns per op.
 
-The function is traced on meta tensors (nothing is allocated or computed) with every named size
-dynamic, at one of the block's own shape sets (the one whose smallest size is largest: sizes 0
-and 1 would be specialised away). Activations and weights are traced in bfloat16, so that the
-function's own casts (``x.to(torch.float32)`` … ``.to(input_dtype)``) appear in the graph: they
-decide between the Llama and the Gemma RMSNorm (where the weight multiplies, before or after the
-cast back). Nothing global is cached or changed: each capture exports anew.
+The function is traced on meta tensors (nothing is allocated or computed) at one of the block's
+own shape sets (the one whose smallest size is largest: sizes 0 and 1 would be specialised
+away). Recognisers compare the concrete sizes of that trace, so the first export is static;
+only a graph with opaque ops is exported again with every named size dynamic, for their output
+shapes over the size names (dynamic shapes make an attention input's export ten times slower:
+its head views have the export reason about every size). Activations and weights are traced in
+bfloat16, so that the function's own casts (``x.to(torch.float32)`` … ``.to(input_dtype)``)
+appear in the graph: they decide between the Llama and the Gemma RMSNorm (where the weight
+multiplies, before or after the cast back). Nothing global is cached or changed: each capture
+exports anew.
 """
 
 from __future__ import annotations
@@ -101,21 +105,26 @@ def export(
     inputs: dict[str, TensorSpec],
     sizes: dict[str, int],
     outputs: list[str] | None,
+    dynamic: bool = False,
 ) -> Traced:
     """Export ``fn`` on meta tensors at ``sizes``; its outputs named ``outputs`` (or the keys of
-    the dict it returns, or ``out`` for a single tensor)."""
-    examples, dynamic = [], []
+    the dict it returns, or ``out`` for a single tensor). ``dynamic``: every named size is a
+    symbol (``Traced.symbols``), else the graph is specialised to ``sizes``."""
+    examples, shapes = [], []
     for name in names:
         spec = inputs[name]
         shape = [d if isinstance(d, int) else sizes[d] for d in spec.shape]
         examples.append(torch.empty(shape, dtype=TRACE_DTYPES[spec.dtype], device="meta"))
-        dynamic.append({i: Dim.AUTO for i, d in enumerate(spec.shape) if isinstance(d, str)})
+        shapes.append({i: Dim.AUTO for i, d in enumerate(spec.shape) if isinstance(d, str)})
     named: list[str] = []
     module = _Wrapper(fn, names, outputs, named)
     start = time.perf_counter()
     try:
         exported = torch.export.export(
-            module, tuple(examples), dynamic_shapes=(tuple(dynamic),), strict=False
+            module,
+            tuple(examples),
+            dynamic_shapes=(tuple(shapes),) if dynamic else None,
+            strict=False,
         )
     except CaptureError:
         raise

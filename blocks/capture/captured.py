@@ -251,8 +251,12 @@ def from_torch(
         raise CaptureError(f"from_torch takes a Python function, not {type(fn).__name__}")
     names = capture.parameters(fn, inputs)
     ordered = {n: inputs[n] for n in names}
-    traced = capture.export(fn, names, ordered, capture.trace_sizes(shapes), outputs)
+    sizes = capture.trace_sizes(shapes)
+    traced = capture.export(fn, names, ordered, sizes, outputs)
     graph = matcher.build(traced)
+    if any(isinstance(op, Opaque) for op in graph):  # their shapes over the size names
+        traced = capture.export(fn, names, ordered, sizes, outputs, dynamic=True)
+        graph = matcher.build(traced)
     out_names = [o for o, _ in traced.outputs]
     doc = inspect.getdoc(fn)
     summary = description or (doc.split("\n\n")[0].replace("\n", " ") if doc else "")
