@@ -289,11 +289,11 @@ def opaque(*tensors: Any, **attributes: Any) -> Any:
 
 class Opaque(GraphOp):
     """A node of a block captured from PyTorch (``Block.from_torch``) that no block op computes,
-    kept so the graph stays whole: the aten ``target``, its call as captured (``call``, tensors by
-    value name), the values it reads (``tensors``), its output ``shape`` (size expressions over the
-    block's size names) and ``dtype`` at capture, and the ``reason`` it is opaque. It has no planner
-    rule, so the planner names it; it never runs (the block's reference is the captured
-    function)."""
+    kept so the graph stays whole: the aten ``target``, its call as captured (``call_text``,
+    tensors by value name), the values it reads (``tensors``), its output ``shape`` (size
+    expressions over the block's size names; empty when unknown) and ``dtype`` at capture, and the
+    ``reason`` it is opaque. The planner never lowers it (its rule only says why); it never runs
+    (the block's reference is the captured function)."""
 
     op: Literal["opaque"] = "opaque"
     helper: ClassVar = staticmethod(opaque)

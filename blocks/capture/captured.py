@@ -93,7 +93,10 @@ class CapturedBlock(Block):
 
 
 def opaque_shape(op: Opaque, sizes: dict[str, int]) -> tuple[int, ...] | None:
-    """An opaque op's recorded shape at ``sizes`` (``None`` if an expression does not read)."""
+    """An opaque op's recorded shape at ``sizes`` (``None`` where it is unknown or an expression
+    does not read)."""
+    if not op.shape:
+        return None
     out = []
     for d in op.shape:
         if isinstance(d, int):
@@ -235,6 +238,23 @@ def _file(fn: Callable[..., Any]) -> str | None:
 
 
 # -- capture ---------------------------------------------------------------------------------------
+def _with_symbolic_shapes(
+    graph: list[Any],
+    fn: Callable[..., Any],
+    names: list[str],
+    inputs: dict[str, TensorSpec],
+    sizes: dict[str, int],
+    outputs: list[str] | None,
+) -> list[Any]:
+    """The graph of a dynamic export, whose opaque ops record their shapes over the size names;
+    if the function does not export with dynamic sizes, ``graph`` with those shapes unknown."""
+    try:
+        return matcher.build(capture.export(fn, names, inputs, sizes, outputs, dynamic=True))
+    except CaptureError:
+        unknown = {"shape": []}
+        return [op.model_copy(update=unknown) if isinstance(op, Opaque) else op for op in graph]
+
+
 def from_torch(
     fn: Callable[..., Any],
     *,
@@ -254,9 +274,8 @@ def from_torch(
     sizes = capture.trace_sizes(shapes)
     traced = capture.export(fn, names, ordered, sizes, outputs)
     graph = matcher.build(traced)
-    if any(isinstance(op, Opaque) for op in graph):  # their shapes over the size names
-        traced = capture.export(fn, names, ordered, sizes, outputs, dynamic=True)
-        graph = matcher.build(traced)
+    if any(isinstance(op, Opaque) for op in graph):
+        graph = _with_symbolic_shapes(graph, fn, names, ordered, sizes, outputs)
     out_names = [o for o, _ in traced.outputs]
     doc = inspect.getdoc(fn)
     summary = description or (doc.split("\n\n")[0].replace("\n", " ") if doc else "")

@@ -293,6 +293,31 @@ def test_an_unrecognised_op_is_opaque_and_the_planner_names_it() -> None:
     torch.testing.assert_close(block.reference(inputs)["out"], want, rtol=0, atol=0)
 
 
+def test_opaque_shapes_are_unknown_when_the_function_has_no_dynamic_export(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from coda.blocks.capture import capture
+
+    static = capture.export
+
+    def no_dynamic(*args, dynamic: bool = False, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if dynamic:
+            raise CaptureError("no dynamic export here")
+        return static(*args, **kwargs)
+
+    monkeypatch.setattr(capture, "export", no_dynamic)
+    block = Block.from_torch(
+        with_cumsum,
+        name="with_cumsum",
+        inputs={"x": ACT, "w": TensorSpec(shape=["f", "d"], init="linear_weight")},
+        shapes=SIZES,
+    )
+    opaque = block.graph[0]
+    assert isinstance(opaque, Opaque) and opaque.shape == []
+    shapes = block.trace({"M": 3, "d": 5, "f": 7})
+    assert opaque.out not in shapes and shapes["out"] == (3, 7)  # the function's own
+
+
 def aten_rms_without_eps(x, w):
     return F.rms_norm(x, (x.shape[-1],), w)
 
