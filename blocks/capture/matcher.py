@@ -73,7 +73,7 @@ class Matcher:
         src = layout.heads_source(n)
         name = self.value(src) if src is not None else self._recognised(n, HEAD_RECOGNISERS)
         if name is None:
-            raise CaptureError(f"internal: no flat value for {n.name}")  # can_heads said so
+            raise CaptureError(f"no [M, H·D] value for the head view {n.name} that was matched")
         self.flat[n] = name
         return name
 

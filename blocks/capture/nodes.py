@@ -130,16 +130,6 @@ def upcast_of(n: Any) -> Any:
     return n if dtype(n) in UPCASTS else None
 
 
-def cast_to(n: Any, want: torch.dtype | None) -> Any:
-    """The tensor ``n`` casts to ``want``: the cast's source for a cast node whose result has
-    dtype ``want``, ``n`` itself when it already has that dtype; else ``None``."""
-    n = see_through(n)
-    src = cast_source(n)
-    if src is not None and dtype(n) == want:
-        return src
-    return n if dtype(n) == want else None
-
-
 def operands(n: fx.Node) -> tuple[Any, Any]:
     """The two operands of a binary op (``mul``, ``add``), each looked through identities."""
     return see_through(n.args[0]), see_through(n.args[1]) if len(n.args) > 1 else None
