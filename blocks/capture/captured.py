@@ -3,7 +3,7 @@
 
 The user's code is the reference: ``reference()`` calls the function (the sandbox verifies every
 Program against it, so verification never depends on the capture being right) and
-``reference_source()`` shows its source and the helpers it calls from its own file. In float64 —
+``reference_source()`` shows its source and the functions it calls from its own file. In float64 —
 the sandbox's exact reference — the function runs under ``float64_casts``, which turns the casts
 a 16-bit model writes (``x.to(torch.float32)``, ``.float()``, ``.half()``) into float64 ones, so
 a Llama RMSNorm's fp32 statistics do not round the float64 reference to fp32.
@@ -50,7 +50,7 @@ class CapturedBlock(Block):
         return self._fn
 
     def reference_source(self) -> str:
-        """The user's source: imports, the helpers the function calls from its file, the
+        """The user's source: imports, the functions it calls from its own file, the
         function, and a comment naming the inputs and outputs."""
         return self.source
 
@@ -154,9 +154,9 @@ def function_source(
     fn: Callable[..., Any], inputs: dict[str, TensorSpec], outputs: list[str]
 ) -> str:
     """What an LLM reads as the block's reference: imports, the module-level constants and
-    helper functions ``fn`` uses from its own file (those helpers' own, transitively), then
+    functions ``fn`` calls from its own file (and theirs, transitively), then
     ``fn``, with a header naming the inputs' shapes and the outputs."""
-    helpers, constants = _dependencies(fn)
+    callees, constants = _dependencies(fn)
     header = [f"# {fn.__name__}({', '.join(inputs)}) -> {', '.join(outputs)}"]
     for name, spec in inputs.items():
         shape = ", ".join(map(str, spec.shape))
@@ -166,7 +166,7 @@ def function_source(
     if constants:
         parts.append("\n".join(f"{k} = {v!r}" for k, v in constants.items()))
     head = "\n\n".join(p.rstrip() for p in parts)
-    functions = "\n\n\n".join(_source(f).rstrip() for f in [*helpers, fn])
+    functions = "\n\n\n".join(_source(f).rstrip() for f in [*callees, fn])
     return f"{head}\n\n\n{functions}\n"
 
 
@@ -184,7 +184,7 @@ def _dependencies(fn: Callable[..., Any]) -> tuple[list[Callable[..., Any]], dic
     """The functions of ``fn``'s file it calls (transitively, callees first) and the numbers and
     strings it reads from its module (in its body or its parameters' defaults)."""
     home = _file(fn)
-    helpers: list[Callable[..., Any]] = []
+    callees: list[Callable[..., Any]] = []
     constants: dict[str, Any] = {}
     seen: set[Any] = {fn}
 
@@ -194,12 +194,12 @@ def _dependencies(fn: Callable[..., Any]) -> tuple[list[Callable[..., Any]], dic
             if isinstance(obj, types.FunctionType) and _file(obj) == home and obj not in seen:
                 seen.add(obj)
                 visit(obj)
-                helpers.append(obj)
+                callees.append(obj)
             elif isinstance(obj, int | float | str) and not isinstance(obj, bool):
                 constants.setdefault(name, obj)
 
     visit(fn)
-    return helpers, constants
+    return callees, constants
 
 
 def _global_names(f: types.FunctionType) -> list[str]:

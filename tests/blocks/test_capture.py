@@ -344,7 +344,7 @@ def test_the_reference_is_the_function_with_float64_kept_in_float64() -> None:
     torch.testing.assert_close(block.reference(half)["out"], llama_rms(half["x"], half["w"]))
 
 
-def test_reference_source_shows_the_function_and_the_helpers_it_calls() -> None:
+def test_reference_source_shows_the_function_and_the_functions_it_calls() -> None:
     block = Block.from_torch(
         rotated,
         name="rotated",

@@ -296,7 +296,7 @@ def test_every_suite_block_captures_into_its_op_graph(blocks) -> None:  # noqa: 
 
 
 def test_each_reference_source_runs_as_the_reference(blocks) -> None:  # noqa: ANN001
-    """What an LLM reads is what runs: the shown source alone (helpers, constants, defaults)
+    """What an LLM reads is what runs: the shown source alone (callees, constants, defaults)
     computes the block's reference."""
     for name, block in blocks.items():
         scope: dict = {}
