@@ -273,6 +273,12 @@ def from_torch(
     ordered = {n: inputs[n] for n in names}
     sizes = capture.trace_sizes(shapes)
     traced = capture.export(fn, names, ordered, sizes, outputs)
+    unused = [name for node, name in traced.inputs.items() if not node.users]
+    if unused:
+        raise CaptureError(
+            f"{fn.__qualname__}() does not use its inputs {unused}: a block's inputs are the "
+            "tensors it computes from, so remove those parameters (and their inputs entries)"
+        )
     graph = matcher.build(traced)
     if any(isinstance(op, Opaque) for op in graph):
         graph = _with_symbolic_shapes(graph, fn, names, ordered, sizes, outputs)

@@ -406,6 +406,29 @@ def test_inputs_and_outputs_must_match_the_function() -> None:
         )
 
 
+def passes_x_through(x, y):
+    return {"out": x + y, "same": x}
+
+
+def returns_twice(x, y):
+    z = x + y
+    return z, z
+
+
+def ignores_y(x, y):
+    return torch.tanh(x)
+
+
+def test_outputs_must_be_computed_once_and_inputs_used() -> None:
+    both = {"x": ACT, "y": ACT}
+    with pytest.raises(CaptureError, match="output 'same' is the input 'x' unchanged"):
+        Block.from_torch(passes_x_through, name="p", inputs=both, shapes=SIZES)
+    with pytest.raises(CaptureError, match="outputs 'a' and 'b' are the same tensor"):
+        Block.from_torch(returns_twice, name="t", inputs=both, shapes=SIZES, outputs=["a", "b"])
+    with pytest.raises(CaptureError, match=r"ignores_y\(\) does not use its inputs \['y'\]"):
+        Block.from_torch(ignores_y, name="i", inputs=both, shapes=SIZES)
+
+
 def test_a_module_or_a_function_without_source_is_refused() -> None:
     with pytest.raises(CaptureError, match="takes a Python function, not Linear"):
         Block.from_torch(torch.nn.Linear(4, 4), name="m", inputs={"x": ACT}, shapes=SIZES)
