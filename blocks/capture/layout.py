@@ -1,6 +1,7 @@
-"""Layout: the views between ``[M, H·D]`` and ``[M, H, D]`` that the head-wise recognisers
-(``RoPE``, ``HeadRMSNorm``) absorb, and ``Chunk`` (``chunk``/``split`` of a concatenated
-projection into equal parts along the last axis, Phi-3's ``gate_up_proj``)."""
+"""Layout: the views between ``[M, H·D]`` and ``[M, H, D]`` (or ``[H, M, D]``, its
+``transpose(0, 1)``) that the head-wise recognisers (``RoPE``, ``HeadRMSNorm``) absorb, and
+``Chunk`` (``chunk``/``split`` of a concatenated projection into equal parts along the last axis,
+Phi-3's ``gate_up_proj``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def heads_source(n: Any) -> Any:
     src = see_through(n.args[0])
     if rank(src) == 2 and _split_last(shape(src), shape(n)):
         return src
+    return None
+
+
+def swapped(n: Any) -> Any:
+    """The 3-D tensor whose ``transpose(0, 1)`` (or ``permute(1, 0, 2)``) ``n`` is, or ``None``:
+    ``[M, H, D]`` ↔ ``[H, M, D]``."""
+    if rank(n) != 3:
+        return None
+    if is_op(n, "transpose") and sorted(d % 3 for d in n.args[1:3]) == [0, 1]:
+        return see_through(n.args[0])
+    if is_op(n, "permute") and [d % 3 for d in n.args[1]] == [1, 0, 2]:
+        return see_through(n.args[0])
     return None
 
 

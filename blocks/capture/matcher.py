@@ -5,7 +5,8 @@ first recogniser of ``RECOGNISERS`` that reads the subgraph ending at its node a
 the tensors that op reads are then needed in turn. Interior nodes of a match are never values of
 their own unless something else needs them. A node no recogniser reads becomes an ``Opaque`` op
 (``opaque.py``). ``[M, H, D]`` views are values only through ``heads``: the ``[M, H·D]`` value
-they view, or a head-wise op (``RoPE``, ``HeadRMSNorm``) rooted at them whose output is flat.
+they view (also through a ``transpose(0, 1)`` to ``[H, M, D]``), or a head-wise op (``RoPE``,
+``HeadRMSNorm``) rooted at them, whose output is flat.
 """
 
 from __future__ import annotations
@@ -70,8 +71,13 @@ class Matcher:
         n = see_through(n)
         if n in self.flat:
             return self.flat[n]
-        src = layout.heads_source(n)
-        name = self.value(src) if src is not None else self._recognised(n, HEAD_RECOGNISERS)
+        src, swapped = layout.heads_source(n), layout.swapped(n)
+        if src is not None:
+            name: str | None = self.value(src)
+        elif swapped is not None:
+            name = self.heads(swapped)
+        else:
+            name = self._recognised(n, HEAD_RECOGNISERS)
         if name is None:
             raise CaptureError(f"no [M, H·D] value for the head view {n.name} that was matched")
         self.flat[n] = name
@@ -83,7 +89,26 @@ class Matcher:
         n = see_through(n)
         if n in self.flat or layout.heads_source(n) is not None:
             return True
+        swapped = layout.swapped(n)
+        if swapped is not None:
+            return self.can_heads(swapped)
         return any(r(self, n) is not None for r in HEAD_RECOGNISERS)
+
+    def rows_first(self, n: Any) -> bool:
+        """Whether head view ``n`` (``can_heads``) is ``[M, H, D]`` rather than ``[H, M, D]``:
+        a view of a flat value is, a ``transpose(0, 1)`` flips it, a head-wise op keeps its
+        input's."""
+        n = see_through(n)
+        if layout.heads_source(n) is not None:
+            return True
+        swapped = layout.swapped(n)
+        if swapped is not None:
+            return not self.rows_first(swapped)
+        for recognise in HEAD_RECOGNISERS:
+            found = recognise(self, n)
+            if found is not None:
+                return self.rows_first(found.tensors["x"].node)
+        return True
 
     # -- emitting ------------------------------------------------------------------------------
     def _recognised(self, n: fx.Node, recognisers: list[Recogniser]) -> str | None:

@@ -1,7 +1,8 @@
 """The RoPE recogniser: Hugging Face's ``apply_rotary_pos_emb`` on an ``[M, H, D]`` view of an
 ``[M, H·D]`` projection, ``q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)`` with
-``rotate_half(q) = cat((-q[..., D/2:], q[..., :D/2]), -1)`` and cos/sin ``[M, D]``: a ``RoPE`` of
-the flat projection (the view back to ``[M, H·D]`` is absorbed by the layout step)."""
+``rotate_half(q) = cat((-q[..., D/2:], q[..., :D/2]), -1)`` and cos/sin ``[M, D]`` (or on its
+``[H, M, D]`` transpose with the tables unsqueezed at 0): a ``RoPE`` of the flat projection (the
+view back to ``[M, H·D]`` is absorbed by the layout step)."""
 
 from __future__ import annotations
 
@@ -25,26 +26,31 @@ def rope(m: Matcher, n: fx.Node) -> Found | None:
         if not is_op(p, "mul") or not is_op(r, "mul"):
             continue
         for q, cos in commuted(p):
-            table = _table(cos, q)
-            if table is None or not m.can_heads(q):
+            if rank(q) != 3 or not m.can_heads(q):
+                continue
+            rows_first = m.rows_first(q)
+            table = _table(cos, q, rows_first)
+            if table is None:
                 continue
             for rotated, sin in commuted(r):
-                sin_table = _table(sin, q)
+                sin_table = _table(sin, q, rows_first)
                 if sin_table is not None and _rotates_half(rotated, q):
                     tensors = {"x": Ref(q, heads=True), "cos": Ref(table), "sin": Ref(sin_table)}
                     return Found(RoPE, "rope", tensors)
     return None
 
 
-def _table(n: Any, q: Any) -> Any:
-    """The ``[M, D]`` table ``t`` for ``t.unsqueeze(1)`` (or ``t[:, None]``) broadcast against
-    ``q`` ``[M, H, D]``."""
-    if rank(q) != 3 or not is_op(n, "unsqueeze", "view", "reshape") or shape(n)[1] != 1:
+def _table(n: Any, q: Any, rows_first: bool) -> Any:
+    """The ``[M, D]`` table ``t`` broadcast against ``q``: ``t.unsqueeze(1)`` (or ``t[:, None]``)
+    for ``q`` ``[M, H, D]``, ``t.unsqueeze(0)`` for ``q`` ``[H, M, D]``."""
+    axis = 1 if rows_first else 0
+    if not is_op(n, "unsqueeze", "view", "reshape") or rank(n) != 3 or shape(n)[axis] != 1:
         return None
-    if is_op(n, "unsqueeze") and n.args[1] not in (1, -2):
+    if is_op(n, "unsqueeze") and n.args[1] not in ((1, -2) if rows_first else (0, -3)):
         return None
     t = _full_slices(see_through(n.args[0]))
-    if rank(t) != 2 or shape(t) != (shape(q)[0], shape(q)[2]):
+    rows = shape(q)[0] if rows_first else shape(q)[1]
+    if rank(t) != 2 or shape(t) != (rows, shape(q)[2]):
         return None
     return t
 

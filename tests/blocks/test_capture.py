@@ -219,17 +219,20 @@ def rotated(q, k, w, cos, sin):
     return {"q_rot": q_embed.reshape(rows, -1), "k_rot": k_embed.reshape(rows, -1)}
 
 
+ROTATED_INPUTS = {
+    "q": TensorSpec(shape=["M", "Nq"]),
+    "k": TensorSpec(shape=["M", "Nkv"]),
+    "w": TensorSpec(shape=["D"], init="norm_weight"),
+    "cos": TensorSpec(shape=["M", "D"]),
+    "sin": TensorSpec(shape=["M", "D"]),
+}
+
+
 def test_rope_and_head_rmsnorm_absorb_their_head_views() -> None:
     block = Block.from_torch(
         rotated,
         name="rotated",
-        inputs={
-            "q": TensorSpec(shape=["M", "Nq"]),
-            "k": TensorSpec(shape=["M", "Nkv"]),
-            "w": TensorSpec(shape=["D"], init="norm_weight"),
-            "cos": TensorSpec(shape=["M", "D"]),
-            "sin": TensorSpec(shape=["M", "D"]),
-        },
+        inputs=ROTATED_INPUTS,
         shapes=ShapeSets(cpu=[{"M": 6, "Nq": 32, "Nkv": 16, "D": 8}]),
     )
     (norm,) = [op for op in block.graph if isinstance(op, HeadRMSNorm)]
@@ -238,6 +241,40 @@ def test_rope_and_head_rmsnorm_absorb_their_head_views() -> None:
     assert ops["q_rot"] == RoPE(x="q", cos="cos", sin="sin", out="q_rot")
     assert ops["k_rot"] == RoPE(x=norm.out, cos="cos", sin="sin", out="k_rot")
     assert len(block.graph) == 3
+
+
+def rotated_heads_first(q, k, w, cos, sin):
+    """The same with the heads axis first, as Hugging Face's attention keeps q and k."""
+    rows, head = q.shape[0], cos.shape[-1]
+    qh = q.view(rows, -1, head).transpose(0, 1)
+    kh = llama_rms(k.view(rows, -1, head), w, eps=1e-6).transpose(0, 1)
+    c, s = cos.unsqueeze(0), sin.unsqueeze(0)
+    q_embed = qh * c + rotate_half(qh) * s
+    k_embed = kh * c + rotate_half(kh) * s
+    return {
+        "q_rot": q_embed.transpose(0, 1).reshape(rows, -1),
+        "k_rot": k_embed.transpose(0, 1).reshape(rows, -1),
+        "q_wrong": (qh * cos.unsqueeze(1)).transpose(0, 1).reshape(rows, -1),
+    }
+
+
+def test_rope_on_heads_first_views_and_a_table_on_the_wrong_axis() -> None:
+    block = Block.from_torch(
+        rotated_heads_first,
+        name="rotated_heads_first",
+        inputs=ROTATED_INPUTS,
+        shapes=ShapeSets(cpu=[{"M": 4, "Nq": 32, "Nkv": 16, "D": 8}]),  # M == H for q
+    )
+    (norm,) = [op for op in block.graph if isinstance(op, HeadRMSNorm)]
+    ops = by_out(block)
+    assert ops["q_rot"] == RoPE(x="q", cos="cos", sin="sin", out="q_rot")
+    assert ops["k_rot"] == RoPE(x=norm.out, cos="cos", sin="sin", out="k_rot")
+    # cos unsqueezed at 1 against [H, M, D] indexes cos by head (H == M here): no RoPE
+    assert isinstance(ops["q_wrong"], Opaque)
+    inputs = block.make_inputs({"M": 4, "Nq": 32, "Nkv": 16, "D": 8}, torch.float64, seed=0)
+    want = rotated(**inputs)
+    got = block.reference(inputs)
+    torch.testing.assert_close(got["q_rot"], want["q_rot"], rtol=0, atol=1e-15)
 
 
 def losses(logits, target):
