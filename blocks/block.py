@@ -103,6 +103,17 @@ class Block(BaseModel):
                     raise ValueError(f"shape set {binding} lacks sizes {missing}")
         return self
 
+    @classmethod
+    def from_torch(cls, fn: Any, **kwargs: Any) -> Block:
+        """A block captured from a plain PyTorch function of its tensors (activations and
+        weights), whose reference is that function: ``Block.from_torch(fn, name=..., inputs={
+        param: TensorSpec}, shapes=ShapeSets(...), outputs=[...], description=..., tolerance=...)``.
+        The planner's graph is read from the function's torch.export graph; what no block op
+        computes stays in it as an ``Opaque`` op (``coda.blocks.capture``)."""
+        from .capture import from_torch
+
+        return from_torch(fn, **kwargs)
+
     # -- the reference ---------------------------------------------------------------------------
     def reference_source(self) -> str:
         """Readable PyTorch source of the block: helper functions, then the block function."""

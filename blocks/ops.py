@@ -1,5 +1,6 @@
 """The high-level ops a block's graph is written in (``Linear``, ``RMSNorm``, ``HeadRMSNorm``,
-``LayerNorm``, ``SwiGLU``, ``GLU``, ``Activation``, ``Add``, ``Scale``, ``Chunk``, ``RoPE``).
+``LayerNorm``, ``SwiGLU``, ``GLU``, ``Activation``, ``Add``, ``Scale``, ``Chunk``, ``RoPE``), and
+``Opaque``: a node of a block captured from PyTorch that no block op computes.
 
 Each op names its input and output values, prints its line of the block's reference source, and says
 which functional helper it calls. The built-in planner lowers these ops with CODA's rewrite rules;
@@ -279,6 +280,46 @@ class HeadRMSNorm(_RMSFields):
 
     def helper_sources(self) -> list[str]:
         return [inspect.getsource(fn.rms_norm), inspect.getsource(fn.head_rms_norm)]
+
+
+def opaque(*tensors: Any, **attributes: Any) -> Any:
+    """A captured node no block op computes: it records the graph and cannot run."""
+    raise NotImplementedError("an opaque graph op cannot run (see Opaque)")
+
+
+class Opaque(GraphOp):
+    """A node of a block captured from PyTorch (``Block.from_torch``) that no block op computes,
+    kept so the graph stays whole: the aten ``target``, its call as captured (``call_text``,
+    tensors by value name), the values it reads (``tensors``), its output ``shape`` (size
+    expressions over the block's size names; empty when unknown) and ``dtype`` at capture, and the
+    ``reason`` it is opaque. The planner never lowers it (its rule only says why); it never runs
+    (the block's reference is the captured function)."""
+
+    op: Literal["opaque"] = "opaque"
+    helper: ClassVar = staticmethod(opaque)
+    target: str
+    tensors: list[str] = []
+    call_text: str = ""
+    shape: list[str | int] = []
+    dtype: str = ""
+    reason: str
+
+    def inputs(self) -> list[str]:
+        return list(self.tensors)
+
+    def call(self, values: dict[str, Any]) -> Any:
+        raise NotImplementedError(
+            f"graph op {self.out!r} is opaque ({self.target}): {self.reason}. It records the "
+            "captured graph and cannot run: run the block's reference (its captured function) "
+            "instead, or rewrite that part of the function with ops a block graph has"
+        )
+
+    def helper_sources(self) -> list[str]:
+        return []
+
+    def source(self) -> str:
+        shape = ", ".join(map(str, self.shape))
+        return f"{self.out} = {self.call_text or self.target}  # opaque [{shape}]: {self.reason}"
 
 
 class _Fields(GraphOp):

@@ -117,10 +117,11 @@ def eval_cmd(
                     "(--block-file excepted)"
                 )
             edir = _open(resume_dir)
-            _check_named_block_files(edir, _load_block_files(block_files or []))
+            shipped = _suite_block_files(edir.spec().suite)
+            _check_named_block_files(edir, _load_block_files([*(block_files or []), *shipped]))
             _check_named_providers(edir, providers)
         else:
-            files = _load_block_files(block_files or [])
+            files = _load_block_files([*(block_files or []), *_suite_block_files(suite)])
             spec = _new_spec(suite, blocks, files, providers, seeds, ks, ps, budgets)
             edir = _create(out or _default_out(spec), spec, unique=out is None)
         results = _run(edir, parallel, ray, retries, as_json)
@@ -142,6 +143,19 @@ def _load_block_files(paths: list[Path]) -> dict[str, str]:
         for block in blocks:
             found[block.name] = str(Path(absolute).resolve())
     return found
+
+
+def _suite_block_files(suite: str | None) -> list[Path]:
+    """The block files a suite ships with (``block_files`` in its TOML): part of the package, so
+    they are imported like the built-in blocks, with no ``--block-file``."""
+    from coda.evals.suites import SuiteError, load_suite
+
+    if suite is None:
+        return []
+    try:
+        return load_suite(suite).block_files
+    except SuiteError as e:
+        raise Failure(str(e)) from None
 
 
 def _check_named_block_files(edir: EvalDir, named: dict[str, str]) -> None:

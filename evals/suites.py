@@ -3,8 +3,10 @@
 A suite file holds ``description``, ``blocks`` (registered block names: a name that is not
 registered is an error naming the file and the close matches), ``planned`` (names of blocks that
 are being added elsewhere and are not registered yet: skipped with a notice until a block of that
-name exists, then run) and an optional default ``seeds``. ``resolve_blocks`` turns a suite name or
-an explicit ``--blocks a,b,c`` list into the blocks to run.
+name exists, then run), ``block_files`` (Python block files, relative to the suite file, that
+define its blocks: imported before the names are checked) and an optional default ``seeds``.
+``resolve_blocks`` turns a suite name or an explicit ``--blocks a,b,c`` list into the blocks to
+run.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coda.blocks import BlockNotFound, get_block, list_blocks
+from coda.blocks import BlockNotFound, get_block, list_blocks, load_block_file
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
-_KEYS = {"description", "blocks", "planned", "seeds"}
+_KEYS = {"description", "blocks", "planned", "seeds", "block_files"}
 
 
 class SuiteError(ValueError):
@@ -32,6 +34,7 @@ class Suite:
     planned: list[str] = field(default_factory=list)
     seeds: int | None = None
     path: Path | None = None
+    block_files: list[Path] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,15 @@ def load_suite(name: str, directory: Path = SUITES_DIR) -> Suite:
     seeds = data.get("seeds")
     if seeds is not None and (not isinstance(seeds, int) or seeds < 1):
         raise SuiteError(f"{path}: `seeds` must be a positive integer, not {seeds!r}")
-    return Suite(name, str(data.get("description", "")), blocks, planned, seeds, path)
+    files = data.get("block_files", [])
+    if not _names(files):
+        raise SuiteError(f"{path}: `block_files` must be a list of paths relative to {directory}")
+    found = [(directory / f).resolve() for f in files]
+    missing = [str(f) for f in found if not f.is_file()]
+    if missing:
+        raise SuiteError(f"{path}: block_files {missing} do not exist")
+    description = str(data.get("description", ""))
+    return Suite(name, description, blocks, planned, seeds, path, found)
 
 
 def _names(value: object) -> bool:
@@ -86,8 +97,20 @@ def check_block_names(names: list[str], where: str) -> None:
             raise SuiteError(f"{where}: {e}") from None
 
 
+def load_suite_blocks(suite: Suite) -> None:
+    """Register the blocks of the suite's ``block_files`` (a file whose blocks are all
+    registered already is not imported again)."""
+    registered = _registered()
+    for path in suite.block_files:
+        if not set(suite.blocks) <= registered:
+            load_block_file(path)
+            registered = _registered()
+
+
 def select(suite: Suite) -> Selection:
-    """The suite's blocks plus its planned blocks that are registered by now."""
+    """The suite's blocks plus its planned blocks that are registered by now (importing the
+    suite's block files first)."""
+    load_suite_blocks(suite)
     check_block_names(suite.blocks, str(suite.path or suite.name))
     registered = _registered()
     ready = [b for b in suite.planned if b in registered]

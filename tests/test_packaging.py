@@ -86,6 +86,9 @@ def test_the_wheel_ships_the_license_the_markers_and_the_package_data(tmp_path: 
         "coda/prompts/system.md",
         "coda/prompts/task.md",
         "coda/evals/suites/smoke.toml",
+        "coda/evals/suites/families.toml",
+        "coda/evals/suites/families/gemma.py",  # a suite's block files
+        "coda/blocks/capture/capture.py",
     ):
         assert data in names, data
     assert any(n.startswith("coda/evals/regression/") and n.endswith(".json") for n in names)

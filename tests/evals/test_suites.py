@@ -13,10 +13,11 @@ from coda.evals.suites import SuiteError, load_suite, resolve_blocks, select, su
 
 
 def test_every_shipped_suite_loads_and_its_blocks_are_registered() -> None:
-    assert {"smoke", "llama", "paper-kernels"} <= set(suite_names())
-    registered = {b.name for b in list_blocks()}
+    assert {"smoke", "llama", "paper-kernels", "families"} <= set(suite_names())
     for name in suite_names():
         suite = load_suite(name)
+        suites.load_suite_blocks(suite)  # the blocks its own block files define
+        registered = {b.name for b in list_blocks()}
         assert set(suite.blocks) <= registered, f"{suite.path}: move unregistered names to planned"
         assert not set(suite.blocks) & set(suite.planned)
     assert load_suite("smoke").blocks == ["llama_mlp"]
@@ -40,6 +41,25 @@ def test_planned_blocks_are_skipped_until_registered(
 def test_shipped_suites_cover_the_paper_and_the_layer() -> None:
     assert len(select(load_suite("paper-kernels")).blocks) == 10
     assert "llama_lm_head_ce_bwd" in select(load_suite("llama")).blocks
+
+
+def test_a_suite_imports_its_block_files(tmp_path: Path) -> None:
+    (tmp_path / "blocks").mkdir()
+    (tmp_path / "blocks" / "mine.py").write_text(
+        "from coda.blocks import Add, Block, ShapeSets, TensorSpec, register\n"
+        "suite_only = register(Block(name='suite_only_add', description='a + b', inputs={'a': "
+        "TensorSpec(shape=['M']), 'b': TensorSpec(shape=['M'])}, graph=[Add(a='a', b='b', "
+        "out='out')], outputs=['out'], shapes=ShapeSets(cpu=[{'M': 3}])))\n"
+    )
+    (tmp_path / "own.toml").write_text(
+        'blocks = ["suite_only_add"]\nblock_files = ["blocks/mine.py"]\n'
+    )
+    suite = load_suite("own", tmp_path)
+    assert suite.block_files == [(tmp_path / "blocks" / "mine.py").resolve()]
+    assert select(suite).blocks == ["suite_only_add"]
+    (tmp_path / "lost.toml").write_text('blocks = []\nblock_files = ["blocks/gone.py"]\n')
+    with pytest.raises(SuiteError, match=r"lost.toml: block_files \[.*gone.py'\] do not exist"):
+        load_suite("lost", tmp_path)
 
 
 def test_wrong_names_are_clear_errors(tmp_path: Path) -> None:
