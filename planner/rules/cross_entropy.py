@@ -9,16 +9,20 @@
 * **backward** of an LM head ``cross_entropy(h Wᵀ, t)`` with ``h = rmsnorm(x)·γ``: the logits are
   recomputed (their log-sum-exp first, unless the forward saved it), ``dz = (softmax − onehot) ·
   dloss`` in the epilogue, the RMSNorm backward in the epilogue of ``dz W``, and the weight
-  gradient as a plain GEMM.
+  gradient as a plain GEMM. A softcap between the head and the loss (Gemma 2's
+  ``final_logit_softcapping``, ``s = c · tanh(z / c)``) is recomputed next to the logits in both
+  passes, and its derivative ``1 − tanh²(z / c)`` multiplies ``dz``; the norm may scale by Gemma's
+  ``1 + γ``.
 """
 
 from __future__ import annotations
 
-from coda.blocks.ops import CrossEntropy, Linear, LogSumExp, TargetLogit
+from coda.blocks.ops import Activation, CrossEntropy, Linear, LogSumExp, TargetLogit
 
 from ..backward import BackwardBuilder
 from ..epilogue import Epilogue
 from ..registry import Rule
+from .activation import activation_expr
 
 
 def select_target(ep: Epilogue, logits: str, target: str, to: str) -> None:
@@ -78,14 +82,38 @@ def saved_logsumexp(b: BackwardBuilder, logits: str) -> str | None:
     return None
 
 
+def softcapped_logits(b: BackwardBuilder, ce: CrossEntropy) -> tuple[str, float | None]:
+    """(the projection the loss reads, the softcap ``c`` between them or None): Gemma 2's
+    ``final_logit_softcapping`` puts ``s = c · tanh(z / c)`` between the LM head and the loss."""
+    for op in b.forward.graph:
+        if op.out == ce.logits and isinstance(op, Activation):
+            if op.kind != "softcap":
+                b.fail(
+                    f"the loss reads activation {op.kind!r} of the logits; the LM-head backward "
+                    "differentiates a softcap there (Gemma 2's final_logit_softcapping) or none"
+                )
+            return op.x, op.cap
+    return ce.logits, None
+
+
+def capped(cap: float | None) -> list[dict[str, str]]:
+    """Epilogue ops giving the loss's logits ``s`` from the projection ``z``: a softcap
+    ``c · tanh(z / c)``, or ``s`` is ``z``."""
+    if cap is None:
+        return []
+    return [{"op": "map", "expr": activation_expr("softcap", "z", cap), "out": "s"}]
+
+
 def lm_head_backward(b: BackwardBuilder) -> None:
     _, ce = b.find(CrossEntropy)
-    _, head = b.find(Linear, out=ce.logits)
+    projection, cap = softcapped_logits(b, ce)
+    _, head = b.find(Linear, out=projection)
     norm = b.norm(head.x)
     if ce.out not in b.forward.outputs:
         b.fail("the cross-entropy loss must be the block's output")
     dloss = b.cotangent(ce.out)
     r, folded = b.forward_projection(norm, head.weight)
+    s = "s" if cap is not None else "z"  # the logits the loss reads
     lse = saved_logsumexp(b, ce.logits)
     if lse is None:
         # pass 1: the logits' log-sum-exp from per-tile partials (the logits are never stored)
@@ -96,27 +124,29 @@ def lm_head_backward(b: BackwardBuilder) -> None:
             f"{folded}.T",
             [
                 {"op": "scale_rows", "src": "acc", "vector": r, "out": "z"},
-                {"op": "partial_reduce", "src": "z", "kind": "lse", "to": lse_partials},
+                *capped(cap),
+                {"op": "partial_reduce", "src": s, "kind": "lse", "to": lse_partials},
             ],
         )
         lse = b.aux({"kind": "lse_combine", "src": lse_partials, "out": "lse"})
-    # pass 2: dz = (softmax(z) − onehot(t)) · dloss, and Σ z·dz, with the logits recomputed
+    # pass 2: dz = (softmax(s) − onehot(t)) · dloss [· (1 − tanh²(z / c)) through a softcap], and
+    # Σ z·dz, with the logits recomputed
     dz = b.name("dz")
     stats, partials = b.zdz_partials("z", dz)
+    grad = f"(exp({s} - lse_row) - target_onehot) * dloss_row"
+    if cap is not None:  # d/dz c·tanh(z/c) = 1 − tanh²(z/c) = 1 − (s/c)²
+        grad += f" * (1 - (s / {cap!r}) ** 2)"
     b.gemm(
         "lm_head_bwd",
         norm.x,
         f"{folded}.T",
         [
             {"op": "scale_rows", "src": "acc", "vector": r, "out": "z"},
+            *capped(cap),
             {"op": "load_row_vector", "vector": lse, "out": "lse_row"},
             {"op": "load_row_vector", "vector": dloss, "out": "dloss_row"},
             {"op": "onehot", "index": ce.target, "out": "target_onehot"},
-            {
-                "op": "map",
-                "expr": "(exp(z - lse_row) - target_onehot) * dloss_row",
-                "out": dz,
-            },
+            {"op": "map", "expr": grad, "out": dz},
             *stats,
             {"op": "store", "src": dz, "to": dz},
         ],
