@@ -5,7 +5,7 @@ A norm that reads a GEMM's output (Gemma's ``post_feedforward_layernorm``, OLMo 
 ``o_proj`` and ``down_proj``) cannot run in that GEMM's epilogue: a row's statistic spans every
 N-tile. The GEMM stores ``y`` and writes partial sums of squares, ``rstd`` finishes them into
 ``r``, and this step forms ``out = residual + r ⊙ y ⊙ (offset + γ)`` in one read of ``y`` (and of
-the residual), rounding once (docs/algebra.md §3).
+the residual), rounding once (docs/algebra.md §1, post-norms).
 """
 
 from __future__ import annotations
