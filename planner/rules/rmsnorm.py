@@ -21,8 +21,9 @@ it against the block's reference of either convention.
   whose row spans every N-tile: Gemma's ``post_feedforward_layernorm``, OLMo 2's norms) that
   something other than a GEMM reads: the producing epilogue writes partial sums of squares,
   ``rstd`` finishes them, and aux ``norm_rows`` forms ``residual + r ⊙ y ⊙ (offset + γ)`` — each
-  ``Add`` of the norm to a stored tensor is absorbed as that residual; the norm alone is
-  materialised only for a block output or another reader.
+  ``Add`` of the norm to a stored tensor is absorbed as that residual (and a ``RowRstd`` of the
+  sum, the next norm's statistic, as its ``rstd_out``); the norm alone is materialised only for a
+  block output or another reader.
 
 An RMSNorm of a block input whose output anything but a GEMM reads (or that is a block output) has
 no lowering.
@@ -30,7 +31,7 @@ no lowering.
 
 from __future__ import annotations
 
-from coda.blocks.ops import Add, GraphOp, Linear, RMSNorm
+from coda.blocks.ops import Add, GraphOp, Linear, RMSNorm, RowRstd
 
 from ..epilogue import Epilogue
 from ..registry import Rule
@@ -137,6 +138,17 @@ def _same_shape(st: PlanState, a: str, b: str) -> bool:
     return all(shapes[a] == shapes[b] for _, shapes in binding_shapes(st))
 
 
+def _next_statistic(st: PlanState, value: str) -> dict[str, object]:
+    """``rstd_out`` / ``rstd_eps`` of a ``RowRstd`` of ``value`` (the next norm's statistic, as a
+    layer boundary hands it on), absorbed into the ``norm_rows`` that writes ``value``."""
+    for j, reader in st.consumers(value):
+        if isinstance(reader, RowRstd) and j not in st.done:
+            st.done.add(j)
+            st.available.add(reader.out)
+            return {"rstd_out": reader.out, "rstd_eps": reader.eps}
+    return {}
+
+
 def apply_post_norm(st: PlanState, index: int, norm: RMSNorm) -> None:
     """``r`` from the partial sums of squares the producing epilogue wrote (or one pass over the
     stored input), then one aux ``norm_rows`` per ``Add`` of the norm to a stored tensor (its
@@ -161,7 +173,8 @@ def apply_post_norm(st: PlanState, index: int, norm: RMSNorm) -> None:
         if residual is None:
             standalone = True
             continue
-        st.steps.append({**node, "residual": residual, "out": reader.out})
+        step = {**node, "residual": residual, "out": reader.out}
+        st.steps.append({**step, **_next_statistic(st, reader.out)})
         st.available.add(reader.out)
         st.done.add(j)
     if standalone:

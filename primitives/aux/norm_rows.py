@@ -43,17 +43,22 @@ def _norm_rows_kernel(
     stride_om,
     stride_on,
     offset,
+    rstd_out_ptr,
+    inv_cols,
+    eps,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_RSTD_OUT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
     # One program: BLOCK_ROWS rows, all their columns in chunks of BLOCK_COLS; fp32 throughout,
-    # one rounding at the store.
+    # one rounding at the store (and the stored values' squares summed for the next norm).
     pid = tl.program_id(axis=0)
     offs_r = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     mask_r = offs_r < rows
     r64 = offs_r.to(tl.int64)[:, None]
     r = tl.load(rstd_ptr + offs_r * stride_r, mask=mask_r, other=0.0).to(tl.float32)
+    squares = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
     for start in range(0, cols, BLOCK_COLS):
         col = start + tl.arange(0, BLOCK_COLS)
         mask_c = col < cols
@@ -65,7 +70,14 @@ def _norm_rows_kernel(
             res_ptrs = res_ptr + r64 * stride_rm + col[None, :] * stride_rn
             out += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
         out_ptrs = out_ptr + r64 * stride_om + col[None, :] * stride_on
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+        rounded = out.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptrs, rounded, mask=mask)
+        if HAS_RSTD_OUT:
+            stored = tl.where(mask, rounded.to(tl.float32), 0.0)
+            squares += stored * stored
+    if HAS_RSTD_OUT:
+        r_out = tl.rsqrt(tl.sum(squares, axis=1) * inv_cols + eps)
+        tl.store(rstd_out_ptr + offs_r, r_out, mask=mask_r)
 
 
 def _blocks(rows: int, cols: int) -> tuple[int, int]:
@@ -86,6 +98,10 @@ class NormRows(AuxStep):
     scales and adds the residual stream. ``weight`` is the norm's γ ``[d]``; ``offset`` is 1.0 for
     Gemma's ``x̂ · (1 + γ)``, 0.0 for Llama/OLMo 2's ``x̂ · γ``. ``residual`` (optional) has src's
     shape. ``out`` has src's shape and dtype.
+
+    ``rstd_out`` (optional): also write the next RMSNorm's reciprocal of ``out``,
+    ``rstd_out[i] = rsqrt(mean_j out[i, j]² + rstd_eps)`` (fp32, from the stored values) — the
+    statistic a layer boundary hands on (as ``llama_attn_out`` does from its epilogue).
     """
 
     kind: Literal["norm_rows"] = "norm_rows"
@@ -95,6 +111,8 @@ class NormRows(AuxStep):
     offset: float = Field(0.0, allow_inf_nan=False)
     residual: Name | None = None
     out: Name
+    rstd_out: Name | None = None
+    rstd_eps: float = Field(1e-6, gt=0, le=1)
 
     def check(self, env: ProgramEnv) -> None:
         info = env.matrix(self.src, role="src")
@@ -111,6 +129,13 @@ class NormRows(AuxStep):
                     "stream of the sub-layer)",
                 )
         env.define(self.out, TensorInfo(info.shape, info.dtype, env.where))
+        if self.rstd_out is not None:
+            if self.rstd_out == self.out:
+                raise ProgramError(
+                    f"norm_rows writes out and rstd_out to the same name {self.out!r}",
+                    hint="give the normalised tensor and its row reciprocals different names",
+                )
+            env.define(self.rstd_out, TensorInfo((rows,), "float32", env.where))
 
     def reference(self, env: RunEnv) -> None:
         src = env.tensors[self.src]
@@ -120,12 +145,18 @@ class NormRows(AuxStep):
         out = y * r[:, None] * scale[None, :]
         if self.residual is not None:
             out = out + env.tensors[self.residual].to(env.compute)
-        env.tensors[self.out] = out if env.compute == torch.float64 else out.to(src.dtype)
+        exact = env.compute == torch.float64
+        env.tensors[self.out] = out if exact else out.to(src.dtype)
+        if self.rstd_out is not None:
+            stored = env.tensors[self.out].to(env.compute)
+            r_out = torch.rsqrt(stored.pow(2).mean(dim=1) + self.rstd_eps)
+            env.tensors[self.rstd_out] = r_out if exact else r_out.to(torch.float32)
 
     def launch(self, env: RunEnv) -> None:
         src, out = env.tensors[self.src], env.tensors[self.out]
         rstd, weight = env.tensors[self.rstd], env.tensors[self.weight]
         res = env.tensors[self.residual] if self.residual is not None else src  # unread if None
+        rstd_out = env.tensors[self.rstd_out] if self.rstd_out is not None else rstd  # likewise
         rows, cols = src.shape
         if rows == 0 or cols == 0:
             return
@@ -149,7 +180,11 @@ class NormRows(AuxStep):
             out.stride(0),
             out.stride(1),
             self.offset,
+            rstd_out,
+            1.0 / cols,
+            self.rstd_eps,
             HAS_RESIDUAL=self.residual is not None,
+            HAS_RSTD_OUT=self.rstd_out is not None,
             BLOCK_ROWS=block_rows,
             BLOCK_COLS=block_cols,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from coda.blocks.ops import RowRstd
 from coda.planner import lower
 from coda.sandbox import SandboxOptions, evaluate
 from coda.sandbox.compare import assert_close
@@ -27,11 +28,16 @@ def test_norm_rows_bf16_gpu(sizes: dict[str, int]) -> None:
         assert_close(got[name], ref[name], atol=atol, rtol=rtol, what=f"{name} vs reference")
 
 
-@pytest.mark.parametrize("which", ["gemma_post_norm", "olmo2_post_norm", "gemma2_mlp"])
+@pytest.mark.parametrize(
+    "which", ["gemma_post_norm", "olmo2_post_norm", "gemma_attn_out", "gemma2_mlp"]
+)
 def test_post_norm_blocks_verify_on_the_gpu(which: str) -> None:
     block = {
         "gemma_post_norm": lambda: post_norm_block(GEMMA),
         "olmo2_post_norm": lambda: post_norm_block(OLMO2),
+        "gemma_attn_out": lambda: post_norm_block(
+            GEMMA, outputs=("h", "rstd_h"), tail=(RowRstd(x="h", eps=1e-6, out="rstd_h"),)
+        ),
         "gemma2_mlp": lambda: GEMMA2_MLP,
     }[which]()
     shapes = [{"M": 1000, "d": 1000, "f": 2744}]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from coda.blocks import GLU, Add, Block, Linear, RMSNorm, ShapeSets, TensorSpec
+from coda.blocks.ops import RowRstd
 from coda.planner import LoweringOptions, NoRule, lower
 from coda.primitives import Program
 from coda.sandbox import SandboxOptions, evaluate
@@ -26,7 +27,7 @@ def _spec(*shape: str, init: str = "activation") -> TensorSpec:
     return TensorSpec(shape=list(shape), init=init)
 
 
-def post_norm_block(norm: dict, outputs: tuple[str, ...] = ("h",)) -> Block:
+def post_norm_block(norm: dict, outputs: tuple[str, ...] = ("h",), tail: tuple = ()) -> Block:
     """``h = x + RMSNorm(o_proj(attn))``: OLMo 2's attention output, Gemma's with its norm."""
     return Block(
         name="post_norm_residual",
@@ -41,6 +42,7 @@ def post_norm_block(norm: dict, outputs: tuple[str, ...] = ("h",)) -> Block:
             Linear(x="attn", weight="w_o", out="y"),
             RMSNorm(x="y", weight="gamma", out="n", **norm),
             Add(a="x", b="n", out="h"),
+            *tail,
         ],
         outputs=list(outputs),
         shapes=RAGGED,
@@ -56,6 +58,18 @@ def test_a_post_norm_with_its_residual_verifies(family: str) -> None:
     assert rstd.kind == "rstd" and rstd.src == "y_sumsq"
     assert finish.kind == "norm_rows" and (finish.src, finish.residual) == ("y", "x")
     assert finish.offset == NORMS[family].get("offset", 0.0)
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
+def test_a_layer_boundary_hands_on_the_next_norms_statistic() -> None:
+    """Gemma 2's attention output as ``llama_attn_out`` cuts it: ``x_out = x + post_norm(o_proj(
+    attn))`` and the next norm's ``rstd`` of ``x_out``, from the same finishing pass."""
+    next_norm = RowRstd(x="h", eps=1e-6, out="rstd_h")
+    block = post_norm_block(GEMMA, outputs=("h", "rstd_h"), tail=(next_norm,))
+    program = lower(block)
+    finish = program.steps[-1]
+    assert finish.kind == "norm_rows" and (finish.rstd_out, finish.rstd_eps) == ("rstd_h", 1e-6)
     report = evaluate(program, block, OPTIONS)
     assert report.verified, report.render_text()
 

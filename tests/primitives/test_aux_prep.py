@@ -353,10 +353,10 @@ NORM_ROWS = _program(
         ),
         {"kind": "rstd", "src": "y_sumsq", "eps": 1e-6, "out": "r"},
         {"kind": "norm_rows", "src": "y", "rstd": "r", "weight": "gamma", "offset": 1.0,
-         "residual": "x", "out": "h"},
+         "residual": "x", "out": "h", "rstd_out": "r_h", "rstd_eps": 1e-5},
         {"kind": "norm_rows", "src": "y", "rstd": "r", "weight": "gamma", "out": "n"},
     ],
-    {"y": "y", "h": "h", "n": "n"},
+    {"y": "y", "h": "h", "n": "n", "r_h": "r_h"},
 )  # fmt: skip
 
 
@@ -380,8 +380,11 @@ def test_norm_rows_is_the_post_norm_with_its_residual(
     xhat = y / (y.pow(2).mean(1, keepdim=True) + 1e-6).sqrt()
     assert_close(got["h"], x + xhat * (1 + gamma), atol=atol * 2, rtol=rtol * 2, what="h")
     assert_close(got["n"], xhat * gamma, atol=atol * 2, rtol=rtol * 2, what="n")
-    assert got["h"].dtype == got["n"].dtype == dtype
-    for name in ("h", "n"):
+    # the next norm's statistic, of h as stored
+    r_h = (got["h"].double().pow(2).mean(1) + 1e-5).rsqrt()
+    assert_close(got["r_h"], r_h, atol=2e-5, rtol=2e-5, what="r_h")
+    assert got["h"].dtype == got["n"].dtype == dtype and got["r_h"].dtype == torch.float32
+    for name in ("h", "n", "r_h"):
         assert_close(got[name], ref[name], atol=atol, rtol=rtol, what=f"{name} vs reference")
 
 
@@ -596,6 +599,11 @@ BAD: dict[str, tuple[dict[str, Any], dict[str, int], list[str]]] = {
         {**_norm_rows_program(), "inputs": {"y": ["M", "N"], "r": ["M"], "g": ["M"]}},
         {"M": 4, "N": 6},
         ["weight 'g' must be a vector of length 6 (one scale per column of 'y')"],
+    ),
+    "norm_rows with rstd_out named like out": (
+        _norm_rows_program(rstd_out="h"),
+        {"M": 4, "N": 6},
+        ["norm_rows writes out and rstd_out to the same name 'h'"],
     ),
     "norm_rows with rstd of the wrong length": (
         {**_norm_rows_program(), "inputs": {"y": ["M", "N"], "r": ["N"], "g": ["N"]}},
