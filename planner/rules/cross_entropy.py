@@ -12,7 +12,8 @@
   gradient as a plain GEMM. A softcap between the head and the loss (Gemma 2's
   ``final_logit_softcapping``, ``s = c · tanh(z / c)``) is recomputed next to the logits in both
   passes, and its derivative ``1 − tanh²(z / c)`` multiplies ``dz``; the norm may scale by Gemma's
-  ``1 + γ``.
+  ``1 + γ``; a biased head adds its bias to the recomputed logits, and its gradient is the
+  column sums of ``dz``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class CrossEntropyRule(Rule):
     op = CrossEntropy
     sink = True
     backward_of = "an LM head with cross-entropy"
+    bias_gradients = True  # a biased head: d bias = Σ_rows dz
 
     def fuse(self, ep: Epilogue, op: CrossEntropy) -> None:
         # loss_i = LSE_i − logits[i, t_i]: the target from the tile that holds it, LSE from partials
@@ -96,12 +98,17 @@ def softcapped_logits(b: BackwardBuilder, ce: CrossEntropy) -> tuple[str, float 
     return ce.logits, None
 
 
-def capped(cap: float | None) -> list[dict[str, str]]:
-    """Epilogue ops giving the loss's logits ``s`` from the projection ``z``: a softcap
-    ``c · tanh(z / c)``, or ``s`` is ``z``."""
-    if cap is None:
-        return []
-    return [{"op": "map", "expr": activation_expr("softcap", "z", cap), "out": "s"}]
+def head_logits(bias: str | None, cap: float | None) -> tuple[list[dict[str, str]], str]:
+    """Epilogue ops giving the logits the loss reads from the projection ``z`` — plus the head's
+    bias (``zb``), through a softcap ``c · tanh(· / c)`` (``s``) — and that value's name."""
+    ops, logits = [], "z"
+    if bias is not None:
+        ops.append({"op": "add_col_vector", "src": "z", "vector": bias, "out": "zb"})
+        logits = "zb"
+    if cap is not None:
+        ops.append({"op": "map", "expr": activation_expr("softcap", logits, cap), "out": "s"})
+        logits = "s"
+    return ops, logits
 
 
 def lm_head_backward(b: BackwardBuilder) -> None:
@@ -113,7 +120,7 @@ def lm_head_backward(b: BackwardBuilder) -> None:
         b.fail("the cross-entropy loss must be the block's output")
     dloss = b.cotangent(ce.out)
     r, folded = b.forward_projection(norm, head.weight)
-    s = "s" if cap is not None else "z"  # the logits the loss reads
+    logits_ops, s = head_logits(head.bias, cap)  # s: the logits the loss reads
     lse = saved_logsumexp(b, ce.logits)
     if lse is None:
         # pass 1: the logits' log-sum-exp from per-tile partials (the logits are never stored)
@@ -124,15 +131,18 @@ def lm_head_backward(b: BackwardBuilder) -> None:
             f"{folded}.T",
             [
                 {"op": "scale_rows", "src": "acc", "vector": r, "out": "z"},
-                *capped(cap),
+                *logits_ops,
                 {"op": "partial_reduce", "src": s, "kind": "lse", "to": lse_partials},
             ],
         )
         lse = b.aux({"kind": "lse_combine", "src": lse_partials, "out": "lse"})
     # pass 2: dz = (softmax(s) − onehot(t)) · dloss [· (1 − tanh²(z / c)) through a softcap], and
-    # Σ z·dz, with the logits recomputed
+    # Σ z·dz (z: the projection without the bias), with the logits recomputed
     dz = b.name("dz")
     stats, partials = b.zdz_partials("z", dz)
+    if head.bias is not None:  # d bias = Σ_rows dz
+        colsum, bias_partials = b.column_sums(dz, f"d{head.bias}")
+        stats.append(colsum)
     grad = f"(exp({s} - lse_row) - target_onehot) * dloss_row"
     if cap is not None:  # d/dz c·tanh(z/c) = 1 − tanh²(z/c) = 1 − (s/c)²
         grad += f" * (1 - (s / {cap!r}) ** 2)"
@@ -142,7 +152,7 @@ def lm_head_backward(b: BackwardBuilder) -> None:
         f"{folded}.T",
         [
             {"op": "scale_rows", "src": "acc", "vector": r, "out": "z"},
-            *capped(cap),
+            *logits_ops,
             {"op": "load_row_vector", "vector": lse, "out": "lse_row"},
             {"op": "load_row_vector", "vector": dloss, "out": "dloss_row"},
             {"op": "onehot", "index": ce.target, "out": "target_onehot"},
@@ -151,6 +161,8 @@ def lm_head_backward(b: BackwardBuilder) -> None:
             {"op": "store", "src": dz, "to": dz},
         ],
     )
+    if head.bias is not None:
+        b.output(head.bias, b.summed_columns(bias_partials, f"d{head.bias}"))
     c = b.statistic(partials, norm)
     y = b.norm_backward("lm_head_dx", dz, head.weight, norm, r, c, residual=None)
     b.output(head.weight, b.plain_gemm("lm_head_grad", f"{dz}.T", y, "dw_lm"))

@@ -27,8 +27,8 @@ class VJPRule(Rule):
                 index,
                 op,
                 f"forward block {forward.name!r} has biased Linears {biased}: the backward rules "
-                "differentiate biased Linears only in an MLP (SwiGLU or GLU); drop the bias or "
-                "write the backward block",
+                "differentiate biased Linears only in an MLP (SwiGLU or GLU) or an LM head; drop "
+                "the bias or write the backward block",
             )
         if head is None:
             covered = [r.backward_of for r in backward_rules()]

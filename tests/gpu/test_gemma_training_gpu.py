@@ -14,6 +14,7 @@ from tests.planner.test_gemma_training import (
     _biased_bwd,
     _lm_head_bwd,
     _mlp_bwd,
+    biased_lm_head,
     biased_mlp,
     gemma_mlp,
     lm_head_block,
@@ -28,6 +29,8 @@ def _blocks(which: str) -> tuple[Block, list[dict[str, int]]]:
         return lm_head_block(), LM_SHAPES
     if which == "lm_head_bwd":
         return _lm_head_bwd(lm_head_block()), LM_SHAPES
+    if which == "biased_lm_head_bwd":
+        return _lm_head_bwd(biased_lm_head(), wrt_bias=True), LM_SHAPES
     if which == "geglu_mlp_bwd":
         return _mlp_bwd(gemma_mlp()), MLP_SHAPES
     if which == "biased_mlp_bwd":
@@ -37,7 +40,14 @@ def _blocks(which: str) -> tuple[Block, list[dict[str, int]]]:
 
 @pytest.mark.parametrize(
     "which",
-    ["lm_head", "lm_head_bwd", "geglu_mlp_bwd", "biased_mlp_bwd", "biased_mlp_bwd_saved"],
+    [
+        "lm_head",
+        "lm_head_bwd",
+        "biased_lm_head_bwd",
+        "geglu_mlp_bwd",
+        "biased_mlp_bwd",
+        "biased_mlp_bwd_saved",
+    ],
 )
 def test_gemma_training_blocks_verify_on_the_gpu(
     which: str, monkeypatch: pytest.MonkeyPatch

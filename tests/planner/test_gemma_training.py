@@ -87,12 +87,22 @@ def _shapes(inputs: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t.shape) for n, t in inputs.items()}
 
 
-def _lm_head_bwd(forward: Block) -> Block:
+def _lm_head_bwd(forward: Block, *, wrt_bias: bool = False) -> Block:
     registry.register(forward)
-    bwd = backward_block(
-        forward, name=f"{forward.name}_bwd", cotangents=LM_HEAD_COTANGENT, wrt=LM_HEAD_GRADS
-    )
+    wrt = [*LM_HEAD_GRADS, *(["b_lm"] if wrt_bias else [])]
+    bwd = backward_block(forward, name=f"{forward.name}_bwd", cotangents=LM_HEAD_COTANGENT, wrt=wrt)
     return registry.register(bwd)
+
+
+def biased_lm_head() -> Block:
+    """The softcapped head with a bias ``b_lm`` [V]."""
+    forward = lm_head_block()
+    graph = [
+        op.model_copy(update={"bias": "b_lm"}) if isinstance(op, Linear) else op
+        for op in forward.graph
+    ]
+    inputs = {**forward.inputs, "b_lm": _spec("V")}
+    return forward.model_copy(update={"name": "biased_head", "graph": graph, "inputs": inputs})
 
 
 def test_the_softcapped_lm_head_forward_verifies() -> None:
@@ -308,13 +318,36 @@ def test_a_dropped_bias_gradient_term_is_caught() -> None:
 
 
 @pytest.mark.usefixtures("scratch_registry")
-def test_a_biased_lm_head_backward_is_refused_by_name() -> None:
-    forward = lm_head_block()
-    graph = [
-        op.model_copy(update={"bias": "b_lm"}) if isinstance(op, Linear) else op
-        for op in forward.graph
-    ]
-    inputs = {**forward.inputs, "b_lm": _spec("V")}
-    forward = forward.model_copy(update={"name": "biased_head", "graph": graph, "inputs": inputs})
-    with pytest.raises(NoRule, match=r"biased Linears \['logits'\].*only in an MLP"):
-        lower(_lm_head_bwd(forward))
+def test_a_biased_softcapped_lm_head_backward_verifies() -> None:
+    """The bias joins the recomputed logits before the softcap; ``d b_lm = Σ_rows dz``."""
+    block = _lm_head_bwd(biased_lm_head(), wrt_bias=True)
+    program = lower(block)
+    (bwd,) = [s for s in program.steps if getattr(s, "name", "") == "lm_head_bwd"]
+    assert [op.op for op in bwd.epilogue][:3] == ["scale_rows", "add_col_vector", "map"]
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_a_biased_linear_no_backward_rule_covers_is_refused_by_name() -> None:
+    forward = Block(
+        name="norm_biased_linear",
+        description="y = rmsnorm(x) @ w.T + b",
+        inputs={
+            "x": _spec("M", "d"),
+            "gamma": _spec("d", init="norm_weight"),
+            "w": _spec("f", "d", init="linear_weight"),
+            "b": _spec("f"),
+        },
+        graph=[
+            RMSNorm(x="x", weight="gamma", out="h", eps=1e-6),
+            Linear(x="h", weight="w", bias="b", out="y"),
+        ],
+        outputs=["y"],
+        shapes=MLP_SHAPES,
+    )
+    registry.register(forward)
+    cotangent = {"y": _spec("M", "f")}
+    block = backward_block(forward, name="norm_biased_linear_bwd", cotangents=cotangent, wrt=["x"])
+    with pytest.raises(NoRule, match=r"biased Linears \['y'\].*only in an MLP"):
+        lower(block)
