@@ -142,6 +142,63 @@ class BackwardBuilder:
         dtype, as a bias is)."""
         return self.aux({"kind": "sum_partials", "src": partials, "dtype": "act", "out": base})
 
+    def post_norm_backward(self, post: RMSNorm, a: str, w_down: str, dh: str) -> str:
+        """The gradient of ``m = a W_downᵀ`` through a post-norm ``p = RMSNorm(m)`` given ``dp =
+        dh``: ``dm = r ⊙ (dh ⊙ γ' − r² m · s / d)``, ``s = Σ dh ⊙ γ' ⊙ m`` (γ' = offset + γ).
+        ``m`` is recomputed twice, never stored: the first GEMM's epilogue writes partial sums of
+        ``m²`` and of ``dh ⊙ γ' ⊙ m`` (``r`` and ``s`` span every N-tile), the second forms ``dm``
+        and the partial column sums of ``dγ = Σ_rows dh ⊙ r m``. Returns ``dm``."""
+        if post.weight not in self.forward.inputs:
+            self.fail(f"the post-norm's weight {post.weight!r} must be a block input")
+        scale = f"(gamma_col + {post.offset!r})" if post.offset else "gamma_col"
+        sumsq, s_partials = self.name("m_sumsq"), self.name("dhm_partials")
+        loads = [
+            {"op": "load_tile", "tensor": dh, "out": "dh_tile"},
+            {"op": "load_col_vector", "vector": post.weight, "out": "gamma_col"},
+        ]
+        self.gemm(
+            "post_norm_stats",
+            a,
+            f"{w_down}.T",
+            [
+                {"op": "partial_reduce", "src": "acc", "kind": "sumsq", "to": sumsq},
+                *loads,
+                {"op": "map", "expr": f"dh_tile * {scale} * acc", "out": "dhm_terms"},
+                {"op": "partial_reduce", "src": "dhm_terms", "kind": "sum", "to": s_partials},
+            ],
+        )
+        r = self.aux({"kind": "rstd", "src": sumsq, "eps": post.eps, "out": f"rstd_{post.out}"})
+        width = size_expr_of(self.st, dh, 1)
+        node = {"kind": "sum_partials", "src": s_partials, "divide_by": width, "out": "c_post"}
+        c = self.aux(node)
+        dm, dgamma_partials = self.name("dm"), self.name("dgamma_post_partials")
+        self.gemm(
+            "post_norm_bwd",
+            a,
+            f"{w_down}.T",
+            [
+                *loads,
+                {"op": "load_row_vector", "vector": r, "out": "r_row"},
+                {"op": "load_row_vector", "vector": c, "out": "c_row"},
+                {
+                    "op": "map",
+                    "expr": f"r_row * (dh_tile * {scale} - r_row * r_row * acc * c_row)",
+                    "out": dm,
+                },
+                {"op": "store", "src": dm, "to": dm},
+                {"op": "map", "expr": "dh_tile * acc * r_row", "out": "dgamma_terms"},
+                {
+                    "op": "partial_reduce",
+                    "src": "dgamma_terms",
+                    "kind": "sum",
+                    "axis": "col",
+                    "to": dgamma_partials,
+                },
+            ],
+        )
+        self.output(post.weight, self.summed_columns(dgamma_partials, f"d{post.weight}"))
+        return dm
+
     def norm_backward(
         self,
         name: str,

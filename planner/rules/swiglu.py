@@ -12,11 +12,14 @@
   weight gradients as plain GEMMs, the interleaved one split into gate and up by strided views.
   A GLU of another activation (GeGLU: Gemma) takes the same schedule with its derivative; biased
   projections get their bias gradients as column sums of their incoming gradient (``dz`` in the
-  ``dout W_down`` epilogue, ``dout`` in the ``dz W_gu`` one).
+  ``dout W_down`` epilogue, ``dout`` in the ``dz W_gu`` one). A post-norm between the down
+  projection and the residual add (Gemma 2's sandwich) is differentiated first
+  (``BackwardBuilder.post_norm_backward``): its ``dm`` then takes ``dout``'s place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from coda.blocks.ops import GLU, Add, Linear, RMSNorm, SwiGLU, SwiGLUPairs, SwiGLUPairsBackward
@@ -122,33 +125,51 @@ def mlp_backward(b: BackwardBuilder) -> None:
     if gate.x != up.x:
         b.fail("gate and up project different inputs")
     norm = b.norm(gate.x)
-    add = next((o for o in fwd.graph if isinstance(o, Add) and down.out in o.inputs()), None)
+    # Gemma 2's sandwich: a post-norm between the down projection and the residual add
+    post = next((o for o in fwd.graph if isinstance(o, RMSNorm) and o.x == down.out), None)
+    branch = post.out if post is not None else down.out
+    add = next((o for o in fwd.graph if isinstance(o, Add) and branch in o.inputs()), None)
     if add is not None:  # x + mlp(x): the residual's gradient joins the norm's in dx
         if norm.x not in add.inputs() or add.out not in fwd.outputs:
             b.fail("the MLP's output must be added to the norm's input (the residual)")
         dout = b.cotangent(add.out)
-    elif down.out in fwd.outputs:  # the branch alone (llama_mlp_branch): dx is the norm's
-        dout = b.cotangent(down.out)
+    elif branch in fwd.outputs:  # the branch alone (llama_mlp_branch): dx is the norm's
+        dout = b.cotangent(branch)
     else:
         b.fail("the MLP's output must be a block output, or added to the norm's input")
+    if post is not None and (down.bias is not None or down.out in fwd.outputs):
+        b.fail("a post-norm's input must be the down projection alone, without a bias")
     interleave = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
     w_gu = b.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
     biases = (gate.bias, up.bias)
+    # the gradient reaching the down projection: dout, or through the post-norm (needs a)
+    grads: dict[str, str] = {}
+
+    def branch_grad(a: str) -> str:
+        grads["down"] = b.post_norm_backward(post, a, down.weight, dout) if post else dout
+        return grads["down"]
+
     if {gate.out, up.out} <= set(b.op.saved):
         r = b.rstd(norm)
         a_saved = glu.out if glu.out in b.op.saved else None
+        if post is not None and a_saved is None:
+            b.fail("a post-norm's backward from saved projections needs a = act(g)·u saved too")
+        d_down = branch_grad(a_saved) if a_saved else dout
         dz, a, partials = _backward_saved(
-            b, dout, down.weight, gate.out, up.out, a_saved, act, biases
+            b, d_down, down.weight, gate.out, up.out, a_saved, act, biases
         )
     else:
-        r, dz, a, partials = _backward_recomputed(b, norm, w_gu, dout, down.weight, act, biases)
+        r, dz, a, partials = _backward_recomputed(
+            b, norm, w_gu, branch_grad if post else dout, down.weight, act, biases
+        )
+    d_down = grads.get("down", dout)
     c = b.statistic(partials, norm)
-    b.output(down.weight, b.plain_gemm("w_down_grad", f"{dout}.T", a, "dw_down"))
+    b.output(down.weight, b.plain_gemm("w_down_grad", f"{d_down}.T", a, "dw_down"))
     residual = dout if add is not None else None
     extra: list[dict[str, Any]] = []
     if down.bias is not None:  # d b_down = Σ_rows dout, from dout's tiles in the dx epilogue
         colsum, down_partials = b.column_sums("dout_tile", "db_down")
-        extra = [{"op": "load_tile", "tensor": dout, "out": "dout_tile"}, colsum]
+        extra = [{"op": "load_tile", "tensor": d_down, "out": "dout_tile"}, colsum]
     y = b.norm_backward("gate_up_bwd", dz, w_gu, norm, r, c, residual=residual, extra=extra)
     if down.bias is not None:
         b.output(down.bias, b.summed_columns(down_partials, "db_down"))
@@ -219,7 +240,7 @@ def _backward_recomputed(
     b: BackwardBuilder,
     norm: RMSNorm,
     w_gu: str,
-    dout: str,
+    dout: str | Callable[[str], str],
     w_down: str,
     act: str = "silu",
     biases: tuple[str | None, str | None] = (None, None),
@@ -227,10 +248,13 @@ def _backward_recomputed(
     """z = r ⊙ (x W_guᵀ) [+ the interleaved biases] recomputed and stored (rounded once, as
     ``nn.Linear`` rounds), then SwiGLU's (or the GLU's) backward next to it; ``Σ z·dz`` is taken
     over the projection without its biases, and the biases' gradients are the column sums of dz's
-    gate and up halves."""
+    gate and up halves. ``dout`` may be a function of ``a`` (a post-norm's backward, which needs
+    the down projection recomputed first): then the gate/up GEMM also stores ``a``."""
     r, folded = b.forward_projection(norm, w_gu)
     # z = r ⊙ (x W_guᵀ): the saved pre-activation [g0, u0, g1, u1, ...], recomputed
-    z = b.name("z")
+    z, a = b.name("z"), b.name("a")
+    z_acc = "z_biased" if any(biases) else "z_acc"
+    a_first = [] if isinstance(dout, str) else [_contract(act, z_acc, a), _store(a)]
     b.gemm(
         "gate_up",
         norm.x,
@@ -238,11 +262,14 @@ def _backward_recomputed(
         [
             {"op": "scale_rows", "src": "acc", "vector": r, "out": "z_acc"},
             *_add_pair_biases("z_acc", biases, "z_biased"),
-            {"op": "store", "src": "z_biased" if any(biases) else "z_acc", "to": z},
+            {"op": "store", "src": z_acc, "to": z},
+            *a_first,
         ],
     )
+    if not isinstance(dout, str):
+        dout = dout(a)
     # da = dout W_down; SwiGLU backward next to the loaded z (2N wide): dz, a, Σ z·dz
-    dz, a = b.name("dz"), b.name("a")
+    dz = b.name("dz")
     dg, du = glu_grads(act, "x0", "x1", "acc")
     if any(biases):  # Σ (z − b)·dz: each pair's term from its members less their biases
         gate, up = (f"(x{k} - {c})" if c else f"x{k}" for k, c in enumerate(_bias_cols(biases)))
@@ -253,10 +280,6 @@ def _backward_recomputed(
     else:
         stats, partials = b.zdz_partials("z_tile", dz)
     bias_ops, bias_sums = _pair_column_sums(b, dz, biases)
-    if act == "silu":
-        contract = {"op": "swiglu", "src": "z_tile", "out": a}
-    else:
-        contract = {"op": "pairwise", "src": "z_tile", "expr0": glu_expr(act, "x0", "x1"), "out": a}
     b.gemm(
         "down_bwd",
         dout,
@@ -265,16 +288,27 @@ def _backward_recomputed(
             {"op": "load_tile", "tensor": z, "out": "z_tile"},
             *_load_bias_cols(biases),
             {"op": "pairwise", "src": "z_tile", "expr0": dg, "expr1": du, "out": dz},
-            contract,
+            *([] if a_first else [_contract(act, "z_tile", a)]),
             *stats,
             *bias_ops,
             {"op": "store", "src": dz, "to": dz},
-            {"op": "store", "src": a, "to": a},
+            *([] if a_first else [_store(a)]),
         ],
     )
     for bias, bias_partials in bias_sums:
         b.output(bias, b.summed_columns(bias_partials, f"d{bias}"))
     return r, dz, a, partials
+
+
+def _contract(act: str, z: str, out: str) -> dict[str, Any]:
+    """The epilogue op ``out = act(g) · u`` of interleaved pairs ``z``."""
+    if act == "silu":
+        return {"op": "swiglu", "src": z, "out": out}
+    return {"op": "pairwise", "src": z, "expr0": glu_expr(act, "x0", "x1"), "out": out}
+
+
+def _store(value: str) -> dict[str, Any]:
+    return {"op": "store", "src": value, "to": value}
 
 
 def _pair_column_sums(

@@ -1,6 +1,7 @@
 """The Gemma-shaped training blocks of ``tests/planner/test_gemma_training.py`` (softcapped LM head
-+ cross-entropy and its backward, the GeGLU MLP backward under a ``(1 + γ)`` norm, bias gradients)
-verified by the sandbox in bfloat16 and float16 on a GPU (skipped without one)."""
++ cross-entropy and its backward, the GeGLU MLP backward under a ``(1 + γ)`` norm, Gemma 2's
+sandwich-norm MLP backward, bias gradients) verified by the sandbox in bfloat16 and float16 on a
+GPU (skipped without one)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.planner.test_gemma_training import (
     _biased_bwd,
     _lm_head_bwd,
     _mlp_bwd,
+    _sandwich_bwd,
     biased_lm_head,
     biased_mlp,
     gemma_mlp,
@@ -33,6 +35,8 @@ def _blocks(which: str) -> tuple[Block, list[dict[str, int]]]:
         return _lm_head_bwd(biased_lm_head(), wrt_bias=True), LM_SHAPES
     if which == "geglu_mlp_bwd":
         return _mlp_bwd(gemma_mlp()), MLP_SHAPES
+    if which == "sandwich_mlp_bwd":
+        return _sandwich_bwd(), MLP_SHAPES
     if which == "biased_mlp_bwd":
         return _biased_bwd(biased_mlp(("gate", "up"))), MLP_SHAPES
     return _biased_bwd(biased_mlp(("gate", "up")), saved=dict(MLP_SAVED)), MLP_SHAPES
@@ -45,6 +49,7 @@ def _blocks(which: str) -> tuple[Block, list[dict[str, int]]]:
         "lm_head_bwd",
         "biased_lm_head_bwd",
         "geglu_mlp_bwd",
+        "sandwich_mlp_bwd",
         "biased_mlp_bwd",
         "biased_mlp_bwd_saved",
     ],

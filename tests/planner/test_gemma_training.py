@@ -38,6 +38,7 @@ from coda.sandbox import SandboxOptions, evaluate
 from coda.sandbox.compare import assert_close, check_output
 from coda.sandbox.report import StageResult
 from coda.sandbox.stages import semantics, validate
+from tests.planner.test_post_norms import GEMMA2_MLP
 
 OPTIONS = SandboxOptions(profile=False, isolate=False, seeds=[0])  # float32 + float16
 GEMMA = {"eps": 1e-6, "offset": 1.0, "cast": "after_weight"}
@@ -351,3 +352,62 @@ def test_a_biased_linear_no_backward_rule_covers_is_refused_by_name() -> None:
     block = backward_block(forward, name="norm_biased_linear_bwd", cotangents=cotangent, wrt=["x"])
     with pytest.raises(NoRule, match=r"biased Linears \['y'\].*only in an MLP"):
         lower(block)
+
+
+# -- Gemma 2's sandwich-norm MLP: the post-norm's backward -----------------------------------------
+SANDWICH_GRADS = ["x", "gamma_pre", "w_gate", "w_up", "w_down", "gamma_post"]
+SANDWICH_COTANGENT = {"h": TensorSpec(shape=["M", "d"], doc="gradient of h")}
+
+
+def _sandwich_bwd(saved: dict[str, TensorSpec] | None = None) -> Block:
+    registry.register(GEMMA2_MLP)
+    suffix = "_bwd_saved" if saved else "_bwd"
+    bwd = backward_block(
+        GEMMA2_MLP,
+        name=GEMMA2_MLP.name + suffix,
+        cotangents=SANDWICH_COTANGENT,
+        wrt=SANDWICH_GRADS,
+        saved=saved,
+    )
+    return registry.register(bwd)
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_the_sandwich_mlp_backward_verifies() -> None:
+    """``dm`` through the post-norm from two recomputations of ``m = a W_downᵀ`` (statistics,
+    then ``dm`` and ``dγ_post``), then the GeGLU MLP's backward with ``dm`` and the residual's
+    ``dh`` joining ``dx``."""
+    block = _sandwich_bwd()
+    program = lower(block)
+    gemms = [s.name for s in program.steps if s.kind == "gemm"]
+    assert gemms[:4] == ["gate_up", "post_norm_stats", "post_norm_bwd", "down_bwd"]
+    (down_bwd,) = [s for s in program.steps if getattr(s, "name", "") == "down_bwd"]
+    assert down_bwd.a.tensor == "dm"
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_the_sandwich_mlp_training_pair_verifies() -> None:
+    """The training forward also returns g, u and a; the backward reads a for the post-norm's
+    recomputations and g, u for the GLU's."""
+    train = GEMMA2_MLP.model_copy(
+        update={"name": "gemma2_sandwich_mlp_train", "outputs": ["h", "g", "u", "a"]}
+    )
+    saved = _sandwich_bwd(saved=dict(MLP_SAVED))
+    assert not any(s.name == "gate_up" for s in lower(saved).steps if s.kind == "gemm")
+    for block in (train, saved):
+        report = evaluate(lower(block), block, OPTIONS)
+        assert report.verified, report.render_text()
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_the_post_norm_statistic_of_the_backward_is_checked() -> None:
+    """Dropping ``r² m · s / d`` from ``dm`` (the norm's projection term) is rejected."""
+    block = _sandwich_bwd()
+    data = lower(block).model_dump(mode="json")
+    (bwd,) = [s for s in data["steps"] if s.get("name") == "post_norm_bwd"]
+    (dm,) = [op for op in bwd["epilogue"] if op["op"] == "map" and op["out"] == "dm"]
+    dm["expr"] = "r_row * dh_tile * (gamma_col + 1) + 0 * c_row"
+    report = evaluate(Program.parse(data), block, OPTIONS)
+    assert not report.verified and "FAILED at semantics" in report.render_text()
