@@ -178,5 +178,5 @@ def apply_post_norm(st: PlanState, index: int, norm: RMSNorm) -> None:
         st.available.add(reader.out)
         st.done.add(j)
     if standalone:
-        st.steps.append({**node, "out": norm.out})
+        st.steps.append({**node, "out": norm.out, **_next_statistic(st, norm.out)})
         st.available.add(norm.out)

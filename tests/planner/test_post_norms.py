@@ -12,6 +12,8 @@ from coda.blocks.ops import RowRstd
 from coda.planner import LoweringOptions, NoRule, lower
 from coda.primitives import Program
 from coda.sandbox import SandboxOptions, evaluate
+from coda.sandbox.report import StageResult
+from coda.sandbox.stages import semantics, validate
 
 OPTIONS = SandboxOptions(profile=False, isolate=False, seeds=[0])  # float32 + float16
 # ragged M and d (d not a multiple of 16), and one token
@@ -162,3 +164,21 @@ def test_gemma2_sandwich_norm_mlp_verifies() -> None:
     assert [op.op for op in down.epilogue] == ["store", "partial_reduce"]
     report = evaluate(program, GEMMA2_MLP, OPTIONS)
     assert report.verified, report.render_text()
+
+
+def test_a_post_norm_alone_with_its_statistic_holds_in_float64() -> None:
+    """OLMo 2's norm as a block output with the next norm's ``rstd`` of it: one ``norm_rows``."""
+    tail = (RowRstd(x="n", eps=1e-6, out="r_n"),)
+    block = post_norm_block(OLMO2, outputs=("n", "r_n"), tail=tail)
+    inputs = {n: spec for n, spec in block.inputs.items() if n != "x"}  # no residual here
+    block = block.model_copy(update={"graph": [*block.graph[:2], *tail], "inputs": inputs})
+    program = lower(block)
+    finish = program.steps[-1]
+    assert (finish.kind, finish.out, finish.residual, finish.rstd_out) == (
+        "norm_rows", "n", None, "r_n",
+    )  # fmt: skip
+    results: list[StageResult] = []
+    checked, _ = validate(program, block, block.shapes.cpu, results)
+    assert checked is not None, results[-1].message
+    semantics(checked, block, block.shapes.cpu, results, seed=0, drawn=1)
+    assert results[-1].status == "passed", results[-1].message
