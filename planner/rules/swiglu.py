@@ -117,7 +117,6 @@ def glu_grads(act: str, gate: str, up: str, da: str) -> tuple[str, str]:
 
 
 def mlp_backward(b: BackwardBuilder) -> None:
-    fwd = b.forward
     glu, act = gated_unit(b)
     _, gate = b.find(Linear, out=glu.gate)
     _, up = b.find(Linear, out=glu.up)
@@ -125,47 +124,30 @@ def mlp_backward(b: BackwardBuilder) -> None:
     if gate.x != up.x:
         b.fail("gate and up project different inputs")
     norm = b.norm(gate.x)
-    # Gemma 2's sandwich: a post-norm between the down projection and the residual add
-    post = next((o for o in fwd.graph if isinstance(o, RMSNorm) and o.x == down.out), None)
-    branch = post.out if post is not None else down.out
-    add = next((o for o in fwd.graph if isinstance(o, Add) and branch in o.inputs()), None)
-    if add is not None:  # x + mlp(x): the residual's gradient joins the norm's in dx
-        if norm.x not in add.inputs() or add.out not in fwd.outputs:
-            b.fail("the MLP's output must be added to the norm's input (the residual)")
-        dout = b.cotangent(add.out)
-    elif branch in fwd.outputs:  # the branch alone (llama_mlp_branch): dx is the norm's
-        dout = b.cotangent(branch)
-    else:
-        b.fail("the MLP's output must be a block output, or added to the norm's input")
-    if post is not None and (down.bias is not None or down.out in fwd.outputs):
-        b.fail("a post-norm's input must be the down projection alone, without a bias")
+    post, residual, dout = _mlp_output(b, down, norm)
     interleave = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
     w_gu = b.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
     biases = (gate.bias, up.bias)
-    # the gradient reaching the down projection: dout, or through the post-norm (needs a)
-    grads: dict[str, str] = {}
 
-    def branch_grad(a: str) -> str:
-        grads["down"] = b.post_norm_backward(post, a, down.weight, dout) if post else dout
-        return grads["down"]
+    def down_grad(a: str) -> str:
+        """The gradient reaching the down projection: dout, or dm through the post-norm."""
+        return b.post_norm_backward(post, a, down.weight, dout) if post else dout
 
     if {gate.out, up.out} <= set(b.op.saved):
         r = b.rstd(norm)
         a_saved = glu.out if glu.out in b.op.saved else None
         if post is not None and a_saved is None:
             b.fail("a post-norm's backward from saved projections needs a = act(g)·u saved too")
-        d_down = branch_grad(a_saved) if a_saved else dout
+        d_down = down_grad(a_saved) if a_saved else dout
         dz, a, partials = _backward_saved(
             b, d_down, down.weight, gate.out, up.out, a_saved, act, biases
         )
     else:
-        r, dz, a, partials = _backward_recomputed(
-            b, norm, w_gu, branch_grad if post else dout, down.weight, act, biases
+        r, dz, a, partials, d_down = _backward_recomputed(
+            b, norm, w_gu, down_grad if post else dout, down.weight, act, biases
         )
-    d_down = grads.get("down", dout)
     c = b.statistic(partials, norm)
     b.output(down.weight, b.plain_gemm("w_down_grad", f"{d_down}.T", a, "dw_down"))
-    residual = dout if add is not None else None
     extra: list[dict[str, Any]] = []
     if down.bias is not None:  # d b_down = Σ_rows dout, from dout's tiles in the dx epilogue
         colsum, down_partials = b.column_sums("dout_tile", "db_down")
@@ -177,6 +159,28 @@ def mlp_backward(b: BackwardBuilder) -> None:
     # the interleaved gradient's even rows are the gate's, odd rows the up projection's
     b.output(gate.weight, {"tensor": dw_gu, "dim": 0, "step": 2})
     b.output(up.weight, {"tensor": dw_gu, "dim": 0, "start": "1", "step": 2})
+
+
+def _mlp_output(
+    b: BackwardBuilder, down: Linear, norm: RMSNorm
+) -> tuple[RMSNorm | None, str | None, str]:
+    """(the post-norm between the down projection and the residual add — Gemma 2's sandwich —
+    or None; the residual's gradient joining dx, None for the branch alone; the gradient of the
+    sub-layer's output)."""
+    fwd = b.forward
+    post = next((o for o in fwd.graph if isinstance(o, RMSNorm) and o.x == down.out), None)
+    if post is not None and (down.bias is not None or down.out in fwd.outputs):
+        b.fail("a post-norm's input must be the down projection alone, without a bias")
+    branch = post.out if post is not None else down.out
+    add = next((o for o in fwd.graph if isinstance(o, Add) and branch in o.inputs()), None)
+    if add is not None:  # x + mlp(x): the residual's gradient joins the norm's in dx
+        if norm.x not in add.inputs() or add.out not in fwd.outputs:
+            b.fail("the MLP's output must be added to the norm's input (the residual)")
+        dout = b.cotangent(add.out)
+        return post, dout, dout
+    if branch in fwd.outputs:  # the branch alone (llama_mlp_branch): dx is the norm's
+        return post, None, b.cotangent(branch)
+    b.fail("the MLP's output must be a block output, or added to the norm's input")
 
 
 def _backward_saved(
@@ -244,12 +248,13 @@ def _backward_recomputed(
     w_down: str,
     act: str = "silu",
     biases: tuple[str | None, str | None] = (None, None),
-) -> tuple[str, str, str, str]:
+) -> tuple[str, str, str, str, str]:
     """z = r ⊙ (x W_guᵀ) [+ the interleaved biases] recomputed and stored (rounded once, as
     ``nn.Linear`` rounds), then SwiGLU's (or the GLU's) backward next to it; ``Σ z·dz`` is taken
     over the projection without its biases, and the biases' gradients are the column sums of dz's
     gate and up halves. ``dout`` may be a function of ``a`` (a post-norm's backward, which needs
-    the down projection recomputed first): then the gate/up GEMM also stores ``a``."""
+    the down projection recomputed first): then the gate/up GEMM also stores ``a``. Returns
+    (r, dz, a, the Σ z·dz partials, the gradient the down projection received)."""
     r, folded = b.forward_projection(norm, w_gu)
     # z = r ⊙ (x W_guᵀ): the saved pre-activation [g0, u0, g1, u1, ...], recomputed
     z, a = b.name("z"), b.name("a")
@@ -297,7 +302,7 @@ def _backward_recomputed(
     )
     for bias, bias_partials in bias_sums:
         b.output(bias, b.summed_columns(bias_partials, f"d{bias}"))
-    return r, dz, a, partials
+    return r, dz, a, partials, dout
 
 
 def _contract(act: str, z: str, out: str) -> dict[str, Any]:
