@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from coda.blocks import GLU, Add, Block, Linear, RMSNorm, ShapeSets, TensorSpec
+from coda.blocks import GLU, Add, Block, Linear, RMSNorm, ShapeSets, SwiGLU, TensorSpec
 from coda.blocks.ops import RowRstd
 from coda.planner import LoweringOptions, NoRule, lower
 from coda.primitives import Program
@@ -182,3 +182,22 @@ def test_a_post_norm_alone_with_its_statistic_holds_in_float64() -> None:
     assert checked is not None, results[-1].message
     semantics(checked, block, block.shapes.cpu, results, seed=0, drawn=1)
     assert results[-1].status == "passed", results[-1].message
+
+
+def test_olmo2_mlp_with_only_a_post_norm_verifies() -> None:
+    """OLMo 2 reorders the norms: ``h = x + post_feedforward_layernorm(mlp(x))``, no pre-norm."""
+    graph = [
+        Linear(x="x", weight="w_gate", out="g"),
+        Linear(x="x", weight="w_up", out="u"),
+        SwiGLU(gate="g", up="u", out="a"),
+        Linear(x="a", weight="w_down", out="m"),
+        RMSNorm(x="m", weight="gamma_post", out="p", **OLMO2),
+        Add(a="x", b="p", out="h"),
+    ]
+    inputs = {n: s for n, s in GEMMA2_MLP.inputs.items() if n != "gamma_pre"}
+    update = {"name": "olmo2_mlp", "description": "h = x + rmsnorm(mlp(x))", "graph": graph}
+    block = GEMMA2_MLP.model_copy(update={**update, "inputs": inputs})
+    program = lower(block)
+    assert [s.kind for s in program.steps] == ["gemm", "gemm", "rstd", "norm_rows"]
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
