@@ -246,7 +246,9 @@ def _lm_head_training_pair(forward: Block, name: str) -> tuple[Block, Block]:
     """``<name>_train`` (the forward that also returns each row's log-sum-exp ``lse`` — from the
     partials its loss already reduces, so at no extra cost) and ``<name>_bwd_saved`` (the backward
     that receives it instead of recomputing the logits once more just for it: one GEMM of
-    ``M × V × d`` fewer per training step)."""
+    ``M × V × d`` fewer per training step). ``lse`` is of the logits the loss reads (after a
+    softcap, if the forward has one)."""
+    logits = next(op.logits for op in forward.graph if isinstance(op, CrossEntropy))
     train = register(
         forward.model_copy(
             update={
@@ -254,7 +256,7 @@ def _lm_head_training_pair(forward: Block, name: str) -> tuple[Block, Block]:
                 "description": forward.description
                 + " Training forward: also returns lse = logsumexp(logits) per row (fp32) for "
                 "the backward.",
-                "graph": [*forward.graph, LogSumExp(logits="logits", out="lse")],
+                "graph": [*forward.graph, LogSumExp(logits=logits, out="lse")],
                 "outputs": ["loss", "lse"],
             }
         )

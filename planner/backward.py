@@ -3,7 +3,7 @@
 A backward block is lowered from its *forward* graph (docs/algebra.md §2–5, §7): the rule
 of the forward block's head op (``Rule.differentiate``: SwiGLU's, Concat's, CrossEntropy's)
 writes the schedule with a ``BackwardBuilder``. Every supported forward block starts with an RMSNorm
-``h = rmsnorm(x)·γ`` feeding a projection ``z = h W``; its backward is
+``h = rmsnorm(x)·γ`` (or Gemma's ``·(1 + γ)``) feeding a projection ``z = h W``; its backward is
 
 1. ``z`` and ``dz`` where they meet — the projection GEMM is recomputed (``r ⊙ (x (W·diag γ)ᵀ)``,
    the backward block gets only the forward inputs) or read from what the forward saved, and the
@@ -68,11 +68,6 @@ class BackwardBuilder:
         _, norm = self.find(RMSNorm, out=consumer_x)
         if norm.x not in self.forward.inputs or norm.weight not in self.forward.inputs:
             self.fail("the RMSNorm's input and weight must be block inputs")
-        if norm.offset:
-            self.fail(
-                f"the RMSNorm scales by offset + γ (offset={norm.offset}); the backward rules "
-                "differentiate x̂ · γ only: give the norm offset 0 and store 1 + γ as its weight"
-            )
         return norm
 
     def prep(self, key: tuple, node: dict[str, Any]) -> str:
@@ -114,7 +109,11 @@ class BackwardBuilder:
         """(rstd of x, γ folded into ``weight``) for recomputing ``z = r ⊙ (x W_foldedᵀ)``."""
         r = self.rstd(norm)
         node = {"kind": "fold_norm_weight", "weight": weight, "gamma": norm.weight}
-        folded = self.prep(("fold", weight, norm.weight), {**node, "out": f"{weight}_folded"})
+        key = ("fold", weight, norm.weight)
+        if norm.offset:  # Gemma's x̂ · (1 + γ): the weight scaled by offset + γ
+            node["offset"] = norm.offset
+            key += (norm.offset,)
+        folded = self.prep(key, {**node, "out": f"{weight}_folded"})
         return r, folded
 
     def statistic(self, partials: str, norm: RMSNorm) -> str:
@@ -131,13 +130,93 @@ class BackwardBuilder:
             {"op": "partial_reduce", "src": "zdz_terms", "kind": "sum", "to": partials},
         ], partials
 
+    def column_sums(self, src: str, base: str) -> tuple[dict[str, Any], str]:
+        """An epilogue op writing partial column sums of ``src`` per row block (a bias gradient
+        ``Σ_rows dz``), and the partials buffer's name."""
+        partials = self.name(f"{base}_partials")
+        node = {"op": "partial_reduce", "src": src, "kind": "sum", "axis": "col", "to": partials}
+        return node, partials
+
+    def summed_columns(self, partials: str, base: str) -> str:
+        """The column sums from ``column_sums``' partials (aux ``sum_partials``, the activation
+        dtype, as a bias is)."""
+        return self.aux({"kind": "sum_partials", "src": partials, "dtype": "act", "out": base})
+
+    def post_norm_backward(self, post: RMSNorm, a: str, w_down: str, dh: str) -> str:
+        """The gradient of ``m = a W_downᵀ`` through a post-norm ``p = RMSNorm(m)`` given ``dp =
+        dh``: ``dm = r ⊙ (dh ⊙ γ' − r² m · s / d)``, ``s = Σ dh ⊙ γ' ⊙ m`` (γ' = offset + γ).
+        ``m`` is recomputed twice, never stored: the first GEMM's epilogue writes partial sums of
+        ``m²`` and of ``dh ⊙ γ' ⊙ m`` (``r`` and ``s`` span every N-tile), the second forms ``dm``
+        and the partial column sums of ``dγ = Σ_rows dh ⊙ r m``. Returns ``dm``."""
+        if post.weight not in self.forward.inputs:
+            self.fail(f"the post-norm's weight {post.weight!r} must be a block input")
+        scale = f"(gamma_col + {post.offset!r})" if post.offset else "gamma_col"
+        sumsq, s_partials = self.name("m_sumsq"), self.name("dhm_partials")
+        loads = [
+            {"op": "load_tile", "tensor": dh, "out": "dh_tile"},
+            {"op": "load_col_vector", "vector": post.weight, "out": "gamma_col"},
+        ]
+        self.gemm(
+            "post_norm_stats",
+            a,
+            f"{w_down}.T",
+            [
+                {"op": "partial_reduce", "src": "acc", "kind": "sumsq", "to": sumsq},
+                *loads,
+                {"op": "map", "expr": f"dh_tile * {scale} * acc", "out": "dhm_terms"},
+                {"op": "partial_reduce", "src": "dhm_terms", "kind": "sum", "to": s_partials},
+            ],
+        )
+        r = self.aux({"kind": "rstd", "src": sumsq, "eps": post.eps, "out": f"rstd_{post.out}"})
+        width = size_expr_of(self.st, dh, 1)
+        node = {"kind": "sum_partials", "src": s_partials, "divide_by": width, "out": "c_post"}
+        c = self.aux(node)
+        dm, dgamma_partials = self.name("dm"), self.name("dgamma_post_partials")
+        self.gemm(
+            "post_norm_bwd",
+            a,
+            f"{w_down}.T",
+            [
+                *loads,
+                {"op": "load_row_vector", "vector": r, "out": "r_row"},
+                {"op": "load_row_vector", "vector": c, "out": "c_row"},
+                {
+                    "op": "map",
+                    "expr": f"r_row * (dh_tile * {scale} - r_row * r_row * acc * c_row)",
+                    "out": dm,
+                },
+                {"op": "store", "src": dm, "to": dm},
+                {"op": "map", "expr": "dh_tile * acc * r_row", "out": "dgamma_terms"},
+                {
+                    "op": "partial_reduce",
+                    "src": "dgamma_terms",
+                    "kind": "sum",
+                    "axis": "col",
+                    "to": dgamma_partials,
+                },
+            ],
+        )
+        self.output(post.weight, self.summed_columns(dgamma_partials, f"d{post.weight}"))
+        return dm
+
     def norm_backward(
-        self, name: str, dz: str, weight: str, norm: RMSNorm, r: str, c: str, residual: str | None
+        self,
+        name: str,
+        dz: str,
+        weight: str,
+        norm: RMSNorm,
+        r: str,
+        c: str,
+        residual: str | None,
+        extra: list[dict[str, Any]] | None = None,
     ) -> str:
-        """``dh = dz W`` with RMSNorm's backward in its epilogue; returns the stored ``y``."""
+        """``dh = dz W`` with RMSNorm's backward in its epilogue (and ``extra`` ops on the same
+        ``[M, d]`` tiles, e.g. a bias gradient's column sums); returns the stored ``y``."""
         dx, y = self.name("dx"), self.name("y")
         dgamma_partials = self.name("dgamma_partials")
         dx_norm = "dx_norm" if residual else dx
+        # the norm's scale: γ, or offset + γ (Gemma's 1 + γ; dγ is the same either way)
+        scale = f"(gamma_col + {norm.offset!r})" if norm.offset else "gamma_col"
         epilogue = [
             {"op": "load_tile", "tensor": norm.x, "out": "x_tile"},
             {"op": "load_row_vector", "vector": r, "out": "r_row"},
@@ -146,7 +225,7 @@ class BackwardBuilder:
             # dx = r ⊙ (dh ⊙ γ − x̂ · c), x̂ = r ⊙ x (docs/algebra.md §4); acc = dh
             {
                 "op": "map",
-                "expr": "r_row * (acc * gamma_col - r_row * x_tile * c_row)",
+                "expr": f"r_row * (acc * {scale} - r_row * x_tile * c_row)",
                 "out": dx_norm,
             },
         ]
@@ -156,7 +235,7 @@ class BackwardBuilder:
         epilogue += [
             {"op": "store", "src": dx, "to": dx},
             # y = x̂ ⊙ γ, the norm's output, for the weight gradient dzᵀ y
-            {"op": "map", "expr": "x_tile * r_row * gamma_col", "out": y},
+            {"op": "map", "expr": f"x_tile * r_row * {scale}", "out": y},
             {"op": "store", "src": y, "to": y},
             # dγ = Σ_rows dh ⊙ x̂: partial column sums per row block
             {"op": "map", "expr": "acc * x_tile * r_row", "out": "dgamma_terms"},
@@ -167,6 +246,7 @@ class BackwardBuilder:
                 "axis": "col",
                 "to": dgamma_partials,
             },
+            *(extra or []),
         ]
         self.gemm(name, dz, weight, epilogue)
         dgamma = self.aux(

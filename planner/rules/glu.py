@@ -6,25 +6,26 @@
 * **two GEMMs**: gate and up of different inputs (or biased ones that are also block outputs):
   the gate's GEMM stores it and the up GEMM's epilogue reads it back (``load_tile``) and takes
   the product in a ``map``.
+* **backward** of a GLU MLP (GeGLU: Gemma): SwiGLU's schedule (``swiglu.mlp_backward``) with
+  ``dg = da · u · act'(g)`` and ``du = da · act(g)`` (``activation.ACTIVATION_GRAD_EXPR``).
 """
 
 from __future__ import annotations
 
 from coda.blocks.ops import GLU
 
+from ..backward import BackwardBuilder
 from ..epilogue import Epilogue
 from ..registry import Rule, inputs_not_joined
 from ..state import PlanState
-from .activation import activation_expr
-
-
-def glu_expr(act: str, gate: str, up: str) -> str:
-    """``act(gate) * up`` as an expression (``gate``/``up``: epilogue values or subexpressions)."""
-    return f"({activation_expr(act, gate)}) * {up}"
+from .activation import glu_expr
+from .swiglu import mlp_backward
 
 
 class GLURule(Rule):
     op = GLU
+    backward_of = "an RMSNorm followed by a GLU MLP (any activation) with residual"
+    bias_gradients = True  # biased gate/up/down projections
 
     def fuse(self, ep: Epilogue, op: GLU) -> None:
         expr = glu_expr(op.act, ep.tile(op.gate), ep.tile(op.up))
@@ -32,3 +33,6 @@ class GLURule(Rule):
 
     def unlowered(self, st: PlanState, op: GLU) -> str:
         return inputs_not_joined(st, op)
+
+    def differentiate(self, b: BackwardBuilder) -> None:
+        mlp_backward(b)

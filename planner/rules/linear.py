@@ -30,7 +30,7 @@ from coda.blocks.ops import GLU, Linear, SwiGLU
 from ..epilogue import Epilogue, emit_gemm
 from ..registry import Rule
 from ..state import PlanState
-from .glu import glu_expr
+from .activation import glu_expr
 from .layernorm import apply_in_epilogue, layer_norm_of
 from .rmsnorm import commute
 from .rope import (

@@ -24,8 +24,16 @@ it against the block's reference of either convention.
   (``rope(r ⊙ q ⊙ γ) = r ⊙ rope(q ⊙ γ)``) while γ does not — so ``rstd`` finishes ``r`` and aux
   ``rescale_rows`` applies it to the stored result (kept in float32 until then, rounded once).
 
-Any other RMSNorm whose output anything but a GEMM reads (or that is a block output) has no
-lowering.
+* **post-norm** (``apply_post_norm``): a norm of a value an earlier step stored (a GEMM's output,
+  whose row spans every N-tile: Gemma's ``post_feedforward_layernorm``, OLMo 2's norms) that
+  something other than a GEMM reads: the producing epilogue writes partial sums of squares,
+  ``rstd`` finishes them, and aux ``norm_rows`` forms ``residual + r ⊙ y ⊙ (offset + γ)`` — each
+  ``Add`` of the norm to a stored tensor is absorbed as that residual (and a ``RowRstd`` of the
+  sum, the next norm's statistic, as its ``rstd_out``); the norm alone is materialised only for a
+  block output or another reader.
+
+An RMSNorm of a block input whose output anything but a GEMM reads (or that is a block output) has
+no lowering.
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from coda.blocks.ops import Linear, RMSNorm
+from coda.blocks.ops import Add, GraphOp, Linear, RMSNorm, RowRstd
 
 from ..epilogue import Epilogue
 from ..registry import Rule
+from ..shapes import binding_shapes
 from ..state import NoRule, PlanState, short_name
 
 
@@ -44,8 +53,12 @@ class RMSNormRule(Rule):
     op = RMSNorm
 
     def lower(self, st: PlanState, index: int, op: RMSNorm) -> bool:
-        """Check that only GEMMs read the norm (each commutes it into its epilogue)."""
-        st.require_gemm_readers(index, op, "an RMSNorm", "row-scale commutation")
+        """A post-norm is finished by aux steps now; otherwise check that only GEMMs read the norm
+        (each commutes it into its epilogue)."""
+        if is_post_norm(st, op):
+            apply_post_norm(st, index, op)
+        else:
+            st.require_gemm_readers(index, op, "an RMSNorm", "row-scale commutation")
         st.done.add(index)
         return True
 
@@ -59,7 +72,7 @@ class RMSNormRule(Rule):
                 {"op": "partial_reduce", "src": src, "kind": "sumsq", "axis": "row", "to": partials}
             )
             st.partials[value] = partials
-        if st.options.gamma == "side_output" and not op.offset:
+        if st.options.gamma == "side_output" and not op.offset and not is_post_norm(st, op):
             scaled = f"{value}_{short_name(op.weight)}"
             ep.emit({"op": "scale_cols", "src": src, "vector": op.weight, "out": scaled})
             ep.emit({"op": "store", "src": scaled, "to": scaled})
@@ -126,3 +139,72 @@ def norm_before_rotation(
     unscaled = f"{out}_unscaled"
     ep.aux.append({"kind": "rescale_rows", "src": unscaled, "vector": r, "out": out})
     return weighted, {"to": unscaled, "dtype": "float32"}
+
+
+# -- post-norm: the norm of a stored GEMM output, finished by aux steps ---------------------------
+def is_post_norm(st: PlanState, norm: RMSNorm) -> bool:
+    """The norm reads a value an earlier graph op produces (not a block input) and something
+    other than a GEMM reads its output (or it is a block output)."""
+    if st.producer(norm.x) is None:
+        return False
+    readers = [c for _, c in st.consumers(norm.out)]
+    return norm.out in st.block.outputs or any(not isinstance(c, Linear) for c in readers)
+
+
+def _residual_of(st: PlanState, add: GraphOp, value: str) -> str | None:
+    """The other operand of ``Add`` ``add`` of ``value`` when it is a stored tensor of
+    ``value``'s shape (the residual stream), else None."""
+    if not isinstance(add, Add) or add.a == add.b:
+        return None
+    other = add.b if add.a == value else add.a
+    if other not in st.available or not _same_shape(st, other, value):
+        return None
+    return other
+
+
+def _same_shape(st: PlanState, a: str, b: str) -> bool:
+    return all(shapes[a] == shapes[b] for _, shapes in binding_shapes(st))
+
+
+def _next_statistic(st: PlanState, value: str) -> dict[str, object]:
+    """``rstd_out`` / ``rstd_eps`` of a ``RowRstd`` of ``value`` (the next norm's statistic, as a
+    layer boundary hands it on), absorbed into the ``norm_rows`` that writes ``value``."""
+    for j, reader in st.consumers(value):
+        if isinstance(reader, RowRstd) and j not in st.done:
+            st.done.add(j)
+            st.available.add(reader.out)
+            return {"rstd_out": reader.out, "rstd_eps": reader.eps}
+    return {}
+
+
+def apply_post_norm(st: PlanState, index: int, norm: RMSNorm) -> None:
+    """``r`` from the partial sums of squares the producing epilogue wrote (or one pass over the
+    stored input), then one aux ``norm_rows`` per ``Add`` of the norm to a stored tensor (its
+    residual; the Add is absorbed) and one for the norm itself when a block output or another
+    op that no GEMM is needs it. GEMMs reading the norm commute it as usual."""
+    if norm.x not in st.available:
+        raise NoRule(
+            index,
+            norm,
+            f"its input {norm.x!r} is not materialised before the norm (a post-norm reads a "
+            "stored GEMM output)",
+        )
+    r = ensure_rstd(st, norm)
+    node = {"kind": "norm_rows", "src": norm.x, "rstd": r, "weight": norm.weight}
+    if norm.offset:
+        node["offset"] = norm.offset
+    standalone = norm.out in st.block.outputs
+    for j, reader in st.consumers(norm.out):
+        if j in st.done or isinstance(reader, Linear):
+            continue
+        residual = _residual_of(st, reader, norm.out)
+        if residual is None:
+            standalone = True
+            continue
+        step = {**node, "residual": residual, "out": reader.out}
+        st.steps.append({**step, **_next_statistic(st, reader.out)})
+        st.available.add(reader.out)
+        st.done.add(j)
+    if standalone:
+        st.steps.append({**node, "out": norm.out, **_next_statistic(st, norm.out)})
+        st.available.add(norm.out)

@@ -10,9 +10,17 @@
   branch alone): SwiGLU's backward in the epilogue of ``dout W_down`` next to the saved or
   recomputed gate/up projections, then the RMSNorm backward in the epilogue of ``dz W_gu``, and the
   weight gradients as plain GEMMs, the interleaved one split into gate and up by strided views.
+  A GLU of another activation (GeGLU: Gemma) takes the same schedule with its derivative; biased
+  projections get their bias gradients as column sums of their incoming gradient (``dz`` in the
+  ``dout W_down`` epilogue, ``dout`` in the ``dz W_gu`` one). A post-norm between the down
+  projection and the residual add (Gemma 2's sandwich) is differentiated first
+  (``BackwardBuilder.post_norm_backward``): its ``dm`` then takes ``dout``'s place.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from coda.blocks.ops import GLU, Add, Linear, RMSNorm, SwiGLU, SwiGLUPairs, SwiGLUPairsBackward
 
@@ -20,6 +28,7 @@ from ..backward import BackwardBuilder
 from ..epilogue import Epilogue
 from ..registry import Rule, inputs_not_joined
 from ..state import PlanState
+from .activation import activation_expr, activation_grad_expr, glu_expr
 
 # d/dx0 and d/dx1 of silu(x0)·x1 times the incoming gradient {da} (``pairwise``'s expressions)
 SWIGLU_DG = "{da} * x1 * sigmoid(x0) * (1 + x0 * (1 - sigmoid(x0)))"
@@ -56,6 +65,7 @@ def gate_up_pair(
 class SwiGLURule(Rule):
     op = SwiGLU
     backward_of = "an RMSNorm followed by a SwiGLU MLP with residual"
+    bias_gradients = True  # biased gate/up/down projections
 
     def unlowered(self, st: PlanState, op: SwiGLU) -> str:
         return inputs_not_joined(st, op)
@@ -86,54 +96,125 @@ class SwiGLUPairsBackwardRule(Rule):
 
 
 # -- backward of x + down(silu(gate(h)) · up(h)), or the branch alone -----------------------------
+def gated_unit(b: BackwardBuilder) -> tuple[SwiGLU | GLU, str]:
+    """The forward's SwiGLU or GLU and its activation (``silu`` for a SwiGLU)."""
+    for op in b.forward.graph:
+        if isinstance(op, SwiGLU | GLU):
+            return op, op.act if isinstance(op, GLU) else "silu"
+    b.fail("expected a SwiGLU or GLU")
+
+
+def glu_grads(act: str, gate: str, up: str, da: str) -> tuple[str, str]:
+    """(d/dgate, d/dup) of ``act(gate) · up`` times the incoming gradient ``da``, as
+    expressions (SwiGLU's are ``SWIGLU_DG``/``SWIGLU_DU``)."""
+    if act == "silu":
+        dg = SWIGLU_DG.replace("x1", up).replace("x0", gate)
+        return dg.format(da=da), SWIGLU_DU.replace("x0", gate).format(da=da)
+    return (
+        f"{da} * {up} * ({activation_grad_expr(act, gate)})",
+        f"{da} * {activation_expr(act, gate)}",
+    )
+
+
 def mlp_backward(b: BackwardBuilder) -> None:
-    fwd = b.forward
-    _, glu = b.find(SwiGLU)
+    glu, act = gated_unit(b)
     _, gate = b.find(Linear, out=glu.gate)
     _, up = b.find(Linear, out=glu.up)
     _, down = b.find(Linear, x=glu.out)
     if gate.x != up.x:
         b.fail("gate and up project different inputs")
     norm = b.norm(gate.x)
-    add = next((o for o in fwd.graph if isinstance(o, Add) and down.out in o.inputs()), None)
-    if add is not None:  # x + mlp(x): the residual's gradient joins the norm's in dx
-        if norm.x not in add.inputs() or add.out not in fwd.outputs:
-            b.fail("the MLP's output must be added to the norm's input (the residual)")
-        dout = b.cotangent(add.out)
-    elif down.out in fwd.outputs:  # the branch alone (llama_mlp_branch): dx is the norm's
-        dout = b.cotangent(down.out)
-    else:
-        b.fail("the MLP's output must be a block output, or added to the norm's input")
+    post, residual, dout = _mlp_output(b, down, norm)
     interleave = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
     w_gu = b.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
+    biases = (gate.bias, up.bias)
+
+    def down_grad(a: str) -> str:
+        """The gradient reaching the down projection: dout, or dm through the post-norm."""
+        return b.post_norm_backward(post, a, down.weight, dout) if post else dout
+
     if {gate.out, up.out} <= set(b.op.saved):
         r = b.rstd(norm)
         a_saved = glu.out if glu.out in b.op.saved else None
-        dz, a, partials = _backward_saved(b, dout, down.weight, gate.out, up.out, a_saved)
+        if post is not None and a_saved is None:
+            b.fail("a post-norm's backward from saved projections needs a = act(g)·u saved too")
+        d_down = down_grad(a_saved) if a_saved else dout
+        dz, a, partials = _backward_saved(
+            b, d_down, down.weight, gate.out, up.out, a_saved, act, biases
+        )
     else:
-        r, dz, a, partials = _backward_recomputed(b, norm, w_gu, dout, down.weight)
+        r, dz, a, partials, d_down = _backward_recomputed(
+            b, norm, w_gu, down_grad if post else dout, down.weight, act, biases
+        )
     c = b.statistic(partials, norm)
-    b.output(down.weight, b.plain_gemm("w_down_grad", f"{dout}.T", a, "dw_down"))
-    residual = dout if add is not None else None
-    y = b.norm_backward("gate_up_bwd", dz, w_gu, norm, r, c, residual=residual)
+    b.output(down.weight, b.plain_gemm("w_down_grad", f"{d_down}.T", a, "dw_down"))
+    extra: list[dict[str, Any]] = []
+    if down.bias is not None:  # d b_down = Σ_rows dout, from dout's tiles in the dx epilogue
+        colsum, down_partials = b.column_sums("dout_tile", "db_down")
+        extra = [{"op": "load_tile", "tensor": d_down, "out": "dout_tile"}, colsum]
+    y = b.norm_backward("gate_up_bwd", dz, w_gu, norm, r, c, residual=residual, extra=extra)
+    if down.bias is not None:
+        b.output(down.bias, b.summed_columns(down_partials, "db_down"))
     dw_gu = b.plain_gemm("w_gate_up_grad", f"{dz}.T", y, "dw_gu")
     # the interleaved gradient's even rows are the gate's, odd rows the up projection's
     b.output(gate.weight, {"tensor": dw_gu, "dim": 0, "step": 2})
     b.output(up.weight, {"tensor": dw_gu, "dim": 0, "start": "1", "step": 2})
 
 
+def _mlp_output(
+    b: BackwardBuilder, down: Linear, norm: RMSNorm
+) -> tuple[RMSNorm | None, str | None, str]:
+    """(the post-norm between the down projection and the residual add — Gemma 2's sandwich —
+    or None; the residual's gradient joining dx, None for the branch alone; the gradient of the
+    sub-layer's output)."""
+    fwd = b.forward
+    post = next((o for o in fwd.graph if isinstance(o, RMSNorm) and o.x == down.out), None)
+    if post is not None and (down.bias is not None or down.out in fwd.outputs):
+        b.fail("a post-norm's input must be the down projection alone, without a bias")
+    branch = post.out if post is not None else down.out
+    add = next((o for o in fwd.graph if isinstance(o, Add) and branch in o.inputs()), None)
+    if add is not None:  # x + mlp(x): the residual's gradient joins the norm's in dx
+        if norm.x not in add.inputs() or add.out not in fwd.outputs:
+            b.fail("the MLP's output must be added to the norm's input (the residual)")
+        dout = b.cotangent(add.out)
+        return post, dout, dout
+    if branch in fwd.outputs:  # the branch alone (llama_mlp_branch): dx is the norm's
+        return post, None, b.cotangent(branch)
+    b.fail("the MLP's output must be a block output, or added to the norm's input")
+
+
 def _backward_saved(
-    b: BackwardBuilder, dout: str, w_down: str, g: str, u: str, a_saved: str | None = None
+    b: BackwardBuilder,
+    dout: str,
+    w_down: str,
+    g: str,
+    u: str,
+    a_saved: str | None = None,
+    act: str = "silu",
+    biases: tuple[str | None, str | None] = (None, None),
 ) -> tuple[str, str, str]:
-    """da = dout W_down with SwiGLU's backward next to the saved g and u (N wide each):
-    dz = [dg, du] interleaved, partial Σ (g·dg + u·du), and a = silu(g)·u recomputed for the
-    down projection's weight gradient — unless the forward saved it too (``a_saved``)."""
+    """da = dout W_down with SwiGLU's (or the GLU's) backward next to the saved g and u (N wide
+    each): dz = [dg, du] interleaved, partial Σ (g·dg + u·du), and a = act(g)·u recomputed for the
+    down projection's weight gradient — unless the forward saved it too (``a_saved``); the gate's
+    and up projection's bias gradients (``biases``) are column sums of dg and du."""
+    bias_sums = [
+        (bias, *b.column_sums(d, f"d{bias}"))
+        for bias, d in zip(biases, ("dg", "du"), strict=True)
+        if bias is not None
+    ]
     dz, partials = b.name("dz"), b.name("zdz_partials")
     a = a_saved or b.name("a")
+    a_expr = "silu(g_tile) * u_tile" if act == "silu" else glu_expr(act, "g_tile", "u_tile")
     recompute_a = [
-        {"op": "map", "expr": "silu(g_tile) * u_tile", "out": a},
+        {"op": "map", "expr": a_expr, "out": a},
         {"op": "store", "src": a, "to": a},
     ]
+    dg, du = glu_grads(act, "g_tile", "u_tile", "acc")
+    # c = Σ z·dz over the projection without its bias: g and u as saved include the biases
+    g_proj, u_proj = (
+        f"({t} - {col})" if col else t
+        for t, col in zip(("g_tile", "u_tile"), _bias_cols(biases), strict=True)
+    )
     b.gemm(
         "down_bwd",
         dout,
@@ -141,59 +222,148 @@ def _backward_saved(
         [
             {"op": "load_tile", "tensor": g, "out": "g_tile"},
             {"op": "load_tile", "tensor": u, "out": "u_tile"},
-            # d/dg silu(g)·u = u·σ(g)·(1 + g(1 − σ(g))), d/du = silu(g) (docs/algebra.md §2)
-            {
-                "op": "map",
-                "expr": "acc * u_tile * sigmoid(g_tile) * (1 + g_tile * (1 - sigmoid(g_tile)))",
-                "out": "dg",
-            },
-            {"op": "map", "expr": "acc * silu(g_tile)", "out": "du"},
+            *_load_bias_cols(biases),
+            # d/dg silu(g)·u = u·σ(g)·(1 + g(1 − σ(g))), d/du = silu(g) (docs/algebra.md §2);
+            # act'(g)·u and act(g) for another activation
+            {"op": "map", "expr": dg, "out": "dg"},
+            {"op": "map", "expr": du, "out": "du"},
             {"op": "join_pairs", "first": "dg", "second": "du", "out": dz},
-            {"op": "map", "expr": "g_tile * dg + u_tile * du", "out": "zdz_terms"},
+            {"op": "map", "expr": f"{g_proj} * dg + {u_proj} * du", "out": "zdz_terms"},
             {"op": "partial_reduce", "src": "zdz_terms", "kind": "sum", "to": partials},
+            *(colsum for _, colsum, _ in bias_sums),
             {"op": "store", "src": dz, "to": dz},
             *([] if a_saved else recompute_a),
         ],
     )
+    for bias, _, bias_partials in bias_sums:
+        b.output(bias, b.summed_columns(bias_partials, f"d{bias}"))
     return dz, a, partials
 
 
 def _backward_recomputed(
-    b: BackwardBuilder, norm: RMSNorm, w_gu: str, dout: str, w_down: str
-) -> tuple[str, str, str, str]:
-    """z = r ⊙ (x W_guᵀ) recomputed and stored, then SwiGLU's backward next to it."""
+    b: BackwardBuilder,
+    norm: RMSNorm,
+    w_gu: str,
+    dout: str | Callable[[str], str],
+    w_down: str,
+    act: str = "silu",
+    biases: tuple[str | None, str | None] = (None, None),
+) -> tuple[str, str, str, str, str]:
+    """z = r ⊙ (x W_guᵀ) [+ the interleaved biases] recomputed and stored (rounded once, as
+    ``nn.Linear`` rounds), then SwiGLU's (or the GLU's) backward next to it; ``Σ z·dz`` is taken
+    over the projection without its biases, and the biases' gradients are the column sums of dz's
+    gate and up halves. ``dout`` may be a function of ``a`` (a post-norm's backward, which needs
+    the down projection recomputed first): then the gate/up GEMM also stores ``a``. Returns
+    (r, dz, a, the Σ z·dz partials, the gradient the down projection received)."""
     r, folded = b.forward_projection(norm, w_gu)
     # z = r ⊙ (x W_guᵀ): the saved pre-activation [g0, u0, g1, u1, ...], recomputed
-    z = b.name("z")
+    z, a = b.name("z"), b.name("a")
+    z_acc = "z_biased" if any(biases) else "z_acc"
+    a_first = [] if isinstance(dout, str) else [_contract(act, z_acc, a), _store(a)]
     b.gemm(
         "gate_up",
         norm.x,
         f"{folded}.T",
         [
             {"op": "scale_rows", "src": "acc", "vector": r, "out": "z_acc"},
-            {"op": "store", "src": "z_acc", "to": z},
+            *_add_pair_biases("z_acc", biases, "z_biased"),
+            {"op": "store", "src": z_acc, "to": z},
+            *a_first,
         ],
     )
+    if not isinstance(dout, str):
+        dout = dout(a)
     # da = dout W_down; SwiGLU backward next to the loaded z (2N wide): dz, a, Σ z·dz
-    dz, a = b.name("dz"), b.name("a")
-    stats, partials = b.zdz_partials("z_tile", dz)
+    dz = b.name("dz")
+    dg, du = glu_grads(act, "x0", "x1", "acc")
+    if any(biases):  # Σ (z − b)·dz: each pair's term from its members less their biases
+        gate, up = (f"(x{k} - {c})" if c else f"x{k}" for k, c in enumerate(_bias_cols(biases)))
+        terms = f"{gate} * ({dg}) + {up} * ({du})"
+        stats = [{"op": "pairwise", "src": "z_tile", "expr0": terms, "out": "zdz_terms"}]
+        partials = b.name("zdz_partials")
+        stats.append({"op": "partial_reduce", "src": "zdz_terms", "kind": "sum", "to": partials})
+    else:
+        stats, partials = b.zdz_partials("z_tile", dz)
+    bias_ops, bias_sums = _pair_column_sums(b, dz, biases)
     b.gemm(
         "down_bwd",
         dout,
         w_down,
         [
             {"op": "load_tile", "tensor": z, "out": "z_tile"},
-            {
-                "op": "pairwise",
-                "src": "z_tile",
-                "expr0": SWIGLU_DG.format(da="acc"),
-                "expr1": SWIGLU_DU.format(da="acc"),
-                "out": dz,
-            },
-            {"op": "swiglu", "src": "z_tile", "out": a},
+            *_load_bias_cols(biases),
+            {"op": "pairwise", "src": "z_tile", "expr0": dg, "expr1": du, "out": dz},
+            *([] if a_first else [_contract(act, "z_tile", a)]),
             *stats,
+            *bias_ops,
             {"op": "store", "src": dz, "to": dz},
-            {"op": "store", "src": a, "to": a},
+            *([] if a_first else [_store(a)]),
         ],
     )
-    return r, dz, a, partials
+    for bias, bias_partials in bias_sums:
+        b.output(bias, b.summed_columns(bias_partials, f"d{bias}"))
+    return r, dz, a, partials, dout
+
+
+def _contract(act: str, z: str, out: str) -> dict[str, Any]:
+    """The epilogue op ``out = act(g) · u`` of interleaved pairs ``z``."""
+    if act == "silu":
+        return {"op": "swiglu", "src": z, "out": out}
+    return {"op": "pairwise", "src": z, "expr0": glu_expr(act, "x0", "x1"), "out": out}
+
+
+def _store(value: str) -> dict[str, Any]:
+    return {"op": "store", "src": value, "to": value}
+
+
+def _pair_column_sums(
+    b: BackwardBuilder, dz: str, biases: tuple[str | None, str | None]
+) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """Epilogue ops writing partial column sums of the gate's and up projection's halves of the
+    interleaved ``dz`` (their bias gradients), and (bias, partials buffer) for each bias."""
+    if not any(biases):
+        return [], []
+    ops: list[dict[str, Any]] = [
+        {"op": "split_pairs", "src": dz, "first": "dz_gate", "second": "dz_up"}
+    ]
+    sums = []
+    for bias, half in zip(biases, ("dz_gate", "dz_up"), strict=True):
+        if bias is not None:
+            colsum, partials = b.column_sums(half, f"d{bias}")
+            ops.append(colsum)
+            sums.append((bias, partials))
+    return ops, sums
+
+
+# the epilogue names of the gate's and up projection's bias vectors (no "x0"/"x1" inside: the
+# SwiGLU templates substitute those)
+_BIAS_COLS = ("bias_gate_col", "bias_up_col")
+
+
+def _bias_cols(biases: tuple[str | None, str | None]) -> tuple[str | None, str | None]:
+    """The epilogue value of each bias (None where the projection has none)."""
+    g, u = (col if bias else None for bias, col in zip(biases, _BIAS_COLS, strict=True))
+    return g, u
+
+
+def _load_bias_cols(biases: tuple[str | None, str | None]) -> list[dict[str, Any]]:
+    """``load_col_vector`` of each bias (N wide: one entry per pair)."""
+    return [
+        {"op": "load_col_vector", "vector": bias, "out": col}
+        for bias, col in zip(biases, _BIAS_COLS, strict=True)
+        if bias
+    ]
+
+
+def _add_pair_biases(
+    src: str, biases: tuple[str | None, str | None], out: str
+) -> list[dict[str, Any]]:
+    """Epilogue ops adding the gate's and up projection's biases (pair-wide column vectors) to
+    the interleaved pairs of ``src``; none without biases."""
+    if not any(biases):
+        return []
+    terms = [f"x{k} + {c}" if c else f"x{k}" for k, c in enumerate(_bias_cols(biases))]
+    return [
+        *_load_bias_cols(biases),
+        {"op": "pairwise", "src": src, "expr0": terms[0], "expr1": terms[1], "out": out},
+    ]

@@ -211,7 +211,9 @@ def test_an_activation_of_a_block_input_names_the_op() -> None:
         lower(block)
 
 
-def test_the_backward_of_a_biased_linear_is_refused_by_name(monkeypatch) -> None:  # noqa: ANN001
+def test_the_backward_of_a_biased_mlp_gives_the_bias_gradient(monkeypatch) -> None:  # noqa: ANN001
+    """``d b_down = Σ_rows dout``: column sums of the incoming gradient in the dx epilogue (the
+    planner's Programs for biased MLPs are verified in ``test_gemma_training.py``)."""
     forward = _block(
         "biased_swiglu_mlp",
         [
@@ -226,10 +228,16 @@ def test_the_backward_of_a_biased_linear_is_refused_by_name(monkeypatch) -> None
     )
     monkeypatch.setitem(registry._BLOCKS, forward.name, forward)
     backward = backward_block(
-        forward, name="biased_swiglu_mlp_bwd", cotangents={"out": _spec("M", "d")}, wrt=["x"]
+        forward,
+        name="biased_swiglu_mlp_bwd",
+        cotangents={"out": _spec("M", "d")},
+        wrt=["x", "b_down"],
     )
-    with pytest.raises(NoRule, match=r"biased Linears \['m'\]"):
-        lower(backward)
+    program = lower(backward)
+    (db_down,) = [s for s in program.steps if s.kind == "sum_partials" and s.out == "db_down"]
+    (dx_step,) = [s for s in program.steps if getattr(s, "name", "") == "gate_up_bwd"]
+    (colsum,) = [op for op in dx_step.epilogue if getattr(op, "to", "") == db_down.src]
+    assert colsum.axis == "col" and program.outputs["db_down"] == "db_down"
 
 
 def test_a_fused_qkv_of_biased_linears_is_refused_by_name() -> None:

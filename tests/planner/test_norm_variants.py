@@ -150,10 +150,15 @@ def test_a_layer_norm_read_by_a_non_gemm_has_no_lowering() -> None:
         lower(block)
 
 
-def test_the_backward_of_an_offset_norm_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backward rules fold γ alone: a Gemma norm's backward is refused, not mis-lowered."""
+def test_the_backward_of_an_offset_norm_scales_by_offset_plus_gamma(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Gemma norm's backward folds ``1 + γ`` into the recomputed projection and uses it in
+    ``dx`` and ``y``; its algebra matches autograd of the forward in float64."""
     from coda.blocks import get_block, registry
     from coda.blocks.autodiff import backward_block
+    from coda.sandbox.report import StageResult
+    from coda.sandbox.stages import semantics, validate
 
     llama = get_block("llama_mlp")
     graph = [
@@ -164,8 +169,18 @@ def test_the_backward_of_an_offset_norm_is_refused_by_name(monkeypatch: pytest.M
     monkeypatch.setitem(registry._BLOCKS, gemma.name, gemma)
     cotangent = {"out": TensorSpec(shape=["M", "d"])}
     bwd = backward_block(gemma, name="gemma_mlp_bwd", cotangents=cotangent, wrt=["x", "gamma"])
-    with pytest.raises(NoRule, match=r"offset \+ γ \(offset=1.0\)"):
-        lower(bwd)
+    program = lower(bwd)
+    assert [(p.kind, p.offset) for p in program.prep if p.kind == "fold_norm_weight"] == [
+        ("fold_norm_weight", 1.0)
+    ]
+    (norm_bwd,) = [s for s in program.steps if getattr(s, "name", "") == "gate_up_bwd"]
+    maps = [op.expr for op in norm_bwd.epilogue if op.op == "map"]
+    assert all("(gamma_col + 1)" in e for e in maps[:2]) and "gamma_col" not in maps[2]
+    results: list[StageResult] = []
+    checked, _ = validate(program, bwd, bwd.shapes.cpu[:2], results)
+    assert checked is not None, results[-1].message
+    semantics(checked, bwd, bwd.shapes.cpu[:2], results, seed=0, drawn=1)
+    assert results[-1].status == "passed", results[-1].message
 
 
 LN_MLP = Block(

@@ -339,6 +339,83 @@ def test_rope_rows_of_an_empty_batch() -> None:
     assert got["back"].shape == (0, 16) and got["c"].shape == (0,)
 
 
+# -- norm_rows: a post-norm's finishing pass, r ⊙ y ⊙ (offset + γ) [+ residual] ----------------
+NORM_ROWS = _program(
+    {"a": ["M", "K"], "b": ["N", "K"], "gamma": ["N"], "x": ["M", "N"]},
+    [],
+    [
+        _gemm(
+            [
+                {"op": "store", "src": "acc", "to": "y"},
+                {"op": "partial_reduce", "src": "acc", "kind": "sumsq", "to": "y_sumsq"},
+            ],
+            config=SMALL_TILES,
+        ),
+        {"kind": "rstd", "src": "y_sumsq", "eps": 1e-6, "out": "r"},
+        {"kind": "norm_rows", "src": "y", "rstd": "r", "weight": "gamma", "offset": 1.0,
+         "residual": "x", "out": "h", "rstd_out": "r_h", "rstd_eps": 1e-5},
+        {"kind": "norm_rows", "src": "y", "rstd": "r", "weight": "gamma", "out": "n"},
+    ],
+    {"y": "y", "h": "h", "n": "n", "r_h": "r_h"},
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"M": 37, "N": 45, "K": 20},  # ragged N over several 16-wide tiles
+        {"M": 1, "N": 24, "K": 9},  # one token
+        {"M": 70, "N": 1100, "K": 5},  # the kernel's 1024-column chunks, the last partial
+    ],
+)
+def test_norm_rows_is_the_post_norm_with_its_residual(
+    sizes: dict[str, int], dtype: torch.dtype
+) -> None:
+    inputs = make_inputs(NORM_ROWS, sizes, dtype)
+    got, ref, _ = run_both(NORM_ROWS, inputs)
+    atol, rtol = DTYPE_TOL[dtype]
+    # Gemma's x + x̂ · (1 + γ) and Llama's x̂ · γ, from the stored y written out
+    y, gamma, x = got["y"].double(), inputs["gamma"].double(), inputs["x"].double()
+    xhat = y / (y.pow(2).mean(1, keepdim=True) + 1e-6).sqrt()
+    assert_close(got["h"], x + xhat * (1 + gamma), atol=atol * 2, rtol=rtol * 2, what="h")
+    assert_close(got["n"], xhat * gamma, atol=atol * 2, rtol=rtol * 2, what="n")
+    # the next norm's statistic, of h as stored
+    r_h = (got["h"].double().pow(2).mean(1) + 1e-5).rsqrt()
+    assert_close(got["r_h"], r_h, atol=2e-5, rtol=2e-5, what="r_h")
+    assert got["h"].dtype == got["n"].dtype == dtype and got["r_h"].dtype == torch.float32
+    for name in ("h", "n", "r_h"):
+        assert_close(got[name], ref[name], atol=atol, rtol=rtol, what=f"{name} vs reference")
+
+
+def test_norm_rows_reads_each_tensor_with_its_own_strides() -> None:
+    sizes = {"M": 21, "N": 40, "K": 8}
+    inputs = make_inputs(NORM_ROWS, sizes, torch.float32)
+    inputs["x"] = inputs["x"].T.contiguous().T
+    inputs["gamma"] = torch.stack([inputs["gamma"], -inputs["gamma"]], dim=1)[:, 0]
+    assert not inputs["x"].is_contiguous() and not inputs["gamma"].is_contiguous()
+    got, ref, _ = run_both(NORM_ROWS, inputs)
+    for name in ("h", "n"):
+        assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, what=f"{name} vs reference")
+
+
+def test_norm_rows_of_an_empty_batch() -> None:
+    inputs = make_inputs(NORM_ROWS, {"M": 0, "N": 16, "K": 8}, torch.float32)
+    got, _, _ = run_both(NORM_ROWS, inputs)
+    assert got["h"].shape == (0, 16)
+
+
+def _norm_rows_program(**step: Any) -> dict[str, Any]:
+    return {
+        "block": "test",
+        "inputs": {"y": ["M", "N"], "r": {"shape": ["M"], "dtype": "float32"}, "g": ["N"],
+                   "x": ["M", "N"], "v": ["N", "M"]},
+        "steps": [{"kind": "norm_rows", "src": "y", "rstd": "r", "weight": "g", "out": "h",
+                   **step}],
+        "outputs": {"h": "h"},
+    }  # fmt: skip
+
+
 # -- errors that name the problem -----------------------------------------------------------------
 def _rope_program(**rope: Any) -> dict[str, Any]:
     return {
@@ -512,6 +589,26 @@ BAD: dict[str, tuple[dict[str, Any], dict[str, int], list[str]]] = {
         },
         {"M": 4, "K": 8, "N": 16},
         ["outputs.c", "view [16:18] of 'c' along dim 1 is empty or outside its extent 16"],
+    ),
+    "norm_rows with a residual of another shape": (
+        _norm_rows_program(residual="v"),
+        {"M": 4, "N": 6},
+        ["norm_rows residual 'v' is [6, 4]", "must have the shape of src 'y', [4, 6]"],
+    ),
+    "norm_rows with a weight per row": (
+        {**_norm_rows_program(), "inputs": {"y": ["M", "N"], "r": ["M"], "g": ["M"]}},
+        {"M": 4, "N": 6},
+        ["weight 'g' must be a vector of length 6 (one scale per column of 'y')"],
+    ),
+    "norm_rows with rstd_out named like out": (
+        _norm_rows_program(rstd_out="h"),
+        {"M": 4, "N": 6},
+        ["norm_rows writes out and rstd_out to the same name 'h'"],
+    ),
+    "norm_rows with rstd of the wrong length": (
+        {**_norm_rows_program(), "inputs": {"y": ["M", "N"], "r": ["N"], "g": ["N"]}},
+        {"M": 4, "N": 6},
+        ["rstd 'r' must be a vector of length 4 (one reciprocal per row of 'y')"],
     ),
 }
 
