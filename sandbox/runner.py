@@ -4,8 +4,9 @@ validate runs here: it parses and type-checks the program and sizes every tensor
 set, allocating nothing (a program that would build a too-large tensor is refused here, in
 milliseconds). Everything that allocates or runs the program — semantics (the reference executor),
 compile (code generation included), verify and profile — runs in a fresh worker subprocess per
-candidate: its own process group (killed whole on timeout, and swept when it exits), its own Triton
-and kernel caches, a memory cap, an environment built from an allowlist, and no way to read this
+candidate: its own process group (killed whole on timeout, and swept when it exits), the caller's
+Triton and kernel caches (content-addressed; or private ones: ``SandboxOptions.shared_caches``), a
+memory cap, an environment built from an allowlist, and no way to read this
 process's ``/proc`` files (``fences``). A hang, crash, exception,
 out-of-memory or CUDA fault in a candidate becomes a failed stage in the Report, with its cause and
 the worker's last stderr lines — never an exception here.
@@ -40,6 +41,7 @@ from coda.blocks.block import Block
 from coda.primitives import backend
 from coda.primitives.ir import Program, content_hash
 from coda.primitives.plugins import PluginError, load_plugins
+from coda.primitives.settings import current
 
 from .compare import OutputCheck
 from .faults import WORKER_ENV, describe_exit, refine_by_stderr, stderr_tail
@@ -274,19 +276,36 @@ def _run_stages(
     _run_isolated(program, block, options, block_file, collected, worker)
 
 
-def worker_env(tmp: Path, gpu: str | None = None) -> dict[str, str]:
-    """The worker's environment: the allowed variables of ours (``fences.allowed``), private
-    caches, unbuffered output; ``gpu`` replaces ``CUDA_VISIBLE_DEVICES``."""
+def worker_env(tmp: Path, gpu: str | None = None, *, shared_caches: bool = True) -> dict[str, str]:
+    """The worker's environment: the allowed variables of ours (``fences.allowed``), the caches,
+    unbuffered output; ``gpu`` replaces ``CUDA_VISIBLE_DEVICES``.
+
+    ``shared_caches`` (``SandboxOptions.shared_caches``): the worker compiles into this process's
+    Triton cache and keeps generated modules and tuned configs in its coda cache — all keyed by
+    content (kernel text, Triton version, options), written atomically — so a kernel an earlier
+    candidate compiled or tuned is not compiled or tuned again (on a GPU each compile of a fused
+    kernel costs seconds, per dtype and mainloop variant). Otherwise both are private folders
+    under ``tmp``, gone with the worker."""
     env = worker_environment(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
-    env.update(
-        TRITON_CACHE_DIR=str(tmp / "triton"),
-        CODA_CACHE_DIR=str(tmp / "coda"),
-        PYTHONUNBUFFERED="1",
-        **{WORKER_ENV: "1"},
-    )
+    if shared_caches:
+        caches = {
+            "TRITON_CACHE_DIR": triton_cache_dir(),
+            "CODA_CACHE_DIR": str(current().cache_dir),
+        }
+    else:
+        caches = {"TRITON_CACHE_DIR": str(tmp / "triton"), "CODA_CACHE_DIR": str(tmp / "coda")}
+    env.update(caches, PYTHONUNBUFFERED="1", **{WORKER_ENV: "1"})
     return env
+
+
+def triton_cache_dir() -> str:
+    """The folder Triton compiles into in this process (``$TRITON_CACHE_DIR``, else its
+    default under the home folder)."""
+    from triton import knobs
+
+    return str(knobs.cache.dir)
 
 
 def _run_isolated(
@@ -323,7 +342,7 @@ def _run_isolated(
                 proc = subprocess.Popen(
                     cmd,
                     cwd=tmp,
-                    env=worker_env(tmp, worker.gpu),
+                    env=worker_env(tmp, worker.gpu, shared_caches=options.shared_caches),
                     stdout=out,
                     stderr=err,
                     start_new_session=True,
