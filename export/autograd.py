@@ -92,6 +92,7 @@ class _Runner:
     tune: Tuning = "quick"
     tuned: dict[tuple, dict] = field(default_factory=dict)  # configs per input shapes and dtypes
     op_name: str = ""  # its registered op, coda::<name> (set by _custom_op)
+    keep_prepared: bool = False  # CompiledProgram.keep_prepared (ExportedFunction.keep_prepared)
 
     @property
     def args(self) -> list[str]:
@@ -116,6 +117,7 @@ class _Runner:
         if self.compiled is None:
             sizes = bind_sizes(self.program, {n: tuple(t.shape) for n, t in inputs.items()})
             self.compiled = compile_program(self.program, analyze(self.program, sizes))
+            self.compiled.keep_prepared = self.keep_prepared
         if self.tune != "off":
             self._pin_configs(inputs)
         outs = self.compiled(inputs)
@@ -278,6 +280,24 @@ class ExportedFunction:
             raise ValueError(f"tune must be 'quick', 'full' or 'off', not {mode!r}")
         for runner in self.runners:
             runner.tune = mode
+
+    @property
+    def keep_prepared(self) -> bool:
+        """Whether each Program keeps its last prep results (prepared weight layouts) and reuses
+        them while the weights they came from are unchanged (same memory, same version counter:
+        ``CompiledProgram._prepare``). Off by default: in training the weights change every step,
+        so a kept copy would only cost memory (one prepared copy of the weights per Program);
+        on for inference, generation or gradient accumulation with frozen weights, where it
+        skips the prep work of every call."""
+        return bool(self.runners) and self.runners[0].keep_prepared
+
+    @keep_prepared.setter
+    def keep_prepared(self, keep: bool) -> None:
+        for runner in self.runners:
+            runner.keep_prepared = keep
+            if runner.compiled is not None:
+                runner.compiled.keep_prepared = keep
+                runner.compiled._kept = None
 
     def __deepcopy__(self, memo: dict) -> ExportedFunction:
         # registered once per process (torch.library ops do not copy): a copy is this function
