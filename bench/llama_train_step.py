@@ -20,8 +20,9 @@ MLP half's residual in its kernels), ``coda_lm_head_hf_residual`` (``coda_lm_hea
 same deciding every run anew — no run plans: the host's work as of run 2026-12-01c),
 ``coda_lm_head_ops`` (that, and every call through the registered custom ops and every launch
 through Triton's own path: the host's work before run 2026-12-01c; both timed interleaved with
-the rest), ``coda_compile``
-(``torch.compile`` of the patched model) and ``liger``; and ``hf_graph``,
+the rest), ``coda_compile`` (``torch.compile(model, fullgraph=True)`` of
+``patch_llama(fuse_gate_up=True, fused_loss=True)``: ``coda_lm_head``'s kernels, the rest of the
+step compiled around them, no graph break allowed) and ``liger``; and ``hf_graph``,
 ``coda_lm_head_graph``: those steps — forward, backward, ``AdamW.step()`` — captured once in one
 CUDA graph and replayed (the remedy for a host-bound step: one launch per step, whatever Python
 runs at capture; not run by default). Liger's step
@@ -152,10 +153,10 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
         model = model.to(bench.dtype)
     tune = "off" if bench.dry_run else "quick"
     if name.startswith("coda"):
-        fuse = name in ("coda_mlp", "coda_fused") or name.startswith("coda_lm_head")
+        fuse = name in ("coda_mlp", "coda_fused", "coda_compile") or name.startswith("coda_lm_head")
         model = patch_llama(
             model, verify=False, tune=tune, fuse_gate_up=fuse, attention=name != "coda_mlp",
-            fuse_residual=name != "coda_lm_head_hf_residual",
+            fuse_residual=name != "coda_lm_head_hf_residual", fused_loss=name == "coda_compile",
         )  # fmt: skip
     if name == "liger":
         try:
@@ -166,8 +167,13 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
 
         apply = apply_liger_kernel_to_llama
         model = contained_module_patches(model, modeling_llama, lambda: apply(model=model))
-    if name in ("hf_compile", "coda_compile"):
+    if name == "hf_compile":
         model = bench.compile(model)
+    if name == "coda_compile":  # the one-liner README documents: no graph break may hide
+        import torch
+
+        torch.compiler.reset()
+        model = torch.compile(model, backend=bench.compile_backend, fullgraph=True)
     return model
 
 
