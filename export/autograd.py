@@ -33,6 +33,7 @@ the tuning cache (``$CODA_CACHE_DIR/tuning.json``), so a later process starts tu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Sequence
@@ -94,13 +95,14 @@ class _Runner:
     op_name: str = ""  # its registered op, coda::<name> (set by _custom_op)
     keep_prepared: bool = False  # CompiledProgram.keep_prepared (ExportedFunction.keep_prepared)
 
-    @property
+    @functools.cached_property
     def args(self) -> list[str]:
+        """The op's arguments, in order (worked out once: read on every call)."""
         return _packed_names(list(self.program.inputs), self.packed)
 
-    @property
+    @functools.cached_property
     def outputs(self) -> list[str]:
-        """The op's outputs, in order."""
+        """The op's outputs, in order (worked out once: read on every call)."""
         pairs = [(even, odd, name) for name, (even, odd) in self.whole.items()]
         return _packed_names(list(self.program.outputs), [PackedRows(n, e, o) for e, o, n in pairs])
 

@@ -16,7 +16,7 @@ from .base import RunEnv
 from .codegen.context import Param
 from .descriptors import TensorDescriptor, descriptor_block, unchecked_descriptor
 from .ir import GemmEpilogue, MainloopConfig
-from .launch import PinnedLaunch, launch_kernel
+from .launch import PinnedLaunch, launch_kernel, recorded_launches
 from .sizes import evaluate as evaluate_size
 from .types import torch_dtype
 
@@ -77,6 +77,45 @@ class AuxLaunch(Action):
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
         self.step.launch(env)
+
+
+class PinnedAuxLaunch(Action):
+    """A recorded aux step: its kernel launches pinned (``launch.PinnedLaunch``), each argument a
+    constant or a tensor of the call by name (``record_aux``)."""
+
+    def __init__(self, step: Any, launches: tuple[tuple[PinnedLaunch, tuple], ...]) -> None:
+        self.step, self.launches = step, launches
+
+    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
+        for launch, slots in self.launches:
+            launch(*[tensors[s[1]] if s[0] == _PTR else s[1] for s in slots])
+
+
+def record_aux(step: Any, tensors: dict[str, torch.Tensor], env: RunEnv) -> Action:
+    """Run aux ``step`` on ``tensors`` (its outputs allocated) and return what replays it at
+    this run signature: its launches pinned (``PinnedAuxLaunch``) when the step is
+    ``replayable`` and every tensor it launched on is one of ``tensors``, else the step itself
+    (``AuxLaunch``: ``launch`` called anew each time — a temporary, a view, a callable grid)."""
+    if not step.replayable:
+        AuxLaunch(step)(tensors, env)
+        return AuxLaunch(step)
+    with recorded_launches() as calls:
+        step.launch(env)
+    names = {id(t): n for n, t in tensors.items()}
+    launches = []
+    for kernel, grid, args, meta in calls:
+        slots = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                if id(arg) not in names:
+                    return AuxLaunch(step)
+                slots.append((_PTR, names[id(arg)]))
+            else:
+                slots.append((_CONST, arg))
+        if callable(grid):
+            return AuxLaunch(step)
+        launches.append((PinnedLaunch(kernel, grid, **meta), tuple(slots)))
+    return PinnedAuxLaunch(step, tuple(launches))
 
 
 @dataclass

@@ -42,12 +42,12 @@ from .run_plans import (
     RUN_PLAN_LIMIT,
     Action,
     Allocate,
-    AuxLaunch,
     LaunchPlan,
     Relaunch,
     RunPlan,
     VendorProduct,
     argument_source,
+    record_aux,
 )
 from .settings import current
 from .types import TensorInfo, partials_shape, torch_dtype
@@ -253,11 +253,11 @@ class CompiledProgram:
                     device,
                     poison,
                 )
+                allocate(tensors, env)
                 actions = [allocate]
                 if any(math.prod(shape) for _, shape, _ in allocate.tensors):
-                    actions.append(AuxLaunch(step))  # (an empty batch: nothing to launch)
-                for action in actions:
-                    action(tensors, env)
+                    # run now; replayed pinned where it can be (an empty batch: nothing to run)
+                    actions.append(record_aux(step, tensors, env))
             plan.actions.extend(actions)
         return tensors, plan
 

@@ -215,3 +215,44 @@ def test_kept_prep_results_are_reused_only_while_their_inputs_are_unchanged(
     compiled.keep_prepared = False
     check(expect_prep=True)
     check(expect_prep=True)
+
+
+@pytest.mark.parametrize("how", ["pinned", "not replayable", "temporary"])
+def test_an_aux_step_replays_its_recorded_launches_pinned_where_it_can(
+    mlp, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A replayable aux step (rstd) whose launches read only the run's tensors replays them
+    pinned, without calling its ``launch``; a step not marked replayable, or one that launched
+    on a tensor the run does not hold, is called anew. Every replay equals a fresh program."""
+    from coda.primitives.aux.rstd import Rstd
+    from coda.primitives.run_plans import AuxLaunch, PinnedAuxLaunch
+
+    block, program, sizes = mlp
+    launches: list[str] = []
+    real = Rstd.launch
+
+    def launch(self, env) -> None:  # noqa: ANN001
+        launches.append(self.out)
+        if how != "temporary":
+            return real(self, env)
+        src = env.tensors[self.src]
+        env.tensors[self.src] = src.clone()  # a temporary copy the run does not hold
+        try:
+            real(self, env)
+        finally:
+            env.tensors[self.src] = src
+
+    monkeypatch.setattr(Rstd, "launch", launch)
+    if how == "not replayable":
+        monkeypatch.setattr(Rstd, "replayable", False)
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled(block.make_inputs(sizes, torch.float32, seed=0))
+    (plan,) = compiled._run_plans.values()
+    (action,) = [a for a in plan.actions if getattr(getattr(a, "step", None), "kind", "") == "rstd"]
+    assert type(action) is (PinnedAuxLaunch if how == "pinned" else AuxLaunch)
+    launches.clear()
+    inputs = block.make_inputs(sizes, torch.float32, seed=1)
+    got = compiled(inputs)
+    assert launches == ([] if how == "pinned" else ["rstd_h"])
+    want = compile_program(program, analyze(program, sizes))(inputs)
+    torch.testing.assert_close(got["out"], want["out"], rtol=0, atol=0)
