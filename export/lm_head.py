@@ -160,12 +160,14 @@ def causal_lm_loss(
     _deferrable(norm)  # (again, if another patch set a forward on it since: it becomes inner)
     norm._coda_deferred, norm._coda_deferred_calls = True, 0
     try:
-        hidden = base(input_ids=input_ids, **model_kwargs).last_hidden_state
+        out = base(input_ids=input_ids, **model_kwargs)
     finally:
         norm._coda_deferred = False
     if norm._coda_deferred_calls != 1:
         calls = norm._coda_deferred_calls
         raise RuntimeError(f"the final norm ran {calls} times in one forward; expected once")
+    # the deferred norm's output is its input: the hidden states the fused loss normalizes
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return loss_module(hidden, labels, num_items_in_batch)
 
 
