@@ -36,7 +36,7 @@ allocated before, on a step after the first).
 
     python3 bench/llama_train_step.py [--out DIR] [--layers 4] [--batch 4] [--seq 2048]
         [--settings bf16,amp] [--variants hf,coda,...] [--profile K] [--sync-check]
-        [--host] [--cprofile VARIANTS]
+        [--host] [--cprofile VARIANTS] [--compile-mode default|reduce-overhead]
     python3 bench/llama_train_step.py --dry-run   # CPU interpreter, toy model: checks the script
 
 Writes ``llama_train_step.json`` and ``.md`` into ``--out`` (default ``$OUT``, else ``bench/out``).
@@ -127,6 +127,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "list where it synchronizes the host with the GPU",
     )  # fmt: skip
     p.add_argument(
+        "--compile-mode", default="default", choices=["default", "reduce-overhead"],
+        help="torch.compile's mode for hf_compile and coda_compile (reduce-overhead: CUDA "
+        "graphs, the host's share removed; ignored on a dry run)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-cudnn-attention", action="store_true",
         help="turn PyTorch's cuDNN attention backend off (SDPA then takes flash attention)",
     )  # fmt: skip
@@ -143,8 +148,11 @@ def base_model(args: argparse.Namespace, bench: Bench) -> Any:
     return LlamaForCausalLM(config).to(bench.device)
 
 
-def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None:
-    """A fresh copy of ``base`` set up as ``name`` (None when it cannot run here)."""
+def make_variant(
+    name: str, base: Any, setting: str, bench: Bench, compile_mode: str = "default"
+) -> Any | None:
+    """A fresh copy of ``base`` set up as ``name`` (None when it cannot run here);
+    ``compile_mode``: ``torch.compile``'s mode for the compiled variants (on a GPU)."""
     from coda.export import patch_llama
 
     name = split_variant(name)[0]
@@ -167,13 +175,17 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
 
         apply = apply_liger_kernel_to_llama
         model = contained_module_patches(model, modeling_llama, lambda: apply(model=model))
-    if name == "hf_compile":
-        model = bench.compile(model)
-    if name == "coda_compile":  # the one-liner README documents: no graph break may hide
+    if name in ("hf_compile", "coda_compile"):
         import torch
 
         torch.compiler.reset()
-        model = torch.compile(model, backend=bench.compile_backend, fullgraph=True)
+        # coda_compile is the one-liner README documents: no graph break may hide in it
+        how: dict[str, Any] = {"fullgraph": name == "coda_compile"}
+        if bench.dry_run or compile_mode == "default":
+            how["backend"] = bench.compile_backend
+        else:
+            how["mode"] = compile_mode
+        model = torch.compile(model, **how)
     return model
 
 
@@ -358,7 +370,7 @@ def setting_rows(
     for name in [v for v in args.variants.split(",") if v]:
         row: dict[str, Any] = {"setting": setting, "variant": name}
         try:
-            model = make_variant(name, base, setting, bench)
+            model = make_variant(name, base, setting, bench, args.compile_mode)
             if model is None:
                 rows.append({**row, "skipped": "not installed"})
                 continue
