@@ -290,7 +290,8 @@ class ExportedFunction:
         ``CompiledProgram._prepare``). Off by default: in training the weights change every step,
         so a kept copy would only cost memory (one prepared copy of the weights per Program);
         on for inference, generation or gradient accumulation with frozen weights, where it
-        skips the prep work of every call."""
+        skips the prep work of every call. Not for a CUDA graph whose replays change the weights
+        (a captured optimizer step): the check runs on the host, at capture, not in replays."""
         return bool(self.runners) and self.runners[0].keep_prepared
 
     @keep_prepared.setter
