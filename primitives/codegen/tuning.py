@@ -442,6 +442,10 @@ def tune_program(
         )
         configs, narrowed = _to_screen(cache, related, whole)
         trials = _screen(compiled, name, tensors, configs, warmup, rep)
+        if narrowed and all(t.ms is None for t in trials):  # none compiles for this kernel
+            rest = [c for c in whole if c not in configs]
+            trials += _screen(compiled, name, tensors, rest, warmup, rep)
+            narrowed = False
         best, top = _final_round(compiled, name, tensors, trials, finalists, warmup, rep)
         compiled.configs[name] = best.config
         cache.put(key, best.config, best.final_ms)

@@ -211,6 +211,7 @@ def test_a_step_is_tuned_once_per_shape_and_narrowed_for_later_candidates(
     the same sizes screens only the finalists the first tuning kept (the GPU path, with the
     timings faked: the screen gives each config a time by its place in the space)."""
     import dataclasses
+    import json
 
     from coda.primitives import backend
     from coda.primitives.codegen import tuning
@@ -220,12 +221,19 @@ def test_a_step_is_tuned_once_per_shape_and_narrowed_for_later_candidates(
     monkeypatch.setattr(tuning, "candidate_configs", lambda *a, **k: list(space))
     screened: list[tuple[str, list]] = []
 
+    failing: set = set()  # configs that fail to compile (for the kernel being tuned)
+
     def screen(compiled, name, tensors, configs, warmup, rep):  # noqa: ANN001, ANN202
         screened.append((name, list(configs)))
-        return [Trial(c, ms=float(space.index(c) + 1)) for c in configs]
+        return [
+            Trial(c, None, "out of resources")
+            if c in failing
+            else Trial(c, float(space.index(c) + 1))
+            for c in configs
+        ]
 
     def final(compiled, name, tensors, trials, finalists, warmup, rep):  # noqa: ANN001, ANN202
-        top = sorted(trials, key=lambda t: t.ms)[:finalists]
+        top = sorted((t for t in trials if t.ms is not None), key=lambda t: t.ms)[:finalists]
         for t in top:
             t.final_ms = t.ms
         return top[0], top
@@ -268,3 +276,12 @@ def test_a_step_is_tuned_once_per_shape_and_narrowed_for_later_candidates(
     screened.clear()
     tune(edited=True)
     assert screened == []  # its own winners are cached too
+    # a third kernel for which none of the finalists compiles: the rest of the space is timed
+    failing.update(space[:2])
+    screened.clear()
+    kept = {k: v for k, v in cache.entries.items() if k.startswith("finalists|")}
+    cache.path.write_text(json.dumps(kept))  # the winners forgotten, the finalists kept
+    cache.entries = kept
+    third = tune(edited=True)
+    assert [configs for _, configs in screened] == [space[:2], space[2:]] * 2
+    assert all(r.best == space[2] and not r.narrowed for r in third.values())
