@@ -162,7 +162,9 @@ def bench_llama(sizes: dict[str, int], space) -> dict:  # noqa: ANN001
         tune_program(compiled, compiled.prepare(inputs), space=space)
     liger = liger_mlp(block.graph[0].eps)
     extra = {"liger": liger} if liger is not None else {}
-    row = profile_shape(compiled, block, sizes, torch.bfloat16, tune=space is None, extra=extra)
+    row = profile_shape(
+        compiled, block, sizes, torch.bfloat16, tune=space is None, space="full", extra=extra
+    )
     liger_err = None
     if liger is not None:
         ref = block.reference({n: v.float() for n, v in inputs.items()})["out"]

@@ -20,8 +20,9 @@ MLP half's residual in its kernels), ``coda_lm_head_hf_residual`` (``coda_lm_hea
 same deciding every run anew — no run plans: the host's work as of run 2026-12-01c),
 ``coda_lm_head_ops`` (that, and every call through the registered custom ops and every launch
 through Triton's own path: the host's work before run 2026-12-01c; both timed interleaved with
-the rest), ``coda_compile``
-(``torch.compile`` of the patched model) and ``liger``; and ``hf_graph``,
+the rest), ``coda_compile`` (``torch.compile(model, fullgraph=True)`` of
+``patch_llama(fuse_gate_up=True, fused_loss=True)``: ``coda_lm_head``'s kernels, the rest of the
+step compiled around them, no graph break allowed) and ``liger``; and ``hf_graph``,
 ``coda_lm_head_graph``: those steps — forward, backward, ``AdamW.step()`` — captured once in one
 CUDA graph and replayed (the remedy for a host-bound step: one launch per step, whatever Python
 runs at capture; not run by default). Liger's step
@@ -35,7 +36,7 @@ allocated before, on a step after the first).
 
     python3 bench/llama_train_step.py [--out DIR] [--layers 4] [--batch 4] [--seq 2048]
         [--settings bf16,amp] [--variants hf,coda,...] [--profile K] [--sync-check]
-        [--host] [--cprofile VARIANTS]
+        [--host] [--cprofile VARIANTS] [--compile-mode default|reduce-overhead]
     python3 bench/llama_train_step.py --dry-run   # CPU interpreter, toy model: checks the script
 
 Writes ``llama_train_step.json`` and ``.md`` into ``--out`` (default ``$OUT``, else ``bench/out``).
@@ -126,6 +127,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "list where it synchronizes the host with the GPU",
     )  # fmt: skip
     p.add_argument(
+        "--compile-mode", default="default", choices=["default", "reduce-overhead"],
+        help="torch.compile's mode for hf_compile and coda_compile (reduce-overhead: CUDA "
+        "graphs, the host's share removed; ignored on a dry run)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-cudnn-attention", action="store_true",
         help="turn PyTorch's cuDNN attention backend off (SDPA then takes flash attention)",
     )  # fmt: skip
@@ -142,8 +148,11 @@ def base_model(args: argparse.Namespace, bench: Bench) -> Any:
     return LlamaForCausalLM(config).to(bench.device)
 
 
-def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None:
-    """A fresh copy of ``base`` set up as ``name`` (None when it cannot run here)."""
+def make_variant(
+    name: str, base: Any, setting: str, bench: Bench, compile_mode: str = "default"
+) -> Any | None:
+    """A fresh copy of ``base`` set up as ``name`` (None when it cannot run here);
+    ``compile_mode``: ``torch.compile``'s mode for the compiled variants (on a GPU)."""
     from coda.export import patch_llama
 
     name = split_variant(name)[0]
@@ -152,10 +161,10 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
         model = model.to(bench.dtype)
     tune = "off" if bench.dry_run else "quick"
     if name.startswith("coda"):
-        fuse = name in ("coda_mlp", "coda_fused") or name.startswith("coda_lm_head")
+        fuse = name in ("coda_mlp", "coda_fused", "coda_compile") or name.startswith("coda_lm_head")
         model = patch_llama(
             model, verify=False, tune=tune, fuse_gate_up=fuse, attention=name != "coda_mlp",
-            fuse_residual=name != "coda_lm_head_hf_residual",
+            fuse_residual=name != "coda_lm_head_hf_residual", fused_loss=name == "coda_compile",
         )  # fmt: skip
     if name == "liger":
         try:
@@ -167,7 +176,16 @@ def make_variant(name: str, base: Any, setting: str, bench: Bench) -> Any | None
         apply = apply_liger_kernel_to_llama
         model = contained_module_patches(model, modeling_llama, lambda: apply(model=model))
     if name in ("hf_compile", "coda_compile"):
-        model = bench.compile(model)
+        import torch
+
+        torch.compiler.reset()
+        # coda_compile is the one-liner README documents: no graph break may hide in it
+        how: dict[str, Any] = {"fullgraph": name == "coda_compile"}
+        if bench.dry_run or compile_mode == "default":
+            how["backend"] = bench.compile_backend
+        else:
+            how["mode"] = compile_mode
+        model = torch.compile(model, **how)
     return model
 
 
@@ -352,7 +370,7 @@ def setting_rows(
     for name in [v for v in args.variants.split(",") if v]:
         row: dict[str, Any] = {"setting": setting, "variant": name}
         try:
-            model = make_variant(name, base, setting, bench)
+            model = make_variant(name, base, setting, bench, args.compile_mode)
             if model is None:
                 rows.append({**row, "skipped": "not installed"})
                 continue

@@ -462,6 +462,14 @@ def regress_cmd(
         1.10, "--slowdown", help="GPU: fail when slower than this × the recorded time"
     ),
     as_json: bool = typer.Option(False, "--json"),
+    times: Path = typer.Option(
+        None,
+        "--times",
+        help="GPU: the file where regress records the times of kernels with none recorded on "
+        "this device, and reads them back (default: $CODA_REGRESS_TIMES, else "
+        "~/.local/share/coda-agent/regress-times.json)",
+        show_default=False,
+    ),
 ) -> None:
     """Re-verify every stored kernel (CPU interpreter here; bf16 and timings on a GPU)."""
     from coda.evals.store import StoreError, default_stores, regress
@@ -477,6 +485,7 @@ def regress_cmd(
             slowdown=slowdown,
             blocks=block or None,
             on_row=None if as_json else lambda r: console.print(f"  {_row_line(r)}"),
+            times=times,
         )
     except StoreError as e:
         raise fail(str(e), as_json=as_json) from None

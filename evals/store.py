@@ -19,12 +19,18 @@ verified with and, when measured, its time per benchmark shape). Two stores matt
   (CPU: the Triton interpreter, float32 and float16; GPU: bfloat16 and float16, and timings). An
   entry fails when it no longer verifies (its block gone, its JSON unreadable, a check over its
   tolerance) or — on a GPU of the same kind as the one it was recorded on — when its time over the
-  recorded benchmark shapes grew by more than ``slowdown``× the recorded time. Timings recorded on
-  other hardware, or not at all, are not compared, and the row says so.
+  recorded benchmark shapes grew by more than ``slowdown``× the recorded time.
+
+Where an entry has no time recorded on this device (accepted from a CPU run, as the built-in
+entries are, or on other hardware), the first ``regress`` that measures it records its times in
+the times file (``RecordedTimes``: ``default_times_file()``, per program hash, device, shape and
+dtype, beside the user's store; a regress never writes into a store) and later runs on that device
+compare against them, so the slowdown check applies to every entry from its second run on.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from collections.abc import Callable, Sequence
@@ -232,6 +238,54 @@ def store_files(stores: Path | Sequence[Path], blocks: list[str] | None = None) 
 
 # -- regress -------------------------------------------------------------------------------------
 Status = Literal["ok", "broken", "slower"]
+TIMES_ENV = "CODA_REGRESS_TIMES"
+
+
+def default_times_file() -> Path:
+    """Where ``regress`` records the times of entries with none recorded on its device:
+    ``$CODA_REGRESS_TIMES`` when set, else ``regress-times.json`` beside the user's store's
+    default folder (``~/.local/share/coda-agent/``)."""
+    if os.environ.get(TIMES_ENV):
+        return Path(os.environ[TIMES_ENV]).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data).expanduser() / "coda-agent" / "regress-times.json"
+
+
+class RecordedTimes:
+    """Times ``regress`` measured itself, by program hash and device: ``{hash: {device:
+    {"recorded_at": ..., "timings": [TimedShape, ...]}}}`` in one JSON file (an unreadable file
+    counts as empty; it is only rewritten when a time is recorded)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        self.data: dict[str, Any] = data if isinstance(data, dict) else {}
+
+    def get(self, program_hash: str, device: str) -> tuple[list[TimedShape], str]:
+        """The timings recorded for this program on this device and when; none if none."""
+        entry = self.data.get(program_hash, {}).get(device)
+        try:
+            timings = [TimedShape.model_validate(t) for t in entry["timings"]]
+            return timings, str(entry.get("recorded_at", ""))
+        except (TypeError, KeyError, ValidationError):
+            return [], ""
+
+    def record(self, program_hash: str, device: str, report: Report) -> None:
+        """Record the report's profiled times as this program's on ``device``."""
+        self.data.setdefault(program_hash, {})[device] = {
+            "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "timings": [
+                TimedShape(sizes=p.sizes, dtype=p.dtype, program_ms=p.program_ms).model_dump()
+                for p in report.profile
+            ],
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
 
 
 @dataclass(frozen=True)
@@ -262,18 +316,25 @@ def regress(
     blocks: list[str] | None = None,
     options: SandboxOptions | None = None,
     on_row: Callable[[RegressRow], None] | None = None,
+    times: Path | None = None,
 ) -> list[RegressRow]:
-    """Re-verify every stored kernel (see the module docstring for what fails)."""
+    """Re-verify every stored kernel (see the module docstring for what fails). ``times``: the
+    file of times regress records itself (default ``default_times_file()``)."""
     rows = []
+    recorded = RecordedTimes(times or default_times_file())
     for path in store_files(store, blocks):
-        row = check_entry(path, slowdown=slowdown, options=options or SandboxOptions())
+        row = check_entry(
+            path, slowdown=slowdown, options=options or SandboxOptions(), times=recorded
+        )
         rows.append(row)
         if on_row is not None:
             on_row(row)
     return rows
 
 
-def check_entry(path: Path, *, slowdown: float, options: SandboxOptions) -> RegressRow:
+def check_entry(
+    path: Path, *, slowdown: float, options: SandboxOptions, times: RecordedTimes | None = None
+) -> RegressRow:
     try:
         entry = StoredKernel.model_validate_json(path.read_text())
     except (ValidationError, ValueError) as e:
@@ -286,14 +347,24 @@ def check_entry(path: Path, *, slowdown: float, options: SandboxOptions) -> Regr
     except (BlockNotFound, FileNotFoundError, ImportError, ValueError) as e:
         return RegressRow(path, entry.name, entry.block, "broken", f"block: {e}")
     report = evaluate(entry.program, block, options, block_file=entry.block_file)
-    return _judge(path, entry, report, slowdown)
+    return _judge(path, entry, report, slowdown, times)
 
 
-def _judge(path: Path, entry: StoredKernel, report: Report, slowdown: float) -> RegressRow:
+def _judge(
+    path: Path,
+    entry: StoredKernel,
+    report: Report,
+    slowdown: float,
+    times: RecordedTimes | None = None,
+) -> RegressRow:
+    """The row of a stored kernel for its Report; ``times``: where regress's own recorded times
+    are read (and this run's recorded, for a verified kernel with no comparable time yet)."""
     prov = entry.provenance
     worst = report.worst_check()
     recorded = max((e.max_abs_err / e.allowed for e in prov.errors if e.allowed), default=None)
     now_ms, then_ms, note = _times(entry, report)
+    if note and now_ms is not None and times is not None and report.verified:
+        now_ms, then_ms, note = _recorded_times(entry, report, times, note)
     row = RegressRow(
         path=path,
         name=entry.name,
@@ -335,6 +406,28 @@ def _times(entry: StoredKernel, report: Report) -> tuple[float | None, float | N
     common = [p for p in report.profile if (_key(p.sizes), p.dtype) in recorded]
     if not common:
         return now_all, prov.time_ms, "not compared: no benchmark shape in common with the record"
+    now = sum(p.program_ms for p in common)
+    then = sum(recorded[(_key(p.sizes), p.dtype)] for p in common)
+    return now, then, ""
+
+
+def _recorded_times(
+    entry: StoredKernel, report: Report, times: RecordedTimes, why: str
+) -> tuple[float | None, float | None, str]:
+    """(now, recorded, note) against the times regress recorded on this device; with none in
+    common, this run's times are recorded (``why``: why the entry's own were not comparable)."""
+    now_all = sum(p.program_ms for p in report.profile)
+    timings, when = times.get(entry.program_hash, report.device)
+    recorded = {(_key(t.sizes), t.dtype): t.program_ms for t in timings}
+    common = [p for p in report.profile if (_key(p.sizes), p.dtype) in recorded]
+    if not common:
+        times.record(entry.program_hash, report.device, report)
+        return (
+            now_all,
+            None,
+            f"{why}; this run's times are now recorded for {report.device} in {times.path}: "
+            "the next regress compares against them",
+        )
     now = sum(p.program_ms for p in common)
     then = sum(recorded[(_key(p.sizes), p.dtype)] for p in common)
     return now, then, ""

@@ -33,6 +33,7 @@ the tuning cache (``$CODA_CACHE_DIR/tuning.json``), so a later process starts tu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Sequence
@@ -92,14 +93,16 @@ class _Runner:
     tune: Tuning = "quick"
     tuned: dict[tuple, dict] = field(default_factory=dict)  # configs per input shapes and dtypes
     op_name: str = ""  # its registered op, coda::<name> (set by _custom_op)
+    keep_prepared: bool = False  # CompiledProgram.keep_prepared (ExportedFunction.keep_prepared)
 
-    @property
+    @functools.cached_property
     def args(self) -> list[str]:
+        """The op's arguments, in order (worked out once: read on every call)."""
         return _packed_names(list(self.program.inputs), self.packed)
 
-    @property
+    @functools.cached_property
     def outputs(self) -> list[str]:
-        """The op's outputs, in order."""
+        """The op's outputs, in order (worked out once: read on every call)."""
         pairs = [(even, odd, name) for name, (even, odd) in self.whole.items()]
         return _packed_names(list(self.program.outputs), [PackedRows(n, e, o) for e, o, n in pairs])
 
@@ -116,6 +119,7 @@ class _Runner:
         if self.compiled is None:
             sizes = bind_sizes(self.program, {n: tuple(t.shape) for n, t in inputs.items()})
             self.compiled = compile_program(self.program, analyze(self.program, sizes))
+            self.compiled.keep_prepared = self.keep_prepared
         if self.tune != "off":
             self._pin_configs(inputs)
         outs = self.compiled(inputs)
@@ -278,6 +282,25 @@ class ExportedFunction:
             raise ValueError(f"tune must be 'quick', 'full' or 'off', not {mode!r}")
         for runner in self.runners:
             runner.tune = mode
+
+    @property
+    def keep_prepared(self) -> bool:
+        """Whether each Program keeps its last prep results (prepared weight layouts) and reuses
+        them while the weights they came from are unchanged (same memory, same version counter:
+        ``CompiledProgram._prepare``). Off by default: in training the weights change every step,
+        so a kept copy would only cost memory (one prepared copy of the weights per Program);
+        on for inference, generation or gradient accumulation with frozen weights, where it
+        skips the prep work of every call. Not for a CUDA graph whose replays change the weights
+        (a captured optimizer step): the check runs on the host, at capture, not in replays."""
+        return bool(self.runners) and self.runners[0].keep_prepared
+
+    @keep_prepared.setter
+    def keep_prepared(self, keep: bool) -> None:
+        for runner in self.runners:
+            runner.keep_prepared = keep
+            if runner.compiled is not None:
+                runner.compiled.keep_prepared = keep
+                runner.compiled._kept = None
 
     def __deepcopy__(self, memo: dict) -> ExportedFunction:
         # registered once per process (torch.library ops do not copy): a copy is this function

@@ -11,7 +11,7 @@ keeps them in fp32 (16384 tokens × 128256 classes: 8 GB).
   (``ForCausalLMLoss``: labels shifted by one, ``ignore_index`` -100, mean over the counted
   tokens or sum / ``num_items_in_batch``) from the hidden states *before* the final norm;
 * ``causal_lm_loss(model, input_ids, labels, ...)``: the same for a ``LlamaForCausalLM``: runs
-  ``model.model`` (its final norm's input taken with a forward pre-hook) and the fused loss — in
+  ``model.model`` (its final norm deferred: it hands its input through) and the fused loss — in
   place of ``model(input_ids, labels=labels).loss``, with the same value and gradients;
 * ``fuse_causal_lm_loss(model)``: ``model(..., labels=...)`` itself uses it in training, so code
   that only calls the model (the Hugging Face ``Trainer``) gets the fused loss.
@@ -115,8 +115,10 @@ class CodaLlamaLMHeadLoss(nn.Module):
         return total / num_items_in_batch
 
 
-# one loss module per model, built on first use (its Programs resolved once per process)
-_LOSSES: weakref.WeakKeyDictionary[nn.Module, CodaLlamaLMHeadLoss] = weakref.WeakKeyDictionary()
+# One loss module per model, built on first use (its Programs resolved once per process) and
+# kept in the model's own __dict__ (not as a submodule: no parameter is registered twice), so a
+# copy of the model carries its own, tied to the copy's norm and head.
+_LOSS_ATTR = "_coda_lm_head_loss"
 # models whose head was proven to be what the fused loss computes (check_fused_loss_fits)
 _CHECKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -135,13 +137,18 @@ def causal_lm_loss(
     final norm, LM head and cross-entropy fused on CODA kernels (no logits in memory).
 
     Runs the base model ``model.model`` (attention masks, positions and the like pass through
-    ``model_kwargs``) with its final norm's forward replaced, for that call, by one that takes
-    the norm's input and returns it — the normalization runs in the fused loss's kernels, and the
-    base model's output is not used, so Hugging Face's norm would only cost its kernels — and
-    returns ``CodaLlamaLMHeadLoss`` of it: same value, same gradients for every parameter. (Hooks
-    on the final norm still run; a forward hook there sees the un-normalized states.) The first
-    call for a model not yet checked (by ``fuse_causal_lm_loss`` or ``patch_llama(fused_loss=
-    True)``) first proves that its loss is that (``check_fused_loss_fits``; ``ValueError``).
+    ``model_kwargs``) with its final norm deferred for that call — it returns its input, since
+    the normalization runs in the fused loss's kernels and Hugging Face's norm would only cost
+    its kernels — and returns ``CodaLlamaLMHeadLoss`` of the base model's last hidden states:
+    same value, same gradients for every parameter. (Hooks on the final norm still run; a
+    forward hook there sees the un-normalized states.) The first call for a model not yet
+    checked (by ``fuse_causal_lm_loss`` or ``patch_llama(fused_loss=True)``) first proves that
+    its loss is that (``check_fused_loss_fits``; ``ValueError``).
+
+    The final norm is made deferrable on first use (``DeferrableForward``: an instance
+    ``forward`` that hands its input through while a fused loss runs, and runs the norm
+    otherwise), so a call changes no module and ``torch.compile(fullgraph=True)`` traces it
+    whole (the loss module is built outside the graph, at ``install_fused_loss`` or first use).
 
     ``use_cache`` is left to the model's config, as ``model(...)`` leaves it: with
     ``use_cache=False`` and no attention mask, Hugging Face checks the position ids for packed
@@ -149,33 +156,64 @@ def causal_lm_loss(
     H200, 4-layer training step: the GPU idled 5.3 ms of a 36.7 ms step with it, 1.3 of 34.5 for
     the same patched model's own forward, which keeps the cache).
     """
-    if model not in _LOSSES:
+    loss_module = model.__dict__.get(_LOSS_ATTR) or _loss_module(model, verify=verify, tune=tune)
+    base, norm = model.model, model.model.norm
+    loss_module.function.tune = tune
+    _deferrable(norm)  # (again, if another patch set a forward on it since: it becomes inner)
+    norm._coda_deferred, norm._coda_deferred_calls = True, 0
+    try:
+        out = base(input_ids=input_ids, **model_kwargs)
+    finally:
+        norm._coda_deferred = False
+    if norm._coda_deferred_calls != 1:
+        calls = norm._coda_deferred_calls
+        raise RuntimeError(f"the final norm ran {calls} times in one forward; expected once")
+    # the deferred norm's output is its input: the hidden states the fused loss normalizes
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return loss_module(hidden, labels, num_items_in_batch)
+
+
+@torch.compiler.disable
+def _loss_module(model: nn.Module, *, verify: bool, tune: Tuning) -> CodaLlamaLMHeadLoss:
+    """The fused loss module of ``model``, built (and the model's head checked, unless it was)
+    on first use; its final norm made deferrable. Outside any ``torch.compile`` graph: it probes
+    the model and resolves Programs (``install_fused_loss`` builds it up front)."""
+    if _LOSS_ATTR not in model.__dict__:
         if model not in _CHECKED:
             check_fused_loss_fits(model)
-        _LOSSES[model] = CodaLlamaLMHeadLoss(
-            model.model.norm, model.lm_head, verify=verify, tune=tune
-        )
-    base, norm = model.model, model.model.norm
-    loss_module = _LOSSES[model]
-    loss_module.function.tune = tune
-    taken: list[torch.Tensor] = []
+        loss = CodaLlamaLMHeadLoss(model.model.norm, model.lm_head, verify=verify, tune=tune)
+        object.__setattr__(model, _LOSS_ATTR, loss)
+        _deferrable(model.model.norm)
+    return model.__dict__[_LOSS_ATTR]
 
-    def take(hidden_states: torch.Tensor) -> torch.Tensor:
-        taken.append(hidden_states)
-        return hidden_states
 
-    own = vars(norm).get("forward")  # a forward set on the instance before (another patch)
-    norm.forward = take  # for this call only: an instance attribute shadows the class's forward
-    try:
-        base(input_ids=input_ids, **model_kwargs)
-    finally:
-        if own is None:
-            del norm.forward
-        else:
-            norm.forward = own
-    if len(taken) != 1:
-        raise RuntimeError(f"the final norm ran {len(taken)} times in one forward; expected once")
-    return loss_module(taken[0], labels, num_items_in_batch)
+def _deferrable(norm: nn.Module) -> None:
+    """Give ``norm`` (once) an instance ``forward`` (``DeferrableForward``) that returns its
+    input unchanged while ``norm._coda_deferred`` is set and runs the norm otherwise."""
+    if not isinstance(vars(norm).get("forward"), DeferrableForward):
+        inner = vars(norm).get("forward")  # another patch's, if any
+        norm._coda_deferred, norm._coda_deferred_calls = False, 0
+        norm.forward = DeferrableForward(norm, inner)
+
+
+class DeferrableForward:
+    """The final norm's forward once a fused loss has used it: while ``norm._coda_deferred`` is
+    set (``causal_lm_loss`` sets it around the base model's forward) it returns its input and
+    counts the call in ``norm._coda_deferred_calls``; otherwise it runs the norm — ``inner``, a
+    forward an earlier patch set on the instance, or the class's. An object rather than a bound
+    function, so copies and pickles of the model keep it, tied to their own norm."""
+
+    def __init__(self, norm: nn.Module, inner: Any = None) -> None:
+        self.norm, self.inner = norm, inner
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        norm = self.norm
+        if norm._coda_deferred:
+            norm._coda_deferred_calls += 1
+            return hidden_states
+        if self.inner is not None:
+            return self.inner(hidden_states)
+        return type(norm).forward(norm, hidden_states)
 
 
 def fuse_causal_lm_loss(
@@ -213,6 +251,7 @@ def install_fused_loss(
     """``fuse_causal_lm_loss`` without its check, for a caller that made it already
     (``patch_llama`` probes the head with the layers, before changing any)."""
     _CHECKED.add(model)
+    _loss_module(model, verify=verify, tune=tune)  # built now: a compiled forward traces it whole
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     # The class forward's signature (``__wrapped__``): the Trainer keeps only the batch columns

@@ -17,7 +17,11 @@ How it chooses (``PlanSearch.propose``), in order:
    nothing could tell a later candidate is faster, and all verified candidates are equally correct.
 3. With timings (a GPU): time every decomposition, then every tile config on the fastest one; a
    config that fails to compile prunes the configs needing at least as much shared memory. Finish
-   with the fastest verified candidate.
+   with the fastest verified candidate. When the sandbox tuned the fastest one's mainloop configs
+   itself (``SandboxOptions.tune``, the default: its profile rows say ``tuned``), every fused GEMM
+   already ran the fastest config of its tuning space at each benchmark shape, whatever config
+   the Program named: tile-config candidates would repeat that tuning (and its verify), so the
+   search finishes after the decompositions.
 
 Everything is a pure function of the history, so a resumed or replayed run makes the same choices.
 """
@@ -78,6 +82,7 @@ class Outcome:
     verified: bool
     time_ms: float | None = None  # summed over the profiled shapes; None when not measured
     failure: str = ""  # "<stage>: <first line of its message>" when it failed
+    tuned: bool = False  # the sandbox tuned its mainloop configs at every profiled shape
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,15 @@ class PlanSearch:
             )
         if untried:
             return replace(untried[0], why="time every verified decomposition")
-        return self._next_config(outcomes, tried, min(timed, key=lambda o: o.time_ms))
+        best = min(timed, key=lambda o: o.time_ms)
+        if best.tuned:
+            return Finish(
+                f"fastest of {len(outcomes)} candidates: {describe(best.program)} at "
+                f"{best.time_ms:.3f} ms (summed over the profiled shapes); every decomposition "
+                "was timed, and the sandbox tuned each fused GEMM's mainloop config at every "
+                "benchmark shape, so explicit tile configs would only repeat that tuning."
+            )
+        return self._next_config(outcomes, tried, best)
 
     def _next_config(
         self, outcomes: list[Outcome], tried: dict[str, Outcome], best: Outcome

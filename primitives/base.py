@@ -209,6 +209,10 @@ class AuxStep(Node):
     """A tiny finishing kernel between GEMMs. Subclasses set ``kind`` (a Literal)."""
 
     registry: ClassVar[dict[str, type[AuxStep]]] = {}
+    # True where ``launch`` does nothing but ``launch_kernel`` calls whose arguments are tensors of
+    # ``env`` and values fixed by the tensors' shapes, strides and dtypes: a run plan then replays
+    # the recorded launches pinned (``run_plans.record_aux``) instead of calling ``launch`` again.
+    replayable: ClassVar[bool] = False
 
     kind: str  # each subclass narrows this to a Literal: the step union's discriminator
 

@@ -27,7 +27,9 @@ two, or to rule this module out when a launch misbehaves).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -99,9 +101,33 @@ _CACHE_LIMIT = 4096  # signatures kept (integers are keyed by value: every new s
 DIRECT = not current().triton_launch  # CODA_TRITON_LAUNCH=1: every launch through Triton
 
 
+class _Recording(threading.local):
+    """The launches ``recorded_launches`` collects in this thread (None: not recording)."""
+
+    calls: list[tuple[Any, Any, tuple, dict]] | None = None
+
+
+_RECORDING = _Recording()
+
+
+@contextmanager
+def recorded_launches() -> Iterator[list[tuple[Any, Any, tuple, dict]]]:
+    """Collect ``(kernel, grid, args, meta)`` of every ``launch_kernel`` call this thread makes
+    until the block ends (the launches still happen): how ``run_plans.record_aux`` learns what
+    an aux step launches."""
+    previous = _RECORDING.calls
+    _RECORDING.calls = calls = []
+    try:
+        yield calls
+    finally:
+        _RECORDING.calls = previous
+
+
 def launch_kernel(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> Any:
     """``kernel[grid](*args, **meta)`` (returns what it returns: the compiled kernel), by the
     compiled kernel's own launcher once this argument signature has launched before."""
+    if _RECORDING.calls is not None:
+        _RECORDING.calls.append((kernel, grid, args, meta))
     if backend.INTERPRET or not DIRECT:
         return kernel[grid](*args, **meta)
     try:

@@ -16,7 +16,7 @@ from .base import RunEnv
 from .codegen.context import Param
 from .descriptors import TensorDescriptor, descriptor_block, unchecked_descriptor
 from .ir import GemmEpilogue, MainloopConfig
-from .launch import PinnedLaunch, launch_kernel
+from .launch import PinnedLaunch, launch_kernel, recorded_launches
 from .sizes import evaluate as evaluate_size
 from .types import torch_dtype
 
@@ -79,6 +79,45 @@ class AuxLaunch(Action):
         self.step.launch(env)
 
 
+class PinnedAuxLaunch(Action):
+    """A recorded aux step: its kernel launches pinned (``launch.PinnedLaunch``), each argument a
+    constant or a tensor of the call by name (``record_aux``)."""
+
+    def __init__(self, step: Any, launches: tuple[tuple[PinnedLaunch, tuple], ...]) -> None:
+        self.step, self.launches = step, launches
+
+    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
+        for launch, slots in self.launches:
+            launch(*[tensors[s[1]] if s[0] == _PTR else s[1] for s in slots])
+
+
+def record_aux(step: Any, tensors: dict[str, torch.Tensor], env: RunEnv) -> Action:
+    """Run aux ``step`` on ``tensors`` (its outputs allocated) and return what replays it at
+    this run signature: its launches pinned (``PinnedAuxLaunch``) when the step is
+    ``replayable`` and every tensor it launched on is one of ``tensors``, else the step itself
+    (``AuxLaunch``: ``launch`` called anew each time — a temporary, a view, a callable grid)."""
+    if not step.replayable:
+        AuxLaunch(step)(tensors, env)
+        return AuxLaunch(step)
+    with recorded_launches() as calls:
+        step.launch(env)
+    names = {id(t): n for n, t in tensors.items()}
+    launches = []
+    for kernel, grid, args, meta in calls:
+        slots = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                if id(arg) not in names:
+                    return AuxLaunch(step)
+                slots.append((_PTR, names[id(arg)]))
+            else:
+                slots.append((_CONST, arg))
+        if callable(grid):
+            return AuxLaunch(step)
+        launches.append((PinnedLaunch(kernel, grid, **meta), tuple(slots)))
+    return PinnedAuxLaunch(step, tuple(launches))
+
+
 @dataclass
 class RunPlan:
     """What ``CompiledProgram.run`` did at one run signature, as actions to replay, with the
@@ -129,16 +168,55 @@ class LaunchPlan:
         return args
 
 
+_CONST, _PTR, _DESC = 0, 1, 2  # how a Relaunch gets each argument (``Relaunch.slots``)
+
+
 class Relaunch(Action):
     """A recorded fused-gemm launch: its plan's kernel pinned to the argument signature of the
-    run signature it was recorded at (``launch.PinnedLaunch``)."""
+    run signature it was recorded at (``launch.PinnedLaunch``), with every argument that the run
+    signature fixes worked out once, from the ``tensors`` it was recorded on.
 
-    def __init__(self, plan: LaunchPlan) -> None:
+    A run signature fixes every prepared tensor's shape and strides, and a step allocates its
+    outputs contiguous at sizes the signature binds: so a stride or shape argument is a constant
+    of the replay, and a TMA descriptor differs between calls only in its base tensor. A replay
+    then only looks up the call's tensors (``slots``: a constant, a tensor by name, or a
+    descriptor of a tensor by name with its fixed shape, strides and block)."""
+
+    def __init__(self, plan: LaunchPlan, tensors: dict[str, torch.Tensor]) -> None:
         self.plan = plan
         self.launch = PinnedLaunch(plan.kernel, plan.grid, **plan.meta)
+        self.slots = tuple(_slot(source, tensors) for source in plan.sources)
+
+    def arguments(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
+        """The launch arguments on ``tensors`` (of the run signature it was recorded at)."""
+        args: list[Any] = []
+        for slot in self.slots:
+            kind = slot[0]
+            if kind == _CONST:
+                args.append(slot[1])
+            elif kind == _PTR:
+                args.append(tensors[slot[1]])
+            else:
+                _, name, shape, strides, block = slot
+                args.append(unchecked_descriptor(tensors[name], list(shape), list(strides), block))
+        return args
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> Any:
-        return self.launch(*self.plan.arguments(tensors, checked=False))
+        return self.launch(*self.arguments(tensors))
+
+
+def _slot(source: tuple[str, str | None, Any], tensors: dict[str, torch.Tensor]) -> tuple:
+    """How a replay gets the argument of ``source`` (see ``LaunchPlan``), its layout read from
+    the recording's ``tensors``."""
+    kind, name, detail = source
+    if kind == "const":
+        return (_CONST, detail)
+    if kind == "ptr":
+        return (_PTR, name)
+    t = tensors[name]  # type: ignore[index]
+    if kind == "desc":
+        return (_DESC, name, tuple(t.shape), tuple(t.stride()), detail)
+    return (_CONST, t.stride(detail) if kind == "stride" else t.shape[detail])
 
 
 def argument_source(

@@ -42,12 +42,12 @@ from .run_plans import (
     RUN_PLAN_LIMIT,
     Action,
     Allocate,
-    AuxLaunch,
     LaunchPlan,
     Relaunch,
     RunPlan,
     VendorProduct,
     argument_source,
+    record_aux,
 )
 from .settings import current
 from .types import TensorInfo, partials_shape, torch_dtype
@@ -97,6 +97,11 @@ class CompiledProgram:
     _default_configs: dict[tuple, MainloopConfig] = field(default_factory=dict)
     _run_plans: dict[tuple, RunPlan] = field(default_factory=dict)  # by run signature (``run``)
     _views: dict[int, list[tuple[str, str, Any]]] = field(default_factory=dict)  # by id(info)
+    # Keep the last call's prep results and reuse them while the tensors prep reads are the same
+    # memory, unchanged (``_prepare``): for weights that do not change between calls (inference,
+    # generation, gradient accumulation), at the price of keeping one prepared copy.
+    keep_prepared: bool = False
+    _kept: tuple[tuple, dict[str, torch.Tensor], list[torch.Tensor]] | None = None
 
     # -- analysis at the call's sizes ------------------------------------------------------------
     def info_for(self, inputs: dict[str, torch.Tensor]) -> ProgramInfo:
@@ -146,9 +151,36 @@ class CompiledProgram:
     def _prepare(
         self, inputs: dict[str, torch.Tensor], info: ProgramInfo
     ) -> dict[str, torch.Tensor]:
+        """``prepare``; with ``keep_prepared``, the last call's prep results when every input prep
+        reads is the same memory with the same layout and has not been written since: a
+        parameter changed in place (an optimizer step, ``copy_``, ``load_state_dict``) bumps its
+        version counter, and one replaced (a new tensor, ``param.data = …``) has another address
+        — the kept inputs are held, so their memory cannot be another tensor's meanwhile. A write
+        through ``.data`` (``p.data.mul_(…)``) bypasses the version counter and is not seen."""
+        if not (self.keep_prepared and self.program.prep):
+            return self._run_prep(inputs, info)
+        key = _unchanged_key([inputs[n] for n in self.prep_reads])
+        if key is not None and self._kept is not None and self._kept[0] == key:
+            return {**inputs, **self._kept[1]}
+        self._kept = None  # released before preparing anew
+        tensors = self._run_prep(inputs, info)
+        if key is not None:
+            made = {n: t for n, t in tensors.items() if n not in inputs}
+            self._kept = (key, made, [inputs[n] for n in self.prep_reads])
+        return tensors
+
+    def _run_prep(
+        self, inputs: dict[str, torch.Tensor], info: ProgramInfo
+    ) -> dict[str, torch.Tensor]:
         env = RunEnv(dict(inputs), info.tensors, sizes=info.sizes)
         run_prep(self.program.prep, env, self.read_by_steps)
         return env.tensors
+
+    @functools.cached_property
+    def prep_reads(self) -> tuple[str, ...]:
+        """The Program inputs its prep steps read (every input named in their dumps)."""
+        named = names_in([step.model_dump() for step in self.program.prep])
+        return tuple(n for n in self.program.inputs if n in named)
 
     @functools.cached_property
     def read_by_steps(self) -> frozenset[str]:
@@ -226,11 +258,11 @@ class CompiledProgram:
                     device,
                     poison,
                 )
+                allocate(tensors, env)
                 actions = [allocate]
                 if any(math.prod(shape) for _, shape, _ in allocate.tensors):
-                    actions.append(AuxLaunch(step))  # (an empty batch: nothing to launch)
-                for action in actions:
-                    action(tensors, env)
+                    # run now; replayed pinned where it can be (an empty batch: nothing to run)
+                    actions.append(record_aux(step, tensors, env))
             plan.actions.extend(actions)
         return tensors, plan
 
@@ -318,7 +350,7 @@ class CompiledProgram:
                 raise
             self._tma_epilogue_too_big.add(too_big)
             plan = self._launch(step, gemm, tensors, cfg, sizes, device, "tma_mainloop")
-        return [allocate, Relaunch(plan)]
+        return [allocate, Relaunch(plan, tensors)]
 
     def _epilogue_tiles(self, name: str, cfg: MainloopConfig) -> list[tuple[str, list[int]]]:
         """The tensors step ``name``'s epilogue moves as TMA tiles, with their block shapes."""
@@ -423,6 +455,17 @@ def compile_program(
         if isinstance(step, GemmEpilogue) and not (info.gemms[name].vendor and use_vendor):
             kernels[name] = generate_kernel(step, info.gemms[name], info.tensors, program.block)
     return CompiledProgram(program, kernels, use_vendor=use_vendor)
+
+
+def _unchanged_key(tensors: list[torch.Tensor]) -> tuple | None:
+    """What identifies ``tensors``' memory, layout and contents version (None where a tensor has
+    no version counter, e.g. one made under ``torch.inference_mode``: nothing is kept then)."""
+    key = []
+    for t in tensors:
+        if t.is_inference():
+            return None
+        key.append((t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device))
+    return tuple(key)
 
 
 def _allocation(

@@ -14,11 +14,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
 from coda.blocks.block import Block
-from coda.primitives.codegen.tuning import tune_program
+from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
 from coda.primitives.runtime import CompiledProgram
 from coda.primitives.timing import interleaved_ms
 
@@ -67,14 +68,18 @@ def profile_shape(
     dtype: torch.dtype,
     *,
     tune: bool = True,
+    space: Literal["quick", "full"] = "quick",
     extra: dict[str, Callable[[dict[str, torch.Tensor]], object]] | None = None,
 ) -> ProfileRow:
-    """Time the program and its baselines (plus ``extra`` ones, e.g. Liger), interleaved."""
+    """Time the program and its baselines (plus ``extra`` ones, e.g. Liger), interleaved.
+    ``space``: the configs tuning times for a kernel new to the tuning cache (``QUICK_SPACE`` or
+    the whole Hopper space)."""
     inputs = block.make_inputs(sizes, dtype, seed=0, device="cuda")
     prepared = compiled.prepare(inputs)
     rejected: dict[str, list[str]] = {}
     if tune:
-        for name, result in tune_program(compiled, prepared).items():
+        configs = QUICK_SPACE if space == "quick" else None
+        for name, result in tune_program(compiled, prepared, space=configs).items():
             if result.rejected:
                 rejected[name] = [f"{c.model_dump()}: {why}" for c, why in result.rejected]
     errors = _check_at_shape(compiled, block, inputs, prepared)
@@ -108,6 +113,7 @@ def profile_shape(
         kernel_stats=dict(compiled.kernel_stats),
         input_sets=n,
         tuning_rejected=rejected,
+        tuned=tune,
         **errors,
     )
 

@@ -89,6 +89,9 @@ class ProfileRow(BaseModel):
     kernel_stats: dict[str, dict[str, int]] = {}  # step -> registers, spills, shared_bytes
     # configs tuning found fastest but rejected for wrong results: step -> "config: what differed"
     tuning_rejected: dict[str, list[str]] = {}
+    # whether every fused GEMM ran the config tuning picked at this shape (SandboxOptions.tune),
+    # rather than the one its Program names
+    tuned: bool = False
 
     @property
     def ratio_to_gemms(self) -> float:

@@ -4,8 +4,10 @@ validate runs here: it parses and type-checks the program and sizes every tensor
 set, allocating nothing (a program that would build a too-large tensor is refused here, in
 milliseconds). Everything that allocates or runs the program — semantics (the reference executor),
 compile (code generation included), verify and profile — runs in a fresh worker subprocess per
-candidate: its own process group (killed whole on timeout, and swept when it exits), its own Triton
-and kernel caches, a memory cap, an environment built from an allowlist, and no way to read this
+candidate: its own process group (killed whole on timeout, and swept when it exits), Triton and
+kernel caches shared by the sandbox's workers only (content-addressed; or private ones:
+``SandboxOptions.shared_caches``), a
+memory cap, an environment built from an allowlist, and no way to read this
 process's ``/proc`` files (``fences``). A hang, crash, exception,
 out-of-memory or CUDA fault in a candidate becomes a failed stage in the Report, with its cause and
 the worker's last stderr lines — never an exception here.
@@ -40,6 +42,7 @@ from coda.blocks.block import Block
 from coda.primitives import backend
 from coda.primitives.ir import Program, content_hash
 from coda.primitives.plugins import PluginError, load_plugins
+from coda.primitives.settings import current
 
 from .compare import OutputCheck
 from .faults import WORKER_ENV, describe_exit, refine_by_stderr, stderr_tail
@@ -274,19 +277,33 @@ def _run_stages(
     _run_isolated(program, block, options, block_file, collected, worker)
 
 
-def worker_env(tmp: Path, gpu: str | None = None) -> dict[str, str]:
-    """The worker's environment: the allowed variables of ours (``fences.allowed``), private
-    caches, unbuffered output; ``gpu`` replaces ``CUDA_VISIBLE_DEVICES``."""
+def worker_env(tmp: Path, gpu: str | None = None, *, shared_caches: bool = True) -> dict[str, str]:
+    """The worker's environment: the allowed variables of ours (``fences.allowed``), the caches,
+    unbuffered output; ``gpu`` replaces ``CUDA_VISIBLE_DEVICES``.
+
+    ``shared_caches`` (``SandboxOptions.shared_caches``): every worker compiles into one Triton
+    cache and keeps generated modules and tuned configs in one coda cache, both under
+    ``<coda cache>/sandbox`` — keyed by content (kernel text, Triton version, options) and written
+    atomically — so a kernel an earlier candidate compiled or tuned is not compiled or tuned again
+    (on a GPU each compile of a fused kernel costs seconds, per dtype and mainloop variant). They
+    are the sandbox's own: a worker never writes into the caches this process or a drop-in loads
+    kernels from. Otherwise both are private folders under ``tmp``, gone with the worker."""
     env = worker_environment(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
-    env.update(
-        TRITON_CACHE_DIR=str(tmp / "triton"),
-        CODA_CACHE_DIR=str(tmp / "coda"),
-        PYTHONUNBUFFERED="1",
-        **{WORKER_ENV: "1"},
-    )
+    if shared_caches:
+        root = sandbox_cache_dir()
+        caches = {"TRITON_CACHE_DIR": str(root / "triton"), "CODA_CACHE_DIR": str(root / "coda")}
+    else:
+        caches = {"TRITON_CACHE_DIR": str(tmp / "triton"), "CODA_CACHE_DIR": str(tmp / "coda")}
+    env.update(caches, PYTHONUNBUFFERED="1", **{WORKER_ENV: "1"})
     return env
+
+
+def sandbox_cache_dir() -> Path:
+    """The caches sandbox workers share (``<coda cache>/sandbox``): apart from the caller's own
+    Triton and coda caches, which trusted code loads kernels from."""
+    return Path(current().cache_dir) / "sandbox"
 
 
 def _run_isolated(
@@ -323,7 +340,7 @@ def _run_isolated(
                 proc = subprocess.Popen(
                     cmd,
                     cwd=tmp,
-                    env=worker_env(tmp, worker.gpu),
+                    env=worker_env(tmp, worker.gpu, shared_caches=options.shared_caches),
                     stdout=out,
                     stderr=err,
                     start_new_session=True,

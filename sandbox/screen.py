@@ -42,8 +42,9 @@ def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t.detach().cpu().double()))
 
 
-def _to64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().double() if t.is_floating_point() else t.detach().cpu()
+def _to64(t: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    t = t.detach().to(device)
+    return t.double() if t.is_floating_point() else t
 
 
 def redraws(
@@ -60,8 +61,13 @@ def redraws(
     }
 
 
-def reference64(block: Block, inputs: dict[str, torch.Tensor]) -> Outputs:
-    return block.reference({n: _to64(t) for n, t in inputs.items()})
+def reference64(
+    block: Block, inputs: dict[str, torch.Tensor], device: torch.device | str = "cpu"
+) -> Outputs:
+    """The block's reference in float64, on ``device`` (verify passes the inputs' own: at a GPU
+    shape set the float64 products take seconds each on a CPU, milliseconds on the GPU; float64
+    is IEEE on both, so only the summation order differs, ~1e-16 relative)."""
+    return block.reference({n: _to64(t, device) for n, t in inputs.items()})
 
 
 # -- the block screen ------------------------------------------------------------------------------

@@ -73,9 +73,17 @@ class SandboxOptions(BaseModel):
     profile: bool = True
     bench_shapes: list[dict[str, int]] | None = None  # default: block.shapes.bench
     tune: bool = True  # tune mainloop configs before timing (GPU only)
+    # What tuning times for a kernel new to the tuning cache: "quick" (``QUICK_SPACE``, 8 configs:
+    # each costs a compile of seconds on a GPU) or "full" (the whole Hopper space, 19).
+    tune_space: Literal["quick", "full"] = "quick"
     timeout_s: float = 600.0
     # semantics/compile/verify/profile in a worker subprocess (False: trusted, no fences)
     isolate: bool = True
+    # Workers compile into one Triton cache and keep tuned configs in one coda cache, the
+    # sandbox's own under <coda cache>/sandbox (both keyed by content), so what one candidate
+    # compiled or tuned serves the next; False:
+    # each worker starts with empty private caches (``runner.worker_env``).
+    shared_caches: bool = True
     # Host memory cap of the worker in MiB: "auto" (DEFAULT_INTERPRETER_MEMORY_MB under the
     # interpreter, none on a CUDA GPU), an explicit number (applied on any Linux machine), or None.
     memory_limit_mb: Literal["auto"] | int | None = "auto"
@@ -585,7 +593,7 @@ def verify_one(
 ) -> list[OutputCheck]:
     inputs = block.make_inputs(sizes, dtype, seed, device=backend.DEVICE)
     snapshot = {n: t.clone() for n, t in inputs.items()}
-    ref64 = reference64(block, inputs)
+    ref64 = reference64(block, inputs, device=backend.DEVICE)
     torch_out = block.reference(inputs)
     out = compiled(inputs, poison=True)
     for name, before in snapshot.items():
@@ -623,6 +631,7 @@ def profile(
     results: list[StageResult],
     *,
     tune: bool = True,
+    tune_space: Literal["quick", "full"] = "quick",
 ) -> list[ProfileRow]:
     rows: list[ProfileRow] = []
     if backend.INTERPRET:
@@ -643,7 +652,9 @@ def profile(
         from .profiling import profile_shape
 
         for sizes in shapes:
-            row = profile_shape(compiled, block, sizes, TORCH_DTYPES["bfloat16"], tune=tune)
+            row = profile_shape(
+                compiled, block, sizes, TORCH_DTYPES["bfloat16"], tune=tune, space=tune_space
+            )
             rows.append(row)
             _check_profiled_error(row, block)
         box["message"] = "; ".join(f"×{r.ratio_to_gemms:.3f} of GEMMs alone" for r in rows)
@@ -701,6 +712,13 @@ def run_worker_stages(
     if results[-1].status != "passed" or not options.profile:
         return
     emit("started", "profile")
-    rows = profile(compiled, block, options.profile_shapes(block), results, tune=options.tune)
+    rows = profile(
+        compiled,
+        block,
+        options.profile_shapes(block),
+        results,
+        tune=options.tune,
+        tune_space=options.tune_space,
+    )
     emit("profile", rows)
     emit("stage", results[-1])

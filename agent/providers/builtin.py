@@ -97,4 +97,5 @@ def _outcome(program: Program, report: Report) -> Outcome:
         first = failed.message.splitlines()[0] if failed.message else ""
         failure = f"{failed.stage}: {first}"
     time_ms = sum(r.program_ms for r in report.profile) if report.profile else None
-    return Outcome(program, report.verified, time_ms, failure)
+    tuned = bool(report.profile) and all(r.tuned for r in report.profile)
+    return Outcome(program, report.verified, time_ms, failure, tuned)

@@ -10,7 +10,7 @@ dot products of length ``K``: one pass over ``A`` plus ``M`` gathered rows of ``
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import triton.language as tl
@@ -87,6 +87,7 @@ class GatherDot(AuxStep):
     """
 
     kind: Literal["gather_dot"] = "gather_dot"
+    replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)
     a: Name
     w: Name
     index: Name

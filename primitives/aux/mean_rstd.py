@@ -7,7 +7,7 @@ with γ folded into ``W'``, ``s`` its row sums and ``c = W β``): this step give
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import triton.language as tl
@@ -73,6 +73,7 @@ class MeanRstd(AuxStep):
     """
 
     kind: Literal["mean_rstd"] = "mean_rstd"
+    replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)
     src: Name
     eps: float = Field(1e-5, gt=0, le=1)
     mean: Name

@@ -12,7 +12,7 @@ A ``partial_reduce`` in an epilogue leaves one value per row (or column) per til
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import triton.language as tl
@@ -128,6 +128,9 @@ class SumPartials(AuxStep):
     """
 
     kind: Literal["sum_partials"] = "sum_partials"
+    # (a 16-bit out goes through an fp32 temporary: a launch on a tensor not in env, which
+    # run_plans.record_aux does not replay: that step is called anew)
+    replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)
     src: Name
     out: Name
     divide_by: SizeExpr | None = None
@@ -168,6 +171,7 @@ class LseCombine(AuxStep):
     """
 
     kind: Literal["lse_combine"] = "lse_combine"
+    replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)
     src: Name
     out: Name
     minus: Name | None = None

@@ -10,7 +10,7 @@ the ``M × (Nq + 2·Nkv) × d`` GEMM only to host that epilogue.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import triton.language as tl
@@ -111,6 +111,7 @@ class RopeRows(AuxStep):
     """
 
     kind: Literal["rope_rows"] = "rope_rows"
+    replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)
     src: Name
     cos: Name
     sin: Name

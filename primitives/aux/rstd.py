@@ -7,7 +7,7 @@ program produced ``x`` (e.g. the block's own input), ``x`` itself — one memory
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import triton.language as tl
@@ -72,6 +72,7 @@ class Rstd(AuxStep):
     """
 
     kind: Literal["rstd"] = "rstd"
+    replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)
     src: Name
     eps: float = Field(1e-6, gt=0, le=1)
     out: Name

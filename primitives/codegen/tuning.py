@@ -7,6 +7,12 @@ timing). Each surviving candidate is timed on the real tensors with ``triton.tes
 winner is pinned on the ``CompiledProgram``, cached in memory and in ``$CODA_CACHE_DIR/tuning.json``
 under a key of (kernel source digest, device, M, N, K, dtype), and returned so reports show it.
 
+Tuning is done once per kernel and shape, not once per candidate Program: the cache is shared by
+the sandbox's workers (``SandboxOptions.shared_caches``), so a kernel an earlier candidate tuned is
+not timed again, and a kernel that is new but computes the same step of the same block at the same
+sizes and dtype (another decomposition's epilogue around that GEMM) screens only the finalists the
+earlier tuning kept (``related_key``), not the whole space.
+
 A winner is used only if its results are right: the tuned program's tensors are compared with the
 reference executor's (PyTorch, kernel precision, the same tiles), and a step whose tensors differ
 falls back to its next fastest candidate (the default config last). Triton has miscompiled whole
@@ -157,6 +163,7 @@ class TuningResult:
     trials: list[Trial] = field(default_factory=list)
     # configs that were fastest but computed wrong results, with what was wrong
     rejected: list[tuple[MainloopConfig, str]] = field(default_factory=list)
+    narrowed: bool = False  # screened an earlier tuning's finalists of this step, not the space
 
     def as_dict(self) -> dict:
         """JSON-ready: the winner, whether it came from the cache, every trial and every
@@ -165,6 +172,7 @@ class TuningResult:
             "best": self.best.model_dump(exclude_defaults=True),
             "ms": self.ms,
             "cached": self.cached,
+            "narrowed": self.narrowed,
             "trials": [t.as_dict() for t in self.trials],
             "rejected": [
                 {"config": c.model_dump(exclude_defaults=True), "why": why}
@@ -274,9 +282,24 @@ class TuningCache:
         entry = self.entries.get(key)
         return MainloopConfig.model_validate(entry["config"]) if entry else None
 
+    def finalists(self, key: str) -> list[MainloopConfig]:
+        """The configs an earlier tuning under ``related_key`` kept as finalists (fastest
+        first); none if there was none, or the entry is unreadable (it is only a cache)."""
+        entry = self.entries.get(key)
+        try:
+            return [MainloopConfig.model_validate(c) for c in entry["finalists"]] if entry else []
+        except (KeyError, TypeError, ValueError):
+            return []
+
+    def put_finalists(self, key: str, configs: list[MainloopConfig]) -> None:
+        """Record a tuning's finalists (fastest first) under ``related_key``."""
+        self._write(key, {"finalists": [c.model_dump() for c in configs]})
+
     def put(self, key: str, config: MainloopConfig, ms: float | None) -> None:
         """Record a winner here and in the file, keeping every other process's entries."""
-        entry = {"config": config.model_dump(), "ms": ms}
+        self._write(key, {"config": config.model_dump(), "ms": ms})
+
+    def _write(self, key: str, entry: dict) -> None:
         self.entries[key] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
@@ -326,8 +349,9 @@ def _screen(
 
 def _final_round(
     compiled, name: str, tensors: dict, trials: list[Trial], finalists: int, warmup: int, rep: int
-) -> Trial:  # noqa: ANN001
-    """The fastest of the screen's best ``finalists``, timed against each other, interleaved."""
+) -> tuple[Trial, list[Trial]]:  # noqa: ANN001
+    """The fastest of the screen's best ``finalists``, timed against each other, interleaved;
+    and those finalists, fastest first."""
     from ..timing import interleaved_ms
 
     timed = sorted((t for t in trials if t.ms is not None), key=lambda t: t.ms)
@@ -349,11 +373,29 @@ def _final_round(
     )
     for i, t in enumerate(top):
         t.final_ms = final[str(i)]
-    return min(top, key=lambda t: t.final_ms)
+    top.sort(key=lambda t: t.final_ms)
+    return top[0], top
 
 
 def tuning_key(digest: str, device: str, M: int, N: int, K: int, dtype: torch.dtype) -> str:
     return f"{digest}|{device}|M={M}|N={N}|K={K}|{str(dtype).removeprefix('torch.')}"
+
+
+def related_key(
+    block: str, step: str, device: str, M: int, N: int, K: int, dtype: torch.dtype
+) -> str:
+    """The key of a step's finalists whatever its kernel's text: step ``step`` of ``block``'s
+    Programs at these sizes and dtype (every candidate of a block names its GEMMs alike)."""
+    return "finalists|" + tuning_key(f"{block}:{step}", device, M, N, K, dtype)
+
+
+def _to_screen(
+    cache: TuningCache, related: str, space: list[MainloopConfig]
+) -> tuple[list[MainloopConfig], bool]:
+    """The configs to time for a kernel not tuned before, and whether they are an earlier
+    tuning's finalists of the same step (``related_key``) rather than the whole space."""
+    earlier = [c for c in cache.finalists(related) if c in space]  # still allowed for this step
+    return (earlier, True) if earlier else (space, False)
 
 
 def _describe(e: Exception) -> str:
@@ -402,27 +444,31 @@ def tune_program(
             compiled.configs[name] = cached
             results[name] = TuningResult(name, key, cached, None, cached=True)
             continue
-        trials = _screen(
-            compiled,
-            name,
-            tensors,
-            candidate_configs(
-                gemm.M,
-                gemm.N,
-                gemm.K,
-                itemsize=dtype.itemsize,
-                interpret=False,
-                space=space,
-                column_multiple=gemm.column_multiple,
-            ),
-            warmup,
-            rep,
+        related = related_key(
+            compiled.program.block, name, device_name, gemm.M, gemm.N, gemm.K, dtype
         )
-        best = _final_round(compiled, name, tensors, trials, finalists, warmup, rep)
+        whole = candidate_configs(
+            gemm.M,
+            gemm.N,
+            gemm.K,
+            itemsize=dtype.itemsize,
+            interpret=False,
+            space=space,
+            column_multiple=gemm.column_multiple,
+        )
+        configs, narrowed = _to_screen(cache, related, whole)
+        trials = _screen(compiled, name, tensors, configs, warmup, rep)
+        if narrowed and all(t.ms is None for t in trials):  # none compiles for this kernel
+            rest = [c for c in whole if c not in configs]
+            trials += _screen(compiled, name, tensors, rest, warmup, rep)
+            narrowed = False
+        best, top = _final_round(compiled, name, tensors, trials, finalists, warmup, rep)
         compiled.configs[name] = best.config
         cache.put(key, best.config, best.final_ms)
+        if not narrowed:
+            cache.put_finalists(related, [t.config for t in top])
         results[name] = TuningResult(
-            name, key, best.config, best.final_ms, cached=False, trials=trials
+            name, key, best.config, best.final_ms, cached=False, trials=trials, narrowed=narrowed
         )
     if check:
         _settle(compiled, prepared, results, cache)

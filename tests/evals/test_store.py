@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from coda.agent.synthesize import synthesize
 from coda.cli.main import app
-from coda.evals.store import STORE_DIR, StoredKernel, _judge, regress
+from coda.evals.store import STORE_DIR, RecordedTimes, StoredKernel, _judge, regress
 from coda.sandbox import SandboxOptions
 from coda.sandbox.report import ProfileRow, Report
 from tests.agent.scripted import BLOCK, Script, broken_program, finish, good_program, submit
@@ -146,3 +147,49 @@ def test_slowdowns_fail_only_against_a_time_recorded_on_the_same_hardware() -> N
     assert other.status == "ok" and other.time_note.startswith("not compared: recorded on")
     assert _judge(p, _entry(None), _report(5.0), 1.10).time_note == "no recorded time to compare"
     assert _judge(p, _entry(1.0), _report(1.0, verified=False), 1.10).status == "broken"
+
+
+def test_regress_records_times_where_none_are_recorded_and_then_checks_them(
+    tmp_path: Path,
+) -> None:
+    """An entry accepted from a CPU run (as the built-in ones are) has no time to compare on a
+    GPU: the first regress there records its measured times, the next ones are judged by them."""
+    p, times = Path("k.json"), tmp_path / "times.json"
+    cpu_entry = _entry(None, "cpu (Triton interpreter)")
+    first = _judge(p, cpu_entry, _report(1.0), 1.10, RecordedTimes(times))
+    assert first.status == "ok" and first.slowdown is None
+    assert (
+        "now recorded for cuda (NVIDIA H200)" in first.time_note and str(times) in first.time_note
+    )
+    again = _judge(p, cpu_entry, _report(1.05), 1.10, RecordedTimes(times))
+    assert again.status == "ok" and again.time_recorded_ms == 1.0 and again.time_note == ""
+    assert again.slowdown is not None and abs(again.slowdown - 1.05) < 1e-12
+    slow = _judge(p, cpu_entry, _report(1.3), 1.10, RecordedTimes(times))
+    assert slow.status == "slower" and slow.message == "1.300× its recorded time (> 1.1)"
+    assert RecordedTimes(times).get("h", "cuda (NVIDIA H200)")[0][0].program_ms == 1.0  # kept
+    other = _judge(p, cpu_entry, _report(7.0, "cuda (NVIDIA A100)"), 1.10, RecordedTimes(times))
+    assert other.status == "ok" and "now recorded for cuda (NVIDIA A100)" in other.time_note
+    broken = _judge(p, _entry(None), _report(9.0, "cuda (B200)", False), 1.10, RecordedTimes(times))
+    assert broken.status == "broken" and RecordedTimes(times).get("h", "cuda (B200)") == ([], "")
+    # a time recorded at accept on this hardware still wins over regress's own
+    assert _judge(p, _entry(2.0), _report(1.3), 1.10, RecordedTimes(times)).status == "ok"
+
+
+def test_regress_records_then_compares_through_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``regress`` (the command's function) with a GPU's Report faked: the second run compares."""
+    from coda.evals import store as store_module
+
+    store = tmp_path / "store"
+    (store / "llama_mlp").mkdir(parents=True)
+    (store / "llama_mlp" / "k.json").write_text(
+        _entry(None, "cpu (Triton interpreter)").model_dump_json()
+    )
+    measured = iter([1.0, 1.5])
+    monkeypatch.setattr(store_module, "evaluate", lambda *a, **k: _report(next(measured)))
+    times = tmp_path / "times.json"
+    (first,) = regress(store, options=FAST, times=times)
+    assert first.status == "ok" and "now recorded" in first.time_note and times.exists()
+    (second,) = regress(store, options=FAST, times=times)
+    assert second.status == "slower" and second.time_recorded_ms == 1.0

@@ -515,3 +515,34 @@ def test_the_attention_input_keeps_its_output_for_a_backward_without_the_project
     torch.testing.assert_close(twice, got * 2)
     for g, w in zip(twice_grads, got_grads, strict=True):
         torch.testing.assert_close(g, w * 2)
+
+
+def test_kept_prepared_weights_follow_an_optimizer_step_and_a_swapped_parameter() -> None:
+    """``keep_prepared`` reuses the prepared weights (γ folded into gate/up) between calls with
+    unchanged weights; an in-place update or a new Parameter is seen on the next call: it gives
+    what the same Program gives preparing anew (``saved=False`` runs it, keeping nothing)."""
+    fn = llama_mlp_function(1e-5, verify=False, tune="off")
+    fresh = llama_mlp_function(1e-5, verify=False, saved=False, tune="off")
+    norm, mlp = _hf_modules(seed=11)
+    x = torch.randn(9, 48)
+
+    def check() -> None:
+        weights = [norm.weight, *[p.weight for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]]
+        with torch.no_grad():
+            torch.testing.assert_close(fn(x, *weights), fresh(x, *weights), atol=0, rtol=0)
+
+    fn.keep_prepared = True
+    try:
+        assert fn.keep_prepared and all(r.keep_prepared for r in fn.runners)
+        check()
+        check()
+        optimizer = torch.optim.SGD([norm.weight, mlp.gate_proj.weight], lr=0.5)
+        for p in optimizer.param_groups[0]["params"]:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        check()
+        mlp.up_proj.weight = torch.nn.Parameter(torch.randn_like(mlp.up_proj.weight) * 0.1)
+        check()
+    finally:
+        fn.keep_prepared = False
+    assert not any(r.compiled is not None and r.compiled._kept for r in fn.runners)

@@ -201,16 +201,16 @@ def test_the_final_norm_is_not_computed_twice() -> None:
         loss = causal_lm_loss(model, ids, ids, verify=False, tune="off")
         # the layers' norms run as before; the final one does not
         assert len(calls) == 2 * model.config.num_hidden_layers
-    assert "forward" not in vars(norm) and torch.isfinite(loss)
+    assert not norm._coda_deferred and torch.isfinite(loss)
     loss.backward()
     assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
     embeds = torch.zeros(2, 9, model.config.hidden_size)
     with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
         causal_lm_loss(model, ids, ids, verify=False, tune="off", inputs_embeds=embeds)
-    assert "forward" not in vars(norm)
+    assert not norm._coda_deferred
     d = model.config.hidden_size  # the norm normalizes again: rms of ones is one
     torch.testing.assert_close(norm(torch.ones(1, d)), norm.weight.detach().expand(1, d))
-    # a forward another patch set on the instance is put back as it was
-    marker = norm.forward = lambda hidden_states: hidden_states * 2
+    # a forward another patch set on the instance still runs outside the fused loss
+    norm.forward = lambda hidden_states: hidden_states * 2
     causal_lm_loss(model, ids, ids, verify=False, tune="off")
-    assert vars(norm)["forward"] is marker
+    torch.testing.assert_close(norm(torch.ones(1, d)), 2 * torch.ones(1, d))

@@ -450,3 +450,25 @@ def test_granite_scales_are_refused_where_they_are_not_one() -> None:
         causal_lm_loss(model, ids, ids, verify=False)
     patch_llama(model, verify=False, tune="off", attention=False)  # the layers alone: Llama's
     assert isinstance(model.model.layers[0].mlp, CodaLlamaMLP)
+
+
+def test_torch_compile_traces_a_patched_training_step_whole() -> None:
+    """``torch.compile(patch_llama(model, fuse_gate_up=True, fused_loss=True), fullgraph=True)``:
+    forward with labels (the fused loss) and backward trace with no graph break — the custom ops
+    have fake implementations, the final norm defers without changing the module tree — and give
+    the eager patched model's loss and gradients."""
+    model = patch_llama(
+        _model(num_hidden_layers=1).train(), verify=False, tune="off", fuse_gate_up=True,
+        fused_loss=True,
+    )  # fmt: skip
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (1, 9))
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    got = compiled(input_ids=ids, labels=ids).loss
+    got.backward()
+    torch.testing.assert_close(got, loss, atol=1e-6, rtol=1e-6)
+    grads = dict(twin.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-6, rtol=1e-6, msg=name)

@@ -20,8 +20,10 @@ from tests.agent.scripted import BLOCK
 from .test_planner import DECODER_TAIL
 
 
-def outcome(p: Proposal, verified: bool, ms: float | None = None, failure: str = "") -> Outcome:
-    return Outcome(p.program, verified, ms, failure)
+def outcome(
+    p: Proposal, verified: bool, ms: float | None = None, failure: str = "", tuned: bool = False
+) -> Outcome:
+    return Outcome(p.program, verified, ms, failure, tuned)
 
 
 def test_llama_mlp_has_one_decomposition_and_stops_at_the_first_verified() -> None:
@@ -72,6 +74,21 @@ def test_with_timings_it_times_decompositions_then_tile_configs() -> None:
     # the four decompositions, then every explicit config on the fastest one
     assert f"fastest of {4 + len(TUNING_CONFIGS)} candidates" in p.reason
     assert "2.000 ms" in p.reason
+
+
+def test_with_tuned_timings_it_finishes_after_the_decompositions() -> None:
+    """The sandbox tuned every fused GEMM's config at each benchmark shape: a tile-config
+    candidate would only be tuned again to the same configs."""
+    search = PlanSearch(DECODER_TAIL)
+    tried = []
+    for t in [3.0, 2.0, 4.0, 5.0]:
+        p = search.propose(tried)
+        assert isinstance(p, Proposal) and p.options.config == "auto"
+        tried.append(outcome(p, True, t, tuned=True))
+    end = search.propose(tried)
+    assert isinstance(end, Finish) and end.reason.startswith("fastest of 4 candidates")
+    assert "γ stored as a side output" in end.reason and "2.000 ms" in end.reason
+    assert "would only repeat that tuning" in end.reason
 
 
 def test_a_config_that_fails_to_compile_prunes_larger_ones() -> None:
@@ -132,3 +149,12 @@ def test_the_builtin_provider_reads_reports_from_tool_results() -> None:
     assert call.name == "submit_program" and call.id == "builtin_2"
     assert program["steps"][1]["config"] == TUNING_CONFIGS[0].model_dump()  # timed: tune tiles
     assert "1.500 ms so far" in second.text
+    tuned = _report(True, 1.5)
+    tuned = tuned.model_copy(
+        update={"profile": [tuned.profile[0].model_copy(update={"tuned": True})]}
+    )
+    result = result.model_copy(
+        update={"data": {"candidate": 1, "report": tuned.model_dump(mode="json")}}
+    )
+    done = provider.complete("", [first, UserMessage(parts=[result])], [])
+    assert [c.name for c in done.tool_calls] == ["finish"]  # tuned in the sandbox: no tiles

@@ -141,3 +141,118 @@ def test_output_views_cut_once_per_binding_match_select_outputs() -> None:
         for name in want:
             assert got[name].shape == want[name].shape and got[name].stride() == want[name].stride()
             torch.testing.assert_close(got[name], want[name], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["tma", "pointer"])
+def test_a_replay_s_arguments_equal_the_plan_s_on_another_call_s_tensors(mlp, variant: str) -> None:
+    """A Relaunch works out strides, shapes and descriptor layouts once, from the tensors it was
+    recorded on; on another call's tensors of the same run signature its arguments are the ones
+    the launch plan builds from those tensors (descriptors with their base swapped)."""
+    from coda.primitives.run_plans import Relaunch
+
+    block, program, sizes = mlp
+    compiled = compile_program(program, analyze(program, sizes))
+    tensors = [compiled.run(compiled.prepare(block.make_inputs(sizes, torch.float32, seed=s)))
+               for s in (0, 1)]  # fmt: skip
+    info = compiled.info_for({n: tensors[0][n] for n in program.inputs})
+    for name, gemm in info.gemms.items():
+        if name not in compiled.kernels:
+            continue
+        cfg = compiled.config_for(name, gemm)
+        plan = compiled._plan(gemm, cfg, info.sizes, torch.device("cpu"), variant, "ieee")
+        relaunch = Relaunch(plan, tensors[0])
+        got, want = relaunch.arguments(tensors[1]), plan.arguments(tensors[1])
+        assert len(got) == len(want)
+        descriptors = 0
+        for g, w in zip(got, want, strict=True):
+            if isinstance(w, torch.Tensor):
+                assert g is w
+            elif hasattr(w, "block_shape"):
+                descriptors += 1
+                assert g.base is w.base
+                assert (g.shape, g.strides, g.block_shape) == (w.shape, w.strides, w.block_shape)
+            else:
+                assert g == w and type(g) is type(w)
+        assert descriptors > 0 if variant == "tma" else descriptors == 0
+
+
+def test_kept_prep_results_are_reused_only_while_their_inputs_are_unchanged(
+    mlp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``keep_prepared``: the weights' prep (gate/up interleaving, γ folded in) runs again when a
+    weight is changed in place, replaced by another tensor or given new memory through
+    ``.data``; otherwise the last results serve, and every call equals a fresh program's."""
+    from coda.primitives import runtime
+
+    block, program, sizes = mlp
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.keep_prepared = True
+    preps = []
+    run_prep = runtime.run_prep
+    monkeypatch.setattr(runtime, "run_prep", lambda *a: preps.append(1) or run_prep(*a))
+    inputs = block.make_inputs(sizes, torch.float32, seed=0)
+    inputs["w_gate"] = torch.nn.Parameter(inputs["w_gate"])
+
+    def check(expect_prep: bool) -> None:
+        preps.clear()
+        got = compiled(inputs)
+        assert preps == ([1] if expect_prep else [])
+        want = compile_program(program, analyze(program, sizes))(inputs)
+        torch.testing.assert_close(got["out"], want["out"], rtol=0, atol=0)
+
+    check(expect_prep=True)
+    inputs["x"] = block.make_inputs(sizes, torch.float32, seed=1)["x"]  # not read by prep
+    check(expect_prep=False)
+    with torch.no_grad():
+        inputs["w_gate"].mul_(-1.5)  # an optimizer step: the version counter moves
+    check(expect_prep=True)
+    check(expect_prep=False)
+    inputs["gamma"] = inputs["gamma"] * 2  # another tensor
+    check(expect_prep=True)
+    inputs["w_gate"].data = inputs["w_gate"].detach() + 1  # new memory under the same Parameter
+    check(expect_prep=True)
+    check(expect_prep=False)
+    compiled.keep_prepared = False
+    check(expect_prep=True)
+    check(expect_prep=True)
+
+
+@pytest.mark.parametrize("how", ["pinned", "not replayable", "temporary"])
+def test_an_aux_step_replays_its_recorded_launches_pinned_where_it_can(
+    mlp, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A replayable aux step (rstd) whose launches read only the run's tensors replays them
+    pinned, without calling its ``launch``; a step not marked replayable, or one that launched
+    on a tensor the run does not hold, is called anew. Every replay equals a fresh program."""
+    from coda.primitives.aux.rstd import Rstd
+    from coda.primitives.run_plans import AuxLaunch, PinnedAuxLaunch
+
+    block, program, sizes = mlp
+    launches: list[str] = []
+    real = Rstd.launch
+
+    def launch(self, env) -> None:  # noqa: ANN001
+        launches.append(self.out)
+        if how != "temporary":
+            return real(self, env)
+        src = env.tensors[self.src]
+        env.tensors[self.src] = src.clone()  # a temporary copy the run does not hold
+        try:
+            real(self, env)
+        finally:
+            env.tensors[self.src] = src
+
+    monkeypatch.setattr(Rstd, "launch", launch)
+    if how == "not replayable":
+        monkeypatch.setattr(Rstd, "replayable", False)
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled(block.make_inputs(sizes, torch.float32, seed=0))
+    (plan,) = compiled._run_plans.values()
+    (action,) = [a for a in plan.actions if getattr(getattr(a, "step", None), "kind", "") == "rstd"]
+    assert type(action) is (PinnedAuxLaunch if how == "pinned" else AuxLaunch)
+    launches.clear()
+    inputs = block.make_inputs(sizes, torch.float32, seed=1)
+    got = compiled(inputs)
+    assert launches == ([] if how == "pinned" else ["rstd_h"])
+    want = compile_program(program, analyze(program, sizes))(inputs)
+    torch.testing.assert_close(got["out"], want["out"], rtol=0, atol=0)

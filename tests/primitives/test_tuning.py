@@ -202,3 +202,86 @@ def test_a_tuning_result_reads_as_json_with_its_rejections(
     assert [t["final_ms"] for t in record["trials"]] == [1.0, 2.0]
     (rejected,) = record["rejected"]
     assert rejected["config"]["num_stages"] == 2 and "max |error|" in rejected["why"]
+
+
+def test_a_step_is_tuned_once_per_shape_and_narrowed_for_later_candidates(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A kernel tuned before is not timed again; another candidate's kernel for the same step at
+    the same sizes screens only the finalists the first tuning kept (the GPU path, with the
+    timings faked: the screen gives each config a time by its place in the space)."""
+    import dataclasses
+    import json
+
+    from coda.primitives import backend
+    from coda.primitives.codegen import tuning
+    from coda.primitives.ir import MainloopConfig
+
+    space = [MainloopConfig(block_m=bm, block_n=bn) for bm in (64, 128) for bn in (64, 128, 256)]
+    monkeypatch.setattr(tuning, "candidate_configs", lambda *a, **k: list(space))
+    screened: list[tuple[str, list]] = []
+
+    failing: set = set()  # configs that fail to compile (for the kernel being tuned)
+
+    def screen(compiled, name, tensors, configs, warmup, rep):  # noqa: ANN001, ANN202
+        screened.append((name, list(configs)))
+        return [
+            Trial(c, None, "out of resources")
+            if c in failing
+            else Trial(c, float(space.index(c) + 1))
+            for c in configs
+        ]
+
+    def final(compiled, name, tensors, trials, finalists, warmup, rep):  # noqa: ANN001, ANN202
+        top = sorted((t for t in trials if t.ms is not None), key=lambda t: t.ms)[:finalists]
+        for t in top:
+            t.final_ms = t.ms
+        return top[0], top
+
+    monkeypatch.setattr(tuning, "_screen", screen)
+    monkeypatch.setattr(tuning, "_final_round", final)
+    cache = TuningCache(tmp_path / "tuning.json")
+    block = get_block("llama_mlp")
+    inputs = block.make_inputs(SIZES, torch.float32, seed=0)
+
+    def tune(edited: bool) -> dict[str, TuningResult]:
+        """Tune llama_mlp's Program; ``edited``: as another candidate whose kernels for the
+        same steps differ in their text (here only by a trailing line)."""
+        program = lower(block)
+        compiled = compile_program(program, analyze(program, SIZES))
+        if edited:
+            compiled.kernels = {
+                n: dataclasses.replace(k, source=k.source + "\n")
+                for n, k in compiled.kernels.items()
+            }
+        prepared = compiled.prepare(inputs)
+        tensors = compiled.run(prepared)  # in the interpreter, before it is switched off
+        with monkeypatch.context() as m:
+            m.setattr(compiled, "run", lambda prepared, **kwargs: tensors)
+            m.setattr(backend, "INTERPRET", False)
+            return tune_program(compiled, prepared, cache=cache, check=False, finalists=2)
+
+    first = tune(edited=False)
+    assert [n for n, _ in screened] == ["gate_up", "down"]
+    assert all(configs == space for _, configs in screened)
+    assert {r.best for r in first.values()} == {space[0]} and not any(
+        r.narrowed for r in first.values()
+    )
+    screened.clear()
+    assert all(r.cached for r in tune(edited=False).values()) and screened == []
+    other = tune(edited=True)  # new kernels, the same steps and sizes
+    assert [n for n, _ in screened] == ["gate_up", "down"]
+    assert all(configs == space[:2] for _, configs in screened)
+    assert all(r.narrowed and not r.cached for r in other.values())
+    screened.clear()
+    tune(edited=True)
+    assert screened == []  # its own winners are cached too
+    # a third kernel for which none of the finalists compiles: the rest of the space is timed
+    failing.update(space[:2])
+    screened.clear()
+    kept = {k: v for k, v in cache.entries.items() if k.startswith("finalists|")}
+    cache.path.write_text(json.dumps(kept))  # the winners forgotten, the finalists kept
+    cache.entries = kept
+    third = tune(edited=True)
+    assert [configs for _, configs in screened] == [space[:2], space[2:]] * 2
+    assert all(r.best == space[2] and not r.narrowed for r in third.values())

@@ -13,6 +13,7 @@ import pytest
 from coda.blocks import get_block, load_block_file
 from coda.blocks.block import Tolerance
 from coda.planner import lower
+from coda.primitives.settings import override
 from coda.sandbox import SandboxOptions, evaluate
 from coda.sandbox.runner import worker_env
 from tests.helpers import residual_program
@@ -155,7 +156,26 @@ def test_worker_environment_has_no_secrets(monkeypatch: pytest.MonkeyPatch, tmp_
     )
     assert not {"ANTHROPIC_API_KEY", "OPENAI_API_KEY", "HF_TOKEN", "NPM_CONFIG__AUTH"} & set(env)
     assert env["CODA_SANDBOX_WORKER"] == "1"
-    assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path))
+    assert not env["TRITON_CACHE_DIR"].startswith(str(tmp_path))  # the sandbox's: shared
+
+
+def test_workers_share_the_sandboxs_caches_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Compiled kernels and tuned configs carry over between candidates (both caches are keyed
+    by content) in caches of the sandbox's own — never the caller's, which trusted code loads
+    kernels from; ``shared_caches=False`` gives each worker private ones under its folder."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    with override(cache_dir=tmp_path / "coda"):
+        shared = worker_env(tmp_path / "w")
+        again = worker_env(tmp_path / "w2")
+        private = worker_env(tmp_path / "w", shared_caches=False)
+    assert shared["TRITON_CACHE_DIR"] == str(tmp_path / "coda" / "sandbox" / "triton")
+    assert shared["CODA_CACHE_DIR"] == str(tmp_path / "coda" / "sandbox" / "coda")
+    assert again == shared
+    assert not shared["TRITON_CACHE_DIR"].startswith(str(tmp_path / "mine"))
+    assert private["TRITON_CACHE_DIR"] == str(tmp_path / "w" / "triton")
+    assert private["CODA_CACHE_DIR"] == str(tmp_path / "w" / "coda")
 
 
 def test_report_json_round_trip(program_json: dict) -> None:
