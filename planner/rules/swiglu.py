@@ -9,12 +9,23 @@
 * **backward** of an MLP ``x + down(silu(gate(h)) · up(h))`` with ``h = rmsnorm(x)·γ`` (or the
   branch alone): SwiGLU's backward in the epilogue of ``dout W_down`` next to the saved or
   recomputed gate/up projections, then the RMSNorm backward in the epilogue of ``dz W_gu``, and the
-  weight gradients as plain GEMMs, the interleaved one split into gate and up by strided views.
+  weight gradients as plain GEMMs, the interleaved one split into gate and up by strided views —
+  or, for one ``[gate; up]`` weight split by ``Chunk`` (Phi-3), un-permuted by aux
+  ``unpair_rows`` (``rules/chunk.py``).
 """
 
 from __future__ import annotations
 
-from coda.blocks.ops import GLU, Add, Linear, RMSNorm, SwiGLU, SwiGLUPairs, SwiGLUPairsBackward
+from coda.blocks.ops import (
+    GLU,
+    Add,
+    Chunk,
+    Linear,
+    RMSNorm,
+    SwiGLU,
+    SwiGLUPairs,
+    SwiGLUPairsBackward,
+)
 
 from ..backward import BackwardBuilder
 from ..epilogue import Epilogue
@@ -89,12 +100,14 @@ class SwiGLUPairsBackwardRule(Rule):
 def mlp_backward(b: BackwardBuilder) -> None:
     fwd = b.forward
     _, glu = b.find(SwiGLU)
-    _, gate = b.find(Linear, out=glu.gate)
-    _, up = b.find(Linear, out=glu.up)
+    chunked = _chunked_projection(b, glu)
+    if chunked is None:
+        _, gate = b.find(Linear, out=glu.gate)
+        _, up = b.find(Linear, out=glu.up)
     _, down = b.find(Linear, x=glu.out)
-    if gate.x != up.x:
+    if chunked is None and gate.x != up.x:
         b.fail("gate and up project different inputs")
-    norm = b.norm(gate.x)
+    norm = b.norm(gate.x if chunked is None else chunked.x)
     add = next((o for o in fwd.graph if isinstance(o, Add) and down.out in o.inputs()), None)
     if add is not None:  # x + mlp(x): the residual's gradient joins the norm's in dx
         if norm.x not in add.inputs() or add.out not in fwd.outputs:
@@ -104,12 +117,17 @@ def mlp_backward(b: BackwardBuilder) -> None:
         dout = b.cotangent(down.out)
     else:
         b.fail("the MLP's output must be a block output, or added to the norm's input")
-    interleave = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
-    w_gu = b.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
-    if {gate.out, up.out} <= set(b.op.saved):
+    if chunked is None:
+        interleave = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
+        w_gu = b.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
+    else:  # [gate; up] rows interleaved, as the forward's GEMM reads them (rules/chunk.py)
+        rows = str(fwd.inputs[chunked.weight].shape[0])
+        paired = {"kind": "rope_pairs", "weight": chunked.weight, "head_dim": rows}
+        w_gu = b.prep(("halves_paired", chunked.weight), {**paired, "out": "w_gu"})
+    if {glu.gate, glu.up} <= set(b.op.saved):
         r = b.rstd(norm)
         a_saved = glu.out if glu.out in b.op.saved else None
-        dz, a, partials = _backward_saved(b, dout, down.weight, gate.out, up.out, a_saved)
+        dz, a, partials = _backward_saved(b, dout, down.weight, glu.gate, glu.up, a_saved)
     else:
         r, dz, a, partials = _backward_recomputed(b, norm, w_gu, dout, down.weight)
     c = b.statistic(partials, norm)
@@ -117,9 +135,31 @@ def mlp_backward(b: BackwardBuilder) -> None:
     residual = dout if add is not None else None
     y = b.norm_backward("gate_up_bwd", dz, w_gu, norm, r, c, residual=residual)
     dw_gu = b.plain_gemm("w_gate_up_grad", f"{dz}.T", y, "dw_gu")
+    if chunked is not None:  # back to [gate; up] rows: the inverse of the forward's permutation
+        unpair = {"kind": "unpair_rows", "src": dw_gu, "head_dim": rows, "out": "dw_gate_up"}
+        b.output(chunked.weight, b.aux(unpair))
+        return
     # the interleaved gradient's even rows are the gate's, odd rows the up projection's
     b.output(gate.weight, {"tensor": dw_gu, "dim": 0, "step": 2})
     b.output(up.weight, {"tensor": dw_gu, "dim": 0, "start": "1", "step": 2})
+
+
+def _chunked_projection(b: BackwardBuilder, glu: SwiGLU) -> Linear | None:
+    """The Linear whose output ``chunk(2)`` splits into the SwiGLU's gate (part 0) and up (part
+    1) — Phi-3's ``gate_up_proj`` — or None when gate and up are not chunks of one value."""
+    found = [o for o in b.forward.graph if isinstance(o, Chunk) and o.out in (glu.gate, glu.up)]
+    if not found:
+        return None
+    parts = {o.out: o for o in found}
+    gate, up = parts.get(glu.gate), parts.get(glu.up)
+    if gate is None or up is None or gate.x != up.x or gate.chunks != 2 or up.chunks != 2:
+        b.fail("gate and up must both be halves (chunk(2)) of one projection, or two Linears")
+    if (gate.index, up.index) != (0, 1):
+        b.fail("the gate must be part 0 of chunk(2) and up part 1 (Phi-3's gate_up_proj order)")
+    _, linear = b.find(Linear, out=gate.x)
+    if linear.bias is not None:
+        b.fail(f"the gate/up projection {linear.out!r} has a bias; the backward takes none")
+    return linear
 
 
 def _backward_saved(

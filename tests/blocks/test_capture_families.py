@@ -1,9 +1,9 @@
 """The families suite (``evals/suites/families``): each block file's function is the
 transformers model's own computation (checked against its modules on a random tiny config), the
 captured graph of each block (op types, wiring, constants), and the blocks whose ops the planner
-lowers today (GPT-2 MLP, Gemma MLP, Gemma 2 softcapped LM head + loss, Mistral attention output)
-verify in the sandbox from their captured graphs (float32 and float16, ragged shapes, the block
-file re-imported by the worker)."""
+lowers today (GPT-2 MLP, Gemma MLP, Gemma 2 softcapped LM head + loss, Phi-3 MLP, Mistral
+attention output) verify in the sandbox from their captured graphs (float32 and float16, ragged
+shapes, the block file re-imported by the worker)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from coda.blocks import load_block_file
 from coda.blocks.capture import CapturedBlock
 from coda.evals.suites import load_suite, select
-from coda.planner import NoRule, lower
+from coda.planner import lower
 from coda.sandbox import SandboxOptions, evaluate
 
 transformers = pytest.importorskip("transformers")
@@ -326,12 +326,7 @@ OPTIONS = SandboxOptions(profile=False, isolate=False, seeds=[0])
         "hf_gpt2_mlp",
         "hf_gemma_mlp",
         "hf_gemma2_lm_head_ce",
-        pytest.param(
-            "hf_phi3_mlp",
-            marks=pytest.mark.xfail(
-                raises=NoRule, strict=True, reason="no planner rule lowers Chunk yet"
-            ),
-        ),
+        "hf_phi3_mlp",
     ],
 )
 def test_captured_blocks_verify_in_the_sandbox(blocks, name: str) -> None:  # noqa: ANN001
