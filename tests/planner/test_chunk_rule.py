@@ -114,6 +114,18 @@ def test_part_order_activation_and_bias_keep_the_algebra(variant: dict) -> None:
     _algebra_holds(block)
 
 
+@pytest.mark.parametrize("gate_index", [0, 1])
+def test_halves_saved_for_a_backward_are_split_out_of_the_same_gemm(gate_index: int) -> None:
+    block = _mlp(name="chunked_mlp_train", gate_index=gate_index)
+    block = block.model_copy(update={"outputs": ["out", "g", "u"]})
+    program = lower(block)
+    (gate_up,) = [s for s in program.steps if s.kind == "gemm" and s.name == "gu"]
+    (split,) = [op for op in gate_up.epilogue if op.op == "split_pairs"]
+    # part 0 of the chunk is the even column of each pair, whichever of gate and up it is
+    assert (split.first, split.second) == (("g", "u") if gate_index == 0 else ("u", "g"))
+    _algebra_holds(block)
+
+
 def _refusal(block: Block, index: int) -> str:
     result = lower_partial(block)
     assert result.program is None
