@@ -76,16 +76,26 @@ class VJP(GraphOp):
         cot = {o: values[g] for o, g in self.cotangents.items()}
         return vjp(lambda **kw: block.reference(kw), fwd_inputs, cot, list(self.wrt))
 
+    def forward_function(self) -> tuple[str, str]:
+        """(name, extra source) of the forward function the source differentiates: the block's
+        own function (a graph block's source defines it under the block's name), or for a block
+        captured from PyTorch a wrapper returning the user's function's outputs by name."""
+        block = self.forward_block()
+        named = getattr(block, "outputs_function", None)
+        return named() if named is not None else (block.name, "")
+
     def helper_sources(self) -> list[str]:
         forward = self.forward_block().reference_source()
-        body = forward.split("\n\n", 1)[1]  # drop the imports; the backward source has them
-        return [body, inspect.getsource(vjp)]
+        body = forward.split("\n\n", 1)[1]  # drop the header; the backward source has imports
+        wrapper = self.forward_function()[1]
+        return [body, *([wrapper] if wrapper else []), inspect.getsource(vjp)]
 
     def source(self) -> str:
         block = self.forward_block()
         inputs = ", ".join(f"{n}={n}" for n in block.inputs)
         cot = ", ".join(f"{o}={g}" for o, g in self.cotangents.items())
-        line = f"{self.out} = vjp({block.name}, dict({inputs}), dict({cot}), wrt={self.wrt!r})"
+        fn = self.forward_function()[0]
+        line = f"{self.out} = vjp({fn}, dict({inputs}), dict({cot}), wrt={self.wrt!r})"
         if self.saved:
             line += f"  # {', '.join(self.saved)}: saved by the forward pass (autograd recomputes)"
         return line

@@ -246,8 +246,9 @@ def _check_workers(parallel: int, ray: str | None) -> None:
 
 
 def _preflight(spec: EvalSpec) -> None:
-    """Configuration errors (a missing key or SDK, a block the planner cannot lower) before any
-    cell runs. Python providers are built only inside their cells."""
+    """Configuration errors (a missing key or SDK) before any cell runs. A block the built-in
+    planner cannot lower is no configuration error: its cell is recorded as refused. Python
+    providers are built only inside their cells."""
     from coda.agent.providers import BuiltinProvider, ProviderError
     from coda.agent.synthesize import BudgetError, check_budgets
     from coda.blocks import get_block
@@ -262,8 +263,8 @@ def _preflight(spec: EvalSpec) -> None:
                 elif p.kind in ("anthropic", "openai"):
                     check_budgets(p.build(block), spec.budgets_obj())
                     break
-            except NoRule as e:
-                raise Failure(f"the built-in planner cannot lower block {name!r}: {e}") from None
+            except NoRule:  # the cell records the refusal; the other cells still run
+                continue
             except ProviderError as e:
                 raise Failure(f"provider {p.label}: {e.message}") from None
             except BudgetError as e:
@@ -345,6 +346,9 @@ def _cell_line(r: CellResult, done: int, todo: int, out: Console | None = None) 
     if r.status == "error":
         first = ((r.error or "").splitlines() or [""])[0]
         verdict = f"[red]ERROR[/] {escape(first)}"
+    elif r.stop == "refused":  # the planner's first op it cannot lower (the rest: results.md)
+        ops = [t.strip() for t in r.stop_message.splitlines() if "no lowering rule" in t]
+        verdict = f"[yellow]refused[/] {escape((ops or [r.stop_message])[0])}"
     else:
         verdict = "[green]verified[/]" if r.verified else "[red]not verified[/]"
         verdict += escape(f" ({r.stop}, {r.turns} turns, {r.seconds:.1f} s)")

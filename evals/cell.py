@@ -5,7 +5,8 @@ where the cell stopped: a cell folder whose run ended (any reason but ``interrup
 ``provider_error``) is read back, not rerun; an unfinished or interrupted run is continued from
 its transcript (``coda.agent.synthesize.resume``); otherwise a new run starts. The result is
 always read from the transcript (``RunState``), so fresh, resumed and read-back cells are scored
-by the same code.
+by the same code. A block the built-in planner cannot lower is that cell's answer, not an
+error: a ``refused`` result carrying the planner's ``NoRules`` text, while the other cells run.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from .spec import Cell, EvalSpec
 
 # An ended run with one of these reasons is continued, not read back.
 RESUMABLE = ("interrupted", "provider_error")
+# The stop reason of a cell whose block the built-in planner cannot lower (no run folder).
+REFUSED = "refused"
 
 
 def latest_run(cell_dir: Path) -> RunDir | None:
@@ -61,7 +64,9 @@ def run_cell(
         if run is None or _resumable(run.state()):
             run = _agent(spec, cell, cell_dir, run, on_event)
         return from_state(cell, run, cell_dir.parent.parent, attempts=attempts)
-    except (ProviderError, BudgetError, NoRule) as e:
+    except NoRule as e:  # the built-in planner cannot lower the block: its answer, recorded
+        return _refused(cell, e, attempts)
+    except (ProviderError, BudgetError) as e:
         return _error(cell, getattr(e, "message", str(e)), attempts)
     except Exception as e:  # noqa: BLE001 - one broken cell must not end the eval
         tail = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-3:]).strip()
@@ -142,6 +147,25 @@ def from_state(cell: Cell, run: RunDir, eval_dir: Path, *, attempts: int = 1) ->
         ratio_to_gemms=times.ratio_to_gemms,
         device=report.device if report is not None else backend.describe(),
         run_dir=str(run.path.relative_to(eval_dir)) if run.path.is_relative_to(eval_dir) else None,
+        attempts=attempts,
+        finished_at=_now(),
+    )
+
+
+def _refused(cell: Cell, refusal: NoRule, attempts: int) -> CellResult:
+    """The built-in planner's refusal of the cell's block (``NoRules``: every op it cannot lower,
+    one line each) as the cell's answer: done, not verified, ``stop="refused"`` with the text in
+    ``stop_message``. Deterministic, so a resumed eval does not run it again."""
+    return CellResult(
+        cell=cell.id,
+        block=cell.block,
+        provider=cell.provider.label,
+        model=cell.provider.model or "",
+        seed=cell.seed,
+        status="done",
+        stop=REFUSED,
+        stop_message=str(refusal),
+        device=backend.describe(),
         attempts=attempts,
         finished_at=_now(),
     )

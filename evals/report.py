@@ -52,11 +52,30 @@ def markdown(spec: EvalSpec, results: list[CellResult], notes: list[str] | None 
     rows = aggregates([r.numbers() for r in results], spec.pass_ks(), spec.ps)
     lines += ["", "## Summary", "", *summary_table(rows, spec), "", "## Cells", ""]
     lines += cell_table(results)
+    lines += refusals(results)
     failed = [r for r in results if r.status == "error"]
     if failed:
         lines += ["", "## Errors", "", "Resume the eval (`coda-agent eval --resume DIR`) to retry:"]
         lines += [f"- `{r.cell}`: {(r.error or '').splitlines()[0]}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def refusals(results: list[CellResult]) -> list[str]:
+    """A section naming, per refused cell, every op the built-in planner could not lower."""
+    refused = [r for r in results if r.stop == "refused"]
+    if not refused:
+        return []
+    lines = ["", "## Refusals", "", "The built-in planner cannot lower these blocks:"]
+    for r in refused:
+        lines += [
+            "",
+            f"- `{r.cell}`:",
+            "",
+            "  ```",
+            *(f"  {t}" for t in r.stop_message.splitlines()),
+        ]
+        lines.append("  ```")
+    return lines
 
 
 def summary_table(rows: list[Aggregate], spec: EvalSpec) -> list[str]:

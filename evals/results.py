@@ -39,8 +39,10 @@ class EvalDirError(ValueError):
 
 
 class CellResult(BaseModel):
-    """One cell's outcome. ``status`` ``done``: the agent ran to an answer (verified or not);
-    ``error``: the harness or the provider failed (left out of the rates, retried on resume).
+    """One cell's outcome. ``status`` ``done``: the agent ran to an answer (verified or not; a
+    block the built-in planner cannot lower is answered ``stop="refused"``, its ``NoRules`` text
+    in ``stop_message``); ``error``: the harness or the provider failed (left out of the rates,
+    retried on resume).
     Timings and speedups are ``None`` when not measured (no GPU)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -54,6 +54,35 @@ class CapturedBlock(Block):
         function, and a comment naming the inputs and outputs."""
         return self.source
 
+    def outputs_function(self) -> tuple[str, str]:
+        """(name, source) of a function of the block's inputs that returns its outputs as a
+        dict, as ``vjp`` differentiates a forward block (``blocks/autodiff.py``): the captured
+        function itself when it returns a dict (the source is then empty), else a wrapper of
+        the source's function that names its tensor or tuple."""
+        fn, args = self._fn.__name__, ", ".join(self.inputs)
+        with torch.device("meta"):
+            result = self._fn(**self._meta_inputs(self.shapes.cpu[0]))
+        if isinstance(result, dict):
+            return fn, ""
+        if isinstance(result, torch.Tensor):
+            named = f"{{{self.outputs[0]!r}: {fn}({args})}}"
+        else:
+            named = f"dict(zip({self.outputs!r}, {fn}({args})))"
+        name = f"{fn}_outputs"
+        doc = f'"""``{fn}``\'s result by output name."""'
+        return name, f"def {name}({args}):\n    {doc}\n    return {named}\n"
+
+    def _meta_inputs(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        """The inputs as meta tensors at ``sizes`` (float32, or int64 for an index)."""
+        return {
+            n: torch.empty(
+                self.shape_of(n, sizes),
+                device="meta",
+                dtype=torch.int64 if s.dtype == "int64" else torch.float32,
+            )
+            for n, s in self.inputs.items()
+        }
+
     def reference(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The user's function on ``inputs``; float64 inputs run it with its casts in float64."""
         args = {name: inputs[name] for name in self.inputs}
@@ -69,14 +98,7 @@ class CapturedBlock(Block):
     def trace(self, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
         """Shapes of the graph's values at ``sizes``: the ops run on meta tensors, an opaque op
         contributes its recorded shape, and the outputs are the function's own on meta tensors."""
-        values: dict[str, Any] = {
-            n: torch.empty(
-                self.shape_of(n, sizes),
-                device="meta",
-                dtype=torch.int64 if s.dtype == "int64" else torch.float32,
-            )
-            for n, s in self.inputs.items()
-        }
+        values: dict[str, Any] = self._meta_inputs(sizes)
         for op in self.graph:
             if any(name not in values for name in op.inputs()):
                 continue

@@ -11,6 +11,8 @@ absorbs what it can (``epilogue.emit_gemm``).
   V Linears whose outputs (Q and K through ``RoPE``) are the block's become one GEMM; otherwise
   a Linear whose output goes through an optional ``HeadRMSNorm``/``RMSNorm`` into a ``RoPE`` runs
   on ``rope_pairs`` of its weight with the rotation in its epilogue and a column-permuting store.
+* **chunked GLU** (``chunk.chunked_glu``): one Linear whose output is split by ``Chunk(2)`` into
+  a GLU's gate and up (Phi-3's ``gate_up_proj``) runs on its weight's two row halves interleaved.
 * **bias**: ``add_col_vector(acc, bias)`` after any row scale (``diag(r)·(x W) + b``).
 * **GLU with any activation** (``glu``): an interleaved gate/up pair into a ``GLU`` contracts
   with ``pairwise`` (``act(x0) * x1``) instead of ``swiglu``; biased gate/up projections add
@@ -31,6 +33,7 @@ from ..epilogue import Epilogue, emit_gemm
 from ..registry import Rule
 from ..state import PlanState
 from .activation import glu_expr
+from .chunk import chunked_glu
 from .layernorm import apply_in_epilogue, layer_norm_of
 from .rmsnorm import commute
 from .rope import (
@@ -74,16 +77,22 @@ def contract_pair(ep: Epilogue, gate: Linear, up: Linear, glu: SwiGLU | GLU) -> 
 def lower_linear(st: PlanState, i: int, op: Linear) -> None:
     """A Linear (or a gate/up pair into a SwiGLU) and everything its epilogue can absorb."""
     pair = gate_up_pair(st, i, op)
+    chunked = chunked_glu(st, i, op) if pair is None else None
     ep = Epilogue(st)
+    bias = None  # a pair's biases join its pairwise expression
     if pair is not None:
         gate, up, glu, indices = pair
         weights = [gate.weight, up.weight]
         node = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
         weight = st.prepare(("interleave", *weights), {**node, "out": f"w_{gate.out}_{up.out}"})
-        value = f"{gate.out}{up.out}"
+        value, halves = f"{gate.out}{up.out}", (gate.out, up.out)
+    elif chunked is not None:  # one weight's two row halves, interleaved (rules/chunk.py)
+        glu, indices, weights = chunked.glu, chunked.indices, [op.weight]
+        weight, bias, value = chunked.paired_weight(st), chunked.paired_bias(st), op.out
+        halves = chunked.halves
     else:
         glu, indices, weights, weight, value = None, [i], [op.weight], op.weight, op.out
-    bias = op.bias if glu is None else None  # a pair's biases join its pairwise expression
+        bias = op.bias
     layer_norm = layer_norm_of(st, op)
     if layer_norm is not None:
         normed = value if bias is None else f"{value}_unbiased"
@@ -100,13 +109,14 @@ def lower_linear(st: PlanState, i: int, op: Linear) -> None:
         ep.emit({"op": "add_col_vector", "src": cur, "vector": bias, "out": value})
         cur = value
     if glu is not None:
-        if {gate.out, up.out} & set(st.block.outputs):
+        if set(halves) & set(st.block.outputs):
             # the gate and up projections themselves are wanted (saved for a backward pass)
-            node = {"op": "split_pairs", "src": cur, "first": gate.out, "second": up.out}
+            node = {"op": "split_pairs", "src": cur, "first": halves[0], "second": halves[1]}
             ep.emit(node)
-            for half in (gate.out, up.out):
+            for half in halves:
                 ep.result(half, half)
-        ep.emit({**contract_pair(ep, gate, up, glu), "src": cur, "out": glu.out})
+        contraction = chunked.contraction() if chunked else contract_pair(ep, gate, up, glu)
+        ep.emit({**contraction, "src": cur, "out": glu.out})
         cur, value = glu.out, glu.out
     ep.result(value, cur)
     st.done.update(indices)

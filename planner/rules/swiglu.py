@@ -14,7 +14,9 @@
   projections get their bias gradients as column sums of their incoming gradient (``dz`` in the
   ``dout W_down`` epilogue, ``dout`` in the ``dz W_gu`` one). A post-norm between the down
   projection and the residual add (Gemma 2's sandwich) is differentiated first
-  (``BackwardBuilder.post_norm_backward``): its ``dm`` then takes ``dout``'s place.
+  (``BackwardBuilder.post_norm_backward``): its ``dm`` then takes ``dout``'s place — or, for one
+  ``[gate; up]`` weight split by ``Chunk`` (Phi-3), un-permuted by aux ``unpair_rows``
+  (``rules/chunk.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from coda.blocks.ops import GLU, Add, Linear, RMSNorm, SwiGLU, SwiGLUPairs, SwiGLUPairsBackward
+from coda.blocks.ops import (
+    GLU,
+    Add,
+    Chunk,
+    Linear,
+    RMSNorm,
+    SwiGLU,
+    SwiGLUPairs,
+    SwiGLUPairsBackward,
+)
 
 from ..backward import BackwardBuilder
 from ..epilogue import Epilogue
@@ -118,29 +129,37 @@ def glu_grads(act: str, gate: str, up: str, da: str) -> tuple[str, str]:
 
 def mlp_backward(b: BackwardBuilder) -> None:
     glu, act = gated_unit(b)
-    _, gate = b.find(Linear, out=glu.gate)
-    _, up = b.find(Linear, out=glu.up)
+    chunked = _chunked_projection(b, glu)
+    if chunked is None:
+        _, gate = b.find(Linear, out=glu.gate)
+        _, up = b.find(Linear, out=glu.up)
     _, down = b.find(Linear, x=glu.out)
-    if gate.x != up.x:
+    if chunked is None and gate.x != up.x:
         b.fail("gate and up project different inputs")
-    norm = b.norm(gate.x)
+    norm = b.norm(gate.x if chunked is None else chunked.x)
     post, residual, dout = _mlp_output(b, down, norm)
-    interleave = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
-    w_gu = b.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
-    biases = (gate.bias, up.bias)
+    if chunked is None:
+        interleave = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
+        w_gu = b.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
+        biases = (gate.bias, up.bias)
+    else:  # [gate; up] rows interleaved, as the forward's GEMM reads them (rules/chunk.py)
+        rows = str(b.forward.inputs[chunked.weight].shape[0])
+        paired = {"kind": "rope_pairs", "weight": chunked.weight, "head_dim": rows}
+        w_gu = b.prep(("halves_paired", chunked.weight), {**paired, "out": "w_gu"})
+        biases = (None, None)
 
     def down_grad(a: str) -> str:
         """The gradient reaching the down projection: dout, or dm through the post-norm."""
         return b.post_norm_backward(post, a, down.weight, dout) if post else dout
 
-    if {gate.out, up.out} <= set(b.op.saved):
+    if {glu.gate, glu.up} <= set(b.op.saved):
         r = b.rstd(norm)
         a_saved = glu.out if glu.out in b.op.saved else None
         if post is not None and a_saved is None:
             b.fail("a post-norm's backward from saved projections needs a = act(g)·u saved too")
         d_down = down_grad(a_saved) if a_saved else dout
         dz, a, partials = _backward_saved(
-            b, d_down, down.weight, gate.out, up.out, a_saved, act, biases
+            b, d_down, down.weight, glu.gate, glu.up, a_saved, act, biases
         )
     else:
         r, dz, a, partials, d_down = _backward_recomputed(
@@ -156,6 +175,10 @@ def mlp_backward(b: BackwardBuilder) -> None:
     if down.bias is not None:
         b.output(down.bias, b.summed_columns(down_partials, "db_down"))
     dw_gu = b.plain_gemm("w_gate_up_grad", f"{dz}.T", y, "dw_gu")
+    if chunked is not None:  # back to [gate; up] rows: the inverse of the forward's permutation
+        unpair = {"kind": "unpair_rows", "src": dw_gu, "head_dim": rows, "out": "dw_gate_up"}
+        b.output(chunked.weight, b.aux(unpair))
+        return
     # the interleaved gradient's even rows are the gate's, odd rows the up projection's
     b.output(gate.weight, {"tensor": dw_gu, "dim": 0, "step": 2})
     b.output(up.weight, {"tensor": dw_gu, "dim": 0, "start": "1", "step": 2})
@@ -181,6 +204,24 @@ def _mlp_output(
     if branch in fwd.outputs:  # the branch alone (llama_mlp_branch): dx is the norm's
         return post, None, b.cotangent(branch)
     b.fail("the MLP's output must be a block output, or added to the norm's input")
+
+
+def _chunked_projection(b: BackwardBuilder, glu: SwiGLU | GLU) -> Linear | None:
+    """The Linear whose output ``chunk(2)`` splits into the SwiGLU's gate (part 0) and up (part
+    1) — Phi-3's ``gate_up_proj`` — or None when gate and up are not chunks of one value."""
+    found = [o for o in b.forward.graph if isinstance(o, Chunk) and o.out in (glu.gate, glu.up)]
+    if not found:
+        return None
+    parts = {o.out: o for o in found}
+    gate, up = parts.get(glu.gate), parts.get(glu.up)
+    if gate is None or up is None or gate.x != up.x or gate.chunks != 2 or up.chunks != 2:
+        b.fail("gate and up must both be halves (chunk(2)) of one projection, or two Linears")
+    if (gate.index, up.index) != (0, 1):
+        b.fail("the gate must be part 0 of chunk(2) and up part 1 (Phi-3's gate_up_proj order)")
+    _, linear = b.find(Linear, out=gate.x)
+    if linear.bias is not None:
+        b.fail(f"the gate/up projection {linear.out!r} has a bias; the backward takes none")
+    return linear
 
 
 def _backward_saved(

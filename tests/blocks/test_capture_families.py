@@ -1,9 +1,9 @@
 """The families suite (``evals/suites/families``): each block file's function is the
 transformers model's own computation (checked against its modules on a random tiny config), the
-captured graph of each block (op types, wiring, constants), and the blocks whose ops the planner
-lowers today (GPT-2 MLP, Gemma MLP, Gemma 2 softcapped LM head + loss, Mistral attention output)
-verify in the sandbox from their captured graphs (float32 and float16, ragged shapes, the block
-file re-imported by the worker)."""
+captured graph of each block (op types, wiring, constants), each forward block's backward block
+(autograd of its function, its shown source runs), and the blocks the planner lowers verify in
+the sandbox from their captured graphs (float32 and float16, ragged shapes, the block file
+re-imported by the worker)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from coda.blocks import load_block_file
+from coda.blocks import Block, load_block_file
+from coda.blocks.autodiff import VJP
 from coda.blocks.capture import CapturedBlock
 from coda.evals.suites import load_suite, select
-from coda.planner import NoRule, lower
+from coda.planner import lower
 from coda.sandbox import SandboxOptions, evaluate
 
 transformers = pytest.importorskip("transformers")
@@ -26,13 +27,21 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 
 
 @pytest.fixture(scope="module")
-def blocks() -> dict[str, CapturedBlock]:
-    found: dict[str, CapturedBlock] = {}
-    for path in sorted(FAMILIES.glob("*.py")):
-        for block in load_block_file(path):
-            assert isinstance(block, CapturedBlock)
-            found[block.name] = block
-    return found
+def suite_blocks() -> dict[str, Block]:
+    """Every block of the suite's files: the captured forward blocks and their backward blocks."""
+    return {b.name: b for path in sorted(FAMILIES.glob("*.py")) for b in load_block_file(path)}
+
+
+@pytest.fixture(scope="module")
+def blocks(suite_blocks) -> dict[str, CapturedBlock]:  # noqa: ANN001
+    """The forward blocks, captured from the files' functions."""
+    return {n: b for n, b in suite_blocks.items() if isinstance(b, CapturedBlock)}
+
+
+@pytest.fixture(scope="module")
+def backward(suite_blocks) -> dict[str, Block]:  # noqa: ANN001
+    """The backward blocks (``backward_block`` of a forward block: autograd of its function)."""
+    return {n: b for n, b in suite_blocks.items() if not isinstance(b, CapturedBlock)}
 
 
 def _randomize(*modules: torch.nn.Module) -> None:
@@ -209,6 +218,73 @@ def test_attention_inputs_are_transformers_attention_projections(blocks, family,
         _same(got, x + attn.o_proj(a))
 
 
+def _tables(dtype: torch.dtype, head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's default rotary tables [M, head_dim] (rotate-half layout)."""
+    freq = 10000.0 ** (-torch.arange(0, head_dim, 2) / head_dim)
+    emb = (torch.arange(M)[:, None] * freq).repeat(1, 2)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@DTYPES
+def test_gemma3_attn_in_is_the_transformers_attention_input(blocks, dtype) -> None:  # noqa: ANN001
+    from transformers.models.gemma3 import modeling_gemma3 as gemma3
+
+    config = transformers.Gemma3TextConfig(
+        hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM
+    )
+    attn, norm = gemma3.Gemma3Attention(config, 0), gemma3.Gemma3RMSNorm(D, eps=1e-6)
+    _randomize(attn, norm)
+    attn, norm, x = attn.to(dtype), norm.to(dtype), _x(M, D, dtype=dtype)
+    cos, sin = _tables(dtype)
+    heads = (attn.q_norm, attn.k_norm)
+    want = _hf_attn_in(attn, norm, x, cos, sin, gemma3.apply_rotary_pos_emb, heads)
+    weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    got = blocks["hf_gemma3_attn_in"].function(
+        x, norm.weight, *weights, attn.q_norm.weight, attn.k_norm.weight, cos, sin
+    )
+    for name in ("q", "k", "v"):
+        _same(got[name], want[name], msg=name)
+
+
+@DTYPES
+def test_olmo2_attn_in_is_the_transformers_attention_input(blocks, dtype) -> None:  # noqa: ANN001
+    """No input norm; q_norm/k_norm over the whole projection before the heads are split."""
+    from transformers.models.olmo2 import modeling_olmo2 as olmo2
+
+    config = transformers.Olmo2Config(
+        hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-6
+    )  # OLMo 2's checkpoints set 1e-6 (the config's default is 1e-5)
+    attn = olmo2.Olmo2Attention(config, 0)
+    _randomize(attn)
+    attn, x = attn.to(dtype), _x(M, D, dtype=dtype)
+    cos, sin = _tables(dtype, attn.head_dim)
+    shape = (1, M, -1, attn.head_dim)
+    q = attn.q_norm(attn.q_proj(x[None])).view(shape).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x[None])).view(shape).transpose(1, 2)
+    q, k = olmo2.apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    flat = lambda t: t.transpose(1, 2).reshape(M, -1)  # noqa: E731
+    weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    norms = [attn.q_norm.weight, attn.k_norm.weight]
+    got = blocks["hf_olmo2_attn_in"].function(x, *weights, *norms, cos, sin)
+    _same(got["q"], flat(q), msg="q")
+    _same(got["k"], flat(k), msg="k")
+    _same(got["v"], attn.v_proj(x), msg="v")
+
+
+@DTYPES
+def test_qwen2_mlp_is_the_transformers_mlp_sub_layer(blocks, dtype) -> None:  # noqa: ANN001
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+    config = transformers.Qwen2Config(hidden_size=D, intermediate_size=F_)
+    mlp, norm = qwen2.Qwen2MLP(config), qwen2.Qwen2RMSNorm(D, eps=1e-6)
+    _randomize(mlp, norm)
+    for tokens in (M, 1):
+        mlp, norm, x = mlp.to(dtype), norm.to(dtype), _x(tokens, D, dtype=dtype)
+        weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        got = blocks["hf_qwen2_mlp"].function(x, norm.weight, *weights)
+        _same(got, x + mlp(norm(x)))
+
+
 # -- the captured graphs ---------------------------------------------------------------------------
 GEMMA_NORM = "rms_norm({x}, {w}, eps=1e-06, offset=1.0, cast='after_weight')"
 LLAMA_NORM = "norm_1 = rms_norm(x, gamma, eps={eps})"
@@ -236,6 +312,16 @@ GRAPHS = {
         "softcap_1 = activation(linear_1, kind='softcap', cap=30.0)",
         "loss = cross_entropy(softcap_1, target)",
     ],
+    "hf_gemma3_attn_in": [
+        "norm_1 = " + GEMMA_NORM.format(x="x", w="gamma"),
+        "linear_1 = linear(norm_1, w_q)",
+        "head_norm_1 = head_" + GEMMA_NORM.format(x="linear_1", w="q_gamma"),
+        "q = rope(head_norm_1, cos, sin)",
+        "linear_2 = linear(norm_1, w_k)",
+        "head_norm_2 = head_" + GEMMA_NORM.format(x="linear_2", w="k_gamma"),
+        "k = rope(head_norm_2, cos, sin)",
+        "v = linear(norm_1, w_v)",
+    ],
     "hf_gpt2_mlp": [
         "norm_1 = layer_norm(x, ln_weight, ln_bias, eps=1e-05)",
         "linear_1 = linear(norm_1, w_fc, b_fc)",
@@ -252,6 +338,15 @@ GRAPHS = {
         "v = linear(norm_1, w_v)",
     ],
     "hf_mistral_attn_out": ["linear_1 = linear(attn, w_o)", "x_out = add(x, linear_1)"],
+    "hf_olmo2_attn_in": [
+        "linear_1 = linear(x, w_q)",
+        "norm_1 = rms_norm(linear_1, q_gamma, eps=1e-06, cast='after_weight')",
+        "q = rope(norm_1, cos, sin)",
+        "linear_2 = linear(x, w_k)",
+        "norm_2 = rms_norm(linear_2, k_gamma, eps=1e-06, cast='after_weight')",
+        "k = rope(norm_2, cos, sin)",
+        "v = linear(x, w_v)",
+    ],
     "hf_olmo2_attn_out": [
         "linear_1 = linear(attn, w_o)",
         "norm_1 = rms_norm(linear_1, gamma, eps=1e-06, cast='after_weight')",
@@ -274,6 +369,14 @@ GRAPHS = {
         "k = rope(linear_2, cos, sin)",
         "v = linear(norm_1, w_v, b_v)",
     ],
+    "hf_qwen2_mlp": [
+        LLAMA_NORM.format(eps="1e-06"),
+        "linear_1 = linear(norm_1, w_gate)",
+        "linear_2 = linear(norm_1, w_up)",
+        "swiglu_1 = swiglu(linear_1, linear_2)",
+        "linear_3 = linear(swiglu_1, w_down)",
+        "out = add(x, linear_3)",
+    ],
     "hf_qwen3_attn_in": [
         LLAMA_NORM.format(eps="1e-06"),
         "linear_1 = linear(norm_1, w_q)",
@@ -287,9 +390,10 @@ GRAPHS = {
 }
 
 
-def test_every_suite_block_captures_into_its_op_graph(blocks) -> None:  # noqa: ANN001
+def test_every_suite_block_captures_into_its_op_graph(blocks, backward) -> None:  # noqa: ANN001
     suite = load_suite("families")
-    assert sorted(suite.blocks) == sorted(GRAPHS) == sorted(blocks)
+    assert sorted(suite.blocks) == sorted([*GRAPHS, *backward]) == sorted([*blocks, *backward])
+    assert len(blocks) >= 12
     assert select(suite).blocks == suite.blocks
     for name, want in GRAPHS.items():
         assert [op.source() for op in blocks[name].graph] == want, name
@@ -310,6 +414,23 @@ def test_each_reference_source_runs_as_the_reference(blocks) -> None:  # noqa: A
             torch.testing.assert_close(got[out], want, rtol=0, atol=0, msg=f"{name}.{out}")
 
 
+def test_every_forward_block_has_a_backward_block_whose_source_runs(blocks, backward) -> None:  # noqa: ANN001
+    """Each ``<name>_bwd`` is autograd of ``<name>``'s function over every weight and activation
+    (not the rotary tables), and its shown source computes its reference."""
+    assert sorted(backward) == sorted(f"{name}_bwd" for name in blocks)
+    for name, block in backward.items():
+        (vjp,) = [op for op in block.graph if isinstance(op, VJP)]
+        forward = blocks[vjp.forward]
+        assert sorted(vjp.wrt) == sorted(set(forward.inputs) - {"cos", "sin", "target"}), name
+        assert sorted(vjp.cotangents) == sorted(forward.outputs), name
+        scope: dict = {}
+        exec(compile(block.reference_source(), f"<{name}>", "exec"), scope)
+        inputs = block.make_inputs(block.shapes.cpu[-1], torch.float32, seed=0)
+        got = scope[name](**inputs)
+        for out, want in block.reference(inputs).items():
+            torch.testing.assert_close(got[out], want, rtol=0, atol=0, msg=f"{name}.{out}")
+
+
 def test_the_odd_sizes_are_there(blocks) -> None:  # noqa: ANN001
     sets = [s for b in blocks.values() for s in b.shapes.cpu]
     assert any(s["M"] == 1 for s in sets)
@@ -326,16 +447,16 @@ OPTIONS = SandboxOptions(profile=False, isolate=False, seeds=[0])
         "hf_gpt2_mlp",
         "hf_gemma_mlp",
         "hf_gemma2_lm_head_ce",
-        pytest.param(
-            "hf_phi3_mlp",
-            marks=pytest.mark.xfail(
-                raises=NoRule, strict=True, reason="no planner rule lowers Chunk yet"
-            ),
-        ),
+        "hf_phi3_mlp",
+        "hf_gemma3_attn_in",
+        "hf_olmo2_attn_in",
+        "hf_qwen2_mlp",
+        "hf_phi3_mlp_bwd",
+        "hf_qwen2_mlp_bwd",
     ],
 )
-def test_captured_blocks_verify_in_the_sandbox(blocks, name: str) -> None:  # noqa: ANN001
-    block = blocks[name]
+def test_captured_blocks_verify_in_the_sandbox(suite_blocks, name: str) -> None:  # noqa: ANN001
+    block = suite_blocks[name]
     report = evaluate(lower(block), block, OPTIONS)
     assert report.verified, report.render_text()
     assert {c.dtype for c in report.checks} == {"float32", "float16"}

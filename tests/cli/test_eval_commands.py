@@ -117,16 +117,31 @@ odd_sum = Block(
 def test_blocks_from_a_file_are_recorded_and_unlowerable_ones_refused(
     tmp_path: Path,
 ) -> None:
+    """A block the built-in planner cannot lower is its cell's recorded answer (the refusal,
+    every op it cannot lower), and the other cells run."""
     block_file = tmp_path / "my_blocks.py"
     block_file.write_text(PROJ_RESIDUAL)
     base = ["eval", "--block-file", str(block_file)]
-    refused = runner.invoke(app, [*base, "--blocks", "odd_sum", "--out", str(tmp_path / "no")])
-    assert refused.exit_code == 2 and not (tmp_path / "no").exists()
-    assert "the built-in planner cannot lower block 'odd_sum'" in flat(refused.output)
-
     out = tmp_path / "ev"
-    result = runner.invoke(app, [*base, "--blocks", "proj_residual", "--out", str(out)])
+    result = runner.invoke(app, [*base, "--blocks", "odd_sum,proj_residual", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert "1 of 1 cells verified" in flat(result.output)
+    text = flat(result.output)
+    assert "odd_sum--builtin_coda-planner--s0: refused graph[0] add(out='y'): no lowering rule" in (
+        text
+    )
+    assert "1 of 2 cells verified" in text
     spec = json.loads((out / "eval.json").read_text())
-    assert spec["block_files"] == {"proj_residual": str(block_file.resolve())}
+    assert spec["block_files"] == {
+        "odd_sum": str(block_file.resolve()),
+        "proj_residual": str(block_file.resolve()),
+    }
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    (refused,) = [r for r in results if r["block"] == "odd_sum"]
+    assert (refused["status"], refused["stop"], refused["verified"]) == ("done", "refused", False)
+    assert refused["stop_message"].startswith("graph[0] add(out='y'): no lowering rule")
+    report = (out / "results.md").read_text()
+    assert "## Refusals" in report and "graph[0] add(out='y'): no lowering rule" in report
+
+    # a refusal is the cell's answer: a resumed eval does not run it again
+    again = runner.invoke(app, ["eval", "--resume", str(out), "--block-file", str(block_file)])
+    assert again.exit_code == 0 and "2 already done; running 0" in flat(again.output)

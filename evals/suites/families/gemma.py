@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from coda.blocks import Block, ShapeSets, TensorSpec, register
+from coda.blocks.autodiff import backward_block
 
 RMS_NORM_EPS = 1e-6
 
@@ -43,5 +44,16 @@ hf_gemma_mlp = register(
             cpu=[{"M": 37, "d": 48, "f": 80}, {"M": 5, "d": 24, "f": 36}],
             gpu=[{"M": 1000, "d": 1024, "f": 2816}],
         ),
+    )
+)
+
+hf_gemma_mlp_bwd = register(
+    backward_block(
+        hf_gemma_mlp,
+        name="hf_gemma_mlp_bwd",
+        cotangents={
+            "out": TensorSpec(shape=["M", "d"], doc="gradient of out"),
+        },
+        wrt=["x", "gamma", "w_gate", "w_up", "w_down"],
     )
 )

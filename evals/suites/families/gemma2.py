@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from coda.blocks import Block, ShapeSets, TensorSpec, register
+from coda.blocks.autodiff import backward_block
 
 RMS_NORM_EPS = 1e-6
 FINAL_LOGIT_SOFTCAPPING = 30.0
@@ -70,5 +71,27 @@ hf_gemma2_lm_head_ce = register(
         },
         outputs=["loss"],
         shapes=ShapeSets(cpu=[{"M": 37, "d": 48, "V": 200}, {"M": 5, "d": 24, "V": 77}]),
+    )
+)
+
+hf_gemma2_mlp_bwd = register(
+    backward_block(
+        hf_gemma2_mlp,
+        name="hf_gemma2_mlp_bwd",
+        cotangents={
+            "out": TensorSpec(shape=["M", "d"], doc="gradient of out"),
+        },
+        wrt=["x", "pre_gamma", "post_gamma", "w_gate", "w_up", "w_down"],
+    )
+)
+
+hf_gemma2_lm_head_ce_bwd = register(
+    backward_block(
+        hf_gemma2_lm_head_ce,
+        name="hf_gemma2_lm_head_ce_bwd",
+        cotangents={
+            "loss": TensorSpec(shape=["M"], dtype="float32", doc="gradient of the per-token loss"),
+        },
+        wrt=["x", "gamma", "w_lm"],
     )
 )

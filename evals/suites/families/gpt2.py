@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from coda.blocks import Block, ShapeSets, TensorSpec, register
+from coda.blocks.autodiff import backward_block
 
 LAYER_NORM_EPSILON = 1e-5
 
@@ -52,5 +53,16 @@ hf_gpt2_mlp = register(
             ],
             gpu=[{"M": 1000, "d": 768, "f": 3072}],
         ),
+    )
+)
+
+hf_gpt2_mlp_bwd = register(
+    backward_block(
+        hf_gpt2_mlp,
+        name="hf_gpt2_mlp_bwd",
+        cotangents={
+            "out": TensorSpec(shape=["M", "d"], doc="gradient of out"),
+        },
+        wrt=["x", "ln_weight", "ln_bias", "w_fc", "b_fc", "w_proj", "b_proj"],
     )
 )

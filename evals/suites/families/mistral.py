@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from coda.blocks import Block, ShapeSets, TensorSpec, register
+from coda.blocks.autodiff import backward_block
 
 RMS_NORM_EPS = 1e-5
 
@@ -102,5 +103,29 @@ hf_mistral_attn_out = register(
             ],
             gpu=[{"M": 1000, "d": 1000, "Nq": 1024}],
         ),
+    )
+)
+
+hf_mistral_attn_in_bwd = register(
+    backward_block(
+        hf_mistral_attn_in,
+        name="hf_mistral_attn_in_bwd",
+        cotangents={
+            "q": TensorSpec(shape=["M", "Nq"], doc="gradient of q"),
+            "k": TensorSpec(shape=["M", "Nkv"], doc="gradient of k"),
+            "v": TensorSpec(shape=["M", "Nkv"], doc="gradient of v"),
+        },
+        wrt=["x", "gamma", "w_q", "w_k", "w_v"],
+    )
+)
+
+hf_mistral_attn_out_bwd = register(
+    backward_block(
+        hf_mistral_attn_out,
+        name="hf_mistral_attn_out_bwd",
+        cotangents={
+            "x_out": TensorSpec(shape=["M", "d"], doc="gradient of x_out"),
+        },
+        wrt=["attn", "w_o", "x"],
     )
 )

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from coda.blocks import Block, ShapeSets, TensorSpec, register
+from coda.blocks.autodiff import backward_block
 
 RMS_NORM_EPS = 1e-5
 
@@ -46,5 +47,14 @@ hf_phi3_mlp = register(
             cpu=[{"M": 37, "d": 48, "f": 40, "f2": 80}, {"M": 5, "d": 24, "f": 36, "f2": 72}],
             gpu=[{"M": 1000, "d": 1024, "f": 2816, "f2": 5632}],
         ),
+    )
+)
+
+hf_phi3_mlp_bwd = register(
+    backward_block(
+        hf_phi3_mlp,
+        name="hf_phi3_mlp_bwd",
+        cotangents={"out": TensorSpec(shape=["M", "d"], doc="gradient of out")},
+        wrt=["x", "gamma", "w_gate_up", "w_down"],
     )
 )

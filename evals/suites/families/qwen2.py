@@ -1,11 +1,14 @@
-"""Qwen2's attention input as plain PyTorch (transformers' ``models/qwen2/modeling_qwen2.py``:
-``Qwen2RMSNorm``, ``Qwen2Attention``'s biased q/k/v projections and ``apply_rotary_pos_emb``),
-over ``[M, d]`` tokens; the attention itself is not part of the block."""
+"""Qwen2 as plain PyTorch (transformers' ``models/qwen2/modeling_qwen2.py``), over ``[M, d]``
+tokens: the attention input (``Qwen2RMSNorm``, ``Qwen2Attention``'s biased q/k/v projections and
+``apply_rotary_pos_emb``; the attention itself is not part of the block) and the MLP sub-layer
+(``post_attention_layernorm``, ``Qwen2MLP`` with ``hidden_act="silu"``, the residual of
+``Qwen2DecoderLayer``), the MLP also at one token (decoding)."""
 
 import torch
 import torch.nn.functional as F
 
 from coda.blocks import Block, ShapeSets, TensorSpec, register
+from coda.blocks.autodiff import backward_block
 
 RMS_NORM_EPS = 1e-6
 
@@ -53,6 +56,16 @@ def qwen2_attn_in(x, gamma, w_q, b_q, w_k, b_k, w_v, b_v, cos, sin):
     }
 
 
+def qwen2_mlp(x, gamma, w_gate, w_up, w_down):
+    """Qwen2 MLP sub-layer with its pre-norm and residual: out = x + down(silu(gate(h)) *
+    up(h)), h = rmsnorm(x) * gamma."""
+    residual = x
+    hidden_states = rms_norm(x, gamma)
+    act = F.silu(F.linear(hidden_states, w_gate))
+    hidden_states = F.linear(act * F.linear(hidden_states, w_up), w_down)
+    return residual + hidden_states
+
+
 hf_qwen2_attn_in = register(
     Block.from_torch(
         qwen2_attn_in,
@@ -77,5 +90,52 @@ hf_qwen2_attn_in = register(
             ],
             gpu=[{"M": 1000, "d": 1024, "Nq": 1024, "Nkv": 256, "D": 128}],
         ),
+    )
+)
+
+hf_qwen2_mlp = register(
+    Block.from_torch(
+        qwen2_mlp,
+        name="hf_qwen2_mlp",
+        inputs={
+            "x": TensorSpec(shape=["M", "d"], doc="residual stream"),
+            "gamma": TensorSpec(
+                shape=["d"], init="norm_weight", doc="post_attention_layernorm.weight"
+            ),
+            "w_gate": TensorSpec(shape=["f", "d"], init="linear_weight", doc="gate_proj.weight"),
+            "w_up": TensorSpec(shape=["f", "d"], init="linear_weight", doc="up_proj.weight"),
+            "w_down": TensorSpec(shape=["d", "f"], init="linear_weight", doc="down_proj.weight"),
+        },
+        shapes=ShapeSets(
+            cpu=[
+                {"M": 37, "d": 40, "f": 72},  # ragged M and d
+                {"M": 1, "d": 24, "f": 56},  # one token (decoding)
+            ],
+            gpu=[{"M": 1000, "d": 896, "f": 4864}, {"M": 1, "d": 896, "f": 4864}],
+        ),
+    )
+)
+
+hf_qwen2_attn_in_bwd = register(
+    backward_block(
+        hf_qwen2_attn_in,
+        name="hf_qwen2_attn_in_bwd",
+        cotangents={
+            "q": TensorSpec(shape=["M", "Nq"], doc="gradient of q"),
+            "k": TensorSpec(shape=["M", "Nkv"], doc="gradient of k"),
+            "v": TensorSpec(shape=["M", "Nkv"], doc="gradient of v"),
+        },
+        wrt=["x", "gamma", "w_q", "b_q", "w_k", "b_k", "w_v", "b_v"],
+    )
+)
+
+hf_qwen2_mlp_bwd = register(
+    backward_block(
+        hf_qwen2_mlp,
+        name="hf_qwen2_mlp_bwd",
+        cotangents={
+            "out": TensorSpec(shape=["M", "d"], doc="gradient of out"),
+        },
+        wrt=["x", "gamma", "w_gate", "w_up", "w_down"],
     )
 )

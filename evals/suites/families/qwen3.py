@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from coda.blocks import Block, ShapeSets, TensorSpec, register
+from coda.blocks.autodiff import backward_block
 
 RMS_NORM_EPS = 1e-6
 
@@ -78,5 +79,18 @@ hf_qwen3_attn_in = register(
             ],
             gpu=[{"M": 1000, "d": 1024, "Nq": 1024, "Nkv": 256, "D": 128}],
         ),
+    )
+)
+
+hf_qwen3_attn_in_bwd = register(
+    backward_block(
+        hf_qwen3_attn_in,
+        name="hf_qwen3_attn_in_bwd",
+        cotangents={
+            "q": TensorSpec(shape=["M", "Nq"], doc="gradient of q"),
+            "k": TensorSpec(shape=["M", "Nkv"], doc="gradient of k"),
+            "v": TensorSpec(shape=["M", "Nkv"], doc="gradient of v"),
+        },
+        wrt=["x", "gamma", "w_q", "w_k", "w_v", "q_gamma", "k_gamma"],
     )
 )
