@@ -43,6 +43,7 @@ class Rule:
     op: ClassVar[type[GraphOp]]
     sink: ClassVar[bool] = False
     backward_of: ClassVar[str] = ""  # with ``differentiate``: the forward blocks it covers
+    differentiates_biases: ClassVar[bool] = False  # whether those may have biased Linears
     registry: ClassVar[dict[type[GraphOp], Rule]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

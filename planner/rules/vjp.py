@@ -18,17 +18,17 @@ class VJPRule(Rule):
 
     def lower(self, st: PlanState, index: int, op: VJP) -> bool:
         forward = op.forward_block()
+        head = next(
+            (r for r in map(rule_for, forward.graph) if r is not None and r.differentiates), None
+        )
         biased = [f.out for f in forward.graph if isinstance(f, Linear) and f.bias is not None]
-        if biased:
+        if biased and (head is None or not head.differentiates_biases):
             raise NoRule(
                 index,
                 op,
                 f"forward block {forward.name!r} has biased Linears {biased}: the backward rules "
                 "differentiate bias-free Linears only (drop the bias or write the backward block)",
             )
-        head = next(
-            (r for r in map(rule_for, forward.graph) if r is not None and r.differentiates), None
-        )
         if head is None:
             covered = [r.backward_of for r in backward_rules()]
             listed = ", or ".join(

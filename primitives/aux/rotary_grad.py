@@ -1,0 +1,229 @@
+"""Aux steps of the backward of an attention input in Hugging Face's order
+(``rmsnorm → Linear q/k/v [+ bias] → [per-head RMSNorm] → RoPE``, separate q, k, v outputs).
+
+``rotary_input_grad`` turns the gradients of the block's outputs (``dq_rot``, ``dk_rot``,
+``dv``) into the gradient ``dz`` of the projection ``z = h W_qkvᵀ`` (``[M, Nq + 2·Nkv]``, the
+A operand of ``dh = dz W_qkv`` and of the weight gradient ``dzᵀ h``) in one pass over rows, and
+the row statistic of the input RMSNorm's backward ``c = Σ z·dz / d`` (docs/algebra.md §4):
+
+* RoPE's backward is its transpose, ``dq = dq_rot ⊙ cos − rotate_half(dq_rot ⊙ sin)`` per head,
+  exact on any tables (the inverse rotation only on Hugging Face's, whose halves repeat);
+* a per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``) needs its input, the projection: then ``z``
+  is the recomputed projection (without bias); its weight gradient ``Σ dqn ⊙ q̂`` over rows and
+  heads comes out too;
+* without per-head norms the saved outputs suffice (``saved``): a rotation's transpose keeps dot
+  products, ``Σ dq·q = Σ dq_rot·q_rot``, and a bias only shifts z, so
+  ``Σ z·dz = Σ out·dout − Σ b·dz`` — no projection GEMM is recomputed.
+
+The biases' gradients are the column sums of each part of ``dz``.
+
+It runs as a few PyTorch operations on whole tensors (memory-bound passes over ``[M, Nqkv]``
+next to three GEMMs of ``M × Nqkv × d``); no fused Triton kernel is written for it yet.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import model_validator
+
+from ..base import AuxStep, Name, RunEnv
+from ..checking import ProgramEnv
+from ..errors import ProgramError
+from ..ops.rope import check_rope_tables
+from ..sizes import SizeExpr
+from ..sizes import evaluate as evaluate_size
+from ..types import TensorInfo
+from .partials import _act_dtype
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``rotate_half`` over the last dimension: ``[x1, x2] -> [-x2, x1]``."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_transpose(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient through ``rope`` (``out = x·cos + rotate_half(x)·sin`` per head of width D):
+    ``g·cos − rotate_half(g·sin)``, for ``g`` ``[M, heads·D]`` and tables ``[M, D]``."""
+    rows, head = g.shape[0], cos.shape[-1]
+    heads = g.reshape(rows, -1, head)
+    out = heads * cos[:, None, :] - rotate_half(heads * sin[:, None, :])
+    return out.reshape(rows, -1)
+
+
+def head_norm_backward(
+    dn: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of ``n = ẑ ⊙ w`` per head (``ẑ = z · rsqrt(mean_head(z²) + eps)``): ``(dz, dw)``
+    with ``dz = r (dn ⊙ w − ẑ c)``, ``c = Σ_head dn ⊙ w ⊙ ẑ / D``, ``dw = Σ_rows,heads dn ⊙ ẑ``."""
+    rows, head = z.shape[0], weight.shape[0]
+    zh, dh = z.reshape(rows, -1, head), dn.reshape(rows, -1, head)
+    r = torch.rsqrt(zh.pow(2).mean(-1, keepdim=True) + eps)
+    hat = zh * r
+    dnw = dh * weight
+    c = (dnw * hat).mean(-1, keepdim=True)
+    dz = r * (dnw - hat * c)
+    return dz.reshape(rows, -1), (dh * hat).sum(dim=(0, 1))
+
+
+class RotaryInputGrad(AuxStep):
+    """Gradient ``out = dz`` ``[M, Σ N_p]`` of the projection of an attention input in Hugging
+    Face's order from the gradients of its parts (see the module docstring), and ``dot_out[i] =
+    Σ_j z[i, j] · dz[i, j] / divide_by`` (fp32, length M: the input RMSNorm's ``c``).
+
+    ``grads``: the parts' gradients ``[M, N_p]`` in the projection's column order; the first
+    ``rotated`` went through RoPE (``cos``/``sin`` ``[M, D]``), the rest (V) did not.
+    ``bias``: each part's bias ``[N_p]``, needed only with ``saved`` or ``head_norm``. Either
+    ``z`` (the recomputed projection without bias, ``[M, Σ N_p]``) or ``saved`` (the forward's
+    outputs, shaped like ``grads``).
+    ``head_norm``: per rotated part the weight ``[D]`` of the per-head RMSNorm between projection
+    and RoPE (needs ``z``; ``eps`` its epsilon); ``norm_grads``: names for their weight gradients
+    ``[D]`` (act dtype). ``bias_grads``: names for the biases' gradients (each part's column sums
+    of ``dz``, act dtype; their values are not needed). ``out`` has the act dtype.
+    """
+
+    kind: Literal["rotary_input_grad"] = "rotary_input_grad"
+    grads: list[Name]
+    rotated: int
+    cos: Name
+    sin: Name
+    out: Name
+    dot_out: Name
+    divide_by: SizeExpr
+    z: Name | None = None
+    saved: list[Name] | None = None
+    bias: list[Name] | None = None
+    head_norm: list[Name] | None = None
+    eps: float = 1e-6
+    norm_grads: list[Name] | None = None
+    bias_grads: list[Name] | None = None
+
+    @model_validator(mode="after")
+    def _fields_agree(self) -> RotaryInputGrad:
+        if (self.z is None) == (self.saved is None):
+            raise ValueError(
+                "rotary_input_grad needs exactly one of z (the recomputed projection) and saved "
+                "(the forward's outputs)"
+            )
+        if not 0 <= self.rotated <= len(self.grads):
+            raise ValueError(f"rotated = {self.rotated} must be between 0 and len(grads)")
+        lists = {"saved": self.saved, "bias": self.bias, "bias_grads": self.bias_grads}
+        for field, names in lists.items():
+            if names is not None and len(names) != len(self.grads):
+                raise ValueError(f"{field} must name one tensor per gradient in grads")
+        if self.head_norm is not None:
+            if self.z is None:
+                raise ValueError(
+                    "per-head norms (head_norm) need their input: give z, the recomputed "
+                    "projection, instead of saved"
+                )
+            if len(self.head_norm) != self.rotated:
+                raise ValueError("head_norm must name one weight per rotated part")
+            if self.norm_grads is not None and len(self.norm_grads) != self.rotated:
+                raise ValueError("norm_grads must name one output per head_norm weight")
+        elif self.norm_grads is not None:
+            raise ValueError("norm_grads are the gradients of head_norm weights: give head_norm")
+        return self
+
+    # -- checking ----------------------------------------------------------------------------------
+    def check(self, env: ProgramEnv) -> None:
+        infos = [env.matrix(g, role="grads") for g in self.grads]
+        rows = infos[0].shape[0]
+        for name, info in zip(self.grads, infos, strict=True):
+            if info.shape[0] != rows:
+                raise ProgramError(
+                    f"rotary_input_grad grads {name!r} is {info.describe()}; every gradient "
+                    f"must have the {rows} rows of {self.grads[0]!r}"
+                )
+        head = check_rope_tables(
+            lambda n: env.matrix(n, role="table"), self.cos, self.sin, rows,
+            "rotary_input_grad", f"one per row of {self.grads[0]!r}",
+        )  # fmt: skip
+        for name, info in zip(self.grads[: self.rotated], infos, strict=False):
+            if info.shape[1] % head:
+                raise ProgramError(
+                    f"rotary_input_grad: rotated gradient {name!r} ({info.describe()}) is no "
+                    f"whole number of heads of width {head} (the width of {self.cos!r})"
+                )
+        widths = [info.shape[1] for info in infos]
+        self._check_operands(env, rows, widths, head)
+        env.define(self.out, TensorInfo((rows, sum(widths)), "act", env.where))
+        env.define(self.dot_out, TensorInfo((rows,), "float32", env.where))
+        if env.size(self.divide_by, what="rotary_input_grad divide_by") <= 0:
+            raise ProgramError(f"divide_by {self.divide_by!r} must be positive")
+        for name in self.norm_grads or []:
+            env.define(name, TensorInfo((head,), "act", env.where))
+        for name, width in zip(self.bias_grads or [], widths, strict=False):
+            env.define(name, TensorInfo((width,), "act", env.where))
+
+    def _check_operands(self, env: ProgramEnv, rows: int, widths: list[int], head: int) -> None:
+        if self.z is not None:
+            info = env.matrix(self.z, role="z")
+            if info.shape != (rows, sum(widths)):
+                raise ProgramError(
+                    f"rotary_input_grad z {self.z!r} is {info.describe()}; it must be the "
+                    f"projection [{rows}, {sum(widths)}] (the parts side by side)"
+                )
+        for name, grad, width in zip(self.saved or [], self.grads, widths, strict=False):
+            info = env.matrix(name, role="saved")
+            if info.shape != (rows, width):
+                raise ProgramError(
+                    f"rotary_input_grad saved {name!r} is {info.describe()}; it must have the "
+                    f"shape of its gradient {grad!r}, [{rows}, {width}]"
+                )
+        for name, width in zip(self.bias or [], widths, strict=False):
+            env.vector(name, width, role="bias", what="one per column of its part")
+        for name in self.head_norm or []:
+            env.vector(name, head, role="head_norm", what="one per column of a head")
+
+    # -- running -----------------------------------------------------------------------------------
+    def _compute(self, env: RunEnv, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Every output, in ``dtype``."""
+
+        def get(name: str) -> torch.Tensor:
+            return env.tensors[name].to(dtype)
+
+        grads = [get(g) for g in self.grads]
+        cos, sin = get(self.cos), get(self.sin)
+        widths = [g.shape[1] for g in grads]
+        z = get(self.z).split(widths, dim=1) if self.z is not None else None
+        bias = [get(b) for b in self.bias] if self.bias else None
+        parts, norm_grads = [], []
+        for p, grad in enumerate(grads):
+            d = rope_transpose(grad, cos, sin) if p < self.rotated else grad
+            if self.head_norm is not None and p < self.rotated:
+                zb = z[p] + bias[p] if bias else z[p]  # type: ignore[index]
+                d, dw = head_norm_backward(d, zb, get(self.head_norm[p]), self.eps)
+                norm_grads.append(dw)
+            parts.append(d)
+        dz = torch.cat(parts, dim=1)
+        if z is not None:
+            dot = (torch.cat(z, dim=1) * dz).sum(dim=1)
+        else:
+            saved = [get(s) for s in self.saved]  # type: ignore[union-attr]
+            dot = sum((s * g).sum(dim=1) for s, g in zip(saved, grads, strict=True))
+            if bias:
+                dot = dot - dz @ torch.cat(bias)
+        divide = evaluate_size(self.divide_by, env.sizes)
+        out = {self.out: dz, self.dot_out: dot / divide}
+        out.update(zip(self.norm_grads or [], norm_grads, strict=False))
+        out.update(zip(self.bias_grads or [], (d.sum(dim=0) for d in parts), strict=False))
+        return out
+
+    def _dtypes(self, env: RunEnv) -> dict[str, torch.dtype]:
+        act = _act_dtype(env)
+        grads = [self.out, *(self.norm_grads or []), *(self.bias_grads or [])]
+        return {n: act for n in grads} | {self.dot_out: torch.float32}
+
+    def reference(self, env: RunEnv) -> None:
+        values = self._compute(env, env.compute)
+        exact = env.compute == torch.float64
+        dtypes = self._dtypes(env)
+        for name, value in values.items():
+            env.tensors[name] = value if exact else value.to(dtypes[name])
+
+    def launch(self, env: RunEnv) -> None:
+        for name, value in self._compute(env, torch.float32).items():
+            env.tensors[name].copy_(value)
