@@ -133,7 +133,8 @@ class VJP(GraphOp):
         return line
 
     def _zeros_shape(self, name: str) -> str:
-        return "".join(f"{n}.shape[{axis}], " for n, axis in self._zero_dims(name))
+        dims = [f"{n}.shape[{axis}]" for n, axis in self._zero_dims(name)]
+        return ", ".join(dims) + ("," if len(dims) == 1 else "")
 
     def matmuls(self, shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
         """Each forward product ``(M, N, K)`` has a data gradient ``(M, K, N)`` and a weight

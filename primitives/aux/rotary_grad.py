@@ -96,7 +96,7 @@ class RotaryInputGrad(AuxStep):
     saved: list[Name] | None = None
     bias: list[Name] | None = None
     head_norm: list[Name] | None = None
-    eps: float = 1e-6
+    eps: float | None = None
     norm_grads: list[Name] | None = None
     bias_grads: list[Name] | None = None
 
@@ -119,6 +119,8 @@ class RotaryInputGrad(AuxStep):
                     "per-head norms (head_norm) need their input: give z, the recomputed "
                     "projection, instead of saved"
                 )
+            if self.eps is None:
+                raise ValueError("head_norm needs eps, the per-head norms' epsilon")
             if len(self.head_norm) != self.rotated:
                 raise ValueError("head_norm must name one weight per rotated part")
             if self.norm_grads is not None and len(self.norm_grads) != self.rotated:
@@ -195,7 +197,7 @@ class RotaryInputGrad(AuxStep):
             d = rope_transpose(grad, cos, sin) if p < self.rotated else grad
             if self.head_norm is not None and p < self.rotated:
                 zb = z[p] + bias[p] if bias else z[p]  # type: ignore[index]
-                d, dw = head_norm_backward(d, zb, get(self.head_norm[p]), self.eps)
+                d, dw = head_norm_backward(d, zb, get(self.head_norm[p]), self.eps)  # type: ignore[arg-type]
                 norm_grads.append(dw)
             parts.append(d)
         dz = torch.cat(parts, dim=1)
