@@ -18,6 +18,7 @@ Schedule (``RoPERule.differentiate``):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from coda.blocks.ops import HeadRMSNorm, Linear, RMSNorm, RoPE
 
@@ -102,57 +103,14 @@ def _check_parts(b: BackwardBuilder, parts: list[Part]) -> None:
 def rotary_input_backward(b: BackwardBuilder) -> None:
     """Write the schedule of the module docstring into ``b``."""
     norm, parts = rotary_parts(b)
-    rotated = [p for p in parts if p.rope is not None]
-    rope = rotated[0].rope
-    assert rope is not None
     weights = [p.linear.weight for p in parts]
     w_qkv = b.prep(
         ("concat", *weights), {"kind": "concat_rows", "tensors": weights, "out": "w_qkv"}
     )
-    grads = [b.cotangent(p.out) for p in parts]
-    heads = [p.norm for p in rotated if p.norm is not None]
-    node: dict = {
-        "kind": "rotary_input_grad",
-        "grads": grads,
-        "rotated": len(rotated),
-        "cos": rope.cos,
-        "sin": rope.sin,
-        "dot_out": b.name("c"),
-        "divide_by": size_expr_of(b.st, norm.x, 1),
-        "out": "dz",
-    }
-    biases = [p.linear.bias for p in parts if p.linear.bias is not None]
-    if biases:
-        node["bias_grads"] = [b.name(f"d{bias}") for bias in biases]
-    if heads:
-        node |= {
-            "head_norm": [n.weight for n in heads],
-            "eps": heads[0].eps,
-            "norm_grads": [b.name(f"d{n.weight}") for n in heads],
-        }
-    saved = not heads and all(p.out in b.op.saved for p in parts)
-    if biases and (heads or saved):
-        dropped = [bias for bias in biases if bias in b.op.zeros]
-        if dropped:
-            b.fail(
-                f"the backward block leaves the biases {dropped} out (zeros), but "
-                + ("the per-head norms after them" if heads else "the saved outputs")
-                + " depend on them: give them as inputs"
-            )
-        node["bias"] = biases
-    if saved:
-        r = b.rstd(norm)
-        node["saved"] = [p.out for p in parts]
-    else:
-        r, folded = b.forward_projection(norm, w_qkv)
-        z = b.name("z")
-        epilogue = [
-            {"op": "scale_rows", "src": "acc", "vector": r, "out": "z_tile"},
-            {"op": "store", "src": "z_tile", "to": z},
-        ]
-        b.gemm("qkv_recompute", norm.x, f"{folded}.T", epilogue)
-        node["z"] = z
+    node = _grad_node(b, norm, parts)
+    r = _projection_or_saved(b, norm, parts, w_qkv, node)
     dz = b.aux(node)
+    heads = [p.norm for p in parts if p.norm is not None]
     for n, grad in zip(heads, node.get("norm_grads", []), strict=False):
         b.output(n.weight, grad)
     for p, grad in zip(parts, node.get("bias_grads", []), strict=False):
@@ -165,3 +123,62 @@ def rotary_input_backward(b: BackwardBuilder) -> None:
         stop = width if start == "0" else f"{start} + {width}"
         b.output(part.linear.weight, {"tensor": dw, "dim": 0, "start": start, "stop": stop})
         start = stop
+
+
+def _grad_node(b: BackwardBuilder, norm: RMSNorm, parts: list[Part]) -> dict[str, Any]:
+    """The ``rotary_input_grad`` step, but for where z comes from (``_projection_or_saved``)."""
+    rotated = [p for p in parts if p.rope is not None]
+    rope = rotated[0].rope
+    assert rope is not None
+    node: dict[str, Any] = {
+        "kind": "rotary_input_grad",
+        "grads": [b.cotangent(p.out) for p in parts],
+        "rotated": len(rotated),
+        "cos": rope.cos,
+        "sin": rope.sin,
+        "dot_out": b.name("c"),
+        "divide_by": size_expr_of(b.st, norm.x, 1),
+        "out": "dz",
+    }
+    biases = [p.linear.bias for p in parts if p.linear.bias is not None]
+    if biases:
+        node["bias_grads"] = [b.name(f"d{bias}") for bias in biases]
+    heads = [p.norm for p in rotated if p.norm is not None]
+    if heads:
+        node |= {
+            "head_norm": [n.weight for n in heads],
+            "eps": heads[0].eps,
+            "norm_grads": [b.name(f"d{n.weight}") for n in heads],
+        }
+    return node
+
+
+def _projection_or_saved(
+    b: BackwardBuilder, norm: RMSNorm, parts: list[Part], w_qkv: str, node: dict[str, Any]
+) -> str:
+    """Give ``node`` the saved outputs (no per-head norm, all saved) or the projection ``z``
+    recomputed by a GEMM, and the biases where it needs them; returns the norm's ``r``."""
+    heads = "head_norm" in node
+    saved = not heads and all(p.out in b.op.saved for p in parts)
+    biases = [p.linear.bias for p in parts if p.linear.bias is not None]
+    if biases and (heads or saved):
+        dropped = [bias for bias in biases if bias in b.op.zeros]
+        if dropped:
+            b.fail(
+                f"the backward block leaves the biases {dropped} out (zeros), but "
+                + ("the per-head norms after them" if heads else "the saved outputs")
+                + " depend on them: give them as inputs"
+            )
+        node["bias"] = biases
+    if saved:
+        node["saved"] = [p.out for p in parts]
+        return b.rstd(norm)
+    r, folded = b.forward_projection(norm, w_qkv)
+    z = b.name("z")
+    epilogue = [
+        {"op": "scale_rows", "src": "acc", "vector": r, "out": "z_tile"},
+        {"op": "store", "src": "z_tile", "to": z},
+    ]
+    b.gemm("qkv_recompute", norm.x, f"{folded}.T", epilogue)
+    node["z"] = z
+    return r
