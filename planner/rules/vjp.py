@@ -27,7 +27,9 @@ class VJPRule(Rule):
                 index,
                 op,
                 f"forward block {forward.name!r} has biased Linears {biased}: the backward rules "
-                "differentiate bias-free Linears only (drop the bias or write the backward block)",
+                "differentiate bias-free Linears only, but for "
+                + ", ".join(r.backward_of for r in backward_rules() if r.differentiates_biases)
+                + " (drop the bias or write the backward block)",
             )
         if head is None:
             covered = [r.backward_of for r in backward_rules()]

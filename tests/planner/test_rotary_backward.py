@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coda.blocks import Block, TensorSpec
+from coda.blocks import Block, TensorSpec, get_block
 from coda.blocks.autodiff import backward_block
 from coda.blocks.functional import head_rms_norm, rope
 from coda.blocks.registry import register
@@ -112,3 +112,16 @@ def test_biases_left_out_where_the_backward_needs_them_are_refused() -> None:
     qwen3_biased = attention_input("qwen3_biased", bias=True, qk_norm={"eps": 1e-6})
     with pytest.raises(NoRule, match=r"leaves the biases \['b_q', 'b_k', 'b_v'\] out.*per-head"):
         lower(_backward(qwen3_biased))
+
+
+def test_biased_linears_elsewhere_name_the_rule_that_takes_them() -> None:
+    mlp = get_block("llama_mlp")
+    graph = [op.model_copy(update={"bias": "b_up"}) if op.out == "u" else op for op in mlp.graph]
+    inputs = {**mlp.inputs, "b_up": TensorSpec(shape=["f"])}
+    forward = register(
+        mlp.model_copy(update={"name": "biased_up_mlp", "graph": graph, "inputs": inputs})
+    )
+    cot = {"out": TensorSpec(shape=["M", "d"])}
+    block = backward_block(forward, name="biased_up_mlp_bwd", cotangents=cot, wrt=["x"])
+    with pytest.raises(NoRule, match=r"\['u'\].*but for an attention input in Hugging Face's"):
+        lower(block)
