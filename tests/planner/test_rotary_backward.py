@@ -21,8 +21,9 @@ from .test_rotary_rules import GEMMA3, LLAMA, OLMO2, OPTIONS, QWEN2, QWEN3, atte
 
 def _backward(forward: Block, *, saved: bool = False, zeros: bool = True) -> Block:
     """The backward block of ``forward`` for every floating input but the tables; biases left
-    out (``zeros``: no gradient depends on them) unless ``saved`` or ``zeros=False``."""
-    register(forward)
+    out (``zeros``: no gradient depends on them) unless ``saved`` or ``zeros=False``. The forward
+    is registered under a name of its own (``qwen2_attn_in`` is also a built-in block's)."""
+    forward = register(forward.model_copy(update={"name": f"test_{forward.name}"}))
     cot = {o: TensorSpec(shape=["M", "Nq" if o == "q_rot" else "Nkv"]) for o in forward.outputs}
     wrt = [n for n in forward.inputs if n not in ("cos", "sin")]
     biases = [n for n in forward.inputs if n.startswith("b_")]
