@@ -17,8 +17,12 @@ the row statistic of the input RMSNorm's backward ``c = Σ z·dz / d`` (docs/alg
 
 The biases' gradients are the column sums of each part of ``dz``.
 
-It runs as a few PyTorch operations on whole tensors (memory-bound passes over ``[M, Nqkv]``
-next to three GEMMs of ``M × Nqkv × d``); no fused Triton kernel is written for it yet.
+One Triton kernel per part reads its gradient (and ``z`` or the saved output) once and writes its
+columns of ``dz``: a program holds a block of rows and walks the part's heads, each loaded as its
+two halves (the rotate-half partner of column ``j`` is ``j ± D/2``, in the same registers), so
+RoPE's transpose, the per-head norm's statistic and the row dot for ``c`` need no second pass.
+Column sums (bias and q/k-norm weight gradients) are written as per-program partials and summed
+after the launches.
 """
 
 from __future__ import annotations
@@ -26,16 +30,144 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import triton.language as tl
 from pydantic import model_validator
 
+from .. import backend
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
+from ..launch import launch_kernel
 from ..ops.rope import check_rope_tables
-from ..sizes import SizeExpr
+from ..sizes import SizeExpr, cdiv, next_power_of_2
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo
 from .partials import _act_dtype
+
+
+@backend.jit
+def _rotary_grad_kernel(
+    g_ptr,
+    z_ptr,
+    saved_ptr,
+    bias_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    dot_ptr,
+    wsum_ptr,
+    bsum_ptr,
+    rows,
+    cols,
+    half,
+    eps,
+    stride_gm,
+    stride_gn,
+    stride_zm,
+    stride_zn,
+    stride_sm,
+    stride_sn,
+    stride_cm,
+    stride_cn,
+    stride_tm,
+    stride_tn,
+    stride_om,
+    stride_on,
+    ROTATED: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    FIRST: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # One program: BLOCK_ROWS rows of one part, its columns in pairs of half-heads (j, j + half):
+    # a rotated part's heads are 2·half wide; an unrotated part is walked in the same chunks.
+    pid = tl.program_id(axis=0)
+    offs_r = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask_r = offs_r < rows
+    r64 = offs_r.to(tl.int64)[:, None]
+    j = tl.arange(0, BLOCK_HALF)
+    mask_j = j < half
+    mask = mask_r[:, None] & mask_j[None, :]
+    dot = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    wsum1 = tl.zeros((BLOCK_HALF,), dtype=tl.float32)
+    wsum2 = tl.zeros((BLOCK_HALF,), dtype=tl.float32)
+    if ROTATED:
+        c1 = tl.load(cos_ptr + r64 * stride_cm + j[None, :] * stride_cn, mask=mask, other=0.0)
+        c2 = tl.load(
+            cos_ptr + r64 * stride_cm + (j + half)[None, :] * stride_cn, mask=mask, other=0.0
+        )
+        s1 = tl.load(sin_ptr + r64 * stride_tm + j[None, :] * stride_tn, mask=mask, other=0.0)
+        s2 = tl.load(
+            sin_ptr + r64 * stride_tm + (j + half)[None, :] * stride_tn, mask=mask, other=0.0
+        )
+        c1, c2, s1, s2 = c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32), s2.to(tl.float32)
+    if HAS_NORM:
+        w1 = tl.load(w_ptr + j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + j + half, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+    for start in range(0, cols, 2 * half):
+        col1 = start + j
+        col2 = col1 + half
+        in1, in2 = mask_j & (col1 < cols), mask_j & (col2 < cols)  # padding lanes: j ≥ half
+        m1, m2 = mask_r[:, None] & in1[None, :], mask_r[:, None] & in2[None, :]
+        a = tl.load(g_ptr + r64 * stride_gm + col1[None, :] * stride_gn, mask=m1, other=0.0)
+        b = tl.load(g_ptr + r64 * stride_gm + col2[None, :] * stride_gn, mask=m2, other=0.0)
+        a, b = a.to(tl.float32), b.to(tl.float32)
+        d1, d2 = a, b
+        if ROTATED:  # RoPE's transpose: g·cos − rotate_half(g·sin)
+            d1 = a * c1 + b * s2
+            d2 = b * c2 - a * s1
+        if HAS_Z:
+            z1 = tl.load(z_ptr + r64 * stride_zm + col1[None, :] * stride_zn, mask=m1, other=0.0)
+            z2 = tl.load(z_ptr + r64 * stride_zm + col2[None, :] * stride_zn, mask=m2, other=0.0)
+            z1, z2 = z1.to(tl.float32), z2.to(tl.float32)
+        if HAS_BIAS:
+            b1 = tl.load(bias_ptr + col1, mask=in1, other=0.0).to(tl.float32)[None, :]
+            b2 = tl.load(bias_ptr + col2, mask=in2, other=0.0).to(tl.float32)[None, :]
+        if HAS_NORM:  # per-head RMSNorm's backward on zb = z (+ b)
+            zb1, zb2 = z1, z2
+            if HAS_BIAS:
+                zb1, zb2 = z1 + b1, z2 + b2
+            ms = (tl.sum(zb1 * zb1, axis=1) + tl.sum(zb2 * zb2, axis=1)) / (2 * half)
+            r = tl.rsqrt(ms + eps)[:, None]
+            h1, h2 = zb1 * r, zb2 * r
+            wsum1 += tl.sum(tl.where(m1, d1 * h1, 0.0), axis=0)
+            wsum2 += tl.sum(tl.where(m2, d2 * h2, 0.0), axis=0)
+            n1, n2 = d1 * w1, d2 * w2
+            ch = ((tl.sum(n1 * h1, axis=1) + tl.sum(n2 * h2, axis=1)) / (2 * half))[:, None]
+            d1 = r * (n1 - h1 * ch)
+            d2 = r * (n2 - h2 * ch)
+        d1 = tl.where(m1, d1, 0.0)
+        d2 = tl.where(m2, d2, 0.0)
+        if HAS_Z:
+            dot += tl.sum(z1 * d1, axis=1) + tl.sum(z2 * d2, axis=1)
+        else:  # Σ z·dz = Σ out·dout − Σ b·dz from the saved output
+            o1 = tl.load(
+                saved_ptr + r64 * stride_sm + col1[None, :] * stride_sn, mask=m1, other=0.0
+            )
+            o2 = tl.load(
+                saved_ptr + r64 * stride_sm + col2[None, :] * stride_sn, mask=m2, other=0.0
+            )
+            dot += tl.sum(o1.to(tl.float32) * a, axis=1) + tl.sum(o2.to(tl.float32) * b, axis=1)
+            if HAS_BIAS:
+                dot -= tl.sum(b1 * d1, axis=1) + tl.sum(b2 * d2, axis=1)
+        out_ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + r64 * stride_om + col1[None, :] * stride_on, d1.to(out_ty), mask=m1)
+        tl.store(out_ptr + r64 * stride_om + col2[None, :] * stride_on, d2.to(out_ty), mask=m2)
+        if BIAS_GRAD:
+            bsum = bsum_ptr + pid.to(tl.int64) * cols
+            tl.store(bsum + col1, tl.sum(d1, axis=0), mask=in1)
+            tl.store(bsum + col2, tl.sum(d2, axis=0), mask=in2)
+    if HAS_NORM:
+        wsum = wsum_ptr + pid.to(tl.int64) * 2 * half
+        tl.store(wsum + j, wsum1, mask=mask_j)
+        tl.store(wsum + j + half, wsum2, mask=mask_j)
+    if not FIRST:
+        dot += tl.load(dot_ptr + offs_r, mask=mask_r, other=0.0)
+    tl.store(dot_ptr + offs_r, dot, mask=mask_r)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -227,5 +359,66 @@ class RotaryInputGrad(AuxStep):
             env.tensors[name] = value if exact else value.to(dtypes[name])
 
     def launch(self, env: RunEnv) -> None:
-        for name, value in self._compute(env, torch.float32).items():
-            env.tensors[name].copy_(value)
+        grads = [env.tensors[g] for g in self.grads]
+        rows = grads[0].shape[0]
+        dz, dot = env.tensors[self.out], env.tensors[self.dot_out]
+        if rows == 0:
+            dot.zero_()
+            for name in [*(self.norm_grads or []), *(self.bias_grads or [])]:
+                env.tensors[name].zero_()
+            return
+        head = env.tensors[self.cos].shape[1]
+        start = 0
+        for p, grad in enumerate(grads):
+            width = grad.shape[1]
+            cols = slice(start, start + width)
+            self._launch_part(env, p, grad, dz[:, cols], cols, first=p == 0, head=head)
+            start += width
+        dot.mul_(1.0 / evaluate_size(self.divide_by, env.sizes))
+
+    def _launch_part(
+        self,
+        env: RunEnv,
+        p: int,
+        grad: torch.Tensor,
+        out: torch.Tensor,
+        cols: slice,
+        *,
+        first: bool,
+        head: int,
+    ) -> None:
+        """One part's columns of ``dz`` (and its share of ``c`` and of the column sums)."""
+        rows, width = grad.shape
+        rotated = p < self.rotated
+        norm = self.head_norm is not None and rotated
+        half = head // 2 if rotated else min(max(next_power_of_2(width), 2), 256) // 2
+        block_half = max(next_power_of_2(half), 1)
+        block_rows = max(1, min(64, 2048 // (2 * block_half), next_power_of_2(rows)))
+        programs = cdiv(rows, block_rows)
+        z = env.tensors[self.z][:, cols] if self.z is not None else grad
+        saved = env.tensors[self.saved[p]] if self.saved is not None else grad
+        bias = env.tensors[self.bias[p]] if self.bias is not None else grad
+        weight = env.tensors[self.head_norm[p]] if norm else grad  # type: ignore[index]
+        wsum = torch.empty(
+            (programs, head) if norm else (1,), device=grad.device, dtype=torch.float32
+        )
+        bsum = torch.empty(
+            (programs, width) if self.bias_grads else (1,), device=grad.device, dtype=torch.float32
+        )
+        cos, sin = env.tensors[self.cos], env.tensors[self.sin]
+        launch_kernel(
+            _rotary_grad_kernel,
+            (programs,),
+            grad, z, saved, bias, weight, cos, sin, out, env.tensors[self.dot_out], wsum, bsum,
+            rows, width, half, float(self.eps or 0.0),
+            grad.stride(0), grad.stride(1), z.stride(0), z.stride(1),
+            saved.stride(0), saved.stride(1), cos.stride(0), cos.stride(1),
+            sin.stride(0), sin.stride(1), out.stride(0), out.stride(1),
+            ROTATED=rotated, HAS_Z=self.z is not None, HAS_NORM=norm,
+            HAS_BIAS=self.bias is not None, BIAS_GRAD=self.bias_grads is not None, FIRST=first,
+            BLOCK_ROWS=block_rows, BLOCK_HALF=block_half,
+        )  # fmt: skip
+        if norm:
+            env.tensors[self.norm_grads[p]].copy_(wsum.sum(dim=0))  # type: ignore[index]
+        if self.bias_grads:
+            env.tensors[self.bias_grads[p]].copy_(bsum.sum(dim=0))

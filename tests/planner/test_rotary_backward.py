@@ -13,8 +13,11 @@ from coda.blocks.autodiff import backward_block
 from coda.blocks.functional import head_rms_norm, rope
 from coda.blocks.registry import register
 from coda.planner import NoRule, lower
+from coda.primitives import Program
 from coda.primitives.aux.rotary_grad import head_norm_backward, rope_transpose
 from coda.sandbox import evaluate
+from coda.sandbox.compare import assert_close
+from tests.helpers import DTYPE_TOL, make_inputs, run_both
 
 from .test_rotary_rules import GEMMA3, LLAMA, OLMO2, OPTIONS, QWEN2, QWEN3, attention_input
 
@@ -126,3 +129,51 @@ def test_biased_linears_elsewhere_name_the_rule_that_takes_them() -> None:
     block = backward_block(forward, name="biased_up_mlp_bwd", cotangents=cot, wrt=["x"])
     with pytest.raises(NoRule, match=r"\['u'\].*but for an attention input in Hugging Face's"):
         lower(block)
+
+
+def _grad_program(*, saved: bool) -> Program:
+    """``rotary_input_grad`` alone on biased q, k, v: from the saved outputs, or from ``z`` with
+    per-head norms (both paths need the biases)."""
+    parts = {"q": "Nq", "k": "Nkv", "v": "Nkv"}
+    inputs: dict = {f"g{p}": ["M", n] for p, n in parts.items()}
+    inputs |= {f"b{p}": [n] for p, n in parts.items()}
+    inputs |= {"cos": ["M", "D"], "sin": ["M", "D"]}
+    step = {
+        "kind": "rotary_input_grad",
+        "grads": ["gq", "gk", "gv"],
+        "rotated": 2,
+        "cos": "cos",
+        "sin": "sin",
+        "bias": ["bq", "bk", "bv"],
+        "bias_grads": ["dbq", "dbk", "dbv"],
+        "dot_out": "c",
+        "divide_by": "D + 8",
+        "out": "dz",
+    }
+    outputs = ["dz", "c", "dbq", "dbk", "dbv"]
+    if saved:
+        inputs |= {f"s{p}": ["M", n] for p, n in parts.items()}
+        step["saved"] = ["sq", "sk", "sv"]
+    else:
+        inputs |= {"z": ["M", "Nz"], "wq": ["D"], "wk": ["D"]}  # Nz = Nq + 2·Nkv
+        step |= {"z": "z", "head_norm": ["wq", "wk"], "eps": 1e-6, "norm_grads": ["dwq", "dwk"]}
+        outputs += ["dwq", "dwk"]
+    return Program.parse(
+        {"block": "test", "inputs": inputs, "steps": [step], "outputs": {o: o for o in outputs}}
+    )
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["saved", "head_norms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rotary_input_grad_kernel_with_biases_at_a_head_width_no_power_of_two(
+    saved: bool, dtype: torch.dtype
+) -> None:
+    """The paths no verifiable block reaches with its biases given (a Qwen2 backward leaves them
+    out): the kernel against the float64 reference, 13 rows, heads of width 12."""
+    program = _grad_program(saved=saved)
+    sizes = {"M": 13, "Nq": 36, "Nkv": 12, "D": 12, "Nz": 60}
+    inputs = make_inputs(program, sizes, dtype)
+    got, _, exact = run_both(program, inputs)
+    atol, rtol = DTYPE_TOL[dtype]
+    for name, want in exact.items():
+        assert_close(got[name].double(), want, atol=atol * 4, rtol=rtol * 4, what=name)
