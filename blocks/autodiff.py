@@ -55,24 +55,60 @@ class VJP(GraphOp):
     # Forward graph values the backward block also receives (saved by the forward pass so that a
     # program need not recompute them); autograd recomputes them and ignores these inputs.
     saved: list[str] = []
+    # Forward inputs no gradient depends on (the bias of a Linear followed only by linear maps:
+    # an affine map's derivatives do not see its offset): not inputs of the backward block, the
+    # forward runs on zeros in their place (still differentiated when in ``wrt``).
+    zeros: list[str] = []
 
     def forward_block(self) -> Block:
         return get_block(self.forward)
 
     def inputs(self) -> list[str]:
-        return [*self.forward_block().inputs, *self.saved, *self.cotangents.values()]
+        given = [n for n in self.forward_block().inputs if n not in self.zeros]
+        return [*given, *self.saved, *self.cotangents.values()]
+
+    def _zero_dims(self, name: str) -> list[tuple[str, int]]:
+        """For each dimension of forward input ``name``, a given input and axis of that size."""
+        block = self.forward_block()
+        found = []
+        for dim in block.inputs[name].shape:
+            where = next(
+                (
+                    (n, axis)
+                    for n, spec in block.inputs.items()
+                    if n not in self.zeros
+                    for axis, d in enumerate(spec.shape)
+                    if d == dim
+                ),
+                None,
+            )
+            if where is None:
+                raise ValueError(f"vjp: no given input has the size {dim!r} of zeroed {name!r}")
+            found.append(where)
+        return found
+
+    def _forward_inputs(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The forward block's inputs from ``values``, zeros for ``zeros`` (the dtype and device
+        of the first given input)."""
+        block = self.forward_block()
+        given = {n: values[n] for n in block.inputs if n not in self.zeros}
+        like = next(iter(given.values()))
+        for name in self.zeros:
+            shape = [given[n].shape[axis] for n, axis in self._zero_dims(name)]
+            given[name] = like.new_zeros(shape)
+        return {n: given[n] for n in block.inputs}
 
     def derived_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The saved forward values, from the forward reference on the drawn inputs."""
         if not self.saved:
             return {}
         block = self.forward_block()
-        values = block.values({n: inputs[n] for n in block.inputs})
+        values = block.values(self._forward_inputs(inputs))
         return {n: values[n].detach() for n in self.saved}
 
     def call(self, values: dict[str, Any]) -> Any:
         block = self.forward_block()
-        fwd_inputs = {n: values[n] for n in block.inputs}
+        fwd_inputs = self._forward_inputs(values)
         cot = {o: values[g] for o, g in self.cotangents.items()}
         return vjp(lambda **kw: block.reference(kw), fwd_inputs, cot, list(self.wrt))
 
@@ -92,13 +128,23 @@ class VJP(GraphOp):
 
     def source(self) -> str:
         block = self.forward_block()
-        inputs = ", ".join(f"{n}={n}" for n in block.inputs)
+        like = next(n for n in block.inputs if n not in self.zeros)
+        inputs = ", ".join(
+            f"{n}={like}.new_zeros(({self._zeros_shape(n)}))" if n in self.zeros else f"{n}={n}"
+            for n in block.inputs
+        )
         cot = ", ".join(f"{o}={g}" for o, g in self.cotangents.items())
         fn = self.forward_function()[0]
         line = f"{self.out} = vjp({fn}, dict({inputs}), dict({cot}), wrt={self.wrt!r})"
         if self.saved:
             line += f"  # {', '.join(self.saved)}: saved by the forward pass (autograd recomputes)"
+        if self.zeros:
+            line += f"  # {', '.join(self.zeros)}: no gradient depends on them"
         return line
+
+    def _zeros_shape(self, name: str) -> str:
+        dims = [f"{n}.shape[{axis}]" for n, axis in self._zero_dims(name)]
+        return ", ".join(dims) + ("," if len(dims) == 1 else "")
 
     def matmuls(self, shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
         """Each forward product ``(M, N, K)`` has a data gradient ``(M, K, N)`` and a weight
@@ -147,10 +193,21 @@ def backward_block(
     saved: dict[str, TensorSpec] | None = None,
     shapes: ShapeSets | None = None,
     tolerance: Tolerance | None = None,
+    zeros: list[str] | None = None,
 ) -> Block:
     """The backward block of ``forward``: inputs = forward inputs, the ``saved`` forward values
     (drawn consistently: computed by the forward reference), and ``d<output>`` for each output in
-    ``cotangents`` (with its spec); outputs ``d<input>`` for each input in ``wrt``."""
+    ``cotangents`` (with its spec); outputs ``d<input>`` for each input in ``wrt``.
+
+    ``zeros``: forward inputs no gradient depends on (biases of Linears that only linear maps
+    follow), left out of the inputs — the sandbox would rightly refuse a block with an input that
+    moves no output; the reference runs the forward on zeros in their place. Not with ``saved``
+    (a saved value would depend on them)."""
+    if zeros and saved:
+        raise ValueError(
+            f"backward_block {name!r}: saved forward values depend on the inputs {zeros}, so "
+            "they cannot be left out (zeros); give either saved or zeros"
+        )
     grads = {f"d{o}": spec for o, spec in cotangents.items()}
     saved_specs = {
         n: spec.model_copy(update={"init": "saved"}) for n, spec in (saved or {}).items()
@@ -161,6 +218,7 @@ def backward_block(
             cotangents={o: f"d{o}" for o in cotangents},
             wrt=wrt,
             saved=list(saved_specs),
+            zeros=list(zeros or []),
             out="grads",
         )
     ]
@@ -172,7 +230,11 @@ def backward_block(
             f"Backward of {forward.name}: gradients of {', '.join(wrt)} given the gradients of "
             f"{', '.join(cotangents)} (autograd of the forward reference)."
         ),
-        inputs={**forward.inputs, **saved_specs, **grads},
+        inputs={
+            **{n: s for n, s in forward.inputs.items() if n not in (zeros or [])},
+            **saved_specs,
+            **grads,
+        },
         graph=graph,
         outputs=[f"d{n}" for n in wrt],
         shapes=shapes or forward.shapes,

@@ -46,7 +46,7 @@ def register(block: Block) -> Block:
 
 
 def _load_builtin() -> None:
-    from . import kernels, llama  # noqa: F401  (registers the built-in blocks)
+    from . import kernels, llama, qwen  # noqa: F401  (registers the built-in blocks)
 
 
 def get_block(name: str) -> Block:
@@ -72,11 +72,12 @@ def list_blocks() -> list[Block]:
 
 
 def builtin_blocks() -> list[Block]:
-    """The blocks this package defines (``coda.blocks.kernels`` and ``coda.blocks.llama``), in
-    definition order, whatever else has been registered in the process."""
-    from . import kernels, llama
+    """The blocks this package defines (``coda.blocks.kernels``, ``coda.blocks.llama`` and
+    ``coda.blocks.qwen``), in definition order, whatever else has been registered in the
+    process."""
+    from . import kernels, llama, qwen
 
-    return [v for m in (kernels, llama) for v in vars(m).values() if isinstance(v, Block)]
+    return [v for m in (kernels, llama, qwen) for v in vars(m).values() if isinstance(v, Block)]
 
 
 class BlockFileError(ValueError):

@@ -10,6 +10,9 @@
   Face's causal-LM loss with the final norm, LM head and cross-entropy fused (no logits stored).
 * ``CodaLlamaAttention(attn, norm)`` / ``llama_attn_in_function``: a layer's input norm, Q/K/V
   projections and RoPE as one GEMM (``llama_attn_in``); attention itself stays Hugging Face's.
+  ``hf_attn_in_function(kernel, eps)``: Qwen2's (biased) and Qwen3's (per-head q/k norms)
+  attention inputs, q, k, v returned separately in Hugging Face's order (``qwen2_attn_in``,
+  ``qwen3_attn_in``).
 * ``patch_llama(model)``: every decoder layer of a Hugging Face Llama model runs its norms,
   attention input and MLP on CODA kernels, in place (Hugging Face's attention and keys kept),
   the MLP half's residual add inside its kernels (``CodaLlamaDecoderLayer``) — after proving,
@@ -17,7 +20,7 @@
   sits where the patched layer computes with it; otherwise ``ValueError``.
 * ``patch_model(model)``: the same for any Hugging Face causal LM, per module kind — what a
   recipe (``coda.export.families.RECIPES``) proves a shipped kernel computes exactly is patched
-  (Llama, Mistral, Phi-3's fused projections, Qwen2/3's MLP, Gemma's attention input, …), the
+  (Llama, Mistral, Phi-3's fused projections, Qwen2/3, Gemma's attention input, …), the
   rest kept as Hugging Face's; returns a ``PatchReport`` saying "patched" or "kept: <reason>"
   per kind.
 
@@ -28,7 +31,7 @@ drop-in), ``attention``, ``lm_head``, ``patch``, ``families``, ``probe``; ``chec
 ``dtypes`` hold what they share; ``autograd`` the custom ops.
 """
 
-from .attention import CodaLlamaAttention, llama_attn_in_function
+from .attention import CodaLlamaAttention, hf_attn_in_function, llama_attn_in_function
 from .autograd import ExportedFunction, PackedRows, export_autograd
 from .families import PatchReport, patch_model
 from .lm_head import (
@@ -55,6 +58,7 @@ __all__ = [
     "causal_lm_loss",
     "export_autograd",
     "fuse_causal_lm_loss",
+    "hf_attn_in_function",
     "llama_attn_in_function",
     "llama_lm_head_ce_function",
     "llama_mlp_function",

@@ -11,6 +11,10 @@ projections + RoPE as one GEMM (``llama_attn_in``, docs/algebra.md §2–3), and
   ``input_layernorm``, which ``patch_llama`` turns into a ``DeferredRMSNorm``), projections and
   rotary embedding run in that one kernel; attention itself (Hugging Face's configured
   implementation: SDPA, eager, flash…), the KV cache and ``o_proj`` are Hugging Face's.
+* ``hf_attn_in_function(kernel, eps)`` and the ``Coda<Class>`` drop-ins of Qwen2's and Qwen3's
+  attention: the same with the kernels of ``qwen2_attn_in`` (biased projections) or
+  ``qwen3_attn_in`` (per-head q/k norms before RoPE), which return q, k and v separately in
+  Hugging Face's own column order — the states its forward computes, bit for bit in layout.
 * ``AttentionRecipe``: which Hugging Face attention class the kernel's input fits, where that
   class keeps its Q/K/V weights (``QKVLayout``: Llama's three projections, or Phi-3's one
   ``qkv_proj`` read as row views) and which keyword arguments its forward hands the attention
@@ -40,6 +44,7 @@ import torch
 from torch import nn
 
 from coda.blocks.llama import llama_attn_in_family
+from coda.blocks.qwen import qwen2_attn_in_family, qwen3_attn_in_family
 
 from .autograd import ExportedFunction, Tuning, export_autograd
 from .checks import norm_gamma, rms_norm_form
@@ -116,6 +121,10 @@ class AttentionRecipe:
     hf_class: str
     layout: QKVLayout = SEPARATE_QKV
     extras: Callable[[nn.Module], dict[str, Any]] = _no_extras
+    # the block family whose kernels compute the class's attention input: ``llama_attn_in``
+    # (bias-free projections, one [q | k | v] output), ``qwen2_attn_in`` (biased projections)
+    # or ``qwen3_attn_in`` (per-head q/k norms before RoPE), the last two in Hugging Face's order
+    kernel: str = "llama_attn_in"
 
     @property
     def class_name(self) -> str:
@@ -142,6 +151,24 @@ PHI3_ATTENTION = AttentionRecipe(
 )
 
 
+def _layer_sliding_window(attn: nn.Module) -> dict[str, Any]:
+    """What Qwen2's and Qwen3's forwards pass: the module's own sliding window (set per layer
+    from ``config.layer_types``; None: none)."""
+    return {"sliding_window": getattr(attn, "sliding_window", None)}
+
+
+QWEN2_ATTENTION = AttentionRecipe(
+    "transformers.models.qwen2.modeling_qwen2.Qwen2Attention",
+    extras=_layer_sliding_window,
+    kernel="qwen2_attn_in",
+)
+QWEN3_ATTENTION = AttentionRecipe(
+    "transformers.models.qwen3.modeling_qwen3.Qwen3Attention",
+    extras=_layer_sliding_window,
+    kernel="qwen3_attn_in",
+)
+
+
 def check_llama_attention(attn: nn.Module) -> None:
     """``ValueError`` unless ``attn`` is a Hugging Face ``LlamaAttention`` with its forward (a
     subclass that overrides it is refused) that projects like ``llama_attn_in``: bias-free q/k/v
@@ -153,8 +180,10 @@ def check_llama_attention(attn: nn.Module) -> None:
 
 def check_attention(attn: nn.Module, recipe: AttentionRecipe) -> None:
     """``ValueError`` unless ``attn`` is an instance of ``recipe``'s Hugging Face class with that
-    class's own forward, its Q/K/V projections (``recipe.layout``) bias-free 2-D weights of
-    whole heads of an even ``head_dim``."""
+    class's own forward, its Q/K/V projections (``recipe.layout``) 2-D weights of whole heads of
+    an even ``head_dim``, with biases exactly when the recipe's kernel adds them
+    (``qwen2_attn_in``), and per-head q/k RMSNorms when its kernel applies them
+    (``qwen3_attn_in``)."""
     cls, name = recipe.resolve(), recipe.class_name
     if cls is None or not isinstance(attn, cls):
         raise ValueError(
@@ -165,14 +194,17 @@ def check_attention(attn: nn.Module, recipe: AttentionRecipe) -> None:
     if type(attn).forward is not cls.forward:
         raise ValueError(
             f"self_attn is a {type(attn).__name__}, a {name} with its own forward; the "
-            f"llama_attn_in kernel computes {name}'s — patch with attention=False to keep it"
+            f"{recipe.kernel} kernel computes {name}'s — patch with attention=False to keep it"
         )
+    biased = recipe.kernel == "qwen2_attn_in"
     for proj in recipe.layout.projections:
         weight = getattr(getattr(attn, proj, None), "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(f"self_attn has no {proj} with a 2-D weight")
-        if getattr(attn, proj).bias is not None:
-            raise ValueError(f"self_attn.{proj} has a bias; the llama_attn_in block has none")
+        if (getattr(attn, proj).bias is not None) != biased:
+            has = "has a bias" if not biased else "has no bias"
+            want = "adds one to each projection" if biased else "has none"
+            raise ValueError(f"self_attn.{proj} {has}; the {recipe.kernel} block {want}")
     head = getattr(attn, "head_dim", None)
     if not isinstance(head, int) or head % 2:
         raise ValueError(f"head_dim {head!r}: RoPE pairs need an even head width")
@@ -186,6 +218,44 @@ def check_attention(attn: nn.Module, recipe: AttentionRecipe) -> None:
         raise ValueError(
             f"self_attn's v rows ({w_v.shape[0]}) are not as many as its k rows ({w_k.shape[0]})"
         )
+    if recipe.kernel == "qwen3_attn_in":
+        head_norm_eps(attn)
+
+
+def check_head_norms(attn: nn.Module, input_eps: float) -> None:
+    """``ValueError`` unless ``attn``'s per-head q/k norms (``head_norm_eps``) use the input
+    norm's epsilon ``input_eps``: ``qwen3_attn_in`` has one epsilon for all its norms (Qwen3's
+    ``config.rms_norm_eps``)."""
+    eps = head_norm_eps(attn)
+    if eps != input_eps:
+        raise ValueError(
+            f"self_attn's q_norm/k_norm epsilon {eps:g} is not input_layernorm's {input_eps:g}; "
+            "the qwen3_attn_in kernel applies one epsilon to every norm"
+        )
+
+
+def head_norm_eps(attn: nn.Module) -> float:
+    """The epsilon of ``attn``'s per-head ``q_norm`` and ``k_norm`` (Qwen3's); ``ValueError``
+    unless both are RMSNorms ``x̂ · weight`` over ``head_dim`` with one epsilon."""
+    found = []
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        if norm is None:
+            raise ValueError(f"self_attn has no {name}: the qwen3_attn_in kernel applies one")
+        eps, _ = rms_norm_form(norm, f"self_attn.{name}", offsets=(0.0,))
+        if norm.weight.shape != (attn.head_dim,):
+            raise ValueError(
+                f"self_attn.{name}'s weight is {tuple(norm.weight.shape)}, not one value per "
+                f"column of a head ({attn.head_dim},): the qwen3_attn_in kernel normalizes "
+                "each head"
+            )
+        found.append(eps)
+    if found[0] != found[1]:
+        raise ValueError(
+            f"self_attn's q_norm and k_norm use different epsilons {found}; the qwen3_attn_in "
+            "kernel applies one"
+        )
+    return found[0]
 
 
 def _hf_llama_attention() -> type[nn.Module]:
@@ -218,14 +288,15 @@ class _CodaAttentionIn(nn.Module):
         self.eps, self.norm_offset = rms_norm_form(norm, "input_layernorm")
         for proj in (*self.recipe.layout.projections, "o_proj"):
             setattr(self, proj, getattr(attn, proj))
-        for name in ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling"):
+        names = ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling")
+        for name in (*names, "layer_type", "sliding_window"):
             setattr(self, name, getattr(attn, name, None))
         self.num_key_value_heads = getattr(attn, "num_key_value_heads", None)
         self.attention_dropout = float(getattr(attn, "attention_dropout", 0.0))
         self.is_causal = bool(getattr(attn, "is_causal", True))
         object.__setattr__(self, "norm", norm)  # the layer's module: not registered twice
         self._tune = tune
-        self.function = llama_attn_in_function(self.eps, verify=verify, tune=tune)
+        self.function = self._exported(verify, tune)
         # looked up here, not in forward: torch.compile traces no import or signature inspection
         self._attention = _attention_interface(self.config, self.recipe)
         self._cache_takes_kwargs = _cache_update_takes_kwargs()
@@ -237,7 +308,11 @@ class _CodaAttentionIn(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.function = llama_attn_in_function(self.eps, verify=False, tune=self._tune)
+        self.function = self._exported(False, self._tune)
+
+    def _exported(self, verify: bool, tune: Tuning) -> ExportedFunction:
+        """The exported kernels this drop-in runs (``llama_attn_in``'s)."""
+        return llama_attn_in_function(self.eps, verify=verify, tune=tune)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``[tokens, Nq + 2·Nkv]`` from ``x`` ``[..., hidden]`` and Hugging Face's rotary tables
@@ -250,6 +325,17 @@ class _CodaAttentionIn(nn.Module):
         ]
         dtype = autocast_dtype(x, weights) or x.dtype  # under autocast: as HF's projections
         return run_in_dtype(self.function, dtype, flat, *weights, *tables)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q, k and v, each ``[..., heads·head_dim]``, from ``x`` ``[..., hidden]``:
+        column views of ``qkv``."""
+        qkv = self.qkv(x, cos, sin).view(*x.shape[:-1], -1)
+        _, w_k, _ = self.recipe.layout.split(self)
+        nkv = w_k.shape[0]
+        q, k, v = qkv.split([qkv.shape[-1] - 2 * nkv, nkv, nkv], dim=-1)
+        return q, k, v
 
     def forward(
         self,
@@ -264,10 +350,7 @@ class _CodaAttentionIn(nn.Module):
             raise ValueError(f"{type(self).__name__} needs position_embeddings (cos, sin)")
         batch = hidden_states.shape[:-1]
         cos, sin = position_embeddings
-        qkv = self.qkv(hidden_states, cos, sin).view(*batch, -1)
-        _, w_k, _ = self.recipe.layout.split(self)
-        nkv = w_k.shape[0]
-        q, k, v = qkv.split([qkv.shape[-1] - 2 * nkv, nkv, nkv], dim=-1)
+        q, k, v = self.project(hidden_states, cos, sin)
         q, k, v = (t.view(*batch, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         cache = cache if cache is not None else past_key_values
         if cache is not None:
@@ -320,6 +403,64 @@ class CodaLlamaAttention(_CodaAttentionIn, _hf_llama_attention()):
     recipe = LLAMA_ATTENTION
 
 
+class _CodaAttentionInHFOrder(_CodaAttentionIn):
+    """The attention input on a Hugging Face-order kernel (``recipe.kernel``: ``qwen2_attn_in``,
+    ``qwen3_attn_in``): q, k, v come out as three tensors in Hugging Face's own rotate-half
+    column order — exactly the states Hugging Face's forward hands its attention function (and
+    its KV cache) — with the projections' biases (Qwen2) or the per-head ``q_norm``/``k_norm``
+    (Qwen3, kept as this module's submodules) applied in the kernel. The backward recomputes the
+    projection (``<kernel>_bwd``)."""
+
+    def __init__(
+        self, attn: nn.Module, norm: nn.Module, *, verify: bool = False, tune: Tuning = "quick"
+    ) -> None:
+        super().__init__(attn, norm, verify=verify, tune=tune)
+        if self.recipe.kernel == "qwen3_attn_in":
+            check_head_norms(attn, self.eps)
+            self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+
+    def _exported(self, verify: bool, tune: Tuning) -> ExportedFunction:
+        return hf_attn_in_function(self.recipe.kernel, self.eps, verify=verify, tune=tune)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])
+        gamma = norm_gamma(self.norm.weight, self.norm_offset)
+        if self.recipe.kernel == "qwen2_attn_in":
+            extra = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
+        else:
+            extra = [self.q_norm.weight, self.k_norm.weight]
+        weights = [gamma, *self.recipe.layout.split(self), *extra]
+        tables = [
+            t.expand(*x.shape[:-1], t.shape[-1]).reshape(flat.shape[0], -1) for t in (cos, sin)
+        ]
+        dtype = autocast_dtype(x, weights) or x.dtype  # under autocast: as HF's projections
+        q, k, v = run_in_dtype(self.function, dtype, flat, *weights, *tables)
+        return q.view(*x.shape[:-1], -1), k.view(*x.shape[:-1], -1), v.view(*x.shape[:-1], -1)
+
+
+_HF_ORDER_FAMILIES = {"qwen2_attn_in": qwen2_attn_in_family, "qwen3_attn_in": qwen3_attn_in_family}
+
+
+def hf_attn_in_function(
+    kernel: str, eps: float, *, verify: bool = False, tune: Tuning = "quick"
+) -> ExportedFunction:
+    """``f(x, gamma, w_q, w_k, w_v, <b_q, b_k, b_v | q_norm, k_norm>, cos, sin) -> (q_rot,
+    k_rot, v)`` for ``kernel`` (``qwen2_attn_in`` or ``qwen3_attn_in``, the block's inputs in
+    order) at an RMSNorm epsilon, with autograd for every input but the tables; the shipped
+    verified Programs, or with ``verify`` verified by the sandbox first (once per process)."""
+    function = _hf_attn_in_function(kernel, eps, verify)
+    function.tune = tune
+    return function
+
+
+@lru_cache(maxsize=8)
+def _hf_attn_in_function(kernel: str, eps: float, verify: bool) -> ExportedFunction:
+    forward, backward = dropin_programs(kernel, ("forward", "backward"), eps, verify=verify)
+    return export_autograd(forward, backward, _HF_ORDER_FAMILIES[kernel](eps)["backward"])
+
+
 _DROP_INS: dict[AttentionRecipe, type[nn.Module]] = {LLAMA_ATTENTION: CodaLlamaAttention}
 
 
@@ -334,8 +475,9 @@ def coda_attention_class(recipe: AttentionRecipe) -> type[nn.Module]:
     if base is None:
         raise ValueError(f"the installed transformers has no {recipe.hf_class}")
     name = f"Coda{base.__name__}"
-    doc = f"``{base.__name__}`` with its input norm, Q/K/V and RoPE in ``llama_attn_in``."
-    cls = type(name, (_CodaAttentionIn, base), {"recipe": recipe, "__doc__": doc})
+    doc = f"``{base.__name__}`` with its input norm, Q/K/V and RoPE in ``{recipe.kernel}``."
+    dropin = _CodaAttentionIn if recipe.kernel == "llama_attn_in" else _CodaAttentionInHFOrder
+    cls = type(name, (dropin, base), {"recipe": recipe, "__doc__": doc})
     cls.__module__, cls.__qualname__ = __name__, name
     setattr(sys.modules[__name__], name, cls)
     return cls
@@ -374,8 +516,12 @@ def _attention_interface(config: Any, recipe: AttentionRecipe) -> tuple[str | No
 
 
 _RECIPES = {
-    r.class_name: r for r in (LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION)
-}
+    r.class_name: r
+    for r in (
+        LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION, QWEN2_ATTENTION,
+        QWEN3_ATTENTION,
+    )
+}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

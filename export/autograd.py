@@ -531,11 +531,12 @@ def _vjp_of(block: Block) -> VJP:
 
 
 def _check_pair(forward: Program, backward: Program, vjp: VJP) -> None:
-    want = [*forward.inputs, *vjp.saved, *vjp.cotangents.values()]
+    given = [n for n in forward.inputs if n not in vjp.zeros]
+    want = [*given, *vjp.saved, *vjp.cotangents.values()]
     if list(backward.inputs) != want:
         raise ValueError(
-            f"the backward Program's inputs {list(backward.inputs)} must be the forward inputs, "
-            f"the saved values and the cotangents: {want}"
+            f"the backward Program's inputs {list(backward.inputs)} must be the forward inputs "
+            f"(but those no gradient depends on), the saved values and the cotangents: {want}"
         )
     missing = [o for o in [*vjp.cotangents, *vjp.saved] if o not in forward.outputs]
     if missing:

@@ -2,7 +2,8 @@
 compute exactly, keep the rest, and say which is which.
 
 A decoder layer has four module kinds (``KINDS``): the input norm + attention input (norm, Q/K/V
-projections, RoPE: ``llama_attn_in``), the attention output (``o_proj`` and the attention
+projections, RoPE: ``llama_attn_in``; Qwen2's biases: ``qwen2_attn_in``; Qwen3's per-head q/k
+norms: ``qwen3_attn_in``), the attention output (``o_proj`` and the attention
 residual: no shipped kernel, always Hugging Face's), the MLP half (post-attention norm + SwiGLU
 MLP + residual: ``llama_mlp``) and, once per model, the final norm + LM head loss
 (``llama_lm_head_ce``). Which recipe patches a kind is decided by what the modules *are* — their
@@ -32,12 +33,16 @@ from .attention import (
     LLAMA_ATTENTION,
     MISTRAL_ATTENTION,
     PHI3_ATTENTION,
+    QWEN2_ATTENTION,
+    QWEN3_ATTENTION,
     AttentionRecipe,
     _CodaAttentionIn,
     attend,
     attention_interface,
     check_attention,
+    check_head_norms,
     coda_attention_class,
+    head_norm_eps,
 )
 from .autograd import Tuning
 from .checks import check_not_distributed, check_rms_norm, rms_norm_form
@@ -181,12 +186,16 @@ def _attention_recipe(recipe: AttentionRecipe) -> Recipe:
             lambda: _in_layer(name, rms_norm_form, norm, "input_layernorm"),
             lambda: check_attention_half(recording, name, layer),
         )
+        if recipe.kernel == "qwen3_attn_in":
+            _in_layer(name, check_head_norms, attn, rms_norm_form(norm, "input_layernorm")[0])
         attention = attention_interface(attn.config, recipe)
 
         def run(q: Any, k: Any, v: Any, mask: Any, kwargs: dict[str, Any]) -> Any:
             return attend(attn, recipe, attention, q, k, v, mask, kwargs)
 
-        check_attention_formula(recording, name, attn, recipe.layout.split(attn), run)
+        check_attention_formula(
+            recording, name, attn, recipe.layout.split(attn), run, **_kernel_extras(recipe, attn)
+        )
 
     def build(layer: nn.Module, options: Options) -> Install:
         cls = coda_attention_class(recipe)
@@ -200,8 +209,18 @@ def _attention_recipe(recipe: AttentionRecipe) -> Recipe:
 
         return install
 
-    name = f"llama_attn_in on {recipe.class_name}'s {recipe.layout.name}"
+    name = f"{recipe.kernel} on {recipe.class_name}'s {recipe.layout.name}"
     return Recipe(ATTENTION_INPUT, name, applies, prove, build)
+
+
+def _kernel_extras(recipe: AttentionRecipe, attn: nn.Module) -> dict[str, Any]:
+    """What the recipe's kernel adds to the plain projections, as ``check_attention_formula``
+    takes it: Qwen2's biases, Qwen3's per-head q/k norms."""
+    if recipe.kernel == "qwen2_attn_in":
+        return {"biases": (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)}
+    if recipe.kernel == "qwen3_attn_in":
+        return {"head_norms": (attn.q_norm.weight, attn.k_norm.weight, head_norm_eps(attn))}
+    return {}
 
 
 def _patched_attention(attn: Any) -> bool:
@@ -216,7 +235,10 @@ def _no_input_norm(name: str) -> str:
 
 
 # The table: the first recipe of a kind that applies to a layer is the one tried.
-ATTENTION_RECIPES = (LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION)
+ATTENTION_RECIPES = (
+    LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION, QWEN2_ATTENTION,
+    QWEN3_ATTENTION,
+)  # fmt: skip
 RECIPES: tuple[Recipe, ...] = (
     *(_attention_recipe(recipe) for recipe in ATTENTION_RECIPES),
     _mlp_recipe(SEPARATE_GATE_UP),
@@ -259,8 +281,9 @@ def _unmatched_attention(name: str, layer: nn.Module, family: str) -> str:
         return _no_input_norm(name)
     if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
         return (
-            f"{name}.self_attn ({cls}): q/k RMSNorm ({family}) has no shipped kernel yet — "
-            "llama_attn_in applies no per-head norm before RoPE"
+            f"{name}.self_attn ({cls}): q/k RMSNorm ({family}) has no shipped kernel yet for "
+            "this class — qwen3_attn_in's per-head norms (x̂ · w before RoPE) are proven for "
+            "Qwen3Attention only"
         )
     biased = [
         p for p in ("q_proj", "k_proj", "v_proj", "qkv_proj")

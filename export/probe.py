@@ -322,15 +322,18 @@ def check_attention_formula(
     attn: nn.Module,
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     attend: Any,
+    *,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """``ValueError`` unless each recorded call of ``attn`` returned what the patched attention
     computes from the same arguments: ``o_proj`` of ``attend(q, k, v, mask, kwargs)`` (the
     Hugging Face attention function with the drop-in's arguments, no cache) with ``q, k, v``
     the hidden states times ``qkv``'s weights (as the kernel will read them: a fused
-    projection's row views), rotated in Hugging Face's rotate-half order by the recorded
-    tables. Proves on the probe that the drop-in reads the right rows and passes what the
-    module's own forward passes."""
-    w_q, w_k, w_v = qkv
+    projection's row views) plus ``biases`` if given, q and k through per-head RMSNorms
+    ``x̂ · weight`` if ``head_norms`` (the q and k weights and the epsilon the kernel applies),
+    rotated in Hugging Face's rotate-half order by the recorded tables. Proves on the probe that
+    the drop-in reads the right rows and passes what the module's own forward passes."""
     head = attn.head_dim
     for call in recording.of(attn):
         x, (cos, sin) = call.input(), _tables(call)
@@ -338,18 +341,22 @@ def check_attention_formula(
         mask = call.kwargs.get("attention_mask", call.args[2] if len(call.args) > 2 else None)
         with torch.no_grad():
             q, k, v = (
-                F.linear(x, w).view(*x.shape[:-1], -1, head).transpose(1, 2)
-                for w in (w_q, w_k, w_v)
+                F.linear(x, w, b).view(*x.shape[:-1], -1, head).transpose(1, 2)
+                for w, b in zip(qkv, biases or (None, None, None), strict=True)
             )
+            if head_norms is not None:
+                w_qn, w_kn, eps = head_norms
+                q, k = (_head_norm(t, w, eps) for t, w in ((q, w_qn), (k, w_kn)))
             q, k = (_rotate(t, cos, sin) for t in (q, k))
             out, _ = attend(q, k, v, mask, kwargs)
             got = attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
         if not close(got, call.result()):
             raise ValueError(
                 f"{name}.self_attn ({type(attn).__name__}) returned something other than "
-                "o_proj(attention(rope(x Wqᵀ), rope(x Wkᵀ), x Wvᵀ)) with the weights and "
-                "arguments the llama_attn_in drop-in uses; its forward differs from the one "
-                "the drop-in mirrors"
+                "o_proj(attention(rope(x Wqᵀ), rope(x Wkᵀ), x Wvᵀ)) (with the biases, or per-head "
+                "q/k norms before the rotation, its kernel adds) with the weights and arguments "
+                "the attention drop-in uses; its forward differs from the one the drop-in "
+                "mirrors"
             )
 
 
@@ -363,6 +370,13 @@ _ATTENTION_OWN = (
 def _tables(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     tables = call.kwargs.get("position_embeddings")
     return tables if tables is not None else call.args[1]
+
+
+def _head_norm(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm ``x̂ · weight`` of each head of ``t`` ``[B, heads, T, D]`` (statistics in fp32)."""
+    tf = t.float()
+    normed = tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(t.dtype)
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """The drop-ins' Programs, shipped verified: one ``<block>.json`` here per block the drop-ins run.
 
 Each file holds the built-in planner's Program for one block of a family the drop-ins build on
-(``FAMILIES``: the ``llama_mlp`` and ``llama_mlp_branch`` sub-layers, the attention input, the
-LM-head loss — forward and backward, at Llama's RMSNorm epsilon ``SHIPPED_EPS``, with the default
-lowering options), with its content hash: the first 12 hex digits of the SHA-256 of its canonical
-JSON, the key the sandbox's Reports and the regression store know a Program by. Every file was
+(``FAMILIES``: the ``llama_mlp`` and ``llama_mlp_branch`` sub-layers, the attention inputs
+(Llama's, Qwen2's, Qwen3's), the LM-head loss — forward and backward, at Llama's RMSNorm epsilon
+``SHIPPED_EPS``, with the default lowering options), with its content hash: the first 12 hex
+digits of the SHA-256 of its canonical JSON, the key the sandbox's Reports and the regression
+store know a Program by. Every file was
 verified by the sandbox (the block's shape sets, float32 and float16) when it was written, and
 ``make test`` verifies each again and checks it is byte for byte what the planner writes now
 (``tests/export/test_shipped_programs.py``). After a planner change, rewrite them with
@@ -40,6 +41,7 @@ from coda.blocks.llama import (
     llama_lm_head_ce_family,
     llama_mlp_family,
 )
+from coda.blocks.qwen import qwen2_attn_in_family, qwen3_attn_in_family
 from coda.planner import LoweringOptions, lower
 from coda.primitives.ir import Program, content_hash
 
@@ -50,8 +52,8 @@ REWRITE = "python -m coda.export.programs --write"
 
 @dataclass(frozen=True)
 class Family:
-    """Blocks for an RMSNorm epsilon (a ``coda.blocks.llama`` family) and the keys of those the
-    drop-ins run."""
+    """Blocks for an RMSNorm epsilon (a ``coda.blocks.llama`` or ``coda.blocks.qwen`` family)
+    and the keys of those the drop-ins run."""
 
     blocks: Callable[[float], dict[str, Block]]
     keys: tuple[str, ...]
@@ -65,6 +67,9 @@ FAMILIES: dict[str, Family] = {
     "llama_mlp_branch": Family(lambda eps: llama_mlp_family(eps, residual=False), _MLP_KEYS),
     "llama_attn_in": Family(llama_attn_in_family, ("forward", "backward_saved")),
     "llama_lm_head_ce": Family(llama_lm_head_ce_family, ("forward", "train", "backward_saved")),
+    # the attention inputs in Hugging Face's order (separate q_rot, k_rot, v): Qwen2's, Qwen3's
+    "qwen2_attn_in": Family(qwen2_attn_in_family, ("forward", "backward")),
+    "qwen3_attn_in": Family(qwen3_attn_in_family, ("forward", "backward")),
 }
 
 

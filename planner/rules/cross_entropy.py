@@ -61,7 +61,7 @@ class CrossEntropyRule(Rule):
     op = CrossEntropy
     sink = True
     backward_of = "an LM head with cross-entropy"
-    bias_gradients = True  # a biased head: d bias = Σ_rows dz
+    differentiates_biases = True  # a biased head: d bias = Σ_rows dz
 
     def fuse(self, ep: Epilogue, op: CrossEntropy) -> None:
         # loss_i = LSE_i − logits[i, t_i]: the target from the tile that holds it, LSE from partials

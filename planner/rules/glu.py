@@ -25,7 +25,7 @@ from .swiglu import mlp_backward
 class GLURule(Rule):
     op = GLU
     backward_of = "an RMSNorm followed by a GLU MLP (any activation) with residual"
-    bias_gradients = True  # biased gate/up/down projections
+    differentiates_biases = True  # biased gate/up/down projections
 
     def fuse(self, ep: Epilogue, op: GLU) -> None:
         expr = glu_expr(op.act, ep.tile(op.gate), ep.tile(op.up))

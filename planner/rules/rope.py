@@ -70,6 +70,16 @@ class ConcatRule(Rule):
 
 class RoPERule(Rule):
     op = RoPE
+    backward_of = (
+        "an attention input in Hugging Face's order (RMSNorm, q/k/v Linears with or without "
+        "biases, optional per-head q/k norms, RoPE; separate outputs)"
+    )
+    differentiates_biases = True
+
+    def differentiate(self, b: BackwardBuilder) -> None:
+        from .rotary_backward import rotary_input_backward  # it imports this module
+
+        rotary_input_backward(b)
 
     def unlowered(self, st: PlanState, op: RoPE) -> str:
         return (

@@ -76,7 +76,7 @@ def gate_up_pair(
 class SwiGLURule(Rule):
     op = SwiGLU
     backward_of = "an RMSNorm followed by a SwiGLU MLP with residual"
-    bias_gradients = True  # biased gate/up/down projections
+    differentiates_biases = True  # biased gate/up/down projections
 
     def unlowered(self, st: PlanState, op: SwiGLU) -> str:
         return inputs_not_joined(st, op)

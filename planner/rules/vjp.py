@@ -22,13 +22,14 @@ class VJPRule(Rule):
             (r for r in map(rule_for, forward.graph) if r is not None and r.differentiates), None
         )
         biased = [f.out for f in forward.graph if isinstance(f, Linear) and f.bias is not None]
-        if biased and (head is None or not head.bias_gradients):
+        if biased and (head is None or not head.differentiates_biases):
             raise NoRule(
                 index,
                 op,
                 f"forward block {forward.name!r} has biased Linears {biased}: the backward rules "
-                "differentiate biased Linears only in an MLP (SwiGLU or GLU) or an LM head; drop "
-                "the bias or write the backward block",
+                "differentiate bias-free Linears only, but for "
+                + ", ".join(r.backward_of for r in backward_rules() if r.differentiates_biases)
+                + " (drop the bias or write the backward block)",
             )
         if head is None:
             covered = [r.backward_of for r in backward_rules()]

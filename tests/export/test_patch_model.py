@@ -34,10 +34,10 @@ FAMILIES = {
         fam.ATTENTION_INPUT: (P, "MistralAttention"), fam.MLP_HALF: (P, "gate_proj + up_proj"),
         fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, {
-        fam.ATTENTION_INPUT: (K, "q_proj/k_proj/v_proj with biases (Qwen2)"),
+        fam.ATTENTION_INPUT: (P, "qwen2_attn_in on Qwen2Attention"),
         fam.MLP_HALF: (P, "gate_proj + up_proj"), fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}, {
-        fam.ATTENTION_INPUT: (K, "q/k RMSNorm (Qwen3) has no shipped kernel yet"),
+        fam.ATTENTION_INPUT: (P, "qwen3_attn_in on Qwen3Attention"),
         fam.MLP_HALF: (P, "gate_proj + up_proj"), fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (P, "Phi3Attention's qkv_proj"),
@@ -60,8 +60,9 @@ ATTENDED = [f for f, spec in FAMILIES.items() if spec[3][fam.ATTENTION_INPUT][0]
 
 
 def _model(family: str, seed: int = 0, **config: object) -> torch.nn.Module:
-    """The family's tiny causal LM (fp32, eval mode, dropout off), norms away from their init so
-    a norm applied twice or never shows; skipped when transformers lacks its classes."""
+    """The family's tiny causal LM (fp32, eval mode, dropout off), norms and biases away from
+    their init (ones, zeros) so a norm applied twice or never, or a bias dropped, shows; skipped
+    when transformers lacks its classes."""
     config_name, model_name, extras, _ = FAMILIES[family]
     config_cls, model_cls = (getattr(transformers, n, None) for n in (config_name, model_name))
     if config_cls is None or model_cls is None:
@@ -70,7 +71,7 @@ def _model(family: str, seed: int = 0, **config: object) -> torch.nn.Module:
     model = model_cls(config_cls(**{**SMALL, **extras, **config})).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name and p.dim() == 1:
+            if ("norm" in name and p.dim() == 1) or name.endswith(".bias"):
                 p.add_(0.2 * torch.randn_like(p))
     return model
 
@@ -178,7 +179,7 @@ def test_greedy_generation_is_unchanged(family: str) -> None:
     assert torch.equal(patched.generate(ids, **kwargs), model.generate(ids, **kwargs))
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma"])
+@pytest.mark.parametrize("family", ["phi3", "gemma", "qwen2", "qwen3"])
 def test_under_fp16_autocast_the_patched_model_keeps_hugging_face_precision(family: str) -> None:
     """fp32 weights under fp16 autocast: logits and every gradient held to the sandbox's rule
     against the fp32 model (within 2× Hugging Face's own autocast error plus a floor, relative
@@ -258,6 +259,27 @@ def test_the_proofs_keep_a_recipe_that_reads_the_wrong_rows(
     assert [type(m) for m in patched.modules()] == [type(m) for m in model.modules()]
 
 
+def test_the_proofs_keep_qwen_recipes_that_miss_what_their_kernels_add(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Qwen2 proof without the biases computes another attention input, and a Qwen3 whose q/k
+    norms use another epsilon than its input norm is not what qwen3_attn_in (one epsilon)
+    computes: both kept with the reason, not run."""
+    monkeypatch.setattr(fam, "_kernel_extras", lambda recipe, attn: {})
+    _, report = _patched(_model("qwen2"))
+    assert "returned something other than o_proj(attention(" in report.lines[fam.ATTENTION_INPUT]
+    monkeypatch.undo()
+    model = _model("qwen3")
+    for layer in model.model.layers:
+        layer.self_attn.q_norm.variance_epsilon = layer.self_attn.k_norm.variance_epsilon = 1e-3
+    patched, report = _patched(model)
+    assert (
+        "q_norm/k_norm epsilon 0.001 is not input_layernorm's 1e-06"
+        in report.lines[fam.ATTENTION_INPUT]
+    )
+    assert type(patched.model.layers[0].self_attn) is type(model.model.layers[0].self_attn)
+
+
 def test_phi3_partial_rotary_keeps_the_attention_input() -> None:
     """Phi-3 with partial_rotary_factor (Phi-4-mini's): the rotary tables are narrower than the
     heads, which the llama_attn_in kernel rotates whole — kept; the MLP half still patches."""
@@ -284,7 +306,7 @@ def test_patching_twice_changes_nothing_and_options_are_reported() -> None:
         patch_model(torch.nn.Linear(4, 4))
 
 
-@pytest.mark.parametrize("family", ["mistral", "phi3"])
+@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen3"])
 def test_a_patched_model_survives_deepcopy_and_torch_save(family: str) -> None:
     """The drop-in classes of other attention classes (``CodaMistralAttention``, …) are found by
     name when a pickled model loads; the recipes' layouts pickle with the blocks."""

@@ -1,7 +1,7 @@
 """RoPE in Hugging Face's order with q/k norms on the GPU (skipped without one): the new primitives
 in bfloat16 at real head widths (128, and 256 whose heads need wider epilogue sub-tiles than the
 default), and the attention-input blocks of Llama, Qwen2, Qwen3, Gemma 3 and OLMo 2 verified by
-the sandbox in bfloat16 and float16."""
+the sandbox in bfloat16 and float16; the shipped Qwen2/Qwen3 blocks and their backwards."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from coda.blocks import get_block
 from coda.planner import lower
 from coda.sandbox import SandboxOptions, evaluate
 from tests.planner.test_rotary_rules import GEMMA3, LLAMA, OLMO2, QWEN2, QWEN3
@@ -50,6 +51,19 @@ def test_attention_input_blocks_verify_on_the_gpu(block) -> None:  # noqa: ANN00
     shapes = [GPU_SHAPES[block.name]]
     if DEVICE == "cpu":  # a check of this file without a GPU
         shapes = block.shapes.cpu[:1]
+    options = SandboxOptions(shapes=shapes, dtypes=DTYPES, seeds=[0], profile=False, isolate=False)
+    report = evaluate(lower(block), block, options)
+    assert report.verified, report.render_text()
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen2_attn_in", "qwen2_attn_in_bwd", "qwen3_attn_in", "qwen3_attn_in_bwd"]
+)
+def test_qwen_attention_inputs_and_their_backwards_verify_on_the_gpu(name: str) -> None:
+    """The shipped Qwen2/Qwen3 blocks at Qwen2-0.5B's and Qwen3-0.6B's widths; the backwards run
+    aux ``rotary_input_grad`` (RoPE transposed, per-head norm backward, bias gradients)."""
+    block = get_block(name)
+    shapes = block.shapes.cpu[:1] if DEVICE == "cpu" else block.shapes.gpu[:1]
     options = SandboxOptions(shapes=shapes, dtypes=DTYPES, seeds=[0], profile=False, isolate=False)
     report = evaluate(lower(block), block, options)
     assert report.verified, report.render_text()

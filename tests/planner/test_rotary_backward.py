@@ -1,0 +1,179 @@
+"""Backward of attention inputs in Hugging Face's order — Qwen2's biased projections, Qwen3's
+per-head q/k norms, Llama's from saved outputs — lowered by the planner from the forward graph and
+verified by the sandbox (CPU interpreter, float32 and float16, ragged shapes, MHA and GQA); the
+aux step ``rotary_input_grad``'s pieces against autograd; the forms the rule refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda.blocks import Block, TensorSpec, get_block
+from coda.blocks.autodiff import backward_block
+from coda.blocks.functional import head_rms_norm, rope
+from coda.blocks.registry import register
+from coda.planner import NoRule, lower
+from coda.primitives import Program
+from coda.primitives.aux.rotary_grad import head_norm_backward, rope_transpose
+from coda.sandbox import evaluate
+from coda.sandbox.compare import assert_close
+from tests.helpers import DTYPE_TOL, make_inputs, run_both
+
+from .test_rotary_rules import GEMMA3, LLAMA, OLMO2, OPTIONS, QWEN2, QWEN3, attention_input
+
+
+def _backward(forward: Block, *, saved: bool = False, zeros: bool = True) -> Block:
+    """The backward block of ``forward`` for every floating input but the tables; biases left
+    out (``zeros``: no gradient depends on them) unless ``saved`` or ``zeros=False``. The forward
+    is registered under a name of its own (``qwen2_attn_in`` is also a built-in block's)."""
+    forward = register(forward.model_copy(update={"name": f"test_{forward.name}"}))
+    cot = {o: TensorSpec(shape=["M", "Nq" if o == "q_rot" else "Nkv"]) for o in forward.outputs}
+    wrt = [n for n in forward.inputs if n not in ("cos", "sin")]
+    biases = [n for n in forward.inputs if n.startswith("b_")]
+    suffix = "_bwd_saved" if saved else "_bwd"
+    return register(
+        backward_block(
+            forward,
+            name=forward.name + suffix + ("" if zeros else "_with_biases"),
+            cotangents=cot,
+            wrt=wrt,
+            saved=cot if saved else None,
+            zeros=biases if zeros and not saved else None,
+        )
+    )
+
+
+def _kinds(block: Block) -> list[str]:
+    return [s.kind for s in lower(block).steps]
+
+
+def test_qwen2_backward_recomputes_the_projection_and_sums_the_bias_gradients() -> None:
+    """dz from the gradients of q_rot, k_rot, v (RoPE transposed); db_q, db_k, db_v its column
+    sums; the biases themselves are no inputs of the backward (no gradient depends on them)."""
+    block = _backward(QWEN2)
+    assert not {"b_q", "b_k", "b_v"} & set(block.inputs)
+    assert {"db_q", "db_k", "db_v"} <= set(block.outputs)
+    program = lower(block)
+    assert [s.kind for s in program.steps] == [
+        "rstd", "gemm", "rotary_input_grad", "gemm", "sum_partials", "gemm",
+    ]  # fmt: skip
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
+def test_qwen3_backward_runs_the_per_head_norms_backward() -> None:
+    block = _backward(QWEN3)
+    program = lower(block)
+    grad = next(s for s in program.steps if s.kind == "rotary_input_grad")
+    assert grad.head_norm == ["q_norm", "k_norm"] and grad.z is not None
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
+def test_saved_outputs_spare_the_projection_gemm() -> None:
+    """Without per-head norms the saved q_rot, k_rot, v give c: no GEMM recomputes z."""
+    block = _backward(LLAMA, saved=True)
+    assert _kinds(block) == ["rstd", "rotary_input_grad", "gemm", "sum_partials", "gemm"]
+    report = evaluate(lower(block), block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
+def test_rope_transpose_is_ropes_gradient_on_any_tables() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, dy = (torch.randn(3, 24, dtype=torch.float64, generator=g) for _ in range(2))
+    cos, sin = (torch.randn(3, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    x.requires_grad_(True)
+    (expected,) = torch.autograd.grad(rope(x, cos, sin), x, dy)
+    torch.testing.assert_close(rope_transpose(dy, cos, sin), expected)
+
+
+def test_head_norm_backward_is_autograds() -> None:
+    g = torch.Generator().manual_seed(0)
+    z, dy = (torch.randn(4, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    w = torch.rand(8, dtype=torch.float64, generator=g) + 0.5
+    z.requires_grad_(True)
+    w.requires_grad_(True)
+    expected = torch.autograd.grad(head_rms_norm(z, w, 1e-6), (z, w), dy)
+    got = head_norm_backward(dy, z.detach(), w.detach(), 1e-6)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    ("forward", "match"),
+    [
+        (GEMMA3, r"offset \+ weight \(Gemma 3\)"),
+        (OLMO2, r"rmsnorm\(out='q_normed'\) normalizes the whole projection"),
+    ],
+    ids=["gemma3", "olmo2"],
+)
+def test_norms_the_rule_does_not_differentiate_are_named(forward: Block, match: str) -> None:
+    with pytest.raises(NoRule, match=match):
+        lower(_backward(forward))
+
+
+def test_biases_left_out_where_the_backward_needs_them_are_refused() -> None:
+    qwen3_biased = attention_input("qwen3_biased", bias=True, qk_norm={"eps": 1e-6})
+    with pytest.raises(NoRule, match=r"leaves the biases \['b_q', 'b_k', 'b_v'\] out.*per-head"):
+        lower(_backward(qwen3_biased))
+
+
+def test_biased_linears_elsewhere_name_the_rule_that_takes_them() -> None:
+    mlp = get_block("llama_mlp")
+    graph = [op.model_copy(update={"bias": "b_up"}) if op.out == "u" else op for op in mlp.graph]
+    inputs = {**mlp.inputs, "b_up": TensorSpec(shape=["f"])}
+    forward = register(
+        mlp.model_copy(update={"name": "biased_up_mlp", "graph": graph, "inputs": inputs})
+    )
+    cot = {"out": TensorSpec(shape=["M", "d"])}
+    block = backward_block(forward, name="biased_up_mlp_bwd", cotangents=cot, wrt=["x"])
+    with pytest.raises(NoRule, match=r"\['u'\].*but for an attention input in Hugging Face's"):
+        lower(block)
+
+
+def _grad_program(*, saved: bool) -> Program:
+    """``rotary_input_grad`` alone on biased q, k, v: from the saved outputs, or from ``z`` with
+    per-head norms (both paths need the biases)."""
+    parts = {"q": "Nq", "k": "Nkv", "v": "Nkv"}
+    inputs: dict = {f"g{p}": ["M", n] for p, n in parts.items()}
+    inputs |= {f"b{p}": [n] for p, n in parts.items()}
+    inputs |= {"cos": ["M", "D"], "sin": ["M", "D"]}
+    step = {
+        "kind": "rotary_input_grad",
+        "grads": ["gq", "gk", "gv"],
+        "rotated": 2,
+        "cos": "cos",
+        "sin": "sin",
+        "bias": ["bq", "bk", "bv"],
+        "bias_grads": ["dbq", "dbk", "dbv"],
+        "dot_out": "c",
+        "divide_by": "D + 8",
+        "out": "dz",
+    }
+    outputs = ["dz", "c", "dbq", "dbk", "dbv"]
+    if saved:
+        inputs |= {f"s{p}": ["M", n] for p, n in parts.items()}
+        step["saved"] = ["sq", "sk", "sv"]
+    else:
+        inputs |= {"z": ["M", "Nz"], "wq": ["D"], "wk": ["D"]}  # Nz = Nq + 2·Nkv
+        step |= {"z": "z", "head_norm": ["wq", "wk"], "eps": 1e-6, "norm_grads": ["dwq", "dwk"]}
+        outputs += ["dwq", "dwk"]
+    return Program.parse(
+        {"block": "test", "inputs": inputs, "steps": [step], "outputs": {o: o for o in outputs}}
+    )
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["saved", "head_norms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rotary_input_grad_kernel_with_biases_at_a_head_width_no_power_of_two(
+    saved: bool, dtype: torch.dtype
+) -> None:
+    """The paths no verifiable block reaches with its biases given (a Qwen2 backward leaves them
+    out): the kernel against the float64 reference, 13 rows, heads of width 12."""
+    program = _grad_program(saved=saved)
+    sizes = {"M": 13, "Nq": 36, "Nkv": 12, "D": 12, "Nz": 60}
+    inputs = make_inputs(program, sizes, dtype)
+    got, _, exact = run_both(program, inputs)
+    atol, rtol = DTYPE_TOL[dtype]
+    for name, want in exact.items():
+        assert_close(got[name].double(), want, atol=atol * 4, rtol=rtol * 4, what=name)
