@@ -43,7 +43,7 @@ class Rule:
     op: ClassVar[type[GraphOp]]
     sink: ClassVar[bool] = False
     backward_of: ClassVar[str] = ""  # with ``differentiate``: the forward blocks it covers
-    differentiates_biases: ClassVar[bool] = False  # with ``differentiate``: biased Linears covered too
+    differentiates_biases: ClassVar[bool] = False  # with ``differentiate``: biased Linears too
     registry: ClassVar[dict[type[GraphOp], Rule]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
