@@ -41,8 +41,14 @@ def resolve_config(
 
 def fit_columns(config: MainloopConfig, multiple: int) -> MainloopConfig:
     """``config`` with one epilogue sub-tile of ``block_n ≥ multiple`` columns when its sub-tiles
-    are not a multiple of ``multiple`` wide (unchanged otherwise)."""
+    are not a multiple of ``multiple`` wide (unchanged otherwise). A wider tile gets fewer rows,
+    keeping the tile's area (its registers, and the shared memory an epilogue that regroups the
+    tile by heads takes) at most the original's: 128×128 widened for 256-wide heads is 64×256
+    (128×256 with the pipeline's stages needs 262 KB of shared memory on an H200, over its 227)."""
     if config.epilogue_block_n % multiple == 0:
         return config
     block_n = max(config.block_n, multiple)
-    return config.model_copy(update={"block_n": block_n, "epilogue_subtiles": 1})
+    block_m = max(16, min(config.block_m, config.block_m * config.block_n // block_n))
+    return config.model_copy(
+        update={"block_m": block_m, "block_n": block_n, "epilogue_subtiles": 1}
+    )
