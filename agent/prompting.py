@@ -239,7 +239,10 @@ def authored(program: Program) -> dict[str, Any]:
     """``program`` as an author would write it: tags, shorthands, no default fields."""
     data = program.model_dump(mode="json", exclude_defaults=True)
     data["inputs"] = {n: d.shape for n, d in program.inputs.items()}
-    data["prep"] = [{"kind": p.kind, **d} for p, d in zip(program.prep, data["prep"], strict=True)]
+    if program.prep:  # no prep is the default, left out of ``data``
+        data["prep"] = [
+            {"kind": p.kind, **d} for p, d in zip(program.prep, data["prep"], strict=True)
+        ]
     steps = []
     for step, d in zip(program.steps, data["steps"], strict=True):
         d = {"kind": step.kind, **d}

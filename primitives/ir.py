@@ -98,11 +98,10 @@ class MainloopConfig(Node):
     ``flatten``: let Triton pipeline across output tiles of the persistent loop;
     ``warp_specialize``: producer and consumer warps for the persistent loop (Triton ≥ 3.4; a config
     that does not compile is pruned);
-    ``programs_per_sm``: persistent programs launched per SM (2: where registers and shared memory
-    let two be resident, one program's epilogue runs while the other's mainloop keeps the tensor
-    cores busy — the overlap a warp-specialized "ping-pong" GEMM gets from two consumer
-    warpgroups); ``maxnreg``: cap on registers per thread (``None``: the compiler's choice), the
-    lever that lets two programs of a register-heavy epilogue fit on one SM.
+    ``programs_per_sm``: persistent programs per SM (2: one program's epilogue runs while the
+    other's mainloop keeps the tensor cores busy, a "ping-pong" GEMM's overlap);
+    ``maxnreg``: cap on registers per thread (``None``: the compiler's), so two programs of a
+    register-heavy epilogue fit on one SM.
     """
 
     block_m: int = 128

@@ -88,20 +88,12 @@ def _blocks(rows: int, cols: int) -> tuple[int, int]:
 
 
 class NormRows(AuxStep):
-    """Apply an RMSNorm whose per-row reciprocal is already known, to a whole ``[M, d]`` tensor:
-    ``out[i, j] = residual[i, j] + src[i, j] · rstd[i] · (offset + weight[j])`` (fp32, rounded
-    once to src's dtype; without ``residual`` the norm alone).
-
-    The finishing pass of a norm that reads a GEMM's *output* (a post-norm, e.g. Gemma's
-    ``post_feedforward_layernorm``): that GEMM stores ``src`` and writes
-    ``partial_reduce(kind="sumsq")``, aux ``rstd`` turns the partials into ``rstd``, and this step
-    scales and adds the residual stream. ``weight`` is the norm's γ ``[d]``; ``offset`` is 1.0 for
-    Gemma's ``x̂ · (1 + γ)``, 0.0 for Llama/OLMo 2's ``x̂ · γ``. ``residual`` (optional) has src's
-    shape. ``out`` has src's shape and dtype.
-
-    ``rstd_out`` (optional): also write the next RMSNorm's reciprocal of ``out``,
-    ``rstd_out[i] = rsqrt(mean_j out[i, j]² + rstd_eps)`` (fp32, from the stored values) — the
-    statistic a layer boundary hands on (as ``llama_attn_out`` does from its epilogue).
+    """``out = residual + src · rstd · (offset + weight)`` over a whole ``[M, d]`` tensor (fp32,
+    rounded once to src's dtype; without ``residual`` the norm alone): a post-norm's finishing
+    pass (Gemma's ``post_feedforward_layernorm``) after the GEMM that stored ``src`` wrote
+    ``partial_reduce(kind="sumsq")`` and aux ``rstd`` finished them. ``offset`` 1.0 for Gemma's
+    ``x̂ · (1 + γ)``, 0.0 for Llama/OLMo 2. ``rstd_out`` (optional): also the next norm's
+    ``rsqrt(mean_j out² + rstd_eps)`` (fp32), as a layer boundary hands it on.
     """
 
     kind: Literal["norm_rows"] = "norm_rows"

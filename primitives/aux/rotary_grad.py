@@ -201,19 +201,13 @@ def head_norm_backward(
 
 
 class RotaryInputGrad(AuxStep):
-    """Gradient ``out = dz`` ``[M, Σ N_p]`` of the projection of an attention input in Hugging
-    Face's order from the gradients of its parts (see the module docstring), and ``dot_out[i] =
-    Σ_j z[i, j] · dz[i, j] / divide_by`` (fp32, length M: the input RMSNorm's ``c``).
-
-    ``grads``: the parts' gradients ``[M, N_p]`` in the projection's column order; the first
-    ``rotated`` went through RoPE (``cos``/``sin`` ``[M, D]``), the rest (V) did not.
-    ``bias``: each part's bias ``[N_p]``, needed only with ``saved`` or ``head_norm``. Either
-    ``z`` (the recomputed projection without bias, ``[M, Σ N_p]``) or ``saved`` (the forward's
-    outputs, shaped like ``grads``).
-    ``head_norm``: per rotated part the weight ``[D]`` of the per-head RMSNorm between projection
-    and RoPE (needs ``z``; ``eps`` its epsilon); ``norm_grads``: names for their weight gradients
-    ``[D]`` (act dtype). ``bias_grads``: names for the biases' gradients (each part's column sums
-    of ``dz``, act dtype; their values are not needed). ``out`` has the act dtype.
+    """``out = dz`` ``[M, Σ N_p]``: the gradient of an attention input's projection (Hugging
+    Face's order) from its parts' gradients ``grads`` (the first ``rotated`` went through RoPE,
+    ``cos``/``sin`` ``[M, D]``), and ``dot_out[i] = Σ_j z·dz / divide_by`` (fp32: the input
+    RMSNorm's ``c``). From ``z`` (the projection recomputed without bias) or ``saved`` (the
+    forward's outputs; needs ``bias``). ``head_norm``/``eps``: per rotated part the per-head
+    RMSNorm weight ``[D]`` before RoPE (needs ``z``); ``norm_grads``, ``bias_grads``: names for
+    those weights' and the biases' gradients (act dtype, like ``out``).
     """
 
     kind: Literal["rotary_input_grad"] = "rotary_input_grad"

@@ -83,16 +83,12 @@ def rotate_pairs(
 class Rope(EpilogueOp):
     """Rotate adjacent column pairs of tile ``src`` by per-token angles (RoPE), 2→2.
 
-    ``cos`` and ``sin`` are per-token tables ``[M, D]`` exactly as Hugging Face's
-    ``LlamaRotaryEmbedding`` returns them (flattened over batch × sequence; D = head_dim, the two
-    halves equal): pair k = columns ``(2k, 2k+1)`` belongs to head ``2k // D`` and uses frequency
-    ``p = k mod D/2``, i.e. ``c = cos[i, p]``, ``s = sin[i, p]``; then ``out[:, 2k] = x·c − y·s``
-    and ``out[:, 2k+1] = y·c + x·s`` with ``x, y = src[:, 2k], src[:, 2k+1]``. This is Hugging
-    Face's ``apply_rotary_pos_emb`` on weights whose rows were permuted with prep ``rope_pairs``.
-    ``inverse=True`` rotates by the negative angle (``s → −s``): the backward pass of RoPE.
-    ``rotary_cols``: how many leading columns are rotated, as a size expression (e.g. ``"Nq +
-    Nkv"`` for a fused QKV projection, so the V columns pass through unchanged, as with cos = 1,
-    sin = 0); default: all of src's columns. The rotated width must be a multiple of D.
+    ``cos``/``sin``: Hugging Face's per-token tables ``[M, D]`` (D = head_dim, two equal halves).
+    Pair k = columns ``(2k, 2k+1)`` of head ``2k // D`` uses ``c, s = cos[i, p], sin[i, p]`` with
+    ``p = k mod D/2``: ``out[:, 2k] = x·c − y·s``, ``out[:, 2k+1] = y·c + x·s`` — Hugging Face's
+    ``apply_rotary_pos_emb`` on weights whose rows prep ``rope_pairs`` permuted. ``inverse``:
+    the negative angle (RoPE's backward). ``rotary_cols``: leading columns rotated, a size
+    expression (``"Nq + Nkv"`` leaves a fused QKV's V as is); default all; a multiple of D.
     """
 
     op: Literal["rope"] = "rope"

@@ -123,3 +123,27 @@ def test_every_node_of_the_program_schema_has_a_catalogue_entry() -> None:
     assert nodes <= documented, nodes - documented
     prompt = system_prompt()
     assert all(d.heading() in prompt for d in structure())
+
+
+def test_authored_program_without_prep_round_trips() -> None:
+    """A Program with no prep steps (the default) prints without one and parses back equal."""
+    from coda.agent.prompting import authored
+    from coda.primitives.ir import Program
+
+    data = {
+        "block": "b",
+        "inputs": {"x": ["M", "d"], "w": ["d", "d"]},
+        "steps": [
+            {
+                "kind": "gemm",
+                "a": "x",
+                "b": "w.T",
+                "epilogue": [{"op": "store", "src": "acc", "to": "y"}],
+            }
+        ],
+        "outputs": {"y": "y"},
+    }
+    program = Program.model_validate(data)
+    text = authored(program)
+    assert "prep" not in text
+    assert Program.model_validate(text) == program

@@ -119,15 +119,23 @@ def test_biases_left_out_where_the_backward_needs_them_are_refused() -> None:
 
 
 def test_biased_linears_elsewhere_name_the_rule_that_takes_them() -> None:
-    mlp = get_block("llama_mlp")
-    graph = [op.model_copy(update={"bias": "b_up"}) if op.out == "u" else op for op in mlp.graph]
-    inputs = {**mlp.inputs, "b_up": TensorSpec(shape=["f"])}
+    """A bias on Llama's fused-QKV attention input (pair order, one Concat output): that backward
+    rule takes bias-free Linears only, and the refusal names the rules that take biases."""
+    attn = get_block("llama_attn_in")
+    graph = [op.model_copy(update={"bias": "b_q"}) if op.out == "q" else op for op in attn.graph]
+    inputs = {**attn.inputs, "b_q": TensorSpec(shape=["Nq"])}
     forward = register(
-        mlp.model_copy(update={"name": "biased_up_mlp", "graph": graph, "inputs": inputs})
+        attn.model_copy(update={"name": "biased_q_llama_attn_in", "graph": graph, "inputs": inputs})
     )
-    cot = {"out": TensorSpec(shape=["M", "d"])}
-    block = backward_block(forward, name="biased_up_mlp_bwd", cotangents=cot, wrt=["x"])
-    with pytest.raises(NoRule, match=r"\['u'\].*but for an attention input in Hugging Face's"):
+    shapes = get_block("llama_attn_in_bwd").shapes
+    block = backward_block(
+        forward,
+        name="biased_q_llama_attn_in_bwd",
+        cotangents={"qkv": TensorSpec(shape=["M", "Nqkv"])},
+        wrt=["x"],
+        shapes=shapes,
+    )
+    with pytest.raises(NoRule, match=r"\['q'\].*but for .*attention input in Hugging Face's"):
         lower(block)
 
 
