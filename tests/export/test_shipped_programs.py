@@ -60,7 +60,8 @@ def test_every_family_resolves_at_any_epsilon_without_the_sandbox(
             assert [p.block for p in got] == [blocks[k].name for k in family.keys]
             for key, program in zip(family.keys, got, strict=True):
                 assert program == lowered(blocks[key])
-                assert [s.eps for s in program.steps if hasattr(s, "eps")] == [eps]
+                norms = [s.eps for s in program.steps if hasattr(s, "eps")]  # two in a sandwich
+                assert norms and set(norms) == {eps}
 
 
 def test_a_planner_change_is_refused_naming_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
