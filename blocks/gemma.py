@@ -13,6 +13,12 @@ another epsilon than ``LLAMA_RMS_EPS`` (``gemma_mlp_eps1e-06_train``, resolved b
   (x)))`` — the post-norm (a second ``(1 + γ)`` RMSNorm, weight ``gamma_post``) of the down
   projection, finished by aux ``norm_rows``; the layer adds the residual.
 
+And Gemma 2's LM-head loss, ``lm_head_softcap_ce``: ``llama_lm_head_ce`` with the logits capped
+at ``final_logit_softcapping`` (``GEMMA2_LOGIT_CAP · tanh(logits / GEMMA2_LOGIT_CAP)``) before the
+cross-entropy, with ``_bwd``, ``_train`` (also the log-sum-exp of the capped logits) and
+``_bwd_saved``. Its norm is Llama's form: the drop-in hands it Gemma's ``γ = 1 + w``, as it does
+for Gemma's uncapped head.
+
 Gemma's configs default to ``rms_norm_eps = 1e-6``: those blocks are variants, made on first use
 like Llama's; the built-in ones use ``LLAMA_RMS_EPS`` so the shipped Programs of every family
 share the one epsilon ``coda.export.programs`` substitutes.
@@ -27,13 +33,17 @@ from .llama import (
     _KEYS,
     _VARIANTS,
     LLAMA_RMS_EPS,
+    LM_HEAD_COTANGENT,
+    LM_HEAD_GRADS,
     MLP_COTANGENT,
     MLP_GRADS,
+    _lm_head_training_pair,
     _mlp_training_pair,
     _with_eps,
+    llama_lm_head_ce,
     llama_mlp,
 )
-from .ops import GLU, Add, Linear, RMSNorm
+from .ops import GLU, Activation, Add, CrossEntropy, Linear, RMSNorm
 from .registry import register
 
 GEMMA_NORM = {"offset": 1.0, "cast": "after_weight"}  # GemmaRMSNorm: x̂ · (1 + γ), cast after
@@ -159,3 +169,60 @@ def gemma_mlp_family(base: str, eps: float) -> dict[str, Block]:
 
 for _base in _BUILTIN:
     _EPS_FAMILIES[_base] = lambda eps, base=_base: gemma_mlp_family(base, eps)
+
+
+# -- Gemma 2's softcapped LM-head loss -------------------------------------------------------------
+GEMMA2_LOGIT_CAP = 30.0  # Gemma 2's final_logit_softcapping
+
+lm_head_softcap_ce = register(
+    llama_lm_head_ce.model_copy(
+        update={
+            "name": "lm_head_softcap_ce",
+            "description": (
+                "Final norm + LM head + logit softcap + per-token cross-entropy (Gemma 2's "
+                "final_logit_softcapping): loss = cross_entropy(30 * tanh(rmsnorm(x) * gamma @ "
+                "w_lm.T / 30), target), fp32, no reduction (targets already shifted). Every "
+                "target must be a class id in [0, V): mask ignored tokens by weighting the "
+                "per-token loss."
+            ),
+            "graph": [
+                *llama_lm_head_ce.graph[:2],
+                Activation(x="logits", kind="softcap", cap=GEMMA2_LOGIT_CAP, out="capped"),
+                CrossEntropy(logits="capped", target="target", out="loss"),
+            ],
+        }
+    )
+)
+
+
+def _lm_head_family(forward: Block) -> tuple[Block, ...]:
+    """``(forward, backward, train, backward_saved)`` of an LM-head loss block, registered."""
+    backward = backward_block(
+        forward, name=f"{forward.name}_bwd", cotangents=LM_HEAD_COTANGENT, wrt=LM_HEAD_GRADS
+    )
+    return (forward, register(backward), *_lm_head_training_pair(forward, forward.name))
+
+
+_SOFTCAP_HEAD = _lm_head_family(lm_head_softcap_ce)
+(
+    lm_head_softcap_ce,
+    lm_head_softcap_ce_bwd,
+    lm_head_softcap_ce_train,
+    lm_head_softcap_ce_bwd_saved,
+) = _SOFTCAP_HEAD
+
+
+def lm_head_softcap_ce_family(eps: float) -> dict[str, Block]:
+    """The softcapped LM-head loss blocks for a final norm's epsilon: ``forward``, ``backward``
+    (recomputes the log-sum-exp), ``train`` (also returns it) and ``backward_saved`` (takes it);
+    another epsilon than 1e-5 registers ``lm_head_softcap_ce_eps<eps>`` and its ``_bwd``,
+    ``_train``, ``_bwd_saved``."""
+    if eps == LLAMA_RMS_EPS:
+        return dict(zip(_KEYS, _SOFTCAP_HEAD, strict=True))
+    name = f"lm_head_softcap_ce_eps{eps:g}"
+    if name not in _VARIANTS:
+        _VARIANTS[name] = _lm_head_family(_with_eps(lm_head_softcap_ce, eps, name))
+    return dict(zip(_KEYS, _VARIANTS[name], strict=True))
+
+
+_EPS_FAMILIES["lm_head_softcap_ce"] = lm_head_softcap_ce_family

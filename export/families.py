@@ -41,7 +41,7 @@ from .attention import (
 )
 from .autograd import Tuning
 from .checks import check_not_distributed, check_rms_norm, rms_norm_form
-from .lm_head import install_fused_loss
+from .lm_head import final_logit_softcap, install_fused_loss, lm_head_family
 from .mlp import (
     CONCATENATED_GATE_UP,
     GEMMA2_MLP,
@@ -565,17 +565,25 @@ def _lm_head_line(
     model: nn.Module, recording: Recording, fused_loss: bool, error: ValueError | None
 ) -> str:
     """The final norm + LM head loss: patched when asked and proven (``check_causal_lm_head``,
-    the final norm Llama's RMSNorm), else kept with the reason."""
+    with the config's ``final_logit_softcapping`` if any; the final norm Llama's or Gemma's
+    RMSNorm), else kept with the reason."""
     if not fused_loss:
         return "kept: fused_loss=False (patch_model(fused_loss=True) fuses it in training)"
+    softcap = final_logit_softcap(model)
     if error is None:
         try:
             _all_reasons(
-                lambda: check_causal_lm_head(recording, model),
+                lambda: lm_head_family(softcap),
+                lambda: check_causal_lm_head(recording, model, softcap),
                 lambda: rms_norm_form(causal_lm_head(model)[1], "model.model.norm"),
             )
         except ValueError as e:
             error = e
     if error is not None:
         return f"kept: {error}"
+    if softcap is not None:
+        return (
+            f"patched (lm_head_softcap_ce: final norm + LM head + logits capped at {softcap:g} + "
+            "cross-entropy, no logits stored)"
+        )
     return "patched (llama_lm_head_ce: final norm + LM head + cross-entropy, no logits stored)"

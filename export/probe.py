@@ -437,11 +437,15 @@ def causal_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
     return base, norm, head
 
 
-def check_causal_lm_head(recording: Recording, model: nn.Module) -> None:
+def check_causal_lm_head(
+    recording: Recording, model: nn.Module, softcap: float | None = None
+) -> None:
     """``ValueError`` unless the probe forward (with labels) computed the logits as
     ``lm_head(norm(h))`` — ``norm`` the base model's last module, the logits ``lm_head``'s output
     itself (no softcapping or logit scale), a plain ``x @ Wᵀ`` head — and its loss as the mean
-    next-token cross-entropy of those logits: what the fused loss computes instead."""
+    next-token cross-entropy of those logits: what the fused loss computes instead. With
+    ``softcap`` (Gemma 2's ``final_logit_softcapping``) the model's logits must be ``softcap ·
+    tanh(lm_head(norm(h)) / softcap)`` instead, and the loss theirs."""
     base, norm, head = causal_lm_head(model)
     bases, norms, heads = (recording.of(m) for m in (base, norm, head))
     for what, calls in (("model.model", bases), ("model.model.norm", norms), ("lm_head", heads)):
@@ -462,7 +466,16 @@ def check_causal_lm_head(recording: Recording, model: nn.Module) -> None:
     if not close(plain, logits):
         raise ValueError(f"lm_head ({type(head).__name__}) is not x @ weightᵀ")
     out = recording.output
-    if not same(getattr(out, "logits", None), logits):
+    if softcap is not None:
+        capped = softcap * torch.tanh(logits / softcap)
+        if not close(getattr(out, "logits", None), capped):
+            raise ValueError(
+                f"the model's logits are not {softcap:g} · tanh(lm_head(norm(x)) / {softcap:g}) "
+                "(its final_logit_softcapping); the fused loss takes the cross-entropy of "
+                "exactly those"
+            )
+        logits = out.logits
+    elif not same(getattr(out, "logits", None), logits):
         raise ValueError(
             "the model's logits are not lm_head's output (final-logit softcapping or a logit "
             "scale?); the fused loss takes the cross-entropy of lm_head(norm(x)) itself"

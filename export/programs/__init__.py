@@ -3,9 +3,10 @@
 Each file holds the built-in planner's Program for one block of a family the drop-ins build on
 (``FAMILIES``: the ``llama_mlp`` and ``llama_mlp_branch`` sub-layers, Gemma's ``gemma_mlp``,
 ``gemma_mlp_branch`` and ``gemma2_mlp_branch`` (sandwich norms), the attention input, the
-LM-head loss — forward and backward, at Llama's RMSNorm epsilon ``SHIPPED_EPS``, with the default
-lowering options), with its content hash: the first 12 hex digits of the SHA-256 of its canonical
-JSON, the key the sandbox's Reports and the regression store know a Program by. Every file was
+LM-head loss (plain, and softcapped as Gemma 2's) — forward and backward, at Llama's RMSNorm
+epsilon ``SHIPPED_EPS``, with the default lowering options), with its content hash: the first 12
+hex digits of the SHA-256 of its canonical JSON, the key the sandbox's Reports and the regression
+store know a Program by. Every file was
 verified by the sandbox (the block's shape sets, float32 and float16) when it was written, and
 ``make test`` verifies each again and checks it is byte for byte what the planner writes now
 (``tests/export/test_shipped_programs.py``). After a planner change, rewrite them with
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from coda.blocks.block import Block
-from coda.blocks.gemma import gemma_mlp_family
+from coda.blocks.gemma import gemma_mlp_family, lm_head_softcap_ce_family
 from coda.blocks.llama import (
     LLAMA_RMS_EPS,
     llama_attn_in_family,
@@ -72,6 +73,8 @@ FAMILIES: dict[str, Family] = {
     "gemma2_mlp_branch": Family(lambda eps: gemma_mlp_family("gemma2_mlp_branch", eps), _MLP_KEYS),
     "llama_attn_in": Family(llama_attn_in_family, ("forward", "backward_saved")),
     "llama_lm_head_ce": Family(llama_lm_head_ce_family, ("forward", "train", "backward_saved")),
+    # Gemma 2's head: the logits capped at 30 before the cross-entropy
+    "lm_head_softcap_ce": Family(lm_head_softcap_ce_family, ("forward", "train", "backward_saved")),
 }
 
 

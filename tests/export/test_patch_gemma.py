@@ -160,3 +160,24 @@ def test_under_fp16_autocast_the_drop_ins_keep_hugging_face_precision(sandwich: 
         assert got.dtype == theirs.dtype == torch.float32, name
         c = check_output(name, got, want, theirs, tol, sizes={}, seed=0, run_dtype=torch.float16)
         assert c.passed, c.summary()
+
+
+def test_a_logit_cap_no_kernel_applies_keeps_the_lm_head_loss() -> None:
+    """Gemma 2 with ``final_logit_softcapping=50``: the shipped kernels cap at 30 — kept, named;
+    the MLP half still patches."""
+    model = _model("gemma2", final_logit_softcapping=50.0)
+    _, report = _patched(model, fused_loss=True)
+    line = report.lines[fam.LM_HEAD_LOSS]
+    assert line.startswith("kept: final_logit_softcapping 50: the shipped softcapped"), line
+    assert "cap the logits at 30" in line
+    assert report.patched(fam.MLP_HALF)
+
+
+def test_the_head_proof_keeps_a_cap_the_forward_does_not_apply() -> None:
+    """A config that names a cap its model's forward never applies (Gemma's forward reads no
+    ``final_logit_softcapping``): the probe shows uncapped logits, and the loss is kept."""
+    model = _model("gemma")
+    model.config.final_logit_softcapping = 30.0
+    _, report = _patched(model, fused_loss=True)
+    line = report.lines[fam.LM_HEAD_LOSS]
+    assert line.startswith("kept: the model's logits are not 30 · tanh(lm_head(norm(x)) / 30)")

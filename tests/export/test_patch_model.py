@@ -49,7 +49,7 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (K, "no attention recipe for this class"),
         fam.MLP_HALF: (P, "gemma2_mlp_branch on gate_proj + up_proj between"),
-        fam.LM_HEAD_LOSS: (K, "final-logit softcapping")}),
+        fam.LM_HEAD_LOSS: (P, "lm_head_softcap_ce: final norm + LM head + logits capped at 30")}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (K, "q/k RMSNorm (Gemma 3)"),
         fam.MLP_HALF: (P, "gemma2_mlp_branch on gate_proj + up_proj between"),

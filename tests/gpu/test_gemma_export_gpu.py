@@ -87,10 +87,16 @@ def test_the_gemma_mlp_drop_ins_in_bf16_and_under_autocast(sandwich: bool) -> No
             m.float()
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma2"])
-def test_patch_model_on_gemma_models_in_bf16_and_under_autocast(family: str) -> None:
-    """A random two-layer Gemma / Gemma 2 model with its MLP halves patched: logits and every
-    gradient against the fp32 model, cast to bf16 and under bf16 autocast."""
+@pytest.mark.parametrize(
+    ("family", "fused_loss"), [("gemma", False), ("gemma2", False), ("gemma2", True)]
+)
+def test_patch_model_on_gemma_models_in_bf16_and_under_autocast(
+    family: str, fused_loss: bool
+) -> None:
+    """A random two-layer Gemma / Gemma 2 model with its MLP halves patched (and with
+    ``fused_loss`` Gemma 2's softcapped LM-head loss, ``lm_head_softcap_ce``): the loss, the
+    logits (when made) and every gradient against the fp32 model, cast to bf16 and under bf16
+    autocast."""
     hidden, inter, vocab, seq = (48, 80, 96, 9) if TOY else (1024, 2816, 2048, 333)
     names = {"gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config",
              "Gemma2ForCausalLM")}[family]  # fmt: skip
@@ -106,7 +112,8 @@ def test_patch_model_on_gemma_models_in_bf16_and_under_autocast(family: str) -> 
         model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
-        return [("logits", out.logits.detach())] + [
+        logits = [] if out.logits is None else [("logits", out.logits.detach())]
+        return [("loss", out.loss.detach().reshape(1)), *logits] + [
             (n, p.grad) for n, p in model.named_parameters()
         ]
 
@@ -114,8 +121,9 @@ def test_patch_model_on_gemma_models_in_bf16_and_under_autocast(family: str) -> 
     tol = get_block("gemma_mlp").tolerance
     for setting, theirs, amp in _low_precision_copies(hf):
         coda = copy.deepcopy(theirs)
-        report = patch_model(coda, verify=False, tune="off")
+        report = patch_model(coda, verify=False, tune="off", fused_loss=fused_loss)
         assert report.lines["MLP half"].startswith("patched"), report
+        assert report.lines["final norm + LM head loss"].startswith("patched") == fused_loss
         with amp:
             want, got = dict(step(theirs)), step(coda)
         _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)
