@@ -4,10 +4,11 @@ compute exactly, keep the rest, and say which is which.
 A decoder layer has four module kinds (``KINDS``): the input norm + attention input (norm, Q/K/V
 projections, RoPE: ``llama_attn_in``), the attention output (``o_proj`` and the attention
 residual: no shipped kernel, always Hugging Face's), the MLP half (post-attention norm + SwiGLU
-MLP + residual: ``llama_mlp``) and, once per model, the final norm + LM head loss
-(``llama_lm_head_ce``). Which recipe patches a kind is decided by what the modules *are* — their
-classes and submodules — never by the model's name; ``config.model_type`` only names the family
-in the report.
+MLP + residual: ``llama_mlp``; Gemma's GeGLU under its ``(1 + w)`` norm: ``gemma_mlp``; Gemma 2/3's
+between sandwich norms: ``gemma2_mlp_branch``) and, once per model, the final norm + LM head loss
+(``llama_lm_head_ce``; Gemma 2's logits softcapped at 30: ``lm_head_softcap_ce``). Which recipe
+patches a kind is decided by what the modules *are* — their classes and submodules — never by
+the model's name; ``config.model_type`` only names the family in the report.
 
 ``RECIPES`` is the table: each ``Recipe`` has a ``kind``, an ``applies(module)`` test on the
 module's structure (an attention class, an MLP's projection names), a ``prove(recording, name,
