@@ -285,10 +285,12 @@ MLP_SAVED = {
 }
 
 
-def _mlp_training_pair(forward: Block, name: str) -> tuple[Block, Block]:
+def _mlp_training_pair(
+    forward: Block, name: str, wrt: list[str] = MLP_GRADS
+) -> tuple[Block, Block]:
     """``<name>_train`` (the forward that also returns g, u and a = silu(g)·u) and
     ``<name>_bwd_saved`` (the backward that receives them instead of recomputing the gate/up GEMM
-    and a — what eager PyTorch's autograd keeps too)."""
+    and a — what eager PyTorch's autograd keeps too), with the gradients of ``wrt``."""
     train = forward.model_copy(
         update={
             "name": f"{name}_train",
@@ -302,7 +304,7 @@ def _mlp_training_pair(forward: Block, name: str) -> tuple[Block, Block]:
         forward,
         name=f"{name}_bwd_saved",
         cotangents=MLP_COTANGENT,
-        wrt=MLP_GRADS,
+        wrt=wrt,
         saved=MLP_SAVED,
     )
     return register(train), register(saved)
@@ -462,3 +464,6 @@ def _resolve_eps_variant(name: str) -> Block | None:
 
 
 register_resolver(_resolve_eps_variant)
+
+# Gemma's MLP families (coda.blocks.gemma) build on these blocks and register with them.
+from . import gemma  # noqa: E402, F401

@@ -5,10 +5,11 @@ A decoder layer has four module kinds (``KINDS``): the input norm + attention in
 projections, RoPE: ``llama_attn_in``; Qwen2's biases: ``qwen2_attn_in``; Qwen3's per-head q/k
 norms: ``qwen3_attn_in``), the attention output (``o_proj`` and the attention
 residual: no shipped kernel, always Hugging Face's), the MLP half (post-attention norm + SwiGLU
-MLP + residual: ``llama_mlp``) and, once per model, the final norm + LM head loss
-(``llama_lm_head_ce``). Which recipe patches a kind is decided by what the modules *are* — their
-classes and submodules — never by the model's name; ``config.model_type`` only names the family
-in the report.
+MLP + residual: ``llama_mlp``; Gemma's GeGLU under its ``(1 + w)`` norm: ``gemma_mlp``; Gemma 2/3's
+between sandwich norms: ``gemma2_mlp_branch``) and, once per model, the final norm + LM head loss
+(``llama_lm_head_ce``; Gemma 2's logits softcapped at 30: ``lm_head_softcap_ce``). Which recipe
+patches a kind is decided by what the modules *are* — their classes and submodules — never by
+the model's name; ``config.model_type`` only names the family in the report.
 
 ``RECIPES`` is the table: each ``Recipe`` has a ``kind``, an ``applies(module)`` test on the
 module's structure (an attention class, an MLP's projection names), a ``prove(recording, name,
@@ -46,8 +47,18 @@ from .attention import (
 )
 from .autograd import Tuning
 from .checks import check_not_distributed, check_rms_norm, rms_norm_form
-from .lm_head import install_fused_loss
-from .mlp import CONCATENATED_GATE_UP, SEPARATE_GATE_UP, CodaLlamaMLPBlock, GateUpLayout
+from .lm_head import final_logit_softcap, install_fused_loss, lm_head_family
+from .mlp import (
+    CONCATENATED_GATE_UP,
+    GEMMA2_MLP,
+    GEMMA_MLP,
+    SEPARATE_GATE_UP,
+    CodaLlamaMLPBlock,
+    GateUpLayout,
+    MLPKernel,
+    mlp_activation,
+    mlp_half_kernel,
+)
 from .patch import (
     _LAYER_PARTS,
     CodaLlamaDecoderLayer,
@@ -58,6 +69,7 @@ from .patch import (
     _replace,
 )
 from .probe import (
+    SANDWICH_NORMS,
     Recording,
     causal_lm_head,
     check_attention_formula,
@@ -65,6 +77,7 @@ from .probe import (
     check_causal_lm_head,
     check_mlp_formula,
     check_mlp_half,
+    check_sandwich_mlp_half,
     probe_forward,
 )
 
@@ -160,6 +173,115 @@ def _mlp_recipe(layout: GateUpLayout) -> Recipe:
     return Recipe(MLP_HALF, f"llama_mlp on {layout.name}", applies, prove, build)
 
 
+def _gemma_mlp_recipe() -> Recipe:
+    """Gemma's MLP half on ``gemma_mlp``: a GeGLU (``gelu_pytorch_tanh``) MLP with separate
+    gate and up projections under the layer's ``(1 + w)`` ``post_attention_layernorm``, wired
+    as Llama's layer (``h + mlp(norm(h))``: Gemma 1). Applies to MLPs whose gate activation is
+    tanh-GELU; other layers keep the Llama recipe (and its reasons)."""
+    layout = SEPARATE_GATE_UP
+
+    def applies(layer: nn.Module) -> bool:
+        mlp = getattr(layer, "mlp", None)
+        return (
+            not isinstance(mlp, CodaLlamaMLP)
+            and hasattr(mlp, layout.weights[0])
+            and mlp_activation(mlp) == GEMMA_MLP.act
+            and not _sandwiched(layer)
+        )
+
+    def prove(recording: Recording, name: str, layer: nn.Module) -> None:
+        norm = getattr(layer, "post_attention_layernorm", None)
+        if norm is None:
+            raise ValueError(
+                f"{name} has no post_attention_layernorm: the gemma_mlp kernels normalize the "
+                "MLP's input with it"
+            )
+        _all_reasons(
+            lambda: _in_layer(name, _check_kernel, GEMMA_MLP, norm, layer.mlp, None),
+            lambda: _in_layer(name, layout.check, layer.mlp, GEMMA_MLP),
+            lambda: check_mlp_half(recording, name, layer),
+        )
+        _check_formula(recording, name, layer.mlp, GEMMA_MLP)
+
+    def build(layer: nn.Module, options: Options) -> Install:
+        block = CodaLlamaMLPBlock(
+            layer.post_attention_layernorm, layer.mlp, verify=options.verify,
+            saved=options.saved, tune=options.tune, residual=_fuses_residual(layer, options),
+            fuse_gate_up=options.fuse_gate_up,
+        )  # fmt: skip
+
+        def install() -> None:
+            deferred = DeferredRMSNorm(block.norm)
+            _replace(layer, "post_attention_layernorm", deferred)
+            _replace(layer, "mlp", CodaLlamaMLP(block, deferred))
+
+        return install
+
+    return Recipe(MLP_HALF, f"gemma_mlp on {layout.name}", applies, prove, build)
+
+
+_SANDWICH = SANDWICH_NORMS  # Gemma 2/3's norms before and after the MLP
+
+
+def _sandwiched(layer: nn.Module) -> bool:
+    """Whether ``layer`` has Gemma 2/3's norms before and after its MLP."""
+    return all(isinstance(getattr(layer, n, None), nn.Module) for n in _SANDWICH)
+
+
+def _gemma2_mlp_recipe() -> Recipe:
+    """Gemma 2/3's MLP half on ``gemma2_mlp_branch``: ``pre_feedforward_layernorm`` → GeGLU MLP
+    → ``post_feedforward_layernorm`` (both ``(1 + w)`` RMSNorms of one epsilon) in the MLP's
+    kernels, both norms deferred; the layer's forward adds the residual, as Hugging Face's."""
+    layout = SEPARATE_GATE_UP
+
+    def applies(layer: nn.Module) -> bool:
+        mlp = getattr(layer, "mlp", None)
+        patched = isinstance(mlp, CodaLlamaMLP)
+        return not patched and hasattr(mlp, layout.weights[0]) and _sandwiched(layer)
+
+    def prove(recording: Recording, name: str, layer: nn.Module) -> None:
+        pre, post = (getattr(layer, n) for n in _SANDWICH)
+        _all_reasons(
+            lambda: _in_layer(name, _check_kernel, GEMMA2_MLP, pre, layer.mlp, post),
+            lambda: _in_layer(name, layout.check, layer.mlp, GEMMA2_MLP),
+            lambda: check_sandwich_mlp_half(recording, name, layer, _SANDWICH),
+        )
+        _check_formula(recording, name, layer.mlp, GEMMA2_MLP)
+
+    def build(layer: nn.Module, options: Options) -> Install:
+        pre, post = (getattr(layer, n) for n in _SANDWICH)
+        block = CodaLlamaMLPBlock(
+            pre, layer.mlp, verify=options.verify, saved=options.saved, tune=options.tune,
+            residual=False, fuse_gate_up=options.fuse_gate_up, post_norm=post,
+        )  # fmt: skip
+
+        def install() -> None:
+            deferred_pre, deferred_post = DeferredRMSNorm(pre), DeferredRMSNorm(post)
+            _replace(layer, _SANDWICH[0], deferred_pre)
+            _replace(layer, _SANDWICH[1], deferred_post)
+            _replace(layer, "mlp", CodaLlamaMLP(block, deferred_pre, deferred_post))
+
+        return install
+
+    name = f"gemma2_mlp_branch on {layout.name} between {' and '.join(_SANDWICH)}"
+    return Recipe(MLP_HALF, name, applies, prove, build)
+
+
+def _check_kernel(
+    kernel: MLPKernel, norm: nn.Module, mlp: nn.Module, post_norm: nn.Module | None
+) -> None:
+    """``ValueError`` unless ``kernel`` is what computes these modules' MLP half."""
+    found = mlp_half_kernel(norm, mlp, post_norm)[1]
+    if found is not kernel:
+        raise ValueError(
+            f"the MLP half is computed by the {found.name} kernels, not {kernel.name}'s"
+        )
+
+
+def _check_formula(recording: Recording, name: str, mlp: nn.Module, kernel: MLPKernel) -> None:
+    check_mlp_formula(recording, name, mlp, act=kernel.act, kernels=kernel.name)
+
+
 def _fuses_residual(layer: nn.Module, options: Options) -> bool:
     """Whether the layer's MLP half adds its residual in the MLP's kernels: a Hugging Face
     ``LlamaDecoderLayer`` (its class becomes ``CodaLlamaDecoderLayer``); other layer classes
@@ -241,6 +363,8 @@ ATTENTION_RECIPES = (
 )  # fmt: skip
 RECIPES: tuple[Recipe, ...] = (
     *(_attention_recipe(recipe) for recipe in ATTENTION_RECIPES),
+    _gemma2_mlp_recipe(),
+    _gemma_mlp_recipe(),
     _mlp_recipe(SEPARATE_GATE_UP),
     _mlp_recipe(CONCATENATED_GATE_UP),
 )
@@ -415,7 +539,7 @@ def _probe(
 ) -> Recording:
     watched = list(head)
     for layer in layers:
-        parts = (getattr(layer, part, None) for part in _LAYER_PARTS)
+        parts = (getattr(layer, part, None) for part in (*_LAYER_PARTS, *_SANDWICH))
         watched += [layer, *(p for p in parts if isinstance(p, nn.Module))]
     return probe_forward(model, watched, labels=labels)
 
@@ -465,17 +589,25 @@ def _lm_head_line(
     model: nn.Module, recording: Recording, fused_loss: bool, error: ValueError | None
 ) -> str:
     """The final norm + LM head loss: patched when asked and proven (``check_causal_lm_head``,
-    the final norm Llama's RMSNorm), else kept with the reason."""
+    with the config's ``final_logit_softcapping`` if any; the final norm Llama's or Gemma's
+    RMSNorm), else kept with the reason."""
     if not fused_loss:
         return "kept: fused_loss=False (patch_model(fused_loss=True) fuses it in training)"
+    softcap = final_logit_softcap(model)
     if error is None:
         try:
             _all_reasons(
-                lambda: check_causal_lm_head(recording, model),
+                lambda: lm_head_family(softcap),
+                lambda: check_causal_lm_head(recording, model, softcap),
                 lambda: rms_norm_form(causal_lm_head(model)[1], "model.model.norm"),
             )
         except ValueError as e:
             error = e
     if error is not None:
         return f"kept: {error}"
+    if softcap is not None:
+        return (
+            f"patched (lm_head_softcap_ce: final norm + LM head + logits capped at {softcap:g} + "
+            "cross-entropy, no logits stored)"
+        )
     return "patched (llama_lm_head_ce: final norm + LM head + cross-entropy, no logits stored)"

@@ -28,38 +28,61 @@ from typing import Any
 import torch
 from torch import nn
 
-from coda.blocks.llama import llama_lm_head_ce_family
+from coda.blocks.gemma import GEMMA2_LOGIT_CAP
 
 from .autograd import ExportedFunction, Tuning, export_autograd
 from .checks import norm_gamma, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
 from .probe import causal_lm_head, check_causal_lm_head, probe_forward
+from .programs import FAMILIES
 from .resolve import dropin_programs
 
 IGNORE_INDEX = -100
 
 
 def llama_lm_head_ce_function(
-    eps: float, *, verify: bool = False, tune: Tuning = "quick"
+    eps: float, *, verify: bool = False, tune: Tuning = "quick", softcap: float | None = None
 ) -> ExportedFunction:
     """``f(x, gamma, w_lm, target) -> loss``: per-token cross-entropy (fp32, ``[M]``) of
     ``rmsnorm(x)·γ @ w_lmᵀ`` against ``target`` (class ids in ``[0, V)``), with autograd for
     ``x``, ``gamma`` and ``w_lm``; the Programs are the shipped verified ones
-    (``coda.export.programs``), or with ``verify`` verified by the sandbox first."""
-    function = _lm_head_function(eps, verify)
+    (``coda.export.programs``), or with ``verify`` verified by the sandbox first. ``softcap``:
+    the logits capped at ``softcap · tanh(logits / softcap)`` before the cross-entropy (Gemma
+    2's ``final_logit_softcapping``; the ``lm_head_softcap_ce`` kernels cap at 30)."""
+    function = _lm_head_function(eps, verify, lm_head_family(softcap))
     function.tune = tune
     return function
 
 
+def lm_head_family(softcap: float | None) -> str:
+    """The shipped LM-head loss family for a logit softcap (None: none); ``ValueError`` for a
+    cap no shipped kernel applies."""
+    if softcap is None:
+        return "llama_lm_head_ce"
+    if softcap != GEMMA2_LOGIT_CAP:
+        raise ValueError(
+            f"final_logit_softcapping {softcap:g}: the shipped softcapped LM-head kernels "
+            f"(lm_head_softcap_ce) cap the logits at {GEMMA2_LOGIT_CAP:g}, Gemma 2's"
+        )
+    return "lm_head_softcap_ce"
+
+
 @lru_cache(maxsize=8)
-def _lm_head_function(eps: float, verify: bool) -> ExportedFunction:
-    # Training runs llama_lm_head_ce_train, which also returns each row's log-sum-exp (M floats),
-    # and the backward llama_lm_head_ce_bwd_saved takes it instead of recomputing the logits for
-    # it; without gradients the plain forward runs.
+def _lm_head_function(eps: float, verify: bool, family: str) -> ExportedFunction:
+    # Training runs <family>_train, which also returns each row's log-sum-exp (M floats), and the
+    # backward <family>_bwd_saved takes it instead of recomputing the logits for it; without
+    # gradients the plain forward runs.
     keys = ("train", "backward_saved", "forward")
-    train, backward, forward = dropin_programs("llama_lm_head_ce", keys, eps, verify=verify)
-    backward_block = llama_lm_head_ce_family(eps)["backward_saved"]
+    train, backward, forward = dropin_programs(family, keys, eps, verify=verify)
+    backward_block = FAMILIES[family].blocks(eps)["backward_saved"]
     return export_autograd(train, backward, backward_block, inference=forward)
+
+
+def final_logit_softcap(model: nn.Module) -> float | None:
+    """``model.config.final_logit_softcapping`` (Gemma 2's), or None when the config has none
+    (what the logits are is proven on the probe forward, ``check_causal_lm_head``)."""
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return float(cap) if isinstance(cap, int | float) and cap else None
 
 
 class CodaLlamaLMHeadLoss(nn.Module):
@@ -75,18 +98,26 @@ class CodaLlamaLMHeadLoss(nn.Module):
     device sync per step): an id outside ``[0, V)`` other than -100 contributes its log-sum-exp
     alone, where PyTorch raises. Parameters must have ``hidden``'s dtype, except under
     ``torch.autocast`` with fp32 weights, where the head runs in the autocast dtype (as
-    Hugging Face's ``lm_head`` does) and the loss stays fp32.
+    Hugging Face's ``lm_head`` does) and the loss stays fp32. ``softcap``: the logits are
+    ``softcap · tanh(lm_head(norm(h)) / softcap)`` (Gemma 2's ``final_logit_softcapping``, 30).
     """
 
     def __init__(
-        self, norm: nn.Module, lm_head: nn.Module, *, verify: bool = False, tune: Tuning = "quick"
+        self,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        *,
+        verify: bool = False,
+        tune: Tuning = "quick",
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
+        family = lm_head_family(softcap)
         if getattr(lm_head, "bias", None) is not None:
-            raise ValueError("lm_head has a bias; the llama_lm_head_ce block has none")
+            raise ValueError(f"lm_head has a bias; the {family} block has none")
         eps, self.norm_offset = rms_norm_form(norm, "the final norm")
-        self.norm, self.lm_head = norm, lm_head
-        self.function = llama_lm_head_ce_function(eps, verify=verify, tune=tune)
+        self.norm, self.lm_head, self.softcap = norm, lm_head, softcap
+        self.function = llama_lm_head_ce_function(eps, verify=verify, tune=tune, softcap=softcap)
 
     def forward(
         self,
@@ -181,7 +212,10 @@ def _loss_module(model: nn.Module, *, verify: bool, tune: Tuning) -> CodaLlamaLM
     if _LOSS_ATTR not in model.__dict__:
         if model not in _CHECKED:
             check_fused_loss_fits(model)
-        loss = CodaLlamaLMHeadLoss(model.model.norm, model.lm_head, verify=verify, tune=tune)
+        loss = CodaLlamaLMHeadLoss(
+            model.model.norm, model.lm_head, verify=verify, tune=tune,
+            softcap=final_logit_softcap(model),
+        )  # fmt: skip
         object.__setattr__(model, _LOSS_ATTR, loss)
         _deferrable(model.model.norm)
     return model.__dict__[_LOSS_ATTR]
@@ -237,10 +271,13 @@ def check_fused_loss_fits(model: nn.Module) -> None:
     """``ValueError`` unless ``model`` computes what the fused loss replaces: one probe forward
     with labels (``coda.export.probe``) shows the logits are ``lm_head``'s output of
     ``model.model.norm``'s (the base model's last module), ``lm_head`` a bias-free ``x @ Wᵀ``,
-    the loss the mean next-token cross-entropy — no softcapping, logit scale or other loss — and
-    the final norm is Llama's or Gemma's RMSNorm (``rms_norm_form``)."""
+    the loss the mean next-token cross-entropy — no logit scale or other loss; softcapping only
+    as the config's ``final_logit_softcapping`` says, at a cap a shipped kernel applies (Gemma
+    2's 30) — and the final norm is Llama's or Gemma's RMSNorm (``rms_norm_form``)."""
+    softcap = final_logit_softcap(model)
+    lm_head_family(softcap)
     recording = probe_forward(model, list(causal_lm_head(model)), labels=True)
-    check_causal_lm_head(recording, model)
+    check_causal_lm_head(recording, model, softcap)
     rms_norm_form(causal_lm_head(model)[1], "model.model.norm")
     _CHECKED.add(model)
 

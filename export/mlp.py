@@ -16,6 +16,12 @@ Where an MLP keeps its gate and up weights is a ``GateUpLayout``: ``SEPARATE_GAT
 ``[2f, d]``, gate rows first): the kernels read row views of the one weight, so it stays one
 Parameter and its gradient is the two views' gradients in place.
 
+Which kernels compute an MLP half is an ``MLPKernel``: its GLU activation, its norm's offset and
+whether a post-norm follows the down projection — ``LLAMA_MLP`` (SwiGLU under Llama's RMSNorm:
+``llama_mlp``), ``GEMMA_MLP`` (GeGLU ``gelu_tanh`` under Gemma's ``x̂ · (1 + w)``: ``gemma_mlp``)
+and ``GEMMA2_MLP`` (the same between Gemma 2/3's sandwich norms: ``gemma2_mlp_branch``, whose
+post-norm weight the block takes as ``post_norm``). ``mlp_kernel(act, offset)`` finds one.
+
 Also here, for ``patch_llama``'s ``CodaLlamaMLP``: ``llama_mlp_function`` (the exported op),
 ``check_llama_mlp``, ``interleave_gate_up`` and ``keep_hf_gate_up_keys``.
 """
@@ -30,15 +36,73 @@ from typing import Any
 import torch
 from torch import nn
 
-from coda.blocks.llama import llama_mlp_family
 from coda.primitives.prep.layout import interleave_rows
 
 from .autograd import ExportedFunction, PackedRows, Tuning, export_autograd
-from .checks import check_rms_norm
+from .checks import GEMMA_OFFSET, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
+from .programs import FAMILIES
 from .resolve import dropin_programs
 
 GATE_UP = PackedRows("w_gate_up", even="w_gate", odd="w_up")
+
+
+@dataclass(frozen=True)
+class MLPKernel:
+    """The shipped block families that compute one form of MLP half: ``act`` (the GLU's
+    activation, as ``activation_name`` names it) under an RMSNorm of ``offset`` (0: Llama's
+    ``x̂ · w``; 1: Gemma's ``x̂ · (1 + w)``), followed by a post-norm of the same form when
+    ``post_norm``. ``residual``: the family with the residual add in its kernels (None: only the
+    branch is shipped, for layers that add it themselves); ``branch``: the one without."""
+
+    name: str
+    act: str
+    offset: float
+    residual: str | None
+    branch: str
+    post_norm: bool = False
+
+    def family(self, residual: bool) -> str:
+        """The block family for a block built with or without its residual add."""
+        if residual and self.residual is None:
+            raise ValueError(
+                f"the {self.name} kernels compute the MLP branch only (a post-norm follows the "
+                "down projection; the layer adds the residual): build the block with "
+                "residual=False"
+            )
+        return self.residual if residual else self.branch  # type: ignore[return-value]
+
+
+ACTIVATION_NAMES = {"silu": "SiLU", "gelu": "GELU", "gelu_tanh": "tanh-GELU", "relu": "ReLU"}
+LLAMA_MLP = MLPKernel("llama_mlp", "silu", 0.0, "llama_mlp", "llama_mlp_branch")
+GEMMA_MLP = MLPKernel("gemma_mlp", "gelu_tanh", GEMMA_OFFSET, "gemma_mlp", "gemma_mlp_branch")
+GEMMA2_MLP = MLPKernel(
+    "gemma2_mlp_branch", "gelu_tanh", GEMMA_OFFSET, None, "gemma2_mlp_branch", post_norm=True
+)
+MLP_KERNELS = (LLAMA_MLP, GEMMA_MLP, GEMMA2_MLP)
+
+
+def mlp_kernel(act: str | None, offset: float, *, post_norm: bool = False) -> MLPKernel:
+    """The ``MLPKernel`` for a GLU of activation ``act`` under a norm of ``offset`` (and a
+    post-norm after the down projection, ``post_norm``); ``ValueError`` naming the shipped
+    combinations when none computes it."""
+    for kernel in MLP_KERNELS:
+        if (kernel.act, kernel.offset, kernel.post_norm) == (act, offset, post_norm):
+            return kernel
+    shipped = "; ".join(_describe(k) for k in MLP_KERNELS)
+    what = _describe(MLPKernel("", act or "", offset, None, "", post_norm))
+    raise ValueError(f"no shipped kernel computes {what}; shipped: {shipped}")
+
+
+def _describe(kernel: MLPKernel) -> str:
+    norm = "x̂ · (1 + w)" if kernel.offset else "x̂ · w"
+    post = f", then a post-norm {norm}" if kernel.post_norm else ""
+    named = f" ({kernel.name})" if kernel.name else ""
+    if not kernel.act:
+        known = ", ".join(ACTIVATION_NAMES.values())
+        return f"a GLU MLP whose gate activation is none of {known} under an RMSNorm {norm}{post}"
+    act = ACTIVATION_NAMES.get(kernel.act, kernel.act)
+    return f"a {act} GLU MLP under an RMSNorm {norm}{post}{named}"
 
 
 def llama_mlp_function(
@@ -49,8 +113,13 @@ def llama_mlp_function(
     tune: Tuning = "quick",
     packed_gate_up: bool = False,
     residual: bool = True,
+    kernel: MLPKernel = LLAMA_MLP,
 ) -> ExportedFunction:
     """``f(x, gamma, w_gate, w_up, w_down) -> out`` with autograd, for an RMSNorm epsilon.
+
+    ``kernel``: which MLP half (``LLAMA_MLP`` by default; ``GEMMA_MLP`` for Gemma's GeGLU under
+    its ``(1 + w)`` norm, ``gamma`` then the norm's own weight; ``GEMMA2_MLP``, a branch only,
+    takes the post-norm's weight last: ``f(x, gamma, w_gate, w_up, w_down, gamma_post)``).
 
     ``residual=False``: ``out`` is the MLP branch alone, without ``x +`` (the
     ``llama_mlp_branch`` blocks), for a caller that adds the residual in another dtype.
@@ -69,7 +138,7 @@ def llama_mlp_function(
     verified by the sandbox at the block's shape sets instead (seconds; once per process).
     ``tune``: how mainloop configs are tuned for each new shape on a GPU (``export_autograd``).
     """
-    function = _llama_mlp_function(eps, verify, saved, packed_gate_up, residual)
+    function = _llama_mlp_function(eps, verify, saved, packed_gate_up, kernel.family(residual))
     function.tune = tune
     return function
 
@@ -82,9 +151,8 @@ def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor
 
 @lru_cache(maxsize=16)
 def _llama_mlp_function(
-    eps: float, verify: bool, saved: bool, packed: bool, residual: bool
+    eps: float, verify: bool, saved: bool, packed: bool, name: str
 ) -> ExportedFunction:
-    name = "llama_mlp" if residual else "llama_mlp_branch"
     # Saving g, u, a for the backward: without gradients (evaluation, no_grad) the plain forward
     # runs instead and stores none of them.
     keys = ["train", "backward_saved", "forward"] if saved else ["forward", "backward"]
@@ -92,36 +160,42 @@ def _llama_mlp_function(
     return export_autograd(
         programs[0],
         programs[1],
-        llama_mlp_family(eps, residual=residual)[keys[1]],
+        FAMILIES[name].blocks(eps)[keys[1]],
         packed=[GATE_UP] if packed else [],
         inference=programs[2] if saved else None,
     )
 
 
-def check_llama_mlp(mlp: nn.Module) -> None:
-    """``ValueError`` unless ``mlp`` computes what the llama_mlp blocks do: bias-free gate, up
-    and down projections (modules with a 2-D ``weight``) and a SiLU gate. A module without them
-    (a mixture of experts, a fused ``gate_up_proj``, a two-matrix MLP) is refused by name."""
+def check_llama_mlp(mlp: nn.Module, kernel: MLPKernel = LLAMA_MLP) -> None:
+    """``ValueError`` unless ``mlp`` computes what the ``kernel`` blocks do (by default
+    llama_mlp's): bias-free gate, up and down projections (modules with a 2-D ``weight``) and
+    the kernel's gate activation (SiLU). A module without them (a mixture of experts, a fused
+    ``gate_up_proj``, a two-matrix MLP) is refused by name."""
     for proj in ("gate_proj", "up_proj", "down_proj"):
         module = getattr(mlp, proj, None)
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(
-                f"mlp ({type(mlp).__name__}) has no {proj} with a 2-D weight; the llama_mlp "
-                "block computes down_proj(silu(gate_proj(x)) · up_proj(x))"
+                f"mlp ({type(mlp).__name__}) has no {proj} with a 2-D weight; the {kernel.name} "
+                f"block computes down_proj({kernel.act}(gate_proj(x)) · up_proj(x))"
             )
         if getattr(module, "bias", None) is not None:
-            raise ValueError(f"mlp.{proj} has a bias; the llama_mlp block has none")
-    if not hasattr(mlp, "act_fn"):
-        raise ValueError(f"mlp ({type(mlp).__name__}) has no act_fn; the llama_mlp block uses SiLU")
-    if not _is_silu(mlp.act_fn):
+            raise ValueError(f"mlp.{proj} has a bias; the {kernel.name} block has none")
+    _check_activation(mlp, "act_fn", kernel)
+
+
+def _check_activation(mlp: nn.Module, attr: str, kernel: MLPKernel) -> None:
+    """``ValueError`` unless ``mlp.<attr>`` computes ``kernel``'s gate activation."""
+    want = ACTIVATION_NAMES[kernel.act]
+    if not hasattr(mlp, attr):
         raise ValueError(
-            f"mlp.act_fn is {mlp.act_fn!r}{_glu_kind(mlp.act_fn)}; the llama_mlp block uses SiLU"
+            f"mlp ({type(mlp).__name__}) has no {attr}; the {kernel.name} block uses {want}"
         )
-
-
-def _is_silu(act: Any) -> bool:
-    return activation_name(act) == "silu"
+    act = getattr(mlp, attr)
+    if activation_name(act) != kernel.act:
+        raise ValueError(
+            f"mlp.{attr} is {act!r}{_glu_kind(act, kernel)}; the {kernel.name} block uses {want}"
+        )
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -145,38 +219,42 @@ def activation_name(act: Any) -> str | None:
     return None
 
 
-def check_concatenated_mlp(mlp: nn.Module) -> None:
-    """``ValueError`` unless ``mlp`` is a Phi-3-style SwiGLU MLP: a bias-free ``gate_up_proj``
-    with a 2-D weight of ``2f`` rows, a bias-free ``down_proj`` of ``f`` columns and a SiLU
-    ``activation_fn`` (which rows are the gate is proven on the probe forward, not here)."""
+def check_concatenated_mlp(mlp: nn.Module, kernel: MLPKernel = LLAMA_MLP) -> None:
+    """``ValueError`` unless ``mlp`` is a Phi-3-style GLU MLP: a bias-free ``gate_up_proj``
+    with a 2-D weight of ``2f`` rows, a bias-free ``down_proj`` of ``f`` columns and
+    ``kernel``'s gate activation as ``activation_fn`` (SiLU; which rows are the gate is proven
+    on the probe forward, not here)."""
     gate_up = getattr(getattr(mlp, "gate_up_proj", None), "weight", None)
     down = getattr(getattr(mlp, "down_proj", None), "weight", None)
     for proj, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(
-                f"mlp ({type(mlp).__name__}) has no {proj} with a 2-D weight; the llama_mlp "
-                "block computes down_proj(silu(gate) · up) with [gate; up] = gate_up_proj(x)"
+                f"mlp ({type(mlp).__name__}) has no {proj} with a 2-D weight; the {kernel.name} "
+                f"block computes down_proj({kernel.act}(gate) · up) with [gate; up] = "
+                "gate_up_proj(x)"
             )
         if getattr(getattr(mlp, proj), "bias", None) is not None:
-            raise ValueError(f"mlp.{proj} has a bias; the llama_mlp block has none")
+            raise ValueError(f"mlp.{proj} has a bias; the {kernel.name} block has none")
     if gate_up.shape[0] != 2 * down.shape[1]:
         raise ValueError(
             f"mlp.gate_up_proj has {gate_up.shape[0]} rows, not twice down_proj's "
             f"{down.shape[1]} input features: not a concatenated [gate; up] weight"
         )
-    act = getattr(mlp, "activation_fn", None)
-    if activation_name(act) != "silu":
-        raise ValueError(
-            f"mlp.activation_fn is {act!r}{_glu_kind(act)}; the llama_mlp block uses SiLU"
+    _check_activation(mlp, "activation_fn", kernel)
+
+
+def _glu_kind(act: Any, kernel: MLPKernel) -> str:
+    """What a GELU-gated MLP is, when ``kernel`` computes another: `` (a GeGLU MLP: ...)``
+    naming the kernels for it (Gemma's tanh-GELU) or saying none is shipped; else nothing."""
+    name = activation_name(act)
+    if name not in ("gelu", "gelu_tanh") or name == kernel.act:
+        return ""
+    if name == GEMMA_MLP.act:
+        return (
+            " (a GeGLU MLP: the gemma_mlp kernels compute it under Gemma's (1 + w) norm; "
+            "patch_model patches it)"
         )
-
-
-def _glu_kind(act: Any) -> str:
-    """`` (a GeGLU MLP, no shipped kernel yet)`` for a GELU gate, else nothing: names what the
-    MLP is when it is not the SwiGLU the kernels compute."""
-    if activation_name(act) in ("gelu", "gelu_tanh"):
-        return " (a GeGLU MLP: no shipped kernel computes it yet)"
-    return ""
+    return " (a GeGLU MLP with exact GELU: no shipped kernel computes it yet)"
 
 
 def _separate_gate_up(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,13 +269,14 @@ def _concatenated_gate_up(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class GateUpLayout:
-    """Where an MLP module keeps its gate and up weights: ``check(mlp)`` raises ``ValueError``
-    unless ``mlp`` has this layout and computes a SwiGLU; ``split(mlp)`` returns ``(w_gate,
+    """Where an MLP module keeps its gate and up weights: ``check(mlp, kernel)`` raises
+    ``ValueError`` unless ``mlp`` has this layout and computes ``kernel``'s GLU (by default
+    SwiGLU); ``split(mlp)`` returns ``(w_gate,
     w_up)``, each ``[f, d]`` (the Parameters themselves or row views of one, so gradients reach
     the module's own Parameters); ``weights`` names the module's weight keys."""
 
     name: str
-    check: Callable[[nn.Module], None]
+    check: Callable[..., None]
     split: Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]]
     weights: tuple[str, ...]
 
@@ -239,6 +318,13 @@ class CodaLlamaMLPBlock(nn.Module):
     ``layout``: where ``mlp`` keeps its gate and up weights (``SEPARATE_GATE_UP``, Llama's, or
     ``CONCATENATED_GATE_UP``, Phi-3's ``gate_up_proj`` read as two row views; ``fuse_gate_up``
     needs the separate layout).
+
+    Which kernels run (``kernel``, an ``MLPKernel``) follows from the modules: ``mlp``'s gate
+    activation (SiLU, or Gemma's tanh-GELU) and ``norm``'s form (Llama's ``x̂ · w`` or Gemma's
+    ``x̂ · (1 + w)``, whose weight the kernels read as it is). ``post_norm``: a norm of the MLP's
+    output (Gemma 2/3's ``post_feedforward_layernorm``, of the same form and epsilon as
+    ``norm``), also in the kernels — ``post_norm(mlp(norm(x)))``, a branch only
+    (``residual=False``); its weight is the last of ``weights()``.
     """
 
     def __init__(
@@ -252,18 +338,19 @@ class CodaLlamaMLPBlock(nn.Module):
         fuse_gate_up: bool = False,
         residual: bool = True,
         layout: GateUpLayout = SEPARATE_GATE_UP,
+        post_norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        layout.check(mlp)
+        eps, self.kernel = mlp_half_kernel(norm, mlp, post_norm)
+        layout.check(mlp, self.kernel)
         if fuse_gate_up and layout is not SEPARATE_GATE_UP:
             raise ValueError(
                 f"fuse_gate_up interleaves separate gate_proj and up_proj weights; this MLP "
                 f"keeps them as {layout.name} — build the block without fuse_gate_up"
             )
-        eps = check_rms_norm(norm, "norm")
-        self.norm, self.mlp, self.layout = norm, mlp, layout
+        self.norm, self.mlp, self.layout, self.post_norm = norm, mlp, layout, post_norm
         self.fused, self.residual = fuse_gate_up, residual
-        self._function_args = {"eps": eps, "verify": verify, "saved": saved}
+        self._function_args = {"eps": eps, "verify": verify, "saved": saved, "kernel": self.kernel}
         # Resolved here, not in forward: torch.compile then sees only the custom op. fp32
         # parameters are master weights for autocast (or fp32 kernels): the branch is resolved
         # for autocast too. (Before fusing: a Program that fails verification leaves the Hugging
@@ -321,9 +408,10 @@ class CodaLlamaMLPBlock(nn.Module):
 
     def weights(self) -> list[torch.Tensor]:
         """What the kernels read besides ``x``: γ, the gate and up weights (or the fused one),
-        the down weight."""
+        the down weight (and the post-norm's weight, with a ``post_norm``)."""
         gate_up = [self.gate_up_weight] if self.fused else [*self.layout.split(self.mlp)]
-        return [self.norm.weight, *gate_up, self.mlp.down_proj.weight]
+        post = [] if self.post_norm is None else [self.post_norm.weight]
+        return [self.norm.weight, *gate_up, self.mlp.down_proj.weight, *post]
 
     def forward(self, x: torch.Tensor, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``x + mlp(norm(x))`` (or the branch alone, built with ``residual=False``) with
@@ -362,6 +450,36 @@ class CodaLlamaMLPBlock(nn.Module):
         if self.branch_function is None:
             self.branch_function = _resolve_branch(self)
         return run_in_dtype(self.branch_function, dtype, x, *weights)
+
+
+def mlp_activation(mlp: nn.Module) -> str | None:
+    """The name of ``mlp``'s gate activation (``act_fn``, or Phi-3's ``activation_fn``) as
+    ``activation_name`` gives it, or None."""
+    return activation_name(getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None)))
+
+
+def mlp_half_kernel(
+    norm: nn.Module, mlp: nn.Module, post_norm: nn.Module | None = None
+) -> tuple[float, MLPKernel]:
+    """``(eps, kernel)``: the norm's epsilon and the ``MLPKernel`` that computes
+    ``[post_norm](mlp(norm(x)))`` for these modules' activation and norm form; ``ValueError``
+    naming what differs (a norm that is no RMSNorm, post- and pre-norm of other forms or
+    epsilons, a combination no kernel computes)."""
+    eps, offset = rms_norm_form(norm, "norm")
+    if post_norm is not None:
+        post = rms_norm_form(post_norm, "post_norm")
+        if post != (eps, offset):
+            raise ValueError(
+                f"post_norm (eps {post[0]:g}, offset {post[1]:g}) and norm (eps {eps:g}, offset "
+                f"{offset:g}) differ; the {GEMMA2_MLP.name} kernels apply one RMSNorm form twice"
+            )
+    act = mlp_activation(mlp)
+    try:
+        return eps, mlp_kernel(act, offset, post_norm=post_norm is not None)
+    except ValueError as e:
+        raise ValueError(
+            f"mlp ({type(mlp).__name__}) under norm ({type(norm).__name__}): {e}"
+        ) from e
 
 
 def _shaped(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -90,7 +90,12 @@ class CodaLlamaMLP(nn.Module):
 
     _HF_KEYS = ("gate_proj.weight", "up_proj.weight")
 
-    def __init__(self, block: CodaLlamaMLPBlock, norm: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        block: CodaLlamaMLPBlock,
+        norm: nn.Module | None = None,
+        post_norm: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         for name, child in block.mlp.named_children():
             setattr(self, name, child)
@@ -99,13 +104,18 @@ class CodaLlamaMLP(nn.Module):
             keep_hf_gate_up_keys(self)
         object.__setattr__(self, "block", block)  # not a submodule: see the class docstring
         object.__setattr__(self, "norm", block.norm if norm is None else norm)  # the layer's
+        # a block with a post-norm (Gemma 2/3's post_feedforward_layernorm): the layer's too
+        post = block.post_norm if post_norm is None else post_norm
+        object.__setattr__(self, "post_norm", post)
 
     def weights(self) -> list[torch.Tensor]:
-        """γ, the gate and up weights (or the packed one), the down weight: read from the
-        modules that hold them now, in the order ``CodaLlamaMLPBlock.weights`` lists them."""
+        """γ, the gate and up weights (or the packed one), the down weight (and the post-norm's
+        weight): read from the modules that hold them now, in the order
+        ``CodaLlamaMLPBlock.weights`` lists them."""
         fused = self.block.fused
         gate_up = [self.gate_up_weight] if fused else [*self.block.layout.split(self)]
-        return [self.norm.weight, *gate_up, self.down_proj.weight]
+        post = [] if self.post_norm is None else [self.post_norm.weight]
+        return [self.norm.weight, *gate_up, self.down_proj.weight, *post]
 
     def forward(self, x: torch.Tensor, *, residual: bool = False) -> torch.Tensor:
         """``mlp(norm(x))``, as the ``LlamaMLP`` it replaces returns after its norm; with

@@ -290,29 +290,71 @@ def _check_rotary(name: str, attn: nn.Module, call: Call) -> None:
         )
 
 
+# the gate activations of the shipped MLP kernels, by ``coda.export.mlp.activation_name``'s names
+_GLU_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
 def check_mlp_formula(
     recording: Recording,
     name: str,
     mlp: nn.Module,
     gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    act: str = "silu",
+    kernels: str = "llama_mlp",
 ) -> None:
-    """``ValueError`` unless each recorded call of ``mlp`` returned ``down(silu(gate(x)) ·
+    """``ValueError`` unless each recorded call of ``mlp`` returned ``down(act(gate(x)) ·
     up(x))`` of its projections' weights — the kernels read the weights alone, so a wrapper
     that adds to a projection (an adapter) or scales the output is refused. ``gate_up``: the
     gate and up weights as the kernels will read them (row views of a fused ``gate_up_proj``),
-    by default ``gate_proj``'s and ``up_proj``'s."""
+    by default ``gate_proj``'s and ``up_proj``'s; ``act``: the gate activation (``silu`` or
+    ``gelu_tanh``) of the ``kernels`` named in the message."""
     w_gate, w_up = gate_up or (mlp.gate_proj.weight, mlp.up_proj.weight)
-    w_down = mlp.down_proj.weight
+    w_down, fn = mlp.down_proj.weight, _GLU_ACTIVATIONS[act]
     for call in recording.of(mlp):
         x = call.input()
         want = call.result()
         with torch.no_grad():
-            got = F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+            got = F.linear(fn(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
         if not close(got, want):
             raise ValueError(
                 f"{name}.mlp ({type(mlp).__name__}) returned something other than "
-                "down_proj(silu(gate_proj(x)) · up_proj(x)) of its projections' weights, which "
-                "the llama_mlp kernels compute"
+                f"down_proj({act}(gate_proj(x)) · up_proj(x)) of its projections' weights, "
+                f"which the {kernels} kernels compute"
+            )
+
+
+SANDWICH_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def check_sandwich_mlp_half(
+    recording: Recording, name: str, layer: nn.Module, norms: tuple[str, str] = SANDWICH_NORMS
+) -> None:
+    """``ValueError`` unless every call of ``layer`` computed ``out = h +
+    post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))`` (Gemma 2/3's MLP half
+    between sandwich norms; ``norms`` names the two), each module handing its output itself to
+    the next — what the patched MLP half (both norms deferred into the MLP's kernels)
+    computes."""
+    calls = layer_calls(recording, name, layer)
+    parts = (norms[0], "mlp", norms[1])
+    pres, mlps, posts = (recording.of(getattr(layer, p)) for p in parts)
+    for part, recorded in zip(parts, (pres, mlps, posts), strict=True):
+        _per_call(name, part, recorded, len(calls))
+    for call, pre, mlp, post in zip(calls, pres, mlps, posts, strict=True):
+        for what, got, want in (
+            (f"mlp does not receive {norms[0]}'s output", mlp.input(), pre.result()),
+            (f"{norms[1]} does not normalize the MLP's output", post.input(), mlp.result()),
+        ):  # fmt: skip
+            if not same(got, want):
+                raise ValueError(f"{name}: {what}; the patched MLP half computes exactly that")
+        if not close(call.result(), pre.input() + post.result()):
+            raise ValueError(
+                f"{name}: the layer's output is not h + post_feedforward_layernorm(mlp("
+                "pre_feedforward_layernorm(h))) with h the pre-norm's input (a residual other "
+                "than h, a scale?); the patched layer computes exactly that"
             )
 
 
@@ -409,11 +451,15 @@ def causal_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
     return base, norm, head
 
 
-def check_causal_lm_head(recording: Recording, model: nn.Module) -> None:
+def check_causal_lm_head(
+    recording: Recording, model: nn.Module, softcap: float | None = None
+) -> None:
     """``ValueError`` unless the probe forward (with labels) computed the logits as
     ``lm_head(norm(h))`` — ``norm`` the base model's last module, the logits ``lm_head``'s output
     itself (no softcapping or logit scale), a plain ``x @ Wᵀ`` head — and its loss as the mean
-    next-token cross-entropy of those logits: what the fused loss computes instead."""
+    next-token cross-entropy of those logits: what the fused loss computes instead. With
+    ``softcap`` (Gemma 2's ``final_logit_softcapping``) the model's logits must be ``softcap ·
+    tanh(lm_head(norm(h)) / softcap)`` instead, and the loss theirs."""
     base, norm, head = causal_lm_head(model)
     bases, norms, heads = (recording.of(m) for m in (base, norm, head))
     for what, calls in (("model.model", bases), ("model.model.norm", norms), ("lm_head", heads)):
@@ -434,7 +480,16 @@ def check_causal_lm_head(recording: Recording, model: nn.Module) -> None:
     if not close(plain, logits):
         raise ValueError(f"lm_head ({type(head).__name__}) is not x @ weightᵀ")
     out = recording.output
-    if not same(getattr(out, "logits", None), logits):
+    if softcap is not None:
+        capped = softcap * torch.tanh(logits / softcap)
+        if not close(getattr(out, "logits", None), capped):
+            raise ValueError(
+                f"the model's logits are not {softcap:g} · tanh(lm_head(norm(x)) / {softcap:g}) "
+                "(its final_logit_softcapping); the fused loss takes the cross-entropy of "
+                "exactly those"
+            )
+        logits = out.logits
+    elif not same(getattr(out, "logits", None), logits):
         raise ValueError(
             "the model's logits are not lm_head's output (final-logit softcapping or a logit "
             "scale?); the fused loss takes the cross-entropy of lm_head(norm(x)) itself"

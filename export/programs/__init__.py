@@ -1,10 +1,12 @@
 """The drop-ins' Programs, shipped verified: one ``<block>.json`` here per block the drop-ins run.
 
 Each file holds the built-in planner's Program for one block of a family the drop-ins build on
-(``FAMILIES``: the ``llama_mlp`` and ``llama_mlp_branch`` sub-layers, the attention inputs
-(Llama's, Qwen2's, Qwen3's), the LM-head loss — forward and backward, at Llama's RMSNorm epsilon
-``SHIPPED_EPS``, with the default lowering options), with its content hash: the first 12 hex
-digits of the SHA-256 of its canonical JSON, the key the sandbox's Reports and the regression
+(``FAMILIES``: the ``llama_mlp`` and ``llama_mlp_branch`` sub-layers, Gemma's ``gemma_mlp``,
+``gemma_mlp_branch`` and ``gemma2_mlp_branch`` (sandwich norms), the attention inputs (Llama's,
+Qwen2's, Qwen3's), the LM-head loss (plain, and softcapped as Gemma 2's) — forward and backward,
+at Llama's RMSNorm epsilon ``SHIPPED_EPS``, with the default lowering options), with its content
+hash: the first 12 hex digits of the SHA-256 of its canonical JSON, the key the sandbox's Reports
+and the regression
 store know a Program by. Every file was
 verified by the sandbox (the block's shape sets, float32 and float16) when it was written, and
 ``make test`` verifies each again and checks it is byte for byte what the planner writes now
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from coda.blocks.block import Block
+from coda.blocks.gemma import gemma_mlp_family, lm_head_softcap_ce_family
 from coda.blocks.llama import (
     LLAMA_RMS_EPS,
     llama_attn_in_family,
@@ -65,11 +68,18 @@ FAMILIES: dict[str, Family] = {
     # (forward, backward); with its residual add or without (the branch, under autocast).
     "llama_mlp": Family(llama_mlp_family, _MLP_KEYS),
     "llama_mlp_branch": Family(lambda eps: llama_mlp_family(eps, residual=False), _MLP_KEYS),
+    # The same for Gemma's GeGLU MLP under its (1 + γ) norm, and Gemma 2/3's between sandwich
+    # norms (a branch only: their layers add the residual).
+    "gemma_mlp": Family(lambda eps: gemma_mlp_family("gemma_mlp", eps), _MLP_KEYS),
+    "gemma_mlp_branch": Family(lambda eps: gemma_mlp_family("gemma_mlp_branch", eps), _MLP_KEYS),
+    "gemma2_mlp_branch": Family(lambda eps: gemma_mlp_family("gemma2_mlp_branch", eps), _MLP_KEYS),
     "llama_attn_in": Family(llama_attn_in_family, ("forward", "backward_saved")),
     "llama_lm_head_ce": Family(llama_lm_head_ce_family, ("forward", "train", "backward_saved")),
     # the attention inputs in Hugging Face's order (separate q_rot, k_rot, v): Qwen2's, Qwen3's
     "qwen2_attn_in": Family(qwen2_attn_in_family, ("forward", "backward")),
     "qwen3_attn_in": Family(qwen3_attn_in_family, ("forward", "backward")),
+    # Gemma 2's head: the logits capped at 30 before the cross-entropy
+    "lm_head_softcap_ce": Family(lm_head_softcap_ce_family, ("forward", "train", "backward_saved")),
 }
 
 

@@ -110,8 +110,8 @@ def interleave(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 class Pairwise(EpilogueOp):
     """Map each adjacent column pair of tile ``src`` through expressions: 2→1 or 2→2.
 
-    In each expression, ``x0 = src[:, 2k]`` and ``x1 = src[:, 2k+1]`` are the members of pair k
-    (in ``map``'s expression language). Other names are epilogue values that are pair-wide (a tile or column vector
+    In each expression (``map``'s language), ``x0 = src[:, 2k]`` and ``x1 = src[:, 2k+1]`` are the
+    members of pair k. Other names are epilogue values that are pair-wide (a tile or column vector
     with half of src's columns, indexed by k) or row vectors. ``expr0`` is required; with only
     ``expr0`` the op is a 2→1 contraction (``out`` has half of src's columns: ``out[:, k] =
     expr0``); with ``expr1`` too it is 2→2 (``out[:, 2k] = expr0``, ``out[:, 2k+1] = expr1``, src's

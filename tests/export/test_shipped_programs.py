@@ -60,7 +60,8 @@ def test_every_family_resolves_at_any_epsilon_without_the_sandbox(
             assert [p.block for p in got] == [blocks[k].name for k in family.keys]
             for key, program in zip(family.keys, got, strict=True):
                 assert program == lowered(blocks[key])
-                # every epsilon a step sets (a norm's rstd, Qwen3's q/k norms' backward) is eps
+                # every epsilon a step sets (a norm's rstd — two in a sandwich —, Qwen3's q/k
+                # norms' backward) is eps
                 epsilons = {getattr(s, "eps", None) for s in program.steps} - {None}
                 assert epsilons == {eps}
 
