@@ -57,16 +57,23 @@ def _mlp_ops(b: BackwardBuilder) -> tuple[LayerNorm, Linear, Activation, Linear]
         b.fail("the LayerNorm's input and weight must be block inputs")
     if norm.bias is not None and norm.bias not in fwd.inputs:
         b.fail(f"the LayerNorm's bias {norm.bias!r} must be a block input")
-    _, fc = b.find(Linear, x=norm.out)
-    _, act = b.find(Activation, x=fc.out)
-    _, proj = b.find(Linear, x=act.out)
-    readers = [o.out for o in fwd.graph if norm.out in o.inputs() or fc.out in o.inputs()]
-    if readers != [fc.out, act.out] or {norm.out, fc.out, act.out} & set(fwd.outputs):
-        b.fail(
-            "expected LayerNorm → Linear → Activation → Linear with each value read once "
-            "(a gated MLP after a LayerNorm, or a second reader of the norm, has no backward rule)"
-        )
+    fc = _only_reader(b, norm.out, Linear)
+    act = _only_reader(b, fc.out, Activation)
+    proj = _only_reader(b, act.out, Linear)
     return norm, fc, act, proj
+
+
+def _only_reader(b: BackwardBuilder, value: str, kind: type) -> Any:
+    """The one op reading ``value``, which must be a ``kind`` and ``value`` no block output."""
+    readers = [o for o in b.forward.graph if value in o.inputs()]
+    if len(readers) != 1 or not isinstance(readers[0], kind) or value in b.forward.outputs:
+        found = [f"{type(o).__name__}({o.out!r})" for o in readers]
+        b.fail(
+            f"expected LayerNorm → Linear → Activation → Linear, each value read once: {value!r} "
+            f"must be read by one {kind.__name__} only and be no block output, but is read by "
+            f"{found or 'nothing'} (a gated MLP after a LayerNorm has no backward rule)"
+        )
+    return readers[0]
 
 
 def _statistics(b: BackwardBuilder, norm: LayerNorm, fc: Linear) -> dict[str, str]:
