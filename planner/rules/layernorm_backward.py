@@ -3,7 +3,8 @@
 alone. ``LayerNormRule.differentiate`` (``rules/layernorm.py``) writes this schedule:
 
 1. ``z = r ⊙ (x W1'ᵀ − μ ⊗ s) + W1 β + b1`` recomputed as the forward computes it (γ folded into
-   ``W1'``, ``s`` its row sums, ``μ``/``r`` from aux ``mean_rstd``) and stored;
+   ``W1'``, ``s`` its row sums, ``μ``/``r`` from aux ``mean_rstd``) and stored — or read when the
+   forward saved it (so is ``a``, when saved);
 2. ``da = dout W2`` with the activation's backward in its epilogue next to the loaded ``z``:
    ``dz = da ⊙ act'(z)``, ``a = act(z)`` (for ``dW2``), partial column sums of ``dz`` (``db1``) and
    partial row sums of LayerNorm's statistics — ``Σ_d dh·γ = Σ_f dz·s`` and
@@ -41,7 +42,8 @@ def layer_norm_mlp_backward(b: BackwardBuilder) -> None:
     if other:
         b.fail(f"only the MLP's output may have a gradient; drop the cotangents of {other}")
     stats = _statistics(b, norm, fc)
-    z = _recompute_fc(b, norm, fc, stats)
+    # what the forward saved (the backward block's inputs) is read, not recomputed
+    z = fc.out if fc.out in b.op.saved else _recompute_fc(b, norm, fc, stats)
     dz, a, (c_gamma, c_xhat) = _activation_backward(b, norm, fc, act, proj, dout, z, stats)
     b.output(proj.weight, b.plain_gemm("w_proj_grad", f"{dout}.T", a, "dw_proj"))
     stats |= {"c_gamma": c_gamma, "c_xhat": c_xhat}
@@ -138,10 +140,17 @@ def _activation_backward(
     z: str,
     stats: dict[str, str],
 ) -> tuple[str, str, tuple[str, str]]:
-    """``da = dout W2`` with ``dz = da ⊙ act'(z)`` and ``a = act(z)`` stored, ``db1`` from dz's
-    column sums, and LayerNorm's two row statistics (``mean(dh·γ)``, ``mean(dh·γ·x̂)`` over the
-    norm's width) from partial row sums. Returns (dz, a, (the two statistics))."""
-    dz, a = b.name("dz"), b.name("a")
+    """``da = dout W2`` with ``dz = da ⊙ act'(z)`` and ``a = act(z)`` stored (unless saved),
+    ``db1`` from dz's column sums, and LayerNorm's two row statistics (``mean(dh·γ)``,
+    ``mean(dh·γ·x̂)`` over the norm's width) from partial row sums. Returns (dz, a, (the two
+    statistics))."""
+    dz = b.name("dz")
+    a_saved = act.out in b.op.saved
+    a = act.out if a_saved else b.name("a")
+    recompute_a = [
+        {"op": "map", "expr": activation_expr(act.kind, "z_tile", act.cap), "out": a},
+        {"op": "store", "src": a, "to": a},
+    ]
     biases = _biases(fc, stats)
     z_normed = "z_tile" + "".join(f" - {col}" for _, col in biases)  # (x̂ ⊙ γ) W1ᵀ
     gamma_partials, xhat_partials = b.name("dh_gamma_partials"), b.name("dh_xhat_partials")
@@ -157,8 +166,7 @@ def _activation_backward(
             {"op": "load_tile", "tensor": z, "out": "z_tile"},
             {"op": "map", "expr": _grad(act, "z_tile", "acc"), "out": dz},
             {"op": "store", "src": dz, "to": dz},
-            {"op": "map", "expr": activation_expr(act.kind, "z_tile", act.cap), "out": a},
-            {"op": "store", "src": a, "to": a},
+            *([] if a_saved else recompute_a),
             {"op": "load_col_vector", "vector": stats["s"], "out": "s_col"},
             *_load_cols(biases),
             # Σ_d dh·γ = Σ_f dz·s and Σ_d dh·γ·x̂ = Σ_f dz·(x̂ ⊙ γ) W1ᵀ, partial per N-tile

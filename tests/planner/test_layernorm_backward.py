@@ -54,7 +54,9 @@ def _mlp(name: str, *, biases: bool, residual: bool, kind: str = "gelu_tanh") ->
     )
 
 
-def _backward(forward: Block, zeros: list[str] | None = None) -> Block:
+def _backward(
+    forward: Block, zeros: list[str] | None = None, saved: dict[str, TensorSpec] | None = None
+) -> Block:
     register(forward)
     return register(
         backward_block(
@@ -63,6 +65,7 @@ def _backward(forward: Block, zeros: list[str] | None = None) -> Block:
             cotangents={"out": _spec("M", "d")},
             wrt=list(forward.inputs),
             zeros=zeros,
+            saved=saved,
         )
     )
 
@@ -87,6 +90,24 @@ def test_bias_free_branch_alone_verifies() -> None:
     program = lower(block)
     fc_bwd = next(s for s in program.steps if getattr(s, "name", "") == "fc_bwd")
     assert "add_tile" not in [op.op for op in fc_bwd.epilogue]
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
+def test_saved_pre_activation_and_activation_spare_the_recomputation() -> None:
+    """With ``z`` and ``a`` saved by the forward, no GEMM recomputes ``z`` and the ``dout W2``
+    epilogue stores no ``a``; β and b_fc still enter LayerNorm's statistics (c_proj's bias, which
+    no gradient depends on, is left out of the forward: a saved value would depend on it)."""
+    forward = _mlp("test_gpt2_mlp_saved", biases=True, residual=True)
+    graph = [*forward.graph[:3], Linear(x="a", weight="w_proj", out="m"), forward.graph[4]]
+    inputs = {n: spec for n, spec in forward.inputs.items() if n != "b_proj"}
+    forward = forward.model_copy(update={"graph": graph, "inputs": inputs})
+    block = _backward(forward, saved={"z": _spec("M", "f"), "a": _spec("M", "f")})
+    program = lower(block)
+    names = [getattr(s, "name", s.kind) for s in program.steps]
+    assert "fc" not in names
+    proj_bwd = next(s for s in program.steps if getattr(s, "name", "") == "proj_bwd")
+    assert [op.to for op in proj_bwd.epilogue if op.op == "store"] == ["dz"]
     report = evaluate(program, block, OPTIONS)
     assert report.verified, report.render_text()
 
