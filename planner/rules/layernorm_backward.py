@@ -188,6 +188,7 @@ def _activation_backward(
 
 
 def _grad(act: Activation, z: str, da: str) -> str:
+    """``da ⊙ act'(z)`` as a ``map`` expression."""
     return f"{da} * ({activation_grad_expr(act.kind, z, act.cap)})"
 
 
@@ -216,9 +217,8 @@ def _norm_backward(
         partials.append((wrt, p))
     dx_norm = "dx_norm" if residual else dx
     # the residual branch's gradient joins here: dx = dout + the norm's part
-    join_residual = [{"op": "add_tile", "src": dx_norm, "tensor": residual, "out": dx}]
-    if not residual:
-        join_residual = []
+    join = {"op": "add_tile", "src": dx_norm, "tensor": residual, "out": dx}
+    join_residual = [join] if residual else []
     b.gemm(
         "fc_bwd",
         dz,
