@@ -7,25 +7,34 @@ has a bias) are prep ``matvec`` steps. The epilogue loads ``μ`` and ``s`` for t
 correction ``acc − μ ⊗ s`` (``map``), then ``scale_rows`` by ``r`` and ``add_col_vector`` of ``c``.
 
 A LayerNorm whose output anything but a GEMM reads (or that is a block output) has no lowering.
+Its rule also differentiates a forward block that starts with a LayerNorm: GPT-2's MLP
+(``rules/layernorm_backward.py``).
 """
 
 from __future__ import annotations
 
 from coda.blocks.ops import LayerNorm, Linear
 
+from ..backward import BackwardBuilder
 from ..epilogue import Epilogue
 from ..registry import Rule
 from ..state import NoRule, PlanState, short_name
+from .layernorm_backward import layer_norm_mlp_backward
 
 
 class LayerNormRule(Rule):
     op = LayerNorm
+    backward_of = "a LayerNorm followed by a non-gated MLP (any activation) with residual"
+    differentiates_biases = True  # biased LayerNorm and Linears (GPT-2)
 
     def lower(self, st: PlanState, index: int, op: LayerNorm) -> bool:
         """Check that only GEMMs read the norm (each applies it in its epilogue)."""
         st.require_gemm_readers(index, op, "a LayerNorm", "x W'ᵀ − μ ⊗ colsum(W'), scaled by rstd")
         st.done.add(index)
         return True
+
+    def differentiate(self, b: BackwardBuilder) -> None:
+        layer_norm_mlp_backward(b)
 
 
 def layer_norm_of(st: PlanState, op: Linear) -> tuple[int, LayerNorm] | None:

@@ -453,6 +453,7 @@ OPTIONS = SandboxOptions(profile=False, isolate=False, seeds=[0])
         "hf_qwen2_mlp",
         "hf_phi3_mlp_bwd",
         "hf_qwen2_mlp_bwd",
+        "hf_gpt2_mlp_bwd",
     ],
 )
 def test_captured_blocks_verify_in_the_sandbox(suite_blocks, name: str) -> None:  # noqa: ANN001

@@ -64,5 +64,8 @@ hf_gpt2_mlp_bwd = register(
             "out": TensorSpec(shape=["M", "d"], doc="gradient of out"),
         },
         wrt=["x", "ln_weight", "ln_bias", "w_fc", "b_fc", "w_proj", "b_proj"],
+        # no gradient depends on c_proj's bias (it only shifts the output): the backward takes
+        # none, or the sandbox could not tell a program that ignores it from one that reads it
+        zeros=["b_proj"],
     )
 )
