@@ -1,6 +1,7 @@
 """Backward of an attention input in Hugging Face's order (docs/algebra.md §4–5): ``h =
 rmsnorm(x)·γ``; q, k, v = Linears of h (biases optional); q, k each through an optional per-head
-RMSNorm (Qwen3's ``q_norm``/``k_norm``) and ``RoPE``; the rotated q, k and v are block outputs.
+RMSNorm (Qwen3's ``q_norm``/``k_norm``; Gemma 3's, scaled by ``1 + w``) and ``RoPE``; the
+rotated q, k and v are block outputs.
 
 Schedule (``RoPERule.differentiate``):
 
@@ -74,8 +75,8 @@ def rotary_parts(b: BackwardBuilder) -> tuple[RMSNorm, list[Part]]:
 
 def _check_parts(b: BackwardBuilder, parts: list[Part]) -> None:
     """``NoRule`` unless the parts fit the schedule: outputs nothing else reads, one cos/sin
-    pair, biases on all or none, per-head norms on all rotated parts or none (offset 0, one
-    epsilon)."""
+    pair, biases on all or none, per-head norms on all rotated parts or none (one epsilon, one
+    offset)."""
     rotated = [p for p in parts if p.rope is not None]
     if not rotated:
         b.fail(f"{EXPECTED}; no Linear of the norm's output goes into a RoPE")
@@ -91,13 +92,14 @@ def _check_parts(b: BackwardBuilder, parts: list[Part]) -> None:
     norms = [p.norm for p in rotated if p.norm is not None]
     if norms and len(norms) != len(rotated):
         b.fail("only some rotated projections have a HeadRMSNorm; give each one or none")
-    if any(n.offset for n in norms):
-        b.fail(
-            "its HeadRMSNorm scales by offset + weight (Gemma 3); the backward rule "
-            "differentiates x̂ · weight only (offset 0, as Qwen3's q/k norms)"
-        )
     if len({n.eps for n in norms}) > 1:
         b.fail("its HeadRMSNorms use different epsilons; the backward rule takes one")
+    offsets = {n.out: n.offset for n in norms}
+    if len(set(offsets.values())) > 1:
+        b.fail(
+            f"its HeadRMSNorms scale by different offsets + weight ({offsets}); the backward "
+            "rule takes one offset for all (0: Qwen3's q/k norms, 1: Gemma 3's)"
+        )
 
 
 def rotary_input_backward(b: BackwardBuilder) -> None:
@@ -150,6 +152,8 @@ def _grad_node(b: BackwardBuilder, norm: RMSNorm, parts: list[Part]) -> dict[str
             "eps": heads[0].eps,
             "norm_grads": [b.name(f"d{n.weight}") for n in heads],
         }
+        if heads[0].offset:  # Gemma 3's x̂ · (1 + w)
+            node["head_offset"] = heads[0].offset
     return node
 
 

@@ -8,9 +8,11 @@ the row statistic of the input RMSNorm's backward ``c = Σ z·dz / d`` (docs/alg
 
 * RoPE's backward is its transpose, ``dq = dq_rot ⊙ cos − rotate_half(dq_rot ⊙ sin)`` per head,
   exact on any tables (the inverse rotation only on Hugging Face's, whose halves repeat);
-* a per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``) needs its input, the projection: then ``z``
-  is the recomputed projection (without bias); its weight gradient ``Σ dqn ⊙ q̂`` over rows and
-  heads comes out too;
+* a per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``, ``q̂ ⊙ w``; Gemma 3's ``q̂ ⊙ (1 + w)``,
+  ``head_offset = 1``) needs its input, the projection: then ``z`` is the recomputed projection
+  (without bias); its weight gradient ``Σ dqn ⊙ q̂`` over rows and heads (the same with or
+  without the offset) comes out too. Where the forward rounds (before or after the weight) does
+  not change the backward, computed in fp32 from ``z``;
 * without per-head norms the saved outputs suffice (``saved``): a rotation's transpose keeps dot
   products, ``Σ dq·q = Σ dq_rot·q_rot``, and a bias only shifts z, so
   ``Σ z·dz = Σ out·dout − Σ b·dz`` — no projection GEMM is recomputed.
@@ -27,11 +29,11 @@ after the launches.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import triton.language as tl
-from pydantic import model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from .. import backend
 from ..base import AuxStep, Name, RunEnv
@@ -62,6 +64,7 @@ def _rotary_grad_kernel(
     cols,
     half,
     eps,
+    offset,
     stride_gm,
     stride_gn,
     stride_zm,
@@ -106,8 +109,9 @@ def _rotary_grad_kernel(
         )
         c1, c2, s1, s2 = c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32), s2.to(tl.float32)
     if HAS_NORM:
-        w1 = tl.load(w_ptr + j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + j + half, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+        # the per-head norm's scale: w, or offset + w (Gemma 3's 1 + w)
+        w1 = tl.load(w_ptr + j, mask=mask_j, other=0.0).to(tl.float32)[None, :] + offset
+        w2 = tl.load(w_ptr + j + half, mask=mask_j, other=0.0).to(tl.float32)[None, :] + offset
     for start in range(0, cols, 2 * half):
         col1 = start + j
         col2 = col1 + half
@@ -186,15 +190,16 @@ def rope_transpose(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def head_norm_backward(
-    dn: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+    dn: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward of ``n = ẑ ⊙ w`` per head (``ẑ = z · rsqrt(mean_head(z²) + eps)``): ``(dz, dw)``
-    with ``dz = r (dn ⊙ w − ẑ c)``, ``c = Σ_head dn ⊙ w ⊙ ẑ / D``, ``dw = Σ_rows,heads dn ⊙ ẑ``."""
+    """Backward of ``n = ẑ ⊙ w'`` per head (``ẑ = z · rsqrt(mean_head(z²) + eps)``, ``w' =
+    offset + w``): ``(dz, dw)`` with ``dz = r (dn ⊙ w' − ẑ c)``, ``c = Σ_head dn ⊙ w' ⊙ ẑ / D``,
+    ``dw = Σ_rows,heads dn ⊙ ẑ`` (the offset is a constant: it leaves ``dw`` as it is)."""
     rows, head = z.shape[0], weight.shape[0]
     zh, dh = z.reshape(rows, -1, head), dn.reshape(rows, -1, head)
     r = torch.rsqrt(zh.pow(2).mean(-1, keepdim=True) + eps)
     hat = zh * r
-    dnw = dh * weight
+    dnw = dh * (offset + weight)
     c = (dnw * hat).mean(-1, keepdim=True)
     dz = r * (dnw - hat * c)
     return dz.reshape(rows, -1), (dh * hat).sum(dim=(0, 1))
@@ -206,8 +211,9 @@ class RotaryInputGrad(AuxStep):
     ``cos``/``sin`` ``[M, D]``), and ``dot_out[i] = Σ_j z·dz / divide_by`` (fp32: the input
     RMSNorm's ``c``). From ``z`` (the projection recomputed without bias) or ``saved`` (the
     forward's outputs; needs ``bias``). ``head_norm``/``eps``: per rotated part the per-head
-    RMSNorm weight ``[D]`` before RoPE (needs ``z``); ``norm_grads``, ``bias_grads``: names for
-    those weights' and the biases' gradients (act dtype, like ``out``).
+    RMSNorm weight ``[D]`` before RoPE (needs ``z``), scaling by ``head_offset + weight``
+    (``head_offset = 1``: Gemma 3's ``1 + w``); ``norm_grads``, ``bias_grads``: names for those
+    weights' and the biases' gradients (act dtype, like ``out``).
     """
 
     kind: Literal["rotary_input_grad"] = "rotary_input_grad"
@@ -223,8 +229,18 @@ class RotaryInputGrad(AuxStep):
     bias: list[Name] | None = None
     head_norm: list[Name] | None = None
     eps: float | None = None
+    head_offset: float = Field(0.0, allow_inf_nan=False)
     norm_grads: list[Name] | None = None
     bias_grads: list[Name] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_zero_head_offset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Per-head norms without an offset (Qwen3's) serialize as before the field existed (their
+        canonical JSON, hence the Program's hash, does not change)."""
+        data = handler(self)
+        if not self.head_offset:
+            data.pop("head_offset", None)
+        return data
 
     @model_validator(mode="after")
     def _fields_agree(self) -> RotaryInputGrad:
@@ -253,6 +269,11 @@ class RotaryInputGrad(AuxStep):
                 raise ValueError("norm_grads must name one output per head_norm weight")
         elif self.norm_grads is not None:
             raise ValueError("norm_grads are the gradients of head_norm weights: give head_norm")
+        elif self.head_offset:
+            raise ValueError(
+                f"head_offset = {self.head_offset} scales per-head norms, but there are none: "
+                "give head_norm (their weights) or leave head_offset out"
+            )
         return self
 
     # -- checking ----------------------------------------------------------------------------------
@@ -323,7 +344,8 @@ class RotaryInputGrad(AuxStep):
             d = rope_transpose(grad, cos, sin) if p < self.rotated else grad
             if self.head_norm is not None and p < self.rotated:
                 zb = z[p] + bias[p] if bias else z[p]  # type: ignore[index]
-                d, dw = head_norm_backward(d, zb, get(self.head_norm[p]), self.eps)  # type: ignore[arg-type]
+                weight = get(self.head_norm[p])
+                d, dw = head_norm_backward(d, zb, weight, self.eps, self.head_offset)  # type: ignore[arg-type]
                 norm_grads.append(dw)
             parts.append(d)
         dz = torch.cat(parts, dim=1)
@@ -404,7 +426,7 @@ class RotaryInputGrad(AuxStep):
             _rotary_grad_kernel,
             (programs,),
             grad, z, saved, bias, weight, cos, sin, out, env.tensors[self.dot_out], wsum, bsum,
-            rows, width, half, float(self.eps or 0.0),
+            rows, width, half, float(self.eps or 0.0), float(self.head_offset),
             grad.stride(0), grad.stride(1), z.stride(0), z.stride(1),
             saved.stride(0), saved.stride(1), cos.stride(0), cos.stride(1),
             sin.stride(0), sin.stride(1), out.stride(0), out.stride(1),
