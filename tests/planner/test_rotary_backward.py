@@ -1,8 +1,8 @@
 """Backward of attention inputs in Hugging Face's order — Qwen2's biased projections, Qwen3's
-per-head q/k norms, Gemma 3's (``1 + w``), Llama's from saved outputs — lowered by the planner
-from the forward graph and verified by the sandbox (CPU interpreter, float32 and float16, ragged
-shapes, MHA and GQA); the aux step ``rotary_input_grad``'s pieces against autograd; the forms the
-rule refuses."""
+per-head q/k norms, Gemma 3's (``1 + w``), OLMo 2's over the whole projection (with and without
+an input norm), Llama's from saved outputs — lowered by the planner from the forward graph and
+verified by the sandbox (CPU interpreter, float32 and float16, ragged shapes, MHA and GQA); the
+aux step ``rotary_input_grad``'s pieces against autograd; the forms the rule refuses."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from coda.blocks import Block, TensorSpec, get_block
 from coda.blocks.autodiff import backward_block
 from coda.blocks.functional import head_rms_norm, rope
-from coda.blocks.ops import HeadRMSNorm
+from coda.blocks.ops import HeadRMSNorm, Linear, RMSNorm
 from coda.blocks.registry import register
 from coda.planner import NoRule, lower
 from coda.primitives import Program
@@ -84,6 +84,34 @@ def test_gemma3_backward_scales_the_per_head_norms_by_one_plus_weight() -> None:
     assert report.verified, report.render_text()
 
 
+def _without_input_norm(forward: Block) -> Block:
+    """``forward`` with its Linears reading ``x`` itself (OLMo 2: no input norm)."""
+    graph = [
+        op.model_copy(update={"x": "x"}) if isinstance(op, Linear) else op
+        for op in forward.graph
+        if op.out != "h"
+    ]
+    inputs = {n: s for n, s in forward.inputs.items() if n != "gamma"}
+    name = f"{forward.name}_no_input_norm"
+    return forward.model_copy(update={"name": name, "graph": graph, "inputs": inputs})
+
+
+@pytest.mark.parametrize("input_norm", [True, False], ids=["input_norm", "olmo2"])
+def test_whole_projection_norms_run_their_backward_in_the_grad_pass(input_norm: bool) -> None:
+    """q/k RMS-normed over the whole projection (OLMo 2): ``rotary_input_grad`` takes each row's
+    statistics over the part, weight gradients ``[Nq]``, ``[Nkv]``; without an input norm
+    ``dx = dz W_qkv`` is a plain GEMM and ``dW = dzᵀ x``."""
+    forward = OLMO2 if input_norm else _without_input_norm(OLMO2)
+    block = _backward(forward)
+    program = lower(block)
+    grad = next(s for s in program.steps if s.kind == "rotary_input_grad")
+    assert grad.whole_norm and grad.head_norm == ["q_norm", "k_norm"]
+    assert Program.parse(program.canonical_json()) == program  # whole_norm survives JSON
+    assert ("rstd" in [s.kind for s in program.steps]) == input_norm
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
 def test_saved_outputs_spare_the_projection_gemm() -> None:
     """Without per-head norms the saved q_rot, k_rot, v give c: no GEMM recomputes z."""
     block = _backward(LLAMA, saved=True)
@@ -116,10 +144,20 @@ def test_head_norm_backward_is_autograds(offset: float, cast: str) -> None:
         torch.testing.assert_close(a, b)
 
 
-def test_a_whole_projection_norm_is_named() -> None:
-    """OLMo 2 normalizes q and k over the whole projection (all heads): no per-head norm."""
-    with pytest.raises(NoRule, match=r"rmsnorm\(out='q_normed'\) normalizes the whole projection"):
-        lower(_backward(OLMO2))
+def test_per_head_and_whole_projection_norms_mixed_are_refused() -> None:
+    """q normed per head, k over the whole projection: one kind serves all rotated parts."""
+    graph = [
+        HeadRMSNorm(x=op.x, weight=op.weight, out=op.out, eps=op.eps)
+        if isinstance(op, RMSNorm) and op.out == "q_normed"
+        else op
+        for op in OLMO2.graph
+    ]
+    inputs = {**OLMO2.inputs, "q_norm": TensorSpec(shape=["D"], init="norm_weight")}
+    forward = OLMO2.model_copy(
+        update={"name": "mixed_norms_attn_in", "graph": graph, "inputs": inputs}
+    )
+    with pytest.raises(NoRule, match=r"mix HeadRMSNorm \(per head\) and RMSNorm"):
+        lower(_backward(forward))
 
 
 def test_per_head_norms_with_different_offsets_are_refused() -> None:
@@ -163,9 +201,10 @@ def test_biased_linears_elsewhere_name_the_rule_that_takes_them() -> None:
         lower(block)
 
 
-def _grad_program(*, saved: bool, head_offset: float = 0.0) -> Program:
+def _grad_program(*, saved: bool, head_offset: float = 0.0, whole: bool = False) -> Program:
     """``rotary_input_grad`` alone on biased q, k, v: from the saved outputs, or from ``z`` with
-    per-head norms scaled by ``head_offset + w`` (both paths need the biases)."""
+    per-head norms (``whole``: norms over each part's row) scaled by ``head_offset + w`` (both
+    paths need the biases)."""
     parts = {"q": "Nq", "k": "Nkv", "v": "Nkv"}
     inputs: dict = {f"g{p}": ["M", n] for p, n in parts.items()}
     inputs |= {f"b{p}": [n] for p, n in parts.items()}
@@ -187,10 +226,13 @@ def _grad_program(*, saved: bool, head_offset: float = 0.0) -> Program:
         inputs |= {f"s{p}": ["M", n] for p, n in parts.items()}
         step["saved"] = ["sq", "sk", "sv"]
     else:
-        inputs |= {"z": ["M", "Nz"], "wq": ["D"], "wk": ["D"]}  # Nz = Nq + 2·Nkv
+        inputs |= {
+            "z": ["M", "Nz"],
+            "wq": ["Nq" if whole else "D"],
+            "wk": ["Nkv" if whole else "D"],
+        }
         step |= {"z": "z", "head_norm": ["wq", "wk"], "eps": 1e-6, "norm_grads": ["dwq", "dwk"]}
-        if head_offset:
-            step["head_offset"] = head_offset
+        step |= {"head_offset": head_offset, "whole_norm": whole}
         outputs += ["dwq", "dwk"]
     return Program.parse(
         {"block": "test", "inputs": inputs, "steps": [step], "outputs": {o: o for o in outputs}}
@@ -198,17 +240,17 @@ def _grad_program(*, saved: bool, head_offset: float = 0.0) -> Program:
 
 
 @pytest.mark.parametrize(
-    ("saved", "head_offset"),
-    [(True, 0.0), (False, 0.0), (False, 1.0)],
-    ids=["saved", "head_norms", "offset_head_norms"],
+    ("saved", "head_offset", "whole"),
+    [(True, 0.0, False), (False, 0.0, False), (False, 1.0, False), (False, 1.0, True)],
+    ids=["saved", "head_norms", "offset_head_norms", "offset_whole_norms"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_rotary_input_grad_kernel_with_biases_at_a_head_width_no_power_of_two(
-    saved: bool, head_offset: float, dtype: torch.dtype
+    saved: bool, head_offset: float, whole: bool, dtype: torch.dtype
 ) -> None:
     """The paths no verifiable block reaches with its biases given (a Qwen2 backward leaves them
     out): the kernel against the float64 reference, 13 rows, heads of width 12."""
-    program = _grad_program(saved=saved, head_offset=head_offset)
+    program = _grad_program(saved=saved, head_offset=head_offset, whole=whole)
     sizes = {"M": 13, "Nq": 36, "Nkv": 12, "D": 12, "Nz": 60}
     inputs = make_inputs(program, sizes, dtype)
     got, _, exact = run_both(program, inputs)
