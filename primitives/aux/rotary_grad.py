@@ -249,16 +249,13 @@ def head_norm_backward(
 
 
 class RotaryInputGrad(AuxStep):
-    """``out = dz`` ``[M, Σ N_p]``: the gradient of an attention input's projection (Hugging
-    Face's order) from its parts' gradients ``grads`` (the first ``rotated`` went through RoPE,
-    ``cos``/``sin`` ``[M, D]``), and ``dot_out[i] = Σ_j z·dz / divide_by`` (fp32: the input
-    RMSNorm's ``c``). From ``z`` (the projection recomputed without bias) or ``saved`` (the
-    forward's outputs; needs ``bias``). ``head_norm``/``eps``: per rotated part the per-head
-    RMSNorm weight ``[D]`` before RoPE (needs ``z``), scaling by ``head_offset + weight``
-    (``head_offset = 1``: Gemma 3's ``1 + w``); ``whole_norm``: those norms normalize each
-    rotated part's whole row instead (OLMo 2's ``q_norm``/``k_norm``, weights ``[N_p]``);
-    ``norm_grads``, ``bias_grads``: names for those weights' and the biases' gradients (act
-    dtype, like ``out``).
+    """``out = dz`` ``[M, Σ N_p]``: an attention input's projection gradient (Hugging Face's
+    order) from its parts' ``grads`` (the first ``rotated`` through RoPE, ``cos``/``sin`` ``[M,
+    D]``); ``dot_out = Σ_j z·dz / divide_by`` (fp32: the input RMSNorm's ``c``). From ``z`` (the
+    projection without bias) or ``saved`` (the forward's outputs; needs ``bias``). ``head_norm``,
+    ``eps`` (needs ``z``): per rotated part its q/k RMSNorm's weight, ``[D]`` (per head) or
+    ``[N_p]`` (``whole_norm``), scale ``head_offset + w``; ``norm_grads``, ``bias_grads``: names
+    of those weights' and the biases' gradients (act dtype).
     """
 
     kind: Literal["rotary_input_grad"] = "rotary_input_grad"
