@@ -1,6 +1,8 @@
 """Backward of an attention input in Hugging Face's order (docs/algebra.md §4–5): ``h =
-rmsnorm(x)·γ``; q, k, v = Linears of h (biases optional); q, k each through an optional per-head
-RMSNorm (Qwen3's ``q_norm``/``k_norm``) and ``RoPE``; the rotated q, k and v are block outputs.
+rmsnorm(x)·γ`` (or ``h = x``: OLMo 2 has no input norm); q, k, v = Linears of h (biases
+optional); q, k each through an optional per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``; Gemma
+3's, scaled by ``1 + w``) or RMSNorm over the whole projection (OLMo 2's), and ``RoPE``; the
+rotated q, k and v are block outputs.
 
 Schedule (``RoPERule.differentiate``):
 
@@ -10,7 +12,7 @@ Schedule (``RoPERule.differentiate``):
 2. aux ``rotary_input_grad``: ``dz = [RoPEᵀ dq_rot | RoPEᵀ dk_rot | dv]`` (through the per-head
    norms' backward), the input norm's statistic ``c`` and the per-head norms' weight gradients;
 3. the RMSNorm backward in the epilogue of ``dh = dz W_qkv`` (``BackwardBuilder.norm_backward``):
-   ``dx``, ``dγ``;
+   ``dx``, ``dγ`` — without an input norm ``dx = dz W_qkv`` alone;
 4. ``dW_qkv = dzᵀ y`` on the vendor GEMM, split into the three weights by row views; the biases'
    gradients are the column sums of each part of ``dz`` (from ``rotary_input_grad``).
 """
@@ -28,9 +30,9 @@ from ..state import PlanState
 from .rope import rotary_chain
 
 EXPECTED = (
-    "expected an RMSNorm of a block input feeding Linears (q, k, v; biases optional), q and k "
-    "each through an optional HeadRMSNorm into a RoPE whose output is a block output, v a block "
-    "output"
+    "expected a block input, or an RMSNorm of one, feeding Linears (q, k, v; biases optional), q "
+    "and k each through an optional HeadRMSNorm (or RMSNorm over the whole projection) into a "
+    "RoPE whose output is a block output, v a block output"
 )
 
 
@@ -41,28 +43,24 @@ class Part:
 
     linear: Linear
     out: str
-    norm: HeadRMSNorm | None = None
+    norm: HeadRMSNorm | RMSNorm | None = None
     rope: RoPE | None = None
 
 
-def rotary_parts(b: BackwardBuilder) -> tuple[RMSNorm, list[Part]]:
-    """The input norm and the projections of the forward block (rotated parts first), or
-    ``NoRule`` naming what does not match."""
+def rotary_parts(b: BackwardBuilder) -> tuple[RMSNorm | None, list[Part]]:
+    """The input norm (``None`` where the Linears read a block input) and the projections of the
+    forward block (rotated parts first), or ``NoRule`` naming what does not match."""
     st = PlanState(b.forward, b.st.options)
     _, first = b.find(Linear)
-    norm = b.norm(first.x)
+    norm = None if first.x in b.forward.inputs else b.norm(first.x)
+    h = norm.out if norm is not None else first.x
     rotated, plain = [], []
-    for j, lin in st.consumers(norm.out):
+    for j, lin in st.consumers(h):
         if not isinstance(lin, Linear):
-            b.fail(f"{EXPECTED}; the norm's output {norm.out!r} is also read by {lin.op}")
+            b.fail(f"{EXPECTED}; the projections' input {h!r} is also read by {lin.op}")
         chain = rotary_chain(st, j, lin)
         if chain is not None:
             head = chain.norm[1] if chain.norm is not None else None
-            if head is not None and not isinstance(head, HeadRMSNorm):
-                b.fail(
-                    f"{head.op}(out={head.out!r}) normalizes the whole projection; the backward "
-                    "rule differentiates per-head norms (HeadRMSNorm) only"
-                )
             rope = chain.rope[1]
             rotated.append(Part(lin, rope.out, head, rope))
         else:
@@ -74,8 +72,8 @@ def rotary_parts(b: BackwardBuilder) -> tuple[RMSNorm, list[Part]]:
 
 def _check_parts(b: BackwardBuilder, parts: list[Part]) -> None:
     """``NoRule`` unless the parts fit the schedule: outputs nothing else reads, one cos/sin
-    pair, biases on all or none, per-head norms on all rotated parts or none (offset 0, one
-    epsilon)."""
+    pair, biases on all or none, per-head norms on all rotated parts or none (one epsilon, one
+    offset)."""
     rotated = [p for p in parts if p.rope is not None]
     if not rotated:
         b.fail(f"{EXPECTED}; no Linear of the norm's output goes into a RoPE")
@@ -90,14 +88,20 @@ def _check_parts(b: BackwardBuilder, parts: list[Part]) -> None:
         b.fail(f"only {biased} of the projections are biased; give every projection a bias or none")
     norms = [p.norm for p in rotated if p.norm is not None]
     if norms and len(norms) != len(rotated):
-        b.fail("only some rotated projections have a HeadRMSNorm; give each one or none")
-    if any(n.offset for n in norms):
+        b.fail("only some rotated projections have a q/k norm; give each one or none")
+    if len({type(n) for n in norms}) > 1:
         b.fail(
-            "its HeadRMSNorm scales by offset + weight (Gemma 3); the backward rule "
-            "differentiates x̂ · weight only (offset 0, as Qwen3's q/k norms)"
+            "its q/k norms mix HeadRMSNorm (per head) and RMSNorm (whole projection); the "
+            "backward rule takes one kind for all"
         )
     if len({n.eps for n in norms}) > 1:
-        b.fail("its HeadRMSNorms use different epsilons; the backward rule takes one")
+        b.fail("its q/k norms use different epsilons; the backward rule takes one")
+    offsets = {n.out: n.offset for n in norms}
+    if len(set(offsets.values())) > 1:
+        b.fail(
+            f"its q/k norms scale by different offsets + weight ({offsets}); the backward "
+            "rule takes one offset for all (0: Qwen3's q/k norms, 1: Gemma 3's)"
+        )
 
 
 def rotary_input_backward(b: BackwardBuilder) -> None:
@@ -115,7 +119,11 @@ def rotary_input_backward(b: BackwardBuilder) -> None:
         b.output(n.weight, grad)
     for p, grad in zip(parts, node.get("bias_grads", []), strict=False):
         b.output(p.linear.bias, grad)  # type: ignore[arg-type]
-    y = b.norm_backward("qkv_bwd", dz, w_qkv, norm, r, node["dot_out"], residual=None)
+    if norm is not None:
+        y = b.norm_backward("qkv_bwd", dz, w_qkv, norm, r, node["dot_out"], residual=None)
+    else:  # no input norm: dx = dz W_qkv, and the weights' gradient is dzᵀ x
+        b.output(parts[0].linear.x, b.plain_gemm("qkv_bwd", dz, w_qkv, "dx"))
+        y = parts[0].linear.x
     dw = b.plain_gemm("w_qkv_grad", f"{dz}.T", y, "dw_qkv")
     start = "0"
     for part in parts:
@@ -125,7 +133,7 @@ def rotary_input_backward(b: BackwardBuilder) -> None:
         start = stop
 
 
-def _grad_node(b: BackwardBuilder, norm: RMSNorm, parts: list[Part]) -> dict[str, Any]:
+def _grad_node(b: BackwardBuilder, norm: RMSNorm | None, parts: list[Part]) -> dict[str, Any]:
     """The ``rotary_input_grad`` step, but for where z comes from (``_projection_or_saved``)."""
     rotated = [p for p in parts if p.rope is not None]
     rope = rotated[0].rope
@@ -137,7 +145,7 @@ def _grad_node(b: BackwardBuilder, norm: RMSNorm, parts: list[Part]) -> dict[str
         "cos": rope.cos,
         "sin": rope.sin,
         "dot_out": b.name("c"),
-        "divide_by": size_expr_of(b.st, norm.x, 1),
+        "divide_by": size_expr_of(b.st, norm.x if norm is not None else parts[0].linear.x, 1),
         "out": "dz",
     }
     biases = [p.linear.bias for p in parts if p.linear.bias is not None]
@@ -150,14 +158,19 @@ def _grad_node(b: BackwardBuilder, norm: RMSNorm, parts: list[Part]) -> dict[str
             "eps": heads[0].eps,
             "norm_grads": [b.name(f"d{n.weight}") for n in heads],
         }
+        if heads[0].offset:  # Gemma 3's x̂ · (1 + w)
+            node["head_offset"] = heads[0].offset
+        if isinstance(heads[0], RMSNorm):  # OLMo 2's: over the whole projection
+            node["whole_norm"] = True
     return node
 
 
 def _projection_or_saved(
-    b: BackwardBuilder, norm: RMSNorm, parts: list[Part], w_qkv: str, node: dict[str, Any]
-) -> str:
-    """Give ``node`` the saved outputs (no per-head norm, all saved) or the projection ``z``
-    recomputed by a GEMM, and the biases where it needs them; returns the norm's ``r``."""
+    b: BackwardBuilder, norm: RMSNorm | None, parts: list[Part], w_qkv: str, node: dict[str, Any]
+) -> str | None:
+    """Give ``node`` the saved outputs (no q/k norm, all saved) or the projection ``z``
+    recomputed by a GEMM, and the biases where it needs them; returns the input norm's ``r``
+    (``None`` without one)."""
     heads = "head_norm" in node
     saved = not heads and all(p.out in b.op.saved for p in parts)
     biases = [p.linear.bias for p in parts if p.linear.bias is not None]
@@ -172,9 +185,16 @@ def _projection_or_saved(
         node["bias"] = biases
     if saved:
         node["saved"] = [p.out for p in parts]
-        return b.rstd(norm)
-    r, folded = b.forward_projection(norm, w_qkv)
+        return b.rstd(norm) if norm is not None else None
     z = b.name("z")
+    if norm is None:
+        # z = x W_qkvᵀ kept in fp32: the q/k norms' statistics read it unrounded (in 16 bits a
+        # one-row weight gradient of a whole-projection norm lands just outside the tolerance)
+        epilogue = [{"op": "store", "src": "acc", "to": z, "dtype": "float32"}]
+        b.gemm("qkv_recompute", parts[0].linear.x, f"{w_qkv}.T", epilogue)
+        node["z"] = z
+        return None
+    r, folded = b.forward_projection(norm, w_qkv)
     epilogue = [
         {"op": "scale_rows", "src": "acc", "vector": r, "out": "z_tile"},
         {"op": "store", "src": "z_tile", "to": z},

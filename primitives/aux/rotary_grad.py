@@ -8,9 +8,13 @@ the row statistic of the input RMSNorm's backward ``c = Σ z·dz / d`` (docs/alg
 
 * RoPE's backward is its transpose, ``dq = dq_rot ⊙ cos − rotate_half(dq_rot ⊙ sin)`` per head,
   exact on any tables (the inverse rotation only on Hugging Face's, whose halves repeat);
-* a per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``) needs its input, the projection: then ``z``
-  is the recomputed projection (without bias); its weight gradient ``Σ dqn ⊙ q̂`` over rows and
-  heads comes out too;
+* a per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``, ``q̂ ⊙ w``; Gemma 3's ``q̂ ⊙ (1 + w)``,
+  ``head_offset = 1``) needs its input, the projection: then ``z`` is the recomputed projection
+  (without bias); its weight gradient ``Σ dqn ⊙ q̂`` over rows and heads (the same with or
+  without the offset) comes out too. Where the forward rounds (before or after the weight) does
+  not change the backward, computed in fp32 from ``z``. A norm over the part's whole row
+  (OLMo 2's, ``whole_norm``) has the same backward with ``D`` the part's width: its kernel takes
+  the row's ``Σ z²`` and ``Σ dn ⊙ w ⊙ z`` in a first pass over the part, then forms ``dz``;
 * without per-head norms the saved outputs suffice (``saved``): a rotation's transpose keeps dot
   products, ``Σ dq·q = Σ dq_rot·q_rot``, and a bias only shifts z, so
   ``Σ z·dz = Σ out·dout − Σ b·dz`` — no projection GEMM is recomputed.
@@ -27,11 +31,11 @@ after the launches.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import triton.language as tl
-from pydantic import model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from .. import backend
 from ..base import AuxStep, Name, RunEnv
@@ -62,6 +66,7 @@ def _rotary_grad_kernel(
     cols,
     half,
     eps,
+    offset,
     stride_gm,
     stride_gn,
     stride_zm,
@@ -77,6 +82,7 @@ def _rotary_grad_kernel(
     ROTATED: tl.constexpr,
     HAS_Z: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    WHOLE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     FIRST: tl.constexpr,
@@ -105,9 +111,37 @@ def _rotary_grad_kernel(
             sin_ptr + r64 * stride_tm + (j + half)[None, :] * stride_tn, mask=mask, other=0.0
         )
         c1, c2, s1, s2 = c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32), s2.to(tl.float32)
-    if HAS_NORM:
-        w1 = tl.load(w_ptr + j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + j + half, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+    if HAS_NORM and not WHOLE:
+        # the per-head norm's scale: w, or offset + w (Gemma 3's 1 + w)
+        w1 = tl.load(w_ptr + j, mask=mask_j, other=0.0).to(tl.float32)[None, :] + offset
+        w2 = tl.load(w_ptr + j + half, mask=mask_j, other=0.0).to(tl.float32)[None, :] + offset
+    if HAS_NORM and WHOLE:  # a norm over the part's whole row: its two row sums first
+        ss = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+        cw = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+        for start in range(0, cols, 2 * half):
+            col1 = start + j
+            col2 = col1 + half
+            in1, in2 = mask_j & (col1 < cols), mask_j & (col2 < cols)
+            m1, m2 = mask_r[:, None] & in1[None, :], mask_r[:, None] & in2[None, :]
+            a = tl.load(g_ptr + r64 * stride_gm + col1[None, :] * stride_gn, mask=m1, other=0.0)
+            b = tl.load(g_ptr + r64 * stride_gm + col2[None, :] * stride_gn, mask=m2, other=0.0)
+            a, b = a.to(tl.float32), b.to(tl.float32)
+            d1, d2 = a, b
+            if ROTATED:
+                d1 = a * c1 + b * s2
+                d2 = b * c2 - a * s1
+            z1 = tl.load(z_ptr + r64 * stride_zm + col1[None, :] * stride_zn, mask=m1, other=0.0)
+            z2 = tl.load(z_ptr + r64 * stride_zm + col2[None, :] * stride_zn, mask=m2, other=0.0)
+            zb1, zb2 = z1.to(tl.float32), z2.to(tl.float32)
+            if HAS_BIAS:
+                zb1 += tl.load(bias_ptr + col1, mask=in1, other=0.0).to(tl.float32)[None, :]
+                zb2 += tl.load(bias_ptr + col2, mask=in2, other=0.0).to(tl.float32)[None, :]
+            w1 = tl.load(w_ptr + col1, mask=in1, other=0.0).to(tl.float32)[None, :] + offset
+            w2 = tl.load(w_ptr + col2, mask=in2, other=0.0).to(tl.float32)[None, :] + offset
+            ss += tl.sum(zb1 * zb1, axis=1) + tl.sum(zb2 * zb2, axis=1)
+            cw += tl.sum(d1 * w1 * zb1, axis=1) + tl.sum(d2 * w2 * zb2, axis=1)
+        r_row = tl.rsqrt(ss / cols + eps)
+        c_row = cw * r_row / cols  # Σ dn ⊙ w ⊙ ẑ / N
     for start in range(0, cols, 2 * half):
         col1 = start + j
         col2 = col1 + half
@@ -127,7 +161,20 @@ def _rotary_grad_kernel(
         if HAS_BIAS:
             b1 = tl.load(bias_ptr + col1, mask=in1, other=0.0).to(tl.float32)[None, :]
             b2 = tl.load(bias_ptr + col2, mask=in2, other=0.0).to(tl.float32)[None, :]
-        if HAS_NORM:  # per-head RMSNorm's backward on zb = z (+ b)
+        if HAS_NORM and WHOLE:  # the whole-row RMSNorm's backward, its row sums known
+            zb1, zb2 = z1, z2
+            if HAS_BIAS:
+                zb1, zb2 = z1 + b1, z2 + b2
+            w1 = tl.load(w_ptr + col1, mask=in1, other=0.0).to(tl.float32)[None, :] + offset
+            w2 = tl.load(w_ptr + col2, mask=in2, other=0.0).to(tl.float32)[None, :] + offset
+            r = r_row[:, None]
+            h1, h2 = zb1 * r, zb2 * r
+            wsum = wsum_ptr + pid.to(tl.int64) * cols
+            tl.store(wsum + col1, tl.sum(tl.where(m1, d1 * h1, 0.0), axis=0), mask=in1)
+            tl.store(wsum + col2, tl.sum(tl.where(m2, d2 * h2, 0.0), axis=0), mask=in2)
+            d1 = r * (d1 * w1 - h1 * c_row[:, None])
+            d2 = r * (d2 * w2 - h2 * c_row[:, None])
+        if HAS_NORM and not WHOLE:  # per-head RMSNorm's backward on zb = z (+ b)
             zb1, zb2 = z1, z2
             if HAS_BIAS:
                 zb1, zb2 = z1 + b1, z2 + b2
@@ -161,7 +208,7 @@ def _rotary_grad_kernel(
             bsum = bsum_ptr + pid.to(tl.int64) * cols
             tl.store(bsum + col1, tl.sum(d1, axis=0), mask=in1)
             tl.store(bsum + col2, tl.sum(d2, axis=0), mask=in2)
-    if HAS_NORM:
+    if HAS_NORM and not WHOLE:
         wsum = wsum_ptr + pid.to(tl.int64) * 2 * half
         tl.store(wsum + j, wsum1, mask=mask_j)
         tl.store(wsum + j + half, wsum2, mask=mask_j)
@@ -186,28 +233,29 @@ def rope_transpose(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def head_norm_backward(
-    dn: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+    dn: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward of ``n = ẑ ⊙ w`` per head (``ẑ = z · rsqrt(mean_head(z²) + eps)``): ``(dz, dw)``
-    with ``dz = r (dn ⊙ w − ẑ c)``, ``c = Σ_head dn ⊙ w ⊙ ẑ / D``, ``dw = Σ_rows,heads dn ⊙ ẑ``."""
+    """Backward of ``n = ẑ ⊙ w'`` per head (``ẑ = z · rsqrt(mean_head(z²) + eps)``, ``w' =
+    offset + w``): ``(dz, dw)`` with ``dz = r (dn ⊙ w' − ẑ c)``, ``c = Σ_head dn ⊙ w' ⊙ ẑ / D``,
+    ``dw = Σ_rows,heads dn ⊙ ẑ`` (the offset is a constant: it leaves ``dw`` as it is)."""
     rows, head = z.shape[0], weight.shape[0]
     zh, dh = z.reshape(rows, -1, head), dn.reshape(rows, -1, head)
     r = torch.rsqrt(zh.pow(2).mean(-1, keepdim=True) + eps)
     hat = zh * r
-    dnw = dh * weight
+    dnw = dh * (offset + weight)
     c = (dnw * hat).mean(-1, keepdim=True)
     dz = r * (dnw - hat * c)
     return dz.reshape(rows, -1), (dh * hat).sum(dim=(0, 1))
 
 
 class RotaryInputGrad(AuxStep):
-    """``out = dz`` ``[M, Σ N_p]``: the gradient of an attention input's projection (Hugging
-    Face's order) from its parts' gradients ``grads`` (the first ``rotated`` went through RoPE,
-    ``cos``/``sin`` ``[M, D]``), and ``dot_out[i] = Σ_j z·dz / divide_by`` (fp32: the input
-    RMSNorm's ``c``). From ``z`` (the projection recomputed without bias) or ``saved`` (the
-    forward's outputs; needs ``bias``). ``head_norm``/``eps``: per rotated part the per-head
-    RMSNorm weight ``[D]`` before RoPE (needs ``z``); ``norm_grads``, ``bias_grads``: names for
-    those weights' and the biases' gradients (act dtype, like ``out``).
+    """``out = dz`` ``[M, Σ N_p]``: an attention input's projection gradient (Hugging Face's
+    order) from its parts' ``grads`` (the first ``rotated`` through RoPE, ``cos``/``sin`` ``[M,
+    D]``); ``dot_out = Σ_j z·dz / divide_by`` (fp32: the input RMSNorm's ``c``). From ``z`` (the
+    projection without bias) or ``saved`` (the forward's outputs; needs ``bias``). ``head_norm``,
+    ``eps`` (needs ``z``): per rotated part its q/k RMSNorm's weight, ``[D]`` (per head) or
+    ``[N_p]`` (``whole_norm``), scale ``head_offset + w``; ``norm_grads``, ``bias_grads``: names
+    of those weights' and the biases' gradients (act dtype).
     """
 
     kind: Literal["rotary_input_grad"] = "rotary_input_grad"
@@ -223,8 +271,21 @@ class RotaryInputGrad(AuxStep):
     bias: list[Name] | None = None
     head_norm: list[Name] | None = None
     eps: float | None = None
+    head_offset: float = Field(0.0, allow_inf_nan=False)
+    whole_norm: bool = False
     norm_grads: list[Name] | None = None
     bias_grads: list[Name] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Per-head norms without an offset (Qwen3's) serialize as before ``head_offset`` and
+        ``whole_norm`` existed (their canonical JSON, hence the Program's hash, does not change)."""
+        data = handler(self)
+        if not self.head_offset:
+            data.pop("head_offset", None)
+        if not self.whole_norm:
+            data.pop("whole_norm", None)
+        return data
 
     @model_validator(mode="after")
     def _fields_agree(self) -> RotaryInputGrad:
@@ -253,6 +314,11 @@ class RotaryInputGrad(AuxStep):
                 raise ValueError("norm_grads must name one output per head_norm weight")
         elif self.norm_grads is not None:
             raise ValueError("norm_grads are the gradients of head_norm weights: give head_norm")
+        elif self.head_offset or self.whole_norm:
+            raise ValueError(
+                "head_offset and whole_norm describe the norms of head_norm, but there are none: "
+                "give head_norm (their weights) or leave them out"
+            )
         return self
 
     # -- checking ----------------------------------------------------------------------------------
@@ -281,8 +347,9 @@ class RotaryInputGrad(AuxStep):
         env.define(self.dot_out, TensorInfo((rows,), "float32", env.where))
         if env.size(self.divide_by, what="rotary_input_grad divide_by") <= 0:
             raise ProgramError(f"divide_by {self.divide_by!r} must be positive")
-        for name in self.norm_grads or []:
-            env.define(name, TensorInfo((head,), "act", env.where))
+        norm_widths = widths if self.whole_norm else [head] * self.rotated
+        for name, width in zip(self.norm_grads or [], norm_widths, strict=False):
+            env.define(name, TensorInfo((width,), "act", env.where))
         for name, width in zip(self.bias_grads or [], widths, strict=False):
             env.define(name, TensorInfo((width,), "act", env.where))
 
@@ -303,8 +370,11 @@ class RotaryInputGrad(AuxStep):
                 )
         for name, width in zip(self.bias or [], widths, strict=False):
             env.vector(name, width, role="bias", what="one per column of its part")
-        for name in self.head_norm or []:
-            env.vector(name, head, role="head_norm", what="one per column of a head")
+        for name, width in zip(self.head_norm or [], widths, strict=False):
+            if self.whole_norm:
+                env.vector(name, width, role="head_norm", what="one per column of its part")
+            else:
+                env.vector(name, head, role="head_norm", what="one per column of a head")
 
     # -- running -----------------------------------------------------------------------------------
     def _compute(self, env: RunEnv, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -323,7 +393,8 @@ class RotaryInputGrad(AuxStep):
             d = rope_transpose(grad, cos, sin) if p < self.rotated else grad
             if self.head_norm is not None and p < self.rotated:
                 zb = z[p] + bias[p] if bias else z[p]  # type: ignore[index]
-                d, dw = head_norm_backward(d, zb, get(self.head_norm[p]), self.eps)  # type: ignore[arg-type]
+                weight = get(self.head_norm[p])
+                d, dw = head_norm_backward(d, zb, weight, self.eps, self.head_offset)  # type: ignore[arg-type]
                 norm_grads.append(dw)
             parts.append(d)
         dz = torch.cat(parts, dim=1)
@@ -393,8 +464,9 @@ class RotaryInputGrad(AuxStep):
         saved = env.tensors[self.saved[p]] if self.saved is not None else grad
         bias = env.tensors[self.bias[p]] if self.bias is not None else grad
         weight = env.tensors[self.head_norm[p]] if norm else grad  # type: ignore[index]
+        norm_width = width if self.whole_norm else head
         wsum = torch.empty(
-            (programs, head) if norm else (1,), device=grad.device, dtype=torch.float32
+            (programs, norm_width) if norm else (1,), device=grad.device, dtype=torch.float32
         )
         bsum = torch.empty(
             (programs, width) if self.bias_grads else (1,), device=grad.device, dtype=torch.float32
@@ -404,11 +476,11 @@ class RotaryInputGrad(AuxStep):
             _rotary_grad_kernel,
             (programs,),
             grad, z, saved, bias, weight, cos, sin, out, env.tensors[self.dot_out], wsum, bsum,
-            rows, width, half, float(self.eps or 0.0),
+            rows, width, half, float(self.eps or 0.0), float(self.head_offset),
             grad.stride(0), grad.stride(1), z.stride(0), z.stride(1),
             saved.stride(0), saved.stride(1), cos.stride(0), cos.stride(1),
             sin.stride(0), sin.stride(1), out.stride(0), out.stride(1),
-            ROTATED=rotated, HAS_Z=self.z is not None, HAS_NORM=norm,
+            ROTATED=rotated, HAS_Z=self.z is not None, HAS_NORM=norm, WHOLE=self.whole_norm,
             HAS_BIAS=self.bias is not None, BIAS_GRAD=self.bias_grads is not None, FIRST=first,
             BLOCK_ROWS=block_rows, BLOCK_HALF=block_half,
         )  # fmt: skip

@@ -1,5 +1,6 @@
 """Backward of attention inputs in Hugging Face's order — Qwen2's biased projections, Qwen3's
-per-head q/k norms, Llama's from saved outputs — lowered by the planner from the forward graph and
+per-head q/k norms, Gemma 3's (``1 + w``), OLMo 2's over the whole projection (with and without
+an input norm), Llama's from saved outputs — lowered by the planner from the forward graph and
 verified by the sandbox (CPU interpreter, float32 and float16, ragged shapes, MHA and GQA); the
 aux step ``rotary_input_grad``'s pieces against autograd; the forms the rule refuses."""
 
@@ -11,6 +12,7 @@ import torch
 from coda.blocks import Block, TensorSpec, get_block
 from coda.blocks.autodiff import backward_block
 from coda.blocks.functional import head_rms_norm, rope
+from coda.blocks.ops import HeadRMSNorm, Linear, RMSNorm
 from coda.blocks.registry import register
 from coda.planner import NoRule, lower
 from coda.primitives import Program
@@ -70,6 +72,46 @@ def test_qwen3_backward_runs_the_per_head_norms_backward() -> None:
     assert report.verified, report.render_text()
 
 
+def test_gemma3_backward_scales_the_per_head_norms_by_one_plus_weight() -> None:
+    """Gemma 3's q/k norms scale by ``1 + w`` (rounded after the weight): their backward uses
+    ``1 + w``, their weight gradients keep the form ``Σ dn ⊙ q̂``."""
+    block = _backward(GEMMA3)
+    program = lower(block)
+    grad = next(s for s in program.steps if s.kind == "rotary_input_grad")
+    assert grad.head_norm == ["q_norm", "k_norm"] and grad.head_offset == 1.0
+    assert Program.parse(program.canonical_json()) == program  # the offset survives JSON
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
+def _without_input_norm(forward: Block) -> Block:
+    """``forward`` with its Linears reading ``x`` itself (OLMo 2: no input norm)."""
+    graph = [
+        op.model_copy(update={"x": "x"}) if isinstance(op, Linear) else op
+        for op in forward.graph
+        if op.out != "h"
+    ]
+    inputs = {n: s for n, s in forward.inputs.items() if n != "gamma"}
+    name = f"{forward.name}_no_input_norm"
+    return forward.model_copy(update={"name": name, "graph": graph, "inputs": inputs})
+
+
+@pytest.mark.parametrize("input_norm", [True, False], ids=["input_norm", "olmo2"])
+def test_whole_projection_norms_run_their_backward_in_the_grad_pass(input_norm: bool) -> None:
+    """q/k RMS-normed over the whole projection (OLMo 2): ``rotary_input_grad`` takes each row's
+    statistics over the part, weight gradients ``[Nq]``, ``[Nkv]``; without an input norm
+    ``dx = dz W_qkv`` is a plain GEMM and ``dW = dzᵀ x``."""
+    forward = OLMO2 if input_norm else _without_input_norm(OLMO2)
+    block = _backward(forward)
+    program = lower(block)
+    grad = next(s for s in program.steps if s.kind == "rotary_input_grad")
+    assert grad.whole_norm and grad.head_norm == ["q_norm", "k_norm"]
+    assert Program.parse(program.canonical_json()) == program  # whole_norm survives JSON
+    assert ("rstd" in [s.kind for s in program.steps]) == input_norm
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
+
+
 def test_saved_outputs_spare_the_projection_gemm() -> None:
     """Without per-head norms the saved q_rot, k_rot, v give c: no GEMM recomputes z."""
     block = _backward(LLAMA, saved=True)
@@ -87,28 +129,48 @@ def test_rope_transpose_is_ropes_gradient_on_any_tables() -> None:
     torch.testing.assert_close(rope_transpose(dy, cos, sin), expected)
 
 
-def test_head_norm_backward_is_autograds() -> None:
+@pytest.mark.parametrize(
+    ("offset", "cast"), [(0.0, "before_weight"), (1.0, "after_weight")], ids=["qwen3", "gemma3"]
+)
+def test_head_norm_backward_is_autograds(offset: float, cast: str) -> None:
     g = torch.Generator().manual_seed(0)
     z, dy = (torch.randn(4, 16, dtype=torch.float64, generator=g) for _ in range(2))
-    w = torch.rand(8, dtype=torch.float64, generator=g) + 0.5
+    w = torch.rand(8, dtype=torch.float64, generator=g) - 0.5
     z.requires_grad_(True)
     w.requires_grad_(True)
-    expected = torch.autograd.grad(head_rms_norm(z, w, 1e-6), (z, w), dy)
-    got = head_norm_backward(dy, z.detach(), w.detach(), 1e-6)
+    expected = torch.autograd.grad(head_rms_norm(z, w, 1e-6, offset, cast), (z, w), dy)
+    got = head_norm_backward(dy, z.detach(), w.detach(), 1e-6, offset)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize(
-    ("forward", "match"),
-    [
-        (GEMMA3, r"offset \+ weight \(Gemma 3\)"),
-        (OLMO2, r"rmsnorm\(out='q_normed'\) normalizes the whole projection"),
-    ],
-    ids=["gemma3", "olmo2"],
-)
-def test_norms_the_rule_does_not_differentiate_are_named(forward: Block, match: str) -> None:
-    with pytest.raises(NoRule, match=match):
+def test_per_head_and_whole_projection_norms_mixed_are_refused() -> None:
+    """q normed per head, k over the whole projection: one kind serves all rotated parts."""
+    graph = [
+        HeadRMSNorm(x=op.x, weight=op.weight, out=op.out, eps=op.eps)
+        if isinstance(op, RMSNorm) and op.out == "q_normed"
+        else op
+        for op in OLMO2.graph
+    ]
+    inputs = {**OLMO2.inputs, "q_norm": TensorSpec(shape=["D"], init="norm_weight")}
+    forward = OLMO2.model_copy(
+        update={"name": "mixed_norms_attn_in", "graph": graph, "inputs": inputs}
+    )
+    with pytest.raises(NoRule, match=r"mix HeadRMSNorm \(per head\) and RMSNorm"):
+        lower(_backward(forward))
+
+
+def test_per_head_norms_with_different_offsets_are_refused() -> None:
+    """One ``head_offset`` serves every rotated part: q scaled by ``1 + w``, k by ``w`` is not
+    taken, and the refusal names each norm's offset."""
+    k_norm_plain = {"offset": 0.0, "cast": "before_weight"}
+    graph = [
+        op.model_copy(update=k_norm_plain) if op.out == "k_normed" else op for op in GEMMA3.graph
+    ]
+    assert any(isinstance(op, HeadRMSNorm) and op.out == "k_normed" for op in graph)
+    forward = GEMMA3.model_copy(update={"name": "mixed_offsets_attn_in", "graph": graph})
+    offsets = r"different offsets \+ weight \({'q_normed': 1\.0, 'k_normed': 0\.0}\)"
+    with pytest.raises(NoRule, match=offsets):
         lower(_backward(forward))
 
 
@@ -139,9 +201,10 @@ def test_biased_linears_elsewhere_name_the_rule_that_takes_them() -> None:
         lower(block)
 
 
-def _grad_program(*, saved: bool) -> Program:
+def _grad_program(*, saved: bool, head_offset: float = 0.0, whole: bool = False) -> Program:
     """``rotary_input_grad`` alone on biased q, k, v: from the saved outputs, or from ``z`` with
-    per-head norms (both paths need the biases)."""
+    per-head norms (``whole``: norms over each part's row) scaled by ``head_offset + w`` (both
+    paths need the biases)."""
     parts = {"q": "Nq", "k": "Nkv", "v": "Nkv"}
     inputs: dict = {f"g{p}": ["M", n] for p, n in parts.items()}
     inputs |= {f"b{p}": [n] for p, n in parts.items()}
@@ -163,22 +226,31 @@ def _grad_program(*, saved: bool) -> Program:
         inputs |= {f"s{p}": ["M", n] for p, n in parts.items()}
         step["saved"] = ["sq", "sk", "sv"]
     else:
-        inputs |= {"z": ["M", "Nz"], "wq": ["D"], "wk": ["D"]}  # Nz = Nq + 2·Nkv
+        inputs |= {
+            "z": ["M", "Nz"],
+            "wq": ["Nq" if whole else "D"],
+            "wk": ["Nkv" if whole else "D"],
+        }
         step |= {"z": "z", "head_norm": ["wq", "wk"], "eps": 1e-6, "norm_grads": ["dwq", "dwk"]}
+        step |= {"head_offset": head_offset, "whole_norm": whole}
         outputs += ["dwq", "dwk"]
     return Program.parse(
         {"block": "test", "inputs": inputs, "steps": [step], "outputs": {o: o for o in outputs}}
     )
 
 
-@pytest.mark.parametrize("saved", [True, False], ids=["saved", "head_norms"])
+@pytest.mark.parametrize(
+    ("saved", "head_offset", "whole"),
+    [(True, 0.0, False), (False, 0.0, False), (False, 1.0, False), (False, 1.0, True)],
+    ids=["saved", "head_norms", "offset_head_norms", "offset_whole_norms"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_rotary_input_grad_kernel_with_biases_at_a_head_width_no_power_of_two(
-    saved: bool, dtype: torch.dtype
+    saved: bool, head_offset: float, whole: bool, dtype: torch.dtype
 ) -> None:
     """The paths no verifiable block reaches with its biases given (a Qwen2 backward leaves them
     out): the kernel against the float64 reference, 13 rows, heads of width 12."""
-    program = _grad_program(saved=saved)
+    program = _grad_program(saved=saved, head_offset=head_offset, whole=whole)
     sizes = {"M": 13, "Nq": 36, "Nkv": 12, "D": 12, "Nz": 60}
     inputs = make_inputs(program, sizes, dtype)
     got, _, exact = run_both(program, inputs)
