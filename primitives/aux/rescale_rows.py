@@ -64,10 +64,9 @@ def _rescale_rows_kernel(
 class RescaleRows(AuxStep):
     """Scale each row of a 2-D tensor into a new one: ``out[i, j] = src[i, j] * vector[i]``.
 
-    ``vector``: float32, one value per row (e.g. ``rstd``'s output), or omitted for a plain copy
-    (``out = src``: a block output equal to a block input); ``dtype``: ``act`` or ``float32``. For
-    a row scale known only once every tile of the row is written, e.g. an RMSNorm over a whole
-    RoPE'd projection (r commutes with the rotation).
+    ``vector``: float32, one value per row (e.g. ``rstd``'s output; none: a copy); ``dtype``:
+    ``act`` or ``float32``. For a row scale known only once every tile of the row is written, e.g.
+    an RMSNorm over a whole RoPE'd projection (r commutes with the rotation).
     """
 
     kind: Literal["rescale_rows"] = "rescale_rows"
