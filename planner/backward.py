@@ -142,12 +142,20 @@ class BackwardBuilder:
         dtype, as a bias is)."""
         return self.aux({"kind": "sum_partials", "src": partials, "dtype": "act", "out": base})
 
-    def post_norm_backward(self, post: RMSNorm, a: str, w_down: str, dh: str) -> str:
+    def post_norm_backward(
+        self,
+        post: RMSNorm,
+        a: str,
+        w_down: str,
+        dh: str,
+        extra: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The gradient of ``m = a W_downᵀ`` through a post-norm ``p = RMSNorm(m)`` given ``dp =
         dh``: ``dm = r ⊙ (dh ⊙ γ' − r² m · s / d)``, ``s = Σ dh ⊙ γ' ⊙ m`` (γ' = offset + γ).
         ``m`` is recomputed twice, never stored: the first GEMM's epilogue writes partial sums of
         ``m²`` and of ``dh ⊙ γ' ⊙ m`` (``r`` and ``s`` span every N-tile), the second forms ``dm``
-        and the partial column sums of ``dγ = Σ_rows dh ⊙ r m``. Returns ``dm``."""
+        and the partial column sums of ``dγ = Σ_rows dh ⊙ r m`` (and ``extra`` ops on its ``[M, d]``
+        tiles, ``dh_tile`` loaded: e.g. the residual's gradient stored). Returns ``dm``."""
         if post.weight not in self.forward.inputs:
             self.fail(f"the post-norm's weight {post.weight!r} must be a block input")
         scale = f"(gamma_col + {post.offset!r})" if post.offset else "gamma_col"
@@ -194,6 +202,7 @@ class BackwardBuilder:
                     "axis": "col",
                     "to": dgamma_partials,
                 },
+                *(extra or []),
             ],
         )
         self.output(post.weight, self.summed_columns(dgamma_partials, f"d{post.weight}"))

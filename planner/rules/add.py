@@ -4,12 +4,16 @@ With one operand in registers it is ``add_tile`` of the other (a stored tensor),
 ``add_col_vector`` when the other is a ``[d]`` vector broadcast over the rows; with both in
 registers, or both existing tensors of this GEMM's tile shape, a ``map``. An ``Add`` no GEMM
 produces an operand of has no lowering (there is no standalone elementwise pass).
+
+Backward: a forward block ending in the residual ``Add`` of one Linear (an attention output,
+optionally through a post-norm) is differentiated by ``linear_backward.residual_linear_backward``.
 """
 
 from __future__ import annotations
 
 from coda.blocks.ops import Add
 
+from ..backward import BackwardBuilder
 from ..epilogue import Epilogue
 from ..registry import Rule, inputs_not_joined
 from ..shapes import binding_shapes
@@ -23,6 +27,12 @@ def is_vector(st: PlanState, value: str) -> bool:
 
 class AddRule(Rule):
     op = Add
+    backward_of = "a Linear added to the residual, optionally through a post-norm"
+
+    def differentiate(self, b: BackwardBuilder) -> None:
+        from .linear_backward import residual_linear_backward
+
+        residual_linear_backward(b)
 
     def fuse(self, ep: Epilogue, op: Add) -> None:
         a_reg, b_reg = op.a in ep.regs, op.b in ep.regs

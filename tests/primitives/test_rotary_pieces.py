@@ -122,6 +122,23 @@ def check_rescale_rows(sizes: dict[str, int], dtype: torch.dtype, device: str = 
     assert_close(got["y"].double(), want, atol=atol * 4, rtol=rtol * 4, what="y vs x · r")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_rescale_rows_without_a_vector_copies(dtype: torch.dtype) -> None:
+    """No vector: ``out = src``, a new tensor (a block output equal to a block input)."""
+    program = Program.parse(
+        {
+            "block": "test",
+            "inputs": {"x": ["M", "N"]},
+            "steps": [{"kind": "rescale_rows", "src": "x", "out": "y"}],
+            "outputs": {"y": "y"},
+        }
+    )
+    inputs = make_inputs(program, {"M": 37, "N": 300}, dtype)
+    got, _, _ = run_both(program, inputs)
+    assert got["y"].dtype == dtype and torch.equal(got["y"], inputs["x"])
+    assert got["y"].data_ptr() != inputs["x"].data_ptr()
+
+
 def test_rescale_rows_needs_one_value_per_row() -> None:
     program = Program.parse(
         {

@@ -129,5 +129,8 @@ hf_olmo2_attn_out_bwd = register(
             "x_out": TensorSpec(shape=["M", "d"], doc="gradient of x_out"),
         },
         wrt=["attn", "w_o", "gamma", "x"],
+        # no gradient depends on the residual's values (dx = dout): the backward takes none, or
+        # the sandbox could not tell a program that ignores it from one that reads it
+        zeros=["x"],
     )
 )
