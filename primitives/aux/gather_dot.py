@@ -78,12 +78,11 @@ class GatherDot(AuxStep):
     other ``V − 1`` logits.
 
     ``a`` ``[M, K]`` and ``w`` ``[W, K]`` are the operands of a gemm step ``a``, ``w.T`` (an
-    ``nn.Linear`` weight, rows contiguous, so each gathered row is one read); ``index`` is an int64
-    vector of length M; ``scale`` (optional) a per-row vector such as the ``rstd`` the gemm's
-    ``scale_rows`` applies. Rows whose index is outside ``[0, W)`` (e.g. -100) get 0.0, as with
-    ``select_column``, which this replaces when the logits are ``[scale_rows of] acc``: use
-    ``out`` with ``lse_combine(minus=out)`` for the loss. The sum runs in another order than the
-    GEMM's (fp32 both): the two agree to fp32 rounding, not bit for bit.
+    ``nn.Linear`` weight: each gathered row is one read); ``index``: int64, length M; ``scale``
+    (optional): a per-row vector such as the gemm's ``scale_rows`` ``rstd``. An index outside
+    ``[0, W)`` (e.g. -100) gives 0.0, as ``select_column`` does, which this replaces when the
+    logits are ``[scale_rows of] acc``: use ``out`` with ``lse_combine(minus=out)`` for the loss.
+    The sum runs in another order than the GEMM's: they agree to fp32 rounding.
     """
 
     kind: Literal["gather_dot"] = "gather_dot"
