@@ -14,6 +14,7 @@ from __future__ import annotations
 import traceback
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from coda.agent.events import OnEvent
 from coda.agent.providers import ProviderError
@@ -156,33 +157,25 @@ def _refused(cell: Cell, refusal: NoRule, attempts: int) -> CellResult:
     """The built-in planner's refusal of the cell's block (``NoRules``: every op it cannot lower,
     one line each) as the cell's answer: done, not verified, ``stop="refused"`` with the text in
     ``stop_message``. Deterministic, so a resumed eval does not run it again."""
-    return CellResult(
-        cell=cell.id,
-        block=cell.block,
-        provider=cell.provider.label,
-        model=cell.provider.model or "",
-        seed=cell.seed,
-        status="done",
-        stop=REFUSED,
-        stop_message=str(refusal),
-        device=backend.describe(),
-        attempts=attempts,
-        finished_at=_now(),
-    )
+    return _unrun(cell, attempts, status="done", stop=REFUSED, stop_message=str(refusal))
 
 
 def _error(cell: Cell, message: str, attempts: int) -> CellResult:
+    return _unrun(cell, attempts, status="error", error=message)
+
+
+def _unrun(cell: Cell, attempts: int, **outcome: Any) -> CellResult:
+    """The result of a cell whose agent loop never ran: its identity, this device, ``outcome``."""
     return CellResult(
         cell=cell.id,
         block=cell.block,
         provider=cell.provider.label,
         model=cell.provider.model or "",
         seed=cell.seed,
-        status="error",
-        error=message,
         device=backend.describe(),
         attempts=attempts,
         finished_at=_now(),
+        **outcome,
     )
 
 
