@@ -2,7 +2,8 @@
 (``fully_shard``), in ``world`` processes started with ``torch.multiprocessing.spawn``.
 
 Every rank builds the same random ``LlamaForCausalLM`` and a ``patch_llama`` copy of it for each
-variant (``VARIANTS``: the packed gate/up parameter, activation checkpointing, the fused loss),
+variant (``VARIANTS``: the packed gate/up parameter, activation checkpointing, the fused loss; and
+a ``Qwen3ForCausalLM`` with its ``patch_model`` copy),
 wraps both the same way, runs forward + backward on its own batch, steps SGD and runs the
 forward once more; it saves its losses, every parameter's full gradient (under Hugging Face's
 names) and its state dict to ``rank<r>.pt``, which ``assert_ranks_match`` compares. Shared by
@@ -30,6 +31,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fuse_gate_up": {"fuse_gate_up": True},
     "checkpointing": {"checkpointing": True},
     "fused_loss": {"fused_loss": True},
+    # patch_model on a Qwen3 (per-head q/k norms: its own attention-input kernels)
+    "qwen3_patch_model": {"family": "qwen3"},
 }
 CONFIG = {
     "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -133,13 +136,35 @@ def _batch(rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     return ids.to(device), labels.to(device)
 
 
+def tiny_qwen3() -> torch.nn.Module:
+    """The same random Qwen3 on every rank (``CONFIG``'s widths, head_dim 8), norms — the q/k
+    norms among them — away from 1."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**CONFIG, head_dim=8)).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    return model
+
+
 def _compare(options: dict[str, Any], wrap: str, rank: int, device: torch.device) -> dict:
-    from coda.export import patch_llama
+    from coda.export import patch_llama, patch_model
+    from coda.export.families import ATTENTION_INPUT, LM_HEAD_LOSS, MLP_HALF
 
     options = dict(options)
     checkpointing = options.pop("checkpointing", False)
-    hf = tiny_llama()
-    coda = patch_llama(copy.deepcopy(hf), verify=False, tune="off", **options)
+    if options.pop("family", None) == "qwen3":
+        hf = tiny_qwen3()
+        coda = copy.deepcopy(hf)
+        report = patch_model(coda, verify=False, tune="off", fused_loss=True)
+        if not all(report.patched(kind) for kind in (ATTENTION_INPUT, MLP_HALF, LM_HEAD_LOSS)):
+            raise AssertionError(f"patch_model left Qwen3 partly unpatched:\n{report}")
+    else:
+        hf = tiny_llama()
+        coda = patch_llama(copy.deepcopy(hf), verify=False, tune="off", **options)
     ids, labels = _batch(rank, device)
     results = {}
     for name, model in (("hf", hf), ("coda", coda)):

@@ -2,7 +2,8 @@
 on the CPU: after one step every rank's loss and every full gradient equal the unpatched model's
 under the same wrapper, and so does the loss after an SGD step — plain, with the packed gate/up
 parameter (sharded by FSDP2 like any other), with activation checkpointing and with the fused
-loss (``distributed_steps`` runs the ranks). Also here: the patched modules read the parameters
+loss — and a Qwen3 under ``patch_model`` (its own attention-input kernels, fused loss)
+(``distributed_steps`` runs the ranks). Also here: the patched modules read the parameters
 the model's modules hold at each call, which is what lets FSDP2 swap them."""
 
 from __future__ import annotations
