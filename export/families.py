@@ -61,12 +61,11 @@ from .mlp import (
 )
 from .patch import (
     _LAYER_PARTS,
-    CodaLlamaDecoderLayer,
     CodaLlamaMLP,
-    DeferredRMSNorm,
     _in_layer,
     _LlamaDecoderLayer,
-    _replace,
+    install_attention_input,
+    install_mlp_half,
 )
 from .probe import (
     SANDWICH_NORMS,
@@ -160,15 +159,7 @@ def _mlp_recipe(layout: GateUpLayout) -> Recipe:
             fuse_gate_up=options.fuse_gate_up and layout is SEPARATE_GATE_UP, layout=layout,
         )  # fmt: skip
 
-        def install() -> None:
-            # the kernels read the norm weight from the module the model holds (FSDP2, assign=True)
-            deferred = DeferredRMSNorm(block.norm)
-            _replace(layer, "post_attention_layernorm", deferred)
-            _replace(layer, "mlp", CodaLlamaMLP(block, deferred))
-            if _fuses_residual(layer, options):
-                layer.__class__ = CodaLlamaDecoderLayer
-
-        return install
+        return lambda: install_mlp_half(layer, block, fuse_residual=_fuses_residual(layer, options))
 
     return Recipe(MLP_HALF, f"llama_mlp on {layout.name}", applies, prove, build)
 
@@ -210,12 +201,7 @@ def _gemma_mlp_recipe() -> Recipe:
             fuse_gate_up=options.fuse_gate_up,
         )  # fmt: skip
 
-        def install() -> None:
-            deferred = DeferredRMSNorm(block.norm)
-            _replace(layer, "post_attention_layernorm", deferred)
-            _replace(layer, "mlp", CodaLlamaMLP(block, deferred))
-
-        return install
+        return lambda: install_mlp_half(layer, block, fuse_residual=False)
 
     return Recipe(MLP_HALF, f"gemma_mlp on {layout.name}", applies, prove, build)
 
@@ -255,13 +241,7 @@ def _gemma2_mlp_recipe() -> Recipe:
             residual=False, fuse_gate_up=options.fuse_gate_up, post_norm=post,
         )  # fmt: skip
 
-        def install() -> None:
-            deferred_pre, deferred_post = DeferredRMSNorm(pre), DeferredRMSNorm(post)
-            _replace(layer, _SANDWICH[0], deferred_pre)
-            _replace(layer, _SANDWICH[1], deferred_post)
-            _replace(layer, "mlp", CodaLlamaMLP(block, deferred_pre, deferred_post))
-
-        return install
+        return lambda: install_mlp_half(layer, block, fuse_residual=False, norms=_SANDWICH)
 
     name = f"gemma2_mlp_branch on {layout.name} between {' and '.join(_SANDWICH)}"
     return Recipe(MLP_HALF, name, applies, prove, build)
@@ -323,13 +303,7 @@ def _attention_recipe(recipe: AttentionRecipe) -> Recipe:
         cls = coda_attention_class(recipe)
         attn = cls(layer.self_attn, layer.input_layernorm, verify=options.verify, tune=options.tune)
 
-        def install() -> None:
-            deferred = DeferredRMSNorm(layer.input_layernorm)
-            _replace(layer, "input_layernorm", deferred)
-            _replace(layer, "self_attn", attn)
-            object.__setattr__(attn, "norm", deferred)  # as CodaLlamaAttention holds its norm
-
-        return install
+        return lambda: install_attention_input(layer, attn)
 
     name = f"{recipe.kernel} on {recipe.class_name}'s {recipe.layout.name}"
     return Recipe(ATTENTION_INPUT, name, applies, prove, build)

@@ -233,19 +233,11 @@ def patch_llama(
         CodaLlamaAttention(layer.self_attn, layer.input_layernorm, verify=verify, tune=tune)
         for layer in attended
     ]  # every Program resolved before the first layer changes
-    # The kernels read each norm's weight from the DeferredRMSNorm in the layer (the module that
-    # owns it in the model), not from the replaced norm (CodaLlamaMLP's docstring says why).
     for layer, block in zip(layers, blocks, strict=True):
-        deferred = DeferredRMSNorm(block.norm)
-        _replace(layer, "post_attention_layernorm", deferred)
-        _replace(layer, "mlp", CodaLlamaMLP(block, deferred))
-        if fuse_residual and type(layer) is _LlamaDecoderLayer:
-            layer.__class__ = CodaLlamaDecoderLayer
+        fused = fuse_residual and type(layer) is _LlamaDecoderLayer
+        install_mlp_half(layer, block, fuse_residual=fused)
     for layer, attn in zip(attended, attns, strict=True):
-        deferred = DeferredRMSNorm(layer.input_layernorm)
-        _replace(layer, "input_layernorm", deferred)
-        _replace(layer, "self_attn", attn)
-        object.__setattr__(attn, "norm", deferred)  # as CodaLlamaAttention holds its norm
+        install_attention_input(layer, attn)
     if fused_loss:
         install_fused_loss(model, verify=verify, tune=tune)
     return model
@@ -319,6 +311,35 @@ _FORWARD_HOOKS = (
     "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called",
 )
+
+
+def install_mlp_half(
+    layer: nn.Module,
+    block: CodaLlamaMLPBlock,
+    *,
+    fuse_residual: bool,
+    norms: tuple[str, ...] = ("post_attention_layernorm",),
+) -> None:
+    """Run ``layer``'s MLP half on ``block``: each of ``norms`` (the MLP's input norm, then its
+    post-norm if it has one) becomes a ``DeferredRMSNorm`` and ``mlp`` a ``CodaLlamaMLP`` that
+    reads the norms' weights from them — the modules that own them in the model, not the replaced
+    norms (``CodaLlamaMLP``'s docstring says why); with ``fuse_residual`` the layer's class
+    becomes ``CodaLlamaDecoderLayer`` (the residual added in the MLP's kernels)."""
+    deferred = [DeferredRMSNorm(getattr(layer, name)) for name in norms]
+    for name, module in zip(norms, deferred, strict=True):
+        _replace(layer, name, module)
+    _replace(layer, "mlp", CodaLlamaMLP(block, *deferred))
+    if fuse_residual:
+        layer.__class__ = CodaLlamaDecoderLayer
+
+
+def install_attention_input(layer: nn.Module, attn: nn.Module) -> None:
+    """Run ``layer``'s input norm and attention input on ``attn`` (a ``CodaLlamaAttention`` or
+    its kin), which then reads the norm's weight from the ``DeferredRMSNorm`` put in its place."""
+    deferred = DeferredRMSNorm(layer.input_layernorm)
+    _replace(layer, "input_layernorm", deferred)
+    _replace(layer, "self_attn", attn)
+    object.__setattr__(attn, "norm", deferred)  # as CodaLlamaAttention holds its norm
 
 
 def _replace(layer: nn.Module, name: str, new: nn.Module) -> None:
