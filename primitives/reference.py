@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import backend
 from .analysis import GemmInfo, ProgramInfo, analyze, bind_sizes
 from .base import RunEnv
 from .codegen.configs import resolve_config
@@ -118,14 +117,7 @@ def execute_reference(
     for step, name in zip(program.steps, program.step_names(), strict=True):
         if isinstance(step, GemmEpilogue):
             g = info.gemms[name]
-            cfg = (configs or {}).get(name) or resolve_config(
-                step.config,
-                g.M,
-                g.N,
-                g.K,
-                interpret=backend.INTERPRET,
-                column_multiple=g.column_multiple,
-            )
+            cfg = (configs or {}).get(name) or resolve_config(step.config, g)
             _run_gemm(step, g, env, act, exact, cfg)
         else:
             step.reference(env)

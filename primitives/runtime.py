@@ -26,7 +26,6 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from . import backend
 from .analysis import GemmInfo, ProgramInfo, analyze, bind_sizes
 from .base import RunEnv
 from .codegen.cache import load_kernel, write_source
@@ -122,14 +121,7 @@ class CompiledProgram:
         key = (name, gemm.M, gemm.N, gemm.K, gemm.column_multiple)
         if key not in self._default_configs:
             step = self._step(name)
-            self._default_configs[key] = resolve_config(
-                step.config,
-                gemm.M,
-                gemm.N,
-                gemm.K,
-                interpret=backend.INTERPRET,
-                column_multiple=gemm.column_multiple,
-            )
+            self._default_configs[key] = resolve_config(step.config, gemm)
         return self._default_configs[key]
 
     def configs_for(self, info: ProgramInfo) -> dict[str, MainloopConfig]:

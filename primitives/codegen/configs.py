@@ -6,9 +6,13 @@ Both executors resolve configs through ``resolve_config`` so that partial-reduct
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from .. import backend
 from ..ir import MainloopConfig
+
+if TYPE_CHECKING:
+    from ..analysis import GemmInfo
 
 # Under the CPU interpreter each program is numpy work per tile: small tiles keep ragged test shapes
 # spanning several tiles (so edge masks are exercised) while staying fast.
@@ -22,21 +26,15 @@ GPU_DEFAULT = MainloopConfig(
 )
 
 
-def resolve_config(
-    config: Literal["auto"] | MainloopConfig,
-    M: int,
-    N: int,
-    K: int,
-    *,
-    interpret: bool,
-    column_multiple: int = 1,
-) -> MainloopConfig:
-    """The concrete config a step runs with at sizes ``M, N, K``; ``"auto"`` widens its epilogue
-    sub-tiles to a multiple of ``column_multiple`` (a power of two: an epilogue reducing over
-    whole heads needs every head inside one sub-tile)."""
+def resolve_config(config: Literal["auto"] | MainloopConfig, gemm: GemmInfo) -> MainloopConfig:
+    """The concrete config a step runs with at its analysed sizes ``gemm`` (``M, N, K``) when
+    nothing tuned it; ``"auto"`` is this backend's default (the interpreter's small tiles, or
+    the GPU's), its epilogue sub-tiles widened to a multiple of ``gemm.column_multiple`` (a power
+    of two: an epilogue reducing over whole heads needs every head inside one sub-tile)."""
     if config != "auto":
         return config
-    return fit_columns(INTERPRETER_DEFAULT if interpret else GPU_DEFAULT, column_multiple)
+    default = INTERPRETER_DEFAULT if backend.INTERPRET else GPU_DEFAULT
+    return fit_columns(default, gemm.column_multiple)
 
 
 def fit_columns(config: MainloopConfig, multiple: int) -> MainloopConfig:

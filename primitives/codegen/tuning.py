@@ -222,7 +222,6 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor, act: torch.dtype) -> str:
 def _settle(compiled, prepared: dict, results: dict[str, TuningResult], cache) -> None:  # noqa: ANN001
     """Replace each winner whose results are wrong by the next fastest candidate, until every step
     is right; the default config comes last, and a step wrong under every config is an error."""
-    from .. import backend
     from .configs import resolve_config
 
     while wrong := wrong_steps(compiled, prepared):
@@ -236,14 +235,7 @@ def _settle(compiled, prepared: dict, results: dict[str, TuningResult], cache) -
                 key=lambda t: t.final_ms if t.final_ms is not None else t.ms,
             )
             g = info.gemms[name]  # the step's own config, as it runs untuned
-            default = resolve_config(
-                compiled._step(name).config,
-                g.M,
-                g.N,
-                g.K,
-                interpret=backend.INTERPRET,
-                column_multiple=g.column_multiple,
-            )
+            default = resolve_config(compiled._step(name).config, g)
             if timed:
                 r.best, r.ms = timed[0].config, timed[0].final_ms or timed[0].ms
             elif default not in bad:
