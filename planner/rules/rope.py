@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,14 @@ from ..shapes import size_expr_of
 from ..state import NoRule, PlanState
 from .head_rmsnorm import head_norm_in_epilogue
 from .rmsnorm import commute, norm_before_rotation
+
+
+def paired_rows(prepare: Callable[[tuple, dict[str, Any]], str], tensor: str, head: str) -> str:
+    """``tensor``'s rows (a weight's; a bias or norm weight's entries) taken from rotate-half to
+    adjacent-pair order within each ``head``-wide head (prep ``rope_pairs``), prepared once per
+    tensor through ``prepare`` (``PlanState.prepare`` or ``BackwardBuilder.prep``)."""
+    node = {"kind": "rope_pairs", "weight": tensor, "head_dim": head, "out": f"{tensor}_pairs"}
+    return prepare(("rope_pairs", tensor), node)
 
 
 class RoPEPairsRule(Rule):
@@ -166,8 +175,7 @@ def lower_separate_qkv(st: PlanState, parts: list[QKVPart]) -> None:
     for part in parts:
         w = part.linear[1].weight
         if part.rope is not None:
-            node = {"kind": "rope_pairs", "weight": w, "head_dim": head, "out": f"{w}_pairs"}
-            w = st.prepare(("rope_pairs", w), node)
+            w = paired_rows(st.prepare, w, head)
         weights.append(w)
     outs = [p.rope[1].out if p.rope is not None else p.linear[1].out for p in parts]
     name = "_".join(outs)
@@ -207,8 +215,7 @@ def lower_rotary(st: PlanState, chain: RotaryChain) -> None:
     head = size_expr_of(st, rope.cos, 1)
 
     def paired(tensor: str) -> str:
-        node = {"kind": "rope_pairs", "weight": tensor, "head_dim": head, "out": f"{tensor}_pairs"}
-        return st.prepare(("rope_pairs", tensor), node)
+        return paired_rows(st.prepare, tensor, head)
 
     weight = paired(lin.weight)
     a, scale = commute(st, i, lin, weight)
@@ -314,9 +321,7 @@ def lower_qkv(st: PlanState, group: QKVGroup) -> None:
     for part in group.parts:
         w = part.linear[1].weight
         if part.rope is not None:
-            head = size_expr_of(st, part.rope[1].cos, 1)
-            node = {"kind": "rope_pairs", "weight": w, "head_dim": head, "out": f"{w}_pairs"}
-            w = st.prepare(("rope_pairs", w), node)
+            w = paired_rows(st.prepare, w, size_expr_of(st, part.rope[1].cos, 1))
         weights.append(w)
     fused = st.prepare(
         ("concat", *weights),
@@ -366,9 +371,7 @@ def attention_in_backward(b: BackwardBuilder) -> None:
     for part in group.parts:
         w = part.linear[1].weight
         if part.rope is not None:
-            head = size_expr_of(b.st, cos, 1)
-            node = {"kind": "rope_pairs", "weight": w, "head_dim": head, "out": f"{w}_pairs"}
-            w = b.prep(("rope_pairs", w), node)
+            w = paired_rows(b.prep, w, size_expr_of(b.st, cos, 1))
         weights.append(w)
     node = {"kind": "concat_rows", "tensors": weights, "out": "w_qkv"}
     w_qkv = b.prep(("concat", *weights), node)
