@@ -119,7 +119,20 @@ def tiny_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).train()
+    return _norms_away_from_one(LlamaForCausalLM(LlamaConfig(**CONFIG)).train())
+
+
+def tiny_qwen3() -> torch.nn.Module:
+    """The same random Qwen3 on every rank (``CONFIG``'s widths, head_dim 8), norms — the q/k
+    norms among them — away from 1."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return _norms_away_from_one(Qwen3ForCausalLM(Qwen3Config(**CONFIG, head_dim=8)).train())
+
+
+def _norms_away_from_one(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every norm weight drawn around 1 (seeded by the caller)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -134,20 +147,6 @@ def _batch(rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     labels = ids.clone()
     labels[0, 2] = labels[1, 5] = -100
     return ids.to(device), labels.to(device)
-
-
-def tiny_qwen3() -> torch.nn.Module:
-    """The same random Qwen3 on every rank (``CONFIG``'s widths, head_dim 8), norms — the q/k
-    norms among them — away from 1."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**CONFIG, head_dim=8)).train()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    return model
 
 
 def _compare(options: dict[str, Any], wrap: str, rank: int, device: torch.device) -> dict:
