@@ -28,11 +28,13 @@ PyTorch's whole-network capture recipe, which this module applies and checks:
 * **Learning-rate schedulers.** A float ``lr`` is frozen into the graph. Give the optimizer a
   one-element tensor on the model's device (``lr=torch.tensor(1e-4, device="cuda")``): the fused
   and capturable implementations read it from device memory at every replay, and PyTorch's
-  schedulers (``LRScheduler``) write a tensor ``lr`` in place (``fill_``), so
-  ``scheduler.step()`` between calls reaches the next replay. ``SGD`` reads a tensor ``lr`` from
-  memory only with ``fused=True``. Any other change to a parameter group after capture — a
-  float ``lr`` set by a scheduler, ``OneCycleLR``'s momentum, a replaced tensor,
-  ``load_state_dict`` — is refused at the next call, naming the group and key.
+  schedulers write a tensor ``lr`` in place (``fill_``: every ``torch.optim.lr_scheduler``
+  class goes through ``_update_param_group_val`` in torch 2.13; ``ReduceLROnPlateau`` also reads
+  it with ``float()``, a sync between calls), so ``scheduler.step()`` between calls reaches the
+  next replay. ``SGD`` reads a tensor ``lr`` from memory only with ``fused=True``. Any other
+  change to a parameter group after capture — a float ``lr`` set by a scheduler,
+  ``OneCycleLR``'s momentum, a replaced tensor, ``load_state_dict`` — is refused at the next
+  call, naming the group and key.
 * **No host synchronization.** A ``.item()``, ``.tolist()``, ``.cpu()`` or a Python ``if`` on a
   tensor's value cannot be captured (and would freeze the value read at capture). The capture
   runs under ``torch.cuda.set_sync_debug_mode("warn")`` and a sync there is refused naming its
