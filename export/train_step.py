@@ -644,7 +644,8 @@ class CapturedTrainStep:
         writes all gradients anew."""
         for (name, p), (grad, version) in zip(self.params, self._seen, strict=True):
             if p.grad is None:
-                self._current = None  # a replay writes its own tensors: attach them again
+                if grad is not None:  # set to None since: attach the replay's tensors again
+                    self._current = None
                 continue
             if p.grad is grad and p.grad._version == version:
                 continue
