@@ -112,7 +112,7 @@ def test_a_captured_patched_model_trains_like_the_eager_one(family: str) -> None
     assert step.captured_shapes == ["input_ids [2, 16], labels [2, 16]"]
     want = _train(_eager_step(eager, _adamw(eager)), batches)
     _assert_same_training(graphed, eager, got, want)
-    assert not torch.equal(got[-1], got[-2])  # the replays trained: the loss moved
+    assert not torch.equal(got[-1], got[-2])  # each replay wrote its own batch's loss
 
 
 def test_a_scheduler_writing_a_tensor_lr_reaches_the_replays() -> None:
