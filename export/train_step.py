@@ -634,6 +634,7 @@ class CapturedTrainStep:
             self._current = entry
 
     def _drop_grads(self) -> None:
+        """Every gradient to ``None`` (after a refused capture: none may point into its memory)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         self._current = None
