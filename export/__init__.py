@@ -23,12 +23,16 @@
   (Llama, Mistral, Phi-3's fused projections, Qwen2/3, Gemma's attention input, …), the
   rest kept as Hugging Face's; returns a ``PatchReport`` saying "patched" or "kept: <reason>"
   per kind.
+* ``capture_train_step(model, optimizer, example_batch)``: a whole training step (forward,
+  backward, a capturable optimizer's update) replayed from a CUDA graph per batch shape —
+  ``loss = step(batch)`` — for any model, patched or not; what cannot be captured faithfully is
+  refused with ``CaptureError`` (``train_step``).
 
 The drop-ins run the built-in planner's Programs, shipped verified in ``coda.export.programs``
 and checked against the planner's on load (milliseconds, no sandbox worker); ``verify=True``
 verifies them in the sandbox instead (``coda.export.resolve``). Modules: ``mlp`` (the MLP
-drop-in), ``attention``, ``lm_head``, ``patch``, ``families``, ``probe``; ``checks`` and
-``dtypes`` hold what they share; ``autograd`` the custom ops.
+drop-in), ``attention``, ``lm_head``, ``patch``, ``families``, ``probe``, ``train_step``;
+``checks`` and ``dtypes`` hold what they share; ``autograd`` the custom ops.
 """
 
 from .attention import CodaLlamaAttention, hf_attn_in_function, llama_attn_in_function
@@ -43,8 +47,11 @@ from .lm_head import (
 from .mlp import CodaLlamaMLPBlock, llama_mlp_function
 from .patch import CodaLlamaDecoderLayer, CodaLlamaMLP, DeferredRMSNorm, patch_llama
 from .resolve import NotVerified, verified_program
+from .train_step import CapturedTrainStep, CaptureError, capture_train_step
 
 __all__ = [
+    "CaptureError",
+    "CapturedTrainStep",
     "CodaLlamaAttention",
     "CodaLlamaDecoderLayer",
     "CodaLlamaLMHeadLoss",
@@ -55,6 +62,7 @@ __all__ = [
     "NotVerified",
     "PackedRows",
     "PatchReport",
+    "capture_train_step",
     "causal_lm_loss",
     "export_autograd",
     "fuse_causal_lm_loss",

@@ -16,10 +16,14 @@ script = load_script("host_work")
 def test_it_times_both_steps_and_profiles_the_patched_one(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
+    import torch
+
     argv = ["--layers", "1", "--tokens", "8", "--rounds", "1", "--steps", "2", "--profile", "40"]
+    threads = torch.get_num_threads()
     assert script.main([*argv, "--out", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == threads  # its one intra-op thread is undone
     result = json.loads((tmp_path / "host_work.json").read_text())
-    assert result["layers"] == 1
+    assert result["layers"] == 1 and result["threads"] == 1
     assert set(result["min_ms_per_step"]) == {"hf", "coda", "coda_hf_residual"}
     assert all(ms > 0 for ms in result["min_ms_per_step"].values())
     printed = capsys.readouterr().out
