@@ -285,3 +285,20 @@ def test_a_step_is_tuned_once_per_shape_and_narrowed_for_later_candidates(
     third = tune(edited=True)
     assert [configs for _, configs in screened] == [space[:2], space[2:]] * 2
     assert all(r.best == space[2] and not r.narrowed for r in third.values())
+
+
+def test_a_config_is_forced_to_a_slicing_only_where_its_tile_takes_it() -> None:
+    from coda.primitives.codegen.configs import GPU_DEFAULT, with_subtiles
+
+    tuned = GPU_DEFAULT.model_copy(update={"block_n": 256, "flatten": True, "programs_per_sm": 2})
+    four = with_subtiles(tuned, 4)
+    assert four.epilogue_subtiles == 4 and four.epilogue_block_n == 64
+    assert four.model_dump(exclude={"epilogue_subtiles"}) == tuned.model_dump(
+        exclude={"epilogue_subtiles"}
+    )
+    with pytest.raises(ValueError, match="leaves 8 columns each, fewer than 16"):
+        with_subtiles(SMALL.model_copy(update={"block_n": 32}), 4)
+    with pytest.raises(ValueError, match="needs a multiple of 128 .whole heads"):
+        with_subtiles(tuned, 4, multiple=128)
+    with pytest.raises(ValueError, match="must be 1, 2 or 4, got 3"):
+        with_subtiles(tuned, 3)
