@@ -6,13 +6,13 @@ layouts), each aux step, and each gemm step timed alone on the tensors of a full
 step next to the cuBLAS GEMM of its shape (interleaved rounds), with its config, mainloop and the
 compiled kernel's registers and spills. The rows add up to the Program's time less launch gaps.
 
-``--subtiles 1,2,4`` also times every fused gemm step with its epilogue forced to each of these
+``--subtiles 1,2,4,8`` also times every fused gemm step with its epilogue forced to each of these
 numbers of column sub-tiles (``MainloopConfig.epilogue_subtiles``; the tuned tile, stages and warps
 kept), in the same interleaved rounds as the tuned config and cuBLAS, each with its registers and
 spills and checked against the reference executor. A slicing the tile cannot take (slices under
 16 columns, or not whole heads) is listed with the reason.
 
-    python3 bench/mlp_steps.py [--out DIR] [--sizes 2048,4096] [--tune quick] [--subtiles 1,2,4]
+    python3 bench/mlp_steps.py [--out DIR] [--sizes 2048,4096] [--tune quick] [--subtiles 1,2,4,8]
     python3 bench/mlp_steps.py --dry-run   # CPU, toy sizes, interpreter: checks the script only
 """
 
@@ -38,13 +38,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--subtiles",
         default="",
-        help="also time each fused gemm step at these epilogue sub-tile counts, e.g. 1,2,4",
+        help="also time each fused gemm step at these epilogue sub-tile counts, e.g. 1,2,4,8",
     )
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: checks the script only")
     args = p.parse_args(argv)
     args.subtiles = [int(s) for s in args.subtiles.split(",") if s]
-    if any(s not in (1, 2, 4) for s in args.subtiles):
-        p.error(f"--subtiles takes 1, 2 or 4 (comma-separated), got {args.subtiles}")
+    if any(s not in (1, 2, 4, 8) for s in args.subtiles):
+        p.error(f"--subtiles takes 1, 2, 4 or 8 (comma-separated), got {args.subtiles}")
     return args
 
 

@@ -15,14 +15,14 @@ Times are medians of ``triton.testing.do_bench`` (L2 flushed between repetitions
 is printed last; full numbers go to ``paper_kernels.json`` and ``paper_kernels.md`` in ``--out``
 (default ``$OUT``, else ``bench/out``).
 
-``--subtiles 1,2,4`` also times each paper kernel's fused Program with every fused step's epilogue
+``--subtiles 1,2,4,8`` also times each paper kernel's fused Program with every fused step's epilogue
 forced to each of these numbers of column sub-tiles (``MainloopConfig.epilogue_subtiles``; the
 tuned tiles otherwise kept), in the same interleaved rounds as the tuned Program, each checked like
 it and reported with its registers and spills (the llama_mlp section is not forced:
 ``bench/mlp_steps.py --subtiles`` times its steps).
 
     python3 bench/paper_kernels.py [--out DIR] [--only gemm_swiglu,...] [--skip-mlp]
-        [--subtiles 1,2,4]
+        [--subtiles 1,2,4,8]
     python3 bench/paper_kernels.py --dry-run   # CPU, toy sizes, interpreter: checks the script only
 """
 
@@ -69,12 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--subtiles",
         default="",
-        help="also time each kernel with its epilogues forced to these sub-tile counts, e.g. 1,2,4",
+        help="also time each kernel with its epilogues forced to these sub-tile counts (1,2,4,8)",
     )
     args = p.parse_args(argv)
     args.subtiles = [int(s) for s in args.subtiles.split(",") if s]
-    if any(s not in (1, 2, 4) for s in args.subtiles):
-        p.error(f"--subtiles takes 1, 2 or 4 (comma-separated), got {args.subtiles}")
+    if any(s not in (1, 2, 4, 8) for s in args.subtiles):
+        p.error(f"--subtiles takes 1, 2, 4 or 8 (comma-separated), got {args.subtiles}")
     return args
 
 

@@ -63,10 +63,17 @@ class Candidate(NamedTuple):
 # GEMM on residual + partial RMSNorm, 1.15× → 1.08× on RMSNorm + partial cross-entropy (8192³,
 # codegen v6, ``bench/experiments/occupancy.py``, run 2026-11-30g; with v7's lighter epilogue the
 # cross-entropy kernels' tuner picks one program of 128×256 instead).
+#
+# Eight sub-tiles of 32 columns: the backward epilogues (SwiGLU backward: load g and u, write dz;
+# RMSNorm backward: load x and dout, write dx and y) still spill on a 128×256 tile in four. Compiled
+# for sm_90 (Triton 3.9's ptxas on a CPU, registers / spill stack, not timed): SwiGLU backward
+# 255 / 312 B in 2, 254 / 0 in 4, 232 / 0 in 8; RMSNorm backward 255 / 656 B, 255 / 144 B,
+# 250 / 0.
 _HOPPER_SPACE = [
     Candidate(128, 256, 64, 8, 3, 2),
     Candidate(128, 256, 64, 8, 4, 2),
     Candidate(128, 256, 64, 8, 3, 4),
+    Candidate(128, 256, 64, 8, 3, 8),
     Candidate(128, 256, 64, 8, 3, 1),
     Candidate(128, 256, 64, 8, 3, 2, flatten=True),
     Candidate(128, 256, 64, 8, 3, 2, flatten=True, warp_specialize=True),
@@ -88,13 +95,14 @@ _HOPPER_SPACE = [
 ]
 
 # A small space for sweeps over many kernels (bench/paper_kernels.py) and first calls of exported
-# ops: the leaders of the first H200 sweep, 64-column epilogue slices for heavy (reducing)
-# epilogues — also flattened, which helped reducing epilogues in the split-reduction experiment
-# (bench/RESULTS.md, run 2026-11-30e) — the two leading two-programs-per-SM candidates, and the
-# narrow tiles.
+# ops: the leaders of the first H200 sweep, 64- and 32-column epilogue slices for heavy epilogues
+# (the 64-column ones also flattened, which helped reducing epilogues in the split-reduction
+# experiment, bench/RESULTS.md, run 2026-11-30e), the two leading two-programs-per-SM candidates,
+# and the narrow tiles.
 QUICK_SPACE = [
     Candidate(128, 256, 64, 8, 3, 2),
     Candidate(128, 256, 64, 8, 3, 4),
+    Candidate(128, 256, 64, 8, 3, 8),
     Candidate(128, 256, 64, 8, 3, 4, flatten=True),
     Candidate(128, 128, 64, 8, 4, 2, flatten=True),
     Candidate(128, 128, 64, 4, 3, 2, programs_per_sm=2),

@@ -653,10 +653,11 @@ def test_epilogue_tiles_tma_cannot_describe_keep_the_tma_mainloop(name: str) -> 
     _run_case(ALL_CASES[name], sizes, torch.float32, expect_variants={"tma_mainloop"})
 
 
-# Sub-tiled epilogues against the unsliced one: one row (M = 1), ragged N and K. N = 100 on
-# 64-column tiles leaves the second tile 36 columns: in 4 sub-tiles of 16 its third is ragged and
-# its fourth lies wholly past N; K = 29 is no multiple of the K step.
-SLICED_SIZES = {"M": 1, "N": 100, "K": 29}
+# Sub-tiled epilogues against the unsliced one: one row (M = 1), ragged N and K. N = 150 on
+# 128-column tiles leaves the second tile 22 columns: in 8 sub-tiles of 16 its second is ragged and
+# the six after it lie wholly past N; K = 29 is no multiple of the K step.
+SLICED_SIZES = {"M": 1, "N": 150, "K": 29}
+SLICED_TILE = {"block_m": 16, "block_n": 128, "block_k": 16}
 _COMBINE = {
     "sum": lambda p: p.sum(dim=1),
     "sumsq": lambda p: p.sum(dim=1),
@@ -696,13 +697,13 @@ SLICED_CASES = [(n, torch.float32) for n in sorted(ALL_CASES)] + [
 
 @pytest.mark.parametrize(("name", "dtype"), SLICED_CASES, ids=lambda v: str(v).split(".")[-1])
 def test_sliced_epilogue_equals_the_unsliced_one(name: str, dtype: torch.dtype) -> None:
-    """Every primitive's epilogue in 2 and 4 column sub-tiles computes what it computes on the
+    """Every primitive's epilogue in 2, 4 and 8 column sub-tiles computes what it computes on the
     whole tile: tiles and column partials bit for bit (the same fp32 operations per element),
     row partials — one slot per sub-tile instead of per tile — equal once combined."""
-    case, tile = ALL_CASES[name], {"block_m": 16, "block_n": 64, "block_k": 16}
-    whole, _ = _kernel_tensors(case, SLICED_SIZES, {**tile, "epilogue_subtiles": 1}, dtype)
-    for subtiles in (2, 4):
-        config = {**tile, "epilogue_subtiles": subtiles}
+    case = ALL_CASES[name]
+    whole, _ = _kernel_tensors(case, SLICED_SIZES, {**SLICED_TILE, "epilogue_subtiles": 1}, dtype)
+    for subtiles in (2, 4, 8):
+        config = {**SLICED_TILE, "epilogue_subtiles": subtiles}
         sliced, info = _kernel_tensors(case, SLICED_SIZES, config, dtype)
         assert sliced.keys() == whole.keys()
         for tensor, got in sliced.items():
@@ -712,8 +713,8 @@ def test_sliced_epilogue_equals_the_unsliced_one(name: str, dtype: torch.dtype) 
             if partials is None or partials.axis == "col":
                 assert torch.equal(got, whole[tensor]), f"{what}: differs"
                 continue
-            # one slot per sub-tile (in N: ⌈100 / 32⌉ = 4, ⌈100 / 16⌉ = 7 of 8; half as wide in N/2)
-            block = 64 // subtiles * partials.length // SLICED_SIZES["N"]
+            # one slot per sub-tile (in N, 8 sub-tiles: ⌈150 / 16⌉ = 10 of 16; half as wide in N/2)
+            block = SLICED_TILE["block_n"] // subtiles * partials.length // SLICED_SIZES["N"]
             assert got.shape[1] == -(-partials.length // block), f"{what}: {got.shape[1]} slots"
             combine = _COMBINE[partials.kind]
             want = combine(whole[tensor].double())

@@ -300,5 +300,5 @@ def test_a_config_is_forced_to_a_slicing_only_where_its_tile_takes_it() -> None:
         with_subtiles(SMALL.model_copy(update={"block_n": 32}), 4)
     with pytest.raises(ValueError, match="needs a multiple of 128 .whole heads"):
         with_subtiles(tuned, 4, multiple=128)
-    with pytest.raises(ValueError, match="must be 1, 2 or 4, got 3"):
+    with pytest.raises(ValueError, match=r"must be one of \(1, 2, 4, 8\), got 3"):
         with_subtiles(tuned, 3)
