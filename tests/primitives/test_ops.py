@@ -608,13 +608,14 @@ REDUCING = sorted(n for n in ALL_CASES if "partial_reduce" in n or n == "select_
 
 
 @pytest.mark.parametrize("mainloop", ["tma", "tma_mainloop", "pointer"])
-@pytest.mark.parametrize("subtiles", [2, 4])
+@pytest.mark.parametrize("subtiles", [2, 4, 8])
 @pytest.mark.parametrize("name", REDUCING)
 def test_reductions_over_epilogue_subtiles(name: str, subtiles: int, mainloop: str) -> None:
     """Epilogues that reduce run on the accumulator's column sub-tiles: partials per sub-tile, a
     target column found in whichever sub-tile holds it, on every kernel variant and ragged edges
     (the last tile's last sub-tiles lie wholly past N: their partial slots are not written)."""
-    config = {"block_m": 32, "block_n": 64, "block_k": 16, "epilogue_subtiles": subtiles}
+    block_n = 16 * subtiles if subtiles > 4 else 64  # sub-tiles of at least 16 columns
+    config = {"block_m": 32, "block_n": block_n, "block_k": 16, "epilogue_subtiles": subtiles}
     sizes = {"M": 37, "N": 148, "K": 32}  # ragged M, N; TMA-describable rows in every space
     _run_case(ALL_CASES[name], sizes, torch.float32, config=config, mainloop=mainloop)
 
