@@ -64,11 +64,13 @@ class Candidate(NamedTuple):
 # codegen v6, ``bench/experiments/occupancy.py``, run 2026-11-30g; with v7's lighter epilogue the
 # cross-entropy kernels' tuner picks one program of 128×256 instead).
 #
-# Eight sub-tiles of 32 columns: the backward epilogues (SwiGLU backward: load g and u, write dz;
-# RMSNorm backward: load x and dout, write dx and y) still spill on a 128×256 tile in four. Compiled
-# for sm_90 (Triton 3.9's ptxas on a CPU, registers / spill stack, not timed): SwiGLU backward
-# 255 / 312 B in 2, 254 / 0 in 4, 232 / 0 in 8; RMSNorm backward 255 / 656 B, 255 / 144 B,
-# 250 / 0.
+# Eight sub-tiles of 32 columns: epilogues that move several tiles (SwiGLU backward: load g and u,
+# write dz; RMSNorm backward: load x and dout, write dx and y; RoPE) still spill on a 128×256 tile
+# in four. Compiled for sm_90 by Triton 3.9 on a CPU (bench/experiments/subtile_registers.py;
+# registers / spill stack per thread in 2, 4, 8 sub-tiles; not timed): the training step's SwiGLU
+# backward 255 / 312 B, 254 / 0, 232 / 0; its RMSNorm backward 255 / 656 B, 255 / 144 B, 250 / 0;
+# the paper's RMSNorm backward 255 / 800 B, 255 / 256 B, 254 / 0; RMSNorm + RoPE 255 / 664 B,
+# 255 / 176 B, 232 / 0.
 _HOPPER_SPACE = [
     Candidate(128, 256, 64, 8, 3, 2),
     Candidate(128, 256, 64, 8, 4, 2),
