@@ -302,3 +302,18 @@ def test_a_config_is_forced_to_a_slicing_only_where_its_tile_takes_it() -> None:
         with_subtiles(tuned, 4, multiple=128)
     with pytest.raises(ValueError, match=r"must be one of \(1, 2, 4, 8\), got 3"):
         with_subtiles(tuned, 3)
+
+
+def test_eight_sub_tiles_are_tried_only_where_every_sub_tile_holds_whole_segments() -> None:
+    from coda.primitives.codegen.tuning import QUICK_SPACE, candidate_configs
+
+    def slicings(multiple: int) -> set[tuple[int, int]]:
+        configs = candidate_configs(
+            8192, 8192, 8192, itemsize=2, interpret=False, space=QUICK_SPACE,
+            column_multiple=multiple,
+        )  # fmt: skip
+        return {(c.block_n, c.epilogue_subtiles) for c in configs}
+
+    assert (256, 8) in slicings(1) and (256, 8) in slicings(32)
+    # 64-column heads (a head_rmsnorm epilogue): 256 / 8 = 32 cannot hold one, 256 / 4 can
+    assert (256, 8) not in slicings(64) and (256, 4) in slicings(64)
