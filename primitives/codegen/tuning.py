@@ -22,6 +22,7 @@ configs — reductions of ``tl.split`` sub-tiles on an H200 — and a fast wrong
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import tempfile
@@ -384,11 +385,23 @@ def tuning_key(digest: str, device: str, M: int, N: int, K: int, dtype: torch.dt
 
 
 def related_key(
-    block: str, step: str, device: str, M: int, N: int, K: int, dtype: torch.dtype
+    block: str,
+    step: str,
+    device: str,
+    M: int,
+    N: int,
+    K: int,
+    dtype: torch.dtype,
+    space: list[tuple] | None = None,
 ) -> str:
     """The key of a step's finalists whatever its kernel's text: step ``step`` of ``block``'s
-    Programs at these sizes and dtype (every candidate of a block names its GEMMs alike)."""
-    return "finalists|" + tuning_key(f"{block}:{step}", device, M, N, K, dtype)
+    Programs at these sizes and dtype (every candidate of a block names its GEMMs alike), screened
+    from candidate space ``space`` (default: the whole Hopper space). Finalists of another space —
+    one before a candidate was added — never narrow a screening: the new candidate would never be
+    timed."""
+    entries = repr([tuple(Candidate(*c)) for c in (space or _HOPPER_SPACE)])
+    space_id = hashlib.sha256(entries.encode()).hexdigest()[:8]
+    return "finalists|" + tuning_key(f"{block}:{step}:{space_id}", device, M, N, K, dtype)
 
 
 def _to_screen(
@@ -447,7 +460,7 @@ def tune_program(
             results[name] = TuningResult(name, key, cached, None, cached=True)
             continue
         related = related_key(
-            compiled.program.block, name, device_name, gemm.M, gemm.N, gemm.K, dtype
+            compiled.program.block, name, device_name, gemm.M, gemm.N, gemm.K, dtype, space
         )
         whole = candidate_configs(
             gemm.M,

@@ -317,3 +317,27 @@ def test_eight_sub_tiles_are_tried_only_where_every_sub_tile_holds_whole_segment
     assert (256, 8) in slicings(1) and (256, 8) in slicings(32)
     # 64-column heads (a head_rmsnorm epilogue): 256 / 8 = 32 cannot hold one, 256 / 4 can
     assert (256, 8) not in slicings(64) and (256, 4) in slicings(64)
+
+
+def test_finalists_of_another_candidate_space_narrow_nothing(tmp_path: Path) -> None:
+    """A step's finalists are kept per candidate space: after a candidate is added (the
+    8-sub-tile one), a new kernel of the same step screens the whole space, the new candidate
+    with it, not the finalists an older space kept."""
+    from coda.primitives.codegen.tuning import (
+        QUICK_SPACE,
+        _to_screen,
+        candidate_configs,
+        related_key,
+    )
+
+    def key(space: list | None) -> str:
+        return related_key("llama_mlp", "down", "H200", 64, 32, 48, torch.bfloat16, space)
+
+    older = [c for c in QUICK_SPACE if c.epilogue_subtiles != 8]
+    assert key(QUICK_SPACE) == key([tuple(c) for c in QUICK_SPACE]) != key(older)
+    assert key(None) != key(QUICK_SPACE)  # the default is the whole Hopper space
+    cache = TuningCache(tmp_path / "tuning.json")
+    space = candidate_configs(8192, 8192, 8192, itemsize=2, interpret=False, space=QUICK_SPACE)
+    cache.put_finalists(key(older), space[:2])
+    assert _to_screen(cache, key(older), space) == (space[:2], True)
+    assert _to_screen(cache, key(QUICK_SPACE), space) == (space, False)
