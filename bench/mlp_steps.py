@@ -82,10 +82,12 @@ def step_rows(block_name: str, sizes: dict[str, int], args: argparse.Namespace) 
     inputs = block.make_inputs(sizes, dtype, seed=0, device=device)
     compiled = compile_program(program, analyze(program, sizes))
     prepared = compiled.prepare(inputs)
+    tuning = {}
     if args.tune != "none":
         from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
 
-        tune_program(compiled, prepared, space=QUICK_SPACE if args.tune == "quick" else None)
+        space = QUICK_SPACE if args.tune == "quick" else None
+        tuning = tune_program(compiled, prepared, space=space)
     tensors = compiled.run(prepared)
     info = compiled.info_for(inputs)
     time = _timer(args.dry_run)
@@ -130,6 +132,8 @@ def step_rows(block_name: str, sizes: dict[str, int], args: argparse.Namespace) 
                 "config": None if g.vendor else cfg.model_dump(),
                 "mainloop": compiled.mainloops_used.get(name),
                 "kernel_stats": compiled.kernel_stats.get(name),
+                # every candidate the tuner timed (screening and final-round ms), any it rejected
+                "tuning": tuning[name].as_dict() if name in tuning else None,
                 "subtiles": [
                     {**f, "ms": ms.get(f"e{s}"), "over_cublas": _ratio(ms.get(f"e{s}"), ms)}
                     for s, (_, f) in forced.items()

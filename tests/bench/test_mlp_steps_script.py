@@ -38,7 +38,8 @@ def test_dry_run_times_every_step_of_both_programs(tmp_path: Path) -> None:
     assert two["correct"] and two["ms"] > 0 and two["config"]["epilogue_subtiles"] == 2
     assert two["config"]["block_n"] == backward["down_bwd"]["config"]["block_n"]
     assert four["ms"] is None and "leaves 8 columns each" in four["skipped"]
-    assert backward["w_down_grad"]["subtiles"] == []
+    assert backward["w_down_grad"]["subtiles"] == [] and backward["w_down_grad"]["tuning"] is None
+    assert backward["down_bwd"]["tuning"]["best"]["block_n"] == 32  # the interpreter's one config
     assert "| down_bwd | sub-tiles forced to 2 |" in (tmp_path / "mlp_steps.md").read_text()
 
 
