@@ -15,7 +15,14 @@ Times are medians of ``triton.testing.do_bench`` (L2 flushed between repetitions
 is printed last; full numbers go to ``paper_kernels.json`` and ``paper_kernels.md`` in ``--out``
 (default ``$OUT``, else ``bench/out``).
 
+``--subtiles 1,2,4,8`` also times each paper kernel's fused Program with every fused step's epilogue
+forced to each of these numbers of column sub-tiles (``MainloopConfig.epilogue_subtiles``; the
+tuned tiles otherwise kept), in the same interleaved rounds as the tuned Program, each checked like
+it and reported with its registers and spills (the llama_mlp section is not forced:
+``bench/mlp_steps.py --subtiles`` times its steps).
+
     python3 bench/paper_kernels.py [--out DIR] [--only gemm_swiglu,...] [--skip-mlp]
+        [--subtiles 1,2,4,8]
     python3 bench/paper_kernels.py --dry-run   # CPU, toy sizes, interpreter: checks the script only
 """
 
@@ -59,18 +66,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="quick",
         help="tune each kernel first (quick: tuning.QUICK_SPACE; full: the whole space)",
     )
-    return p.parse_args(argv)
+    p.add_argument(
+        "--subtiles",
+        default="",
+        help="also time each kernel with its epilogues forced to these sub-tile counts (1,2,4,8)",
+    )
+    args = p.parse_args(argv)
+    args.subtiles = [int(s) for s in args.subtiles.split(",") if s]
+    if any(s not in (1, 2, 4, 8) for s in args.subtiles):
+        p.error(f"--subtiles takes 1, 2, 4 or 8 (comma-separated), got {args.subtiles}")
+    return args
 
 
 class Bench:
     """Timing, device and dtype for this run (GPU: do_bench medians; dry run: wall clock)."""
 
-    def __init__(self, dry_run: bool, tune: str = "none", recompute: bool = True) -> None:
+    def __init__(
+        self,
+        dry_run: bool,
+        tune: str = "none",
+        recompute: bool = True,
+        subtiles: list[int] | None = None,
+    ) -> None:
         import torch
 
         self.dry_run = dry_run
         self.tune = tune
         self.recompute = recompute
+        self.subtiles = subtiles or []  # epilogue sub-tile counts each kernel is also timed at
         self.device = "cpu" if dry_run else "cuda"
         # bf16 tl.dot is wrong in the Triton 3.9 interpreter, so a dry run uses float32
         self.dtype = torch.float32 if dry_run else torch.bfloat16
@@ -185,16 +208,34 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
     ref32 = block.reference(_upcast(inputs))
     torch_out = block.reference(inputs)
     checks = [check(o, outs[o], ref32[o], torch_out[o], block, sizes, bench) for o in block.outputs]
+    tuned = compiled.configs_for(info)
+    forced = {}
+    for s in bench.subtiles:
+        forced[s] = forced_row(compiled, info, tuned, s, prepared)
+        if "configs" in forced[s]:
+            got = program.select_outputs(compiled.run(prepared), info.sizes)
+            forced[s]["checks"] = [
+                check(o, got[o], ref32[o], torch_out[o], block, sizes, bench) for o in block.outputs
+            ]
+            forced[s]["correct"] = all(c["passed"] for c in forced[s]["checks"])
+    compiled.configs.update(tuned)
     (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
     reference = bench.compile(lambda **kw: block.reference(kw))
     times = bench.compare(
         {
-            "coda": lambda: compiled.run(prepared),
+            "coda": run_at(compiled, tuned, prepared),
             "gemm": lambda: gemm.call(inputs),
             "eager": lambda: block.reference(inputs),
             "compile": lambda: reference(**inputs),
+            **{
+                f"coda_e{s}": run_at(compiled, f["pinned"], prepared)
+                for s, f in forced.items()
+                if f.get("correct")  # a wrong kernel's time means nothing
+            },
         }
     )
+    compiled.configs.update(tuned)
+    compiled.run(prepared)  # the tuned Program's kernel stats, last
     # The same two from CUDA graphs (no L2 flush): kernel time without the host's launch path
     graphs = {
         "coda_graph_ms": bench.graph_ms(lambda: compiled.run(prepared)),
@@ -212,6 +253,15 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
         "kernel_stats": dict(compiled.kernel_stats),
         # every candidate the tuner timed (screening and final-round ms), and any it rejected
         "tuning": {step: r.as_dict() for step, r in tuning.items()},
+        # the same Program with its epilogues forced to --subtiles sub-tiles
+        "subtiles": [
+            {
+                **{k: v for k, v in f.items() if k != "pinned"},
+                "ms": times.get(f"coda_e{s}"),
+                "over_gemm": _over(times.get(f"coda_e{s}"), times["gemm"]),
+            }
+            for s, f in forced.items()
+        ],
     }
     row["coda_over_gemm"] = row["coda_ms"] / row["gemm_ms"]
     row["compile_over_gemm"] = row["compile_ms"] / row["gemm_ms"]
@@ -219,6 +269,47 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
     m, n, k = block.matmuls(sizes)[0]
     row["coda_tflops"] = 2 * m * n * k / (row["coda_ms"] * 1e-3) / 1e12
     return row
+
+
+def run_at(compiled: Any, configs: dict[str, Any], prepared: dict[str, Any]) -> Callable[[], Any]:
+    """Run the Program with ``configs`` pinned anew on every call (configs of one Program are
+    timed interleaved; each pinning keeps its own run plan)."""
+
+    def run() -> Any:
+        compiled.configs.update(configs)
+        return compiled.run(prepared)
+
+    return run
+
+
+def forced_row(
+    compiled: Any, info: Any, tuned: dict[str, Any], subtiles: int, prepared: dict[str, Any]
+) -> dict[str, Any]:
+    """The Program's tuned configs with every fused step's epilogue in ``subtiles`` column
+    sub-tiles, pinned on ``compiled`` and run once (the kernels' registers and spills); or why a
+    step's tile cannot be sliced so."""
+    from coda.primitives.codegen.configs import with_subtiles
+
+    pinned = dict(tuned)
+    for name, gemm in info.gemms.items():
+        if gemm.vendor and compiled.use_vendor:
+            continue
+        try:
+            pinned[name] = with_subtiles(tuned[name], subtiles, gemm.column_multiple)
+        except ValueError as e:
+            return {"subtiles": subtiles, "skipped": f"step {name!r}: {e}"}
+    compiled.configs.update(pinned)
+    compiled.run(prepared)
+    return {
+        "subtiles": subtiles,
+        "pinned": pinned,
+        "configs": {n: c.model_dump() for n, c in pinned.items()},
+        "kernel_stats": dict(compiled.kernel_stats),
+    }
+
+
+def _over(ms: float | None, base: float) -> float | None:
+    return None if ms is None else ms / base
 
 
 def kernel_section(
@@ -431,6 +522,9 @@ def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
                 f"{_f(r['coda_tflops'], '.0f')} | "
                 f"{_f(r.get('coda_graph_ms'))} / {_f(r.get('gemm_graph_ms'))} |"
             )
+    forced = [(r, f) for r in kernels for f in r.get("subtiles", [])]
+    if forced:
+        lines += ["", *_forced_table(forced)]
     if mlp:
         lines += [
             "",
@@ -454,6 +548,26 @@ def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
                 f"{_f(r.get('coda_packed_speedup_vs_compile'))}× |"
             )
     return "\n".join(lines)
+
+
+def _forced_table(forced: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """The kernels again with their epilogues forced to each ``--subtiles`` count."""
+    lines = [
+        "| kernel | M=N=K | sub-tiles forced | ok | CODA ms | CODA / GEMM | tuned CODA ms | "
+        "regs / spills |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r, f in forced:
+        where = f"| {r['block']} | {r['sizes']['M']} | {f['subtiles']} |"
+        if "skipped" in f:
+            lines.append(f"{where} n/a: {f['skipped']} |")
+            continue
+        stats = [f"{s['registers']} / {s['spills']}" for s in f["kernel_stats"].values() if s]
+        lines.append(
+            f"{where} {'yes' if f['correct'] else 'NO'} | {_f(f['ms'])} | {_f(f['over_gemm'])}× | "
+            f"{_f(r['coda_ms'])} | {', '.join(stats)} |"
+        )
+    return lines
 
 
 def environment(bench: Bench, argv: list[str] | None) -> dict[str, Any]:
@@ -481,7 +595,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import coda.primitives  # noqa: F401  (its kernels run in the interpreter without a GPU)
 
-    bench = Bench(args.dry_run, args.tune, recompute=not args.skip_recompute)
+    bench = Bench(
+        args.dry_run, args.tune, recompute=not args.skip_recompute, subtiles=args.subtiles
+    )
     only = [s for s in args.only.split(",") if s]
     print(f"paper kernels and llama_mlp on {environment(bench, argv)['device']}", flush=True)
     out = Path(args.out)
@@ -506,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text + note, flush=True)
     print(f"full numbers: {out / 'paper_kernels.json'}")
     failed = [r for r in [*kernels, *mlp] if "error" in r or not r.get("correct", False)]
+    failed += [f for r in kernels for f in r.get("subtiles", []) if f.get("correct") is False]
     return 1 if failed else 0
 
 

@@ -93,8 +93,9 @@ class MainloopConfig(Node):
 
     ``block_m/n/k``: output tile and K step; ``group_m``: grouped tile order (L2 reuse);
     ``num_warps``, ``num_stages``: Triton launch parameters; ``epilogue_subtiles``: the epilogue
-    runs on 1, 2 or 4 column slices of the tile in turn (fewer live registers; an epilogue that
-    reduces writes its row partials one slot per slice);
+    runs on 1, 2, 4 or 8 column slices of the tile in turn, each at least 16 columns wide (fewer
+    live registers: a 128×256 tile's heavy backward epilogues spill in 2 slices, not in 8; an
+    epilogue that reduces writes its row partials one slot per slice);
     ``flatten``: let Triton pipeline across output tiles of the persistent loop;
     ``warp_specialize``: producer and consumer warps for the persistent loop (Triton ≥ 3.4; a config
     that does not compile is pruned);
@@ -110,7 +111,7 @@ class MainloopConfig(Node):
     group_m: int = Field(8, ge=1, le=64)
     num_warps: int = 8
     num_stages: int = Field(3, ge=1, le=8)
-    epilogue_subtiles: Literal[1, 2, 4] = 1
+    epilogue_subtiles: Literal[1, 2, 4, 8] = 1
     flatten: bool = False
     warp_specialize: bool = False
     programs_per_sm: Literal[1, 2] = 1

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from .. import backend
 from ..ir import MainloopConfig
+from .kernel import SUBTILE_COUNTS
 
 if TYPE_CHECKING:
     from ..analysis import GemmInfo
@@ -50,3 +51,29 @@ def fit_columns(config: MainloopConfig, multiple: int) -> MainloopConfig:
     return config.model_copy(
         update={"block_m": block_m, "block_n": block_n, "epilogue_subtiles": 1}
     )
+
+
+def with_subtiles(config: MainloopConfig, subtiles: int, multiple: int = 1) -> MainloopConfig:
+    """``config`` with its epilogue run on ``subtiles`` column slices of the same tile (every
+    other field kept): how a benchmark times one tuned kernel at each slicing side by side.
+
+    Raises ``ValueError`` naming the config when the slicing cannot run it: ``subtiles`` not one
+    of ``SUBTILE_COUNTS`` (1, 2, 4, 8), slices narrower than 16 columns, or slices not a multiple
+    of ``multiple`` columns (the step's ``column_multiple``: an epilogue that reduces over whole
+    heads needs every head inside one slice)."""
+    if subtiles not in SUBTILE_COUNTS:
+        raise ValueError(f"epilogue sub-tiles must be one of {SUBTILE_COUNTS}, got {subtiles}")
+    width = config.block_n // subtiles
+    tile = f"{config.block_m}×{config.block_n}"
+    if width < 16:
+        raise ValueError(
+            f"a {tile} tile in {subtiles} epilogue sub-tiles leaves {width} columns each, "
+            "fewer than 16: use fewer sub-tiles or a wider block_n"
+        )
+    if width % multiple:
+        raise ValueError(
+            f"a {tile} tile in {subtiles} epilogue sub-tiles leaves {width} columns each, but "
+            f"this epilogue needs a multiple of {multiple} (whole heads in each sub-tile): use "
+            "fewer sub-tiles"
+        )
+    return config.model_copy(update={"epilogue_subtiles": subtiles})

@@ -46,7 +46,7 @@ from ..settings import current
 from .context import EmitContext, Param
 from .emitter import IndentedBuffer
 
-GENERATOR_VERSION = "7"
+GENERATOR_VERSION = "8"
 
 # The Hopper kernels' operand descriptors; every other descriptor is a tile of the epilogue.
 OPERAND_DESCRIPTORS = ("a_desc", "b_desc")
@@ -106,30 +106,52 @@ _META = [
     "FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,",
 ]
 
-_SUBTILES = """\
-# Split the BLOCK_SIZE_M × BLOCK_SIZE_N accumulator into column sub-tiles, epilogue on each.
-if EPILOGUE_SUBTILES == 1:
-    {epi}(accumulator, pid_m, pid_n * BLOCK_SIZE_N, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N)
-elif EPILOGUE_SUBTILES == 2:
-    halves = tl.permute(tl.reshape(accumulator, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 2)), (0, 2, 1))
-    acc0, acc1 = tl.split(halves)
-    start_n = pid_n * BLOCK_SIZE_N
-    {epi}(acc0, pid_m, start_n, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 2)
-    {epi}(acc1, pid_m, start_n + BLOCK_SIZE_N // 2, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 2)
-else:
-    tl.static_assert(EPILOGUE_SUBTILES == 4, "EPILOGUE_SUBTILES must be 1, 2 or 4")
-    halves = tl.permute(tl.reshape(accumulator, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 2)), (0, 2, 1))
-    left, right = tl.split(halves)
-    quarters = tl.permute(tl.reshape(left, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 4)), (0, 2, 1))
-    acc0, acc1 = tl.split(quarters)
-    quarters = tl.permute(tl.reshape(right, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 4)), (0, 2, 1))
-    acc2, acc3 = tl.split(quarters)
-    start_n = pid_n * BLOCK_SIZE_N
-    {epi}(acc0, pid_m, start_n, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
-    {epi}(acc1, pid_m, start_n + BLOCK_SIZE_N // 4, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
-    {epi}(acc2, pid_m, start_n + BLOCK_SIZE_N // 2, {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
-    {epi}(acc3, pid_m, start_n + 3 * (BLOCK_SIZE_N // 4), {args}, BLOCK_SIZE_M, BLOCK_SIZE_N // 4)
-"""
+# The numbers of column sub-tiles an epilogue can run on (``MainloopConfig.epilogue_subtiles``).
+SUBTILE_COUNTS = (1, 2, 4, 8)
+
+
+def _subtiles_body(epi: str, args: str) -> str:
+    """The body of ``_<step>_epilogue_tile``: one branch per sub-tile count (a constexpr, so one
+    survives compilation). Each level of splitting halves every piece of the level before —
+    ``tl.reshape`` to ``(rows, 2, width / 2)``, ``tl.permute`` the 2 last, ``tl.split`` — as
+    Triton's persistent-matmul tutorial does; piece ``acc_01`` is the second quarter. The epilogue
+    then runs on the pieces left to right, each with its own first column."""
+    out = [
+        "# Split the BLOCK_SIZE_M × BLOCK_SIZE_N accumulator into column sub-tiles, epilogue on "
+        "each.",
+        "start_n = pid_n * BLOCK_SIZE_N",
+    ]
+    for count in SUBTILE_COUNTS:
+        if count == SUBTILE_COUNTS[0]:
+            out.append(f"if EPILOGUE_SUBTILES == {count}:")
+        elif count != SUBTILE_COUNTS[-1]:
+            out.append(f"elif EPILOGUE_SUBTILES == {count}:")
+        else:
+            allowed = ", ".join(map(str, SUBTILE_COUNTS[:-1])) + f" or {count}"
+            out.append("else:")
+            out.append(
+                f"    tl.static_assert(EPILOGUE_SUBTILES == {count}, "
+                f'"EPILOGUE_SUBTILES must be {allowed}")'
+            )
+        pieces = ["accumulator"]
+        width = 1
+        while len(pieces) < count:
+            width *= 2
+            halves = []
+            for piece in pieces:
+                stem = "acc_" if piece == "accumulator" else piece
+                out.append(
+                    f"    pair = tl.permute(tl.reshape({piece}, (BLOCK_SIZE_M, 2, "
+                    f"BLOCK_SIZE_N // {width})), (0, 2, 1))"
+                )
+                out.append(f"    {stem}0, {stem}1 = tl.split(pair)")
+                halves += [f"{stem}0", f"{stem}1"]
+            pieces = halves
+        epi_n = "BLOCK_SIZE_N" if count == 1 else f"BLOCK_SIZE_N // {count}"
+        for k, piece in enumerate(pieces):
+            first = ["start_n", f"start_n + {epi_n}"][k] if k < 2 else f"start_n + {k} * ({epi_n})"
+            out.append(f"    {epi}({piece}, pid_m, {first}, {args}, BLOCK_SIZE_M, {epi_n})")
+    return "\n".join(out)
 
 
 @dataclass(frozen=True)
@@ -262,7 +284,7 @@ def _render_epilogue(
         ],
     )
     with buf.indent():
-        buf.line(_wrap_calls(_SUBTILES.format(epi=function, args=_names(params)).rstrip()))
+        buf.line(_wrap_calls(_subtiles_body(function, _names(params))))
 
 
 def _operand_dims(step: GemmEpilogue) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -22,6 +22,7 @@ configs — reductions of ``tl.split`` sub-tiles on an H200 — and a fast wrong
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import tempfile
@@ -63,10 +64,19 @@ class Candidate(NamedTuple):
 # GEMM on residual + partial RMSNorm, 1.15× → 1.08× on RMSNorm + partial cross-entropy (8192³,
 # codegen v6, ``bench/experiments/occupancy.py``, run 2026-11-30g; with v7's lighter epilogue the
 # cross-entropy kernels' tuner picks one program of 128×256 instead).
+#
+# Eight sub-tiles of 32 columns: epilogues that move several tiles (SwiGLU backward: load g and u,
+# write dz; RMSNorm backward: load x and dout, write dx and y; RoPE) still spill on a 128×256 tile
+# in four. Compiled for sm_90 by Triton 3.9 on a CPU (bench/experiments/subtile_registers.py;
+# registers / spill stack per thread in 2, 4, 8 sub-tiles; not timed): the training step's SwiGLU
+# backward 255 / 312 B, 254 / 0, 232 / 0; its RMSNorm backward 255 / 656 B, 255 / 144 B, 250 / 0;
+# the paper's RMSNorm backward 255 / 800 B, 255 / 256 B, 254 / 0; RMSNorm + RoPE 255 / 664 B,
+# 255 / 176 B, 232 / 0.
 _HOPPER_SPACE = [
     Candidate(128, 256, 64, 8, 3, 2),
     Candidate(128, 256, 64, 8, 4, 2),
     Candidate(128, 256, 64, 8, 3, 4),
+    Candidate(128, 256, 64, 8, 3, 8),
     Candidate(128, 256, 64, 8, 3, 1),
     Candidate(128, 256, 64, 8, 3, 2, flatten=True),
     Candidate(128, 256, 64, 8, 3, 2, flatten=True, warp_specialize=True),
@@ -88,13 +98,14 @@ _HOPPER_SPACE = [
 ]
 
 # A small space for sweeps over many kernels (bench/paper_kernels.py) and first calls of exported
-# ops: the leaders of the first H200 sweep, 64-column epilogue slices for heavy (reducing)
-# epilogues — also flattened, which helped reducing epilogues in the split-reduction experiment
-# (bench/RESULTS.md, run 2026-11-30e) — the two leading two-programs-per-SM candidates, and the
-# narrow tiles.
+# ops: the leaders of the first H200 sweep, 64- and 32-column epilogue slices for heavy epilogues
+# (the 64-column ones also flattened, which helped reducing epilogues in the split-reduction
+# experiment, bench/RESULTS.md, run 2026-11-30e), the two leading two-programs-per-SM candidates,
+# and the narrow tiles.
 QUICK_SPACE = [
     Candidate(128, 256, 64, 8, 3, 2),
     Candidate(128, 256, 64, 8, 3, 4),
+    Candidate(128, 256, 64, 8, 3, 8),
     Candidate(128, 256, 64, 8, 3, 4, flatten=True),
     Candidate(128, 128, 64, 8, 4, 2, flatten=True),
     Candidate(128, 128, 64, 4, 3, 2, programs_per_sm=2),
@@ -374,11 +385,23 @@ def tuning_key(digest: str, device: str, M: int, N: int, K: int, dtype: torch.dt
 
 
 def related_key(
-    block: str, step: str, device: str, M: int, N: int, K: int, dtype: torch.dtype
+    block: str,
+    step: str,
+    device: str,
+    M: int,
+    N: int,
+    K: int,
+    dtype: torch.dtype,
+    space: list[tuple] | None = None,
 ) -> str:
     """The key of a step's finalists whatever its kernel's text: step ``step`` of ``block``'s
-    Programs at these sizes and dtype (every candidate of a block names its GEMMs alike)."""
-    return "finalists|" + tuning_key(f"{block}:{step}", device, M, N, K, dtype)
+    Programs at these sizes and dtype (every candidate of a block names its GEMMs alike), screened
+    from candidate space ``space`` (default: the whole Hopper space). Finalists of another space —
+    one before a candidate was added — never narrow a screening: the new candidate would never be
+    timed."""
+    entries = repr([tuple(Candidate(*c)) for c in (space or _HOPPER_SPACE)])
+    space_id = hashlib.sha256(entries.encode()).hexdigest()[:8]
+    return "finalists|" + tuning_key(f"{block}:{step}:{space_id}", device, M, N, K, dtype)
 
 
 def _to_screen(
@@ -437,7 +460,7 @@ def tune_program(
             results[name] = TuningResult(name, key, cached, None, cached=True)
             continue
         related = related_key(
-            compiled.program.block, name, device_name, gemm.M, gemm.N, gemm.K, dtype
+            compiled.program.block, name, device_name, gemm.M, gemm.N, gemm.K, dtype, space
         )
         whole = candidate_configs(
             gemm.M,

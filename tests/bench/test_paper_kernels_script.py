@@ -28,8 +28,9 @@ def table_of(out: Path) -> str:
 
 
 def test_dry_run_writes_tables_and_numbers(tmp_path: Path) -> None:
+    only = "gemm_rmsnorm_swiglu,gemm_rope"
     code = _script().main(
-        ["--dry-run", "--out", str(tmp_path), "--only", "gemm_rmsnorm_swiglu,gemm_rope"]
+        ["--dry-run", "--out", str(tmp_path), "--only", only, "--subtiles", "2,4"]
     )
     assert code == 0
     result = json.loads((tmp_path / "paper_kernels.json").read_text())
@@ -42,3 +43,11 @@ def test_dry_run_writes_tables_and_numbers(tmp_path: Path) -> None:
     assert mlp["coda_packed_fwd_bwd_ms"] > 0 and "packed vs compile" in table_of(tmp_path)
     table = table_of(tmp_path)
     assert "DRY RUN" in table and "| gemm_rope |" in table
+    # --subtiles: each kernel again with its epilogue in 2 sub-tiles (checked, timed); 4 refused
+    # with why (the interpreter's 32-column tile would leave 8-column sub-tiles)
+    for r in result["kernels"]:
+        two, four = r["subtiles"]
+        assert two["correct"] and two["ms"] > 0
+        assert {c["epilogue_subtiles"] for c in two["configs"].values()} == {2}
+        assert "leaves 8 columns each" in four["skipped"]
+    assert "| gemm_rope | 64 | 2 | yes |" in table

@@ -61,6 +61,8 @@ def test_transposed_operands_gpu(a_t: bool, b_t: bool) -> None:
 
 HOPPER_CONFIGS = [
     {"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "epilogue_subtiles": 2},
+    # eight 32-column sub-tiles (three levels of tl.split), the tuning spaces' backward candidate
+    {"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "epilogue_subtiles": 8},
     {
         "block_m": 128,
         "block_n": 128,

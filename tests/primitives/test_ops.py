@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coda.primitives import EpilogueOp
+from coda.primitives import EpilogueOp, analyze, bind_sizes, compile_program
 from coda.primitives.reference import execute_reference
 from coda.sandbox.compare import assert_close
 from tests.helpers import DTYPE_TOL, gemm_program, make_inputs, rope_tables, run_both
@@ -608,13 +608,14 @@ REDUCING = sorted(n for n in ALL_CASES if "partial_reduce" in n or n == "select_
 
 
 @pytest.mark.parametrize("mainloop", ["tma", "tma_mainloop", "pointer"])
-@pytest.mark.parametrize("subtiles", [2, 4])
+@pytest.mark.parametrize("subtiles", [2, 4, 8])
 @pytest.mark.parametrize("name", REDUCING)
 def test_reductions_over_epilogue_subtiles(name: str, subtiles: int, mainloop: str) -> None:
     """Epilogues that reduce run on the accumulator's column sub-tiles: partials per sub-tile, a
     target column found in whichever sub-tile holds it, on every kernel variant and ragged edges
     (the last tile's last sub-tiles lie wholly past N: their partial slots are not written)."""
-    config = {"block_m": 32, "block_n": 64, "block_k": 16, "epilogue_subtiles": subtiles}
+    block_n = 16 * subtiles if subtiles > 4 else 64  # sub-tiles of at least 16 columns
+    config = {"block_m": 32, "block_n": block_n, "block_k": 16, "epilogue_subtiles": subtiles}
     sizes = {"M": 37, "N": 148, "K": 32}  # ragged M, N; TMA-describable rows in every space
     _run_case(ALL_CASES[name], sizes, torch.float32, config=config, mainloop=mainloop)
 
@@ -651,3 +652,71 @@ def test_epilogue_tiles_tma_cannot_describe_keep_the_tma_mainloop(name: str) -> 
     # fp32 rows of 50 (or 25) elements are not 16-byte multiples; the operands' are
     sizes = {"M": 37, "N": 50, "K": 32}
     _run_case(ALL_CASES[name], sizes, torch.float32, expect_variants={"tma_mainloop"})
+
+
+# Sub-tiled epilogues against the unsliced one: one row (M = 1), ragged N and K. N = 150 on
+# 128-column tiles leaves the second tile 22 columns: in 8 sub-tiles of 16 its second is ragged and
+# the six after it lie wholly past N; K = 29 is no multiple of the K step.
+SLICED_SIZES = {"M": 1, "N": 150, "K": 29}
+SLICED_TILE = {"block_m": 16, "block_n": 128, "block_k": 16}
+_COMBINE = {
+    "sum": lambda p: p.sum(dim=1),
+    "sumsq": lambda p: p.sum(dim=1),
+    "max": lambda p: p.amax(dim=1),
+    "lse": lambda p: torch.logsumexp(p, dim=1),
+}
+
+
+def _kernel_tensors(
+    case: Case, sizes: dict[str, int], config: dict[str, int], dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Every tensor one kernel run of ``case`` writes under ``config`` (fixed inputs;
+    allocations poisoned with NaN, so a lane nobody writes shows), and the program's analysis."""
+    sizes = {**sizes, "N2": 2 * sizes["N"], "Nh": sizes["N"] // 2, "D": _head_dim(sizes["N"])}
+    program = gemm_program(
+        case.epilogue,
+        case.extra,
+        outputs=case.outputs,
+        config=config,
+        steps_before=case.steps_before,
+    )
+    inputs = make_inputs(program, sizes, dtype)
+    if case.rope:
+        inputs["cos"], inputs["sin"] = rope_tables(sizes["M"], sizes["D"], dtype)
+    info = analyze(program, bind_sizes(program, {n: t.shape for n, t in inputs.items()}))
+    compiled = compile_program(program, info)
+    got = compiled.run(compiled.prepare(inputs), poison=True)
+    return {n: t for n, t in got.items() if n not in inputs}, info
+
+
+# fp16 (tiles stored in half precision, pairs of half-space tiles) on a few, fp32 on every one
+SLICED_CASES = [(n, torch.float32) for n in sorted(ALL_CASES)] + [
+    (n, torch.float16)
+    for n in ("swiglu", "half_space[add_tile]", "rope", "store_rotate_half", "partial_reduce")
+]
+
+
+@pytest.mark.parametrize(("name", "dtype"), SLICED_CASES, ids=lambda v: str(v).split(".")[-1])
+def test_sliced_epilogue_equals_the_unsliced_one(name: str, dtype: torch.dtype) -> None:
+    """Every primitive's epilogue in 2, 4 and 8 column sub-tiles computes what it computes on the
+    whole tile: tiles and column partials bit for bit (the same fp32 operations per element),
+    row partials — one slot per sub-tile instead of per tile — equal once combined."""
+    case = ALL_CASES[name]
+    whole, _ = _kernel_tensors(case, SLICED_SIZES, {**SLICED_TILE, "epilogue_subtiles": 1}, dtype)
+    for subtiles in (2, 4, 8):
+        config = {**SLICED_TILE, "epilogue_subtiles": subtiles}
+        sliced, info = _kernel_tensors(case, SLICED_SIZES, config, dtype)
+        assert sliced.keys() == whole.keys()
+        for tensor, got in sliced.items():
+            what = f"{tensor} in {subtiles} sub-tiles vs unsliced"
+            assert not got.isnan().any(), f"{what}: lanes left unwritten (NaN)"
+            partials = info.tensors[tensor].partials
+            if partials is None or partials.axis == "col":
+                assert torch.equal(got, whole[tensor]), f"{what}: differs"
+                continue
+            # one slot per sub-tile (in N, 8 sub-tiles: ⌈150 / 16⌉ = 10 of 16; half as wide in N/2)
+            block = SLICED_TILE["block_n"] // subtiles * partials.length // SLICED_SIZES["N"]
+            assert got.shape[1] == -(-partials.length // block), f"{what}: {got.shape[1]} slots"
+            combine = _COMBINE[partials.kind]
+            want = combine(whole[tensor].double())
+            assert_close(combine(got.double()), want, atol=1e-5, rtol=1e-5, what=what)

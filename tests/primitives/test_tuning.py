@@ -285,3 +285,59 @@ def test_a_step_is_tuned_once_per_shape_and_narrowed_for_later_candidates(
     third = tune(edited=True)
     assert [configs for _, configs in screened] == [space[:2], space[2:]] * 2
     assert all(r.best == space[2] and not r.narrowed for r in third.values())
+
+
+def test_a_config_is_forced_to_a_slicing_only_where_its_tile_takes_it() -> None:
+    from coda.primitives.codegen.configs import GPU_DEFAULT, with_subtiles
+
+    tuned = GPU_DEFAULT.model_copy(update={"block_n": 256, "flatten": True, "programs_per_sm": 2})
+    four = with_subtiles(tuned, 4)
+    assert four.epilogue_subtiles == 4 and four.epilogue_block_n == 64
+    assert four.model_dump(exclude={"epilogue_subtiles"}) == tuned.model_dump(
+        exclude={"epilogue_subtiles"}
+    )
+    with pytest.raises(ValueError, match="leaves 8 columns each, fewer than 16"):
+        with_subtiles(SMALL.model_copy(update={"block_n": 32}), 4)
+    with pytest.raises(ValueError, match="needs a multiple of 128 .whole heads"):
+        with_subtiles(tuned, 4, multiple=128)
+    with pytest.raises(ValueError, match=r"must be one of \(1, 2, 4, 8\), got 3"):
+        with_subtiles(tuned, 3)
+
+
+def test_eight_sub_tiles_are_tried_only_where_every_sub_tile_holds_whole_segments() -> None:
+    from coda.primitives.codegen.tuning import QUICK_SPACE, candidate_configs
+
+    def slicings(multiple: int) -> set[tuple[int, int]]:
+        configs = candidate_configs(
+            8192, 8192, 8192, itemsize=2, interpret=False, space=QUICK_SPACE,
+            column_multiple=multiple,
+        )  # fmt: skip
+        return {(c.block_n, c.epilogue_subtiles) for c in configs}
+
+    assert (256, 8) in slicings(1) and (256, 8) in slicings(32)
+    # 64-column heads (a head_rmsnorm epilogue): 256 / 8 = 32 cannot hold one, 256 / 4 can
+    assert (256, 8) not in slicings(64) and (256, 4) in slicings(64)
+
+
+def test_finalists_of_another_candidate_space_narrow_nothing(tmp_path: Path) -> None:
+    """A step's finalists are kept per candidate space: after a candidate is added (the
+    8-sub-tile one), a new kernel of the same step screens the whole space, the new candidate
+    with it, not the finalists an older space kept."""
+    from coda.primitives.codegen.tuning import (
+        QUICK_SPACE,
+        _to_screen,
+        candidate_configs,
+        related_key,
+    )
+
+    def key(space: list | None) -> str:
+        return related_key("llama_mlp", "down", "H200", 64, 32, 48, torch.bfloat16, space)
+
+    older = [c for c in QUICK_SPACE if c.epilogue_subtiles != 8]
+    assert key(QUICK_SPACE) == key([tuple(c) for c in QUICK_SPACE]) != key(older)
+    assert key(None) != key(QUICK_SPACE)  # the default is the whole Hopper space
+    cache = TuningCache(tmp_path / "tuning.json")
+    space = candidate_configs(8192, 8192, 8192, itemsize=2, interpret=False, space=QUICK_SPACE)
+    cache.put_finalists(key(older), space[:2])
+    assert _to_screen(cache, key(older), space) == (space[:2], True)
+    assert _to_screen(cache, key(QUICK_SPACE), space) == (space, False)
