@@ -305,13 +305,12 @@ def test_a_config_is_forced_to_a_slicing_only_where_its_tile_takes_it() -> None:
 
 
 def test_eight_sub_tiles_are_tried_only_where_every_sub_tile_holds_whole_segments() -> None:
-    from coda.primitives.codegen.tuning import QUICK_SPACE, candidate_configs
+    from coda.primitives.codegen.tuning import candidate_configs
 
-    def slicings(multiple: int) -> set[tuple[int, int]]:
+    def slicings(multiple: int) -> set[tuple[int, int]]:  # the full space: quick has no 8
         configs = candidate_configs(
-            8192, 8192, 8192, itemsize=2, interpret=False, space=QUICK_SPACE,
-            column_multiple=multiple,
-        )  # fmt: skip
+            8192, 8192, 8192, itemsize=2, interpret=False, column_multiple=multiple
+        )
         return {(c.block_n, c.epilogue_subtiles) for c in configs}
 
     assert (256, 8) in slicings(1) and (256, 8) in slicings(32)
@@ -325,6 +324,7 @@ def test_finalists_of_another_candidate_space_narrow_nothing(tmp_path: Path) -> 
     with it, not the finalists an older space kept."""
     from coda.primitives.codegen.tuning import (
         QUICK_SPACE,
+        Candidate,
         _to_screen,
         candidate_configs,
         related_key,
@@ -333,11 +333,11 @@ def test_finalists_of_another_candidate_space_narrow_nothing(tmp_path: Path) -> 
     def key(space: list | None) -> str:
         return related_key("llama_mlp", "down", "H200", 64, 32, 48, torch.bfloat16, space)
 
-    older = [c for c in QUICK_SPACE if c.epilogue_subtiles != 8]
-    assert key(QUICK_SPACE) == key([tuple(c) for c in QUICK_SPACE]) != key(older)
+    older, newer = QUICK_SPACE, [*QUICK_SPACE, Candidate(128, 256, 64, 8, 3, 8)]
+    assert key(newer) == key([tuple(c) for c in newer]) != key(older)
     assert key(None) != key(QUICK_SPACE)  # the default is the whole Hopper space
     cache = TuningCache(tmp_path / "tuning.json")
-    space = candidate_configs(8192, 8192, 8192, itemsize=2, interpret=False, space=QUICK_SPACE)
+    space = candidate_configs(8192, 8192, 8192, itemsize=2, interpret=False, space=newer)
     cache.put_finalists(key(older), space[:2])
     assert _to_screen(cache, key(older), space) == (space[:2], True)
-    assert _to_screen(cache, key(QUICK_SPACE), space) == (space, False)
+    assert _to_screen(cache, key(newer), space) == (space, False)
