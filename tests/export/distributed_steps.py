@@ -5,13 +5,14 @@ Every rank builds the same random model and a patched copy of it for each varian
 a ``LlamaForCausalLM`` under ``patch_llama`` — plain, with the packed gate/up parameter, with
 activation checkpointing, with the fused loss — and one model per ``FAMILIES`` entry under
 ``patch_model`` with the fused loss (Qwen3's per-head q/k norms; Gemma's GeGLU, ``(1 + w)``
-norms, embedding scale and tied LM head; Gemma 2's sandwich-norm MLP kernel and softcapped
-loss; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` read as row views of one Parameter;
-Qwen2's biased attention input). It wraps both the same way, runs forward + backward on its own
-batch, steps SGD and runs the forward once more; it saves its losses, every parameter's full
-gradient (under Hugging Face's names) and its state dict to ``rank<r>.pt``, which
-``assert_ranks_match`` compares. Shared by ``tests/export/test_distributed.py`` (gloo, CPU, the
-Triton interpreter) and ``tests/gpu/test_distributed_gpu.py`` (NCCL).
+norms, embedding scale and tied LM head; Gemma 2's sandwich-norm MLP kernel with gate and up
+packed, and its softcapped loss; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` read as row
+views of one Parameter, with activation checkpointing; Qwen2's biased attention input). It
+wraps both the same way, runs forward + backward on its own batch, steps SGD and runs the
+forward once more; it saves its losses, every parameter's full gradient (under Hugging Face's
+names) and its state dict to ``rank<r>.pt``, which ``assert_ranks_match`` compares. Shared by
+``tests/export/test_distributed.py`` (gloo, CPU, the Triton interpreter) and
+``tests/gpu/test_distributed_gpu.py`` (NCCL).
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
     "qwen2": ("Qwen2", {}, _ALL),
 }
 VARIANTS.update({f"{family}_patch_model": {"family": family} for family in FAMILIES})
-# Gemma 2's gate and up packed into one parameter (sharded by FSDP2 like any other)
+# Gemma 2's gate and up packed into one parameter (sharded by FSDP2 like any other); Phi-3's row
+# views also taken again when checkpointing recomputes a layer in the backward
 VARIANTS["gemma2_patch_model"]["fuse_gate_up"] = True
+VARIANTS["phi3_patch_model"]["checkpointing"] = True
 LR = 0.5  # large enough that a step applied to the wrong weights shows in the next loss
 
 

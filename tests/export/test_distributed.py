@@ -5,10 +5,11 @@ under the same wrapper, and so do the loss and state dict after an SGD step — 
 activation checkpointing and with the fused loss, and under ``patch_model`` with the fused loss
 a Qwen3 (per-head q/k norms), a Gemma (GeGLU, ``(1 + w)`` norms, scaled and tied embeddings), a
 Gemma 2 (the sandwich-norm MLP kernel with gate and up packed, the softcapped loss), a Phi-3
-(``qkv_proj`` and ``gate_up_proj`` read as row views of one Parameter) and a Qwen2 (biased
-attention input) — all variants in one launch per wrapper (``distributed_steps`` runs the
-ranks). Also here: the patched modules read the parameters the model's modules hold at each
-call, which is what lets FSDP2 swap them, and a model wrapped or sharded first is refused."""
+(``qkv_proj`` and ``gate_up_proj`` read as row views of one Parameter; activation
+checkpointing) and a Qwen2 (biased attention input) — all variants in one launch per wrapper
+(``distributed_steps`` runs the ranks). Also here: the patched modules read the parameters the
+model's modules hold at each call, which is what lets FSDP2 swap them, and a model wrapped or
+sharded first is refused."""
 
 from __future__ import annotations
 
