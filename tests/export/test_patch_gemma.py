@@ -204,7 +204,9 @@ def test_on_the_whole_models_activations_gemmas_mlp_half_keeps_hugging_face_prec
     over that whole gradient the drop-in's own rounding is below Hugging Face's (max 1.30e-6
     against 1.56e-6). The rule bounds one implementation's error by the other's; a part both
     share is not theirs to bound. Here, on the same inputs, nothing is shared, and it holds for
-    every output."""
+    every output. (The whole-model comparison is as fragile at other seeds of that model: with
+    the MLP half patched, seed 1 has one element of layer 1's gate_proj gradient over the bound;
+    with it kept, seed 0 has layer 0's k_proj gradient over the relative bound, 0.00325.)"""
     model = _model("gemma", seed=4)
     ids = _batch()["input_ids"]
     for i, (h, dout) in enumerate(_mlp_half_inputs(model, {"input_ids": ids, "labels": ids})):
