@@ -1,9 +1,13 @@
-"""One training step of a tiny Llama, patched and unpatched, under DistributedDataParallel or FSDP2
+"""One training step of a tiny model, patched and unpatched, under DistributedDataParallel or FSDP2
 (``fully_shard``), in ``world`` processes started with ``torch.multiprocessing.spawn``.
 
-Every rank builds the same random ``LlamaForCausalLM`` and a ``patch_llama`` copy of it for each
-variant (``VARIANTS``: the packed gate/up parameter, activation checkpointing, the fused loss; and
-a ``Qwen3ForCausalLM`` with its ``patch_model`` copy),
+Every rank builds the same random model and a patched copy of it for each variant (``VARIANTS``):
+a ``LlamaForCausalLM`` under ``patch_llama`` — plain, with the packed gate/up parameter, with
+activation checkpointing, with the fused loss — and one model per ``FAMILIES`` entry under
+``patch_model`` with the fused loss (Qwen3's per-head q/k norms; Gemma's GeGLU, ``(1 + w)``
+norms, embedding scale and tied LM head; Gemma 2's sandwich-norm MLP kernel with gate and up
+packed, and its softcapped loss; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` read as row
+views of one Parameter, with activation checkpointing; Qwen2's biased attention input). It
 wraps both the same way, runs forward + backward on its own batch, steps SGD and runs the
 forward once more; it saves its losses, every parameter's full gradient (under Hugging Face's
 names) and its state dict to ``rank<r>.pt``, which ``assert_ranks_match`` compares. Shared by
@@ -24,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from coda.export.families import ATTENTION_INPUT, LM_HEAD_LOSS, MLP_HALF
+
 # patch_llama's options per variant; "checkpointing" turns on Hugging Face's (non-reentrant)
 # gradient checkpointing in both models instead.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -31,13 +37,27 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fuse_gate_up": {"fuse_gate_up": True},
     "checkpointing": {"checkpointing": True},
     "fused_loss": {"fused_loss": True},
-    # patch_model on a Qwen3 (per-head q/k norms: its own attention-input kernels)
-    "qwen3_patch_model": {"family": "qwen3"},
 }
 CONFIG = {
     "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
 }  # fmt: skip
+_ALL = (ATTENTION_INPUT, MLP_HALF, LM_HEAD_LOSS)
+# patch_model's families: (Hugging Face class prefix, config beyond CONFIG, the kinds
+# patch_model must patch — all of them but where a family's kind stays Hugging Face's by design)
+FAMILIES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
+    "qwen3": ("Qwen3", {"head_dim": 8}, _ALL),
+    "gemma": ("Gemma", {"head_dim": 8}, _ALL),
+    # its attention (softcapped scores, query_pre_attn_scalar) has no recipe: Hugging Face's
+    "gemma2": ("Gemma2", {"head_dim": 8}, (MLP_HALF, LM_HEAD_LOSS)),
+    "phi3": ("Phi3", {"pad_token_id": 0, "eos_token_id": 2}, _ALL),
+    "qwen2": ("Qwen2", {}, _ALL),
+}
+VARIANTS.update({f"{family}_patch_model": {"family": family} for family in FAMILIES})
+# Gemma 2's gate and up packed into one parameter (sharded by FSDP2 like any other); Phi-3's row
+# views also taken again when checkpointing recomputes a layer in the backward
+VARIANTS["gemma2_patch_model"]["fuse_gate_up"] = True
+VARIANTS["phi3_patch_model"]["checkpointing"] = True
 LR = 0.5  # large enough that a step applied to the wrong weights shows in the next loss
 
 
@@ -116,27 +136,23 @@ def _worker(
 def tiny_llama() -> torch.nn.Module:
     """The same random Llama on every rank, norms away from 1 (a norm applied twice or never
     shows)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return tiny_model("Llama")
 
+
+def tiny_model(prefix: str, **config: Any) -> torch.nn.Module:
+    """The same random ``<prefix>ForCausalLM`` on every rank (``CONFIG``'s widths and
+    ``config``), in training mode, every norm weight and bias off its initial value (a norm
+    applied twice or never, or a bias dropped, shows)."""
+    import transformers
+
+    config_cls = getattr(transformers, f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
     torch.manual_seed(0)
-    return _norms_away_from_one(LlamaForCausalLM(LlamaConfig(**CONFIG)).train())
-
-
-def tiny_qwen3() -> torch.nn.Module:
-    """The same random Qwen3 on every rank (``CONFIG``'s widths, head_dim 8), norms — the q/k
-    norms among them — away from 1."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    return _norms_away_from_one(Qwen3ForCausalLM(Qwen3Config(**CONFIG, head_dim=8)).train())
-
-
-def _norms_away_from_one(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every norm weight drawn around 1 (seeded by the caller)."""
+    model = model_cls(config_cls(**CONFIG, **config)).train()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+            if name.endswith(("norm.weight", ".bias")):
+                p.add_(0.2 * torch.randn_like(p))
     return model
 
 
@@ -149,29 +165,39 @@ def _batch(rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     return ids.to(device), labels.to(device)
 
 
-def _compare(options: dict[str, Any], wrap: str, rank: int, device: torch.device) -> dict:
+def models(options: dict[str, Any]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(unpatched, patched)`` for one variant's ``options`` (``VARIANTS``): a tiny Llama and
+    its ``patch_llama`` copy, or a ``FAMILIES`` model and its ``patch_model`` copy with the fused
+    loss (``AssertionError`` unless the report says the family's kinds are patched); with
+    ``checkpointing``, Hugging Face's non-reentrant gradient checkpointing on in both."""
     from coda.export import patch_llama, patch_model
-    from coda.export.families import ATTENTION_INPUT, LM_HEAD_LOSS, MLP_HALF
 
     options = dict(options)
     checkpointing = options.pop("checkpointing", False)
-    if options.pop("family", None) == "qwen3":
-        hf = tiny_qwen3()
+    family = options.pop("family", None)
+    if family is not None:
+        prefix, config, patched = FAMILIES[family]
+        hf = tiny_model(prefix, **config)
         coda = copy.deepcopy(hf)
-        report = patch_model(coda, verify=False, tune="off", fused_loss=True)
-        if not all(report.patched(kind) for kind in (ATTENTION_INPUT, MLP_HALF, LM_HEAD_LOSS)):
-            raise AssertionError(f"patch_model left Qwen3 partly unpatched:\n{report}")
+        report = patch_model(coda, verify=False, tune="off", fused_loss=True, **options)
+        if not all(report.patched(kind) for kind in patched):
+            raise AssertionError(f"patch_model left {family} partly unpatched:\n{report}")
     else:
         hf = tiny_llama()
         coda = patch_llama(copy.deepcopy(hf), verify=False, tune="off", **options)
-    ids, labels = _batch(rank, device)
-    results = {}
-    for name, model in (("hf", hf), ("coda", coda)):
-        if checkpointing:
+    if checkpointing:
+        for model in (hf, coda):
             kwargs = {"use_reentrant": False}  # the kind DDP and FSDP2 support
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        results[name] = _step(model.to(device), wrap, ids, labels)
-    return results
+    return hf, coda
+
+
+def _compare(options: dict[str, Any], wrap: str, rank: int, device: torch.device) -> dict:
+    hf, coda = models(options)
+    ids, labels = _batch(rank, device)
+    return {
+        name: _step(m.to(device), wrap, ids, labels) for name, m in (("hf", hf), ("coda", coda))
+    }
 
 
 def _step(model: torch.nn.Module, wrap: str, ids: torch.Tensor, labels: torch.Tensor) -> dict:
@@ -182,7 +208,7 @@ def _step(model: torch.nn.Module, wrap: str, ids: torch.Tensor, labels: torch.Te
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loss = wrapped(input_ids=ids, labels=labels).loss
     loss.backward()
-    grads = _hf_names({n: _full(p.grad) for n, p in model.named_parameters()})
+    grads = hf_names({n: _full(p.grad) for n, p in model.named_parameters()})
     optimizer.step()
     with torch.no_grad():
         after = wrapped(input_ids=ids, labels=labels).loss
@@ -215,7 +241,7 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return (full() if full is not None else tensor).detach().cpu()
 
 
-def _hf_names(grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+def hf_names(grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
     """``mlp.gate_up_weight``'s gradient as Hugging Face's gate and up gradients (its even and
     odd rows), so both models' gradients have the same names."""
     named = {}

@@ -1,10 +1,15 @@
-"""A patched Llama under DistributedDataParallel and FSDP2 (``fully_shard``), two gloo processes
+"""Patched models under DistributedDataParallel and FSDP2 (``fully_shard``), two gloo processes
 on the CPU: after one step every rank's loss and every full gradient equal the unpatched model's
-under the same wrapper, and so does the loss after an SGD step — plain, with the packed gate/up
-parameter (sharded by FSDP2 like any other), with activation checkpointing and with the fused
-loss — and a Qwen3 under ``patch_model`` (its own attention-input kernels, fused loss)
-(``distributed_steps`` runs the ranks). Also here: the patched modules read the parameters
-the model's modules hold at each call, which is what lets FSDP2 swap them."""
+under the same wrapper, and so do the loss and state dict after an SGD step — a Llama under
+``patch_llama`` plain, with the packed gate/up parameter (sharded by FSDP2 like any other), with
+activation checkpointing and with the fused loss, and under ``patch_model`` with the fused loss
+a Qwen3 (per-head q/k norms), a Gemma (GeGLU, ``(1 + w)`` norms, scaled and tied embeddings), a
+Gemma 2 (the sandwich-norm MLP kernel with gate and up packed, the softcapped loss), a Phi-3
+(``qkv_proj`` and ``gate_up_proj`` read as row views of one Parameter; activation
+checkpointing) and a Qwen2 (biased attention input) — all variants in one launch per wrapper
+(``distributed_steps`` runs the ranks). Also here: the patched modules read the parameters the
+model's modules hold at each call, which is what lets FSDP2 swap them, and a model wrapped or
+sharded first is refused."""
 
 from __future__ import annotations
 
@@ -14,8 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from coda.export import patch_llama
-from tests.export.distributed_steps import VARIANTS, assert_ranks_match, run, tiny_llama
+from coda.export import patch_llama, patch_model
+from tests.export.distributed_steps import (
+    FAMILIES,
+    VARIANTS,
+    assert_ranks_match,
+    hf_names,
+    models,
+    run,
+    tiny_llama,
+    tiny_model,
+)
 
 transformers = pytest.importorskip("transformers")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
@@ -32,33 +46,32 @@ def test_fsdp2_steps_of_a_patched_llama_match_the_unpatched_model(tmp_path: Path
     assert_ranks_match(run("fsdp", list(VARIANTS), tmp_path), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fuse_gate_up", [False, True], ids=["hf-params", "fused-gate-up"])
-def test_the_kernels_read_the_parameters_the_model_holds_at_each_call(fuse_gate_up: bool) -> None:
+@pytest.mark.parametrize(
+    "variant", ["plain", "fuse_gate_up", "phi3_patch_model", "gemma2_patch_model"]
+)
+def test_the_kernels_read_the_parameters_the_model_holds_at_each_call(variant: str) -> None:
     """New Parameter objects registered on the model's modules — as FSDP2 does around each
     layer's forward and backward, and ``load_state_dict(assign=True)`` does — are the ones the
-    kernels read and the ones that get the gradients (not the modules ``patch_llama`` replaced)."""
-    hf = tiny_llama()
-    coda = patch_llama(copy.deepcopy(hf), verify=False, tune="off", fuse_gate_up=fuse_gate_up)
-    other = tiny_llama()
+    kernels read and the ones that get the gradients (not the modules the patch replaced): the
+    Llama's separate and packed gate/up weights, Phi-3's row views of ``qkv_proj`` and
+    ``gate_up_proj``, Gemma 2's post-norm weight in its MLP kernels, and the fused loss's norm
+    and LM head."""
+    _, coda = models(VARIANTS[variant])
+    other = models(VARIANTS[variant])[0]
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(1.5)
-    state = {k: v.clone() for k, v in other.state_dict().items()}
-    coda.load_state_dict(state, assign=True)
+    # new Parameters, tied ones (Gemma 2's embedding and LM head) still one
+    coda.load_state_dict(copy.deepcopy(other.state_dict(keep_vars=True)), assign=True)
     ids = torch.randint(0, 64, (2, 7))
     want, got = other(input_ids=ids, labels=ids).loss, coda(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
     want.backward()
     got.backward()
-    grads = {n: p.grad for n, p in coda.named_parameters()}
+    grads = hf_names({n: p.grad for n, p in coda.named_parameters()})
     for name, p in other.named_parameters():
-        if fuse_gate_up and name.endswith(("gate_proj.weight", "up_proj.weight")):
-            packed = grads[name.rsplit(".", 2)[0] + ".gate_up_weight"]
-            g = packed[0::2] if "gate_proj" in name else packed[1::2]
-        else:
-            g = grads[name]
-        assert g is not None, f"{name} got no gradient"
-        torch.testing.assert_close(g, p.grad, atol=2e-5, rtol=2e-5, msg=name)
+        assert grads[name] is not None, f"{name} got no gradient"
+        torch.testing.assert_close(grads[name], p.grad, atol=2e-5, rtol=2e-5, msg=name)
 
 
 def test_a_model_wrapped_or_sharded_before_patching_is_refused(tmp_path: Path) -> None:
@@ -81,6 +94,14 @@ def test_a_model_wrapped_or_sharded_before_patching_is_refused(tmp_path: Path) -
         with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight'.*"):
             patch_llama(sharded, verify=False, tune="off", fuse_gate_up=True)
         assert type(sharded.model.layers[1].mlp).__name__ == "LlamaMLP"  # untouched
+        prefix, config, _ = FAMILIES["phi3"]  # patch_model refuses the same way
+        with pytest.raises(ValueError, match=refused):
+            patch_model(DistributedDataParallel(tiny_model(prefix, **config)), verify=False)
+        sharded = tiny_model(prefix, **config)
+        fully_shard(sharded.model.layers[1])
+        with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.o_proj\.weight' is a"):
+            patch_model(sharded, verify=False, tune="off")
+        assert type(sharded.model.layers[0].mlp).__name__ == "Phi3MLP"  # untouched
     finally:
         dist.destroy_process_group()
 

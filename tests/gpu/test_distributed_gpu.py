@@ -1,6 +1,8 @@
 """DistributedDataParallel and FSDP2 (``fully_shard``) over NCCL, one process per GPU on two GPUs:
-the comparison of ``tests/export/test_distributed.py`` (a patched Llama against the unpatched one,
-same wrapper, same batches: losses before and after an SGD step, every full gradient) with the
+the comparison of ``tests/export/test_distributed.py`` (each patched model against the unpatched
+one, same wrapper, same batches: losses before and after an SGD step, every full gradient, the
+state dict) for every variant it runs — the Llama's under ``patch_llama`` and the Qwen3, Gemma,
+Gemma 2, Phi-3 and Qwen2 under ``patch_model`` (``distributed_steps.VARIANTS``) — with the
 kernels compiled for the GPU. Skipped with fewer than two GPUs."""
 
 from __future__ import annotations
@@ -23,6 +25,6 @@ TOL = {"atol": 2e-5, "rtol": 2e-5}
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
-def test_patched_llama_steps_over_nccl_match_the_unpatched_model(wrap: str, tmp_path: Path) -> None:
+def test_patched_model_steps_over_nccl_match_the_unpatched_model(wrap: str, tmp_path: Path) -> None:
     ranks = run(wrap, list(VARIANTS), tmp_path, backend="nccl", device="cuda", world=2)
     assert_ranks_match(ranks, **TOL)
