@@ -237,7 +237,8 @@ class CodaDecoderLayer(nn.Module):
     """The forward of a patched decoder layer (a mixin before a Hugging Face layer class).
 
     Hugging Face's forward, generically: ``x`` through ``input_layernorm`` (where the layer has
-    one; OLMo 2's has none), ``self_attn`` with the layer's other arguments by name, then the
+    one; OLMo 2's has none), ``self_attn`` with the layer's other arguments by name (its
+    forward's defaults for those the caller leaves out), then the
     attention output — ``coda_attention_output(layer, a, x)`` (a ``CodaAttentionOutput``), or
     ``x + a`` where the layer keeps Hugging Face's ``o_proj`` — and the MLP half
     ``MLP_HALVES[coda_mlp_half]``. Which forms a layer has is proven on the probe forward
@@ -252,11 +253,12 @@ class CodaDecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args:  # positional arguments by the original forward's names
             kwargs.update(zip(layer_parameters(self.hf_layer_class), args, strict=False))
+        kwargs = {**layer_defaults(self.hf_layer_class), **kwargs}  # as the original passes them
         residual = hidden_states
         norm = self._modules.get("input_layernorm")
         if norm is not None:
             hidden_states = norm(hidden_states)
-        attn, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+        attn = self.self_attn(hidden_states=hidden_states, **kwargs)[0]
         output = self.coda_attention_output
         h = residual + attn if output is None else output(self, attn, residual)
         return MLP_HALVES[self.coda_mlp_half](self, h)
@@ -267,6 +269,18 @@ def layer_parameters(cls: type) -> tuple[str, ...]:
     """The names of ``cls.forward``'s parameters after ``hidden_states``, in order."""
     names = list(inspect.signature(cls.forward).parameters)
     return tuple(n for n in names[2:] if n not in ("args", "kwargs"))
+
+
+@functools.cache
+def layer_defaults(cls: type) -> dict[str, Any]:
+    """The defaults of ``cls.forward``'s named parameters after ``hidden_states``: what a Hugging
+    Face layer hands its ``self_attn`` when its caller leaves them out (``use_cache=False``, …)."""
+    parameters = inspect.signature(cls.forward).parameters
+    return {
+        n: parameters[n].default
+        for n in layer_parameters(cls)
+        if parameters[n].default is not inspect.Parameter.empty
+    }
 
 
 _LAYER_CLASSES: dict[type, type] = {}

@@ -3,10 +3,13 @@ compute exactly, keep the rest, and say which is which.
 
 A decoder layer has four module kinds (``KINDS``): the input norm + attention input (norm, Q/K/V
 projections, RoPE: ``llama_attn_in``; Qwen2's biases: ``qwen2_attn_in``; Qwen3's per-head q/k
-norms: ``qwen3_attn_in``), the attention output (``o_proj`` and the attention
-residual: no shipped kernel, always Hugging Face's), the MLP half (post-attention norm + SwiGLU
-MLP + residual: ``llama_mlp``; Gemma's GeGLU under its ``(1 + w)`` norm: ``gemma_mlp``; Gemma 2/3's
-between sandwich norms: ``gemma2_mlp_branch``) and, once per model, the final norm + LM head loss
+norms: ``qwen3_attn_in``), the attention output (``o_proj`` and the attention residual:
+``attn_out``; through Gemma 2/3's ``(1 + w)`` post-norm: ``gemma2_attn_out``; through OLMo 2's
+``x̂ · w`` one: ``olmo2_attn_out`` — installed last, it swaps the layer's class for one whose
+forward hands the drop-in the attention before ``o_proj``), the MLP half (post-attention norm +
+SwiGLU MLP + residual: ``llama_mlp``; Gemma's GeGLU under its ``(1 + w)`` norm: ``gemma_mlp``;
+Gemma 2/3's between sandwich norms: ``gemma2_mlp_branch``) and, once per model, the final norm +
+LM head loss
 (``llama_lm_head_ce``; Gemma 2's logits softcapped at 30: ``lm_head_softcap_ce``). Which recipe
 patches a kind is decided by what the modules *are* — their classes and submodules — never by
 the model's name; ``config.model_type`` only names the family in the report.
@@ -380,9 +383,10 @@ def _attention_output_recipe(kernel: AttentionOutputKernel) -> Recipe:
         norm = layer.post_attention_layernorm if kernel.post_norm else None
         _all_reasons(
             lambda: _in_layer(name, check_o_proj, layer.self_attn.o_proj),
-            lambda: _in_layer(name, _check_no_residual_dropout, layer),
-            lambda: _MLP_HALF_CHECKS[form](recording, name, layer),
+            lambda: _in_layer(name, _check_layer_dropouts, layer),
+            lambda: _in_layer(name, _check_mlp_half_modules, layer, form),
         )
+        _MLP_HALF_CHECKS[form](recording, name, layer)
         eps = attention_output_kernel(norm)[0]
         post = (norm, eps, kernel.offset) if norm is not None else None
         check_attention_output(recording, name, layer, _MLP_HALF_INPUT[form], post)
@@ -399,21 +403,44 @@ def _attention_output_recipe(kernel: AttentionOutputKernel) -> Recipe:
 
 _MLP_HALF_CHECKS: dict[str, Callable[[Recording, str, nn.Module], None]] = {
     "pre_norm": check_mlp_half,
+    "fused": check_mlp_half,
     "sandwich": check_sandwich_mlp_half,
     "post_norm": check_post_norm_mlp_half,
 }
 
 
-def _check_no_residual_dropout(layer: nn.Module) -> None:
-    """``ValueError`` for a dropout on the attention output before the residual add (Phi-3's
-    ``resid_attn_dropout`` with ``resid_pdrop > 0``): the kernels add ``o_proj``'s output as is
-    (the probe runs in eval mode, where a dropout shows nothing)."""
-    dropout = layer._modules.get("resid_attn_dropout")
-    if dropout is not None and float(getattr(dropout, "p", 0.0)) > 0:
+def _check_layer_dropouts(layer: nn.Module) -> None:
+    """``ValueError`` for a dropout of the layer's own with ``p > 0`` but Phi-3's
+    ``resid_mlp_dropout`` (which the patched forward applies): Hugging Face's forward may apply
+    it in training where the patched one does not (Phi-3's ``resid_attn_dropout`` on
+    ``o_proj``'s output before the add, with ``resid_pdrop > 0``) — the probe runs in eval mode,
+    where a dropout shows nothing."""
+    for child, module in layer.named_children():
+        p = float(getattr(module, "p", 0.0)) if isinstance(module, nn.Dropout) else 0.0
+        if p > 0 and child != "resid_mlp_dropout":
+            raise ValueError(
+                f"{child} has p = {p:g}: in training the layer drops parts of its values "
+                "(o_proj's output before the residual add?), which the patched layer's forward "
+                "does not — set that dropout to 0 to patch the attention output"
+            )
+
+
+# The modules each MLP-half form's forward calls, besides the attention output's.
+_MLP_HALF_MODULES = {
+    "pre_norm": ("post_attention_layernorm", "mlp"), "fused": ("post_attention_layernorm", "mlp"),
+    "sandwich": ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
+    "post_norm": ("mlp", "post_feedforward_layernorm"),
+}  # fmt: skip
+
+
+def _check_mlp_half_modules(layer: nn.Module, form: str) -> None:
+    missing = [
+        m for m in _MLP_HALF_MODULES[form] if not isinstance(getattr(layer, m, None), nn.Module)
+    ]
+    if missing:
         raise ValueError(
-            f"resid_attn_dropout has p = {dropout.p:g} (resid_pdrop): in training it drops "
-            "parts of o_proj's output before the residual add, which the attention-output "
-            "kernels do not — set resid_pdrop=0 to patch it"
+            f"the layer has no {', '.join(missing)}: a patched layer runs its MLP half as "
+            f"{form.replace('_', '-')} layers do (a parallel attention and MLP, another layout?)"
         )
 
 
@@ -571,7 +598,8 @@ def patch_model(
     checks, the layer's recorded dataflow and the module's recorded output recomputed the way
     the drop-in computes it), else the kind is kept in every layer with the first failing
     layer's reasons. Every drop-in is built (its Programs resolved) before any module changes.
-    ``attention=False`` keeps the attention input; ``fused_loss`` also fuses the final norm,
+    ``attention=False`` keeps the attention input; ``fuse_residual=False`` keeps the attention
+    output (``o_proj`` and the add) as Hugging Face's; ``fused_loss`` also fuses the final norm,
     LM head and cross-entropy (``fuse_causal_lm_loss``'s training forward) when the probe proves
     the logits and loss are Hugging Face's plain ones. ``verify``, ``saved``, ``tune``,
     ``fuse_gate_up``, ``fuse_residual``: as ``patch_llama`` (``fuse_gate_up`` applies to MLPs

@@ -1,5 +1,6 @@
 """Patch a whole Hugging Face Llama model in place: every decoder layer's norms, attention input
-(Q/K/V projections + RoPE) and MLP run on CODA kernels, forward and backward.
+(Q/K/V projections + RoPE), attention output (``o_proj`` + residual) and MLP run on CODA kernels,
+forward and backward.
 
 ``patch_llama(model)`` keeps Hugging Face's attention, caches, gradient checkpointing, generation
 and state-dict keys. In each layer it swaps modules:
@@ -21,8 +22,11 @@ that hands the MLP half's residual to the MLP, so ``h + mlp(norm(h))`` is one ``
 the add happens in the down projection's epilogue and, in the backward, the residual's gradient
 is accumulated in the RMSNorm-backward epilogue (docs/algebra.md §3) — two elementwise passes over
 the residual stream less per layer and step. Under ``torch.autocast`` the add stays in the residual
-stream's dtype, as Hugging Face's. The attention half's residual is still the layer's own add.
-Other Llama-like layer classes keep their forward (their MLP half patches all the same).
+stream's dtype, as Hugging Face's. The same layer hands its attention output to a
+``CodaAttentionOutput`` (``coda.export.attn_out``): ``self_attn.o_proj`` becomes a
+``DeferredOProj`` (same ``weight`` Parameter and key) and ``x + o_proj(a)`` one ``attn_out``
+GEMM, the residual added in its epilogue. Other Llama-like layer classes keep their forward
+(their MLP half patches all the same; ``patch_model`` patches their attention outputs).
 
 Nothing changes before every replaced module is proven to sit in that dataflow: one forward of
 the model on a few tokens, recorded by forward hooks (``coda.export.probe``), and each module's
@@ -206,8 +210,12 @@ def patch_llama(
     computes the loss with the final norm, LM head and cross-entropy fused and returns no logits.
     ``fuse_residual`` (default): each Hugging Face ``LlamaDecoderLayer`` becomes a
     ``CodaLlamaDecoderLayer`` (class swapped in place), whose MLP half adds its residual in the
-    down projection's epilogue (and its gradient in the backward's); ``False`` keeps Hugging
-    Face's forward and its add.
+    down projection's epilogue (and its gradient in the backward's) and whose attention output
+    ``x + o_proj(a)`` runs on the ``attn_out`` kernels (``o_proj`` deferred into them; an
+    ``o_proj`` with a bias is refused — patch with ``fuse_residual=False``); ``False`` keeps
+    Hugging Face's forward, its ``o_proj`` and both adds. ``attention`` does not decide the
+    attention output: with ``attention=False`` Hugging Face's attention runs and hands the layer
+    its output before ``o_proj``.
     """
     check_not_distributed(model)
     layers = [
@@ -294,13 +302,18 @@ def _prove(
         _in_layer(name, check_llama_mlp, layer.mlp)
         check_mlp_formula(recording, name, layer.mlp)
         _in_layer(name, check_rms_norm, layer.post_attention_layernorm, "post_attention_layernorm")
-    for layer in outputs:
-        name = names.get(layer) or type(layer).__name__
-        _in_layer(name, check_o_proj, getattr(layer.self_attn, "o_proj", None))
-        check_attention_output(recording, name, layer, "post_attention_layernorm")
     for name, layer in named_attn:
         _in_layer(name, check_llama_attention, layer.self_attn)
         _in_layer(name, check_rms_norm, layer.input_layernorm, "input_layernorm")
+    for layer in outputs:
+        name = names.get(layer) or type(layer).__name__
+        try:
+            _in_layer(name, check_o_proj, getattr(layer.self_attn, "o_proj", None))
+            check_attention_output(recording, name, layer, "post_attention_layernorm")
+        except ValueError as e:
+            raise ValueError(
+                f"{e} — patch with fuse_residual=False to keep o_proj and the attention residual"
+            ) from e
     if head_error is not None:  # after the layers': theirs say more about the model
         raise head_error
     if fused_loss:

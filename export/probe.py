@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from .attn_out import DeferredOProj, hf_layer_class, layer_defaults, layer_parameters
+
 PROBE_TOKENS = 5  # tokens of the probe sequence (batch 1)
 
 
@@ -263,12 +265,22 @@ def check_attention_half(recording: Recording, name: str, layer: nn.Module) -> N
                 "the patched attention normalizes its input itself"
             )
         _check_rotary(name, layer.self_attn, attn)
-        if not close(after.input(), x + attn.result()):
+        if not close(after.input(), x + _projected(layer.self_attn, attn.result())):
             raise ValueError(
                 f"{name}: what reaches the MLP half is not x + self_attn(input_layernorm(x)) "
                 "(a norm or scale of the attention output?); the patched layer computes exactly "
                 "that — patch with attention=False to keep this attention half"
             )
+
+
+def _projected(attn: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """``self_attn``'s output after ``o_proj``: itself, or — in a layer whose attention output
+    is patched (``o_proj`` deferred to the layer's kernel) — ``out`` times ``o_proj``'s weight."""
+    o_proj = getattr(attn, "o_proj", None)
+    if not isinstance(o_proj, DeferredOProj):
+        return out
+    with torch.no_grad():
+        return F.linear(out, o_proj.weight)
 
 
 def _check_rotary(name: str, attn: nn.Module, call: Call) -> None:
@@ -461,6 +473,7 @@ def check_attention_output(
     for i, call in enumerate(calls):
         at = {part: part_calls[i] for part, part_calls in recorded.items()}
         _check_attention_wiring(name, call, at)
+        _check_attention_arguments(name, hf_layer_class(layer), call, at["self_attn"])
         y = at["self_attn.o_proj"].input()
         with torch.no_grad():
             branch = F.linear(y, o_proj.weight)
@@ -499,6 +512,35 @@ def _check_attention_wiring(name: str, call: Call, at: dict[str, Call]) -> None:
             f"{name}: self_attn does not return its o_proj's output (something after o_proj?); "
             "the attention-output kernels apply o_proj to what self_attn computes before it"
         )
+
+
+def _check_attention_arguments(name: str, cls: type, call: Call, attn: Call) -> None:
+    """``self_attn`` received, by name, exactly the layer's arguments after ``hidden_states``
+    (the layer forward's defaults for those its caller left out) — what a patched layer's
+    forward hands it; a layer that changes, adds or drops one (a per-layer choice of rotary
+    tables, a mask of its own) is another forward."""
+    given = dict(zip(layer_parameters(cls), call.args[1:], strict=False))
+    want = {**layer_defaults(cls), **given, **call.kwargs}
+    got = {k: v for k, v in attn.kwargs.items() if k != "hidden_states"}
+    differ = sorted(k for k in {*want, *got} if k not in want or k not in got)
+    differ += sorted(k for k in want.keys() & got.keys() if not _same_argument(want[k], got[k]))
+    if attn.args or differ:
+        what = "positional arguments" if attn.args else ", ".join(differ)
+        raise ValueError(
+            f"{name}: self_attn does not receive the layer's own arguments by name ({what} "
+            "differ); the patched layer hands self_attn its arguments as they come"
+        )
+
+
+def _same_argument(a: Any, b: Any) -> bool:
+    if a is b or same(a, b):
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare are not the same
+        return False
 
 
 def _post_norm(y: torch.Tensor, norm: nn.Module, eps: float, offset: float) -> torch.Tensor:
