@@ -406,3 +406,34 @@ def test_the_attention_output_is_kept_with_the_reason() -> None:
     assert type(patched.model.layers[0].self_attn.o_proj) is torch.nn.Linear
     _, report = _patched(_model("mistral"), fuse_residual=False)
     assert report.lines[fam.ATTENTION_OUTPUT].startswith("kept: fuse_residual=False")
+
+
+def test_a_pickled_model_finds_its_layer_class_in_a_fresh_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``CodaMistralDecoderLayer`` (the patched layer's class, built on first use) is built again
+    by name when a pickled model loads where it does not exist yet."""
+    import io
+
+    from coda.export import attn_out
+
+    model = _model("mistral", seed=8)
+    patched, _ = _patched(model)
+    buffer = io.BytesIO()
+    torch.save(patched, buffer)
+    buffer.seek(0)
+    built = attn_out._LAYER_CLASSES
+    monkeypatch.setattr(
+        attn_out,
+        "_LAYER_CLASSES",
+        {k: v for k, v in built.items() if v.__module__ != attn_out.__name__},
+    )
+    monkeypatch.delattr(attn_out, "CodaMistralDecoderLayer")
+    loaded = torch.load(buffer, weights_only=False)
+    layer_class = type(loaded.model.layers[0])
+    assert layer_class.__name__ == "CodaMistralDecoderLayer"
+    assert layer_class is not type(patched.model.layers[0])  # built anew, by name
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
