@@ -437,3 +437,20 @@ def test_a_pickled_model_finds_its_layer_class_in_a_fresh_process(
     with torch.no_grad():
         want = model(input_ids=ids).logits
         torch.testing.assert_close(loaded(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+def test_gradient_checkpointing_reruns_the_patched_post_norm_layers(family: str) -> None:
+    """The patched layer classes (subclasses of Hugging Face's) keep its gradient checkpointing:
+    each layer reruns in the backward through the attention-output drop-in, same loss and
+    gradients (non-reentrant)."""
+    model = _model(family, seed=11).train()
+    patched, report = _patched(model)
+    assert report.patched(fam.ATTENTION_OUTPUT)
+    patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = _batch(seed=11)
+    want_loss, want = _train_step(model, batch)
+    got_loss, got = _train_step(patched, batch)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=2e-6, rtol=1e-5, msg=name)
