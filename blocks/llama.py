@@ -465,5 +465,6 @@ def _resolve_eps_variant(name: str) -> Block | None:
 
 register_resolver(_resolve_eps_variant)
 
-# Gemma's MLP families (coda.blocks.gemma) build on these blocks and register with them.
-from . import gemma  # noqa: E402, F401
+# Gemma's MLP families (coda.blocks.gemma) build on these blocks and register with them, as do
+# the attention-output blocks (coda.blocks.attn_out).
+from . import attn_out, gemma  # noqa: E402, F401

@@ -13,9 +13,14 @@
   ``hf_attn_in_function(kernel, eps)``: Qwen2's (biased) and Qwen3's (per-head q/k norms)
   attention inputs, q, k, v returned separately in Hugging Face's order (``qwen2_attn_in``,
   ``qwen3_attn_in``).
+* ``CodaAttentionOutput(o_proj, post_norm)`` / ``attention_output_function``: a layer's
+  ``x + o_proj(a)`` (``attn_out``), or ``x + post_attention_layernorm(o_proj(a))`` through Gemma
+  2/3's or OLMo 2's post-norm (``gemma2_attn_out``, ``olmo2_attn_out``), as one GEMM with the
+  residual (and the norm) in its epilogue; the layer hands it the attention before ``o_proj``
+  (``DeferredOProj``) and the residual.
 * ``patch_llama(model)``: every decoder layer of a Hugging Face Llama model runs its norms,
-  attention input and MLP on CODA kernels, in place (Hugging Face's attention and keys kept),
-  the MLP half's residual add inside its kernels (``CodaLlamaDecoderLayer``) — after proving,
+  attention input, attention output and MLP on CODA kernels, in place (Hugging Face's attention
+  and keys kept), the residual adds inside the kernels (``CodaLlamaDecoderLayer``) — after proving,
   on one recorded forward of the model (``coda.export.probe``), that every module it replaces
   sits where the patched layer computes with it; otherwise ``ValueError``.
 * ``patch_model(model)``: the same for any Hugging Face causal LM, per module kind — what a
@@ -31,11 +36,13 @@
 The drop-ins run the built-in planner's Programs, shipped verified in ``coda.export.programs``
 and checked against the planner's on load (milliseconds, no sandbox worker); ``verify=True``
 verifies them in the sandbox instead (``coda.export.resolve``). Modules: ``mlp`` (the MLP
-drop-in), ``attention``, ``lm_head``, ``patch``, ``families``, ``probe``, ``train_step``;
+drop-in), ``attention``, ``attn_out``, ``lm_head``, ``patch``, ``families``, ``probe``,
+``train_step``;
 ``checks`` and ``dtypes`` hold what they share; ``autograd`` the custom ops.
 """
 
 from .attention import CodaLlamaAttention, hf_attn_in_function, llama_attn_in_function
+from .attn_out import CodaAttentionOutput, DeferredOProj, attention_output_function
 from .autograd import ExportedFunction, PackedRows, export_autograd
 from .families import PatchReport, patch_model
 from .lm_head import (
@@ -52,16 +59,19 @@ from .train_step import CapturedTrainStep, CaptureError, capture_train_step
 __all__ = [
     "CaptureError",
     "CapturedTrainStep",
+    "CodaAttentionOutput",
     "CodaLlamaAttention",
     "CodaLlamaDecoderLayer",
     "CodaLlamaLMHeadLoss",
     "CodaLlamaMLP",
     "CodaLlamaMLPBlock",
+    "DeferredOProj",
     "DeferredRMSNorm",
     "ExportedFunction",
     "NotVerified",
     "PackedRows",
     "PatchReport",
+    "attention_output_function",
     "capture_train_step",
     "causal_lm_loss",
     "export_autograd",

@@ -3,10 +3,13 @@ compute exactly, keep the rest, and say which is which.
 
 A decoder layer has four module kinds (``KINDS``): the input norm + attention input (norm, Q/K/V
 projections, RoPE: ``llama_attn_in``; Qwen2's biases: ``qwen2_attn_in``; Qwen3's per-head q/k
-norms: ``qwen3_attn_in``), the attention output (``o_proj`` and the attention
-residual: no shipped kernel, always Hugging Face's), the MLP half (post-attention norm + SwiGLU
-MLP + residual: ``llama_mlp``; Gemma's GeGLU under its ``(1 + w)`` norm: ``gemma_mlp``; Gemma 2/3's
-between sandwich norms: ``gemma2_mlp_branch``) and, once per model, the final norm + LM head loss
+norms: ``qwen3_attn_in``), the attention output (``o_proj`` and the attention residual:
+``attn_out``; through Gemma 2/3's ``(1 + w)`` post-norm: ``gemma2_attn_out``; through OLMo 2's
+``x̂ · w`` one: ``olmo2_attn_out`` — installed last, it swaps the layer's class for one whose
+forward hands the drop-in the attention before ``o_proj``), the MLP half (post-attention norm +
+SwiGLU MLP + residual: ``llama_mlp``; Gemma's GeGLU under its ``(1 + w)`` norm: ``gemma_mlp``;
+Gemma 2/3's between sandwich norms: ``gemma2_mlp_branch``) and, once per model, the final norm +
+LM head loss
 (``llama_lm_head_ce``; Gemma 2's logits softcapped at 30: ``lm_head_softcap_ce``). Which recipe
 patches a kind is decided by what the modules *are* — their classes and submodules — never by
 the model's name; ``config.model_type`` only names the family in the report.
@@ -45,6 +48,16 @@ from .attention import (
     coda_attention_class,
     head_norm_eps,
 )
+from .attn_out import (
+    ATTN_OUT,
+    GEMMA2_ATTN_OUT,
+    OLMO2_ATTN_OUT,
+    AttentionOutputKernel,
+    CodaAttentionOutput,
+    attention_output_kernel,
+    check_o_proj,
+    mlp_half_form,
+)
 from .autograd import Tuning
 from .checks import check_not_distributed, check_rms_norm, rms_norm_form
 from .lm_head import final_logit_softcap, install_fused_loss, lm_head_family
@@ -64,7 +77,9 @@ from .patch import (
     CodaLlamaMLP,
     _in_layer,
     _LlamaDecoderLayer,
+    attention_output_patched,
     install_attention_input,
+    install_attention_output,
     install_mlp_half,
 )
 from .probe import (
@@ -73,9 +88,11 @@ from .probe import (
     causal_lm_head,
     check_attention_formula,
     check_attention_half,
+    check_attention_output,
     check_causal_lm_head,
     check_mlp_formula,
     check_mlp_half,
+    check_post_norm_mlp_half,
     check_sandwich_mlp_half,
     probe_forward,
 )
@@ -92,11 +109,6 @@ FAMILY_NAMES = {
     "gemma": "Gemma", "gemma2": "Gemma 2", "gemma3_text": "Gemma 3", "gemma3": "Gemma 3",
     "olmo2": "OLMo 2",
 }  # fmt: skip
-
-_ATTENTION_OUTPUT_KEPT = (
-    "kept: o_proj and the attention residual run as Hugging Face's (no shipped kernel computes "
-    "the attention output)"
-)
 
 
 @dataclass(frozen=True)
@@ -330,6 +342,108 @@ def _no_input_norm(name: str) -> str:
     )
 
 
+# -- the attention output --------------------------------------------------------------------------
+
+# The module whose input is what the attention output hands the MLP half, per MLP-half form.
+_MLP_HALF_INPUT = {
+    "pre_norm": "post_attention_layernorm", "fused": "post_attention_layernorm",
+    "sandwich": "pre_feedforward_layernorm", "post_norm": "mlp",
+}  # fmt: skip
+
+
+def _post_normed(layer: nn.Module) -> bool:
+    """Whether ``layer``'s ``post_attention_layernorm`` normalizes the attention output: a layer
+    with a ``post_feedforward_layernorm`` (Gemma 2/3's sandwich, OLMo 2's post-norms)."""
+    return isinstance(layer._modules.get("post_feedforward_layernorm"), nn.Module)
+
+
+def _post_norm_offset(layer: nn.Module) -> float | None:
+    """The form (offset) of ``layer``'s ``post_attention_layernorm`` as an RMSNorm, or None."""
+    try:
+        return rms_norm_form(layer.post_attention_layernorm, "post_attention_layernorm")[1]
+    except (AttributeError, ValueError):
+        return None
+
+
+def _attention_output_recipe(kernel: AttentionOutputKernel) -> Recipe:
+    """``o_proj`` + the attention residual on ``kernel``'s Programs: ``attn_out`` for layers that
+    add ``o_proj``'s output to the residual, ``gemma2_attn_out`` / ``olmo2_attn_out`` for layers
+    whose ``post_attention_layernorm`` (of that form) normalizes it first."""
+
+    def applies(layer: nn.Module) -> bool:
+        o_proj = getattr(getattr(layer, "self_attn", None), "o_proj", None)
+        if not isinstance(o_proj, nn.Module) or attention_output_patched(layer):
+            return False
+        if not kernel.post_norm:
+            return not _post_normed(layer)
+        return _post_normed(layer) and _post_norm_offset(layer) == kernel.offset
+
+    def prove(recording: Recording, name: str, layer: nn.Module) -> None:
+        form = mlp_half_form(layer)
+        norm = layer.post_attention_layernorm if kernel.post_norm else None
+        _all_reasons(
+            lambda: _in_layer(name, check_o_proj, layer.self_attn.o_proj),
+            lambda: _in_layer(name, _check_layer_dropouts, layer),
+            lambda: _in_layer(name, _check_mlp_half_modules, layer, form),
+        )
+        _MLP_HALF_CHECKS[form](recording, name, layer)
+        eps = attention_output_kernel(norm)[0]
+        post = (norm, eps, kernel.offset) if norm is not None else None
+        check_attention_output(recording, name, layer, _MLP_HALF_INPUT[form], post)
+
+    def build(layer: nn.Module, options: Options) -> Install:
+        norm = layer.post_attention_layernorm if kernel.post_norm else None
+        output = CodaAttentionOutput(
+            layer.self_attn.o_proj, norm, verify=options.verify, tune=options.tune
+        )
+        return lambda: install_attention_output(layer, output)
+
+    return Recipe(ATTENTION_OUTPUT, f"{kernel.name}: {kernel.formula}", applies, prove, build)
+
+
+_MLP_HALF_CHECKS: dict[str, Callable[[Recording, str, nn.Module], None]] = {
+    "pre_norm": check_mlp_half,
+    "fused": check_mlp_half,
+    "sandwich": check_sandwich_mlp_half,
+    "post_norm": check_post_norm_mlp_half,
+}
+
+
+def _check_layer_dropouts(layer: nn.Module) -> None:
+    """``ValueError`` for a dropout of the layer's own with ``p > 0`` but Phi-3's
+    ``resid_mlp_dropout`` (which the patched forward applies): Hugging Face's forward may apply
+    it in training where the patched one does not (Phi-3's ``resid_attn_dropout`` on
+    ``o_proj``'s output before the add, with ``resid_pdrop > 0``) — the probe runs in eval mode,
+    where a dropout shows nothing."""
+    for child, module in layer.named_children():
+        p = float(getattr(module, "p", 0.0)) if isinstance(module, nn.Dropout) else 0.0
+        if p > 0 and child != "resid_mlp_dropout":
+            raise ValueError(
+                f"{child} has p = {p:g}: in training the layer drops parts of its values "
+                "(o_proj's output before the residual add?), which the patched layer's forward "
+                "does not — set that dropout to 0 to patch the attention output"
+            )
+
+
+# The modules each MLP-half form's forward calls, besides the attention output's.
+_MLP_HALF_MODULES = {
+    "pre_norm": ("post_attention_layernorm", "mlp"), "fused": ("post_attention_layernorm", "mlp"),
+    "sandwich": ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
+    "post_norm": ("mlp", "post_feedforward_layernorm"),
+}  # fmt: skip
+
+
+def _check_mlp_half_modules(layer: nn.Module, form: str) -> None:
+    missing = [
+        m for m in _MLP_HALF_MODULES[form] if not isinstance(getattr(layer, m, None), nn.Module)
+    ]
+    if missing:
+        raise ValueError(
+            f"the layer has no {', '.join(missing)}: a patched layer runs its MLP half as "
+            f"{form.replace('_', '-')} layers do (a parallel attention and MLP, another layout?)"
+        )
+
+
 # The table: the first recipe of a kind that applies to a layer is the one tried.
 ATTENTION_RECIPES = (
     LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION, QWEN2_ATTENTION,
@@ -341,6 +455,7 @@ RECIPES: tuple[Recipe, ...] = (
     _gemma_mlp_recipe(),
     _mlp_recipe(SEPARATE_GATE_UP),
     _mlp_recipe(CONCATENATED_GATE_UP),
+    *(_attention_output_recipe(k) for k in (ATTN_OUT, GEMMA2_ATTN_OUT, OLMO2_ATTN_OUT)),
 )
 
 
@@ -364,12 +479,28 @@ def _unmatched(kind: str, name: str, layer: nn.Module, family: str) -> str:
     """Why no recipe of ``kind`` applies to ``layer``: what its modules are instead."""
     if kind == ATTENTION_INPUT:
         return _unmatched_attention(name, layer, family)
+    if kind == ATTENTION_OUTPUT:
+        return _unmatched_attention_output(name, layer)
     mlp = getattr(layer, "mlp", None)
     return (
         f"{name}.mlp ({type(mlp).__name__}) has neither gate_proj/up_proj/down_proj nor "
         "gate_up_proj/down_proj (a mixture of experts, a two-matrix MLP?): the llama_mlp "
         "kernels compute one SwiGLU MLP"
     )
+
+
+def _unmatched_attention_output(name: str, layer: nn.Module) -> str:
+    attn = getattr(layer, "self_attn", None)
+    if not isinstance(getattr(attn, "o_proj", None), nn.Module):
+        return (
+            f"{name}.self_attn ({type(attn).__name__}) has no o_proj module: the attention-output "
+            "kernels compute x + o_proj(a)"
+        )
+    try:  # a post-norm layer whose post_attention_layernorm is of no kernel's form
+        rms_norm_form(layer.post_attention_layernorm, "post_attention_layernorm")
+    except (AttributeError, ValueError) as e:
+        return f"{name}: {e}; the post-norm attention-output kernels apply x̂ · w or x̂ · (1 + w)"
+    return f"{name}: no attention-output recipe applies to {type(layer).__name__}"
 
 
 def _unmatched_attention(name: str, layer: nn.Module, family: str) -> str:
@@ -467,7 +598,8 @@ def patch_model(
     checks, the layer's recorded dataflow and the module's recorded output recomputed the way
     the drop-in computes it), else the kind is kept in every layer with the first failing
     layer's reasons. Every drop-in is built (its Programs resolved) before any module changes.
-    ``attention=False`` keeps the attention input; ``fused_loss`` also fuses the final norm,
+    ``attention=False`` keeps the attention input; ``fuse_residual=False`` keeps the attention
+    output (``o_proj`` and the add) as Hugging Face's; ``fused_loss`` also fuses the final norm,
     LM head and cross-entropy (``fuse_causal_lm_loss``'s training forward) when the probe proves
     the logits and loss are Hugging Face's plain ones. ``verify``, ``saved``, ``tune``,
     ``fuse_gate_up``, ``fuse_residual``: as ``patch_llama`` (``fuse_gate_up`` applies to MLPs
@@ -491,13 +623,15 @@ def patch_model(
     head, head_error = _lm_head(model) if fused_loss else ([], None)
     recording = _probe(model, layers, head, labels=fused_loss and head_error is None)
     installs: list[Install] = []
-    for kind in (ATTENTION_INPUT, MLP_HALF):
+    for kind in (ATTENTION_INPUT, MLP_HALF, ATTENTION_OUTPUT):  # the order they install in
         if kind == ATTENTION_INPUT and not attention:
             report.lines[kind] = "kept: attention=False"
             continue
+        if kind == ATTENTION_OUTPUT and not fuse_residual:
+            report.lines[kind] = "kept: fuse_residual=False (o_proj and the add are Hugging Face's)"
+            continue
         report.lines[kind], built = _patch_kind(kind, named, recording, family, options)
         installs += built
-    report.lines[ATTENTION_OUTPUT] = _ATTENTION_OUTPUT_KEPT
     report.lines[LM_HEAD_LOSS] = _lm_head_line(model, recording, fused_loss, head_error)
     for install in installs:
         install()
@@ -513,7 +647,8 @@ def _probe(
 ) -> Recording:
     watched = list(head)
     for layer in layers:
-        parts = (getattr(layer, part, None) for part in (*_LAYER_PARTS, *_SANDWICH))
+        parts = [getattr(layer, part, None) for part in (*_LAYER_PARTS, *_SANDWICH)]
+        parts.append(getattr(getattr(layer, "self_attn", None), "o_proj", None))
         watched += [layer, *(p for p in parts if isinstance(p, nn.Module))]
     return probe_forward(model, watched, labels=labels)
 
@@ -549,6 +684,8 @@ def _patch_kind(
 def _already_patched(kind: str, layer: nn.Module) -> bool:
     if kind == MLP_HALF:
         return isinstance(getattr(layer, "mlp", None), CodaLlamaMLP)
+    if kind == ATTENTION_OUTPUT:
+        return attention_output_patched(layer)
     return _patched_attention(getattr(layer, "self_attn", None))
 
 

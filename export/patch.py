@@ -1,5 +1,6 @@
 """Patch a whole Hugging Face Llama model in place: every decoder layer's norms, attention input
-(Q/K/V projections + RoPE) and MLP run on CODA kernels, forward and backward.
+(Q/K/V projections + RoPE), attention output (``o_proj`` + residual) and MLP run on CODA kernels,
+forward and backward.
 
 ``patch_llama(model)`` keeps Hugging Face's attention, caches, gradient checkpointing, generation
 and state-dict keys. In each layer it swaps modules:
@@ -21,8 +22,11 @@ that hands the MLP half's residual to the MLP, so ``h + mlp(norm(h))`` is one ``
 the add happens in the down projection's epilogue and, in the backward, the residual's gradient
 is accumulated in the RMSNorm-backward epilogue (docs/algebra.md §3) — two elementwise passes over
 the residual stream less per layer and step. Under ``torch.autocast`` the add stays in the residual
-stream's dtype, as Hugging Face's. The attention half's residual is still the layer's own add.
-Other Llama-like layer classes keep their forward (their MLP half patches all the same).
+stream's dtype, as Hugging Face's. The same layer hands its attention output to a
+``CodaAttentionOutput`` (``coda.export.attn_out``): ``self_attn.o_proj`` becomes a
+``DeferredOProj`` (same ``weight`` Parameter and key) and ``x + o_proj(a)`` one ``attn_out``
+GEMM, the residual added in its epilogue. Other Llama-like layer classes keep their forward
+(their MLP half patches all the same; ``patch_model`` patches their attention outputs).
 
 Nothing changes before every replaced module is proven to sit in that dataflow: one forward of
 the model on a few tokens, recorded by forward hooks (``coda.export.probe``), and each module's
@@ -31,14 +35,22 @@ own checks; anything else is refused with a ``ValueError`` naming the layer, mod
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from .attention import CodaLlamaAttention, check_llama_attention
+from .attn_out import (
+    CodaAttentionOutput,
+    CodaDecoderLayer,
+    DeferredOProj,
+    check_o_proj,
+    coda_layer_class,
+    hf_layer_class,
+    mlp_half_form,
+    register_layer_class,
+)
 from .autograd import Tuning
 from .checks import check_not_distributed, check_rms_norm
 from .lm_head import install_fused_loss
@@ -46,6 +58,7 @@ from .mlp import CodaLlamaMLPBlock, check_llama_mlp, keep_hf_gate_up_keys
 from .probe import (
     causal_lm_head,
     check_attention_half,
+    check_attention_output,
     check_causal_lm_head,
     check_mlp_formula,
     check_mlp_half,
@@ -143,32 +156,24 @@ def _hf_llama_decoder_layer() -> type[nn.Module]:
 _LlamaDecoderLayer = _hf_llama_decoder_layer()
 
 
-class CodaLlamaDecoderLayer(_LlamaDecoderLayer):
-    """A ``LlamaDecoderLayer`` whose MLP half adds its residual inside the MLP's kernels.
+class CodaLlamaDecoderLayer(CodaDecoderLayer, _LlamaDecoderLayer):
+    """A ``LlamaDecoderLayer`` whose MLP half adds its residual inside the MLP's kernels (and
+    whose attention output runs on the ``attn_out`` kernels once installed).
 
     Never constructed: ``patch_llama(fuse_residual=True)`` swaps a patched layer's class to this
     one, so the layer keeps its modules, parameters, hooks and state-dict keys (and stays an
-    instance of ``LlamaDecoderLayer``). ``forward`` is Hugging Face's — input norm (deferred),
-    attention, ``residual +`` — except its last lines: ``mlp(h, residual=True)`` computes
-    ``h + mlp(post_attention_layernorm(h))`` as one ``llama_mlp`` call (the norm is deferred
-    into it). Arguments after ``hidden_states`` go to ``self_attn`` by name, as Hugging Face's
-    layer passes them.
+    instance of ``LlamaDecoderLayer``). ``forward`` is Hugging Face's (``CodaDecoderLayer``'s) —
+    input norm (deferred), attention, ``residual +`` (or ``o_proj`` and the add as one
+    ``attn_out`` call, ``install_attention_output``) — except its last lines:
+    ``mlp(h, residual=True)`` computes ``h + mlp(post_attention_layernorm(h))`` as one
+    ``llama_mlp`` call (the norm is deferred into it). Arguments after ``hidden_states`` go to
+    ``self_attn`` by name, as Hugging Face's layer passes them.
     """
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args:  # positional arguments by the original forward's names
-            kwargs.update(zip(_layer_parameters(_LlamaDecoderLayer), args, strict=False))
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
-        return self.mlp(residual + hidden_states, residual=True)
+    hf_layer_class = _LlamaDecoderLayer
 
 
-@functools.cache
-def _layer_parameters(cls: type) -> tuple[str, ...]:
-    """The names of ``cls.forward``'s parameters after ``hidden_states``, in order."""
-    names = list(inspect.signature(cls.forward).parameters)
-    return tuple(n for n in names[2:] if n not in ("args", "kwargs"))
+register_layer_class(_LlamaDecoderLayer, CodaLlamaDecoderLayer)
 
 
 def patch_llama(
@@ -205,8 +210,12 @@ def patch_llama(
     computes the loss with the final norm, LM head and cross-entropy fused and returns no logits.
     ``fuse_residual`` (default): each Hugging Face ``LlamaDecoderLayer`` becomes a
     ``CodaLlamaDecoderLayer`` (class swapped in place), whose MLP half adds its residual in the
-    down projection's epilogue (and its gradient in the backward's); ``False`` keeps Hugging
-    Face's forward and its add.
+    down projection's epilogue (and its gradient in the backward's) and whose attention output
+    ``x + o_proj(a)`` runs on the ``attn_out`` kernels (``o_proj`` deferred into them; an
+    ``o_proj`` with a bias is refused — patch with ``fuse_residual=False``); ``False`` keeps
+    Hugging Face's forward, its ``o_proj`` and both adds. ``attention`` does not decide the
+    attention output: with ``attention=False`` Hugging Face's attention runs and hands the layer
+    its output before ``o_proj``.
     """
     check_not_distributed(model)
     layers = [
@@ -225,19 +234,26 @@ def patch_llama(
         "residual": fuse_residual,
     }  # fmt: skip
     attended = [m for m in model.modules() if _unpatched_attention(m)] if attention else []
-    _prove(model, layers, attended, fused_loss)
+    # o_proj + the attention residual: in Hugging Face's LlamaDecoderLayers, as the MLP's residual
+    outputs = [layer for layer in layers if fuse_residual and type(layer) is _LlamaDecoderLayer]
+    _prove(model, layers, attended, fused_loss, outputs)
     blocks = [
         CodaLlamaMLPBlock(layer.post_attention_layernorm, layer.mlp, **options) for layer in layers
     ]
     attns = [
         CodaLlamaAttention(layer.self_attn, layer.input_layernorm, verify=verify, tune=tune)
         for layer in attended
+    ]
+    attn_outs = [
+        CodaAttentionOutput(layer.self_attn.o_proj, verify=verify, tune=tune) for layer in outputs
     ]  # every Program resolved before the first layer changes
     for layer, block in zip(layers, blocks, strict=True):
         fused = fuse_residual and type(layer) is _LlamaDecoderLayer
         install_mlp_half(layer, block, fuse_residual=fused)
     for layer, attn in zip(attended, attns, strict=True):
         install_attention_input(layer, attn)
+    for layer, output in zip(outputs, attn_outs, strict=True):
+        install_attention_output(layer, output)
     if fused_loss:
         install_fused_loss(model, verify=verify, tune=tune)
     return model
@@ -247,7 +263,11 @@ _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp
 
 
 def _prove(
-    model: nn.Module, layers: list[nn.Module], attended: list[nn.Module], fused_loss: bool
+    model: nn.Module,
+    layers: list[nn.Module],
+    attended: list[nn.Module],
+    fused_loss: bool,
+    outputs: list[nn.Module],
 ) -> None:
     """``ValueError`` (naming the layer, the module and the reason) unless every module about to
     be replaced sits where the patched layer computes with it and computes what its kernel does.
@@ -256,10 +276,12 @@ def _prove(
     half must be ``h + mlp(post_attention_layernorm(h))``, the attention half (``attended``)
     ``x + self_attn(input_layernorm(x))`` with the rotary tables of the heads' width, and with
     ``fused_loss`` the logits ``lm_head(model.model.norm(h))`` and the loss their mean
-    next-token cross-entropy. Then each module itself: the MLP's projections and SiLU (and its
-    recorded output recomputed from its weights), the attention class and projections, every
-    norm an RMSNorm with a weight (``check_rms_norm``)."""
-    if not (layers or attended or fused_loss):
+    next-token cross-entropy, and for the attention outputs (``outputs``) ``x + o_proj(a)``
+    reaching the MLP half with ``self_attn`` returning its ``o_proj``'s output (``a`` the
+    attention before it). Then each module itself (``o_proj`` a bias-free linear): the MLP's
+    projections and SiLU (and its recorded output recomputed from its weights), the attention
+    class and projections, every norm an RMSNorm with a weight (``check_rms_norm``)."""
+    if not (layers or attended or fused_loss or outputs):
         return
     names = {m: n for n, m in model.named_modules()}
     named = [(names.get(layer) or type(layer).__name__, layer) for layer in layers]
@@ -269,6 +291,8 @@ def _prove(
     for layer in dict.fromkeys([*layers, *attended]):
         parts = (getattr(layer, part, None) for part in _LAYER_PARTS)
         watched += [layer, *(p for p in parts if isinstance(p, nn.Module))]
+    o_projs = (getattr(layer.self_attn, "o_proj", None) for layer in outputs)
+    watched += [o_proj for o_proj in o_projs if isinstance(o_proj, nn.Module)]
     recording = probe_forward(model, watched, labels=fused_loss and head_error is None)
     for name, layer in named:
         check_mlp_half(recording, name, layer)
@@ -281,6 +305,15 @@ def _prove(
     for name, layer in named_attn:
         _in_layer(name, check_llama_attention, layer.self_attn)
         _in_layer(name, check_rms_norm, layer.input_layernorm, "input_layernorm")
+    for layer in outputs:
+        name = names.get(layer) or type(layer).__name__
+        try:
+            _in_layer(name, check_o_proj, getattr(layer.self_attn, "o_proj", None))
+            check_attention_output(recording, name, layer, "post_attention_layernorm")
+        except ValueError as e:
+            raise ValueError(
+                f"{e} — patch with fuse_residual=False to keep o_proj and the attention residual"
+            ) from e
     if head_error is not None:  # after the layers': theirs say more about the model
         raise head_error
     if fused_loss:
@@ -340,6 +373,30 @@ def install_attention_input(layer: nn.Module, attn: nn.Module) -> None:
     _replace(layer, "input_layernorm", deferred)
     _replace(layer, "self_attn", attn)
     object.__setattr__(attn, "norm", deferred)  # as CodaLlamaAttention holds its norm
+
+
+def install_attention_output(layer: nn.Module, output: CodaAttentionOutput) -> None:
+    """Run ``layer``'s ``o_proj`` and attention residual (and the post-norm between them, where
+    ``output`` has one) on ``output``: ``self_attn.o_proj`` becomes a ``DeferredOProj``, the
+    post-norm a ``DeferredRMSNorm``, and the layer's class its ``CodaDecoderLayer`` subclass
+    (``coda_layer_class``), which hands ``output`` the attention before ``o_proj`` and the
+    residual and keeps the MLP half's form (``mlp_half_form``, taken before the swap). Install
+    after the layer's attention input and MLP half: it defers the ``o_proj`` of the ``self_attn``
+    the layer has then."""
+    mlp_half = mlp_half_form(layer)
+    attn = layer.self_attn
+    _replace(attn, "o_proj", DeferredOProj(attn.o_proj))
+    if output.kernel.post_norm:
+        norm = layer.post_attention_layernorm
+        _replace(layer, "post_attention_layernorm", DeferredRMSNorm(norm))
+    layer.__class__ = coda_layer_class(hf_layer_class(layer))
+    layer.coda_mlp_half = mlp_half
+    layer.coda_attention_output = output
+
+
+def attention_output_patched(layer: nn.Module) -> bool:
+    """Whether ``layer``'s attention output already runs on a ``CodaAttentionOutput``."""
+    return isinstance(getattr(layer, "coda_attention_output", None), CodaAttentionOutput)
 
 
 def _replace(layer: nn.Module, name: str, new: nn.Module) -> None:

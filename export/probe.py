@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from .attn_out import DeferredOProj, hf_layer_class, layer_defaults, layer_parameters
+
 PROBE_TOKENS = 5  # tokens of the probe sequence (batch 1)
 
 
@@ -263,12 +265,22 @@ def check_attention_half(recording: Recording, name: str, layer: nn.Module) -> N
                 "the patched attention normalizes its input itself"
             )
         _check_rotary(name, layer.self_attn, attn)
-        if not close(after.input(), x + attn.result()):
+        if not close(after.input(), x + _projected(layer.self_attn, attn.result())):
             raise ValueError(
                 f"{name}: what reaches the MLP half is not x + self_attn(input_layernorm(x)) "
                 "(a norm or scale of the attention output?); the patched layer computes exactly "
                 "that — patch with attention=False to keep this attention half"
             )
+
+
+def _projected(attn: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """``self_attn``'s output after ``o_proj``: itself, or — in a layer whose attention output
+    is patched (``o_proj`` deferred to the layer's kernel) — ``out`` times ``o_proj``'s weight."""
+    o_proj = getattr(attn, "o_proj", None)
+    if not isinstance(o_proj, DeferredOProj):
+        return out
+    with torch.no_grad():
+        return F.linear(out, o_proj.weight)
 
 
 def _check_rotary(name: str, attn: nn.Module, call: Call) -> None:
@@ -427,6 +439,135 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = t.shape[-1] // 2
     rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
     return t * cos + rotated * sin
+
+
+# -- the attention output --------------------------------------------------------------------------
+
+
+def check_attention_output(
+    recording: Recording,
+    name: str,
+    layer: nn.Module,
+    after: str,
+    post_norm: tuple[nn.Module, float, float] | None = None,
+) -> None:
+    """``ValueError`` unless every call of ``layer`` with input ``x`` ran ``self_attn`` on
+    ``input_layernorm(x)``'s output itself (on ``x`` itself in a layer without that norm),
+    ``self_attn`` returned its ``o_proj``'s output itself, and what reaches the MLP half (the
+    input of the layer's module ``after``) is ``x + o_proj(a)`` recomputed from ``o_proj``'s
+    recorded input ``a`` and weight — with ``post_norm = (norm, eps, offset)``, ``x +
+    norm(o_proj(a))``, the norm receiving the attention's output itself and recomputed as
+    ``ŷ · (offset + weight)`` in fp32. What the attention-output drop-in computes from the
+    attention before ``o_proj`` and the residual."""
+    calls = layer_calls(recording, name, layer)
+    o_proj = layer.self_attn.o_proj
+    parts = {"self_attn": layer.self_attn, "self_attn.o_proj": o_proj, after: getattr(layer, after)}
+    norm = layer._modules.get("input_layernorm")
+    if norm is not None:
+        parts["input_layernorm"] = norm
+    if post_norm is not None:
+        parts["post_attention_layernorm"] = post_norm[0]
+    recorded = {part: recording.of(module) for part, module in parts.items()}
+    for part, part_calls in recorded.items():
+        _per_call(name, part, part_calls, len(calls))
+    for i, call in enumerate(calls):
+        at = {part: part_calls[i] for part, part_calls in recorded.items()}
+        _check_attention_wiring(name, call, at)
+        _check_attention_arguments(name, hf_layer_class(layer), call, at["self_attn"])
+        y = at["self_attn.o_proj"].input()
+        with torch.no_grad():
+            branch = F.linear(y, o_proj.weight)
+            if post_norm is not None:
+                if not same(at["post_attention_layernorm"].input(), at["self_attn"].result()):
+                    raise ValueError(
+                        f"{name}: post_attention_layernorm does not normalize the attention "
+                        "output; the post-norm attention-output kernels compute x + "
+                        "post_attention_layernorm(o_proj(a))"
+                    )
+                branch = _post_norm(branch, *post_norm)
+            want = call.input() + branch
+        if not close(at[after].input(), want):
+            form = "post_attention_layernorm(o_proj(a))" if post_norm else "o_proj(a)"
+            raise ValueError(
+                f"{name}: what reaches the MLP half ({after}'s input) is not x + {form} with x "
+                "the layer's input and a o_proj's input (a scale, a dropout, another residual?); "
+                "the attention-output kernels compute exactly that"
+            )
+
+
+def _check_attention_wiring(name: str, call: Call, at: dict[str, Call]) -> None:
+    """The layer's input through ``input_layernorm`` (if any) to ``self_attn``, and ``self_attn``
+    returning its ``o_proj``'s output."""
+    x, attn, o_proj = call.input(), at["self_attn"], at["self_attn.o_proj"]
+    norm = at.get("input_layernorm")
+    if norm is not None and not (same(norm.input(), x) and same(attn.input(), norm.result())):
+        raise ValueError(
+            f"{name}: self_attn does not receive input_layernorm(x) with x the layer's input; "
+            "the patched layer computes self_attn(input_layernorm(x))"
+        )
+    if norm is None and not same(attn.input(), x):
+        raise ValueError(f"{name}: self_attn does not receive the layer's input")
+    if not same(attn.result(), o_proj.result()):
+        raise ValueError(
+            f"{name}: self_attn does not return its o_proj's output (something after o_proj?); "
+            "the attention-output kernels apply o_proj to what self_attn computes before it"
+        )
+
+
+def _check_attention_arguments(name: str, cls: type, call: Call, attn: Call) -> None:
+    """``self_attn`` received, by name, exactly the layer's arguments after ``hidden_states``
+    (the layer forward's defaults for those its caller left out) — what a patched layer's
+    forward hands it; a layer that changes, adds or drops one (a per-layer choice of rotary
+    tables, a mask of its own) is another forward."""
+    given = dict(zip(layer_parameters(cls), call.args[1:], strict=False))
+    want = {**layer_defaults(cls), **given, **call.kwargs}
+    got = {k: v for k, v in attn.kwargs.items() if k != "hidden_states"}
+    differ = sorted(k for k in {*want, *got} if k not in want or k not in got)
+    differ += sorted(k for k in want.keys() & got.keys() if not _same_argument(want[k], got[k]))
+    if attn.args or differ:
+        what = "positional arguments" if attn.args else ", ".join(differ)
+        raise ValueError(
+            f"{name}: self_attn does not receive the layer's own arguments by name ({what} "
+            "differ); the patched layer hands self_attn its arguments as they come"
+        )
+
+
+def _same_argument(a: Any, b: Any) -> bool:
+    if a is b or same(a, b):
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare are not the same
+        return False
+
+
+def _post_norm(y: torch.Tensor, norm: nn.Module, eps: float, offset: float) -> torch.Tensor:
+    """``y · rsqrt(mean(y²) + eps) · (offset + weight)`` in fp32, cast to ``y``'s dtype."""
+    yf = y.float()
+    normed = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (offset + norm.weight.float())).to(y.dtype)
+
+
+def check_post_norm_mlp_half(
+    recording: Recording, name: str, layer: nn.Module, post: str = "post_feedforward_layernorm"
+) -> None:
+    """``ValueError`` unless every call of ``layer`` computed ``out = h + post(mlp(h))`` with
+    ``h`` the MLP's input and ``post`` (``post_feedforward_layernorm``) normalizing the MLP's
+    output itself — OLMo 2's MLP half, as a patched layer's forward runs it."""
+    calls = layer_calls(recording, name, layer)
+    mlps, posts = recording.of(layer.mlp), recording.of(getattr(layer, post))
+    _per_call(name, "mlp", mlps, len(calls))
+    _per_call(name, post, posts, len(calls))
+    for call, mlp, norm in zip(calls, mlps, posts, strict=True):
+        if not same(norm.input(), mlp.result()):
+            raise ValueError(f"{name}: {post} does not normalize the MLP's output")
+        if not close(call.result(), mlp.input() + norm.result()):
+            raise ValueError(
+                f"{name}: the layer's output is not h + {post}(mlp(h)) with h the MLP's input; "
+                "the patched layer computes exactly that"
+            )
 
 
 # -- the final norm and LM head --------------------------------------------------------------------

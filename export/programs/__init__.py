@@ -3,7 +3,8 @@
 Each file holds the built-in planner's Program for one block of a family the drop-ins build on
 (``FAMILIES``: the ``llama_mlp`` and ``llama_mlp_branch`` sub-layers, Gemma's ``gemma_mlp``,
 ``gemma_mlp_branch`` and ``gemma2_mlp_branch`` (sandwich norms), the attention inputs (Llama's,
-Qwen2's, Qwen3's), the LM-head loss (plain, and softcapped as Gemma 2's) — forward and backward,
+Qwen2's, Qwen3's), the attention outputs (``o_proj`` + residual: plain, and with Gemma 2/3's or
+OLMo 2's post-norm), the LM-head loss (plain, and softcapped as Gemma 2's) — forward and backward,
 at Llama's RMSNorm epsilon ``SHIPPED_EPS``, with the default lowering options), with its content
 hash: the first 12 hex digits of the SHA-256 of its canonical JSON, the key the sandbox's Reports
 and the regression
@@ -36,6 +37,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from coda.blocks.attn_out import attn_out_family
 from coda.blocks.block import Block
 from coda.blocks.gemma import gemma_mlp_family, lm_head_softcap_ce_family
 from coda.blocks.llama import (
@@ -80,6 +82,11 @@ FAMILIES: dict[str, Family] = {
     "qwen3_attn_in": Family(qwen3_attn_in_family, ("forward", "backward")),
     # Gemma 2's head: the logits capped at 30 before the cross-entropy
     "lm_head_softcap_ce": Family(lm_head_softcap_ce_family, ("forward", "train", "backward_saved")),
+    # the attention outputs: o_proj + residual, and with Gemma 2/3's or OLMo 2's post-norm
+    **{
+        base: Family(lambda eps, base=base: attn_out_family(base, eps), ("forward", "backward"))
+        for base in ("attn_out", "gemma2_attn_out", "olmo2_attn_out")
+    },
 }
 
 

@@ -109,7 +109,10 @@ def test_the_sandwich_proof_keeps_a_recipe_that_swaps_the_norms(
     patched, report = _patched(model)
     line = report.lines[fam.MLP_HALF]
     assert "mlp does not receive post_feedforward_layernorm's output" in line, line
-    assert [type(m) for m in patched.modules()] == [type(m) for m in model.modules()]
+    for hf_layer, layer in zip(model.model.layers, patched.model.layers, strict=True):
+        for part in ("mlp", *fam._SANDWICH):  # the MLP half's modules, untouched
+            hf_modules, modules = getattr(hf_layer, part).modules(), getattr(layer, part).modules()
+            assert [type(m) for m in modules] == [type(m) for m in hf_modules], part
 
 
 def _gemma2_modules() -> tuple[torch.nn.Module, ...]:

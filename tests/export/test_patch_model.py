@@ -25,41 +25,56 @@ SMALL = {
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
 P, K = "patched", "kept"
+# the attention output's report lines: o_proj + residual, and through Gemma's or OLMo 2's post-norm
+OUT = (P, "attn_out: x + o_proj(a)")
+GEMMA2_OUT = (P, "gemma2_attn_out: x + post_attention_layernorm(o_proj(a)) (x̂ · (1 + w))")
+OLMO2_OUT = (P, "olmo2_attn_out: x + post_attention_layernorm(o_proj(a)) (x̂ · w)")
 # family: (config class, causal-LM class, config extras, {kind: (status, reason substring)})
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, {
         fam.ATTENTION_INPUT: (P, "LlamaAttention"), fam.MLP_HALF: (P, "gate_proj + up_proj"),
+        fam.ATTENTION_OUTPUT: OUT,
         fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4}, {
         fam.ATTENTION_INPUT: (P, "MistralAttention"), fam.MLP_HALF: (P, "gate_proj + up_proj"),
+        fam.ATTENTION_OUTPUT: OUT,
         fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (P, "qwen2_attn_in on Qwen2Attention"),
-        fam.MLP_HALF: (P, "gate_proj + up_proj"), fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+        fam.MLP_HALF: (P, "gate_proj + up_proj"), fam.ATTENTION_OUTPUT: OUT,
+        fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (P, "qwen3_attn_in on Qwen3Attention"),
-        fam.MLP_HALF: (P, "gate_proj + up_proj"), fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+        fam.MLP_HALF: (P, "gate_proj + up_proj"), fam.ATTENTION_OUTPUT: OUT,
+        fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (P, "Phi3Attention's qkv_proj"),
-        fam.MLP_HALF: (P, "gate_up_proj = [gate; up]"), fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
+        fam.MLP_HALF: (P, "gate_up_proj = [gate; up]"), fam.ATTENTION_OUTPUT: OUT,
+        fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}, {
         fam.ATTENTION_INPUT: (P, "GemmaAttention"),
         fam.MLP_HALF: (P, "gemma_mlp on gate_proj + up_proj"),
+        fam.ATTENTION_OUTPUT: OUT,
         fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (K, "no attention recipe for this class"),
         fam.MLP_HALF: (P, "gemma2_mlp_branch on gate_proj + up_proj between"),
+        fam.ATTENTION_OUTPUT: GEMMA2_OUT,
         fam.LM_HEAD_LOSS: (P, "lm_head_softcap_ce: final norm + LM head + logits capped at 30")}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (K, "q/k RMSNorm (Gemma 3)"),
         fam.MLP_HALF: (P, "gemma2_mlp_branch on gate_proj + up_proj between"),
+        fam.ATTENTION_OUTPUT: GEMMA2_OUT,
         fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, {
         fam.ATTENTION_INPUT: (K, "has no input_layernorm"), fam.MLP_HALF: (K, "a post-norm"),
+        fam.ATTENTION_OUTPUT: OLMO2_OUT,
         fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
 }  # fmt: skip
 # the families whose attention input is patched, for the attention variants
 ATTENDED = [f for f, spec in FAMILIES.items() if spec[3][fam.ATTENTION_INPUT][0] == P]
+# and those only whose attention output is (the post-norm forms), for state dicts and generation
+POST_NORMED = [f for f, spec in FAMILIES.items() if spec[3][fam.ATTENTION_OUTPUT] != OUT]
 
 
 def _model(family: str, seed: int = 0, **config: object) -> torch.nn.Module:
@@ -97,14 +112,14 @@ def _batch(seed: int = 1) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_report_says_what_is_patched_and_why_the_rest_is_kept(family: str) -> None:
-    """One line per module kind; the attention output is always Hugging Face's; kept kinds keep
-    their modules; the patched model's logits are the original's."""
+    """One line per module kind; kept kinds keep their modules; the patched model's logits are
+    the original's."""
     model = _model(family)
     patched, report = _patched(model, fused_loss=True)
     lines = str(report).splitlines()
     assert len(lines) == 1 + len(fam.KINDS)
     assert lines[0] == f"{fam.family_name(model)}, 2 decoder layers:"
-    expected = {**FAMILIES[family][3], fam.ATTENTION_OUTPUT: (K, "no shipped kernel")}
+    expected = FAMILIES[family][3]
     for kind, (status, reason) in expected.items():
         line = report.lines[kind]
         assert line.startswith(status), f"{kind}: {line}"
@@ -115,6 +130,10 @@ def test_the_report_says_what_is_patched_and_why_the_rest_is_kept(family: str) -
             assert type(layer.mlp) is type(hf_layer.mlp)
         if not report.patched(fam.ATTENTION_INPUT):
             assert type(layer.self_attn) is type(hf_layer.self_attn)
+        # the attention output: o_proj deferred (its weight under its key), the layer's class
+        # a subclass of its own whose forward hands the drop-in the attention and the residual
+        assert isinstance(layer, type(hf_layer)) and type(layer) is not type(hf_layer)
+        assert type(layer.self_attn.o_proj).__name__ == "DeferredOProj"
     ids = _batch()["input_ids"]
     with torch.no_grad():
         want, got = model(input_ids=ids).logits, patched(input_ids=ids).logits
@@ -154,7 +173,7 @@ def test_loss_and_every_gradient_match_with_left_padding(family: str, kv_heads: 
     torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ATTENDED)
+@pytest.mark.parametrize("family", ATTENDED + POST_NORMED)
 def test_state_dicts_keep_hugging_face_keys_both_ways(family: str) -> None:
     model = _model(family)
     patched, _ = _patched(model)
@@ -173,9 +192,10 @@ def test_state_dicts_keep_hugging_face_keys_both_ways(family: str) -> None:
         torch.testing.assert_close(fresh(input_ids=ids).logits, want)
 
 
-@pytest.mark.parametrize("family", ATTENDED)
+@pytest.mark.parametrize("family", ATTENDED + POST_NORMED)
 def test_greedy_generation_is_unchanged(family: str) -> None:
-    """Through the KV cache the patched attention fills (keys in the kernel's pair order)."""
+    """Through the KV cache the patched attention fills (keys in the kernel's pair order), and
+    through the patched attention outputs (one token per step after the prompt)."""
     model = _model(family, seed=7)
     patched, _ = _patched(model)
     ids = _batch()["input_ids"][:1, :5]
@@ -313,6 +333,7 @@ def test_patching_twice_changes_nothing_and_options_are_reported() -> None:
     assert list(model.modules()) == modules
     assert again.lines[fam.MLP_HALF] == "patched (already patched)"
     assert again.lines[fam.ATTENTION_INPUT] == "patched (already patched)"
+    assert again.lines[fam.ATTENTION_OUTPUT] == "patched (already patched)"
     kept = patch_model(_model("llama"), verify=False, tune="off", attention=False)
     assert kept.lines[fam.ATTENTION_INPUT] == "kept: attention=False"
     assert kept.lines[fam.LM_HEAD_LOSS].startswith("kept: fused_loss=False")
@@ -355,3 +376,82 @@ def test_fuse_gate_up_interleaves_separate_projections_and_leaves_phi3_as_views(
         with torch.no_grad():
             want, got = model(input_ids=ids).logits, patched(input_ids=ids).logits
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_attention_output_proof_keeps_a_post_norm_of_the_wrong_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Gemma 2's post_attention_layernorm taken for OLMo 2's ``x̂ · w`` (not its ``x̂ · (1 + w)``)
+    would compute another model: the probe forward shows it and the attention output is kept,
+    o_proj and the layer's class untouched."""
+    monkeypatch.setattr(fam, "_post_norm_offset", lambda layer: 0.0)
+    model = _model("gemma2")
+    patched, report = _patched(model)
+    line = report.lines[fam.ATTENTION_OUTPUT]
+    assert line.startswith("kept: model.layers.0: what reaches the MLP half"), line
+    assert "post_attention_layernorm(o_proj(a))" in line
+    for hf_layer, layer in zip(model.model.layers, patched.model.layers, strict=True):
+        assert type(layer) is type(hf_layer)
+        assert type(layer.self_attn.o_proj) is torch.nn.Linear
+
+
+def test_the_attention_output_is_kept_with_the_reason() -> None:
+    """An o_proj with a bias, Phi-3's dropout before the residual add, ``fuse_residual=False``:
+    kept, Hugging Face's o_proj and add run; what else is proven still patches."""
+    _, report = _patched(_model("llama", attention_bias=True))
+    assert "self_attn.o_proj has a bias" in report.lines[fam.ATTENTION_OUTPUT]
+    assert report.patched(fam.MLP_HALF)
+    model = _model("phi3", resid_pdrop=0.1)
+    patched, report = _patched(model)
+    assert "resid_attn_dropout has p = 0.1" in report.lines[fam.ATTENTION_OUTPUT]
+    assert type(patched.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    _, report = _patched(_model("mistral"), fuse_residual=False)
+    assert report.lines[fam.ATTENTION_OUTPUT].startswith("kept: fuse_residual=False")
+
+
+def test_a_pickled_model_finds_its_layer_class_in_a_fresh_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``CodaMistralDecoderLayer`` (the patched layer's class, built on first use) is built again
+    by name when a pickled model loads where it does not exist yet."""
+    import io
+
+    from coda.export import attn_out
+
+    model = _model("mistral", seed=8)
+    patched, _ = _patched(model)
+    buffer = io.BytesIO()
+    torch.save(patched, buffer)
+    buffer.seek(0)
+    built = attn_out._LAYER_CLASSES
+    monkeypatch.setattr(
+        attn_out,
+        "_LAYER_CLASSES",
+        {k: v for k, v in built.items() if v.__module__ != attn_out.__name__},
+    )
+    monkeypatch.delattr(attn_out, "CodaMistralDecoderLayer")
+    loaded = torch.load(buffer, weights_only=False)
+    layer_class = type(loaded.model.layers[0])
+    assert layer_class.__name__ == "CodaMistralDecoderLayer"
+    assert layer_class is not type(patched.model.layers[0])  # built anew, by name
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+def test_gradient_checkpointing_reruns_the_patched_post_norm_layers(family: str) -> None:
+    """The patched layer classes (subclasses of Hugging Face's) keep its gradient checkpointing:
+    each layer reruns in the backward through the attention-output drop-in, same loss and
+    gradients (non-reentrant)."""
+    model = _model(family, seed=11).train()
+    patched, report = _patched(model)
+    assert report.patched(fam.ATTENTION_OUTPUT)
+    patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = _batch(seed=11)
+    want_loss, want = _train_step(model, batch)
+    got_loss, got = _train_step(patched, batch)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=2e-6, rtol=1e-5, msg=name)

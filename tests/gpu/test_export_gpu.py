@@ -250,10 +250,10 @@ def _assert_as_close_as_hugging_face(
 
 
 def test_a_patched_llama_model_in_bf16_and_under_autocast() -> None:
-    """patch_llama (norms, attention input, MLP) on a random two-layer LlamaForCausalLM: logits
-    and every gradient against the fp32 model by the sandbox's rule — the model cast to bf16,
-    and fp32 weights under bf16 autocast — next to Hugging Face's own error in the same
-    setting."""
+    """patch_llama (norms, attention input, attention output, MLP) on a random two-layer
+    LlamaForCausalLM: logits and every gradient against the fp32 model by the sandbox's rule —
+    the model cast to bf16, and fp32 weights under bf16 autocast — next to Hugging Face's own
+    error in the same setting."""
     import copy
 
     from coda.export import patch_llama

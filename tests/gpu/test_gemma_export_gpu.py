@@ -88,18 +88,24 @@ def test_the_gemma_mlp_drop_ins_in_bf16_and_under_autocast(sandwich: bool) -> No
 
 
 @pytest.mark.parametrize(
-    ("family", "fused_loss"), [("gemma", False), ("gemma2", False), ("gemma2", True)]
+    ("family", "fused_loss"),
+    [("gemma", False), ("gemma2", False), ("gemma2", True), ("olmo2", False)],
 )
 def test_patch_model_on_gemma_models_in_bf16_and_under_autocast(
     family: str, fused_loss: bool
 ) -> None:
-    """A random two-layer Gemma / Gemma 2 model with its MLP halves patched (and with
-    ``fused_loss`` Gemma 2's softcapped LM-head loss, ``lm_head_softcap_ce``): the loss, the
+    """A random two-layer Gemma / Gemma 2 model with its MLP halves and attention outputs
+    patched (``attn_out``; Gemma 2's through its ``(1 + w)`` post-norm, ``gemma2_attn_out``),
+    and with ``fused_loss`` Gemma 2's softcapped LM-head loss (``lm_head_softcap_ce``) — and an
+    OLMo 2 model's attention outputs through its post-norm (``olmo2_attn_out``): the loss, the
     logits (when made) and every gradient against the fp32 model, cast to bf16 and under bf16
     autocast."""
     hidden, inter, vocab, seq = (48, 80, 96, 9) if TOY else (1024, 2816, 2048, 333)
-    names = {"gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config",
-             "Gemma2ForCausalLM")}[family]  # fmt: skip
+    names = {
+        "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+        "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    }[family]
     config = getattr(transformers, names[0])(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8, vocab_size=vocab,
@@ -122,7 +128,8 @@ def test_patch_model_on_gemma_models_in_bf16_and_under_autocast(
     for setting, theirs, amp in _low_precision_copies(hf):
         coda = copy.deepcopy(theirs)
         report = patch_model(coda, verify=False, tune="off", fused_loss=fused_loss)
-        assert report.lines["MLP half"].startswith("patched"), report
+        assert report.lines["MLP half"].startswith("patched") or family == "olmo2", report
+        assert report.lines["attention output"].startswith("patched"), report
         assert report.lines["final norm + LM head loss"].startswith("patched") == fused_loss
         with amp:
             want, got = dict(step(theirs)), step(coda)

@@ -1,13 +1,17 @@
 """Aux ``norm_rows`` (a post-norm's finishing pass) in bfloat16 on a GPU against the formula, and
-the post-norm blocks verified by the sandbox in bfloat16 and float16 (skipped without a GPU)."""
+the post-norm blocks and the shipped attention-output Programs verified by the sandbox in bfloat16
+and float16 (skipped without a GPU)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 from coda.blocks.ops import RowRstd
 from coda.planner import lower
+from coda.primitives import Program
 from coda.sandbox import SandboxOptions, evaluate
 from coda.sandbox.compare import assert_close
 from tests.helpers import DTYPE_TOL, make_inputs, run_both
@@ -45,4 +49,28 @@ def test_post_norm_blocks_verify_on_the_gpu(which: str) -> None:
         shapes=shapes, dtypes=["bfloat16", "float16"], seeds=[0], profile=False, isolate=False
     )
     report = evaluate(lower(block), block, options)
+    assert report.verified, report.render_text()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        f"{base}{suffix}"
+        for base in ("attn_out", "gemma2_attn_out", "olmo2_attn_out")
+        for suffix in ("", "_bwd")
+    ],
+)
+def test_the_shipped_attention_output_programs_verify_in_bf16(name: str) -> None:
+    """The attention-output drop-in's shipped Programs (``coda.export.programs``), forward and
+    backward, at their blocks' GPU shape sets in bfloat16 and float16."""
+    from coda.blocks import get_block
+    from coda.export.programs import program_file
+
+    block = get_block(name)
+    program = Program.parse(json.loads(program_file(name).read_text())["program"])
+    options = SandboxOptions(
+        shapes=block.shapes.gpu, dtypes=["bfloat16", "float16"], seeds=[0], profile=False,
+        isolate=False,
+    )  # fmt: skip
+    report = evaluate(program, block, options)
     assert report.verified, report.render_text()
