@@ -78,9 +78,10 @@ def _ce_grad_rows_kernel(
 
 
 def ce_grad_blocks(rows: int, cols: int) -> tuple[int, int]:
-    """Rows and columns per program step: up to 2048 columns a step (a row of a large
-    vocabulary streams through in long contiguous reads), about 4096 elements a step."""
-    block_cols = min(next_power_of_2(max(cols, 1)), 2048)
+    """Rows and columns per program step: up to 4096 columns a step (a row of a large
+    vocabulary streams through in long contiguous reads, one row per program: a chunk of 1024
+    rows is 1024 programs), about 4096 elements a step."""
+    block_cols = min(next_power_of_2(max(cols, 1)), 4096)
     block_rows = max(1, min(16, 4096 // block_cols, next_power_of_2(max(rows, 1))))
     return block_rows, block_cols
 
