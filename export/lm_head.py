@@ -2,10 +2,13 @@
 without the ``[tokens, vocabulary]`` logits in memory.
 
 ``llama_lm_head_ce`` (docs/algebra.md §5) computes each token's loss in the LM head GEMM's epilogue
-(target logit + per-tile log-sum-exp, combined by a tiny aux step); in training it also keeps each
-token's log-sum-exp (``llama_lm_head_ce_train``), and the backward (``_bwd_saved``) recomputes the
-logits tile by tile once, for ``softmax − onehot`` — so neither pass stores logits; eager PyTorch
-keeps them in fp32 (16384 tokens × 128256 classes: 8 GB).
+(target logit + per-tile log-sum-exp, combined by a tiny aux step) — what runs without gradients.
+In training the gradient is computed in the forward, row chunk by row chunk, in three GEMM passes
+(``lm_head_chunks``: the head storing a chunk's logits, ``dz W`` and ``dzᵀ y``) — so only a
+chunk's logits and gradient are ever stored; eager PyTorch keeps all the logits in fp32 (16384
+tokens × 128256 classes: 8 GB). Traced calls (``torch.compile``) run ``llama_lm_head_ce_train``
+(it keeps each token's log-sum-exp) and ``_bwd_saved`` (it recomputes the logits tile by tile
+once, for ``softmax − onehot``) as registered custom ops.
 
 * ``CodaLlamaLMHeadLoss(norm, lm_head)(hidden, labels)``: Hugging Face's causal-LM loss
   (``ForCausalLMLoss``: labels shifted by one, ``ignore_index`` -100, mean over the counted
@@ -101,6 +104,8 @@ class CodaLlamaLMHeadLoss(nn.Module):
     ``torch.autocast`` with fp32 weights, where the head runs in the autocast dtype (as
     Hugging Face's ``lm_head`` does) and the loss stays fp32. ``softcap``: the logits are
     ``softcap · tanh(lm_head(norm(h)) / softcap)`` (Gemma 2's ``final_logit_softcapping``, 30).
+    In training the gradient is computed in the forward, ``chunk_rows`` rows at a time (None, the
+    default: ``lm_head_chunks.chunk_rows`` of the batch, vocabulary and width).
     """
 
     def __init__(
