@@ -146,7 +146,9 @@ def chunk_runner(eps: float, verify: bool, family: str, cap: float | None) -> _R
     program = gradient_program(train, backward, cap)
     if verify:
         _verify(program, gradient_block(family, eps))
-    return _Runner(without_weight_gradient(program))
+    # The chunks of one call share the weights: their prep (γ folded into W, a [V, d] pass) runs
+    # for the first chunk only, and is released after the last (_ChunkedLoss.forward).
+    return _Runner(without_weight_gradient(program), keep_prepared=True)
 
 
 def _verify(program: Program, block: Block) -> None:
@@ -176,16 +178,20 @@ class _ChunkedLoss(torch.autograd.Function):
         dx = torch.empty_like(x)
         dgamma = torch.zeros(gamma.shape, dtype=torch.float32, device=x.device)
         dw = None
-        for start in range(0, x.shape[0], rows):
-            part = slice(start, start + rows)
-            loss, dx_part, dgamma_part, dz, y = runner(
-                x[part], gamma, w, classes[part], weights[part]
-            )
-            total += (loss * weights[part]).sum()
-            dx[part] = dx_part
-            dgamma += dgamma_part
-            if ctx.needs_input_grad[2]:  # the first chunk writes the buffer, later ones add
-                dw = dz.T @ y if dw is None else dw.addmm_(dz.T, y)
+        try:
+            for start in range(0, x.shape[0], rows):
+                part = slice(start, start + rows)
+                loss, dx_part, dgamma_part, dz, y = runner(
+                    x[part], gamma, w, classes[part], weights[part]
+                )
+                total += (loss * weights[part]).sum()
+                dx[part] = dx_part
+                dgamma += dgamma_part
+                if ctx.needs_input_grad[2]:  # the first chunk writes the buffer, later ones add
+                    dw = dz.T @ y if dw is None else dw.addmm_(dz.T, y)
+        finally:  # the prepared weights are this call's only: not kept past it
+            if runner.compiled is not None:
+                runner.compiled._kept = None
         if dw is None and ctx.needs_input_grad[2]:  # no rows
             dw = torch.zeros_like(w)
         ctx.save_for_backward(dx, dgamma.to(gamma.dtype), dw)

@@ -43,17 +43,30 @@ def _chunked(model: torch.nn.Module, rows: int | None) -> None:
     lm_head._loss_module(model, verify=False, tune="off").chunk_rows = rows
 
 
-def test_several_chunks_equal_hugging_face(chunks: list[tuple[int, int]]) -> None:
+def test_several_chunks_equal_hugging_face(
+    chunks: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """21 tokens (3 × 7) in chunks of 4: five full chunks and a last one of 1 row; ignored labels
-    in the first and in the last chunk."""
+    in the first and in the last chunk. The weights are prepared (γ folded into W) once."""
+    from coda.primitives.runtime import CompiledProgram
+
     model = _model(seed=21)
     ids = torch.randint(0, 96, (3, 7))
     labels = _labels(ids)
     labels[2, 5] = -100
     want, want_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
     _chunked(model, 4)
+    preps: list[str] = []
+    real_prep = CompiledProgram._run_prep
+
+    def counted_prep(self, inputs, info):  # noqa: ANN001, ANN202
+        preps.append(self.program.block)
+        return real_prep(self, inputs, info)
+
+    monkeypatch.setattr(CompiledProgram, "_run_prep", counted_prep)
     got, grads = _loss_and_grads(model, lambda: causal_lm_loss(model, ids, labels, tune="off"))
     assert chunks == [(21, 4)]
+    assert preps == ["llama_lm_head_ce_eps1e-06_grad"]  # once for the six chunks
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
     assert grads.keys() == want_grads.keys()
     for name, g in want_grads.items():
