@@ -194,17 +194,28 @@ class _ChunkedLoss(torch.autograd.Function):
                 runner.compiled._kept = None
         if dw is None and ctx.needs_input_grad[2]:  # no rows
             dw = torch.zeros_like(w)
-        ctx.save_for_backward(dx, dgamma.to(gamma.dtype), dw)
+        # Held on ctx, not saved for backward: the backward scales them in place and hands them
+        # over, so autograd takes each as the parameter's gradient without a copy (a tensor
+        # the graph still held would be cloned) and the weight gradient exists once.
+        ctx.grads = (dx, dgamma.to(gamma.dtype), dw)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        if ctx.grads is None:
+            raise RuntimeError(
+                "the fused LM-head loss's gradient was computed in its forward and handed over "
+                "by its first backward: backward through it once per forward (retain_graph "
+                "cannot run it again); compute the loss again for another backward"
+            )
+        (dx, dgamma, dw), ctx.grads = ctx.grads, None
         # Always scaled: whether ``grad`` is 1 is known only on the device (a host sync to ask);
-        # a multiply is one pass over each gradient.
-        # (A 0-dim float32 ``grad`` keeps each gradient's dtype: no rounding of ``grad`` first.)
-        dx, dgamma, dw = ctx.saved_tensors
-        dw = None if dw is None else dw * grad
-        return dx * grad, dgamma * grad, dw, None, None, None, None
+        # a multiply is one pass over each gradient. (A 0-dim float32 ``grad`` keeps each
+        # gradient's dtype: the product is rounded once.)
+        for t in (dx, dgamma, dw):
+            if t is not None:
+                t.mul_(grad)
+        return dx, dgamma, dw, None, None, None, None
 
 
 def chunked_lm_head_loss(
@@ -219,5 +230,7 @@ def chunked_lm_head_loss(
     """``Σ_i weights_i · CE(rmsnorm(x_i)·γ @ wᵀ, classes_i)`` (float32 scalar), differentiable
     in ``x``, ``gamma`` and ``w``, its gradient computed now, ``rows`` rows at a time (default
     ``chunk_rows``). ``weights``: float32 per-token weights (e.g. counted / number counted)."""
-    rows = rows or chunk_rows(x.shape[0], w.shape[0], w.shape[1])
+    rows = chunk_rows(x.shape[0], w.shape[0], w.shape[1]) if rows is None else rows
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be a positive number of rows (or None), not {rows}")
     return _ChunkedLoss.apply(x, gamma, w, classes, weights, runner, rows)

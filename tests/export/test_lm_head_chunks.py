@@ -89,6 +89,10 @@ def test_the_backward_scales_by_the_incoming_gradient_and_no_grad_skips_it(
     torch.testing.assert_close(got, want, atol=4e-6, rtol=2e-6)
     for name, g in want_grads.items():
         torch.testing.assert_close(grads[name], g, atol=4e-6, rtol=1e-5, msg=name)
+    loss = causal_lm_loss(model, ids, labels, tune="off")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward through it once per forward"):
+        loss.backward()
     chunks.clear()
     with torch.no_grad():  # the loss alone: no gradient work, no chunks
         loss = causal_lm_loss(model, ids, labels, num_items_in_batch=13, tune="off")
