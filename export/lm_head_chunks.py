@@ -50,12 +50,13 @@ def chunk_rows(tokens: int, vocab: int, width: int) -> int:
 
     The floor keeps the GEMMs efficient: a chunk is the reduction dimension of the weight
     gradient ``dzᵀ y`` (``[V, rows] @ [rows, d]``), which reads and writes the whole ``[V, d]``
-    accumulator once per chunk; with ``rows`` ≥ 1024 its ``2·rows·V·d`` FLOPs outweigh those
-    ``4·V·d`` bytes by ~500 FLOP/byte, above an H200's ~170 (990 TFLOP/s bf16, 4.8 TB/s), where
-    at Liger's 512 rows for a Llama 1B (V = 32000, d = 2048, 8192 tokens) the accumulator's
-    traffic would cost about half the GEMM's time. Memory stays bounded: 1024 rows of a 256000
-    vocabulary (Gemma 2) are 0.5 GB of bf16 logits (and as much gradient) where the whole batch
-    of 8192 tokens would be 4.2 GB each."""
+    accumulator once per chunk: ``2·rows·V·d`` FLOPs against ``4·V·d`` bytes (bf16), ``rows /
+    2`` FLOP/byte, against an H200's ~200 (990 TFLOP/s bf16, 4.8 TB/s). At Liger's 512 rows for
+    a Llama 1B (V = 32000, d = 2048, 8192 tokens) the accumulator's traffic takes ~80% of the
+    product's compute time; at 1024 rows ~40%, and each chunk's GEMMs still fill the GPU (the
+    head's ``[rows, V]`` output: 2000 tiles of 128 × 128). Memory stays bounded: 1024 rows of a
+    256000 vocabulary (Gemma 2) are 0.5 GB of bf16 logits (and as much gradient) where the whole
+    batch of 8192 tokens would be 4.2 GB each."""
     liger = -(-tokens // -(-vocab // max(width, 1)))
     return max(MIN_CHUNK_ROWS, 1 << max(liger - 1, 0).bit_length())
 
