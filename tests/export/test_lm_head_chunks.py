@@ -199,3 +199,33 @@ def test_the_chunk_program_is_verified_by_the_sandbox(family: str, cap: float | 
         gradient_program(train, backward, cap), block, SandboxOptions(profile=False, seeds=[0])
     )
     assert report.verified, report.render_compact()
+
+
+def test_gradient_blocks_resolve_by_name_for_lm_head_losses_only() -> None:
+    """A sandbox worker finds ``<loss block>_grad`` by name — any epsilon, softcapped or not —
+    and no ``_grad`` of a block that is not an LM-head loss."""
+    from coda.blocks import get_block
+    from coda.blocks.registry import BlockNotFound
+
+    block = get_block("lm_head_softcap_ce_eps1e-06_grad")
+    assert list(block.inputs) == ["x", "gamma", "w_lm", "target", "dloss"]
+    assert block.outputs == ["loss", "dx", "dgamma", "dw_lm"]
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        "x": torch.randn(5, 8, generator=gen),
+        "gamma": torch.rand(8, generator=gen) + 0.5,
+        "w_lm": torch.randn(11, 8, generator=gen),
+        "target": torch.randint(0, 11, (5,), generator=gen),
+        "dloss": torch.rand(5, generator=gen),
+    }
+    out = block.reference(inputs)
+    leaves = {n: inputs[n].clone().requires_grad_(True) for n in ("x", "gamma", "w_lm")}
+    h = torch.nn.functional.rms_norm(leaves["x"], (8,), leaves["gamma"], eps=1e-6)
+    logits = 30 * torch.tanh(h @ leaves["w_lm"].T / 30)
+    loss = F.cross_entropy(logits, inputs["target"], reduction="none")
+    (loss * inputs["dloss"]).sum().backward()
+    torch.testing.assert_close(out["loss"], loss.detach())
+    for name, leaf in leaves.items():
+        torch.testing.assert_close(out[f"d{name}"], leaf.grad, msg=name)
+    with pytest.raises(BlockNotFound):
+        get_block("llama_mlp_grad")
