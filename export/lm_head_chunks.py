@@ -190,6 +190,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 dgamma += dgamma_part
                 if ctx.needs_input_grad[2]:  # the first chunk writes the buffer, later ones add
                     dw = dz.T @ y if dw is None else dw.addmm_(dz.T, y)
+                del dz, y, dx_part  # freed before the next chunk allocates its own
         finally:  # the prepared weights are this call's only: not kept past it
             if runner.compiled is not None:
                 runner.compiled._kept = None
