@@ -9,7 +9,7 @@ Backward blocks are autograd of these.
 
 from __future__ import annotations
 
-from .autodiff import backward_block
+from .autodiff import VJP, Pick, backward_block
 from .block import Block, ShapeSets, TensorSpec
 from .ops import (
     Add,
@@ -465,6 +465,52 @@ def _resolve_eps_variant(name: str) -> Block | None:
 
 register_resolver(_resolve_eps_variant)
 
+
+def _resolve_gradient_block(name: str) -> Block | None:
+    """``<LM-head loss block>_grad`` → ``lm_head_gradient_block`` of that block (any epsilon,
+    softcapped or not; a sandbox worker resolves the same names the same way)."""
+    from .registry import BlockNotFound, get_block
+
+    if not name.endswith("_grad"):
+        return None
+    try:
+        forward = get_block(name.removesuffix("_grad"))
+    except BlockNotFound:
+        return None
+    heads = any(isinstance(op, CrossEntropy) for op in forward.graph)
+    return lm_head_gradient_block(forward) if heads and "w_lm" in forward.inputs else None
+
+
+register_resolver(_resolve_gradient_block)
+
 # Gemma's MLP families (coda.blocks.gemma) build on these blocks and register with them, as do
 # the attention-output blocks (coda.blocks.attn_out).
 from . import attn_out, gemma  # noqa: E402, F401
+
+
+def lm_head_gradient_block(forward: Block) -> Block:
+    """``<forward>_grad``: an LM-head loss block's per-token ``loss`` together with the gradients
+    of ``Σ_i dloss_i · loss_i`` for ``x``, ``gamma`` and ``w_lm`` (``dloss``: the per-token
+    weights, float32) — the loss and its gradient in one pass, for a loss that is the last op of
+    a training step (its backward then only scales by the incoming gradient). The reference is
+    the forward's, and autograd of it. Registered on first use."""
+    name = f"{forward.name}_grad"
+    if name in _VARIANTS:
+        return _VARIANTS[name][0]
+    vjp = VJP(forward=forward.name, cotangents={"loss": "dloss"}, wrt=LM_HEAD_GRADS, out="grads")
+    block = forward.model_copy(
+        update={
+            "name": name,
+            "description": forward.description
+            + " With its gradient: also dx, dgamma, dw_lm, the gradients of sum(dloss * loss).",
+            "inputs": {**forward.inputs, "dloss": LM_HEAD_COTANGENT["loss"]},
+            "graph": [
+                *forward.graph,
+                vjp,
+                *(Pick(src="grads", key=n, out=f"d{n}") for n in LM_HEAD_GRADS),
+            ],
+            "outputs": ["loss", *(f"d{n}" for n in LM_HEAD_GRADS)],
+        }
+    )
+    _VARIANTS[name] = (register(block),)
+    return block

@@ -2,10 +2,13 @@
 without the ``[tokens, vocabulary]`` logits in memory.
 
 ``llama_lm_head_ce`` (docs/algebra.md §5) computes each token's loss in the LM head GEMM's epilogue
-(target logit + per-tile log-sum-exp, combined by a tiny aux step); in training it also keeps each
-token's log-sum-exp (``llama_lm_head_ce_train``), and the backward (``_bwd_saved``) recomputes the
-logits tile by tile once, for ``softmax − onehot`` — so neither pass stores logits; eager PyTorch
-keeps them in fp32 (16384 tokens × 128256 classes: 8 GB).
+(target logit + per-tile log-sum-exp, combined by a tiny aux step) — what runs without gradients.
+In training the gradient is computed in the forward, row chunk by row chunk, in three GEMM passes
+(``lm_head_chunks``: the head storing a chunk's logits, ``dz W`` and ``dzᵀ y``) — so only a
+chunk's logits and gradient are ever stored; eager PyTorch keeps all the logits in fp32 (16384
+tokens × 128256 classes: 8 GB). Traced calls (``torch.compile``) run ``llama_lm_head_ce_train``
+(it keeps each token's log-sum-exp) and ``_bwd_saved`` (it recomputes the logits tile by tile
+once, for ``softmax − onehot``) as registered custom ops.
 
 * ``CodaLlamaLMHeadLoss(norm, lm_head)(hidden, labels)``: Hugging Face's causal-LM loss
   (``ForCausalLMLoss``: labels shifted by one, ``ignore_index`` -100, mean over the counted
@@ -30,9 +33,10 @@ from torch import nn
 
 from coda.blocks.gemma import GEMMA2_LOGIT_CAP
 
-from .autograd import ExportedFunction, Tuning, export_autograd
+from .autograd import ExportedFunction, Tuning, _traced, export_autograd
 from .checks import norm_gamma, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
+from .lm_head_chunks import chunk_runner, chunked_lm_head_loss
 from .probe import causal_lm_head, check_causal_lm_head, probe_forward
 from .programs import FAMILIES
 from .resolve import dropin_programs
@@ -100,6 +104,8 @@ class CodaLlamaLMHeadLoss(nn.Module):
     ``torch.autocast`` with fp32 weights, where the head runs in the autocast dtype (as
     Hugging Face's ``lm_head`` does) and the loss stays fp32. ``softcap``: the logits are
     ``softcap · tanh(lm_head(norm(h)) / softcap)`` (Gemma 2's ``final_logit_softcapping``, 30).
+    In training the gradient is computed in the forward, ``chunk_rows`` rows at a time (None, the
+    default: ``lm_head_chunks.chunk_rows`` of the batch, vocabulary and width).
     """
 
     def __init__(
@@ -118,6 +124,9 @@ class CodaLlamaLMHeadLoss(nn.Module):
         eps, self.norm_offset = rms_norm_form(norm, "the final norm")
         self.norm, self.lm_head, self.softcap = norm, lm_head, softcap
         self.function = llama_lm_head_ce_function(eps, verify=verify, tune=tune, softcap=softcap)
+        self._chunks = (eps, verify, family, softcap)  # chunk_runner's arguments
+        # rows per chunk in training (None: chunk_rows of the batch, vocabulary and width)
+        self.chunk_rows: int | None = None
 
     def forward(
         self,
@@ -139,11 +148,48 @@ class CodaLlamaLMHeadLoss(nn.Module):
         # ignored tokens get a valid class (0) and no weight: their gradient is zero
         classes = torch.where(counted, targets, 0)
         amp = autocast_dtype(x, weights)  # under autocast: as Hugging Face's lm_head
+        if _trains(x, *weights):
+            return self._training_loss(
+                amp or x.dtype, x, weights, classes, counted, num_items_in_batch
+            )
         per_token = run_in_dtype(self.function, amp or x.dtype, x, *weights, classes)
         total = (per_token * counted).sum()
         if num_items_in_batch is None:
             return total / counted.sum().clamp(min=1)
         return total / num_items_in_batch
+
+    def _training_loss(
+        self,
+        dtype: torch.dtype,
+        x: torch.Tensor,
+        weights: list[torch.Tensor],
+        classes: torch.Tensor,
+        counted: torch.Tensor,
+        num_items_in_batch: int | torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The loss with its gradient computed now, in row chunks (``lm_head_chunks``): each
+        token weighs ``counted / (number counted or num_items_in_batch)`` — the same reduction
+        as the per-token path, as the ``dloss`` of the chunk Program."""
+        runner = chunk_runner(*self._chunks)
+        runner.tune = self.function.tune
+        denominator = (
+            counted.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        )
+        token_weights = counted.to(torch.float32) / denominator
+        x, *weights = (t.to(dtype) for t in (x, *weights))
+        with torch.autocast(x.device.type, enabled=False):
+            return chunked_lm_head_loss(
+                runner, x, *weights, classes, token_weights, rows=self.chunk_rows
+            )
+
+
+def _trains(*tensors: torch.Tensor) -> bool:
+    """Whether a gradient will be asked of this call (grad mode on, an input that requires
+    one) and it runs eagerly: then the chunked path computes it in the forward. Traced calls
+    (``torch.compile``, dispatch modes) take the registered ops, which autograd sees as one."""
+    return (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and not _traced(tensors)
+    )
 
 
 # One loss module per model, built on first use (its Programs resolved once per process) and

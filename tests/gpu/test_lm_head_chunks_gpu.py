@@ -1,0 +1,89 @@
+"""The LM-head loss in training on a GPU (``coda.export.lm_head_chunks``): several row chunks in
+bf16 and under autocast against the fp32 model, and its memory bounded by a chunk — never the
+``[tokens, vocabulary]`` logits or their gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda.blocks import get_block
+
+from .test_export_gpu import (
+    DEVICE,
+    TOY,
+    _assert_as_close_as_hugging_face,
+    _causal_lm,
+    _low_precision_copies,
+)
+
+pytestmark = pytest.mark.cpu_capable
+transformers = pytest.importorskip("transformers")
+
+
+def test_the_fused_loss_in_several_chunks_in_bf16_and_under_autocast() -> None:
+    """causal_lm_loss in chunks of 128 rows (666 tokens: five full chunks and a last of 26;
+    CPU toy: chunks of 4 of 18) on a random one-layer Llama with a 32000 vocabulary: loss and
+    every gradient against the fp32 model by the sandbox's rule, next to Hugging Face's error."""
+    from coda.export import causal_lm_loss
+    from coda.export.lm_head import _loss_module
+
+    hidden, vocab, seq, rows = (48, 96, 9, 4) if TOY else (1024, 32000, 333, 128)
+    hf = _causal_lm(hidden, 2 * hidden, 1, vocab)
+    ids = torch.randint(0, vocab, (2, seq), device=DEVICE)
+    labels = ids.clone()
+    labels[0, : seq // 3] = -100
+    labels[1, -5:] = -100  # ignored tokens in the last chunk
+
+    def run(model, loss_fn) -> list:  # noqa: ANN001
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model)
+        loss.backward()
+        return [("loss", loss.detach())] + [(n, p.grad) for n, p in model.named_parameters()]
+
+    def hf_loss(model) -> torch.Tensor:  # noqa: ANN001
+        return model(input_ids=ids, labels=labels).loss
+
+    def coda_loss(model) -> torch.Tensor:  # noqa: ANN001
+        _loss_module(model, verify=False, tune="off").chunk_rows = rows
+        return causal_lm_loss(model, ids, labels, verify=False, tune="off")
+
+    ref32 = dict(run(hf, hf_loss))
+    tol = get_block("llama_lm_head_ce").tolerance
+    for setting, model, amp in _low_precision_copies(hf):
+        with amp:
+            want, got = dict(run(model, hf_loss)), run(model, coda_loss)
+        _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)
+
+
+@pytest.mark.skipif(TOY, reason="measures GPU memory")
+def test_training_memory_is_bounded_by_a_chunk_not_the_logits() -> None:
+    """16384 tokens, vocabulary 32000, width 1024 in bf16: the loss's forward and backward
+    allocate at their peak less than half of the ``[tokens, vocabulary]`` bf16 logits (1 GB) —
+    a chunk's logits and gradient (1024 rows: 2 × 66 MB), the weight gradient and the γ-folded
+    weight (2 × 66 MB), ``dx`` — where the unchunked backward held a full ``dz``."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from coda.export import CodaLlamaLMHeadLoss
+
+    tokens, vocab, width = 16384, 32000, 1024
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(width).to(DEVICE, torch.bfloat16)
+    head = torch.nn.Linear(width, vocab, bias=False).to(DEVICE, torch.bfloat16)
+    hidden = torch.randn(1, tokens, width, device=DEVICE, dtype=torch.bfloat16)
+    hidden.requires_grad_(True)
+    labels = torch.randint(0, vocab, (1, tokens), device=DEVICE)
+    loss_fn = CodaLlamaLMHeadLoss(norm, head, tune="off")
+    loss_fn(hidden, labels).backward()  # compiled, allocator warm
+    for p in (hidden, norm.weight, head.weight):
+        p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    loss = loss_fn(hidden, labels)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    logits_bytes = tokens * vocab * 2
+    assert torch.isfinite(loss) and head.weight.grad is not None
+    assert peak < logits_bytes / 2, f"peak {peak / 2**20:.0f} MiB of {logits_bytes / 2**20:.0f}"
