@@ -465,5 +465,6 @@ def _resolve_eps_variant(name: str) -> Block | None:
 
 register_resolver(_resolve_eps_variant)
 
-# Gemma's MLP families (coda.blocks.gemma) build on these blocks and register with them.
-from . import gemma  # noqa: E402, F401
+# Gemma's and OLMo 2's MLP families (coda.blocks.gemma, coda.blocks.olmo2) build on these
+# blocks and register with them.
+from . import gemma, olmo2  # noqa: E402, F401
