@@ -271,6 +271,50 @@ def check_attention_half(recording: Recording, name: str, layer: nn.Module) -> N
             )
 
 
+def check_sandwich_attention_half(recording: Recording, name: str, layer: nn.Module) -> None:
+    """``ValueError`` unless every call of ``layer`` with input ``x`` handed
+    ``input_layernorm(x)``'s output itself to ``self_attn`` as its hidden states, with rotary
+    tables of the heads' width, ``post_attention_layernorm`` normalized the attention's output
+    itself, and ``x + post_attention_layernorm(self_attn(...))`` reached the MLP half
+    (``pre_feedforward_layernorm``'s input): Gemma 2/3's attention half between sandwich norms,
+    what the patched layer computes with the input norm deferred into the attention's kernel."""
+    calls = layer_calls(recording, name, layer)
+    parts = ("input_layernorm", "self_attn", "post_attention_layernorm", SANDWICH_NORMS[0])
+    norms, attns, posts, nexts = (recording.of(getattr(layer, p, None)) for p in parts)
+    for part, recorded in zip(parts, (norms, attns, posts, nexts), strict=True):
+        _per_call(name, part, recorded, len(calls))
+    for call, norm, attn, post, after in zip(calls, norms, attns, posts, nexts, strict=True):
+        x = call.input()
+        for what, got, want in (
+            ("input_layernorm does not normalize the layer's input", norm.input(), x),
+            ("self_attn does not receive input_layernorm's output", attn.input(), norm.result()),
+            (f"{parts[2]} does not normalize the attention's output", post.input(), attn.result()),
+        ):  # fmt: skip
+            if not same(got, want):
+                raise ValueError(
+                    f"{name}: {what}; the patched attention half computes exactly that"
+                )
+        _check_rotary(name, layer.self_attn, attn)
+        if not close(after.input(), x + post.result()):
+            raise ValueError(
+                f"{name}: what reaches the MLP half is not x + post_attention_layernorm(self_attn("
+                "input_layernorm(x))) (a residual other than x, a scale?); the patched layer "
+                "computes exactly that — patch with attention=False to keep this attention half"
+            )
+
+
+def check_attention_calls(recording: Recording, name: str, layer: nn.Module) -> None:
+    """``ValueError`` unless ``self_attn`` ran once in every call of ``layer``, with rotary
+    tables of the heads' width: all a drop-in that replaces the attention module alone (no input
+    norm deferred into it: OLMo 2's layers normalize after their sub-layers) needs of the layer —
+    what it computes from its arguments is ``check_attention_formula``'s to prove."""
+    calls = layer_calls(recording, name, layer)
+    attns = recording.of(layer.self_attn)
+    _per_call(name, "self_attn", attns, len(calls))
+    for attn in attns:
+        _check_rotary(name, layer.self_attn, attn)
+
+
 def _check_rotary(name: str, attn: nn.Module, call: Call) -> None:
     tables = call.kwargs.get("position_embeddings")
     if tables is None and len(call.args) > 1:
@@ -358,6 +402,30 @@ def check_sandwich_mlp_half(
             )
 
 
+def check_post_norm_mlp_half(recording: Recording, name: str, layer: nn.Module) -> None:
+    """``ValueError`` unless every call of ``layer`` computed ``out = h +
+    post_feedforward_layernorm(mlp(h))`` with ``h`` the MLP's own input (OLMo 2's MLP half: no
+    pre-norm), the post-norm receiving the MLP's output itself — what the patched MLP half (the
+    post-norm deferred into the MLP's kernels) computes."""
+    calls = layer_calls(recording, name, layer)
+    norm = SANDWICH_NORMS[1]
+    mlps, posts = recording.of(layer.mlp), recording.of(getattr(layer, norm))
+    _per_call(name, "mlp", mlps, len(calls))
+    _per_call(name, norm, posts, len(calls))
+    for call, mlp, post in zip(calls, mlps, posts, strict=True):
+        if not same(post.input(), mlp.result()):
+            raise ValueError(
+                f"{name}: {norm} does not normalize the MLP's output; the patched MLP half "
+                "computes exactly that"
+            )
+        if not close(call.result(), mlp.input() + post.result()):
+            raise ValueError(
+                f"{name}: the layer's output is not h + {norm}(mlp(h)) with h the MLP's input "
+                "(a pre-norm the MLP does not see, a residual other than h, a scale?); the "
+                "patched layer computes exactly that"
+            )
+
+
 def check_attention_formula(
     recording: Recording,
     name: str,
@@ -367,6 +435,8 @@ def check_attention_formula(
     *,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    norm_offset: float = 0.0,
+    whole_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """``ValueError`` unless each recorded call of ``attn`` returned what the patched attention
     computes from the same arguments: ``o_proj`` of ``attend(q, k, v, mask, kwargs)`` (the
@@ -375,20 +445,29 @@ def check_attention_formula(
     projection's row views) plus ``biases`` if given, q and k through per-head RMSNorms
     ``x̂ · weight`` if ``head_norms`` (the q and k weights and the epsilon the kernel applies),
     rotated in Hugging Face's rotate-half order by the recorded tables. Proves on the probe that
-    the drop-in reads the right rows and passes what the module's own forward passes."""
+    the drop-in reads the right rows and passes what the module's own forward passes.
+    ``norm_offset``: the per-head norms' weight offset (1: Gemma 3's ``x̂ · (1 + w)``, formed in
+    fp32 and cast after); ``whole_norms``: q and k instead through RMSNorms over the whole
+    projection (OLMo 2's ``w · x̂``, cast after the weight), with their weights and epsilon."""
     head = attn.head_dim
     for call in recording.of(attn):
         x, (cos, sin) = call.input(), _tables(call)
         kwargs = {k: v for k, v in call.kwargs.items() if k not in _ATTENTION_OWN}
         mask = call.kwargs.get("attention_mask", call.args[2] if len(call.args) > 2 else None)
         with torch.no_grad():
-            q, k, v = (
-                F.linear(x, w, b).view(*x.shape[:-1], -1, head).transpose(1, 2)
-                for w, b in zip(qkv, biases or (None, None, None), strict=True)
-            )
+            flat = [
+                F.linear(x, w, b) for w, b in zip(qkv, biases or (None, None, None), strict=True)
+            ]
+            if whole_norms is not None:
+                w_qn, w_kn, eps = whole_norms
+                flat[:2] = [
+                    _head_norm(t, w, eps, cast_after=True)
+                    for t, w in zip(flat, (w_qn, w_kn), strict=False)
+                ]
+            q, k, v = (t.view(*x.shape[:-1], -1, head).transpose(1, 2) for t in flat)
             if head_norms is not None:
                 w_qn, w_kn, eps = head_norms
-                q, k = (_head_norm(t, w, eps) for t, w in ((q, w_qn), (k, w_kn)))
+                q, k = (_head_norm(t, w, eps, norm_offset) for t, w in ((q, w_qn), (k, w_kn)))
             q, k = (_rotate(t, cos, sin) for t in (q, k))
             out, _ = attend(q, k, v, mask, kwargs)
             got = attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
@@ -414,11 +493,18 @@ def _tables(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     return tables if tables is not None else call.args[1]
 
 
-def _head_norm(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm ``x̂ · weight`` of each head of ``t`` ``[B, heads, T, D]`` (statistics in fp32)."""
+def _head_norm(
+    t: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, cast_after: bool = False
+) -> torch.Tensor:
+    """RMSNorm ``x̂ · (offset + weight)`` over the last axis of ``t`` (each head of ``[B, heads,
+    T, D]``, or a whole projection), statistics in fp32: ``x̂`` cast to ``t``'s dtype before
+    the weight (Qwen3's), or the product formed in fp32 and cast after (``offset`` or
+    ``cast_after``: Gemma 3's, OLMo 2's)."""
     tf = t.float()
     normed = tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(t.dtype)
+    if not offset and not cast_after:
+        return weight * normed.to(t.dtype)
+    return (normed * (offset + weight.float())).to(t.dtype)
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
