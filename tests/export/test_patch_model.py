@@ -25,6 +25,11 @@ SMALL = {
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
 P, K = "patched", "kept"
+# a sliding-window layer, then a global one (Gemma 2 and 3 alternate them), a window shorter
+# than the test sequences
+LOCAL_GLOBAL = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+# Gemma 2's scores capped at 1, with weights large enough that the cap changes them
+GEMMA2 = {**LOCAL_GLOBAL, "attn_logit_softcapping": 1.0, "initializer_range": 0.5}
 # family: (config class, causal-LM class, config extras, {kind: (status, reason substring)})
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, {
@@ -46,16 +51,20 @@ FAMILIES = {
         fam.ATTENTION_INPUT: (P, "GemmaAttention"),
         fam.MLP_HALF: (P, "gemma_mlp on gate_proj + up_proj"),
         fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}, {
-        fam.ATTENTION_INPUT: (K, "no attention recipe for this class"),
+    # Gemma 2: a sliding and a global layer, scores softcapped, scaled by query_pre_attn_scalar
+    # (256) rather than head_dim
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", GEMMA2, {
+        fam.ATTENTION_INPUT: (P, "llama_attn_in on Gemma2Attention"),
         fam.MLP_HALF: (P, "gemma2_mlp_branch on gate_proj + up_proj between"),
         fam.LM_HEAD_LOSS: (P, "lm_head_softcap_ce: final norm + LM head + logits capped at 30")}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}, {
-        fam.ATTENTION_INPUT: (K, "q/k RMSNorm (Gemma 3)"),
+    # Gemma 3: a sliding layer (RoPE base 1e4) and a global one (1e6), each with its own tables
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", LOCAL_GLOBAL, {
+        fam.ATTENTION_INPUT: (P, "gemma3_attn_in on Gemma3Attention"),
         fam.MLP_HALF: (P, "gemma2_mlp_branch on gate_proj + up_proj between"),
         fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, {
-        fam.ATTENTION_INPUT: (K, "has no input_layernorm"), fam.MLP_HALF: (K, "a post-norm"),
+        fam.ATTENTION_INPUT: (P, "olmo2_attn_in on Olmo2Attention"),
+        fam.MLP_HALF: (P, "olmo2_mlp_branch on gate_proj + up_proj before post_feedforward"),
         fam.LM_HEAD_LOSS: (P, "llama_lm_head_ce")}),
 }  # fmt: skip
 # the families whose attention input is patched, for the attention variants
@@ -291,6 +300,49 @@ def test_the_proofs_keep_qwen_recipes_that_miss_what_their_kernels_add(
         in report.lines[fam.ATTENTION_INPUT]
     )
     assert type(patched.model.layers[0].self_attn) is type(model.model.layers[0].self_attn)
+
+
+class _PreNormed(torch.nn.Module):
+    """An MLP (its projections and activation as its own) behind a LayerNorm of its input."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm, self.inner = torch.nn.LayerNorm(mlp.gate_proj.in_features), mlp
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act_fn = mlp.act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.norm(x))
+
+
+def test_the_proofs_keep_gemma_and_olmo2_recipes_that_miss_what_their_forwards_apply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Gemma 2 recipe that did not hand the attention function its logit softcap, a Gemma 3
+    proof whose per-head norms lacked Gemma's ``1 + w``, an OLMo 2 proof without its q/k norms
+    over the whole projection: each computes another attention, which the probe shows — kept
+    with the reason, nothing replaced. And an OLMo 2 MLP behind a pre-norm of its own is not
+    what the olmo2_mlp_branch kernels compute."""
+    from coda.export import attention as attn_mod
+
+    other = "returned something other than o_proj(attention("
+    no_cap = dataclasses.replace(attn_mod.GEMMA2_ATTENTION, extras=attn_mod._layer_sliding_window)
+    monkeypatch.setattr(fam, "RECIPES", (fam._attention_recipe(no_cap),))
+    _, report = _patched(_model("gemma2"))
+    assert other in report.lines[fam.ATTENTION_INPUT]
+    monkeypatch.undo()
+    monkeypatch.setattr(fam, "QK_NORM_OFFSETS", {})
+    _, report = _patched(_model("gemma3"))
+    assert other in report.lines[fam.ATTENTION_INPUT]
+    monkeypatch.undo()
+    monkeypatch.setattr(fam, "_kernel_extras", lambda recipe, attn: {})
+    model = _model("olmo2")
+    for layer in model.model.layers:  # a pre-norm the olmo2_mlp_branch kernels do not apply
+        layer.mlp = _PreNormed(layer.mlp)
+    patched, report = _patched(model)
+    assert other in report.lines[fam.ATTENTION_INPUT]
+    assert "returned something other than down_proj(silu(" in report.lines[fam.MLP_HALF]
+    assert [type(m) for m in patched.modules()] == [type(m) for m in model.modules()]
 
 
 def test_phi3_partial_rotary_keeps_the_attention_input() -> None:
