@@ -508,11 +508,12 @@ def _head_norm(
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's ``apply_rotary_pos_emb`` on one of ``[B, heads, T, D]``."""
+    """Hugging Face's ``apply_rotary_pos_emb`` on one of ``[B, heads, T, D]``, in ``t``'s dtype
+    (OLMo 2's tables stay fp32 and its rotation casts back; Llama's tables come in ``t``'s)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = t.shape[-1] // 2
     rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
-    return t * cos + rotated * sin
+    return (t * cos + rotated * sin).to(t.dtype)
 
 
 # -- the final norm and LM head --------------------------------------------------------------------
