@@ -371,7 +371,7 @@ def test_patching_twice_changes_nothing_and_options_are_reported() -> None:
         patch_model(torch.nn.Linear(4, 4))
 
 
-@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen3", "olmo2"])
 def test_a_patched_model_survives_deepcopy_and_torch_save(family: str) -> None:
     """The drop-in classes of other attention classes (``CodaMistralAttention``, …) are found by
     name when a pickled model loads; the recipes' layouts pickle with the blocks."""
