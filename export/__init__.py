@@ -10,9 +10,10 @@
   Face's causal-LM loss with the final norm, LM head and cross-entropy fused (no logits stored).
 * ``CodaLlamaAttention(attn, norm)`` / ``llama_attn_in_function``: a layer's input norm, Q/K/V
   projections and RoPE as one GEMM (``llama_attn_in``); attention itself stays Hugging Face's.
-  ``hf_attn_in_function(kernel, eps)``: Qwen2's (biased) and Qwen3's (per-head q/k norms)
-  attention inputs, q, k, v returned separately in Hugging Face's order (``qwen2_attn_in``,
-  ``qwen3_attn_in``).
+  ``hf_attn_in_function(kernel, eps)``: Qwen2's (biased), Qwen3's and Gemma 3's (per-head q/k
+  norms) and OLMo 2's (no input norm, whole-projection q/k norms) attention inputs, q, k, v
+  returned separately in Hugging Face's order (``qwen2_attn_in``, ``qwen3_attn_in``,
+  ``gemma3_attn_in``, ``olmo2_attn_in``).
 * ``patch_llama(model)``: every decoder layer of a Hugging Face Llama model runs its norms,
   attention input and MLP on CODA kernels, in place (Hugging Face's attention and keys kept),
   the MLP half's residual add inside its kernels (``CodaLlamaDecoderLayer``) — after proving,
@@ -20,7 +21,7 @@
   sits where the patched layer computes with it; otherwise ``ValueError``.
 * ``patch_model(model)``: the same for any Hugging Face causal LM, per module kind — what a
   recipe (``coda.export.families.RECIPES``) proves a shipped kernel computes exactly is patched
-  (Llama, Mistral, Phi-3's fused projections, Qwen2/3, Gemma's attention input, …), the
+  (Llama, Mistral, Phi-3's fused projections, Qwen2/3, Gemma 1/2/3, OLMo 2, …), the
   rest kept as Hugging Face's; returns a ``PatchReport`` saying "patched" or "kept: <reason>"
   per kind.
 
