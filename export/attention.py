@@ -448,10 +448,16 @@ def attend(
     arguments the recipe's Hugging Face forward passes it (dropout while training, scaling, the
     recipe's extras, the call's other keyword arguments); ``attn`` is the module it reads its
     head counts from (the original or the drop-in)."""
+    return attention(attn, q, k, v, mask, **attention_arguments(attn, recipe, kwargs))
+
+
+def attention_arguments(
+    attn: nn.Module, recipe: AttentionRecipe, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The keyword arguments ``attend`` hands the attention function: dropout (while
+    training), ``attn.scaling``, the recipe's extras, then the call's ``kwargs``."""
     dropout = 0.0 if not attn.training else float(getattr(attn, "attention_dropout", 0.0))
-    return attention(
-        attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling, **recipe.extras(attn), **kwargs
-    )
+    return {"dropout": dropout, "scaling": attn.scaling, **recipe.extras(attn), **kwargs}
 
 
 class CodaLlamaAttention(_CodaAttentionIn, _hf_llama_attention()):

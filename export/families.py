@@ -46,6 +46,7 @@ from .attention import (
     AttentionRecipe,
     _CodaAttentionIn,
     attend,
+    attention_arguments,
     attention_interface,
     check_attention,
     check_head_norms,
@@ -79,6 +80,7 @@ from .probe import (
     SANDWICH_NORMS,
     Recording,
     causal_lm_head,
+    check_attention_arguments,
     check_attention_calls,
     check_attention_formula,
     check_attention_half,
@@ -354,6 +356,9 @@ def _attention_recipe(recipe: AttentionRecipe) -> Recipe:
 
         check_attention_formula(
             recording, name, attn, recipe.layout.split(attn), run, **_kernel_extras(recipe, attn)
+        )
+        check_attention_arguments(
+            recording, name, attn, lambda kwargs: attention_arguments(attn, recipe, kwargs)
         )
 
     def build(layer: nn.Module, options: Options) -> Install:

@@ -12,13 +12,15 @@ computes another model.
 
 ``probe_forward`` runs the model once on a few tokens with forward hooks on the modules involved
 and records what each received and returned; ``check_mlp_half``, ``check_attention_half``,
-``check_mlp_formula`` and ``check_causal_lm_head`` compare the recorded tensors with the patched
-dataflow and raise ``ValueError`` naming the module and what differs. The probe leaves the model
-as it was: no gradients, eval mode for the call (dropout off; each module's mode restored), the
-RNG state restored, buffers a forward re-assigns put back, and no cache kept (``use_cache`` is
-left to the config, as ``model(...)`` leaves it — ``False`` would make Hugging Face inspect the
-position ids with a host sync — and the cache the forward returns is dropped). Forward hooks
-registered on the model run for the probe's call as for any other.
+``check_mlp_formula`` and ``check_causal_lm_head`` (and their kin for sandwich and post-norm
+layers) compare the recorded tensors with the patched dataflow and raise ``ValueError`` naming
+the module and what differs; ``check_attention_arguments`` runs an attention module's forward
+again on a recorded call to see what it hands Hugging Face's attention function. The probe
+leaves the model as it was: no gradients, eval mode for the call (dropout off; each module's
+mode restored), the RNG state restored, buffers a forward re-assigns put back, and no cache kept
+(``use_cache`` is left to the config, as ``model(...)`` leaves it — ``False`` would make Hugging
+Face inspect the position ids with a host sync — and the cache the forward returns is dropped).
+Forward hooks registered on the model run for the probe's call as for any other.
 
 Hooks on the real forward rather than a ``torch.fx`` trace: Hugging Face decoder layers take
 ``**kwargs``, caches and data-dependent mask code that often does not trace, and hooks record the
@@ -479,6 +481,82 @@ def check_attention_formula(
                 "the attention drop-in uses; its forward differs from the one the drop-in "
                 "mirrors"
             )
+
+
+def check_attention_arguments(
+    recording: Recording,
+    name: str,
+    attn: nn.Module,
+    passes: Any,
+) -> None:
+    """``ValueError`` unless, for each recorded call of ``attn``, its own forward hands Hugging
+    Face's attention function the keyword arguments the drop-in hands it: ``passes(kwargs)``,
+    ``kwargs`` the call's arguments for the attention function. The forward runs again on the
+    recorded arguments (no cache, no hooks, the RNG state kept) with the attention function it
+    looks up watched, so what it passes — dropout, scaling, a sliding window, a logit softcap —
+    is compared by value, which the probe's 5 tokens alone need not show (a window longer than
+    them, scores far below the cap). Transformers without
+    ``ALL_ATTENTION_FUNCTIONS.get_interface`` are not watched."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
+
+    lookup = getattr(registry, "get_interface", None)
+    if lookup is None:
+        return
+    for call in recording.of(attn):
+        seen: list[dict[str, Any]] = []
+        inputs = {k: v for k, v in call.kwargs.items() if k not in _CACHES}
+        shadowed = registry.__dict__.get("get_interface")
+        registry.get_interface = _watched(lookup, seen)
+        cuda = sorted({t.device.index or 0 for t in _tensors(attn) if t.device.type == "cuda"})
+        try:  # the forward itself: no hooks run, the RNG state is kept
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                type(attn).forward(attn, *call.args[:3], **inputs)  # never a cache
+        finally:
+            if shadowed is None:
+                del registry.get_interface
+            else:
+                registry.get_interface = shadowed
+        own = {k: v for k, v in call.kwargs.items() if k not in _ATTENTION_OWN}
+        if len(seen) != 1 or not _same_arguments(seen[0], passes(own)):
+            got = _describe_arguments(seen[0]) if len(seen) == 1 else f"{len(seen)} calls"
+            raise ValueError(
+                f"{name}.self_attn ({type(attn).__name__}) hands its attention function "
+                f"{got}, the drop-in would hand {_describe_arguments(passes(own))}; the drop-in "
+                "passes what the forward it mirrors passes"
+            )
+
+
+def _watched(lookup: Any, seen: list[dict[str, Any]]) -> Any:
+    """``get_interface`` whose attention functions record their keyword arguments in ``seen``."""
+
+    def get_interface(impl: Any, default: Any) -> Any:
+        function = lookup(impl, default)
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            seen.append(kwargs)
+            return function(*args, **kwargs)
+
+        return spy
+
+    return get_interface
+
+
+_CACHES = ("past_key_values", "cache", "past_key_value")
+
+
+def _same_arguments(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(same(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def _describe_arguments(kwargs: dict[str, Any]) -> str:
+    """``{name: value}`` with tensors as their shapes."""
+    shown = {
+        k: f"<tensor {tuple(v.shape)}>" if isinstance(v, torch.Tensor) else v
+        for k, v in sorted(kwargs.items())
+    }
+    return str(shown)
 
 
 # the attention forward's own arguments; the rest go to the attention function

@@ -324,8 +324,10 @@ def test_the_proofs_keep_gemma_and_olmo2_recipes_that_miss_what_their_forwards_a
     """A Gemma 2 recipe that did not hand the attention function its logit softcap, a Gemma 3
     proof whose per-head norms lacked Gemma's ``1 + w``, an OLMo 2 proof without its q/k norms
     over the whole projection: each computes another attention, which the probe shows — kept
-    with the reason, nothing replaced. And an OLMo 2 MLP behind a pre-norm of its own is not
-    what the olmo2_mlp_branch kernels compute."""
+    with the reason, nothing replaced (the softcap also where the probe's scores are too small
+    for it to change them: by the arguments Gemma 2's forward hands its attention function).
+    And an OLMo 2 MLP behind a pre-norm of its own is not what the olmo2_mlp_branch kernels
+    compute."""
     from coda.export import attention as attn_mod
 
     other = "returned something other than o_proj(attention("
@@ -333,6 +335,10 @@ def test_the_proofs_keep_gemma_and_olmo2_recipes_that_miss_what_their_forwards_a
     monkeypatch.setattr(fam, "RECIPES", (fam._attention_recipe(no_cap),))
     _, report = _patched(_model("gemma2"))
     assert other in report.lines[fam.ATTENTION_INPUT]
+    # scores far below the cap (weights at their usual scale): the forward's arguments show it
+    _, report = _patched(_model("gemma2", initializer_range=0.02))
+    line = report.lines[fam.ATTENTION_INPUT]
+    assert "hands its attention function {" in line and "'softcap': 1.0" in line, line
     monkeypatch.undo()
     monkeypatch.setattr(fam, "QK_NORM_OFFSETS", {})
     _, report = _patched(_model("gemma3"))
