@@ -483,9 +483,9 @@ def _resolve_gradient_block(name: str) -> Block | None:
 
 register_resolver(_resolve_gradient_block)
 
-# Gemma's MLP families (coda.blocks.gemma) build on these blocks and register with them, as do
-# the attention-output blocks (coda.blocks.attn_out).
-from . import attn_out, gemma  # noqa: E402, F401
+# Gemma's and OLMo 2's MLP families (coda.blocks.gemma, coda.blocks.olmo2) build on these blocks
+# and register with them, as do the attention-output blocks (coda.blocks.attn_out).
+from . import attn_out, gemma, olmo2  # noqa: E402, F401
 
 
 def lm_head_gradient_block(forward: Block) -> Block:

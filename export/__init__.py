@@ -10,9 +10,10 @@
   Face's causal-LM loss with the final norm, LM head and cross-entropy fused (no logits stored).
 * ``CodaLlamaAttention(attn, norm)`` / ``llama_attn_in_function``: a layer's input norm, Q/K/V
   projections and RoPE as one GEMM (``llama_attn_in``); attention itself stays Hugging Face's.
-  ``hf_attn_in_function(kernel, eps)``: Qwen2's (biased) and Qwen3's (per-head q/k norms)
-  attention inputs, q, k, v returned separately in Hugging Face's order (``qwen2_attn_in``,
-  ``qwen3_attn_in``).
+  ``hf_attn_in_function(kernel, eps)``: Qwen2's (biased), Qwen3's and Gemma 3's (per-head q/k
+  norms) and OLMo 2's (no input norm, whole-projection q/k norms) attention inputs, q, k, v
+  returned separately in Hugging Face's order (``qwen2_attn_in``, ``qwen3_attn_in``,
+  ``gemma3_attn_in``, ``olmo2_attn_in``).
 * ``CodaAttentionOutput(o_proj, post_norm)`` / ``attention_output_function``: a layer's
   ``x + o_proj(a)`` (``attn_out``), or ``x + post_attention_layernorm(o_proj(a))`` through Gemma
   2/3's or OLMo 2's post-norm (``gemma2_attn_out``, ``olmo2_attn_out``), as one GEMM with the
@@ -25,7 +26,7 @@
   sits where the patched layer computes with it; otherwise ``ValueError``.
 * ``patch_model(model)``: the same for any Hugging Face causal LM, per module kind — what a
   recipe (``coda.export.families.RECIPES``) proves a shipped kernel computes exactly is patched
-  (Llama, Mistral, Phi-3's fused projections, Qwen2/3, Gemma's attention input, …), the
+  (Llama, Mistral, Phi-3's fused projections, Qwen2/3, Gemma 1/2/3, OLMo 2, …), the
   rest kept as Hugging Face's; returns a ``PatchReport`` saying "patched" or "kept: <reason>"
   per kind.
 * ``capture_train_step(model, optimizer, example_batch)``: a whole training step (forward,

@@ -11,10 +11,15 @@ projections + RoPE as one GEMM (``llama_attn_in``, docs/algebra.md §2–3), and
   ``input_layernorm``, which ``patch_llama`` turns into a ``DeferredRMSNorm``), projections and
   rotary embedding run in that one kernel; attention itself (Hugging Face's configured
   implementation: SDPA, eager, flash…), the KV cache and ``o_proj`` are Hugging Face's.
-* ``hf_attn_in_function(kernel, eps)`` and the ``Coda<Class>`` drop-ins of Qwen2's and Qwen3's
-  attention: the same with the kernels of ``qwen2_attn_in`` (biased projections) or
-  ``qwen3_attn_in`` (per-head q/k norms before RoPE), which return q, k and v separately in
-  Hugging Face's own column order — the states its forward computes, bit for bit in layout.
+* ``hf_attn_in_function(kernel, eps)`` and the ``Coda<Class>`` drop-ins of Qwen2's, Qwen3's,
+  Gemma 3's and OLMo 2's attention: the same with the kernels of ``qwen2_attn_in`` (biased
+  projections), ``qwen3_attn_in`` (per-head q/k norms before RoPE), ``gemma3_attn_in`` (the same
+  with Gemma's ``x̂ · (1 + w)`` for every norm) or ``olmo2_attn_in`` (no input norm; q/k norms
+  over the whole projection), which return q, k and v separately in Hugging Face's own column
+  order — the states its forward computes, bit for bit in layout. Gemma 2's attention runs on
+  ``llama_attn_in`` (Gemma's ``γ = 1 + w``); its logit softcapping, ``query_pre_attn_scalar``
+  scaling and per-layer sliding window are the attention function's arguments, passed as its
+  forward passes them.
 * ``AttentionRecipe``: which Hugging Face attention class the kernel's input fits, where that
   class keeps its Q/K/V weights (``QKVLayout``: Llama's three projections, or Phi-3's one
   ``qkv_proj`` read as row views) and which keyword arguments its forward hands the attention
@@ -44,10 +49,15 @@ import torch
 from torch import nn
 
 from coda.blocks.llama import llama_attn_in_family
-from coda.blocks.qwen import qwen2_attn_in_family, qwen3_attn_in_family
+from coda.blocks.qwen import (
+    gemma3_attn_in_family,
+    olmo2_attn_in_family,
+    qwen2_attn_in_family,
+    qwen3_attn_in_family,
+)
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .checks import norm_gamma, rms_norm_form
+from .checks import GEMMA_OFFSET, norm_gamma, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
 from .resolve import dropin_programs
 
@@ -122,9 +132,22 @@ class AttentionRecipe:
     layout: QKVLayout = SEPARATE_QKV
     extras: Callable[[nn.Module], dict[str, Any]] = _no_extras
     # the block family whose kernels compute the class's attention input: ``llama_attn_in``
-    # (bias-free projections, one [q | k | v] output), ``qwen2_attn_in`` (biased projections)
-    # or ``qwen3_attn_in`` (per-head q/k norms before RoPE), the last two in Hugging Face's order
+    # (bias-free projections, one [q | k | v] output), ``qwen2_attn_in`` (biased projections),
+    # ``qwen3_attn_in`` / ``gemma3_attn_in`` (per-head q/k norms before RoPE, ``x̂ · w`` /
+    # ``x̂ · (1 + w)``) or ``olmo2_attn_in`` (no input norm, q/k norms over the whole
+    # projection), all but the first in Hugging Face's order
     kernel: str = "llama_attn_in"
+
+    @property
+    def input_norm(self) -> bool:
+        """Whether the kernel normalizes the attention's input (all but OLMo 2's)."""
+        return self.kernel != "olmo2_attn_in"
+
+    @property
+    def qk_norms(self) -> str | None:
+        """The kernel's q/k norms: ``"head"`` (per head), ``"whole"`` (over the projection) or
+        None."""
+        return QK_NORMS.get(self.kernel)
 
     @property
     def class_name(self) -> str:
@@ -167,6 +190,32 @@ QWEN3_ATTENTION = AttentionRecipe(
     extras=_layer_sliding_window,
     kernel="qwen3_attn_in",
 )
+# Gemma 3: local (sliding) and global layers, each handed the rotary tables of its own base by
+# the model; the forward passes its module's sliding window (no logit softcapping)
+GEMMA3_ATTENTION = AttentionRecipe(
+    "transformers.models.gemma3.modeling_gemma3.Gemma3Attention",
+    extras=_layer_sliding_window,
+    kernel="gemma3_attn_in",
+)
+OLMO2_ATTENTION = AttentionRecipe(
+    "transformers.models.olmo2.modeling_olmo2.Olmo2Attention", kernel="olmo2_attn_in"
+)
+
+
+def _gemma2_extras(attn: nn.Module) -> dict[str, Any]:
+    """What Gemma 2's forward passes: its layer's sliding window (None on global layers) and
+    the attention-logit softcap (``softcap · tanh(scores / softcap)``, applied by the attention
+    function to the scores, which the pair order of q and k leaves unchanged)."""
+    return {**_layer_sliding_window(attn), "softcap": getattr(attn, "attn_logit_softcapping", None)}
+
+
+GEMMA2_ATTENTION = AttentionRecipe(
+    "transformers.models.gemma2.modeling_gemma2.Gemma2Attention", extras=_gemma2_extras
+)
+# the q/k norms of each kernel's block: per head (weight [head_dim]) or over the whole
+# projection (weights [Nq], [Nkv]), and the offset their weights take (Gemma's 1 + w)
+QK_NORMS = {"qwen3_attn_in": "head", "gemma3_attn_in": "head", "olmo2_attn_in": "whole"}
+QK_NORM_OFFSETS = {"gemma3_attn_in": GEMMA_OFFSET}
 
 
 def check_llama_attention(attn: nn.Module) -> None:
@@ -218,41 +267,49 @@ def check_attention(attn: nn.Module, recipe: AttentionRecipe) -> None:
         raise ValueError(
             f"self_attn's v rows ({w_v.shape[0]}) are not as many as its k rows ({w_k.shape[0]})"
         )
-    if recipe.kernel == "qwen3_attn_in":
-        head_norm_eps(attn)
+    if recipe.qk_norms:
+        head_norm_eps(attn, recipe.kernel)
 
 
-def check_head_norms(attn: nn.Module, input_eps: float) -> None:
-    """``ValueError`` unless ``attn``'s per-head q/k norms (``head_norm_eps``) use the input
-    norm's epsilon ``input_eps``: ``qwen3_attn_in`` has one epsilon for all its norms (Qwen3's
-    ``config.rms_norm_eps``)."""
-    eps = head_norm_eps(attn)
+def check_head_norms(attn: nn.Module, input_eps: float, kernel: str = "qwen3_attn_in") -> None:
+    """``ValueError`` unless ``attn``'s q/k norms (``head_norm_eps``) use the input norm's
+    epsilon ``input_eps``: ``kernel`` (``qwen3_attn_in``, ``gemma3_attn_in``) has one epsilon
+    for all its norms (the config's ``rms_norm_eps``)."""
+    eps = head_norm_eps(attn, kernel)
     if eps != input_eps:
         raise ValueError(
             f"self_attn's q_norm/k_norm epsilon {eps:g} is not input_layernorm's {input_eps:g}; "
-            "the qwen3_attn_in kernel applies one epsilon to every norm"
+            f"the {kernel} kernel applies one epsilon to every norm"
         )
 
 
-def head_norm_eps(attn: nn.Module) -> float:
-    """The epsilon of ``attn``'s per-head ``q_norm`` and ``k_norm`` (Qwen3's); ``ValueError``
-    unless both are RMSNorms ``x̂ · weight`` over ``head_dim`` with one epsilon."""
+def head_norm_eps(attn: nn.Module, kernel: str = "qwen3_attn_in") -> float:
+    """The epsilon of ``attn``'s ``q_norm`` and ``k_norm``; ``ValueError`` unless both are
+    RMSNorms of the form ``kernel`` applies with one epsilon: ``x̂ · weight`` over each head
+    (``qwen3_attn_in``, weights ``[head_dim]``), ``x̂ · (1 + weight)`` over each head
+    (``gemma3_attn_in``) or ``x̂ · weight`` over the whole projection (``olmo2_attn_in``,
+    weights as wide as the q and k projections)."""
+    whole = QK_NORMS.get(kernel) == "whole"
+    offset = QK_NORM_OFFSETS.get(kernel, 0.0)
+    w_q, w_k, _ = _separate_qkv(attn) if whole else (None, None, None)
     found = []
-    for name in ("q_norm", "k_norm"):
+    for name, weight in (("q_norm", w_q), ("k_norm", w_k)):
         norm = getattr(attn, name, None)
         if norm is None:
-            raise ValueError(f"self_attn has no {name}: the qwen3_attn_in kernel applies one")
-        eps, _ = rms_norm_form(norm, f"self_attn.{name}", offsets=(0.0,))
-        if norm.weight.shape != (attn.head_dim,):
+            raise ValueError(f"self_attn has no {name}: the {kernel} kernel applies one")
+        eps, _ = rms_norm_form(norm, f"self_attn.{name}", offsets=(offset,))
+        want = (weight.shape[0],) if whole else (attn.head_dim,)
+        if norm.weight.shape != want:
+            what = "row of its projection" if whole else "column of a head"
+            how = "the whole projection" if whole else "each head"
             raise ValueError(
                 f"self_attn.{name}'s weight is {tuple(norm.weight.shape)}, not one value per "
-                f"column of a head ({attn.head_dim},): the qwen3_attn_in kernel normalizes "
-                "each head"
+                f"{what} {want}: the {kernel} kernel normalizes {how}"
             )
         found.append(eps)
     if found[0] != found[1]:
         raise ValueError(
-            f"self_attn's q_norm and k_norm use different epsilons {found}; the qwen3_attn_in "
+            f"self_attn's q_norm and k_norm use different epsilons {found}; the {kernel} "
             "kernel applies one"
         )
     return found[0]
@@ -281,15 +338,25 @@ class _CodaAttentionIn(nn.Module):
     recipe: AttentionRecipe = LLAMA_ATTENTION
 
     def __init__(
-        self, attn: nn.Module, norm: nn.Module, *, verify: bool = False, tune: Tuning = "quick"
+        self,
+        attn: nn.Module,
+        norm: nn.Module | None,
+        *,
+        verify: bool = False,
+        tune: Tuning = "quick",
     ) -> None:
         nn.Module.__init__(self)  # not the Hugging Face class's: it would build new projections
         check_attention(attn, self.recipe)
-        self.eps, self.norm_offset = rms_norm_form(norm, "input_layernorm")
+        if self.recipe.input_norm:
+            if norm is None:
+                raise ValueError(f"the {self.recipe.kernel} kernel needs the input_layernorm")
+            self.eps, self.norm_offset = rms_norm_form(norm, "input_layernorm")
+        else:  # OLMo 2: no input norm, the q/k norms' epsilon
+            self.eps, self.norm_offset = head_norm_eps(attn, self.recipe.kernel), 0.0
         for proj in (*self.recipe.layout.projections, "o_proj"):
             setattr(self, proj, getattr(attn, proj))
         names = ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling")
-        for name in (*names, "layer_type", "sliding_window"):
+        for name in (*names, "layer_type", "sliding_window", "attn_logit_softcapping"):
             setattr(self, name, getattr(attn, name, None))
         self.num_key_value_heads = getattr(attn, "num_key_value_heads", None)
         self.attention_dropout = float(getattr(attn, "attention_dropout", 0.0))
@@ -381,10 +448,16 @@ def attend(
     arguments the recipe's Hugging Face forward passes it (dropout while training, scaling, the
     recipe's extras, the call's other keyword arguments); ``attn`` is the module it reads its
     head counts from (the original or the drop-in)."""
+    return attention(attn, q, k, v, mask, **attention_arguments(attn, recipe, kwargs))
+
+
+def attention_arguments(
+    attn: nn.Module, recipe: AttentionRecipe, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The keyword arguments ``attend`` hands the attention function: dropout (while
+    training), ``attn.scaling``, the recipe's extras, then the call's ``kwargs``."""
     dropout = 0.0 if not attn.training else float(getattr(attn, "attention_dropout", 0.0))
-    return attention(
-        attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling, **recipe.extras(attn), **kwargs
-    )
+    return {"dropout": dropout, "scaling": attn.scaling, **recipe.extras(attn), **kwargs}
 
 
 class CodaLlamaAttention(_CodaAttentionIn, _hf_llama_attention()):
@@ -412,11 +485,17 @@ class _CodaAttentionInHFOrder(_CodaAttentionIn):
     projection (``<kernel>_bwd``)."""
 
     def __init__(
-        self, attn: nn.Module, norm: nn.Module, *, verify: bool = False, tune: Tuning = "quick"
+        self,
+        attn: nn.Module,
+        norm: nn.Module | None,
+        *,
+        verify: bool = False,
+        tune: Tuning = "quick",
     ) -> None:
         super().__init__(attn, norm, verify=verify, tune=tune)
-        if self.recipe.kernel == "qwen3_attn_in":
-            check_head_norms(attn, self.eps)
+        if self.recipe.qk_norms:
+            if self.recipe.input_norm:
+                check_head_norms(attn, self.eps, self.recipe.kernel)
             self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
 
     def _exported(self, verify: bool, tune: Tuning) -> ExportedFunction:
@@ -426,12 +505,11 @@ class _CodaAttentionInHFOrder(_CodaAttentionIn):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = x.reshape(-1, x.shape[-1])
-        gamma = norm_gamma(self.norm.weight, self.norm_offset)
         if self.recipe.kernel == "qwen2_attn_in":
             extra = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
         else:
             extra = [self.q_norm.weight, self.k_norm.weight]
-        weights = [gamma, *self.recipe.layout.split(self), *extra]
+        weights = [*self._gamma(), *self.recipe.layout.split(self), *extra]
         tables = [
             t.expand(*x.shape[:-1], t.shape[-1]).reshape(flat.shape[0], -1) for t in (cos, sin)
         ]
@@ -439,16 +517,33 @@ class _CodaAttentionInHFOrder(_CodaAttentionIn):
         q, k, v = run_in_dtype(self.function, dtype, flat, *weights, *tables)
         return q.view(*x.shape[:-1], -1), k.view(*x.shape[:-1], -1), v.view(*x.shape[:-1], -1)
 
+    def _gamma(self) -> list[torch.Tensor]:
+        """The input norm's weight as the kernel's block takes it (none for OLMo 2's): the block
+        of ``gemma3_attn_in`` applies Gemma's ``1 + w`` itself, the others take ``γ``
+        (``norm_gamma``: ``1 + w`` for a Gemma norm)."""
+        if not self.recipe.input_norm:
+            return []
+        offset = self.norm_offset - INPUT_NORM_OFFSETS.get(self.recipe.kernel, 0.0)
+        return [norm_gamma(self.norm.weight, offset)]
 
-_HF_ORDER_FAMILIES = {"qwen2_attn_in": qwen2_attn_in_family, "qwen3_attn_in": qwen3_attn_in_family}
+
+# the offset each Hugging Face-order block's input norm applies itself (Gemma 3's 1 + w)
+INPUT_NORM_OFFSETS = {"gemma3_attn_in": GEMMA_OFFSET}
+_HF_ORDER_FAMILIES = {
+    "qwen2_attn_in": qwen2_attn_in_family,
+    "qwen3_attn_in": qwen3_attn_in_family,
+    "gemma3_attn_in": gemma3_attn_in_family,
+    "olmo2_attn_in": olmo2_attn_in_family,
+}
 
 
 def hf_attn_in_function(
     kernel: str, eps: float, *, verify: bool = False, tune: Tuning = "quick"
 ) -> ExportedFunction:
-    """``f(x, gamma, w_q, w_k, w_v, <b_q, b_k, b_v | q_norm, k_norm>, cos, sin) -> (q_rot,
-    k_rot, v)`` for ``kernel`` (``qwen2_attn_in`` or ``qwen3_attn_in``, the block's inputs in
-    order) at an RMSNorm epsilon, with autograd for every input but the tables; the shipped
+    """``f(x, [gamma,] w_q, w_k, w_v, <b_q, b_k, b_v | q_norm, k_norm>, cos, sin) -> (q_rot,
+    k_rot, v)`` for ``kernel`` (``qwen2_attn_in``, ``qwen3_attn_in``, ``gemma3_attn_in`` or
+    ``olmo2_attn_in``, which has no ``gamma``: the block's inputs in order) at an RMSNorm
+    epsilon, with autograd for every input but the tables; the shipped
     verified Programs, or with ``verify`` verified by the sandbox first (once per process)."""
     function = _hf_attn_in_function(kernel, eps, verify)
     function.tune = tune
@@ -519,7 +614,7 @@ _RECIPES = {
     r.class_name: r
     for r in (
         LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION, QWEN2_ATTENTION,
-        QWEN3_ATTENTION,
+        QWEN3_ATTENTION, GEMMA2_ATTENTION, GEMMA3_ATTENTION, OLMO2_ATTENTION,
     )
 }  # fmt: skip
 

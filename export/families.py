@@ -2,14 +2,16 @@
 compute exactly, keep the rest, and say which is which.
 
 A decoder layer has four module kinds (``KINDS``): the input norm + attention input (norm, Q/K/V
-projections, RoPE: ``llama_attn_in``; Qwen2's biases: ``qwen2_attn_in``; Qwen3's per-head q/k
-norms: ``qwen3_attn_in``), the attention output (``o_proj`` and the attention residual:
-``attn_out``; through Gemma 2/3's ``(1 + w)`` post-norm: ``gemma2_attn_out``; through OLMo 2's
-``x̂ · w`` one: ``olmo2_attn_out`` — installed last, it swaps the layer's class for one whose
-forward hands the drop-in the attention before ``o_proj``), the MLP half (post-attention norm +
-SwiGLU MLP + residual: ``llama_mlp``; Gemma's GeGLU under its ``(1 + w)`` norm: ``gemma_mlp``;
-Gemma 2/3's between sandwich norms: ``gemma2_mlp_branch``) and, once per model, the final norm +
-LM head loss
+projections, RoPE: ``llama_attn_in``, also Gemma 2's with its softcapped scores left to Hugging
+Face's attention function; Qwen2's biases: ``qwen2_attn_in``; Qwen3's per-head q/k norms:
+``qwen3_attn_in``; Gemma 3's with ``(1 + w)``: ``gemma3_attn_in``; OLMo 2's, no input norm and
+q/k norms over the whole projection: ``olmo2_attn_in``), the attention output (``o_proj`` and the
+attention residual: ``attn_out``; through Gemma 2/3's ``(1 + w)`` post-norm: ``gemma2_attn_out``;
+through OLMo 2's ``x̂ · w`` one: ``olmo2_attn_out`` — installed last, it swaps the layer's class
+for one whose forward hands the drop-in the attention before ``o_proj``), the MLP half
+(post-attention norm + SwiGLU MLP + residual: ``llama_mlp``; Gemma's GeGLU under its ``(1 + w)``
+norm: ``gemma_mlp``; Gemma 2/3's between sandwich norms: ``gemma2_mlp_branch``; OLMo 2's, no
+pre-norm and a post-norm: ``olmo2_mlp_branch``) and, once per model, the final norm + LM head loss
 (``llama_lm_head_ce``; Gemma 2's logits softcapped at 30: ``lm_head_softcap_ce``). Which recipe
 patches a kind is decided by what the modules *are* — their classes and submodules — never by
 the model's name; ``config.model_type`` only names the family in the report.
@@ -33,15 +35,20 @@ from typing import Any
 from torch import nn
 
 from .attention import (
+    GEMMA2_ATTENTION,
+    GEMMA3_ATTENTION,
     GEMMA_ATTENTION,
     LLAMA_ATTENTION,
     MISTRAL_ATTENTION,
+    OLMO2_ATTENTION,
     PHI3_ATTENTION,
+    QK_NORM_OFFSETS,
     QWEN2_ATTENTION,
     QWEN3_ATTENTION,
     AttentionRecipe,
     _CodaAttentionIn,
     attend,
+    attention_arguments,
     attention_interface,
     check_attention,
     check_head_norms,
@@ -65,6 +72,7 @@ from .mlp import (
     CONCATENATED_GATE_UP,
     GEMMA2_MLP,
     GEMMA_MLP,
+    OLMO2_MLP,
     SEPARATE_GATE_UP,
     CodaLlamaMLPBlock,
     GateUpLayout,
@@ -86,6 +94,8 @@ from .probe import (
     SANDWICH_NORMS,
     Recording,
     causal_lm_head,
+    check_attention_arguments,
+    check_attention_calls,
     check_attention_formula,
     check_attention_half,
     check_attention_output,
@@ -93,6 +103,7 @@ from .probe import (
     check_mlp_formula,
     check_mlp_half,
     check_post_norm_mlp_half,
+    check_sandwich_attention_half,
     check_sandwich_mlp_half,
     probe_forward,
 )
@@ -259,8 +270,47 @@ def _gemma2_mlp_recipe() -> Recipe:
     return Recipe(MLP_HALF, name, applies, prove, build)
 
 
+_POST_NORM = SANDWICH_NORMS[1]  # OLMo 2's post_feedforward_layernorm, without a pre-norm
+
+
+def _olmo2_mlp_recipe() -> Recipe:
+    """OLMo 2's MLP half on ``olmo2_mlp_branch``: the SwiGLU MLP of the residual stream itself
+    (no pre-norm) → ``post_feedforward_layernorm`` (``w · x̂``), the norm deferred into the MLP's
+    kernels; the layer's forward adds the residual, as Hugging Face's."""
+    layout = SEPARATE_GATE_UP
+
+    def applies(layer: nn.Module) -> bool:
+        mlp = getattr(layer, "mlp", None)
+        patched = isinstance(mlp, CodaLlamaMLP)
+        post_only = isinstance(getattr(layer, _POST_NORM, None), nn.Module)
+        return (
+            not patched and hasattr(mlp, layout.weights[0]) and post_only and not _sandwiched(layer)
+        )
+
+    def prove(recording: Recording, name: str, layer: nn.Module) -> None:
+        post = getattr(layer, _POST_NORM)
+        _all_reasons(
+            lambda: _in_layer(name, _check_kernel, OLMO2_MLP, None, layer.mlp, post),
+            lambda: _in_layer(name, layout.check, layer.mlp, OLMO2_MLP),
+            lambda: check_post_norm_mlp_half(recording, name, layer),
+        )
+        _check_formula(recording, name, layer.mlp, OLMO2_MLP)
+
+    def build(layer: nn.Module, options: Options) -> Install:
+        block = CodaLlamaMLPBlock(
+            None, layer.mlp, verify=options.verify, saved=options.saved, tune=options.tune,
+            residual=False, fuse_gate_up=options.fuse_gate_up, post_norm=getattr(layer, _POST_NORM),
+        )  # fmt: skip
+
+        return lambda: install_mlp_half(layer, block, fuse_residual=False, norms=(_POST_NORM,))
+
+    return Recipe(
+        MLP_HALF, f"olmo2_mlp_branch on {layout.name} before {_POST_NORM}", applies, prove, build
+    )
+
+
 def _check_kernel(
-    kernel: MLPKernel, norm: nn.Module, mlp: nn.Module, post_norm: nn.Module | None
+    kernel: MLPKernel, norm: nn.Module | None, mlp: nn.Module, post_norm: nn.Module | None
 ) -> None:
     """``ValueError`` unless ``kernel`` is what computes these modules' MLP half."""
     found = mlp_half_kernel(norm, mlp, post_norm)[1]
@@ -293,15 +343,22 @@ def _attention_recipe(recipe: AttentionRecipe) -> Recipe:
 
     def prove(recording: Recording, name: str, layer: nn.Module) -> None:
         attn, norm = layer.self_attn, getattr(layer, "input_layernorm", None)
-        if norm is None:
-            raise ValueError(_no_input_norm(name))
-        _all_reasons(
-            lambda: _in_layer(name, check_attention, attn, recipe),
-            lambda: _in_layer(name, rms_norm_form, norm, "input_layernorm"),
-            lambda: check_attention_half(recording, name, layer),
-        )
-        if recipe.kernel == "qwen3_attn_in":
-            _in_layer(name, check_head_norms, attn, rms_norm_form(norm, "input_layernorm")[0])
+        if not recipe.input_norm:  # OLMo 2's: the attention module alone is replaced
+            _all_reasons(
+                lambda: _in_layer(name, check_attention, attn, recipe),
+                lambda: check_attention_calls(recording, name, layer),
+            )
+        else:
+            if norm is None:
+                raise ValueError(_no_input_norm(name))
+            _all_reasons(
+                lambda: _in_layer(name, check_attention, attn, recipe),
+                lambda: _in_layer(name, rms_norm_form, norm, "input_layernorm"),
+                lambda: _attention_half(recording, name, layer),
+            )
+        if recipe.qk_norms and recipe.input_norm:
+            eps = rms_norm_form(norm, "input_layernorm")[0]
+            _in_layer(name, check_head_norms, attn, eps, recipe.kernel)
         attention = attention_interface(attn.config, recipe)
 
         def run(q: Any, k: Any, v: Any, mask: Any, kwargs: dict[str, Any]) -> Any:
@@ -310,25 +367,43 @@ def _attention_recipe(recipe: AttentionRecipe) -> Recipe:
         check_attention_formula(
             recording, name, attn, recipe.layout.split(attn), run, **_kernel_extras(recipe, attn)
         )
+        check_attention_arguments(
+            recording, name, attn, lambda kwargs: attention_arguments(attn, recipe, kwargs)
+        )
 
     def build(layer: nn.Module, options: Options) -> Install:
         cls = coda_attention_class(recipe)
-        attn = cls(layer.self_attn, layer.input_layernorm, verify=options.verify, tune=options.tune)
+        norm = layer.input_layernorm if recipe.input_norm else None
+        attn = cls(layer.self_attn, norm, verify=options.verify, tune=options.tune)
 
-        return lambda: install_attention_input(layer, attn)
+        return lambda: install_attention_input(layer, attn, defer_norm=recipe.input_norm)
 
     name = f"{recipe.kernel} on {recipe.class_name}'s {recipe.layout.name}"
     return Recipe(ATTENTION_INPUT, name, applies, prove, build)
 
 
+def _attention_half(recording: Recording, name: str, layer: nn.Module) -> None:
+    """The layer's attention half as the patched layer computes it (``check_attention_half``),
+    or between sandwich norms (Gemma 2/3: ``check_sandwich_attention_half``)."""
+    post = isinstance(getattr(layer, "post_attention_layernorm", None), nn.Module)
+    if post and _sandwiched(layer):
+        check_sandwich_attention_half(recording, name, layer)
+    else:
+        check_attention_half(recording, name, layer)
+
+
 def _kernel_extras(recipe: AttentionRecipe, attn: nn.Module) -> dict[str, Any]:
     """What the recipe's kernel adds to the plain projections, as ``check_attention_formula``
-    takes it: Qwen2's biases, Qwen3's per-head q/k norms."""
+    takes it: Qwen2's biases, Qwen3's and Gemma 3's per-head q/k norms (Gemma's with their
+    offset), OLMo 2's q/k norms over the whole projection."""
     if recipe.kernel == "qwen2_attn_in":
         return {"biases": (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)}
-    if recipe.kernel == "qwen3_attn_in":
-        return {"head_norms": (attn.q_norm.weight, attn.k_norm.weight, head_norm_eps(attn))}
-    return {}
+    if recipe.qk_norms is None:
+        return {}
+    norms = (attn.q_norm.weight, attn.k_norm.weight, head_norm_eps(attn, recipe.kernel))
+    if recipe.qk_norms == "whole":
+        return {"whole_norms": norms}
+    return {"head_norms": norms, "norm_offset": QK_NORM_OFFSETS.get(recipe.kernel, 0.0)}
 
 
 def _patched_attention(attn: Any) -> bool:
@@ -338,7 +413,8 @@ def _patched_attention(attn: Any) -> bool:
 def _no_input_norm(name: str) -> str:
     return (
         f"{name} has no input_layernorm: the layer does not normalize its input before "
-        "attention (post-norms, as OLMo 2's), and the llama_attn_in kernel normalizes it"
+        "attention (post-norms, as OLMo 2's), and the kernels of this attention class "
+        "normalize it (olmo2_attn_in, which does not, is proven for Olmo2Attention only)"
     )
 
 
@@ -447,11 +523,12 @@ def _check_mlp_half_modules(layer: nn.Module, form: str) -> None:
 # The table: the first recipe of a kind that applies to a layer is the one tried.
 ATTENTION_RECIPES = (
     LLAMA_ATTENTION, GEMMA_ATTENTION, MISTRAL_ATTENTION, PHI3_ATTENTION, QWEN2_ATTENTION,
-    QWEN3_ATTENTION,
+    QWEN3_ATTENTION, GEMMA2_ATTENTION, GEMMA3_ATTENTION, OLMO2_ATTENTION,
 )  # fmt: skip
 RECIPES: tuple[Recipe, ...] = (
     *(_attention_recipe(recipe) for recipe in ATTENTION_RECIPES),
     _gemma2_mlp_recipe(),
+    _olmo2_mlp_recipe(),
     _gemma_mlp_recipe(),
     _mlp_recipe(SEPARATE_GATE_UP),
     _mlp_recipe(CONCATENATED_GATE_UP),
@@ -511,8 +588,9 @@ def _unmatched_attention(name: str, layer: nn.Module, family: str) -> str:
     if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
         return (
             f"{name}.self_attn ({cls}): q/k RMSNorm ({family}) has no shipped kernel yet for "
-            "this class — qwen3_attn_in's per-head norms (x̂ · w before RoPE) are proven for "
-            "Qwen3Attention only"
+            "this class — per-head norms before RoPE are proven for Qwen3Attention "
+            "(qwen3_attn_in) and Gemma3Attention (gemma3_attn_in), norms over the whole "
+            "projection for Olmo2Attention (olmo2_attn_in)"
         )
     biased = [
         p for p in ("q_proj", "k_proj", "v_proj", "qkv_proj")

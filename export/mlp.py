@@ -20,7 +20,8 @@ Which kernels compute an MLP half is an ``MLPKernel``: its GLU activation, its n
 whether a post-norm follows the down projection — ``LLAMA_MLP`` (SwiGLU under Llama's RMSNorm:
 ``llama_mlp``), ``GEMMA_MLP`` (GeGLU ``gelu_tanh`` under Gemma's ``x̂ · (1 + w)``: ``gemma_mlp``)
 and ``GEMMA2_MLP`` (the same between Gemma 2/3's sandwich norms: ``gemma2_mlp_branch``, whose
-post-norm weight the block takes as ``post_norm``). ``mlp_kernel(act, offset)`` finds one.
+post-norm weight the block takes as ``post_norm``), and ``OLMO2_MLP`` (SwiGLU with no pre-norm,
+then OLMo 2's post-norm ``w · x̂``: ``olmo2_mlp_branch``). ``mlp_kernel(act, offset)`` finds one.
 
 Also here, for ``patch_llama``'s ``CodaLlamaMLP``: ``llama_mlp_function`` (the exported op),
 ``check_llama_mlp``, ``interleave_gate_up`` and ``keep_hf_gate_up_keys``.
@@ -53,7 +54,9 @@ class MLPKernel:
     activation, as ``activation_name`` names it) under an RMSNorm of ``offset`` (0: Llama's
     ``x̂ · w``; 1: Gemma's ``x̂ · (1 + w)``), followed by a post-norm of the same form when
     ``post_norm``. ``residual``: the family with the residual add in its kernels (None: only the
-    branch is shipped, for layers that add it themselves); ``branch``: the one without."""
+    branch is shipped, for layers that add it themselves); ``branch``: the one without.
+    ``pre_norm``: whether the MLP's input is normalized first (not in OLMo 2's, whose only norm
+    is the post-norm: ``offset`` is then that norm's)."""
 
     name: str
     act: str
@@ -61,6 +64,7 @@ class MLPKernel:
     residual: str | None
     branch: str
     post_norm: bool = False
+    pre_norm: bool = True
 
     def family(self, residual: bool) -> str:
         """The block family for a block built with or without its residual add."""
@@ -79,30 +83,38 @@ GEMMA_MLP = MLPKernel("gemma_mlp", "gelu_tanh", GEMMA_OFFSET, "gemma_mlp", "gemm
 GEMMA2_MLP = MLPKernel(
     "gemma2_mlp_branch", "gelu_tanh", GEMMA_OFFSET, None, "gemma2_mlp_branch", post_norm=True
 )
-MLP_KERNELS = (LLAMA_MLP, GEMMA_MLP, GEMMA2_MLP)
+OLMO2_MLP = MLPKernel(
+    "olmo2_mlp_branch", "silu", 0.0, None, "olmo2_mlp_branch", post_norm=True, pre_norm=False
+)
+MLP_KERNELS = (LLAMA_MLP, GEMMA_MLP, GEMMA2_MLP, OLMO2_MLP)
 
 
-def mlp_kernel(act: str | None, offset: float, *, post_norm: bool = False) -> MLPKernel:
+def mlp_kernel(
+    act: str | None, offset: float, *, post_norm: bool = False, pre_norm: bool = True
+) -> MLPKernel:
     """The ``MLPKernel`` for a GLU of activation ``act`` under a norm of ``offset`` (and a
-    post-norm after the down projection, ``post_norm``); ``ValueError`` naming the shipped
-    combinations when none computes it."""
+    post-norm after the down projection, ``post_norm``; without the norm before it, ``pre_norm``
+    False: ``offset`` is the post-norm's); ``ValueError`` naming the shipped combinations when
+    none computes it."""
     for kernel in MLP_KERNELS:
-        if (kernel.act, kernel.offset, kernel.post_norm) == (act, offset, post_norm):
+        form = (kernel.act, kernel.offset, kernel.post_norm, kernel.pre_norm)
+        if form == (act, offset, post_norm, pre_norm):
             return kernel
     shipped = "; ".join(_describe(k) for k in MLP_KERNELS)
-    what = _describe(MLPKernel("", act or "", offset, None, "", post_norm))
+    what = _describe(MLPKernel("", act or "", offset, None, "", post_norm, pre_norm))
     raise ValueError(f"no shipped kernel computes {what}; shipped: {shipped}")
 
 
 def _describe(kernel: MLPKernel) -> str:
     norm = "x̂ · (1 + w)" if kernel.offset else "x̂ · w"
     post = f", then a post-norm {norm}" if kernel.post_norm else ""
+    under = f"under an RMSNorm {norm}" if kernel.pre_norm else "without a pre-norm"
     named = f" ({kernel.name})" if kernel.name else ""
     if not kernel.act:
         known = ", ".join(ACTIVATION_NAMES.values())
-        return f"a GLU MLP whose gate activation is none of {known} under an RMSNorm {norm}{post}"
+        return f"a GLU MLP whose gate activation is none of {known} {under}{post}"
     act = ACTIVATION_NAMES.get(kernel.act, kernel.act)
-    return f"a {act} GLU MLP under an RMSNorm {norm}{post}{named}"
+    return f"a {act} GLU MLP {under}{post}{named}"
 
 
 def llama_mlp_function(
@@ -324,12 +336,14 @@ class CodaLlamaMLPBlock(nn.Module):
     ``x̂ · (1 + w)``, whose weight the kernels read as it is). ``post_norm``: a norm of the MLP's
     output (Gemma 2/3's ``post_feedforward_layernorm``, of the same form and epsilon as
     ``norm``), also in the kernels — ``post_norm(mlp(norm(x)))``, a branch only
-    (``residual=False``); its weight is the last of ``weights()``.
+    (``residual=False``); its weight is the last of ``weights()``. ``norm`` None: no pre-norm
+    (OLMo 2's MLP half, ``post_norm(mlp(x))`` with its ``post_feedforward_layernorm``: the
+    ``olmo2_mlp_branch`` kernels); ``weights()`` then starts with the gate and up weights.
     """
 
     def __init__(
         self,
-        norm: nn.Module,
+        norm: nn.Module | None,
         mlp: nn.Module,
         *,
         verify: bool = False,
@@ -410,8 +424,9 @@ class CodaLlamaMLPBlock(nn.Module):
         """What the kernels read besides ``x``: γ, the gate and up weights (or the fused one),
         the down weight (and the post-norm's weight, with a ``post_norm``)."""
         gate_up = [self.gate_up_weight] if self.fused else [*self.layout.split(self.mlp)]
+        pre = [] if self.norm is None else [self.norm.weight]
         post = [] if self.post_norm is None else [self.post_norm.weight]
-        return [self.norm.weight, *gate_up, self.mlp.down_proj.weight, *post]
+        return [*pre, *gate_up, self.mlp.down_proj.weight, *post]
 
     def forward(self, x: torch.Tensor, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``x + mlp(norm(x))`` (or the branch alone, built with ``residual=False``) with
@@ -459,12 +474,22 @@ def mlp_activation(mlp: nn.Module) -> str | None:
 
 
 def mlp_half_kernel(
-    norm: nn.Module, mlp: nn.Module, post_norm: nn.Module | None = None
+    norm: nn.Module | None, mlp: nn.Module, post_norm: nn.Module | None = None
 ) -> tuple[float, MLPKernel]:
     """``(eps, kernel)``: the norm's epsilon and the ``MLPKernel`` that computes
-    ``[post_norm](mlp(norm(x)))`` for these modules' activation and norm form; ``ValueError``
-    naming what differs (a norm that is no RMSNorm, post- and pre-norm of other forms or
-    epsilons, a combination no kernel computes)."""
+    ``[post_norm](mlp(norm(x)))`` for these modules' activation and norm form (``norm`` None:
+    ``post_norm(mlp(x))``, the post-norm's); ``ValueError`` naming what differs (a norm that is
+    no RMSNorm, post- and pre-norm of other forms or epsilons, a combination no kernel
+    computes)."""
+    act = mlp_activation(mlp)
+    if norm is None:
+        if post_norm is None:
+            raise ValueError("an MLP half without a pre-norm needs its post-norm (OLMo 2's)")
+        eps, offset = rms_norm_form(post_norm, "post_norm")
+        try:
+            return eps, mlp_kernel(act, offset, post_norm=True, pre_norm=False)
+        except ValueError as e:
+            raise ValueError(f"mlp ({type(mlp).__name__}) without a pre-norm: {e}") from e
     eps, offset = rms_norm_form(norm, "norm")
     if post_norm is not None:
         post = rms_norm_form(post_norm, "post_norm")
@@ -473,7 +498,6 @@ def mlp_half_kernel(
                 f"post_norm (eps {post[0]:g}, offset {post[1]:g}) and norm (eps {eps:g}, offset "
                 f"{offset:g}) differ; the {GEMMA2_MLP.name} kernels apply one RMSNorm form twice"
             )
-    act = mlp_activation(mlp)
     try:
         return eps, mlp_kernel(act, offset, post_norm=post_norm is not None)
     except ValueError as e:

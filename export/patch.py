@@ -127,8 +127,9 @@ class CodaLlamaMLP(nn.Module):
         ``CodaLlamaMLPBlock.weights`` lists them."""
         fused = self.block.fused
         gate_up = [self.gate_up_weight] if fused else [*self.block.layout.split(self)]
+        pre = [] if self.norm is None else [self.norm.weight]  # None: no pre-norm (OLMo 2)
         post = [] if self.post_norm is None else [self.post_norm.weight]
-        return [self.norm.weight, *gate_up, self.down_proj.weight, *post]
+        return [*pre, *gate_up, self.down_proj.weight, *post]
 
     def forward(self, x: torch.Tensor, *, residual: bool = False) -> torch.Tensor:
         """``mlp(norm(x))``, as the ``LlamaMLP`` it replaces returns after its norm; with
@@ -354,21 +355,28 @@ def install_mlp_half(
     norms: tuple[str, ...] = ("post_attention_layernorm",),
 ) -> None:
     """Run ``layer``'s MLP half on ``block``: each of ``norms`` (the MLP's input norm, then its
-    post-norm if it has one) becomes a ``DeferredRMSNorm`` and ``mlp`` a ``CodaLlamaMLP`` that
+    post-norm if it has one; only the post-norm for a block without a pre-norm, OLMo 2's)
+    becomes a ``DeferredRMSNorm`` and ``mlp`` a ``CodaLlamaMLP`` that
     reads the norms' weights from them — the modules that own them in the model, not the replaced
     norms (``CodaLlamaMLP``'s docstring says why); with ``fuse_residual`` the layer's class
     becomes ``CodaLlamaDecoderLayer`` (the residual added in the MLP's kernels)."""
-    deferred = [DeferredRMSNorm(getattr(layer, name)) for name in norms]
+    deferred: list[nn.Module | None] = [DeferredRMSNorm(getattr(layer, name)) for name in norms]
     for name, module in zip(norms, deferred, strict=True):
         _replace(layer, name, module)
+    if block.norm is None:  # the post-norm alone
+        deferred.insert(0, None)
     _replace(layer, "mlp", CodaLlamaMLP(block, *deferred))
     if fuse_residual:
         layer.__class__ = CodaLlamaDecoderLayer
 
 
-def install_attention_input(layer: nn.Module, attn: nn.Module) -> None:
+def install_attention_input(layer: nn.Module, attn: nn.Module, *, defer_norm: bool = True) -> None:
     """Run ``layer``'s input norm and attention input on ``attn`` (a ``CodaLlamaAttention`` or
-    its kin), which then reads the norm's weight from the ``DeferredRMSNorm`` put in its place."""
+    its kin), which then reads the norm's weight from the ``DeferredRMSNorm`` put in its place;
+    ``defer_norm=False``: replace the attention alone (no input norm in its kernel: OLMo 2's)."""
+    if not defer_norm:
+        _replace(layer, "self_attn", attn)
+        return
     deferred = DeferredRMSNorm(layer.input_layernorm)
     _replace(layer, "input_layernorm", deferred)
     _replace(layer, "self_attn", attn)

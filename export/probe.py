@@ -12,13 +12,15 @@ computes another model.
 
 ``probe_forward`` runs the model once on a few tokens with forward hooks on the modules involved
 and records what each received and returned; ``check_mlp_half``, ``check_attention_half``,
-``check_mlp_formula`` and ``check_causal_lm_head`` compare the recorded tensors with the patched
-dataflow and raise ``ValueError`` naming the module and what differs. The probe leaves the model
-as it was: no gradients, eval mode for the call (dropout off; each module's mode restored), the
-RNG state restored, buffers a forward re-assigns put back, and no cache kept (``use_cache`` is
-left to the config, as ``model(...)`` leaves it — ``False`` would make Hugging Face inspect the
-position ids with a host sync — and the cache the forward returns is dropped). Forward hooks
-registered on the model run for the probe's call as for any other.
+``check_mlp_formula`` and ``check_causal_lm_head`` (and their kin for sandwich and post-norm
+layers) compare the recorded tensors with the patched dataflow and raise ``ValueError`` naming
+the module and what differs; ``check_attention_arguments`` runs an attention module's forward
+again on a recorded call to see what it hands Hugging Face's attention function. The probe
+leaves the model as it was: no gradients, eval mode for the call (dropout off; each module's
+mode restored), the RNG state restored, buffers a forward re-assigns put back, and no cache kept
+(``use_cache`` is left to the config, as ``model(...)`` leaves it — ``False`` would make Hugging
+Face inspect the position ids with a host sync — and the cache the forward returns is dropped).
+Forward hooks registered on the model run for the probe's call as for any other.
 
 Hooks on the real forward rather than a ``torch.fx`` trace: Hugging Face decoder layers take
 ``**kwargs``, caches and data-dependent mask code that often does not trace, and hooks record the
@@ -283,6 +285,50 @@ def _projected(attn: nn.Module, out: torch.Tensor) -> torch.Tensor:
         return F.linear(out, o_proj.weight)
 
 
+def check_sandwich_attention_half(recording: Recording, name: str, layer: nn.Module) -> None:
+    """``ValueError`` unless every call of ``layer`` with input ``x`` handed
+    ``input_layernorm(x)``'s output itself to ``self_attn`` as its hidden states, with rotary
+    tables of the heads' width, ``post_attention_layernorm`` normalized the attention's output
+    itself, and ``x + post_attention_layernorm(self_attn(...))`` reached the MLP half
+    (``pre_feedforward_layernorm``'s input): Gemma 2/3's attention half between sandwich norms,
+    what the patched layer computes with the input norm deferred into the attention's kernel."""
+    calls = layer_calls(recording, name, layer)
+    parts = ("input_layernorm", "self_attn", "post_attention_layernorm", SANDWICH_NORMS[0])
+    norms, attns, posts, nexts = (recording.of(getattr(layer, p, None)) for p in parts)
+    for part, recorded in zip(parts, (norms, attns, posts, nexts), strict=True):
+        _per_call(name, part, recorded, len(calls))
+    for call, norm, attn, post, after in zip(calls, norms, attns, posts, nexts, strict=True):
+        x = call.input()
+        for what, got, want in (
+            ("input_layernorm does not normalize the layer's input", norm.input(), x),
+            ("self_attn does not receive input_layernorm's output", attn.input(), norm.result()),
+            (f"{parts[2]} does not normalize the attention's output", post.input(), attn.result()),
+        ):  # fmt: skip
+            if not same(got, want):
+                raise ValueError(
+                    f"{name}: {what}; the patched attention half computes exactly that"
+                )
+        _check_rotary(name, layer.self_attn, attn)
+        if not close(after.input(), x + post.result()):
+            raise ValueError(
+                f"{name}: what reaches the MLP half is not x + post_attention_layernorm(self_attn("
+                "input_layernorm(x))) (a residual other than x, a scale?); the patched layer "
+                "computes exactly that — patch with attention=False to keep this attention half"
+            )
+
+
+def check_attention_calls(recording: Recording, name: str, layer: nn.Module) -> None:
+    """``ValueError`` unless ``self_attn`` ran once in every call of ``layer``, with rotary
+    tables of the heads' width: all a drop-in that replaces the attention module alone (no input
+    norm deferred into it: OLMo 2's layers normalize after their sub-layers) needs of the layer —
+    what it computes from its arguments is ``check_attention_formula``'s to prove."""
+    calls = layer_calls(recording, name, layer)
+    attns = recording.of(layer.self_attn)
+    _per_call(name, "self_attn", attns, len(calls))
+    for attn in attns:
+        _check_rotary(name, layer.self_attn, attn)
+
+
 def _check_rotary(name: str, attn: nn.Module, call: Call) -> None:
     tables = call.kwargs.get("position_embeddings")
     if tables is None and len(call.args) > 1:
@@ -370,6 +416,30 @@ def check_sandwich_mlp_half(
             )
 
 
+def check_post_norm_mlp_half(recording: Recording, name: str, layer: nn.Module) -> None:
+    """``ValueError`` unless every call of ``layer`` computed ``out = h +
+    post_feedforward_layernorm(mlp(h))`` with ``h`` the MLP's own input (OLMo 2's MLP half: no
+    pre-norm), the post-norm receiving the MLP's output itself — what the patched MLP half (the
+    post-norm deferred into the MLP's kernels) computes."""
+    calls = layer_calls(recording, name, layer)
+    norm = SANDWICH_NORMS[1]
+    mlps, posts = recording.of(layer.mlp), recording.of(getattr(layer, norm))
+    _per_call(name, "mlp", mlps, len(calls))
+    _per_call(name, norm, posts, len(calls))
+    for call, mlp, post in zip(calls, mlps, posts, strict=True):
+        if not same(post.input(), mlp.result()):
+            raise ValueError(
+                f"{name}: {norm} does not normalize the MLP's output; the patched MLP half "
+                "computes exactly that"
+            )
+        if not close(call.result(), mlp.input() + post.result()):
+            raise ValueError(
+                f"{name}: the layer's output is not h + {norm}(mlp(h)) with h the MLP's input "
+                "(a pre-norm the MLP does not see, a residual other than h, a scale?); the "
+                "patched layer computes exactly that"
+            )
+
+
 def check_attention_formula(
     recording: Recording,
     name: str,
@@ -379,6 +449,8 @@ def check_attention_formula(
     *,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    norm_offset: float = 0.0,
+    whole_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """``ValueError`` unless each recorded call of ``attn`` returned what the patched attention
     computes from the same arguments: ``o_proj`` of ``attend(q, k, v, mask, kwargs)`` (the
@@ -387,20 +459,29 @@ def check_attention_formula(
     projection's row views) plus ``biases`` if given, q and k through per-head RMSNorms
     ``x̂ · weight`` if ``head_norms`` (the q and k weights and the epsilon the kernel applies),
     rotated in Hugging Face's rotate-half order by the recorded tables. Proves on the probe that
-    the drop-in reads the right rows and passes what the module's own forward passes."""
+    the drop-in reads the right rows and passes what the module's own forward passes.
+    ``norm_offset``: the per-head norms' weight offset (1: Gemma 3's ``x̂ · (1 + w)``, formed in
+    fp32 and cast after); ``whole_norms``: q and k instead through RMSNorms over the whole
+    projection (OLMo 2's ``w · x̂``, cast after the weight), with their weights and epsilon."""
     head = attn.head_dim
     for call in recording.of(attn):
         x, (cos, sin) = call.input(), _tables(call)
         kwargs = {k: v for k, v in call.kwargs.items() if k not in _ATTENTION_OWN}
         mask = call.kwargs.get("attention_mask", call.args[2] if len(call.args) > 2 else None)
         with torch.no_grad():
-            q, k, v = (
-                F.linear(x, w, b).view(*x.shape[:-1], -1, head).transpose(1, 2)
-                for w, b in zip(qkv, biases or (None, None, None), strict=True)
-            )
+            flat = [
+                F.linear(x, w, b) for w, b in zip(qkv, biases or (None, None, None), strict=True)
+            ]
+            if whole_norms is not None:
+                w_qn, w_kn, eps = whole_norms
+                flat[:2] = [
+                    _head_norm(t, w, eps, cast_after=True)
+                    for t, w in zip(flat, (w_qn, w_kn), strict=False)
+                ]
+            q, k, v = (t.view(*x.shape[:-1], -1, head).transpose(1, 2) for t in flat)
             if head_norms is not None:
                 w_qn, w_kn, eps = head_norms
-                q, k = (_head_norm(t, w, eps) for t, w in ((q, w_qn), (k, w_kn)))
+                q, k = (_head_norm(t, w, eps, norm_offset) for t, w in ((q, w_qn), (k, w_kn)))
             q, k = (_rotate(t, cos, sin) for t in (q, k))
             out, _ = attend(q, k, v, mask, kwargs)
             got = attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
@@ -412,6 +493,82 @@ def check_attention_formula(
                 "the attention drop-in uses; its forward differs from the one the drop-in "
                 "mirrors"
             )
+
+
+def check_attention_arguments(
+    recording: Recording,
+    name: str,
+    attn: nn.Module,
+    passes: Any,
+) -> None:
+    """``ValueError`` unless, for each recorded call of ``attn``, its own forward hands Hugging
+    Face's attention function the keyword arguments the drop-in hands it: ``passes(kwargs)``,
+    ``kwargs`` the call's arguments for the attention function. The forward runs again on the
+    recorded arguments (no cache, no hooks, the RNG state kept) with the attention function it
+    looks up watched, so what it passes — dropout, scaling, a sliding window, a logit softcap —
+    is compared by value, which the probe's 5 tokens alone need not show (a window longer than
+    them, scores far below the cap). Transformers without
+    ``ALL_ATTENTION_FUNCTIONS.get_interface`` are not watched."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
+
+    lookup = getattr(registry, "get_interface", None)
+    if lookup is None:
+        return
+    for call in recording.of(attn):
+        seen: list[dict[str, Any]] = []
+        inputs = {k: v for k, v in call.kwargs.items() if k not in _CACHES}
+        shadowed = registry.__dict__.get("get_interface")
+        registry.get_interface = _watched(lookup, seen)
+        cuda = sorted({t.device.index or 0 for t in _tensors(attn) if t.device.type == "cuda"})
+        try:  # the forward itself: no hooks run, the RNG state is kept
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                type(attn).forward(attn, *call.args[:3], **inputs)  # never a cache
+        finally:
+            if shadowed is None:
+                del registry.get_interface
+            else:
+                registry.get_interface = shadowed
+        own = {k: v for k, v in call.kwargs.items() if k not in _ATTENTION_OWN}
+        if len(seen) != 1 or not _same_arguments(seen[0], passes(own)):
+            got = _describe_arguments(seen[0]) if len(seen) == 1 else f"{len(seen)} calls"
+            raise ValueError(
+                f"{name}.self_attn ({type(attn).__name__}) hands its attention function "
+                f"{got}, the drop-in would hand {_describe_arguments(passes(own))}; the drop-in "
+                "passes what the forward it mirrors passes"
+            )
+
+
+def _watched(lookup: Any, seen: list[dict[str, Any]]) -> Any:
+    """``get_interface`` whose attention functions record their keyword arguments in ``seen``."""
+
+    def get_interface(impl: Any, default: Any) -> Any:
+        function = lookup(impl, default)
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            seen.append(kwargs)
+            return function(*args, **kwargs)
+
+        return spy
+
+    return get_interface
+
+
+_CACHES = ("past_key_values", "cache", "past_key_value")
+
+
+def _same_arguments(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(same(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def _describe_arguments(kwargs: dict[str, Any]) -> str:
+    """``{name: value}`` with tensors as their shapes."""
+    shown = {
+        k: f"<tensor {tuple(v.shape)}>" if isinstance(v, torch.Tensor) else v
+        for k, v in sorted(kwargs.items())
+    }
+    return str(shown)
 
 
 # the attention forward's own arguments; the rest go to the attention function
@@ -426,19 +583,27 @@ def _tables(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     return tables if tables is not None else call.args[1]
 
 
-def _head_norm(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm ``x̂ · weight`` of each head of ``t`` ``[B, heads, T, D]`` (statistics in fp32)."""
+def _head_norm(
+    t: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, cast_after: bool = False
+) -> torch.Tensor:
+    """RMSNorm ``x̂ · (offset + weight)`` over the last axis of ``t`` (each head of ``[B, heads,
+    T, D]``, or a whole projection), statistics in fp32: ``x̂`` cast to ``t``'s dtype before
+    the weight (Qwen3's), or the product formed in fp32 and cast after (``offset`` or
+    ``cast_after``: Gemma 3's, OLMo 2's)."""
     tf = t.float()
     normed = tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(t.dtype)
+    if not offset and not cast_after:
+        return weight * normed.to(t.dtype)
+    return (normed * (offset + weight.float())).to(t.dtype)
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's ``apply_rotary_pos_emb`` on one of ``[B, heads, T, D]``."""
+    """Hugging Face's ``apply_rotary_pos_emb`` on one of ``[B, heads, T, D]``, in ``t``'s dtype
+    (OLMo 2's tables stay fp32 and its rotation casts back; Llama's tables come in ``t``'s)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = t.shape[-1] // 2
     rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
-    return t * cos + rotated * sin
+    return (t * cos + rotated * sin).to(t.dtype)
 
 
 # -- the attention output --------------------------------------------------------------------------
@@ -548,26 +713,6 @@ def _post_norm(y: torch.Tensor, norm: nn.Module, eps: float, offset: float) -> t
     yf = y.float()
     normed = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)
     return (normed * (offset + norm.weight.float())).to(y.dtype)
-
-
-def check_post_norm_mlp_half(
-    recording: Recording, name: str, layer: nn.Module, post: str = "post_feedforward_layernorm"
-) -> None:
-    """``ValueError`` unless every call of ``layer`` computed ``out = h + post(mlp(h))`` with
-    ``h`` the MLP's input and ``post`` (``post_feedforward_layernorm``) normalizing the MLP's
-    output itself — OLMo 2's MLP half, as a patched layer's forward runs it."""
-    calls = layer_calls(recording, name, layer)
-    mlps, posts = recording.of(layer.mlp), recording.of(getattr(layer, post))
-    _per_call(name, "mlp", mlps, len(calls))
-    _per_call(name, post, posts, len(calls))
-    for call, mlp, norm in zip(calls, mlps, posts, strict=True):
-        if not same(norm.input(), mlp.result()):
-            raise ValueError(f"{name}: {post} does not normalize the MLP's output")
-        if not close(call.result(), mlp.input() + norm.result()):
-            raise ValueError(
-                f"{name}: the layer's output is not h + {post}(mlp(h)) with h the MLP's input; "
-                "the patched layer computes exactly that"
-            )
 
 
 # -- the final norm and LM head --------------------------------------------------------------------

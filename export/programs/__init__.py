@@ -2,9 +2,10 @@
 
 Each file holds the built-in planner's Program for one block of a family the drop-ins build on
 (``FAMILIES``: the ``llama_mlp`` and ``llama_mlp_branch`` sub-layers, Gemma's ``gemma_mlp``,
-``gemma_mlp_branch`` and ``gemma2_mlp_branch`` (sandwich norms), the attention inputs (Llama's,
-Qwen2's, Qwen3's), the attention outputs (``o_proj`` + residual: plain, and with Gemma 2/3's or
-OLMo 2's post-norm), the LM-head loss (plain, and softcapped as Gemma 2's) — forward and backward,
+``gemma_mlp_branch`` and ``gemma2_mlp_branch`` (sandwich norms), OLMo 2's ``olmo2_mlp_branch``
+(post-norm only), the attention inputs (Llama's, Qwen2's, Qwen3's, Gemma 3's, OLMo 2's), the
+attention outputs (``o_proj`` + residual: plain, and with Gemma 2/3's or OLMo 2's post-norm), the
+LM-head loss (plain, and softcapped as Gemma 2's) — forward and backward,
 at Llama's RMSNorm epsilon ``SHIPPED_EPS``, with the default lowering options), with its content
 hash: the first 12 hex digits of the SHA-256 of its canonical JSON, the key the sandbox's Reports
 and the regression
@@ -46,7 +47,13 @@ from coda.blocks.llama import (
     llama_lm_head_ce_family,
     llama_mlp_family,
 )
-from coda.blocks.qwen import qwen2_attn_in_family, qwen3_attn_in_family
+from coda.blocks.olmo2 import olmo2_mlp_family
+from coda.blocks.qwen import (
+    gemma3_attn_in_family,
+    olmo2_attn_in_family,
+    qwen2_attn_in_family,
+    qwen3_attn_in_family,
+)
 from coda.planner import LoweringOptions, lower
 from coda.primitives.ir import Program, content_hash
 
@@ -80,6 +87,12 @@ FAMILIES: dict[str, Family] = {
     # the attention inputs in Hugging Face's order (separate q_rot, k_rot, v): Qwen2's, Qwen3's
     "qwen2_attn_in": Family(qwen2_attn_in_family, ("forward", "backward")),
     "qwen3_attn_in": Family(qwen3_attn_in_family, ("forward", "backward")),
+    # Gemma 3's (per-head q/k norms, every norm x̂ · (1 + w)) and OLMo 2's (no input norm, q/k
+    # norms over the whole projection)
+    "gemma3_attn_in": Family(gemma3_attn_in_family, ("forward", "backward")),
+    "olmo2_attn_in": Family(olmo2_attn_in_family, ("forward", "backward")),
+    # OLMo 2's MLP branch: no pre-norm, its post_feedforward_layernorm in the kernels
+    "olmo2_mlp_branch": Family(olmo2_mlp_family, _MLP_KEYS),
     # Gemma 2's head: the logits capped at 30 before the cross-entropy
     "lm_head_softcap_ce": Family(lm_head_softcap_ce_family, ("forward", "train", "backward_saved")),
     # the attention outputs: o_proj + residual, and with Gemma 2/3's or OLMo 2's post-norm

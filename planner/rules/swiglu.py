@@ -16,7 +16,9 @@
   projection and the residual add (Gemma 2's sandwich) is differentiated first
   (``BackwardBuilder.post_norm_backward``): its ``dm`` then takes ``dout``'s place — or, for one
   ``[gate; up]`` weight split by ``Chunk`` (Phi-3), un-permuted by aux ``unpair_rows``
-  (``rules/chunk.py``).
+  (``rules/chunk.py``). Without a pre-norm (OLMo 2's MLP projects the residual stream itself)
+  there is no ``r``, no ``Σ z·dz``: ``dx = dz W_gu`` is a plain GEMM (plus ``dout`` with a
+  residual) and ``dW_gu = dzᵀ x``.
 """
 
 from __future__ import annotations
@@ -136,8 +138,10 @@ def mlp_backward(b: BackwardBuilder) -> None:
     _, down = b.find(Linear, x=glu.out)
     if chunked is None and gate.x != up.x:
         b.fail("gate and up project different inputs")
-    norm = b.norm(gate.x if chunked is None else chunked.x)
-    post, residual, dout = _mlp_output(b, down, norm)
+    h = gate.x if chunked is None else chunked.x
+    norm = b.norm(h) if h not in b.forward.inputs else None  # None: no pre-norm (OLMo 2)
+    x = norm.x if norm is not None else h  # the MLP half's input (its residual)
+    post, residual, dout = _mlp_output(b, down, x)
     if chunked is None:
         interleave = {"kind": "interleave_rows", "first": gate.weight, "second": up.weight}
         w_gu = b.prep(("interleave", gate.weight, up.weight), {**interleave, "out": "w_gu"})
@@ -153,25 +157,28 @@ def mlp_backward(b: BackwardBuilder) -> None:
         return b.post_norm_backward(post, a, down.weight, dout) if post else dout
 
     if {glu.gate, glu.up} <= set(b.op.saved):
-        r = b.rstd(norm)
+        r = b.rstd(norm) if norm is not None else None
         a_saved = glu.out if glu.out in b.op.saved else None
         if post is not None and a_saved is None:
             b.fail("a post-norm's backward from saved projections needs a = act(g)·u saved too")
         d_down = down_grad(a_saved) if a_saved else dout
         dz, a, partials = _backward_saved(
-            b, d_down, down.weight, glu.gate, glu.up, a_saved, act, biases
+            b, d_down, down.weight, glu.gate, glu.up, a_saved, act, biases, stats=norm is not None
         )
     else:
         r, dz, a, partials, d_down = _backward_recomputed(
-            b, norm, w_gu, down_grad if post else dout, down.weight, act, biases
+            b, norm, w_gu, down_grad if post else dout, down.weight, act, biases, x=x
         )
-    c = b.statistic(partials, norm)
+    c = b.statistic(partials, norm) if norm is not None else None  # type: ignore[arg-type]
     b.output(down.weight, b.plain_gemm("w_down_grad", f"{d_down}.T", a, "dw_down"))
     extra: list[dict[str, Any]] = []
     if down.bias is not None:  # d b_down = Σ_rows dout, from dout's tiles in the dx epilogue
         colsum, down_partials = b.column_sums("dout_tile", "db_down")
         extra = [{"op": "load_tile", "tensor": d_down, "out": "dout_tile"}, colsum]
-    y = b.norm_backward("gate_up_bwd", dz, w_gu, norm, r, c, residual=residual, extra=extra)
+    if norm is not None:
+        y = b.norm_backward("gate_up_bwd", dz, w_gu, norm, r, c, residual=residual, extra=extra)
+    else:
+        y = _input_grad(b, dz, w_gu, x, residual, extra)
     if down.bias is not None:
         b.output(down.bias, b.summed_columns(down_partials, "db_down"))
     dw_gu = b.plain_gemm("w_gate_up_grad", f"{dz}.T", y, "dw_gu")
@@ -184,12 +191,29 @@ def mlp_backward(b: BackwardBuilder) -> None:
     b.output(up.weight, {"tensor": dw_gu, "dim": 0, "start": "1", "step": 2})
 
 
-def _mlp_output(
-    b: BackwardBuilder, down: Linear, norm: RMSNorm
-) -> tuple[RMSNorm | None, str | None, str]:
+def _input_grad(
+    b: BackwardBuilder,
+    dz: str,
+    w_gu: str,
+    x: str,
+    residual: str | None,
+    extra: list[dict[str, Any]],
+) -> str:
+    """``dx = dz W_gu`` (``+ dout``, the residual's gradient, in the epilogue) for an MLP without
+    a pre-norm, ``extra`` ops on the same tiles; returns ``x``, the weight gradient's operand."""
+    dx = b.name("dx")
+    add = [{"op": "add_tile", "src": "acc", "tensor": residual, "out": "dx_tile"}]
+    value = "dx_tile" if residual else "acc"
+    epilogue = [*(add if residual else []), {"op": "store", "src": value, "to": dx}, *extra]
+    b.gemm("gate_up_bwd", dz, w_gu, epilogue)
+    b.output(x, dx)
+    return x
+
+
+def _mlp_output(b: BackwardBuilder, down: Linear, x: str) -> tuple[RMSNorm | None, str | None, str]:
     """(the post-norm between the down projection and the residual add — Gemma 2's sandwich —
     or None; the residual's gradient joining dx, None for the branch alone; the gradient of the
-    sub-layer's output)."""
+    sub-layer's output). ``x``: the MLP's input before its pre-norm, the residual."""
     fwd = b.forward
     post = next((o for o in fwd.graph if isinstance(o, RMSNorm) and o.x == down.out), None)
     if post is not None and (down.bias is not None or down.out in fwd.outputs):
@@ -197,7 +221,7 @@ def _mlp_output(
     branch = post.out if post is not None else down.out
     add = next((o for o in fwd.graph if isinstance(o, Add) and branch in o.inputs()), None)
     if add is not None:  # x + mlp(x): the residual's gradient joins the norm's in dx
-        if norm.x not in add.inputs() or add.out not in fwd.outputs:
+        if x not in add.inputs() or add.out not in fwd.outputs:
             b.fail("the MLP's output must be added to the norm's input (the residual)")
         dout = b.cotangent(add.out)
         return post, dout, dout
@@ -233,11 +257,14 @@ def _backward_saved(
     a_saved: str | None = None,
     act: str = "silu",
     biases: tuple[str | None, str | None] = (None, None),
-) -> tuple[str, str, str]:
+    *,
+    stats: bool = True,
+) -> tuple[str, str, str | None]:
     """da = dout W_down with SwiGLU's (or the GLU's) backward next to the saved g and u (N wide
     each): dz = [dg, du] interleaved, partial Σ (g·dg + u·du), and a = act(g)·u recomputed for the
     down projection's weight gradient — unless the forward saved it too (``a_saved``); the gate's
-    and up projection's bias gradients (``biases``) are column sums of dg and du."""
+    and up projection's bias gradients (``biases``) are column sums of dg and du. ``stats=False``
+    (no pre-norm to differentiate): no ``Σ z·dz`` partials (None)."""
     bias_sums = [
         (bias, *b.column_sums(d, f"d{bias}"))
         for bias, d in zip(biases, ("dg", "du"), strict=True)
@@ -269,8 +296,14 @@ def _backward_saved(
             {"op": "map", "expr": dg, "out": "dg"},
             {"op": "map", "expr": du, "out": "du"},
             {"op": "join_pairs", "first": "dg", "second": "du", "out": dz},
-            {"op": "map", "expr": f"{g_proj} * dg + {u_proj} * du", "out": "zdz_terms"},
-            {"op": "partial_reduce", "src": "zdz_terms", "kind": "sum", "to": partials},
+            *(
+                [
+                    {"op": "map", "expr": f"{g_proj} * dg + {u_proj} * du", "out": "zdz_terms"},
+                    {"op": "partial_reduce", "src": "zdz_terms", "kind": "sum", "to": partials},
+                ]
+                if stats
+                else []
+            ),
             *(colsum for _, colsum, _ in bias_sums),
             {"op": "store", "src": dz, "to": dz},
             *([] if a_saved else recompute_a),
@@ -278,35 +311,40 @@ def _backward_saved(
     )
     for bias, _, bias_partials in bias_sums:
         b.output(bias, b.summed_columns(bias_partials, f"d{bias}"))
-    return dz, a, partials
+    return dz, a, partials if stats else None
 
 
 def _backward_recomputed(
     b: BackwardBuilder,
-    norm: RMSNorm,
+    norm: RMSNorm | None,
     w_gu: str,
     dout: str | Callable[[str], str],
     w_down: str,
     act: str = "silu",
     biases: tuple[str | None, str | None] = (None, None),
-) -> tuple[str, str, str, str, str]:
+    *,
+    x: str,
+) -> tuple[str | None, str, str, str | None, str]:
     """z = r ⊙ (x W_guᵀ) [+ the interleaved biases] recomputed and stored (rounded once, as
     ``nn.Linear`` rounds), then SwiGLU's (or the GLU's) backward next to it; ``Σ z·dz`` is taken
     over the projection without its biases, and the biases' gradients are the column sums of dz's
     gate and up halves. ``dout`` may be a function of ``a`` (a post-norm's backward, which needs
-    the down projection recomputed first): then the gate/up GEMM also stores ``a``. Returns
-    (r, dz, a, the Σ z·dz partials, the gradient the down projection received)."""
-    r, folded = b.forward_projection(norm, w_gu)
+    the down projection recomputed first): then the gate/up GEMM also stores ``a``. Without a
+    pre-norm (``norm`` None) ``z = x W_guᵀ`` of the MLP's input ``x``, and neither ``r`` nor the
+    partials (None). Returns (r, dz, a, the Σ z·dz partials, the gradient the down projection
+    received)."""
+    r, folded = b.forward_projection(norm, w_gu) if norm is not None else (None, w_gu)
     # z = r ⊙ (x W_guᵀ): the saved pre-activation [g0, u0, g1, u1, ...], recomputed
     z, a = b.name("z"), b.name("a")
     z_acc = "z_biased" if any(biases) else "z_acc"
     a_first = [] if isinstance(dout, str) else [_contract(act, z_acc, a), _store(a)]
+    scale = {"op": "scale_rows", "src": "acc", "vector": r, "out": "z_acc"}
     b.gemm(
         "gate_up",
-        norm.x,
+        x,
         f"{folded}.T",
         [
-            {"op": "scale_rows", "src": "acc", "vector": r, "out": "z_acc"},
+            scale if r is not None else {"op": "map", "expr": "acc", "out": "z_acc"},
             *_add_pair_biases("z_acc", biases, "z_biased"),
             {"op": "store", "src": z_acc, "to": z},
             *a_first,
@@ -317,7 +355,9 @@ def _backward_recomputed(
     # da = dout W_down; SwiGLU backward next to the loaded z (2N wide): dz, a, Σ z·dz
     dz = b.name("dz")
     dg, du = glu_grads(act, "x0", "x1", "acc")
-    if any(biases):  # Σ (z − b)·dz: each pair's term from its members less their biases
+    if norm is None:  # no pre-norm: no Σ z·dz to take
+        stats, partials = [], None
+    elif any(biases):  # Σ (z − b)·dz: each pair's term from its members less their biases
         gate, up = (f"(x{k} - {c})" if c else f"x{k}" for k, c in enumerate(_bias_cols(biases)))
         terms = f"{gate} * ({dg}) + {up} * ({du})"
         stats = [{"op": "pairwise", "src": "z_tile", "expr0": terms, "out": "zdz_terms"}]

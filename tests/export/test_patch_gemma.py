@@ -103,10 +103,11 @@ def test_the_sandwich_proof_keeps_a_recipe_that_swaps_the_norms(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A sandwich recipe that took the post-norm for the pre-norm would compute another model:
-    the probe forward shows the MLP does not receive its output, and the kind is kept."""
+    the probe forward shows the MLP does not receive its output, and the kind is kept (the
+    attention input kept too, so no module changes)."""
     monkeypatch.setattr(fam, "_SANDWICH", tuple(reversed(fam._SANDWICH)))
     model = _model("gemma2")
-    patched, report = _patched(model)
+    patched, report = _patched(model, attention=False)
     line = report.lines[fam.MLP_HALF]
     assert "mlp does not receive post_feedforward_layernorm's output" in line, line
     for hf_layer, layer in zip(model.model.layers, patched.model.layers, strict=True):
