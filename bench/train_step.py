@@ -84,17 +84,18 @@ memory is what one forward+backward allocates beyond the model, gradients and op
 (peak minus allocated before, on a step after the first). ``--gaps N`` profiles one step per
 variant with CPU and CUDA activities and says where the GPU waits: the step's wall time, GPU busy
 and idle time, the idle time that follows a host synchronization, and the N largest idle gaps,
-each with the CPU op and Python function running when it happened (``--trace``: also a gzip'd
-Chrome trace per variant).
+each with the CPU op running when it happened (``--gaps-stacks``: and the Python function, at
+the cost of a slower host; ``--trace``: also a gzip'd Chrome trace per variant).
 
     python3 bench/train_step.py [--family llama|qwen3,gemma2|all] [--out DIR] [--layers N]
         [--vocab V] [--batch 4] [--seq 2048] [--settings bf16,amp] [--variants hf,coda,…|default]
-        [--runs 3] [--gaps [N]] [--trace] [--profile K] [--sync-check] [--host]
+        [--runs 3] [--gaps [N]] [--gaps-stacks] [--trace] [--profile K] [--sync-check] [--host]
         [--cprofile VARIANTS] [--compile-mode default|reduce-overhead]
     python3 bench/train_step.py --dry-run --family all  # CPU interpreter, toy models
 
 ``bench/llama_train_step.py`` is the same script (``--family llama``, its default). Writes
-``<family>_train_step.json`` and ``.md`` into ``--out`` (default ``$OUT``, else ``bench/out``).
+``<family>_train_step.json`` and ``.md`` into ``--out`` (default ``$OUT``, else ``bench/out``),
+and with more than one family ``train_step_families.md``: every family's step times side by side.
 """
 
 from __future__ import annotations
@@ -299,6 +300,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "time in the step, and its N (default 10) largest idle gaps with the CPU op running then",
     )  # fmt: skip
     p.add_argument(
+        "--gaps-stacks", action="store_true",
+        help="with --gaps: also record Python function calls, so each gap names the innermost "
+        "Python function too (the tracing slows the host: its gaps grow)",
+    )  # fmt: skip
+    p.add_argument(
         "--trace", action="store_true",
         help="with --gaps: also write each profiled step's Chrome trace "
         "(trace-<family>-<setting>-<variant>.json.gz)",
@@ -452,8 +458,8 @@ def coda_skip_reason(name: str, lines: dict[str, str]) -> str | None:
         return kept(MLP_HALF)
     if name.startswith("coda_lm_head") or name == "coda_compile":
         return kept(LM_HEAD_LOSS)
-    both = [kept(ATTENTION_INPUT), kept(MLP_HALF)]
-    return "; ".join(both) if all(both) else None  # type: ignore[arg-type]
+    reasons = [r for r in (kept(ATTENTION_INPUT), kept(MLP_HALF)) if r]
+    return "; ".join(reasons) if len(reasons) == 2 else None  # neither patched: plain hf
 
 
 def liger_model(model: Any, family: str, bench: Bench) -> Any:
@@ -746,7 +752,8 @@ def measure_more(
         row["syncs"] = host_syncs(step, bench)
     if args.gaps:
         trace = Path(args.out) / f"trace-{family}-{setting}-{variant}.json" if args.trace else None
-        row["gaps"] = gap_profile(step, bench, args.gaps, trace)
+        row["gaps"] = gap_profile(step, bench, args.gaps, trace, args.gaps_stacks)
+        row["gaps"]["python_stacks"] = args.gaps_stacks
 
 
 def host_syncs(step: Callable[[], Any], bench: Bench) -> dict[str, int] | None:
@@ -859,12 +866,17 @@ class Span(NamedTuple):
 
 
 def gap_profile(
-    step: Callable[[], Any], bench: Bench, top: int, trace: Path | None = None
+    step: Callable[[], Any],
+    bench: Bench,
+    top: int,
+    trace: Path | None = None,
+    stacks: bool = False,
 ) -> dict[str, Any]:
     """One ``step()`` (after one outside the profiler) under ``torch.profiler`` with CPU and
-    CUDA activities and Python stacks, summarised by ``idle_gaps``; ``trace``: also its Chrome
-    trace, gzip'd to ``<trace>.gz``. On a dry run CPU ops only: no GPU event, so the whole step
-    is one idle stretch (the code path is what a dry run checks)."""
+    CUDA activities, summarised by ``idle_gaps``; ``stacks``: also every Python function call
+    (names the host's Python, but tracing it slows the host, so the gaps grow); ``trace``: also
+    the Chrome trace, gzip'd to ``<trace>.gz``. On a dry run CPU ops only: no GPU event, so the
+    whole step is one idle stretch (the code path is what a dry run checks)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -873,9 +885,9 @@ def gap_profile(
     activities = [ProfilerActivity.CPU]
     if not bench.dry_run:
         activities.append(ProfilerActivity.CUDA)
-    # Python stacks name the host's functions; under the interpreter they would trace every
-    # kernel's emulation (millions of events), so a dry run records ops only
-    with profile(activities=activities, with_stack=not bench.dry_run) as prof:
+    # under the interpreter Python stacks would trace every kernel's emulation (millions of
+    # events): a dry run records ops only
+    with profile(activities=activities, with_stack=stacks and not bench.dry_run) as prof:
         with record_function(STEP_RANGE):
             step()
         bench.synchronize()
@@ -1102,11 +1114,11 @@ def kernel_tables(rows: list[dict[str, Any]]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """One line per row: correctness, step time (median over runs) and speed, memory, host
-    time, and the spread of the step time over runs."""
+    """One line per row: correctness, step time (median over runs) and speed, step memory (the
+    peak a step adds), host time, and the step time's spread over runs with every run's."""
     lines = [
         "| setting | variant | correct | loss | grad norm | step ms | tokens/s | vs hf eager "
-        "| step memory GB | host ms | step ms over runs (min–max, runs) |",
+        "| step memory GB | host ms | step ms over runs: min–max (each run) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -1118,7 +1130,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         versus = "—" if speed is None else f"{speed:.3f}×"  # no hf row: nothing to compare
         timing = f"{ms:.2f} | {r['tokens_per_s']:,.0f} | {versus}" if ms else "— | — | —"
         runs = r.get("step_ms_runs") or []
-        spread = f"{min(runs):.2f}–{max(runs):.2f} ({len(runs)})" if runs else "—"
+        every = ", ".join(f"{t:.2f}" for t in runs)
+        spread = f"{min(runs):.2f}–{max(runs):.2f} ({every})" if runs else "—"
         lines.append(
             f"| {r['setting']} | {r['variant']} | {r['correct']} | {r['loss']:.4f} | "
             f"{r['grad_norm']:.4f} | {timing} | {'not measured' if mem is None else f'{mem:.2f}'} "
@@ -1154,9 +1167,11 @@ def gap_tables(rows: list[dict[str, Any]]) -> str:
     profiled = [r for r in rows if r.get("gaps")]
     if not profiled:
         return ""
+    traced = profiled[0]["gaps"].get("python_stacks")
+    how = "Python calls traced, which slows the host" if traced else "ops only, no Python stacks"
     lines = [
         "\n\nWhere the GPU waits (one profiled step each, ms; idle after sync: in gaps that "
-        "began while the host was blocked in a synchronizing call):\n",
+        f"began while the host was blocked in a synchronizing call; {how}):\n",
         "| setting | variant | step wall | GPU busy | GPU idle | idle share | idle after sync "
         "| gaps |",
         "|---|---|---|---|---|---|---|---|",
@@ -1233,7 +1248,8 @@ def family_result(
     note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
     what = (
         f"{layers} layers, hidden {shape['hidden_size']}, vocabulary {shape['vocab_size']}, "
-        f"{args.batch} × {args.seq} tokens; step times: medians over {args.runs} runs"
+        f"{args.batch} × {args.seq} tokens; step times: medians over {args.runs} "
+        f"run{'s' if args.runs > 1 else ''}"
     )
     (out / f"{family}_train_step.md").write_text(
         f"# {name} training steps ({env['date']})\n\n{what}\n\n{text}{note}"
@@ -1249,6 +1265,34 @@ FAMILY_TITLES = {
 }  # fmt: skip
 
 
+def families_table(results: dict[str, list[dict[str, Any]]]) -> str:
+    """Every family's step times side by side: one line per family and setting, one column per
+    variant, each cell the median ms and its ratio to ``hf`` (``skipped``, ``error`` or
+    ``wrong`` where the variant has no time; the family's own table says why)."""
+    variants = list(dict.fromkeys(r["variant"] for rows in results.values() for r in rows))
+    lines = [
+        "| family | setting | " + " | ".join(variants) + " |",
+        "|---|---|" + "---|" * len(variants),
+    ]
+    for family, rows in results.items():
+        for setting in dict.fromkeys(r["setting"] for r in rows):
+            mine = {r["variant"]: r for r in rows if r["setting"] == setting}
+            cells = [_family_cell(mine.get(v)) for v in variants]
+            lines.append(f"| {FAMILY_TITLES[family]} | {setting} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _family_cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return ""
+    if "skipped" in row or "error" in row:
+        return "skipped" if "skipped" in row else "error"
+    if row.get("correct") is False:
+        return "wrong"
+    speed = row.get("speedup_vs_hf")
+    return f"{row['step_ms']:.2f}" + (f" ({speed:.3f}×)" if speed else "")
+
+
 def main(argv: list[str] | None = None, script: str = "train_step.py") -> int:
     """Run the benchmark for every family of ``--family``; 1 if any variant failed or
     computed another loss or gradient than ``hf``, 2 without a GPU (and no ``--dry-run``).
@@ -1262,10 +1306,15 @@ def main(argv: list[str] | None = None, script: str = "train_step.py") -> int:
     args.runs = args.runs or 3
     env = environment(bench, argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    failed = []
-    for family in parse_families(args.family):
-        rows = family_result(args, family, bench, env)
-        failed += [r for r in rows if "error" in r or r.get("correct") is False]
+    results = {f: family_result(args, f, bench, env) for f in parse_families(args.family)}
+    if len(results) > 1:
+        note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
+        (Path(args.out) / "train_step_families.md").write_text(
+            f"# Training steps of {len(results)} families ({env['date']}), ms (vs hf eager)\n\n"
+            f"{families_table(results)}{note}"
+        )
+    rows = [r for family_rows in results.values() for r in family_rows]
+    failed = [r for r in rows if "error" in r or r.get("correct") is False]
     return 1 if failed else 0
 
 

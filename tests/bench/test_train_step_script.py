@@ -159,6 +159,18 @@ def test_the_table_without_an_eager_row_has_no_ratio() -> None:
     )
 
 
+def test_the_table_gives_the_spread_over_runs_and_every_run() -> None:
+    script = load_script("train_step")
+    row = {
+        "setting": "amp", "variant": "coda", "correct": True, "loss": 10.8, "grad_norm": 2.9,
+        "step_ms": 32.9, "step_ms_runs": [32.9, 33.1, 32.7], "tokens_per_s": 248861.0,
+        "speedup_vs_hf": 1.25, "step_memory_gb": 2.82, "host_ms": 12.5,
+    }  # fmt: skip
+    assert "| 1.250× | 2.82 | 12.50 | 32.70–33.10 (32.90, 33.10, 32.70) |" in script.table([row])
+    skipped = {"setting": "amp", "variant": "liger", "skipped": "a | b\nc"}
+    assert "| amp | liger | skipped: a / b c |" in script.table([skipped])
+
+
 def test_a_variant_name_is_a_base_variant_and_a_step_mode() -> None:
     split = load_script("train_step").split_variant
     assert split("coda_lm_head_graph") == ("coda_lm_head", "graph")
@@ -168,11 +180,23 @@ def test_a_variant_name_is_a_base_variant_and_a_step_mode() -> None:
 
 
 def test_graph_variants_are_not_run_by_default_and_may_share_a_process() -> None:
-    parse = load_script("train_step").parse_args
-    assert "_graph" not in parse([]).variants
+    script = load_script("train_step")
+    parse, variants = script.parse_args, script.family_variants
+    llama, qwen3 = (variants(parse([]).variants, f) for f in ("llama", "qwen3"))
+    assert not any(v.endswith("_graph") for v in llama + qwen3)
+    assert len(llama) == len(script.VARIANTS) - 2  # every variant but the captured ones
+    assert qwen3 == ["hf", "hf_compile", "coda", "coda_lm_head", "coda_compile", "liger"]
     both = ["--variants", "hf,hf_graph,coda_lm_head_graph", "--settings", "bf16,amp"]
     assert parse(both).variants == "hf,hf_graph,coda_lm_head_graph"
+    assert variants(parse(both).variants, "gemma2") == ["hf", "hf_graph", "coda_lm_head_graph"]
     assert parse([*both, "--no-cudnn-attention"]).no_cudnn_attention
+
+
+def test_an_unknown_variant_is_refused_with_the_known_ones(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        load_script("train_step").parse_args(["--variants", "hf,coda_lm_heads"])
+    err = capsys.readouterr().err
+    assert "unknown coda_lm_heads" in err and "coda_lm_head_graph" in err
 
 
 def test_a_replay_holds_what_its_graph_reads_and_writes() -> None:
@@ -241,6 +265,12 @@ def test_dry_run_of_other_families_patches_with_patch_model_and_says_what_it_ski
         in (ran["qwen3"]["coda_lm_head_hf_residual"]["skipped"])
     )
     assert all("need a GPU" in ran[f]["liger"]["skipped"] for f in ran)
+    side_by_side = (tmp_path / "train_step_families.md").read_text()
+    assert "| Qwen3 | bf16 | " in side_by_side and "| OLMo 2 | bf16 | " in side_by_side
+    assert "| hf | coda_mlp | coda_lm_head | coda_lm_head_hf_residual | liger |" in side_by_side
+    olmo2_line = next(line for line in side_by_side.splitlines() if line.startswith("| OLMo 2"))
+    cells = olmo2_line.split(" | ")  # family, setting, hf, coda_mlp, …
+    assert cells[2].endswith("(1.000×)") and cells[3] == "skipped"
     text = (tmp_path / "olmo2_train_step.md").read_text()
     assert text.startswith("# OLMo 2 training steps") and "Where the GPU waits" in text
     assert "skipped: MLP half kept" in text and "patch_model's report" in text
@@ -346,3 +376,19 @@ def test_liger_gets_the_familys_function_and_switches_and_its_patch_stays_in_the
         script.liger_model(model, "qwen3", gpu)
     with pytest.raises(script.Skipped, match="no apply_liger_kernel_to_phi3"):
         script.liger_model(model, "phi3", gpu)
+
+
+def test_a_coda_variant_is_skipped_when_the_report_keeps_what_it_measures() -> None:
+    script = load_script("train_step")
+    attn, mlp = "input norm + attention input", "MLP half"
+    head = "final norm + LM head loss"
+    lines = {attn: "kept: no input_layernorm", mlp: "patched (llama_mlp)", head: "kept: fused_loss"}
+    assert script.coda_skip_reason("coda_mlp", lines) is None
+    assert script.coda_skip_reason("coda", lines) is None  # the MLP half alone is still coda
+    assert script.coda_skip_reason("coda_lm_head", lines) == f"{head} kept: fused_loss"
+    assert script.coda_skip_reason("coda_compile", lines) == f"{head} kept: fused_loss"
+    lines[mlp] = "kept: a post-norm"
+    assert script.coda_skip_reason("coda_mlp", lines) == f"{mlp} kept: a post-norm"
+    assert script.coda_skip_reason("coda_fused", lines) == (
+        f"{attn} kept: no input_layernorm; {mlp} kept: a post-norm"
+    )
