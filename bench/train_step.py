@@ -1238,6 +1238,7 @@ def family_result(
     for setting in [s for s in args.settings.split(",") if s]:
         print(f"  {setting} ...", flush=True)
         result["rows"] += setting_rows(args, setting, base, ids, bench, family)
+        torch.compiler.reset()  # the compiled variants' caches may hold their models
         bench.free()
         (out / f"{family}_train_step.json").write_text(json.dumps(result, indent=2, default=str))
     del base
@@ -1263,6 +1264,20 @@ FAMILY_TITLES = {
     "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
     "gemma2": "Gemma 2", "gemma3": "Gemma 3", "phi3": "Phi-3", "olmo2": "OLMo 2",
 }  # fmt: skip
+
+
+def safe_family_result(
+    args: argparse.Namespace, family: str, bench: Bench, env: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """``family_result``, or one error row when the family's model cannot even be built or
+    run (so that the next family of ``--family all`` still runs)."""
+    try:
+        return family_result(args, family, bench, env)
+    except Exception as e:  # noqa: BLE001 - one family failing must not hide the rest
+        error = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"  {family}: {error}", flush=True)
+        bench.free()
+        return [{"setting": "—", "variant": "(the model)", "error": error}]
 
 
 def families_table(results: dict[str, list[dict[str, Any]]]) -> str:
@@ -1306,7 +1321,7 @@ def main(argv: list[str] | None = None, script: str = "train_step.py") -> int:
     args.runs = args.runs or 3
     env = environment(bench, argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    results = {f: family_result(args, f, bench, env) for f in parse_families(args.family)}
+    results = {f: safe_family_result(args, f, bench, env) for f in parse_families(args.family)}
     if len(results) > 1:
         note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
         (Path(args.out) / "train_step_families.md").write_text(

@@ -392,3 +392,21 @@ def test_a_coda_variant_is_skipped_when_the_report_keeps_what_it_measures() -> N
     assert script.coda_skip_reason("coda_fused", lines) == (
         f"{attn} kept: no input_layernorm; {mlp} kept: a post-norm"
     )
+
+
+def test_a_family_that_fails_to_build_does_not_stop_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = load_script("train_step")
+
+    def family_result(args, family, bench, env):
+        if family == "qwen3":
+            raise TypeError("Qwen3Config got an unexpected keyword")
+        return [{"setting": "bf16", "variant": "hf", "correct": True, "step_ms": 2.0,
+                 "speedup_vs_hf": 1.0}]  # fmt: skip
+
+    monkeypatch.setattr(script, "family_result", family_result)
+    argv = ["--dry-run", "--family", "qwen3,llama", "--out", str(tmp_path)]
+    assert script.main(argv) == 1
+    table = (tmp_path / "train_step_families.md").read_text()
+    assert "| Qwen3 | — | error |  |" in table and "| Llama | bf16 |  | 2.00 (1.000×) |" in table
