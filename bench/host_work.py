@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama_train_step import TOY, cprofile_report  # noqa: E402  (same folder)
+from train_step import TOY, cprofile_report  # noqa: E402  (same folder)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

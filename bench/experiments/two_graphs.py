@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from llama_train_step import (  # noqa: E402  (bench/)
+from train_step import (  # noqa: E402  (bench/)
     base_model,
     loss_of,
     make_variant,
