@@ -370,7 +370,7 @@ def test_the_proofs_keep_gemma_and_olmo2_recipes_that_miss_what_their_forwards_a
     model = _model("olmo2")
     for layer in model.model.layers:  # a pre-norm the olmo2_mlp_branch kernels do not apply
         layer.mlp = _PreNormed(layer.mlp)
-    patched, report = _patched(model)
+    patched, report = _patched(model, fuse_residual=False)  # the attention output kept too
     assert other in report.lines[fam.ATTENTION_INPUT]
     assert "returned something other than down_proj(silu(" in report.lines[fam.MLP_HALF]
     assert [type(m) for m in patched.modules()] == [type(m) for m in model.modules()]
