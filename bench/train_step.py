@@ -939,7 +939,8 @@ def idle_gaps(gpu: list[Span], cpu: list[Span], window: Span, top: int) -> dict[
     the gap's middle, on any thread: the one entered last), ``python`` (the innermost Python
     function of that thread, if the profile has Python stacks), ``thread`` (``main``: the
     step's thread, else ``other``: autograd's backward thread), ``after_sync`` (the
-    synchronizing call, if any) and ``next_kernel`` (the GPU work that ends the gap)."""
+    synchronizing call, if any) and ``next_kernel`` (the GPU work that ends the gap); and
+    ``every_gap``: every gap in time order (``at_ms``, ``ms``, ``after_sync``)."""
     start = window.start
     end = max([window.end, *(g.end for g in gpu if g.end > start)])
     busy = busy_intervals(gpu, start, end)
@@ -957,7 +958,8 @@ def idle_gaps(gpu: list[Span], cpu: list[Span], window: Span, top: int) -> dict[
         g |= cpu_at((g["start"] + g["end"]) / 2, work, window.thread)
         g["next_kernel"] = next((s.name for s in sorted(gpu, key=lambda e: e.start)
                                  if s.start >= g["end"] - _SKEW_US), None)  # fmt: skip
-    for g in gaps:
+    every = [{k: g[k] for k in ("at_ms", "ms", "after_sync")} for g in gaps]
+    for g in longest:
         del g["start"], g["end"]
     busy_ms = sum(b - a for a, b in busy) / 1e3
     return {
@@ -967,6 +969,7 @@ def idle_gaps(gpu: list[Span], cpu: list[Span], window: Span, top: int) -> dict[
         "idle_after_sync_ms": sum(g["ms"] for g in gaps if g["after_sync"]),
         "gap_count": len(gaps),
         "gaps": longest,
+        "every_gap": every,
     }
 
 
@@ -982,14 +985,22 @@ def _runtime_call(name: str) -> bool:
 def cpu_at(t: float, work: list[Span], main: int) -> dict[str, Any]:
     """The CPU side at time ``t``: the innermost event running then on any thread (the one
     entered last), its thread (``main`` or ``other``), and that thread's innermost Python
-    function (``file.py(line): name``; built-ins left out)."""
+    function (``file.py(line): name``; built-ins left out). When no event runs then, the host is
+    in Python that no op covers: ``cpu_op`` says ``"Python after <the last event that
+    ended>"``."""
     live = [w for w in work if w.start <= t < w.end]
-    if not live:
-        return {"cpu_op": None, "python": None, "thread": None}
-    inner = max(live, key=lambda w: w.start)
+    if live:
+        inner = max(live, key=lambda w: w.start)
+        op = inner.name
+    else:
+        done = [w for w in work if w.end <= t]
+        if not done:
+            return {"cpu_op": None, "python": None, "thread": None}
+        inner = max(done, key=lambda w: w.end)
+        op = f"Python after {inner.name}"
     python = [w for w in live if w.thread == inner.thread and _PY_FRAME.match(w.name)]
     return {
-        "cpu_op": inner.name,
+        "cpu_op": op,
         "python": max(python, key=lambda w: w.start).name if python else None,
         "thread": "main" if inner.thread == main else "other",
     }

@@ -305,8 +305,16 @@ def test_idle_gaps_name_what_the_host_did_while_the_gpu_waited() -> None:
     assert first["next_kernel"] == "k3"
     assert (second["at_ms"], second["ms"]) == (pytest.approx(0.0), pytest.approx(0.010))
     assert second["next_kernel"] == "k1"
+    assert [(g["at_ms"], g["after_sync"]) for g in summary["every_gap"]] == [
+        (pytest.approx(0.0), None), (pytest.approx(0.040), None),
+        (pytest.approx(0.090), "cudaStreamSynchronize"),
+    ]  # fmt: skip
     top = script.idle_gaps(gpu, cpu, window, top=3)["gaps"]
     assert top[2]["after_sync"] == "cudaStreamSynchronize" and top[2]["thread"] == "other"
+    # no op runs at the gap's middle: the host is in Python, after the op that ended last
+    bare = [span(41.0, 50.0, "aten::mm", thread=1), span(51.0, 52.0, "cudaLaunchKernel", 1)]
+    longest = script.idle_gaps(gpu, bare, window, top=1)["gaps"][0]
+    assert (longest["cpu_op"], longest["thread"]) == ("Python after aten::mm", "main")
 
 
 def test_every_family_builds_its_config_at_its_real_widths() -> None:
