@@ -7,7 +7,9 @@
   ``LlamaMLP`` on the planner's verified ``llama_mlp`` / ``llama_mlp_bwd`` Programs;
   ``fuse_gate_up=True`` keeps gate/up as one interleaved parameter (``PackedRows``).
 * ``causal_lm_loss(model, input_ids, labels)`` / ``CodaLlamaLMHeadLoss(norm, lm_head)``: Hugging
-  Face's causal-LM loss with the final norm, LM head and cross-entropy fused (no logits stored).
+  Face's causal-LM loss with the final norm, LM head and cross-entropy fused (no ``[tokens,
+  vocabulary]`` logits: in training, three GEMM passes over row chunks, the gradient computed in
+  the forward — ``lm_head_chunks``).
 * ``CodaLlamaAttention(attn, norm)`` / ``llama_attn_in_function``: a layer's input norm, Q/K/V
   projections and RoPE as one GEMM (``llama_attn_in``); attention itself stays Hugging Face's.
   ``hf_attn_in_function(kernel, eps)``: Qwen2's (biased), Qwen3's and Gemma 3's (per-head q/k

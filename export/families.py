@@ -797,6 +797,9 @@ def _lm_head_line(
     if softcap is not None:
         return (
             f"patched (lm_head_softcap_ce: final norm + LM head + logits capped at {softcap:g} + "
-            "cross-entropy, no logits stored)"
+            "cross-entropy, logits a row chunk at a time)"
         )
-    return "patched (llama_lm_head_ce: final norm + LM head + cross-entropy, no logits stored)"
+    return (
+        "patched (llama_lm_head_ce: final norm + LM head + cross-entropy, logits a row chunk at a "
+        "time)"
+    )

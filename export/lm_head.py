@@ -92,7 +92,7 @@ def final_logit_softcap(model: nn.Module) -> float | None:
 class CodaLlamaLMHeadLoss(nn.Module):
     """Hugging Face's causal-LM loss from the last hidden states before the final norm, for a
     ``LlamaRMSNorm`` (``model.model.norm``; or Gemma's ``x̂ · (1 + w)``, the kernel then applying
-    ``γ = 1 + w``) + ``lm_head``, on CODA kernels (no logits stored).
+    ``γ = 1 + w``) + ``lm_head``, on CODA kernels (no ``[tokens, vocabulary]`` logits).
 
     ``forward(hidden, labels, num_items_in_batch=None)``: ``hidden`` ``[..., T, d]``, ``labels``
     ``[..., T]`` (token ids; -100 is ignored); position t predicts ``labels[t + 1]``. The loss is

@@ -1,6 +1,7 @@
 """coda.export.causal_lm_loss / CodaLlamaLMHeadLoss: Hugging Face's causal-LM loss of a random
-LlamaForCausalLM with the final norm, LM head and cross-entropy fused (no logits stored), through
-the interpreter — value and every parameter's gradient against ``model(..., labels=...).loss``."""
+LlamaForCausalLM with the final norm, LM head and cross-entropy fused (no [tokens, vocabulary]
+logits), through the interpreter — value and every parameter's gradient against
+``model(..., labels=...).loss``."""
 
 from __future__ import annotations
 
