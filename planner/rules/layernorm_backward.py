@@ -35,7 +35,7 @@ from .swiglu import _mlp_output
 def layer_norm_mlp_backward(b: BackwardBuilder) -> None:
     """The schedule of the module docstring for ``b.forward``; ``b.fail`` names what is off."""
     norm, fc, act, proj = _mlp_ops(b)
-    post, residual, dout = _mlp_output(b, proj, norm)
+    post, residual, dout = _mlp_output(b, proj, norm.x)
     if post is not None:
         b.fail(f"a post-norm ({post.out!r}) after a LayerNorm MLP has no backward rule")
     other = sorted(o for o, c in b.op.cotangents.items() if c != dout)
