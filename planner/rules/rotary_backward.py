@@ -144,10 +144,10 @@ def _grad_node(b: BackwardBuilder, norm: RMSNorm | None, parts: list[Part]) -> d
         "rotated": len(rotated),
         "cos": rope.cos,
         "sin": rope.sin,
-        "dot_out": b.name("c"),
-        "divide_by": size_expr_of(b.st, norm.x if norm is not None else parts[0].linear.x, 1),
         "out": "dz",
     }
+    if norm is not None:  # the input norm's c = Σ z·dz / d; no input norm (OLMo 2): none to make
+        node |= {"dot_out": b.name("c"), "divide_by": size_expr_of(b.st, norm.x, 1)}
     biases = [p.linear.bias for p in parts if p.linear.bias is not None]
     if biases:
         node["bias_grads"] = [b.name(f"d{bias}") for bias in biases]

@@ -249,13 +249,13 @@ def head_norm_backward(
 
 
 class RotaryInputGrad(AuxStep):
-    """``out = dz`` ``[M, Σ N_p]``: an attention input's projection gradient (Hugging Face's
-    order) from its parts' ``grads`` (the first ``rotated`` through RoPE, ``cos``/``sin`` ``[M,
-    D]``); ``dot_out = Σ_j z·dz / divide_by`` (fp32: the input RMSNorm's ``c``). From ``z`` (the
-    projection without bias) or ``saved`` (the forward's outputs; needs ``bias``). ``head_norm``,
-    ``eps`` (needs ``z``): per rotated part its q/k RMSNorm's weight, ``[D]`` (per head) or
-    ``[N_p]`` (``whole_norm``), scale ``head_offset + w``; ``norm_grads``, ``bias_grads``: names
-    of those weights' and the biases' gradients (act dtype).
+    """``out = dz`` ``[M, Σ N_p]``: an attention input's projection gradient (HF's order) from its
+    parts' ``grads`` (the first ``rotated`` through RoPE by ``cos``/``sin`` ``[M, D]``), from ``z``
+    (the projection without bias) or ``saved`` (the forward's outputs; needs ``bias``).
+    ``dot_out = Σ_j z·dz / divide_by`` (fp32, the input RMSNorm's ``c``; neither without one).
+    ``head_norm``, ``eps`` (needs ``z``): per rotated part its q/k RMSNorm weight, ``[D]`` or
+    ``[N_p]`` (``whole_norm``), scale ``head_offset + w``; ``norm_grads``, ``bias_grads``: those
+    weights' and the biases' gradients (act dtype).
     """
 
     kind: Literal["rotary_input_grad"] = "rotary_input_grad"
@@ -264,8 +264,8 @@ class RotaryInputGrad(AuxStep):
     cos: Name
     sin: Name
     out: Name
-    dot_out: Name
-    divide_by: SizeExpr
+    dot_out: Name | None = None
+    divide_by: SizeExpr | None = None
     z: Name | None = None
     saved: list[Name] | None = None
     bias: list[Name] | None = None
@@ -281,6 +281,9 @@ class RotaryInputGrad(AuxStep):
         """Per-head norms without an offset (Qwen3's) serialize as before ``head_offset`` and
         ``whole_norm`` existed (their canonical JSON, hence the Program's hash, does not change)."""
         data = handler(self)
+        if self.dot_out is None:
+            data.pop("dot_out", None)
+            data.pop("divide_by", None)
         if not self.head_offset:
             data.pop("head_offset", None)
         if not self.whole_norm:
@@ -293,6 +296,11 @@ class RotaryInputGrad(AuxStep):
             raise ValueError(
                 "rotary_input_grad needs exactly one of z (the recomputed projection) and saved "
                 "(the forward's outputs)"
+            )
+        if (self.dot_out is None) != (self.divide_by is None):
+            raise ValueError(
+                "rotary_input_grad's dot_out (the input norm's c) and divide_by (its width) go "
+                "together: give both, or neither when there is no input norm"
             )
         if not 0 <= self.rotated <= len(self.grads):
             raise ValueError(f"rotated = {self.rotated} must be between 0 and len(grads)")
@@ -344,9 +352,10 @@ class RotaryInputGrad(AuxStep):
         widths = [info.shape[1] for info in infos]
         self._check_operands(env, rows, widths, head)
         env.define(self.out, TensorInfo((rows, sum(widths)), "act", env.where))
-        env.define(self.dot_out, TensorInfo((rows,), "float32", env.where))
-        if env.size(self.divide_by, what="rotary_input_grad divide_by") <= 0:
-            raise ProgramError(f"divide_by {self.divide_by!r} must be positive")
+        if self.dot_out is not None and self.divide_by is not None:
+            env.define(self.dot_out, TensorInfo((rows,), "float32", env.where))
+            if env.size(self.divide_by, what="rotary_input_grad divide_by") <= 0:
+                raise ProgramError(f"divide_by {self.divide_by!r} must be positive")
         norm_widths = widths if self.whole_norm else [head] * self.rotated
         for name, width in zip(self.norm_grads or [], norm_widths, strict=False):
             env.define(name, TensorInfo((width,), "act", env.where))
@@ -398,6 +407,11 @@ class RotaryInputGrad(AuxStep):
                 norm_grads.append(dw)
             parts.append(d)
         dz = torch.cat(parts, dim=1)
+        out = {self.out: dz}
+        out.update(zip(self.norm_grads or [], norm_grads, strict=False))
+        out.update(zip(self.bias_grads or [], (d.sum(dim=0) for d in parts), strict=False))
+        if self.dot_out is None or self.divide_by is None:
+            return out
         if z is not None:
             dot = (torch.cat(z, dim=1) * dz).sum(dim=1)
         else:
@@ -405,16 +419,14 @@ class RotaryInputGrad(AuxStep):
             dot = sum((s * g).sum(dim=1) for s, g in zip(saved, grads, strict=True))
             if bias:
                 dot = dot - dz @ torch.cat(bias)
-        divide = evaluate_size(self.divide_by, env.sizes)
-        out = {self.out: dz, self.dot_out: dot / divide}
-        out.update(zip(self.norm_grads or [], norm_grads, strict=False))
-        out.update(zip(self.bias_grads or [], (d.sum(dim=0) for d in parts), strict=False))
+        out[self.dot_out] = dot / evaluate_size(self.divide_by, env.sizes)
         return out
 
     def _dtypes(self, env: RunEnv) -> dict[str, torch.dtype]:
         act = _act_dtype(env)
         grads = [self.out, *(self.norm_grads or []), *(self.bias_grads or [])]
-        return {n: act for n in grads} | {self.dot_out: torch.float32}
+        dtypes = dict.fromkeys(grads, act)
+        return dtypes | ({self.dot_out: torch.float32} if self.dot_out is not None else {})
 
     def reference(self, env: RunEnv) -> None:
         values = self._compute(env, env.compute)
@@ -426,7 +438,13 @@ class RotaryInputGrad(AuxStep):
     def launch(self, env: RunEnv) -> None:
         grads = [env.tensors[g] for g in self.grads]
         rows = grads[0].shape[0]
-        dz, dot = env.tensors[self.out], env.tensors[self.dot_out]
+        dz = env.tensors[self.out]
+        # without an input norm the kernel's row sums go to a scratch row the Program never reads
+        dot = (
+            env.tensors[self.dot_out]
+            if self.dot_out is not None
+            else torch.empty((rows,), device=dz.device, dtype=torch.float32)
+        )
         if rows == 0:
             dot.zero_()
             for name in [*(self.norm_grads or []), *(self.bias_grads or [])]:
@@ -437,9 +455,10 @@ class RotaryInputGrad(AuxStep):
         for p, grad in enumerate(grads):
             width = grad.shape[1]
             cols = slice(start, start + width)
-            self._launch_part(env, p, grad, dz[:, cols], cols, first=p == 0, head=head)
+            self._launch_part(env, p, grad, dz[:, cols], dot, cols, first=p == 0, head=head)
             start += width
-        dot.mul_(1.0 / evaluate_size(self.divide_by, env.sizes))
+        if self.divide_by is not None:
+            dot.mul_(1.0 / evaluate_size(self.divide_by, env.sizes))
 
     def _launch_part(
         self,
@@ -447,6 +466,7 @@ class RotaryInputGrad(AuxStep):
         p: int,
         grad: torch.Tensor,
         out: torch.Tensor,
+        dot: torch.Tensor,
         cols: slice,
         *,
         first: bool,
@@ -475,7 +495,7 @@ class RotaryInputGrad(AuxStep):
         launch_kernel(
             _rotary_grad_kernel,
             (programs,),
-            grad, z, saved, bias, weight, cos, sin, out, env.tensors[self.dot_out], wsum, bsum,
+            grad, z, saved, bias, weight, cos, sin, out, dot, wsum, bsum,
             rows, width, half, float(self.eps or 0.0), float(self.head_offset),
             grad.stride(0), grad.stride(1), z.stride(0), z.stride(1),
             saved.stride(0), saved.stride(1), cos.stride(0), cos.stride(1),
