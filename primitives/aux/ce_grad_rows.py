@@ -87,16 +87,11 @@ def ce_grad_blocks(rows: int, cols: int) -> tuple[int, int]:
 
 
 class CrossEntropyGradRows(AuxStep):
-    """The gradient of a per-row cross-entropy from stored logits, and its norm statistic.
-
-    ``logits`` ``[M, V]``: the projection ``z`` (any float dtype; read once). ``lse``: float32,
-    the log-sum-exp per row of the logits the loss reads (``lse_combine``'s output). ``index``:
-    int64 class ids (a row whose id is outside ``[0, V)`` gets no onehot term). ``scale``:
-    float32, the per-row ``dloss``. ``cap``: the logits the loss reads are ``cap · tanh(z /
-    cap)`` (Gemma 2's softcap; none: ``z``). Outputs ``out`` ``[M, V]`` (``dtype``: ``act`` or
-    ``float32``) ``= (exp(s − lse) − onehot) · dloss [· (1 − (s / cap)²)]``, the gradient with
-    respect to ``z``, and ``zdz`` (float32, length M) ``= Σ_j z_j · out_j`` (of the unrounded
-    gradient) ÷ ``divide_by`` (a size expression, e.g. ``"d"`` for RMSNorm's ``c``).
+    """``out = (exp(s − lse) − onehot(index)) · scale`` ``[M, V]``, the cross-entropy's gradient
+    with respect to stored logits ``z`` (``logits``), with ``s = z`` or, given ``cap``, ``s = cap ·
+    tanh(z / cap)`` and a factor ``1 − (s / cap)²``; ``lse``, ``scale`` (the per-row ``dloss``)
+    float32, ``index`` int64 (out of ``[0, V)``: no onehot). ``zdz = Σ_j z_j · out_j ÷
+    divide_by`` (float32, length M: RMSNorm's ``c`` with ``"d"``). ``dtype``: ``out``'s.
     """
 
     kind: Literal["ce_grad_rows"] = "ce_grad_rows"

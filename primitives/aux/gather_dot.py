@@ -73,16 +73,13 @@ def _blocks(rows: int, cols: int) -> tuple[int, int]:
 
 
 class GatherDot(AuxStep):
-    """One entry of the product ``a @ w.T`` per row: ``out[i] = scale[i] · Σ_k a[i, k] ·
-    w[index[i], k]`` (fp32, length M) — e.g. each token's target logit, without touching the
-    other ``V − 1`` logits.
-
-    ``a`` ``[M, K]`` and ``w`` ``[W, K]`` are the operands of a gemm step ``a``, ``w.T`` (an
-    ``nn.Linear`` weight: each gathered row is one read); ``index``: int64, length M; ``scale``
-    (optional): a per-row vector such as the gemm's ``scale_rows`` ``rstd``. An index outside
-    ``[0, W)`` (e.g. -100) gives 0.0, as ``select_column`` does, which this replaces when the
-    logits are ``[scale_rows of] acc``: use ``out`` with ``lse_combine(minus=out)`` for the loss.
-    The sum runs in another order than the GEMM's: they agree to fp32 rounding.
+    """One entry of ``a @ w.T`` per row: ``out[i] = scale[i] · Σ_k a[i, k] · w[index[i], k]``
+    (fp32, length M) — each token's target logit without the other ``V − 1``. ``a`` ``[M, K]``,
+    ``w`` ``[W, K]``: a gemm step's operands (``a``, ``w.T``); ``index``: int64, length M;
+    ``scale`` (optional): e.g. the gemm's ``scale_rows`` ``rstd``. An index outside ``[0, W)``
+    (-100) gives 0.0, as ``select_column``, which it replaces when the logits are ``[scale_rows
+    of] acc``: ``lse_combine(minus=out)`` gives the loss. Summed in another order than the GEMM:
+    equal to fp32 rounding.
     """
 
     kind: Literal["gather_dot"] = "gather_dot"

@@ -118,13 +118,11 @@ def _partials(env: ProgramEnv, src: str, kinds: tuple[str, ...], step: str) -> T
 
 
 class SumPartials(AuxStep):
-    """Sum per-tile partials: ``out[i] = Σ_b src[i, b]``, divided by ``divide_by`` if given.
-
-    ``src`` holds partials of kind ``sum`` or ``sumsq`` (``partial_reduce``); along rows it gives a
-    length-M vector, along columns (``axis="col"``) one value per column — e.g. ``dγ = Σ_rows
-    dh ⊙ x̂``. ``divide_by``: a size expression such as ``"d"``, e.g. for RMSNorm backward's
-    ``c = (1/d) Σ_k z·dz``, whose mean is over the norm's width d, not over the columns summed.
-    ``dtype``: ``float32`` (default) or ``act`` (the run's activation dtype, e.g. for ``dγ``).
+    """Sum per-tile partials: ``out[i] = Σ_b src[i, b]`` ÷ ``divide_by`` if given. ``src``:
+    ``sum``/``sumsq`` partials (``partial_reduce``): along rows a length-M vector, along columns
+    (``axis="col"``) one value per column, e.g. ``dγ = Σ_rows dh ⊙ x̂``. ``divide_by``: a size
+    expression, e.g. ``"d"`` for RMSNorm backward's ``c = (1/d) Σ_k z·dz`` (a mean over the
+    norm's width, not the columns summed). ``dtype``: ``float32`` or ``act`` (e.g. for ``dγ``).
     """
 
     kind: Literal["sum_partials"] = "sum_partials"

@@ -95,19 +95,14 @@ def _blocks(rows: int, width: int) -> tuple[int, int]:
 
 
 class RopeRows(AuxStep):
-    """Rotate adjacent column pairs of a whole ``[M, W]`` tensor by per-token angles (RoPE), as the
-    epilogue op ``rope`` does to a tile — for a tensor no GEMM produces here, e.g. the gradient
-    ``dqkv`` arriving at a fused QKV projection's backward (``inverse=True``).
-
-    Pair k = columns ``(2k, 2k+1)`` of ``src``, frequency ``p = k mod D/2``, ``c = cos[i, p]``,
-    ``s = sin[i, p]`` (``cos``/``sin``: ``[M, D]`` tables as Hugging Face's rotary embedding returns
-    them); ``out[:, 2k] = x·c − y·s``, ``out[:, 2k+1] = y·c + x·s``; ``inverse`` negates ``s``.
-    ``rotary_cols`` (a size expression, e.g. ``"Nq + Nkv"``): leading columns rotated, a multiple
-    of D; the rest (V) are copied. ``out`` has src's shape and dtype.
-
-    ``dot`` (optional, src's shape): also write ``dot_out[i] = Σ_j src[i, j] · dot[i, j]``
-    (fp32, length M), divided by ``divide_by`` (a size expression) if given — with ``dot`` = the
-    saved forward output, the RMSNorm backward's ``c = Σ z·dz / d`` (rotations keep dot products).
+    """Rotate adjacent column pairs of a whole ``[M, W]`` tensor by per-token angles (RoPE), as
+    epilogue op ``rope`` does a tile — e.g. the gradient ``dqkv`` reaching a fused QKV projection's
+    backward (``inverse=True``). Pair k = columns ``(2k, 2k+1)``, ``c = cos[i, k mod D/2]``, ``s``
+    likewise (``[M, D]`` tables, Hugging Face's); ``out[:, 2k] = x·c − y·s``, ``out[:, 2k+1] = y·c
+    + x·s``; ``inverse`` negates ``s``. ``rotary_cols`` (size expression, a multiple of D): the
+    leading columns rotated, the rest copied. ``out``: src's shape and dtype. ``dot`` (src's
+    shape): also ``dot_out[i] = Σ_j src[i, j] · dot[i, j]`` (fp32) ÷ ``divide_by`` if given — the
+    RMSNorm backward's ``c`` with ``dot`` the saved output (rotations keep dot products).
     """
 
     kind: Literal["rope_rows"] = "rope_rows"

@@ -110,14 +110,13 @@ def interleave(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 class Pairwise(EpilogueOp):
     """Map each adjacent column pair of tile ``src`` through expressions: 2→1 or 2→2.
 
-    In each expression (``map``'s language), ``x0 = src[:, 2k]`` and ``x1 = src[:, 2k+1]`` are the
-    members of pair k. Other names are epilogue values that are pair-wide (a tile or column vector
-    with half of src's columns, indexed by k) or row vectors. ``expr0`` is required; with only
-    ``expr0`` the op is a 2→1 contraction (``out`` has half of src's columns: ``out[:, k] =
-    expr0``); with ``expr1`` too it is 2→2 (``out[:, 2k] = expr0``, ``out[:, 2k+1] = expr1``, src's
-    width). SwiGLU backward from a saved ``z = [g0, u0, g1, u1, ...]`` (2N wide, via load_tile) and
-    ``da = acc`` (N wide): ``{"op": "pairwise", "src": "z", "expr0": "acc * x1 * sigmoid(x0) *
-    (1 + x0 * (1 - sigmoid(x0)))", "expr1": "acc * silu(x0)", "out": "dz"}``.
+    In each expression (``map``'s language) ``x0 = src[:, 2k]``, ``x1 = src[:, 2k+1]``; other
+    names are pair-wide epilogue values (half of src's columns, indexed by k) or row vectors.
+    With ``expr0`` alone: 2→1, ``out[:, k] = expr0`` (half src's width); with ``expr1`` too: 2→2,
+    ``out[:, 2k] = expr0``, ``out[:, 2k+1] = expr1``. SwiGLU backward from a saved ``z = [g0, u0,
+    g1, u1, ...]`` (2N wide, load_tile) and ``da = acc`` (N wide): ``{"op": "pairwise", "src":
+    "z", "expr0": "acc * x1 * sigmoid(x0) * (1 + x0 * (1 - sigmoid(x0)))", "expr1": "acc *
+    silu(x0)", "out": "dz"}``.
     """
 
     op: Literal["pairwise"] = "pairwise"

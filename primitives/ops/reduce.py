@@ -51,12 +51,11 @@ class PartialReduce(EpilogueOp):
     """Write per-tile partial reductions of tile ``src`` to a new program tensor ``to`` (fp32).
 
     ``kind``: ``sum``, ``sumsq`` (sum of squares, for RMSNorm statistics), ``max``, or ``lse``
-    (each tile's log-sum-exp ``log Σ exp(src)`` over its part of the row — online max and
-    sum-exp, for cross-entropy; finish with aux ``lse_combine``).
-    ``axis="row"``: each tile reduces its columns, giving one value per row per column block:
-    ``to`` is ``[M, ⌈W/BLOCK_N⌉]`` (W = src's width). ``axis="col"``: each tile reduces its rows,
-    giving ``[W, ⌈M/BLOCK_M⌉]``. Elements outside the tensor's edges never contribute. Finish the
-    partials with an aux step: ``rstd`` (sumsq), ``sum_partials`` (sum), ``lse_combine`` (lse).
+    (the tile's log-sum-exp ``log Σ exp(src)`` over its part of the row, for cross-entropy).
+    ``axis="row"``: each tile reduces its columns: ``to`` is ``[M, ⌈W/BLOCK_N⌉]`` (W = src's
+    width). ``axis="col"``: each tile reduces its rows: ``[W, ⌈M/BLOCK_M⌉]``. Elements outside
+    the tensor's edges never contribute. Finish the partials with an aux step: ``rstd`` (sumsq),
+    ``sum_partials`` (sum), ``lse_combine`` (lse).
     """
 
     op: Literal["partial_reduce"] = "partial_reduce"

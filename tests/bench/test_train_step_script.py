@@ -230,9 +230,10 @@ def test_dry_run_of_other_families_patches_with_patch_model_and_says_what_it_ski
     tmp_path: Path,
 ) -> None:
     """Qwen3 and OLMo 2 (toy widths): the coda variants run on ``patch_model`` and match Hugging
-    Face's step; a variant that means nothing for the family is skipped with the reason (OLMo
-    2's post-norm MLP is kept; neither layer class fuses the residual; Liger needs a GPU); step
-    times come from every run and each profiled step says where the GPU waits."""
+    Face's step (OLMo 2's post-norm MLP half included); a variant that means nothing for the
+    family is skipped with the reason (neither layer class fuses the MLP half's residual as
+    Llama's does; Liger needs a GPU); step times come from every run and each profiled step says
+    where the GPU waits."""
     variants = "hf,coda_mlp,coda_lm_head,coda_lm_head_hf_residual,liger"
     argv = ["--dry-run", "--family", "qwen3,olmo2", "--out", str(tmp_path), "--variants", variants]
     argv += ["--settings", "bf16", "--runs", "2", "--gaps", "2"]
@@ -244,7 +245,7 @@ def test_dry_run_of_other_families_patches_with_patch_model_and_says_what_it_ski
     ran = {f: {r["variant"]: r for r in result["rows"]} for f, result in
            (("qwen3", qwen3), ("olmo2", olmo2))}  # fmt: skip
     for family, names in (("qwen3", ("hf", "coda_mlp", "coda_lm_head")),
-                          ("olmo2", ("hf", "coda_lm_head"))):  # fmt: skip
+                          ("olmo2", ("hf", "coda_mlp", "coda_lm_head"))):  # fmt: skip
         for name in names:
             row = ran[family][name]
             assert row["correct"] and len(row["step_ms_runs"]) == 2, (family, name)
@@ -256,10 +257,7 @@ def test_dry_run_of_other_families_patches_with_patch_model_and_says_what_it_ski
     lm_head = ran["qwen3"]["coda_lm_head"]["patched"]["final norm + LM head loss"]
     assert lm_head.startswith("patched (llama_lm_head_ce")
     assert ran["qwen3"]["coda_mlp"]["patched"]["MLP half"].startswith("patched")
-    assert (
-        "MLP half kept: model.layers.0: post_attention_layernorm"
-        in (ran["olmo2"]["coda_mlp"]["skipped"])
-    )
+    assert ran["olmo2"]["coda_mlp"]["patched"]["MLP half"].startswith("patched (olmo2_mlp_branch")
     assert (
         "Qwen3DecoderLayer adds the MLP half's residual"
         in (ran["qwen3"]["coda_lm_head_hf_residual"]["skipped"])
@@ -269,11 +267,11 @@ def test_dry_run_of_other_families_patches_with_patch_model_and_says_what_it_ski
     assert "| Qwen3 | bf16 | " in side_by_side and "| OLMo 2 | bf16 | " in side_by_side
     assert "| hf | coda_mlp | coda_lm_head | coda_lm_head_hf_residual | liger |" in side_by_side
     olmo2_line = next(line for line in side_by_side.splitlines() if line.startswith("| OLMo 2"))
-    cells = olmo2_line.split(" | ")  # family, setting, hf, coda_mlp, …
-    assert cells[2].endswith("(1.000×)") and cells[3] == "skipped"
+    cells = olmo2_line.split(" | ")  # family, setting, hf, coda_mlp, …, liger
+    assert cells[2].endswith("(1.000×)") and cells[-1].strip(" |") == "skipped"
     text = (tmp_path / "olmo2_train_step.md").read_text()
     assert text.startswith("# OLMo 2 training steps") and "Where the GPU waits" in text
-    assert "skipped: MLP half kept" in text and "patch_model's report" in text
+    assert "skipped: Liger-Kernel's" in text and "patch_model's report" in text
 
 
 def test_idle_gaps_name_what_the_host_did_while_the_gpu_waited() -> None:
