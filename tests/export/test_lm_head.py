@@ -82,18 +82,28 @@ def test_with_patch_llama_the_whole_step_runs_on_coda_kernels() -> None:
 def test_under_autocast_the_loss_keeps_hugging_face_precision() -> None:
     """fp32 weights under fp16 autocast (bf16 on a GPU): loss and gradients held to the sandbox's
     rule against the fp32 run, next to Hugging Face's own autocast error."""
+    model = _model(seed=14)
+    ids = torch.randint(0, 96, (2, 9))
+    check_fp16_autocast_precision(
+        model, ids, lambda labels: causal_lm_loss(model, ids, labels, verify=False, tune="off")
+    )
+
+
+def check_fp16_autocast_precision(model, ids, loss_fn, after_reference=None) -> None:  # noqa: ANN001
+    """``loss_fn(labels)`` under fp16 autocast: its loss and every gradient held to the sandbox's
+    rule (``llama_lm_head_ce``'s tolerance) against the fp32 run of Hugging Face's loss, next to
+    Hugging Face's own fp16 autocast error. ``after_reference()``, if given, runs between the
+    fp32 reference and the autocast runs."""
     from coda.blocks import get_block
     from coda.sandbox import check_output
 
-    model = _model(seed=14)
-    ids = torch.randint(0, 96, (2, 9))
     labels = _labels(ids)
     ref, ref_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
+    if after_reference is not None:
+        after_reference()
     with torch.autocast("cpu", dtype=torch.float16):
         hf, hf_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
-        got, grads = _loss_and_grads(
-            model, lambda: causal_lm_loss(model, ids, labels, verify=False, tune="off")
-        )
+        got, grads = _loss_and_grads(model, lambda: loss_fn(labels))
     tol = get_block("llama_lm_head_ce").tolerance
     pairs = [("loss", got, ref, hf)] + [(n, grads[n], ref_grads[n], hf_grads[n]) for n in ref_grads]
     for name, g, want, theirs in pairs:

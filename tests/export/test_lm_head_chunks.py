@@ -18,7 +18,7 @@ from coda.export.lm_head_chunks import (
 )
 from coda.export.resolve import dropin_programs
 
-from .test_lm_head import _labels, _loss_and_grads
+from .test_lm_head import _labels, _loss_and_grads, check_fp16_autocast_precision
 from .test_patch import _model
 
 transformers = pytest.importorskip("transformers")
@@ -141,23 +141,11 @@ def test_the_softcapped_loss_in_chunks_equals_pytorch(
 def test_fp16_chunks_keep_hugging_face_precision(rows: int | None) -> None:
     """fp16 under autocast, in chunks: loss and gradients held to the sandbox's rule against
     the fp32 run, next to Hugging Face's own fp16 autocast error."""
-    from coda.blocks import get_block
-    from coda.sandbox import check_output
-
     model = _model(seed=24)
     ids = torch.randint(0, 96, (3, 7))
-    labels = _labels(ids)
-    ref, ref_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
-    _chunked(model, rows)
-    with torch.autocast("cpu", dtype=torch.float16):
-        hf, hf_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
-        got, grads = _loss_and_grads(model, lambda: causal_lm_loss(model, ids, labels))
-    tol = get_block("llama_lm_head_ce").tolerance
-    pairs = [("loss", got, ref, hf)] + [(n, grads[n], ref_grads[n], hf_grads[n]) for n in ref_grads]
-    for name, g, want, theirs in pairs:
-        assert g.dtype == theirs.dtype == torch.float32, name
-        c = check_output(name, g, want, theirs, tol, sizes={}, seed=0, run_dtype=torch.float16)
-        assert c.passed, c.summary()
+    check_fp16_autocast_precision(
+        model, ids, lambda labels: causal_lm_loss(model, ids, labels), lambda: _chunked(model, rows)
+    )
 
 
 def test_chunk_rows_follows_the_vocabulary_with_a_floor() -> None:
