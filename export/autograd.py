@@ -300,7 +300,7 @@ class ExportedFunction:
             runner.keep_prepared = keep
             if runner.compiled is not None:
                 runner.compiled.keep_prepared = keep
-                runner.compiled._kept = None
+                runner.compiled.release_prepared()
 
     def __deepcopy__(self, memo: dict) -> ExportedFunction:
         # registered once per process (torch.library ops do not copy): a copy is this function

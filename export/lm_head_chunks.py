@@ -193,7 +193,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 del dz, y, dx_part  # freed before the next chunk allocates its own
         finally:  # the prepared weights are this call's only: not kept past it
             if runner.compiled is not None:
-                runner.compiled._kept = None
+                runner.compiled.release_prepared()
         if dw is None and ctx.needs_input_grad[2]:  # no rows
             dw = torch.zeros_like(w)
         # Held on ctx, not saved for backward: the backward scales them in place and hands them

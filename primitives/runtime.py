@@ -154,12 +154,16 @@ class CompiledProgram:
         key = _unchanged_key([inputs[n] for n in self.prep_reads])
         if key is not None and self._kept is not None and self._kept[0] == key:
             return {**inputs, **self._kept[1]}
-        self._kept = None  # released before preparing anew
+        self.release_prepared()  # before preparing anew
         tensors = self._run_prep(inputs, info)
         if key is not None:
             made = {n: t for n, t in tensors.items() if n not in inputs}
             self._kept = (key, made, [inputs[n] for n in self.prep_reads])
         return tensors
+
+    def release_prepared(self) -> None:
+        """Drop the prep results ``keep_prepared`` holds (the next call prepares anew)."""
+        self._kept = None
 
     def _run_prep(
         self, inputs: dict[str, torch.Tensor], info: ProgramInfo
