@@ -33,12 +33,14 @@ import torch
 from coda.blocks.block import Block
 from coda.blocks.llama import lm_head_gradient_block
 from coda.primitives.ir import Program
+from coda.primitives.prep.fusion import names_in
 
 from .autograd import _Runner
 from .programs import FAMILIES
 from .resolve import NotVerified, dropin_programs
 
 LOGITS = "head_logits"  # the stored projection z, [rows, V], activation dtype
+FOLDED_ROWS = "x_folded"  # the chunk's rows with γ folded in, x ⊙ γ, [rows, d] (_fold_into_rows)
 # the row count the weight-gradient GEMM's reduction needs to run near peak (see chunk_rows)
 MIN_CHUNK_ROWS = 1024
 
@@ -94,15 +96,55 @@ def gradient_program(train: Program, backward: Program, cap: float | None) -> Pr
     rest = back[back.index(c_step) + 1 :]
     inputs = {**train.model_dump(mode="json")["inputs"]}
     inputs["dloss"] = backward.model_dump(mode="json")["inputs"]["dloss"]
+    prep = _fold_into_rows(train.model_dump(mode="json")["prep"], steps, train)
     return Program.parse(
         {
             "block": f"{train.block.removesuffix('_train')}_grad",
             "inputs": inputs,
-            "prep": train.model_dump(mode="json")["prep"],
+            "prep": prep,
             "steps": [*steps, grad, *rest],
             "outputs": {"loss": "loss", **{k: v for k, v in backward.outputs.items()}},
         }
     )
+
+
+def _fold_into_rows(prep: list[dict], steps: list[dict], program: Program) -> list[dict]:
+    """``program``'s prep — γ folded into the LM head weight, ``W · diag(γ)`` — moved onto the
+    rows: ``(x ⊙ γ) Wᵀ = x (W · diag(γ))ᵀ``, so the steps that read the folded weight (the head
+    GEMM, ``gather_dot``) read ``W`` itself with ``x ⊙ γ`` (``FOLDED_ROWS``, ``[rows, d]``) in
+    place of ``x``, and no ``[V, d]`` copy of the weight is made. Edits ``steps`` in place;
+    returns the new prep. ``ValueError`` naming what differs when the prep is not that one
+    fold or a step reads the folded weight otherwise."""
+    kinds = [p["kind"] for p in prep]
+    if kinds != ["fold_norm_weight"]:
+        raise ValueError(f"{program.block}: expected one prep step, fold_norm_weight, not {kinds}")
+    fold = prep[0]
+    weight, folded = fold["weight"], fold["out"]
+    head = _only(steps, lambda s: _operand(s, "b") == folded, f"GEMM reading {folded}", program)
+    rows = _operand(head, "a")
+    for step in steps:
+        if step["kind"] == "gemm" and _operand(step, "b") == folded:
+            pair = (step["a"]["transpose"], step["b"]["transpose"])
+            if pair != (False, True):
+                raise ValueError(
+                    f"{program.block}: GEMM {step.get('name')!r} must be {rows} @ {folded}.T "
+                    f"to read the rows scaled instead, not transposes {pair}"
+                )
+            step["a"]["tensor"], step["b"]["tensor"] = FOLDED_ROWS, weight
+        elif step["kind"] == "gather_dot" and step["w"] == folded and step["a"] == rows:
+            step["a"], step["w"] = FOLDED_ROWS, weight
+        elif folded in names_in(step):
+            raise ValueError(
+                f"{program.block}: step {step.get('name', step['kind'])!r} reads the folded "
+                f"weight {folded!r} other than as the head GEMM's or gather_dot's weight beside "
+                f"{rows!r}: γ cannot be moved onto the rows"
+            )
+    return [{**fold, "weight": rows, "out": FOLDED_ROWS}]
+
+
+def _operand(step: dict, side: str) -> str | None:
+    """The tensor a GEMM step reads as operand ``side`` (``"a"``/``"b"``); None for aux steps."""
+    return step[side]["tensor"] if step["kind"] == "gemm" else None
 
 
 def without_weight_gradient(program: Program) -> Program:
@@ -147,9 +189,9 @@ def chunk_runner(eps: float, verify: bool, family: str, cap: float | None) -> _R
     program = gradient_program(train, backward, cap)
     if verify:
         _verify(program, gradient_block(family, eps))
-    # The chunks of one call share the weights: their prep (γ folded into W, a [V, d] pass) runs
-    # for the first chunk only, and is released after the last (_ChunkedLoss.forward).
-    return _Runner(without_weight_gradient(program), keep_prepared=True)
+    # Not keep_prepared: the prep reads the chunk's rows (γ folded into x), new every chunk; it
+    # is a [rows, d] pass, and no prepared copy of the weight exists to share between chunks.
+    return _Runner(without_weight_gradient(program))
 
 
 def _verify(program: Program, block: Block) -> None:
@@ -179,21 +221,17 @@ class _ChunkedLoss(torch.autograd.Function):
         dx = torch.empty_like(x)
         dgamma = torch.zeros(gamma.shape, dtype=torch.float32, device=x.device)
         dw = None
-        try:
-            for start in range(0, x.shape[0], rows):
-                part = slice(start, start + rows)
-                loss, dx_part, dgamma_part, dz, y = runner(
-                    x[part], gamma, w, classes[part], weights[part]
-                )
-                total += (loss * weights[part]).sum()
-                dx[part] = dx_part
-                dgamma += dgamma_part
-                if ctx.needs_input_grad[2]:  # the first chunk writes the buffer, later ones add
-                    dw = dz.T @ y if dw is None else dw.addmm_(dz.T, y)
-                del dz, y, dx_part  # freed before the next chunk allocates its own
-        finally:  # the prepared weights are this call's only: not kept past it
-            if runner.compiled is not None:
-                runner.compiled.release_prepared()
+        for start in range(0, x.shape[0], rows):
+            part = slice(start, start + rows)
+            loss, dx_part, dgamma_part, dz, y = runner(
+                x[part], gamma, w, classes[part], weights[part]
+            )
+            total += (loss * weights[part]).sum()
+            dx[part] = dx_part
+            dgamma += dgamma_part
+            if ctx.needs_input_grad[2]:  # the first chunk writes the buffer, later ones add
+                dw = dz.T @ y if dw is None else dw.addmm_(dz.T, y)
+            del dz, y, dx_part  # freed before the next chunk allocates its own
         if dw is None and ctx.needs_input_grad[2]:  # no rows
             dw = torch.zeros_like(w)
         # Held on ctx, not saved for backward: the backward scales them in place and hands them

@@ -17,6 +17,7 @@ from coda.export.lm_head_chunks import (
     without_weight_gradient,
 )
 from coda.export.resolve import dropin_programs
+from coda.primitives.ir import Program
 
 from .test_lm_head import _labels, _loss_and_grads, check_fp16_autocast_precision
 from .test_patch import _model
@@ -47,7 +48,8 @@ def test_several_chunks_equal_hugging_face(
     chunks: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """21 tokens (3 × 7) in chunks of 4: five full chunks and a last one of 1 row; ignored labels
-    in the first and in the last chunk. The weights are prepared (γ folded into W) once."""
+    in the first and in the last chunk. Each chunk folds γ into its own rows (``[rows, d]``):
+    no prepared copy of the ``[V, d]`` weight is made."""
     from coda.primitives.runtime import CompiledProgram
 
     model = _model(seed=21)
@@ -56,17 +58,20 @@ def test_several_chunks_equal_hugging_face(
     labels[2, 5] = -100
     want, want_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
     _chunked(model, 4)
-    preps: list[str] = []
+    preps: list[tuple[str, dict[str, tuple[int, ...]]]] = []
     real_prep = CompiledProgram._run_prep
 
     def counted_prep(self, inputs, info):  # noqa: ANN001, ANN202
-        preps.append(self.program.block)
-        return real_prep(self, inputs, info)
+        tensors = real_prep(self, inputs, info)
+        made = {n: tuple(t.shape) for n, t in tensors.items() if n not in inputs}
+        preps.append((self.program.block, made))
+        return tensors
 
     monkeypatch.setattr(CompiledProgram, "_run_prep", counted_prep)
     got, grads = _loss_and_grads(model, lambda: causal_lm_loss(model, ids, labels, tune="off"))
     assert chunks == [(21, 4)]
-    assert preps == ["llama_lm_head_ce_eps1e-06_grad"]  # once for the six chunks
+    rows = [4, 4, 4, 4, 4, 1]
+    assert preps == [("llama_lm_head_ce_eps1e-06_grad", {"x_folded": (r, 48)}) for r in rows]
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
     assert grads.keys() == want_grads.keys()
     for name, g in want_grads.items():
@@ -166,11 +171,40 @@ def test_the_chunk_program_drops_only_the_weight_gradient_gemm() -> None:
     kinds = [getattr(s, "name", s.kind) for s in program.steps]
     assert "lm_head_bwd" not in kinds and "ce_grad_rows" in kinds  # no recomputed logits
     assert list(program.outputs) == ["loss", "dx", "dgamma", "dw_lm"]
+    # γ folded into the chunk's rows, not into a [V, d] copy of the weight
+    (fold,) = program.prep
+    assert (fold.kind, fold.weight, fold.gamma, fold.out) == (
+        "fold_norm_weight",
+        "x",
+        "gamma",
+        "x_folded",
+    )
+    head, gather = program.steps[1], program.steps[2]
+    assert (head.a.tensor, head.b.tensor) == ("x_folded", "w_lm")
+    assert (gather.kind, gather.a, gather.w) == ("gather_dot", "x_folded", "w_lm")
+    assert "w_lm_folded" not in program.model_dump_json()
     chunk = without_weight_gradient(program)
     assert chunk.steps == program.steps[:-1]
     assert list(chunk.outputs) == ["loss", "dx", "dgamma", "dz", "y"]
     with pytest.raises(ValueError, match="the last step must be the plain GEMM dz.T @ y"):
         without_weight_gradient(chunk)
+
+
+def test_gamma_moves_onto_the_rows_only_where_every_read_of_the_folded_weight_allows_it() -> None:
+    """A step that reads the folded weight other than as the head GEMM's or ``gather_dot``'s
+    weight beside ``x`` (here: ``gather_dot`` of other rows) cannot read ``W`` with ``x ⊙ γ``."""
+    train, backward = dropin_programs(
+        "llama_lm_head_ce", ("train", "backward_saved"), 1e-5, verify=False
+    )
+    data = train.model_dump(mode="json")
+    data["steps"][2]["a"] = "rstd_h"  # (only the composition is checked here, not the types)
+    odd = Program.model_validate(data)
+    with pytest.raises(ValueError, match="step 'gather_dot' reads the folded weight 'w_lm_folded'"):
+        gradient_program(odd, backward, None)
+    data = train.model_dump(mode="json")
+    data["prep"].append({**data["prep"][0], "out": "w_lm_twice"})
+    with pytest.raises(ValueError, match="expected one prep step, fold_norm_weight"):
+        gradient_program(Program.model_validate(data), backward, None)
 
 
 @pytest.mark.parametrize(
