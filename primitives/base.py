@@ -213,6 +213,11 @@ class AuxStep(Node):
     # ``env`` and values fixed by the tensors' shapes, strides and dtypes: a run plan then replays
     # the recorded launches pinned (``run_plans.record_aux``) instead of calling ``launch`` again.
     replayable: ClassVar[bool] = False
+    # Outputs whose storage may be an input's, {output field: input field}: declared only where
+    # the kernel reads each element of that input once and writes the output's element at the
+    # same index after reading it, in the same program, and no program reads elements another
+    # writes. Whether a run shares is the runtime's decision (``storage_sharing``), not the IR's.
+    shares_storage: ClassVar[dict[str, str]] = {}
 
     kind: str  # each subclass narrows this to a Literal: the step union's discriminator
 

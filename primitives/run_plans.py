@@ -40,15 +40,20 @@ class Action:
 
 @dataclass(frozen=True)
 class Allocate(Action):
-    """Allocate tensors (name, shape, dtype) a step writes — NaN-filled when ``poison``."""
+    """Allocate tensors (name, shape, dtype) a step writes — NaN-filled when ``poison`` — and
+    give each ``shared`` output (output, input) the input's tensor instead (``storage_sharing``
+    decided it may)."""
 
     tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
     device: torch.device
     poison: bool
+    shared: tuple[tuple[str, str], ...] = ()
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
         for name, shape, dtype in self.tensors:
             tensors[name] = empty_tensor(shape, dtype, self.device, self.poison)
+        for out, src in self.shared:
+            tensors[out] = tensors[src]
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 ``compile_program`` generates one module per fused gemm step (plain-store gemms run on
 ``torch.matmul``, i.e. cuBLAS on a GPU) and returns a ``CompiledProgram``. Calling it binds the
 symbolic sizes from the inputs, analyses the program at those sizes (cached), allocates every tensor
-the steps write (optionally poisoned with NaN so an unwritten element cannot pass verification),
-and launches the steps in order.
+the steps write (optionally poisoned with NaN so an unwritten element cannot pass verification;
+an aux output may take over an intermediate's storage instead, ``storage_sharing``), and launches
+the steps in order.
 
 Its parts live beside it: ``run_plans`` (a run's decisions recorded and replayed),
 ``descriptors`` (TMA tensor descriptors), ``mainloop_choice`` (which kernel variant a launch
@@ -49,6 +50,7 @@ from .run_plans import (
     record_aux,
 )
 from .settings import current
+from .storage_sharing import reads_after, shared_storage
 from .types import TensorInfo, partials_shape, torch_dtype
 
 # Whether ``CompiledProgram.run`` replays the run plans it recorded (``run_plans``); code and
@@ -96,6 +98,7 @@ class CompiledProgram:
     _default_configs: dict[tuple, MainloopConfig] = field(default_factory=dict)
     _run_plans: dict[tuple, RunPlan] = field(default_factory=dict)  # by run signature (``run``)
     _views: dict[int, list[tuple[str, str, Any]]] = field(default_factory=dict)  # by id(info)
+    _reads_after: list[frozenset[str]] | None = None  # per step (storage_sharing.reads_after)
     # Keep the last call's prep results and reuse them while the tensors prep reads are the same
     # memory, unchanged (``_prepare``): for weights that do not change between calls (inference,
     # generation, gradient accumulation), at the price of keeping one prepared copy.
@@ -237,7 +240,8 @@ class CompiledProgram:
         tensors = dict(prepared)
         env = RunEnv(tensors, info.tensors, sizes=info.sizes)
         plan = RunPlan(info)
-        for step, name in zip(self.program.steps, self.program.step_names(), strict=True):
+        named = enumerate(zip(self.program.steps, self.program.step_names(), strict=True))
+        for index, (step, name) in named:
             if isinstance(step, GemmEpilogue):
                 gemm = info.gemms[name]
                 actions = self._run_gemm(step, gemm, tensors, act, device, poison, info.sizes)
@@ -245,22 +249,39 @@ class CompiledProgram:
                     plan.mainloops[name] = self.mainloops_used[name]
                     plan.kernel_stats[name] = self.kernel_stats.get(name, {})
             else:
-                allocate = Allocate(
-                    tuple(
-                        (n, t.shape, torch_dtype(t.dtype, act))
-                        for n, t in info.tensors.items()
-                        if t.producer == name and t.partials is None
-                    ),
-                    device,
-                    poison,
+                outputs = tuple(
+                    (n, t.shape, torch_dtype(t.dtype, act))
+                    for n, t in info.tensors.items()
+                    if t.producer == name and t.partials is None
                 )
+                shared = () if poison else self._shared(index, step, outputs, tensors, info)
+                fresh = tuple(o for o in outputs if o[0] not in dict(shared))
+                allocate = Allocate(fresh, device, poison, shared)
                 allocate(tensors, env)
                 actions = [allocate]
-                if any(math.prod(shape) for _, shape, _ in allocate.tensors):
+                if any(math.prod(shape) for _, shape, _ in outputs):
                     # run now; replayed pinned where it can be (an empty batch: nothing to run)
                     actions.append(record_aux(step, tensors, env))
             plan.actions.extend(actions)
         return tensors, plan
+
+    def _shared(
+        self,
+        index: int,
+        step: Any,
+        outputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
+        tensors: dict[str, torch.Tensor],
+        info: ProgramInfo,
+    ) -> tuple[tuple[str, str], ...]:
+        """The outputs of aux step ``index`` that take over an input's storage, as (output,
+        input) pairs (``storage_sharing``; never in poisoned runs)."""
+        if not step.shares_storage:
+            return ()
+        if self._reads_after is None:
+            self._reads_after = reads_after(self.program)
+        steps = frozenset(self.program.step_names())
+        later = self._reads_after[index]
+        return shared_storage(step, outputs, later, tensors, info.tensors, steps)
 
     def run_gemm_step(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         """Launch one fused gemm step on tensors a previous ``run`` produced (for tuning)."""

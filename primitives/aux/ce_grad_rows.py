@@ -7,7 +7,9 @@ row once and writes ``dz = (softmax(s) − onehot(t)) · dloss`` — ``s`` the l
 whose derivative ``1 − (s / cap)²`` then multiplies ``dz`` — and the row statistic
 ``c = Σ_j z_j · dz_j`` (÷ ``divide_by``) that the RMSNorm backward in the epilogue of ``dz W``
 needs (docs/algebra.md §4: ``Σ_k x̂_k γ_k dh_k = Σ_j z_j dz_j / r``). The softmax uses the
-log-sum-exp the forward's epilogue already reduced (``lse_combine``), so one read suffices.
+log-sum-exp the forward's epilogue already reduced (``lse_combine``), so one read suffices. Each
+element of ``dz`` is written after its logit is read, by the same program, so the runtime may
+write ``dz`` over logits nothing reads afterwards (``storage_sharing``): one ``[M, V]`` buffer.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class CrossEntropyGradRows(AuxStep):
 
     kind: Literal["ce_grad_rows"] = "ce_grad_rows"
     replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)
+    # each program loads a block of z and stores dz's block at the same indices after it: dz
+    # may be written over the logits (runtime's decision: storage_sharing)
+    shares_storage: ClassVar[dict[str, str]] = {"out": "logits"}
     logits: Name
     lse: Name
     index: Name
