@@ -5,22 +5,28 @@ Liger-Kernel's fused linear cross-entropy does) and the backward only scales by 
 gradient. Per chunk of rows, one Program (``gradient_program``, verified against the block
 ``<family>_grad``: loss and the gradients of ``Σ dloss · loss``) runs
 
-1. the LM head GEMM, its epilogue reducing each row's log-sum-exp and storing the logits ``z``
-   rounded to the activation dtype (what Hugging Face's ``lm_head`` returns before the loss
-   upcasts it);
+0. prep: the norm's γ folded into the chunk's rows, ``x ⊙ γ`` (``[rows, d]``, rounded once):
+   ``(x̂ ⊙ γ) Wᵀ = diag(r) · ((x ⊙ γ) Wᵀ)``, so the GEMMs read the LM head weight ``W`` itself
+   and no ``[V, d]`` copy ``W · diag(γ)`` is made (nor a ``[V, d]`` pass per step);
+1. the LM head GEMM ``(x ⊙ γ) Wᵀ``, its epilogue scaling rows by ``r``, reducing each row's
+   log-sum-exp and storing the logits ``z`` rounded to the activation dtype (what Hugging Face's
+   ``lm_head`` returns before the loss upcasts it); ``gather_dot`` the target logits;
 2. aux ``ce_grad_rows``: ``dz = (softmax − onehot) · dloss`` (through Gemma 2's softcap: times
    ``1 − (s / cap)²``) from those stored logits, and ``c = Σ z·dz / d`` for the norm's backward —
-   one read of the logits where a second GEMM recomputed them;
+   one read of the logits where a second GEMM recomputed them. Nothing reads the logits after
+   it, so the runtime writes ``dz`` over them (``primitives/storage_sharing.py``): one ``[rows,
+   V]`` buffer, not two;
 3. ``dz W`` with the final RMSNorm's backward in its epilogue (``dx``, ``dγ`` partials, and
    ``y = x̂ ⊙ γ``);
 
 and the weight gradient ``dzᵀ y`` accumulates across chunks in the gradient buffer (cuBLAS
-``addmm``: the Program's last, plain GEMM, run with ``beta = 1``). Only a chunk's logits and
-gradient exist at a time — never ``[tokens, vocabulary]`` (``chunk_rows``).
+``addmm``: the Program's last, plain GEMM, run with ``beta = 1``). Only a chunk's logits (then
+its gradient, in the same memory) exist at a time — never ``[tokens, vocabulary]``
+(``chunk_rows``).
 
 ``gradient_program(train, backward, cap)`` composes the chunk Program from the family's two
-verified Programs (the training forward and the saved-``lse`` backward); ``chunked_lm_head_loss``
-runs it.
+verified Programs (the training forward and the saved-``lse`` backward, whose fold of γ into
+``W`` it moves onto the rows); ``chunked_lm_head_loss`` runs it.
 """
 
 from __future__ import annotations
@@ -57,15 +63,18 @@ def chunk_rows(tokens: int, vocab: int, width: int) -> int:
     a Llama 1B (V = 32000, d = 2048, 8192 tokens) the accumulator's traffic takes ~80% of the
     product's compute time; at 1024 rows ~40%, and each chunk's GEMMs still fill the GPU (the
     head's ``[rows, V]`` output: 2000 tiles of 128 × 128). Memory stays bounded: 1024 rows of a
-    256000 vocabulary (Gemma 2) are 0.5 GB of bf16 logits (and as much gradient) where the whole
-    batch of 8192 tokens would be 4.2 GB each."""
+    256000 vocabulary (Gemma 2) are 0.5 GB of bf16 logits, over which their gradient is written
+    (one buffer), where the whole batch of 8192 tokens would be 4.2 GB; beside it a chunk holds
+    only ``[rows, d]`` tensors (``x ⊙ γ``, ``dx``, ``y``) and the ``[V, d]`` weight gradient,
+    no prepared copy of the weight."""
     liger = -(-tokens // -(-vocab // max(width, 1)))
     return max(MIN_CHUNK_ROWS, 1 << max(liger - 1, 0).bit_length())
 
 
 def gradient_program(train: Program, backward: Program, cap: float | None) -> Program:
-    """The chunk Program of an LM-head loss: ``train``'s steps (its LM head GEMM also storing
-    the logits ``z``, ``LOGITS``), aux ``ce_grad_rows`` for ``dz`` and ``c`` in place of
+    """The chunk Program of an LM-head loss: ``train``'s steps with γ folded into the rows
+    instead of the weight (``_fold_into_rows``; its LM head GEMM also storing the logits
+    ``z``, ``LOGITS``), aux ``ce_grad_rows`` for ``dz`` and ``c`` in place of
     ``backward``'s logits-recomputing GEMM and its ``sum_partials``, then ``backward``'s norm-
     backward GEMM, ``dγ`` and weight-gradient GEMM. Inputs: the forward's and ``dloss``;
     outputs ``loss``, ``dx``, ``dgamma``, ``dw_lm``. ``cap``: the softcap ``train`` applies

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from coda.export import CodaLlamaLMHeadLoss, causal_lm_loss, lm_head
 from coda.export.lm_head_chunks import (
+    LOGITS,
     MIN_CHUNK_ROWS,
     chunk_rows,
     gradient_block,
@@ -18,6 +19,7 @@ from coda.export.lm_head_chunks import (
 )
 from coda.export.resolve import dropin_programs
 from coda.primitives.ir import Program
+from coda.primitives.run_plans import Allocate
 
 from .test_lm_head import _labels, _loss_and_grads, check_fp16_autocast_precision
 from .test_patch import _model
@@ -72,6 +74,11 @@ def test_several_chunks_equal_hugging_face(
     assert chunks == [(21, 4)]
     rows = [4, 4, 4, 4, 4, 1]
     assert preps == [("llama_lm_head_ce_eps1e-06_grad", {"x_folded": (r, 48)}) for r in rows]
+    # each chunk's dz is written over its logits (one [rows, V] buffer), at both chunk shapes
+    runner = lm_head.chunk_runner(*lm_head._loss_module(model, verify=False, tune="off")._chunks)
+    plans = runner.compiled._run_plans.values()
+    shared = [a.shared for p in plans for a in p.actions if isinstance(a, Allocate) and a.shared]
+    assert shared == [(("dz", LOGITS),)] * 2
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
     assert grads.keys() == want_grads.keys()
     for name, g in want_grads.items():
