@@ -60,8 +60,9 @@ def test_the_fused_loss_in_several_chunks_in_bf16_and_under_autocast() -> None:
 def test_training_memory_is_bounded_by_a_chunk_not_the_logits() -> None:
     """16384 tokens, vocabulary 32000, width 1024 in bf16: the loss's forward and backward
     allocate at their peak less than half of the ``[tokens, vocabulary]`` bf16 logits (1 GB) —
-    a chunk's logits and gradient (1024 rows: 2 × 66 MB), the weight gradient and the γ-folded
-    weight (2 × 66 MB), ``dx`` — where the unchunked backward held a full ``dz``."""
+    a chunk's logits with its gradient written over them (1024 rows: 66 MB), the weight
+    gradient (66 MB), ``dx`` (34 MB); no γ-folded copy of the weight — where the unchunked
+    backward held a full ``dz``."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from coda.export import CodaLlamaLMHeadLoss
