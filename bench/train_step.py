@@ -53,12 +53,17 @@ through Triton's own path: the host's work before run 2026-12-01c; both timed in
 the rest), ``coda_compile`` (``torch.compile(model, fullgraph=True)`` of
 ``patch_llama(fuse_gate_up=True, fused_loss=True)``: ``coda_lm_head``'s kernels, the rest of the
 step compiled around them, no graph break allowed) and ``liger``; and ``hf_graph``,
-``coda_lm_head_graph``: those steps — forward, backward, ``AdamW.step()`` — captured once in one
-CUDA graph and replayed (the remedy for a host-bound step: one launch per step, whatever Python
-runs at capture; not run by default). Liger's step
-cannot be captured (its fused linear cross-entropy calls
-``.item()``), and a failed capture leaves the process's CUDA context broken, so ``liger_graph``
-is not offered.
+``coda_graph``, ``coda_lm_head_graph``: the ``hf``, ``coda`` and ``coda_lm_head`` steps captured
+in one CUDA graph by ``coda.export.capture_train_step`` and replayed — the package's one-line
+remedy for a host-bound step, measured as a user runs it: ``AdamW(lr=torch.tensor(1e-5,
+device="cuda"), fused=True, capturable=True)``, the batch ``{"input_ids": ids, "labels":
+ids}``, the helper's default loss ``model(**batch).loss`` where the variant's loss is Hugging
+Face's in bf16 (else the variant's loss, under autocast in ``amp``), its three warm-up steps
+and the capture done before timing, so each timed call is a replay with the helper's per-call
+checks. Every family has them (not run by default). On a dry run the helper refuses the CPU
+model, so those rows time the plain step and say so (``graph``: what was captured, or why
+not). Liger's step cannot be captured (its fused linear cross-entropy calls ``.item()``), and a
+failed capture leaves the process's CUDA context broken, so ``liger_graph`` is not offered.
 
 For the other families the ``coda`` variants are the same with ``patch_model`` (same options;
 ``coda_lm_head`` and ``coda_compile`` with ``fused_loss=True``, which makes the model's own
@@ -122,7 +127,7 @@ from profile_export import gpu_work  # noqa: E402
 VARIANTS = (
     "hf", "hf_compile", "coda_mlp", "coda", "coda_fused", "coda_lm_head",
     "coda_lm_head_hf_residual", "coda_lm_head_decide", "coda_lm_head_ops", "coda_compile", "liger",
-    "hf_graph", "coda_lm_head_graph",
+    "hf_graph", "coda_graph", "coda_lm_head_graph",
 )  # fmt: skip
 # Variants that run a base variant's step another way: earlier host paths, or a CUDA graph.
 STEP_MODES = ("_decide", "_ops", "_graph")
@@ -322,8 +327,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--sync-check", action="store_true",
-        help="also run one step per variant under torch.cuda.set_sync_debug_mode('warn') and "
-        "list where it synchronizes the host with the GPU",
+        help="also run one step per variant under torch.cuda.set_sync_debug_mode('warn') "
+        "(coda.export.train_step.watching_syncs) and list where it synchronizes the host with "
+        "the GPU",
     )  # fmt: skip
     p.add_argument(
         "--compile-mode", default="default", choices=["default", "reduce-overhead"],
@@ -538,23 +544,49 @@ def loss_of(name: str, bench: Bench, family: str = "llama") -> Callable[[Any, An
     Llama's ``coda_lm_head`` variants (the other families' patched forward computes the fused
     loss itself)."""
     if family != "llama" or not split_variant(name)[0].startswith("coda_lm_head"):
-        return lambda model, ids: model(input_ids=ids, labels=ids).loss
+        return hf_loss
     from coda.export import causal_lm_loss
 
     tune = "off" if bench.dry_run else "quick"
     return lambda model, ids: causal_lm_loss(model, ids, ids, verify=False, tune=tune)
 
 
+def hf_loss(model: Any, ids: Any) -> Any:
+    """Hugging Face's loss of ``ids`` as their own labels: ``model(input_ids=ids, labels=ids)``."""
+    return model(input_ids=ids, labels=ids).loss
+
+
 def train_step(
-    model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench, *, graph: bool = False
+    model: Any,
+    loss_fn: Callable,
+    ids: Any,
+    setting: str,
+    bench: Bench,
+    *,
+    graph: bool = False,
+    notes: dict[str, Any] | None = None,
 ) -> Callable[[], Any]:
-    """One optimizer step of ``model`` on ``ids``; returns the loss (detached). ``graph``: the
-    step captured in a CUDA graph, each call a replay (the plain step on a dry run)."""
+    """One optimizer step of ``model`` on ``ids`` — gradients to ``None``, forward with labels,
+    backward, ``AdamW.step()`` (fused on a GPU) — returning the loss (detached). ``graph``: the
+    step captured by ``coda.export.capture_train_step`` (``captured_step``), each call a replay;
+    on a dry run the plain step, since the helper refuses a model on the CPU. ``notes``
+    receives, for ``graph``, what was captured or why nothing was (``"graph"``)."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
-    graph = graph and not bench.dry_run
-    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=not bench.dry_run, capturable=graph)
+    if graph and bench.dry_run:
+        if notes is not None:
+            notes["graph"] = GRAPH_ON_CPU
+        graph = False
+    if graph:  # the documented recipe: a tensor lr on the GPU, fused and capturable
+        lr = torch.tensor(1e-5, device=bench.device)
+        optimizer = torch.optim.AdamW(params, lr=lr, fused=True, capturable=True)
+        step = captured_step(model, optimizer, loss_fn, ids, setting, bench)
+        if notes is not None:
+            shapes = "; ".join(step.func.captured_shapes)
+            notes["graph"] = f"captured by capture_train_step: {shapes}"
+        return step
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=not bench.dry_run)
 
     def step() -> Any:
         optimizer.zero_grad(set_to_none=True)
@@ -562,43 +594,48 @@ def train_step(
         optimizer.step()
         return loss.detach()
 
-    return captured(step, optimizer) if graph else step
+    return step
 
 
-def captured(step: Callable[[], Any], optimizer: Any) -> Callable[[], Any]:
-    """``step`` captured in a CUDA graph after three warm-up steps on a side stream (tuning and
-    run plans happen there, outside the capture); returns a replay that gives the loss. The
-    gradients live in the graph's memory and are overwritten by each replay (PyTorch's
-    whole-network capture recipe, with a capturable optimizer)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        loss = step()
-    return Replay(graph, loss, step, optimizer)
+GRAPH_ON_CPU = (
+    "not captured: a dry run times the plain step (capture_train_step refuses a model on the "
+    "CPU: CUDA graphs need a CUDA device)"
+)
 
 
-class Replay:
-    """A captured step: each call replays ``graph`` and returns ``loss``. It holds ``step`` (and
-    through it the model and the data) and ``optimizer``: the graph reads and writes their
-    memory by address, so they must live as long as it does. (Before run 2026-12-01e it held
-    only the graph: a variant's model was collected once the next variant was built, the
-    next capture's ``empty_cache()`` returned its memory to the driver and the first graph's
-    next replay faulted — bench/RESULTS.md.)"""
+def captured_step(
+    model: Any, optimizer: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench
+) -> functools.partial:
+    """``model``'s training step through ``coda.export.capture_train_step``, as a user runs it:
+    the batch ``{"input_ids": ids, "labels": ids}`` and ``graph_loss``'s loss. Its warm-up steps
+    (eager, on a side stream: Triton compiles, the ops tune and record run plans, the optimizer
+    creates its state) and its capture run here, so every call of the returned step is a replay
+    (with the helper's per-call checks and the copy of the batch into the graph's buffers);
+    ``RuntimeError`` if nothing was captured after them. The returned step holds the captured
+    one, which holds the model and optimizer whose memory its graph addresses (a benchmark whose
+    replay did not hold the model saw it freed under the graph: bench/RESULTS.md, 2026-12-01e)."""
+    from coda.export import capture_train_step
 
-    def __init__(self, graph: Any, loss: Any, step: Callable[[], Any], optimizer: Any) -> None:
-        self.graph, self.loss, self.step, self.optimizer = graph, loss, step, optimizer
+    batch = {"input_ids": ids, "labels": ids}
+    captured = capture_train_step(model, optimizer, batch, graph_loss(loss_fn, setting, bench))
+    for _ in range(captured.warmup + 1):
+        captured(batch)
+    if not captured.captured_shapes:
+        raise RuntimeError(
+            f"capture_train_step captured nothing after {captured.warmup + 1} calls on one "
+            "batch shape: its warm-up count and the calls here disagree"
+        )
+    return functools.partial(captured, batch)
 
-    def __call__(self) -> Any:
-        self.graph.replay()
-        return self.loss
+
+def graph_loss(loss_fn: Callable, setting: str, bench: Bench) -> Callable | None:
+    """The ``loss_fn`` that ``capture_train_step`` gets for a variant whose loss of ``ids`` is
+    ``loss_fn``: None — the helper's default, ``model(**batch).loss`` — for Hugging Face's loss
+    in bf16 (the one-liner users copy); otherwise ``loss_fn`` of the batch's ``input_ids`` (its
+    labels are the same ids), under autocast in the ``amp`` setting."""
+    if loss_fn is hf_loss and setting == "bf16":
+        return None
+    return lambda model, batch: setting_loss(model, loss_fn, batch["input_ids"], setting, bench)
 
 
 def with_host_paths(step: Callable[[], Any], *, ops: bool) -> Callable[[], Any]:
@@ -624,14 +661,19 @@ def with_host_paths(step: Callable[[], Any], *, ops: bool) -> Callable[[], Any]:
 
 
 def forward_backward(model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench) -> Any:
-    """The loss of ``ids`` (under autocast in the ``amp`` setting), backpropagated; returns it."""
+    """The loss of ``ids`` (``setting_loss``), backpropagated; returns it."""
+    loss = setting_loss(model, loss_fn, ids, setting, bench)
+    loss.backward()
+    return loss
+
+
+def setting_loss(model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench) -> Any:
+    """``loss_fn(model, ids)``, under autocast in the ``amp`` setting."""
     import torch
 
     dtype = torch.float16 if bench.dry_run else torch.bfloat16  # interpreter: no bf16 dot
     with torch.autocast(bench.device, dtype=dtype, enabled=setting == "amp"):
-        loss = loss_fn(model, ids)
-    loss.backward()
-    return loss
+        return loss_fn(model, ids)
 
 
 def first_step(
@@ -704,7 +746,9 @@ def setting_rows(
         )
         mode = split_variant(name)[1]
         try:
-            steps[name] = train_step(model, loss_fn, ids, setting, bench, graph=mode == "graph")
+            steps[name] = train_step(
+                model, loss_fn, ids, setting, bench, graph=mode == "graph", notes=row
+            )
         except Exception as e:  # noqa: BLE001 - e.g. a model that cannot be captured
             rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
@@ -758,29 +802,35 @@ def measure_more(
 
 def host_syncs(step: Callable[[], Any], bench: Bench) -> dict[str, int] | None:
     """Where one training step makes the host wait for the GPU (``.item()``, blocking copies
-    such as a pageable host-to-device index, ``nonzero``…): ``"file:line": count`` from
-    ``torch.cuda.set_sync_debug_mode("warn")``, after a warm-up step. A step that never
-    synchronizes lets the host run ahead and hide its launch costs; None on a dry run."""
+    such as a pageable host-to-device index, ``nonzero``…), after a warm-up step: watched by
+    ``coda.export.train_step.watching_syncs`` (``torch.cuda.set_sync_debug_mode("warn")``), the
+    watch under which ``capture_train_step`` refuses a step that syncs, and counted per site by
+    ``sync_counts``. A step that never synchronizes lets the host run ahead and hide its launch
+    costs; None on a dry run."""
     if bench.dry_run:
         return None
-    import warnings
-
     import torch
+
+    from coda.export.train_step import watching_syncs
 
     step()
     torch.cuda.synchronize()
+    stacks: list = []
+    with watching_syncs(stacks):
+        step()
+    return sync_counts(stacks)
+
+
+def sync_counts(stacks: list) -> dict[str, int]:
+    """``site: count`` for the Python stacks of the syncs one step made, each site named as
+    ``capture_train_step``'s refusal names it (``coda.export.train_step.blame``: the line, and
+    for a line inside PyTorch also the first caller outside it)."""
+    from coda.export.train_step import blame
+
     counts: dict[str, int] = {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            where = f"{'/'.join(Path(w.filename).parts[-2:])}:{w.lineno}"  # package/file:line
-            counts[where] = counts.get(where, 0) + 1
+    for stack in stacks:
+        where = blame(stack)
+        counts[where] = counts.get(where, 0) + 1
     return counts
 
 
@@ -1007,6 +1057,13 @@ def cpu_at(t: float, work: list[Span], main: int) -> dict[str, Any]:
 
 
 _PY_FRAME = re.compile(r"^[^<].*\.py\(\d+\): ")  # "torch/nn/modules/module.py(1750): _call_impl"
+
+
+def graph_lines(rows: list[dict[str, Any]]) -> str:
+    """Per ``_graph`` variant: what ``capture_train_step`` captured (the batch shapes), or why
+    the row times the plain step (a dry run)."""
+    lines = [f"{r['setting']} {r['variant']}: {r['graph']}" for r in rows if r.get("graph")]
+    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def sync_lines(rows: list[dict[str, Any]]) -> str:
@@ -1256,7 +1313,7 @@ def family_result(
     bench.free()
     rows = result["rows"]
     text = table(rows) + patch_lines(rows) + family_table(rows) + kernel_tables(rows)
-    text += sync_lines(rows) + gap_tables(rows)
+    text += graph_lines(rows) + sync_lines(rows) + gap_tables(rows)
     note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
     what = (
         f"{layers} layers, hidden {shape['hidden_size']}, vocabulary {shape['vocab_size']}, "

@@ -11,7 +11,9 @@ synchronizing after every call so the first faulting call is named (run it with
 ``CUDA_LAUNCH_BLOCKING=1`` to have the fault reported at its kernel). Found with it (run
 2026-12-01e, bench/RESULTS.md): two captured *plain Hugging Face* steps faulted too — the
 benchmark's replay did not keep its model alive, and the next capture's ``empty_cache()`` freed that
-memory under the first graph. Fixed (``llama_train_step.Replay``); the script stays as the check.
+memory under the first graph. Fixed then in the benchmark's own replay; its ``_graph`` steps now
+capture through ``coda.export.capture_train_step``, whose step holds the model and optimizer its
+graph addresses. The script stays as the check.
 
     python3 bench/experiments/two_graphs.py --variants hf_graph,hf_graph,hf [--batch 1]
         [--no-cudnn-attention] [--rounds 20] [--out DIR]

@@ -40,6 +40,12 @@ def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> No
     ]
     assert all(r["correct"] and r["step_ms"] > 0 and r["host_ms"] > 0 for r in rows)
     assert all(r["syncs"] is None for r in rows)  # GPU only: not measured in a dry run
+    script = load_script("train_step")
+    graphs = [r for r in rows if r["variant"].endswith("_graph")]
+    assert graphs and all(r["graph"] == script.GRAPH_ON_CPU for r in graphs)
+    assert not any("graph" in r for r in rows if r not in graphs)
+    text = (tmp_path / "llama_train_step.md").read_text()
+    assert f"amp coda_lm_head_graph: {script.GRAPH_ON_CPU}" in text  # says it is the plain step
     for setting in ("bf16", "amp"):  # the patched step's host hot spots, by cumulative time
         profile = (tmp_path / f"cprofile-{setting}-coda_lm_head.txt").read_text()
         assert "profiled steps: 1" in profile and "cumulative" in profile
@@ -184,7 +190,9 @@ def test_graph_variants_are_not_run_by_default_and_may_share_a_process() -> None
     parse, variants = script.parse_args, script.family_variants
     llama, qwen3 = (variants(parse([]).variants, f) for f in ("llama", "qwen3"))
     assert not any(v.endswith("_graph") for v in llama + qwen3)
-    assert len(llama) == len(script.VARIANTS) - 2  # every variant but the captured ones
+    graphs = [v for v in script.VARIANTS if v.endswith("_graph")]
+    assert graphs == ["hf_graph", "coda_graph", "coda_lm_head_graph"]
+    assert len(llama) == len(script.VARIANTS) - len(graphs)  # every variant but the captured ones
     assert qwen3 == ["hf", "hf_compile", "coda", "coda_lm_head", "coda_compile", "liger"]
     both = ["--variants", "hf,hf_graph,coda_lm_head_graph", "--settings", "bf16,amp"]
     assert parse(both).variants == "hf,hf_graph,coda_lm_head_graph"
@@ -199,31 +207,104 @@ def test_an_unknown_variant_is_refused_with_the_known_ones(capsys: pytest.Captur
     assert "unknown coda_lm_heads" in err and "coda_lm_head_graph" in err
 
 
-def test_a_replay_holds_what_its_graph_reads_and_writes() -> None:
-    """A captured step's graph addresses the model's, gradients' and optimizer's memory: the
-    replay keeps them alive (it did not, and a later capture's empty_cache() freed them)."""
+class FakeCapture:
+    """What the bench may use of ``coda.export.capture_train_step``'s step: its warm-up count,
+    its calls (the warm-up steps, then the capture on the next call) and the shapes captured."""
+
+    warmup = 3
+
+    def __init__(self, model: object, optimizer: object, batch: dict, loss_fn: object) -> None:
+        self.model, self.optimizer, self.example, self.loss_fn = model, optimizer, batch, loss_fn
+        self.calls: list[dict] = []
+
+    def __call__(self, batch: dict) -> str:
+        self.calls.append(batch)
+        return "loss"
+
+    @property
+    def captured_shapes(self) -> list[str]:
+        return ["input_ids [1, 9], labels [1, 9]"] if len(self.calls) > self.warmup else []
+
+
+@pytest.mark.parametrize("setting", ["bf16", "amp"])
+def test_a_graph_variant_steps_through_the_packages_capture_as_a_user_does(
+    setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``_graph`` variants capture through ``capture_train_step`` with the documented
+    optimizer (fused, capturable, a tensor lr) and a batch with labels; Hugging Face's loss in
+    bf16 is the helper's default, any other one the variant's loss of the batch (under autocast
+    in amp); the warm-up and the capture happen before timing, and the timed step holds the
+    captured one, which holds the model and optimizer its graph addresses."""
     import gc
     import weakref
 
+    import coda.export
+
     script = load_script("train_step")
+    made: list[FakeCapture] = []
 
-    class Graph:
-        replays = 0
+    def capture(*args: object) -> FakeCapture:
+        made.append(FakeCapture(*args))
+        return made[-1]
 
-        def replay(self) -> None:
-            Graph.replays += 1
-
-    class Model:
-        pass
-
-    def train_step(model: Model) -> tuple[object, weakref.ref]:
-        return (lambda: model), weakref.ref(model)  # the step is what holds the model
-
-    step, held = train_step(Model())
-    replay = script.Replay(Graph(), "loss", step, optimizer=object())
-    del step
+    monkeypatch.setattr(coda.export, "capture_train_step", capture)
+    bench = script.Bench(dry_run=False)
+    bench.device = "cpu"  # the fake captures nothing: a CPU model stands in for the GPU's
+    model = torch.nn.Linear(3, 2)
+    ids = torch.zeros(1, 9, dtype=torch.long)
+    notes: dict = {}
+    step = script.train_step(model, script.hf_loss, ids, setting, bench, graph=True, notes=notes)
+    captured = made[0]
+    assert captured.model is model and len(captured.calls) == FakeCapture.warmup + 1
+    group = captured.optimizer.param_groups[0]
+    assert group["capturable"] and group["fused"] and isinstance(group["lr"], torch.Tensor)
+    assert set(captured.example) == {"input_ids", "labels"} and captured.example["labels"] is ids
+    assert notes["graph"] == "captured by capture_train_step: input_ids [1, 9], labels [1, 9]"
+    # bf16: the helper's default, model(**batch).loss; amp: Hugging Face's under autocast
+    assert (captured.loss_fn is None) == (setting == "bf16")
+    held = weakref.ref(captured)
+    del captured, made[:]
     gc.collect()
-    assert held() is not None and replay() == "loss" and Graph.replays == 1
+    assert held() is not None and step() == "loss" and len(held().calls) == 5
+
+
+def test_a_graph_variants_other_losses_read_the_batchs_ids_under_autocast() -> None:
+    """A variant whose loss is not Hugging Face's in bf16 gets the capture its own loss of the
+    batch's ``input_ids``, under autocast in the amp setting."""
+    script = load_script("train_step")
+    bench = script.Bench(dry_run=True)
+    ids = torch.arange(9).reshape(1, 9)
+    seen: list = []
+
+    def loss_fn(model: object, got: torch.Tensor) -> str:
+        seen.append((got, torch.is_autocast_enabled("cpu")))
+        return "loss"
+
+    assert script.graph_loss(loss_fn, "bf16", bench)(None, {"input_ids": ids}) == "loss"
+    assert script.graph_loss(script.hf_loss, "amp", bench)
+    assert script.graph_loss(loss_fn, "amp", bench)(None, {"input_ids": ids}) == "loss"
+    assert seen == [(ids, False), (ids, True)]
+
+
+def test_sync_sites_are_named_as_the_capture_refusal_names_them() -> None:
+    """``--sync-check`` counts each site of the package's recorded sync warnings once per
+    occurrence, named by ``coda.export.train_step.blame`` (file, line, function, source)."""
+    import warnings
+
+    from coda.export import train_step as ts
+
+    script = load_script("train_step")
+    stacks: list = []
+
+    def reads_a_value() -> None:
+        warnings.warn(f"called a {ts.SYNC_WARNING}", UserWarning, stacklevel=1)
+
+    with ts.recording_sync_warnings(stacks):
+        reads_a_value()
+        reads_a_value()
+    ((site, count),) = script.sync_counts(stacks).items()
+    assert count == 2 and "test_train_step_script.py:" in site
+    assert "in reads_a_value: `warnings.warn(" in site
 
 
 def test_dry_run_of_other_families_patches_with_patch_model_and_says_what_it_skips(
