@@ -241,9 +241,11 @@ def _unaliased(outs: list[torch.Tensor], args: Sequence[torch.Tensor]) -> list[t
     taken = {t.untyped_storage().data_ptr() for t in args}
     owned = []
     for t in outs:
-        if t._base is not None or t.untyped_storage().data_ptr() in taken:
+        memory = t.untyped_storage().data_ptr()
+        if t._base is not None or memory in taken:
             t = t.clone(memory_format=torch.contiguous_format)
-        taken.add(t.untyped_storage().data_ptr())
+            memory = t.untyped_storage().data_ptr()
+        taken.add(memory)
         owned.append(t)
     return owned
 
