@@ -416,7 +416,7 @@ def _needs_grad(args: tuple[torch.Tensor, ...]) -> bool:
     return torch.is_grad_enabled() and any(a.requires_grad for a in args)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def _traced(args: tuple[torch.Tensor, ...]) -> bool:
@@ -426,7 +426,7 @@ def _traced(args: tuple[torch.Tensor, ...]) -> bool:
     so it must go through the registered custom op rather than the eager ``autograd.Function``."""
     return (
         torch.compiler.is_compiling()
-        or any(type(a) not in _PLAIN for a in args)
+        or not _PLAIN.issuperset(map(type, args))
         or _get_current_dispatch_mode() is not None
         or _functorch_active()
     )
@@ -498,13 +498,13 @@ def export_autograd(
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         outs = output if isinstance(output, tuple) else (output,)
-        ctx.mark_non_differentiable(*(outs[i] for i in plumbing.saved_only_at))
+        ctx.mark_non_differentiable(*[outs[i] for i in plumbing.saved_only_at])
         # Outputs nobody differentiated (saved activations, e.g. llama_mlp's g, u, a) reach
         # backward_fn as None, not as zero tensors of their size: for llama_mlp 3 fills of M·f
         # values a step (0.24 ms at d = 2048, 0.42 ms at d = 4096 on the H200,
         # bench/profile_export.py).
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*inputs, *(outs[i] for i in plumbing.saved_at))
+        ctx.save_for_backward(*inputs, *[outs[i] for i in plumbing.saved_at])
         # what a zero cotangent for an output whose gradient comes as None is made like
         ctx.out_meta = [(outs[i].shape, outs[i].dtype, outs[i].device) for i in plumbing.cot_at]
 
@@ -517,9 +517,9 @@ def export_autograd(
             for i, (shape, dtype, device) in zip(plumbing.cot_at, ctx.out_meta, strict=True)
         ]
         sources = (ctx.saved_tensors, cot)
-        result = run_backward(*(sources[kind][at] for kind, at in plumbing.bwd_sources))
+        result = run_backward(*[sources[kind][at] for kind, at in plumbing.bwd_sources])
         result = result if isinstance(result, tuple) else (result,)
-        return tuple(None if at is None else result[at] for at in grad_at)
+        return tuple([None if at is None else result[at] for at in grad_at])
 
     fwd_op.register_autograd(backward_fn, setup_context=setup_context)
     user_outputs = [n for n in fwd_outputs if n not in saved_only]
