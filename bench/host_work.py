@@ -11,7 +11,11 @@ model unpatched, forward + backward on a few tokens, with ``launch_kernel`` repl
 everywhere it is called (``primitives/launch.py`` and every module that imports it) — so the
 numbers are the host's Python and PyTorch-on-CPU work, not Triton's launcher and not a GPU's.
 Vendor GEMMs and PyTorch ops still run (on tiny CPU tensors). The outputs are garbage, nothing is
-checked: it times, it does not verify.
+checked: it times, it does not verify. Garbage includes denormal floats (what ``torch.empty``
+left in a stubbed kernel's output), on which the CPU's arithmetic takes a microcode slow path: a
+``[32, 96]ᵀ @ [32, 48]`` product of the attention input's backward took 174 µs instead of 3 µs
+(2026-12-01), at random, run to run. The timed steps therefore run with denormals flushed to zero
+(``torch.set_flush_denormal``, undone after): numbers measured before that include such products.
 
     python3 bench/host_work.py [--layers 4] [--tokens 32] [--rounds 5] [--steps 40]
         [--threads 1] [--profile N] [--out DIR]
@@ -52,6 +56,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile: N functions")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/out", help="results folder")
     return p.parse_args(argv)
+
+
+@contextmanager
+def denormals_flushed() -> Any:
+    """Denormal floats read and written as zero while the block runs (where the CPU can; restored
+    to PyTorch's default after): arithmetic on the stubbed kernels' garbage outputs then costs
+    what it costs on ordinary numbers."""
+    import torch
+
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 @contextmanager
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = training_steps(args.layers, args.tokens)
         for fn in steps.values():  # one real step each: the fused loss proves the model's head
             fn()  # on its first call, which needs the kernels' real outputs
-        with launches_stubbed():
+        with launches_stubbed(), denormals_flushed():
             ms = min_ms(steps, args.rounds, args.steps)
             report = profile(steps["coda"], args.profile) if args.profile else ""
     finally:

@@ -94,6 +94,14 @@ class _Runner:
     tuned: dict[tuple, dict] = field(default_factory=dict)  # configs per input shapes and dtypes
     op_name: str = ""  # its registered op, coda::<name> (set by _custom_op)
     keep_prepared: bool = False  # CompiledProgram.keep_prepared (ExportedFunction.keep_prepared)
+    # the input shapes whose configs ``_pin_configs`` pinned last, the dict it pinned and its
+    # items then: while the call's shapes are those, the compiled Program holds that dict and
+    # it and the tuned entry have those items, nothing is pinned again (``_pinned_already``; a
+    # tuned run calls ``_pin_configs`` on every call)
+    pinned: tuple[tuple, dict, tuple] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.binding  # noqa: B018  (worked out now: torch.compile cannot trace its first use)
 
     @functools.cached_property
     def args(self) -> list[str]:
@@ -106,13 +114,24 @@ class _Runner:
         pairs = [(even, odd, name) for name, (even, odd) in self.whole.items()]
         return _packed_names(list(self.program.outputs), [PackedRows(n, e, o) for e, o, n in pairs])
 
+    @functools.cached_property
+    def binding(self) -> tuple[tuple[str, int, slice | None], ...]:
+        """Each Program input with its argument's position and, for a packed pair's part, the
+        rows it takes of the packed argument (worked out once: ``bind`` runs on every call)."""
+        where: dict[str, tuple[int, slice | None]] = {n: (i, None) for i, n in enumerate(self.args)}
+        for p in self.packed:
+            at = where[p.name][0]
+            where[p.even], where[p.odd] = (at, slice(0, None, 2)), (at, slice(1, None, 2))
+        return tuple((n, *where[n]) for n in self.program.inputs)
+
     def bind(self, args: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
         """The Program's inputs for the op's arguments (packed ones as row views)."""
-        by_name = dict(zip(self.args, args, strict=True))
-        for p in self.packed:
-            rows = by_name.pop(p.name)
-            by_name[p.even], by_name[p.odd] = rows[0::2], rows[1::2]
-        return {n: by_name[n] for n in self.program.inputs}
+        if len(args) != len(self.args):
+            raise TypeError(
+                f"{self.op_name or self.program.block} takes {len(self.args)} tensors "
+                f"({', '.join(self.args)}), not {len(args)}"
+            )
+        return {n: args[i] if rows is None else args[i][rows] for n, i, rows in self.binding}
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         inputs = self.bind(args)
@@ -142,12 +161,31 @@ class _Runner:
         from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
 
         assert self.compiled is not None
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs.values())
+        key = tuple([(t.shape, t.dtype) for t in inputs.values()])  # torch.Size: a tuple
+        if self._pinned_already(key):
+            return
         if key not in self.tuned:
             space = QUICK_SPACE if self.tune == "quick" else None
             tune_program(self.compiled, self.compiled.prepare(inputs), space=space)
             self.tuned[key] = dict(self.compiled.configs)
-        self.compiled.configs = dict(self.tuned[key])
+        configs = dict(self.tuned[key])
+        self.compiled.configs = configs
+        self.pinned = (key, configs, tuple(configs.items()))
+
+    def _pinned_already(self, key: tuple) -> bool:
+        """Whether the compiled Program holds the configs of the shapes ``key``: the dict
+        ``_pin_configs`` pinned for them, with the items it pinned, which are still the tuned
+        ones of ``key`` (nothing replaced or changed either since)."""
+        pinned, tuned = self.pinned, self.tuned.get(key)
+        return (
+            pinned is not None
+            and tuned is not None
+            and pinned[0] == key
+            and self.compiled is not None
+            and self.compiled.configs is pinned[1]
+            and tuple(pinned[1].items()) == pinned[2]
+            and tuple(tuned.items()) == pinned[2]
+        )
 
     def fake(self, *args: torch.Tensor) -> list[torch.Tensor]:
         """Outputs with the right shapes and dtypes, allocated like ``args`` (meta / fake)."""
@@ -203,9 +241,11 @@ def _unaliased(outs: list[torch.Tensor], args: Sequence[torch.Tensor]) -> list[t
     taken = {t.untyped_storage().data_ptr() for t in args}
     owned = []
     for t in outs:
-        if t._base is not None or t.untyped_storage().data_ptr() in taken:
+        memory = t.untyped_storage().data_ptr()
+        if t._base is not None or memory in taken:
             t = t.clone(memory_format=torch.contiguous_format)
-        taken.add(t.untyped_storage().data_ptr())
+            memory = t.untyped_storage().data_ptr()
+        taken.add(memory)
         owned.append(t)
     return owned
 
@@ -270,6 +310,15 @@ class ExportedFunction:
     inference_op: Any = None
     # The same forward and backward as a plain autograd.Function, for calls nothing traces.
     eager: Any = field(default=None, repr=False)
+    # The positions of ``output_names`` among the forward op's outputs, or None when a call
+    # returns every output (worked out here, not on first use: read on every call, and
+    # torch.compile cannot trace a cached_property's first computation).
+    returned_at: tuple[int, ...] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.output_names) != len(self.forward.outputs):
+            every = list(self.forward.outputs)
+            self.returned_at = tuple(every.index(n) for n in self.output_names)
 
     @property
     def tune(self) -> Tuning:
@@ -312,19 +361,62 @@ class ExportedFunction:
             inference = self.runners[-1]  # export_autograd appends it last
             return inference.as_op(*args) if eager else self.inference_op(*args)
         outs = self.eager.apply(*args) if eager else self.forward_op(*args)
-        if len(self.output_names) == len(self.forward.outputs):  # none held for the backward only
+        returned = self.returned_at
+        if returned is None:  # none held for the backward only
             return outs
         outs = outs if isinstance(outs, tuple) else (outs,)
-        every = list(self.forward.outputs)
-        kept = tuple(outs[every.index(n)] for n in self.output_names)
-        return kept[0] if len(kept) == 1 else kept
+        return outs[returned[0]] if len(returned) == 1 else tuple(outs[i] for i in returned)
+
+
+@dataclass(frozen=True)
+class _Plumbing:
+    """Where ``export_autograd``'s glue finds each value, by position — worked out once per
+    function, as its setup and backward run on every training step. ``saved_at``: the forward
+    outputs saved for the backward (saved after the inputs, in the vjp's order);
+    ``saved_only_at``: those saved only (not differentiable); ``cot_at``: the outputs with a
+    cotangent, in output order; ``bwd_sources``: each backward-Program input as ``(0, i)``, the
+    ``i``-th saved tensor, or ``(1, j)``, the ``j``-th cotangent."""
+
+    saved_at: tuple[int, ...]
+    saved_only_at: tuple[int, ...]
+    cot_at: tuple[int, ...]
+    bwd_sources: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(
+        cls,
+        fwd_inputs: list[str],
+        fwd_outputs: list[str],
+        saved_names: list[str],
+        saved_only: list[str],
+        bwd_inputs: list[str],
+        vjp: VJP,
+    ) -> _Plumbing:
+        out_position = {name: i for i, name in enumerate(fwd_outputs)}
+        cot_at = tuple(i for i, name in enumerate(fwd_outputs) if name in vjp.cotangents)
+        saved = {name: i for i, name in enumerate([*fwd_inputs, *saved_names])}
+        cotangents = {vjp.cotangents[fwd_outputs[i]]: j for j, i in enumerate(cot_at)}
+        sources = []
+        for name in bwd_inputs:
+            if name not in saved and name not in cotangents:
+                raise ValueError(
+                    f"the backward Program's input {name!r} is neither a forward input, a saved "
+                    f"value {saved_names} nor a cotangent {list(cotangents)}"
+                )
+            sources.append((0, saved[name]) if name in saved else (1, cotangents[name]))
+        return cls(
+            tuple(out_position[n] for n in saved_names),
+            tuple(out_position[n] for n in saved_only),
+            cot_at,
+            tuple(sources),
+        )
 
 
 def _needs_grad(args: tuple[torch.Tensor, ...]) -> bool:
     return torch.is_grad_enabled() and any(a.requires_grad for a in args)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def _traced(args: tuple[torch.Tensor, ...]) -> bool:
@@ -334,7 +426,7 @@ def _traced(args: tuple[torch.Tensor, ...]) -> bool:
     so it must go through the registered custom op rather than the eager ``autograd.Function``."""
     return (
         torch.compiler.is_compiling()
-        or any(type(a) not in _PLAIN for a in args)
+        or not _PLAIN.issuperset(map(type, args))
         or _get_current_dispatch_mode() is not None
         or _functorch_active()
     )
@@ -399,39 +491,35 @@ def export_autograd(
     fwd_inputs, fwd_outputs = fwd_runner.args, fwd_runner.outputs
     bwd_inputs, bwd_outputs = bwd_runner.args, bwd_runner.outputs
     saved_names = list(vjp.saved)
+    plumbing = _Plumbing.of(fwd_inputs, fwd_outputs, saved_names, saved_only, bwd_inputs, vjp)
+    # each forward input's gradient: its position among the backward op's outputs, or None
+    bwd_position = {name: i for i, name in enumerate(bwd_outputs)}
+    grad_at = tuple(bwd_position.get(grad_names.get(n, "")) for n in fwd_inputs)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         outs = output if isinstance(output, tuple) else (output,)
-        by_name = dict(zip(fwd_outputs, outs, strict=True))
-        kept = [by_name[n] for n in saved_names]
-        ctx.mark_non_differentiable(*(by_name[n] for n in saved_only))
+        ctx.mark_non_differentiable(*[outs[i] for i in plumbing.saved_only_at])
         # Outputs nobody differentiated (saved activations, e.g. llama_mlp's g, u, a) reach
         # backward_fn as None, not as zero tensors of their size: for llama_mlp 3 fills of M·f
         # values a step (0.24 ms at d = 2048, 0.42 ms at d = 4096 on the H200,
         # bench/profile_export.py).
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*inputs, *kept)
-        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
+        ctx.save_for_backward(*inputs, *[outs[i] for i in plumbing.saved_at])
+        # what a zero cotangent for an output whose gradient comes as None is made like
+        ctx.out_meta = [(outs[i].shape, outs[i].dtype, outs[i].device) for i in plumbing.cot_at]
 
     def backward_fn(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         return backward_with(bwd_op, ctx, grads)
 
     def backward_with(run_backward: Any, ctx: Any, grads: tuple) -> tuple:
-        saved = dict(zip([*fwd_inputs, *saved_names], ctx.saved_tensors, strict=True))
-        cot = {}
-        for (out, grad), (shape, dtype, device) in zip(
-            zip(fwd_outputs, grads, strict=True), ctx.out_meta, strict=True
-        ):
-            if out in vjp.cotangents:
-                zero = grad is None
-                cot[vjp.cotangents[out]] = (
-                    torch.zeros(shape, dtype=dtype, device=device) if zero else grad
-                )
-        args = [saved[n] if n in saved else cot[n] for n in bwd_inputs]
-        result = run_backward(*args)
+        cot = [
+            torch.zeros(shape, dtype=dtype, device=device) if grads[i] is None else grads[i]
+            for i, (shape, dtype, device) in zip(plumbing.cot_at, ctx.out_meta, strict=True)
+        ]
+        sources = (ctx.saved_tensors, cot)
+        result = run_backward(*[sources[kind][at] for kind, at in plumbing.bwd_sources])
         result = result if isinstance(result, tuple) else (result,)
-        by_name = dict(zip(bwd_outputs, result, strict=True))
-        return tuple(by_name.get(grad_names.get(n, "")) for n in fwd_inputs)
+        return tuple([None if at is None else result[at] for at in grad_at])
 
     fwd_op.register_autograd(backward_fn, setup_context=setup_context)
     user_outputs = [n for n in fwd_outputs if n not in saved_only]

@@ -34,6 +34,9 @@ def autocast_dtype(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.dtype 
 def run_in_dtype(function: ExportedFunction, dtype: torch.dtype, *tensors: torch.Tensor) -> Any:
     """``function(*tensors)`` with the floating-point tensors cast to ``dtype`` (what autocast
     would do to a projection's input and weight) and autocast off around the exported op."""
-    cast = [t.to(dtype) if t.is_floating_point() else t for t in tensors]
-    with torch.autocast(cast[0].device.type, enabled=False):
+    cast = [t.to(dtype) if t.dtype != dtype and t.is_floating_point() else t for t in tensors]
+    device = cast[0].device.type
+    if not torch.is_autocast_enabled(device):  # nothing to turn off (no context: host time)
+        return function(*cast)
+    with torch.autocast(device, enabled=False):
         return function(*cast)

@@ -186,12 +186,13 @@ class PinnedLaunch:
     ``CODA_TRITON_LAUNCH=1``, a kernel it cannot relaunch) every call does, as does a call on
     another current device than the first."""
 
-    __slots__ = ("kernel", "grid", "meta", "entry", "device")
+    __slots__ = ("kernel", "grid", "meta", "entry", "device", "tail")
 
     def __init__(self, kernel: Any, grid: Sequence[int], **meta: Any) -> None:
         self.kernel, self.grid, self.meta = kernel, tuple(grid), meta
         self.entry: _Entry | None = None
         self.device: int | None = None
+        self.tail: tuple[Any, ...] = ()  # the entry's keyword values, in its order
 
     def __call__(self, *args: Any) -> Any:
         """Launch on ``args``; returns the compiled kernel (see ``launch_kernel``)."""
@@ -199,13 +200,13 @@ class PinnedLaunch:
             compiled = launch_kernel(self.kernel, self.grid, *args, **self.meta)
             if DIRECT and not backend.INTERPRET:
                 self.device = _device_and_stream()[0]
-                self.entry = _entry(self.kernel, compiled, len(args), self.meta)
+                entry = self.entry = _entry(self.kernel, compiled, len(args), self.meta)
+                self.tail = () if entry is None else tuple(self.meta[n] for n in entry.tail)
             return compiled
         device, stream = _device_and_stream()
         if device != self.device:
             return launch_kernel(self.kernel, self.grid, *args, **self.meta)
-        entry = self.entry
-        return _run(entry, self.grid, stream, [*args, *(self.meta[n] for n in entry.tail)])
+        return _run(self.entry, self.grid, stream, [*args, *self.tail])
 
 
 def clear() -> None:

@@ -62,16 +62,24 @@ class VendorProduct(Action):
 
     step: GemmEpilogue
     act: torch.dtype
+    operands: tuple = field(init=False, repr=False, compare=False)
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
+        a_name, a_t, b_name, b_t, out_name, dtype = self.operands
+        a, b = tensors[a_name], tensors[b_name]
+        a = a.T if a_t else a
+        b = b.T if b_t else b
+        out = a @ b if dtype == a.dtype else (a.float() @ b.float())
+        tensors[out_name] = out if out.dtype == dtype else out.to(dtype)
+
+    def __post_init__(self) -> None:
+        # ``a``, whether it is transposed, ``b``, likewise, the output and its dtype: read from
+        # the step once (a replay runs this product on every call)
         step = self.step
         (store,) = step.epilogue
-        a, b = tensors[step.a.tensor], tensors[step.b.tensor]
-        a = a.T if step.a.transpose else a
-        b = b.T if step.b.transpose else b
         dtype = torch_dtype(store.dtype, self.act)
-        out = a @ b if dtype == a.dtype else (a.float() @ b.float())
-        tensors[store.to] = out.to(dtype)
+        operands = (step.a.tensor, step.a.transpose, step.b.tensor, step.b.transpose, store.to)
+        object.__setattr__(self, "operands", (*operands, dtype))
 
 
 @dataclass(frozen=True)
@@ -90,10 +98,22 @@ class PinnedAuxLaunch(Action):
 
     def __init__(self, step: Any, launches: tuple[tuple[PinnedLaunch, tuple], ...]) -> None:
         self.step, self.launches = step, launches
+        # each launch with its constant arguments in place and where the call's tensors go
+        self._filled = tuple((launch, *_template(slots)) for launch, slots in launches)
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
-        for launch, slots in self.launches:
-            launch(*[tensors[s[1]] if s[0] == _PTR else s[1] for s in slots])
+        for launch, template, tensor_at in self._filled:
+            args = template.copy()
+            for i, name in tensor_at:
+                args[i] = tensors[name]
+            launch(*args)
+
+
+def _template(slots: tuple[tuple, ...]) -> tuple[list[Any], tuple[tuple[int, str], ...]]:
+    """The argument list of ``slots`` with the constants in place (None where a tensor goes), and
+    each tensor's ``(position, name)``: a replay copies the list and fills in the tensors."""
+    template = [None if slot[0] != _CONST else slot[1] for slot in slots]
+    return template, tuple((i, slot[1]) for i, slot in enumerate(slots) if slot[0] == _PTR)
 
 
 def record_aux(step: Any, tensors: dict[str, torch.Tensor], env: RunEnv) -> Action:
@@ -191,19 +211,17 @@ class Relaunch(Action):
         self.plan = plan
         self.launch = PinnedLaunch(plan.kernel, plan.grid, **plan.meta)
         self.slots = tuple(_slot(source, tensors) for source in plan.sources)
+        self._template, self._tensor_at = _template(self.slots)
+        self._descriptor_at = tuple((i, *s[1:]) for i, s in enumerate(self.slots) if s[0] == _DESC)
 
     def arguments(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
-        """The launch arguments on ``tensors`` (of the run signature it was recorded at)."""
-        args: list[Any] = []
-        for slot in self.slots:
-            kind = slot[0]
-            if kind == _CONST:
-                args.append(slot[1])
-            elif kind == _PTR:
-                args.append(tensors[slot[1]])
-            else:
-                _, name, shape, strides, block = slot
-                args.append(unchecked_descriptor(tensors[name], list(shape), list(strides), block))
+        """The launch arguments on ``tensors`` (of the run signature it was recorded at): the
+        recorded constants, with the call's tensors and their descriptors filled in."""
+        args = self._template.copy()
+        for i, name in self._tensor_at:
+            args[i] = tensors[name]
+        for i, name, shape, strides, block in self._descriptor_at:
+            args[i] = unchecked_descriptor(tensors[name], list(shape), list(strides), block)
         return args
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> Any:

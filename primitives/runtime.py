@@ -109,9 +109,9 @@ class CompiledProgram:
     def info_for(self, inputs: dict[str, torch.Tensor]) -> ProgramInfo:
         # Looked up several times per call (host time on every training step): by the inputs'
         # shapes first, binding sizes only for shapes not seen before.
-        shapes = tuple((n, tuple(t.shape)) for n, t in inputs.items())
+        shapes = tuple([(n, t.shape) for n, t in inputs.items()])  # torch.Size: a tuple
         if shapes not in self._infos_by_shapes:
-            sizes = bind_sizes(self.program, dict(shapes))
+            sizes = bind_sizes(self.program, {n: tuple(shape) for n, shape in shapes})
             key = tuple(sorted(sizes.items()))
             if key not in self._infos:
                 self._infos[key] = analyze(self.program, sizes)
@@ -152,7 +152,9 @@ class CompiledProgram:
         version counter, and one replaced (a new tensor, ``param.data = …``) has another address
         — the kept inputs are held, so their memory cannot be another tensor's meanwhile. A write
         through ``.data`` (``p.data.mul_(…)``) bypasses the version counter and is not seen."""
-        if not (self.keep_prepared and self.program.prep):
+        if not self.program.prep:
+            return dict(inputs)
+        if not self.keep_prepared:
             return self._run_prep(inputs, info)
         key = _unchanged_key([inputs[n] for n in self.prep_reads])
         if key is not None and self._kept is not None and self._kept[0] == key:
@@ -224,7 +226,7 @@ class CompiledProgram:
     def _run_key(self, prepared: dict[str, torch.Tensor], poison: bool) -> tuple:
         """The run signature of ``prepared`` (see ``run``)."""
         layouts = tuple(
-            (n, t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for n, t in prepared.items()
+            [(n, t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for n, t in prepared.items()]
         )
         device = next(iter(prepared.values())).device
         configs = tuple(self.configs.items())

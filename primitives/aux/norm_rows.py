@@ -10,7 +10,7 @@ the residual), rounding once (docs/algebra.md §1, post-norms).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import triton.language as tl
@@ -97,6 +97,7 @@ class NormRows(AuxStep):
     """
 
     kind: Literal["norm_rows"] = "norm_rows"
+    replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)
     src: Name
     rstd: Name
     weight: Name

@@ -15,7 +15,7 @@ must be written by a step (outputs are never the inputs themselves).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import triton.language as tl
@@ -70,6 +70,7 @@ class RescaleRows(AuxStep):
     """
 
     kind: Literal["rescale_rows"] = "rescale_rows"
+    replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)
     src: Name
     vector: Name | None = None
     out: Name

@@ -82,9 +82,9 @@ def run_prep(steps: Sequence[PrepStep], env: RunEnv, needed: Collection[str]) ->
 
 def _describe(step: PrepStep, env: RunEnv, pending: dict[str, RowStack]) -> RowStack | None:
     """What ``step`` produces as a ``RowStack``, or None where it must run as itself."""
-    if isinstance(step, RopePairs) and env.tensors.get(step.weight, torch.empty(0)).dim() == 2:
-        w = env.tensors[step.weight]  # (a bias or norm weight, 1-D, is permuted as itself)
-        return RowStack(((w, step.row_order(w, env)),))
+    if isinstance(step, RopePairs):
+        w = env.tensors.get(step.weight)  # (a bias or norm weight, 1-D, is permuted as itself)
+        return None if w is None or w.dim() != 2 else RowStack(((w, step.row_order(w, env)),))
     if isinstance(step, ConcatRows):
         parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for name in step.tensors:

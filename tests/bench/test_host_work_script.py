@@ -42,3 +42,14 @@ def test_the_stub_covers_every_importer_and_is_undone() -> None:
         assert launch.launch_kernel(None, (1,), 1, X=2) is None  # launches nothing
     assert launch.launch_kernel is real and rstd.launch_kernel is real
     assert run_plans.launch_kernel is real
+
+
+def test_denormals_are_flushed_while_it_times_and_kept_after() -> None:
+    """The stubbed kernels' outputs hold whatever memory held, denormal floats included, whose
+    arithmetic takes the CPU's slow path: the timed steps flush them to zero, and only those."""
+    import torch
+
+    tiny = torch.tensor([1e-40])  # a float32 denormal
+    with script.denormals_flushed():
+        flushed = (tiny * 1).item()
+    assert flushed == 0.0 and (tiny * 1).item() != 0.0

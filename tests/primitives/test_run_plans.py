@@ -256,3 +256,37 @@ def test_an_aux_step_replays_its_recorded_launches_pinned_where_it_can(
     assert launches == ([] if how == "pinned" else ["rstd_h"])
     want = compile_program(program, analyze(program, sizes))(inputs)
     torch.testing.assert_close(got["out"], want["out"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("base", "key", "kind", "src"),
+    [
+        ("attn_out", "backward", "rescale_rows", "dx_out"),
+        ("gemma2_attn_out", "forward", "norm_rows", "x"),
+    ],
+)
+def test_row_kernels_replay_pinned_and_follow_a_changed_layout(
+    base: str, key: str, kind: str, src: str
+) -> None:
+    """``rescale_rows`` and ``norm_rows`` launch only their kernels on the run's tensors: a run
+    plan replays them pinned. A replay equals a fresh program's run, and the same call with
+    the step's source tensor laid out otherwise (transposed storage) records a plan of its own
+    that is right too — the pinned strides are those of the signature it was recorded at."""
+    from coda.blocks.attn_out import attn_out_family
+    from coda.primitives.run_plans import PinnedAuxLaunch
+
+    block = attn_out_family(base, 1e-5)[key]
+    program, sizes = lower(block), block.shapes.cpu[0]
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled(block.make_inputs(sizes, torch.float32, seed=0))
+    (plan,) = compiled._run_plans.values()
+    (action,) = [a for a in plan.actions if getattr(getattr(a, "step", None), "kind", "") == kind]
+    assert type(action) is PinnedAuxLaunch
+    inputs = block.make_inputs(sizes, torch.float32, seed=1)
+    strided = {**inputs, src: inputs[src].T.contiguous().T}  # same values, column-major
+    for call in (inputs, strided, inputs):
+        got = compiled(call)
+        want = compile_program(program, analyze(program, sizes))(call)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+    assert len(compiled._run_plans) == 2
