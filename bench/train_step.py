@@ -91,10 +91,14 @@ variant with CPU and CUDA activities and says where the GPU waits: the step's wa
 and idle time, the idle time that follows a host synchronization, and the N largest idle gaps,
 each with the CPU op running when it happened (``--gaps-stacks``: and the Python function, at
 the cost of a slower host; ``--trace``: also a gzip'd Chrome trace per variant).
+``--memory-peak N`` records the CUDA caching allocator's history over one forward+backward per
+variant and lists the N largest groups of memory live at the step's peak, by the code that
+allocated them (the innermost frames in coda, transformers, Liger-Kernel or this script).
 
     python3 bench/train_step.py [--family llama|qwen3,gemma2|all] [--out DIR] [--layers N]
         [--vocab V] [--batch 4] [--seq 2048] [--settings bf16,amp] [--variants hf,coda,…|default]
         [--runs 3] [--gaps [N]] [--gaps-stacks] [--trace] [--profile K] [--sync-check] [--host]
+        [--memory-peak [N]]
         [--cprofile VARIANTS] [--compile-mode default|reduce-overhead]
     python3 bench/train_step.py --dry-run --family all  # CPU interpreter, toy models
 
@@ -313,6 +317,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--trace", action="store_true",
         help="with --gaps: also write each profiled step's Chrome trace "
         "(trace-<family>-<setting>-<variant>.json.gz)",
+    )  # fmt: skip
+    p.add_argument(
+        "--memory-peak", type=int, nargs="?", const=12, default=0, metavar="N",
+        help="also record the CUDA caching allocator's history over one forward+backward per "
+        "variant and list the N (default 12) largest groups of memory live at the step's peak, "
+        "by the code that allocated them",
     )  # fmt: skip
     p.add_argument(
         "--host", action="store_true",
@@ -710,6 +720,90 @@ def step_memory_gb(
     return (peak - before) / 1e9
 
 
+# Where an allocation is attributed: the innermost frames in these (not PyTorch's own).
+ALLOCATION_SITES = ("/coda", "/export/", "/primitives/", "transformers/", "liger_kernel/", "bench/")
+
+
+def memory_peak(
+    model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench, top: int
+) -> dict[str, Any] | None:
+    """What is live at the peak of one forward+backward (after the first step): the CUDA caching
+    allocator's history recorded over the step (``torch.cuda.memory._record_memory_history``),
+    replayed by ``live_at_peak``; the ``top`` largest groups by allocation site
+    (``allocation_site``). Memory allocated before the step (weights, optimizer state) is not in
+    the history and not counted: the peak is the step's own, as ``step_memory_gb``. None on a dry
+    run (no CUDA allocator)."""
+    if bench.dry_run:
+        return None
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    try:
+        forward_backward(model, loss_fn, ids, setting, bench)
+        torch.cuda.synchronize()
+        events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    model.zero_grad(set_to_none=True)
+    peak, live = live_at_peak(events)
+    groups: dict[str, int] = {}
+    for size, site in live:
+        groups[site] = groups.get(site, 0) + size
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+    return {"peak_gb": peak / 1e9, "groups": [{"site": s, "gb": b / 1e9} for s, b in ranked]}
+
+
+def live_at_peak(events: list[dict[str, Any]]) -> tuple[int, list[tuple[int, str]]]:
+    """Replay allocator trace ``events`` (``alloc`` / ``free_requested`` with ``addr``,
+    ``size``, ``frames``): the largest total of bytes allocated within the trace and live at
+    once, and the (size, ``allocation_site``) of each block live then. A free of a block the
+    trace did not allocate (it predates the recording) is ignored."""
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    best_live: list[tuple[int, str]] = []
+    for event in events:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], allocation_site(event.get("frames") or []))
+            total += event["size"]
+            if total > best:
+                best, best_live = total, list(live.values())
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    return best, best_live
+
+
+def allocation_site(frames: list[dict[str, Any]], depth: int = 3) -> str:
+    """``file:line:function`` of the ``depth`` innermost frames in ``ALLOCATION_SITES`` (outside
+    PyTorch's own files), innermost first; the innermost frame's function when none is."""
+    picked = [
+        f"{os.path.basename(f['filename'])}:{f.get('line')}:{f.get('name')}"
+        for f in frames
+        if any(s in f.get("filename", "") for s in ALLOCATION_SITES)
+        and "site-packages/torch/" not in f.get("filename", "")
+    ][:depth]
+    return " < ".join(picked) or (frames[0].get("name", "?") if frames else "?")
+
+
+def memory_tables(rows: list[dict[str, Any]]) -> str:
+    """Per variant measured with ``--memory-peak``: what was live at its step's peak."""
+    parts = []
+    for r in rows:
+        peak = r.get("memory_peak")
+        if not peak:
+            continue
+        lines = [
+            f"\n{r['setting']} {r['variant']}: memory live at the step's peak "
+            f"({peak['peak_gb']:.3f} GB allocated in the step), by allocation site",
+            "| GB | allocated at (innermost first) |",
+            "|---|---|",
+        ]
+        lines += [f"| {g['gb']:.3f} | {_cell(g['site'])} |" for g in peak["groups"]]
+        parts.append("\n".join(lines))
+    return "\n" + "\n".join(parts) if parts else ""
+
+
 def setting_rows(
     args: argparse.Namespace,
     setting: str,
@@ -732,6 +826,10 @@ def setting_rows(
             row |= notes
             row |= first_step(model, loss_fn, ids, setting, bench)
             row["step_memory_gb"] = step_memory_gb(model, loss_fn, ids, setting, bench)
+            if args.memory_peak:
+                row["memory_peak"] = memory_peak(
+                    model, loss_fn, ids, setting, bench, args.memory_peak
+                )
         except Skipped as e:
             rows.append({**row, **notes, "skipped": str(e)})
             continue
@@ -1313,7 +1411,7 @@ def family_result(
     bench.free()
     rows = result["rows"]
     text = table(rows) + patch_lines(rows) + family_table(rows) + kernel_tables(rows)
-    text += graph_lines(rows) + sync_lines(rows) + gap_tables(rows)
+    text += graph_lines(rows) + sync_lines(rows) + memory_tables(rows) + gap_tables(rows)
     note = "\n\nDRY RUN on a CPU: not measurements.\n" if bench.dry_run else "\n"
     what = (
         f"{layers} layers, hidden {shape['hidden_size']}, vocabulary {shape['vocab_size']}, "

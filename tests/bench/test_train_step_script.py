@@ -31,10 +31,11 @@ def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> No
     variants = "hf,coda_mlp,coda,coda_fused,coda_lm_head,coda_lm_head_decide,coda_lm_head_ops"
     variants += ",coda_compile,coda_lm_head_graph"  # (a graph is GPU-only: the plain step here)
     argv = ["--dry-run", "--out", str(tmp_path), "--variants", variants, "--sync-check"]
-    argv += ["--host", "--cprofile", "coda_lm_head"]
+    argv += ["--host", "--cprofile", "coda_lm_head", "--memory-peak"]
     assert load_script("llama_train_step").main(argv) == 0  # the Llama entry, as recorded
     result = json.loads((tmp_path / "llama_train_step.json").read_text())
     rows = result["rows"]
+    assert all("memory_peak" in r and r["memory_peak"] is None for r in rows)  # CPU: none
     assert [(r["setting"], r["variant"]) for r in rows] == [
         (s, v) for s in ("bf16", "amp") for v in variants.split(",")
     ]
@@ -497,3 +498,39 @@ def test_a_family_that_fails_to_build_does_not_stop_the_next(
     assert script.main(argv) == 1
     table = (tmp_path / "train_step_families.md").read_text()
     assert "| Qwen3 | — | error |  |" in table and "| Llama | bf16 |  | 2.00 (1.000×) |" in table
+
+
+def _frame(path: str, line: int, name: str) -> dict:
+    return {"filename": path, "line": line, "name": name}
+
+
+def test_the_memory_peak_is_what_the_trace_holds_at_once_by_allocation_site() -> None:
+    """The replay of an allocator trace: the peak is the largest total live at once (a block
+    freed before the next allocation does not count), a free of a block allocated before the
+    recording is ignored, and each live block is named by its innermost frames in coda,
+    transformers or the bench — not PyTorch's own."""
+    script = load_script("train_step")
+    torch_frame = _frame("/venv/site-packages/torch/nn/functional.py", 10, "linear")
+    coda = [torch_frame, _frame("/repo/export/lm_head_chunks.py", 242, "forward")]
+    hf = [_frame("/venv/site-packages/transformers/models/llama/modeling_llama.py", 5, "fwd")]
+    events = [
+        {"action": "free_requested", "addr": 99, "size": 1000},  # allocated before recording
+        {"action": "alloc", "addr": 1, "size": 300, "frames": coda},
+        {"action": "alloc", "addr": 2, "size": 200, "frames": hf},
+        {"action": "free_requested", "addr": 2, "size": 200},
+        {"action": "alloc", "addr": 3, "size": 250, "frames": coda},  # peak: 300 + 250
+        {"action": "free_requested", "addr": 1, "size": 300},
+        {"action": "alloc", "addr": 4, "size": 100, "frames": []},
+    ]
+    peak, live = script.live_at_peak(events)
+    assert peak == 550
+    site = "lm_head_chunks.py:242:forward"
+    assert sorted(live) == [(250, site), (300, site)]
+    assert script.allocation_site(hf) == "modeling_llama.py:5:fwd"
+    assert script.allocation_site([torch_frame]) == "linear"  # nothing of ours: the op
+    rows = [{"setting": "bf16", "variant": "coda", "memory_peak": {
+        "peak_gb": 5.5e-7, "groups": [{"site": site, "gb": 5.5e-7}]}}]  # fmt: skip
+    text = script.memory_tables(rows)
+    assert "bf16 coda: memory live at the step's peak" in text
+    assert f"| 0.000 | {site} |" in text
+    assert script.memory_tables([{"setting": "bf16", "variant": "hf", "memory_peak": None}]) == ""
