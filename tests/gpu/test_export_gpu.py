@@ -226,6 +226,15 @@ def _low_precision_copies(model):  # noqa: ANN001, ANN202
     yield "autocast", copy.deepcopy(model), torch.autocast(DEVICE, dtype=AMP)
 
 
+def _loss_and_grads(model, loss_fn) -> list:  # noqa: ANN001
+    """``[("loss", loss), (name, grad) …]`` of one backward of ``loss_fn(model)`` from zero
+    gradients: what the LM-head loss tests compare with Hugging Face's."""
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model)
+    loss.backward()
+    return [("loss", loss.detach())] + [(n, p.grad) for n, p in model.named_parameters()]
+
+
 def _assert_as_close_as_hugging_face(
     setting: str, got: list, ref32: dict, theirs: dict, tol
 ) -> None:  # noqa: ANN001
@@ -319,21 +328,15 @@ def test_the_fused_causal_lm_loss_in_bf16_and_under_autocast() -> None:
     labels = ids.clone()
     labels[0, : seq // 3] = -100
 
-    def run(model, loss_fn) -> list:  # noqa: ANN001
-        model.zero_grad(set_to_none=True)
-        loss = loss_fn(model)
-        loss.backward()
-        return [("loss", loss.detach())] + [(n, p.grad) for n, p in model.named_parameters()]
-
     def hf_loss(model) -> torch.Tensor:  # noqa: ANN001
         return model(input_ids=ids, labels=labels).loss
 
     def coda_loss(model) -> torch.Tensor:  # noqa: ANN001
         return causal_lm_loss(model, ids, labels, verify=False, tune="off")
 
-    ref32 = dict(run(hf, hf_loss))
+    ref32 = dict(_loss_and_grads(hf, hf_loss))
     tol = get_block("llama_lm_head_ce").tolerance
     for setting, model, amp in _low_precision_copies(hf):
         with amp:
-            want, got = dict(run(model, hf_loss)), run(model, coda_loss)
+            want, got = dict(_loss_and_grads(model, hf_loss)), _loss_and_grads(model, coda_loss)
         _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)

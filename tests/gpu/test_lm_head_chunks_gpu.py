@@ -14,6 +14,7 @@ from .test_export_gpu import (
     TOY,
     _assert_as_close_as_hugging_face,
     _causal_lm,
+    _loss_and_grads,
     _low_precision_copies,
 )
 
@@ -35,12 +36,6 @@ def test_the_fused_loss_in_several_chunks_in_bf16_and_under_autocast() -> None:
     labels[0, : seq // 3] = -100
     labels[1, -5:] = -100  # ignored tokens in the last chunk
 
-    def run(model, loss_fn) -> list:  # noqa: ANN001
-        model.zero_grad(set_to_none=True)
-        loss = loss_fn(model)
-        loss.backward()
-        return [("loss", loss.detach())] + [(n, p.grad) for n, p in model.named_parameters()]
-
     def hf_loss(model) -> torch.Tensor:  # noqa: ANN001
         return model(input_ids=ids, labels=labels).loss
 
@@ -48,11 +43,11 @@ def test_the_fused_loss_in_several_chunks_in_bf16_and_under_autocast() -> None:
         _loss_module(model, verify=False, tune="off").chunk_rows = rows
         return causal_lm_loss(model, ids, labels, verify=False, tune="off")
 
-    ref32 = dict(run(hf, hf_loss))
+    ref32 = dict(_loss_and_grads(hf, hf_loss))
     tol = get_block("llama_lm_head_ce").tolerance
     for setting, model, amp in _low_precision_copies(hf):
         with amp:
-            want, got = dict(run(model, hf_loss)), run(model, coda_loss)
+            want, got = dict(_loss_and_grads(model, hf_loss)), _loss_and_grads(model, coda_loss)
         _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)
 
 
