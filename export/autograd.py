@@ -94,11 +94,6 @@ class _Runner:
     tuned: dict[tuple, dict] = field(default_factory=dict)  # configs per input shapes and dtypes
     op_name: str = ""  # its registered op, coda::<name> (set by _custom_op)
     keep_prepared: bool = False  # CompiledProgram.keep_prepared (ExportedFunction.keep_prepared)
-    # the input shapes whose configs ``_pin_configs`` pinned last, the dict it pinned and its
-    # items then: while the call's shapes are those, the compiled Program holds that dict and
-    # it and the tuned entry have those items, nothing is pinned again (``_pinned_already``; a
-    # tuned run calls ``_pin_configs`` on every call)
-    pinned: tuple[tuple, dict, tuple] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.binding  # noqa: B018  (worked out now: torch.compile cannot trace its first use)
@@ -162,30 +157,14 @@ class _Runner:
 
         assert self.compiled is not None
         key = tuple([(t.shape, t.dtype) for t in inputs.values()])  # torch.Size: a tuple
-        if self._pinned_already(key):
-            return
-        if key not in self.tuned:
+        tuned = self.tuned.get(key)
+        if tuned is not None and self.compiled.configs == tuned:
+            return  # pinned already (a tuned run comes here on every call: no copy each time)
+        if tuned is None:
             space = QUICK_SPACE if self.tune == "quick" else None
             tune_program(self.compiled, self.compiled.prepare(inputs), space=space)
-            self.tuned[key] = dict(self.compiled.configs)
-        configs = dict(self.tuned[key])
-        self.compiled.configs = configs
-        self.pinned = (key, configs, tuple(configs.items()))
-
-    def _pinned_already(self, key: tuple) -> bool:
-        """Whether the compiled Program holds the configs of the shapes ``key``: the dict
-        ``_pin_configs`` pinned for them, with the items it pinned, which are still the tuned
-        ones of ``key`` (nothing replaced or changed either since)."""
-        pinned, tuned = self.pinned, self.tuned.get(key)
-        return (
-            pinned is not None
-            and tuned is not None
-            and pinned[0] == key
-            and self.compiled is not None
-            and self.compiled.configs is pinned[1]
-            and tuple(pinned[1].items()) == pinned[2]
-            and tuple(tuned.items()) == pinned[2]
-        )
+            tuned = self.tuned[key] = dict(self.compiled.configs)
+        self.compiled.configs = dict(tuned)
 
     def fake(self, *args: torch.Tensor) -> list[torch.Tensor]:
         """Outputs with the right shapes and dtypes, allocated like ``args`` (meta / fake)."""

@@ -42,7 +42,7 @@ def test_a_runner_called_with_the_wrong_number_of_tensors_names_what_it_takes() 
 
 def test_pinned_configs_follow_the_call_s_shapes_and_every_change_to_them() -> None:
     """A tuned function pins each input shape's tuned configs on its compiled Program on every
-    call, and skips pinning while they are what it pinned last: alternating shapes, a config
+    call, and skips pinning while the compiled Program holds them: alternating shapes, a config
     replaced in the compiled Program, the compiled Program's dict replaced and a tuned entry
     replaced between calls each leave the right configs pinned."""
     from coda.export import llama_mlp_function
@@ -87,4 +87,4 @@ def test_pinned_configs_follow_the_call_s_shapes_and_every_change_to_them() -> N
         fn.tune = "off"
         for key in keys.values():
             runner.tuned.pop(key, None)
-        runner.pinned, runner.compiled.configs = None, {}
+        runner.compiled.configs = {}
