@@ -98,7 +98,6 @@ class CompiledProgram:
     _default_configs: dict[tuple, MainloopConfig] = field(default_factory=dict)
     _run_plans: dict[tuple, RunPlan] = field(default_factory=dict)  # by run signature (``run``)
     _views: dict[int, list[tuple[str, str, Any]]] = field(default_factory=dict)  # by id(info)
-    _reads_after: list[frozenset[str]] | None = None  # per step (storage_sharing.reads_after)
     # Keep the last call's prep results and reuse them while the tensors prep reads are the same
     # memory, unchanged (``_prepare``): for weights that do not change between calls (inference,
     # generation, gradient accumulation), at the price of keeping one prepared copy.
@@ -182,6 +181,12 @@ class CompiledProgram:
         """The Program inputs its prep steps read (every input named in their dumps)."""
         named = names_in([step.model_dump() for step in self.program.prep])
         return tuple(n for n in self.program.inputs if n in named)
+
+    @functools.cached_property
+    def reads_after(self) -> list[frozenset[str]]:
+        """Per step, the names the later steps and the outputs may read (a superset:
+        ``storage_sharing.reads_after``)."""
+        return reads_after(self.program)
 
     @functools.cached_property
     def read_by_steps(self) -> frozenset[str]:
@@ -279,10 +284,8 @@ class CompiledProgram:
         input) pairs (``storage_sharing``; never in poisoned runs)."""
         if not step.shares_storage:
             return ()
-        if self._reads_after is None:
-            self._reads_after = reads_after(self.program)
         steps = frozenset(self.program.step_names())
-        later = self._reads_after[index]
+        later = self.reads_after[index]
         return shared_storage(step, outputs, later, tensors, info.tensors, steps)
 
     def run_gemm_step(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
