@@ -235,6 +235,17 @@ def _loss_and_grads(model, loss_fn) -> list:  # noqa: ANN001
     return [("loss", loss.detach())] + [(n, p.grad) for n, p in model.named_parameters()]
 
 
+def _assert_loss_as_close_as_hugging_face(hf, hf_loss, coda_loss) -> None:  # noqa: ANN001
+    """``coda_loss``'s loss and gradients on bf16 and autocast copies of ``hf`` against the fp32
+    model's, held to the LM-head block's rule next to Hugging Face's own (``hf_loss``) error."""
+    ref32 = dict(_loss_and_grads(hf, hf_loss))
+    tol = get_block("llama_lm_head_ce").tolerance
+    for setting, model, amp in _low_precision_copies(hf):
+        with amp:
+            want, got = dict(_loss_and_grads(model, hf_loss)), _loss_and_grads(model, coda_loss)
+        _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)
+
+
 def _assert_as_close_as_hugging_face(
     setting: str, got: list, ref32: dict, theirs: dict, tol
 ) -> None:  # noqa: ANN001
@@ -334,9 +345,4 @@ def test_the_fused_causal_lm_loss_in_bf16_and_under_autocast() -> None:
     def coda_loss(model) -> torch.Tensor:  # noqa: ANN001
         return causal_lm_loss(model, ids, labels, verify=False, tune="off")
 
-    ref32 = dict(_loss_and_grads(hf, hf_loss))
-    tol = get_block("llama_lm_head_ce").tolerance
-    for setting, model, amp in _low_precision_copies(hf):
-        with amp:
-            want, got = dict(_loss_and_grads(model, hf_loss)), _loss_and_grads(model, coda_loss)
-        _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)
+    _assert_loss_as_close_as_hugging_face(hf, hf_loss, coda_loss)

@@ -7,15 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coda.blocks import get_block
-
 from .test_export_gpu import (
     DEVICE,
     TOY,
-    _assert_as_close_as_hugging_face,
+    _assert_loss_as_close_as_hugging_face,
     _causal_lm,
-    _loss_and_grads,
-    _low_precision_copies,
 )
 
 pytestmark = pytest.mark.cpu_capable
@@ -43,12 +39,7 @@ def test_the_fused_loss_in_several_chunks_in_bf16_and_under_autocast() -> None:
         _loss_module(model, verify=False, tune="off").chunk_rows = rows
         return causal_lm_loss(model, ids, labels, verify=False, tune="off")
 
-    ref32 = dict(_loss_and_grads(hf, hf_loss))
-    tol = get_block("llama_lm_head_ce").tolerance
-    for setting, model, amp in _low_precision_copies(hf):
-        with amp:
-            want, got = dict(_loss_and_grads(model, hf_loss)), _loss_and_grads(model, coda_loss)
-        _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)
+    _assert_loss_as_close_as_hugging_face(hf, hf_loss, coda_loss)
 
 
 @pytest.mark.skipif(TOY, reason="measures GPU memory")
