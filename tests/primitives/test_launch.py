@@ -2,8 +2,13 @@
 compiled kernel's launcher with the same arguments Triton would pass; any change Triton
 specializes on (dtype, alignment, an integer, the meta-parameters) goes through Triton again.
 
+Where the launcher is Triton 3.6's, a relaunch calls its C launch function with the argument list
+Triton's launcher would build (its descriptors' tensor maps kept per base address), unless a
+launch hook is set or the kernel needs scratch memory; any other launcher is called as before.
+
 Run with a stand-in kernel (the CPU interpreter compiles nothing: there the module always takes
-Triton's path, which every other test of the repository exercises)."""
+Triton's path, which every other test of the repository exercises) and, for the direct call, a
+copy of Triton 3.6's launcher code around a recording C launch function (``cuda_launcher_36``)."""
 
 from __future__ import annotations
 
@@ -173,3 +178,193 @@ def test_a_pinned_launch_on_another_device_or_off_the_direct_path_asks_triton(
     monkeypatch.setattr(launch_module, "DIRECT", False)
     pinned(torch.zeros(4))
     assert len(kernel.triton_launches) == 3 and not kernel.compiled.runs
+
+
+# --- the direct call of the C launch function, under Triton 3.6's launcher (cuda_launcher_36.py)
+
+BF16_DESC = "tensordesc<bf16[64, 64]>"
+
+
+class CompiledKernelOf:
+    """A FakeKernel whose ``kernel[grid]`` returns a given compiled kernel."""
+
+    def __init__(self, arg_names: list[str], compiled: Any) -> None:
+        self.arg_names, self.compiled = arg_names, compiled
+        self.triton_launches = 0
+
+    def __getitem__(self, grid: tuple) -> Any:
+        def run(*args: Any, **meta: Any) -> Any:
+            self.triton_launches += 1
+            return self.compiled
+
+        return run
+
+
+@pytest.fixture
+def c_functions(on_a_gpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recording stand-in counts as a C launch function."""
+    from tests.primitives import cuda_launcher_36 as t36
+
+    monkeypatch.setattr(launch_module, "_RAW_LAUNCH_TYPES", (t36.RecordingLaunch,))
+    t36.FILLED.clear()
+
+
+def _descriptor(t: torch.Tensor, block: list[int] | None = None) -> Any:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block or [64, 64])
+
+
+def _triton_s_call(compiled: Any, c_launch: Any, grid: tuple, args: list[Any]) -> list[Any]:
+    """What Triton 3.6's own path (``launch_metadata``, ``CudaLauncher.__call__`` and its
+    descriptor wrapper) hands the C launch function for ``args``."""
+    from triton import knobs
+
+    metadata = compiled.launch_metadata(grid, 1234, *args)
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    compiled.run(*grid, 1234, compiled.function, compiled.packed_metadata, metadata, *hooks, *args)
+    return c_launch.calls.pop()
+
+
+def test_the_direct_call_hands_the_c_function_triton_s_arguments(c_functions: None) -> None:
+    from tests.primitives import cuda_launcher_36 as t36
+
+    # a pointer, a TMA descriptor, an integer, a descriptor read by pointer, another TMA one
+    signature = ["*bf16", BF16_DESC, "i32", BF16_DESC, BF16_DESC, "constexpr"]
+    metas = [t36.tma_meta([64, 64]), None, t36.tma_meta([32, 64])]
+    compiled, c_launch = t36.compiled_kernel(signature, metas)
+    kernel = CompiledKernelOf(["x_ptr", "a_desc", "n", "b_desc", "c_desc", "BLOCK"], compiled)
+
+    def args() -> list[Any]:
+        x, a, b = torch.zeros(256, 64), torch.zeros(128, 64), torch.zeros(64, 64)
+        return [x, _descriptor(a), 7, _descriptor(b), _descriptor(x[:128], [32, 64])]
+
+    launch_kernel(kernel, (3, 2), *args(), BLOCK=64)  # the first launch: through Triton
+    given = args()
+    launch_kernel(kernel, (3, 2), *given, BLOCK=64)
+    assert kernel.triton_launches == 1
+    (direct,) = c_launch.calls
+    c_launch.calls.clear()
+    triton_s = _triton_s_call(compiled, c_launch, (3, 2, 1), [*given, 64])
+    # Triton hands over launch metadata and its two empty hook chains, which the C function
+    # calls to do nothing; the direct call hands None for all three, which it calls not at all
+    assert direct[10:13] == [None, None, None]
+    assert not any(hook.calls for hook in triton_s[11:13])
+    assert direct[:10] + direct[13:] == triton_s[:10] + triton_s[13:]
+    assert direct[:10] == [3, 2, 1, 1234, 0xF00, False, True, None, None, (4, 1, 1024)]
+    assert compiled.metadata_built == 1  # Triton's path built it; the direct call did not
+
+
+def test_a_descriptor_s_expansion_is_kept_per_base_address(c_functions: None) -> None:
+    from tests.primitives import cuda_launcher_36 as t36
+
+    compiled, c_launch = t36.compiled_kernel([BF16_DESC, "constexpr"], [t36.tma_meta([64, 64])])
+    pinned = PinnedLaunch(CompiledKernelOf(["a_desc", "BLOCK"], compiled), (1,), BLOCK=64)
+    x, y = torch.zeros(128, 64), torch.zeros(128, 64)
+    pinned(_descriptor(x))  # through Triton (the stand-in kernel fills nothing)
+    for t in (x, x, y, x, y):  # a new descriptor object every call, as a replay builds them
+        pinned(_descriptor(t))
+    maps = [call[13] for call in c_launch.calls]
+    assert len(t36.FILLED) == 2  # one tensor map per base address
+    assert maps[0] is maps[1] is maps[3] and maps[2] is maps[4] and maps[0] is not maps[2]
+    assert maps[0].args[0] == x.data_ptr() and maps[2].args[0] == y.data_ptr()
+    assert c_launch.calls[2][13:] == [maps[2], 128, 64, 64, 1, 64]
+    # the same address under another shape is another tensor map (what Triton would build)
+    pinned(_descriptor(x[:64]))
+    assert len(t36.FILLED) == 3 and c_launch.calls[-1][13:] == [t36.FILLED[-1], 64, 64, 64, 1, 64]
+    assert t36.FILLED[-1] == t36.make_tensordesc_arg(_descriptor(x[:64]), t36.tma_meta([64, 64]))[0]
+
+
+def test_kept_expansions_are_bounded(c_functions: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.primitives import cuda_launcher_36 as t36
+
+    monkeypatch.setattr(launch_module, "_DESCRIPTOR_LIMIT", 2)
+    compiled, _ = t36.compiled_kernel([BF16_DESC], [t36.tma_meta([64, 64])])
+    pinned = PinnedLaunch(CompiledKernelOf(["a_desc"], compiled), (1,))
+    tensors = [torch.zeros(64, 64) for _ in range(3)]
+    pinned(_descriptor(tensors[0]))
+    for t in tensors:
+        pinned(_descriptor(t))
+    ((*_, kept),) = pinned.entry.direct.descriptors
+    assert len(kept) == 1 and len(t36.FILLED) == 3  # cleared at the limit, then the third kept
+
+
+@pytest.mark.parametrize("hook", ["enter added", "exit added", "enter assigned"])
+def test_a_launch_hook_sends_relaunches_through_the_launcher(
+    c_functions: None, monkeypatch: pytest.MonkeyPatch, hook: str
+) -> None:
+    from triton import knobs
+
+    from tests.primitives import cuda_launcher_36 as t36
+
+    compiled, c_launch = t36.compiled_kernel(["*fp32", "i32"], None)
+    pinned = PinnedLaunch(CompiledKernelOf(["x_ptr", "n"], compiled), (1,))
+    x = torch.zeros(4)
+    pinned(x, 4)
+    pinned(x, 4)
+    assert c_launch.calls[-1][10:13] == [None, None, None] and compiled.metadata_built == 0
+
+    seen: list[Any] = []
+    chain = knobs.runtime.launch_exit_hook if hook == "exit added" else None
+    if hook == "enter assigned":  # a hook set the way older Tritons took it
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", seen.append)
+    else:
+        chain = chain or knobs.runtime.launch_enter_hook
+        chain.add(seen.append)
+    try:
+        pinned(x, 4)
+    finally:
+        if chain is not None:
+            chain.remove(seen.append)
+    # the launcher's call: the hooks as Triton passes them, and the metadata they are given
+    hooks = [knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook]
+    metadata = {"name": "kernel", "function": 0xF00, "stream": 1234}
+    assert c_launch.calls[-1][10:] == [metadata, *hooks, x, 4]
+    assert compiled.metadata_built == 1
+
+
+def _unrecognised(why: str) -> Any:
+    """A compiled kernel whose launcher the direct call must not bypass."""
+    from triton.backends.nvidia import driver as installed
+
+    from tests.primitives import cuda_launcher_36 as t36
+
+    signature = ["*fp32", BF16_DESC]
+    if why in ("global scratch", "profile scratch"):
+        key = why.split()[0] + "_scratch"
+        return t36.compiled_kernel(signature, [t36.tma_meta([64, 64])], **{key: 128})[0]
+    compiled, c_launch = t36.compiled_kernel(signature, [t36.tma_meta([64, 64])])
+    launcher = compiled._run
+    if why == "installed Triton's launcher":  # another __call__ (3.9: the arguments as a tuple)
+        real = object.__new__(installed.CudaLauncher)
+        real.__dict__.update(launcher.__dict__)
+        compiled._run = real
+    elif why == "a wrapper of another shape":  # a Python function around the C one
+        launcher.launch = lambda *args: c_launch(*args)
+    elif why == "a __call__ that reads more":
+
+        class Sanitized(t36.CudaLauncher):
+            def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # noqa: ANN001, ANN002, ANN204, N803
+                if self.gsan_enabled:
+                    raise RuntimeError("a sanitizer's launch")
+                super().__call__(gridX, gridY, gridZ, stream, function, *args)
+
+        compiled._run = object.__new__(Sanitized)
+        compiled._run.__dict__.update(launcher.__dict__)
+    return compiled
+
+
+@pytest.mark.parametrize(
+    "why",
+    [
+        "recognised",
+        "global scratch",
+        "profile scratch",
+        "installed Triton's launcher",
+        "a wrapper of another shape",
+        "a __call__ that reads more",
+    ],
+)
+def test_only_the_launcher_it_recognises_is_bypassed(c_functions: None, why: str) -> None:
+    compiled = _unrecognised(why)
+    assert (launch_module._direct(compiled) is not None) == (why == "recognised")
