@@ -112,16 +112,17 @@ class Bench:
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
-    def compare(self, fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    def compare(self, fns: dict[str, Callable[[], Any]], rep_ms: int = 100) -> dict[str, float]:
         """Milliseconds of each function, timed in interleaved rounds on a GPU (clocks drift under
-        load, so back-to-back timings are not comparable: coda.primitives.timing)."""
+        load, so back-to-back timings are not comparable: coda.primitives.timing), each timing the
+        median over ``rep_ms`` milliseconds of calls."""
         for fn in fns.values():
             fn()  # warm up: compiles, autotunes and caches outside the timed rounds
         if self.dry_run:
             return {name: self.ms(fn) for name, fn in fns.items()}
         from coda.primitives.timing import interleaved_ms
 
-        return interleaved_ms(fns, rounds=3, warmup=25, rep=100)
+        return interleaved_ms(fns, rounds=3, warmup=25, rep=rep_ms)
 
     def graph_ms(self, fn: Callable[[], Any]) -> float | None:
         """Milliseconds of ``fn`` replayed from a CUDA graph: GPU time with no host launch cost

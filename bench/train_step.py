@@ -82,11 +82,13 @@ variant holds its model, gradients and AdamW state through the interleaved timin
 for Gemma 2's 256k vocabulary in fp32 weights (``amp``).
 
 Each variant's first loss and gradient norm are checked against ``hf``'s (same setting) before
-timing; step times are medians of interleaved rounds (``coda.primitives.timing``), the
-comparison repeated ``--runs`` times in the process: a row's step time is the median over runs,
-with the spread (min–max) and every run's time in the JSON, also as tokens per second; step
-memory is what one forward+backward allocates beyond the model, gradients and optimizer state
-(peak minus allocated before, on a step after the first). ``--gaps N`` profiles one step per
+timing; step times are medians of interleaved rounds (``coda.primitives.timing``), each round
+timing a variant over ``STEP_REP_MS`` of back-to-back steps (a host-bound step varies with the
+host's scheduling: a 100 ms window holds five steps at 2048 tokens), the comparison repeated
+``--runs`` times in the process: a row's step time is the median over runs, with the spread
+(min–max) and every run's time in the JSON, also as tokens per second; step memory is what one
+forward+backward allocates beyond the model, gradients and optimizer state (peak minus allocated
+before, on a step after the first). ``--gaps N`` profiles one step per
 variant with CPU and CUDA activities and says where the GPU waits: the step's wall time, GPU busy
 and idle time, the idle time that follows a host synchronization, and the N largest idle gaps,
 each with the CPU op running when it happened (``--gaps-stacks``: and the Python function, at
@@ -804,6 +806,9 @@ def memory_tables(rows: list[dict[str, Any]]) -> str:
     return "\n" + "\n".join(parts) if parts else ""
 
 
+STEP_REP_MS = 1000  # milliseconds of steps per variant per interleaved round
+
+
 def setting_rows(
     args: argparse.Namespace,
     setting: str,
@@ -853,7 +858,7 @@ def setting_rows(
         if mode in ("ops", "decide"):
             steps[name] = with_host_paths(steps[name], ops=mode == "ops")
         rows.append(row)
-    runs = [bench.compare(steps) for _ in range(args.runs)] if steps else []
+    runs = [bench.compare(steps, rep_ms=STEP_REP_MS) for _ in range(args.runs)] if steps else []
     for row in rows:
         if row["variant"] in steps:
             measure_more(args, row, steps[row["variant"]], bench, family)
