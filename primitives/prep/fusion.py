@@ -7,8 +7,10 @@ in every training step's forward and again (without the fold) in its backward. `
 instead describes what these steps produce as a ``RowStack`` (which rows of which sources, and the
 γ to scale the columns by), composes descriptions along the chain, and writes a stack only where a
 tensor is needed: by a later prep step that cannot take a description, by a GEMM or aux step, or
-as a block output — an intermediate only the chain reads is never written. Each stack is written
-part by part into its slice of the result: one pass per source (``prep/rows.py`` on the GPU).
+as a block output — an intermediate only the chain reads is never written. On the GPU a stack is
+written in one launch of the row kernel (``prep/rows.py``): every part gathered, scaled and placed
+into its rows of the result, each source read once — the attention input's QKV weight is one
+launch in the forward and one in the backward.
 
 The values are those of running the steps one by one, bit for bit: gathers and stacking copy, and
 the fold forms each product in fp32 and rounds once either way. The reference executor runs the
@@ -26,7 +28,7 @@ import torch
 from ..base import PrepStep, RunEnv
 from .fold_norm_weight import FoldNormWeight, fold_columns, offset_gamma
 from .layout import ConcatRows, RopePairs
-from .rows import assemble_rows
+from .rows import stack_rows
 
 
 @dataclass(frozen=True)
@@ -50,15 +52,8 @@ class RowStack:
         return stacked if self.gamma is None else fold_columns(stacked, self.gamma, compute)
 
     def _write_in_place(self) -> torch.Tensor:
-        first = self.parts[0][0]
-        lengths = [src.shape[0] if rows is None else rows.shape[0] for src, rows in self.parts]
-        out = torch.empty((sum(lengths), first.shape[1]), dtype=first.dtype, device=first.device)
-        for (src, rows), part in zip(self.parts, out.split(lengths), strict=True):
-            if rows is None and self.gamma is None:
-                part.copy_(src)
-            else:
-                assemble_rows(part, src, rows, self.gamma)
-        return out
+        """The stack written by the row kernel: every part in one launch (``prep/rows.py``)."""
+        return stack_rows(self.parts, self.gamma)
 
 
 def run_prep(steps: Sequence[PrepStep], env: RunEnv, needed: Collection[str]) -> None:

@@ -1,14 +1,22 @@
-"""Writing a prepared weight's rows on the GPU: gathered from a source in a given order, scaled
-column-wise by a norm weight γ, placed into a slice of the output — one pass, one launch.
+"""Writing a prepared weight's rows on the GPU: the rows of up to ``MAX_PARTS`` sources, each
+gathered in a given order, stacked, scaled column-wise by a norm weight γ — one pass, one launch.
 
-What prep ``fold_norm_weight`` runs alone (``scale_columns``), and what a fused prep chain —
-``rope_pairs`` → ``concat_rows`` → ``fold_norm_weight`` (``prep/fusion.py``) — runs once per part,
-so each source weight is read once and the result written once. Each product is formed in fp32
-and rounded once to the output's dtype (the fold's formula, bit for bit); a gather alone is an
-exact copy.
+What a fused prep chain — ``rope_pairs`` → ``concat_rows`` → ``fold_norm_weight``
+(``prep/fusion.py``) — writes a stack with (``stack_rows``: the attention input's Q, K and V
+parts in one launch, forward and backward), and what prep ``fold_norm_weight`` runs alone
+(``scale_columns``: one part). Each source weight is read once and the result written once. Each
+product is formed in fp32 and rounded once to the output's dtype (the fold's formula, bit for
+bit); a gather alone is an exact copy.
+
+The launch's programs along the grid's first axis are the parts' row tiles, part after part: the
+kernel derives each part's first program and first output row from the row counts before it, so
+a tile never straddles two parts and parts of any row counts share one launch. A stack of more
+than ``MAX_PARTS`` parts (``concat_rows`` of stacks) takes one launch per ``MAX_PARTS`` parts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton.language as tl
@@ -17,41 +25,191 @@ from .. import backend
 from ..launch import launch_kernel
 from ..sizes import cdiv
 
+# Parts one launch writes: the attention input's Q, K and V (the most a shipped Program stacks)
+# and one more. Each part is five kernel arguments; a part the launch does not have is None.
+MAX_PARTS = 4
+_BLOCK_ROWS, _BLOCK_COLS = 16, 256
+
+Part = tuple[torch.Tensor, torch.Tensor | None]  # (source, its row order or None: all in order)
+
 
 @backend.jit
-def _assemble_rows_kernel(
+def _part_tile(
+    tile,
+    first_row,
     src_ptr,
     rows_ptr,
-    g_ptr,
-    out_ptr,
     n_rows,
-    cols,
     stride_sm,
     stride_sn,
+    g_ptr,
     stride_g,
+    out_ptr,
+    cols,
     stride_om,
     stride_on,
-    HAS_ROWS: tl.constexpr,
-    HAS_GAMMA: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    # One program: a BLOCK_ROWS × BLOCK_COLS tile of out[r, c] = src[rows[r], c] · g[c].
-    offs_r = tl.program_id(axis=0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    # Row tile ``tile`` of one part: out[first_row + r, c] = src[rows[r], c] · g[c].
+    offs_r = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     offs_c = tl.program_id(axis=1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask_r = offs_r < n_rows
     mask_c = offs_c < cols
     mask = mask_r[:, None] & mask_c[None, :]
-    if HAS_ROWS:
+    if rows_ptr is not None:
         src_r = tl.load(rows_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
     else:
         src_r = offs_r.to(tl.int64)
     w = tl.load(src_ptr + src_r[:, None] * stride_sm + offs_c[None, :] * stride_sn, mask=mask)
-    if HAS_GAMMA:
+    if g_ptr is not None:
         g = tl.load(g_ptr + offs_c * stride_g, mask=mask_c, other=0.0).to(tl.float32)
         w = (w.to(tl.float32) * g[None, :]).to(out_ptr.dtype.element_ty)
-    out_r = offs_r.to(tl.int64)[:, None]
+    out_r = (first_row + offs_r).to(tl.int64)[:, None]
     tl.store(out_ptr + out_r * stride_om + offs_c[None, :] * stride_on, w, mask=mask)
+
+
+@backend.jit
+def _assemble_rows_kernel(
+    out_ptr,
+    cols,
+    stride_om,
+    stride_on,
+    g_ptr,
+    stride_g,
+    src0,
+    rows0,
+    n0,
+    stride_sm0,
+    stride_sn0,
+    src1,
+    rows1,
+    n1,
+    stride_sm1,
+    stride_sn1,
+    src2,
+    rows2,
+    n2,
+    stride_sm2,
+    stride_sn2,
+    src3,
+    rows3,
+    n3,
+    stride_sm3,
+    stride_sn3,
+    NUM_PARTS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    # Axis 0: the parts' row tiles, part after part (part p starts at program ``start`` and at
+    # output row ``first``, the sums over the parts before it); axis 1: column tiles. A part's
+    # rows_ptr is None when it takes its source's rows in order, g_ptr None without γ, and the
+    # arguments of parts from NUM_PARTS on are None (never read).
+    tile = tl.program_id(axis=0)
+    end = (n0 + BLOCK_ROWS - 1) // BLOCK_ROWS  # by hand: a count of 1 arrives as a constexpr
+    if tile < end:
+        _part_tile(tile, 0, src0, rows0, n0, stride_sm0, stride_sn0,
+                   g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
+                   BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
+    if NUM_PARTS > 1:
+        start, first = end, n0
+        end = start + (n1 + BLOCK_ROWS - 1) // BLOCK_ROWS
+        if (tile >= start) & (tile < end):
+            _part_tile(tile - start, first, src1, rows1, n1, stride_sm1, stride_sn1,
+                       g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
+                       BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
+    if NUM_PARTS > 2:
+        start, first = end, first + n1
+        end = start + (n2 + BLOCK_ROWS - 1) // BLOCK_ROWS
+        if (tile >= start) & (tile < end):
+            _part_tile(tile - start, first, src2, rows2, n2, stride_sm2, stride_sn2,
+                       g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
+                       BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
+    if NUM_PARTS > 3:
+        start, first = end, first + n2
+        end = start + (n3 + BLOCK_ROWS - 1) // BLOCK_ROWS
+        if (tile >= start) & (tile < end):
+            _part_tile(tile - start, first, src3, rows3, n3, stride_sm3, stride_sn3,
+                       g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
+                       BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
+
+
+def stack_rows(parts: Sequence[Part], gamma: torch.Tensor | None = None) -> torch.Tensor:
+    """``cat([src[rows] for src, rows in parts]) · diag(γ)`` — ``src`` whole where ``rows`` is
+    None, no scaling where ``gamma`` is None — written by the Triton kernel on the sources'
+    device (on the CPU only under the interpreter) in one launch per ``MAX_PARTS`` parts.
+
+    Every source is a 2-D tensor of one width, dtype and device (``concat_rows`` checks the first
+    two; a stack of sources it would reject is refused here rather than converted)."""
+    first = parts[0][0]
+    counts = _row_counts(parts, gamma)
+    out = torch.empty((sum(counts), first.shape[1]), dtype=first.dtype, device=first.device)
+    if len(parts) <= MAX_PARTS:
+        _launch(out, parts, counts, gamma)
+        return out
+    row = 0
+    for i in range(0, len(parts), MAX_PARTS):
+        group = counts[i : i + MAX_PARTS]
+        _launch(out[row : row + sum(group)], parts[i : i + MAX_PARTS], group, gamma)
+        row += sum(group)
+    return out
+
+
+def _row_counts(parts: Sequence[Part], gamma: torch.Tensor | None) -> list[int]:
+    """Each part's number of rows, after checking that the parts can be stacked in place."""
+    first = parts[0][0]
+    dtype, device, cols = first.dtype, first.device, first.shape[-1]
+    counts = []
+    for i, (src, rows) in enumerate(parts):
+        if src.dim() != 2:
+            raise ValueError(
+                f"stack_rows: part {i} is a {tuple(src.shape)} tensor; stack 2-D weights "
+                "[rows, columns]"
+            )
+        if src.shape[1] != cols or src.dtype != dtype or src.device != device:
+            raise ValueError(
+                f"stack_rows: part {i} is {tuple(src.shape)} {src.dtype} on {src.device}, but "
+                f"part 0 is {tuple(first.shape)} {dtype} on {device}; stack weights of one width, "
+                f"dtype and device (convert or move part {i} first)"
+            )
+        if rows is not None and (
+            rows.dim() != 1 or not rows.is_contiguous() or rows.device != device
+        ):
+            raise ValueError(
+                f"stack_rows: part {i}'s row order is a {tuple(rows.shape)} tensor with strides "
+                f"{rows.stride()} on {rows.device}; give a contiguous 1-D index tensor on its "
+                f"source's device ({device})"
+            )
+        counts.append(src.shape[0] if rows is None else rows.shape[0])
+    if gamma is not None and (gamma.shape != (cols,) or gamma.device != device):
+        raise ValueError(
+            f"stack_rows: γ is a {tuple(gamma.shape)} tensor on {gamma.device}; give one value "
+            f"per column ({cols}) on the sources' device ({device})"
+        )
+    return counts
+
+
+def _launch(
+    out: torch.Tensor, parts: Sequence[Part], counts: Sequence[int], gamma: torch.Tensor | None
+) -> None:
+    """One launch writing ``parts`` (at most ``MAX_PARTS``, ``counts`` rows each) into the rows
+    of ``out`` in order."""
+    cols = out.shape[1]
+    tiles = sum(cdiv(n, _BLOCK_ROWS) for n in counts)
+    if not tiles or not cols:
+        return
+    args: list = [out, cols, *out.stride(), gamma, 0 if gamma is None else gamma.stride(0)]
+    for (src, rows), n in zip(parts, counts, strict=True):
+        args += (src, rows, n, *src.stride())
+    args += (None,) * (5 * (MAX_PARTS - len(parts)))
+    launch_kernel(
+        _assemble_rows_kernel,
+        (tiles, cdiv(cols, _BLOCK_COLS)),
+        *args,
+        NUM_PARTS=len(parts),
+        BLOCK_ROWS=_BLOCK_ROWS,
+        BLOCK_COLS=_BLOCK_COLS,
+    )
 
 
 def assemble_rows(
@@ -61,7 +219,8 @@ def assemble_rows(
     gamma: torch.Tensor | None = None,
 ) -> None:
     """``out[r] = src[rows[r]] · diag(γ)`` for every row of ``out`` (a 2-D tensor or a row slice
-    of one), by the Triton kernel on ``out``'s device (on the CPU only under the interpreter).
+    of one), by the Triton kernel on ``out``'s device (on the CPU only under the interpreter):
+    a stack of one part written into a given tensor.
 
     ``rows=None`` takes ``src``'s rows in order; ``gamma=None`` copies without scaling.
     """
@@ -70,29 +229,7 @@ def assemble_rows(
         raise ValueError(f"assemble_rows: {rows.shape[0]} row indices for {n_rows} output rows")
     if src.shape[1] != cols or (rows is None and src.shape[0] != n_rows):
         raise ValueError(f"assemble_rows: source {tuple(src.shape)} for output {tuple(out.shape)}")
-    if out.numel() == 0:
-        return
-    block_rows, block_cols = 16, 256
-    grid = (cdiv(n_rows, block_rows), cdiv(cols, block_cols))
-    launch_kernel(
-        _assemble_rows_kernel,
-        grid,
-        src,
-        src if rows is None else rows,  # never read without HAS_ROWS
-        src if gamma is None else gamma,  # never read without HAS_GAMMA
-        out,
-        n_rows,
-        cols,
-        src.stride(0),
-        src.stride(1),
-        0 if gamma is None else gamma.stride(0),
-        out.stride(0),
-        out.stride(1),
-        HAS_ROWS=rows is not None,
-        HAS_GAMMA=gamma is not None,
-        BLOCK_ROWS=block_rows,
-        BLOCK_COLS=block_cols,
-    )
+    _launch(out, ((src, rows),), (n_rows,), gamma)
 
 
 def scale_columns(w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ from coda.primitives import backend
 from coda.primitives.analysis import analyze, bind_sizes
 from coda.primitives.base import PrepStep, RunEnv
 from coda.primitives.ir import Program
+from coda.primitives.launch import recorded_launches
 from coda.primitives.prep.fusion import RowStack, run_prep
-from coda.primitives.prep.rows import assemble_rows
+from coda.primitives.prep.rows import MAX_PARTS, _assemble_rows_kernel, assemble_rows, stack_rows
 from coda.primitives.runtime import compile_program
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -188,8 +189,8 @@ def test_the_row_kernel_refuses_mismatched_rows() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_the_gpu_writer_places_every_part_like_the_torch_one(dtype: torch.dtype) -> None:
-    """``RowStack``'s in-place writer (what runs on the GPU: the row kernel per part, a copy for a
-    whole unscaled part) through the interpreter, against its PyTorch writer (the CPU's)."""
+    """``RowStack``'s in-place writer (what runs on the GPU: one launch of the row kernel for
+    every part) through the interpreter, against its PyTorch writer (the CPU's)."""
     gen = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(n, 7, generator=gen).to(dtype) for n in (8, 4, 5))
     order = torch.randperm(8, generator=gen)
@@ -197,3 +198,90 @@ def test_the_gpu_writer_places_every_part_like_the_torch_one(dtype: torch.dtype)
     parts = ((q, order), (k, None), (v, torch.arange(4, -1, -1)))
     for stack in (RowStack(parts), RowStack(parts, gamma), RowStack(((k, None), (v, None)))):
         assert torch.equal(stack._write_in_place(), stack.write(torch.float32))
+
+
+def _parts(
+    dtype: torch.dtype, counts: tuple[int, ...], cols: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """One part per row count: sources with spare rows, odd ones gathered in a shuffled order
+    (even ones from a transposed, non-contiguous source, taken whole)."""
+    gen = torch.Generator().manual_seed(seed)
+    parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for i, n in enumerate(counts):
+        if i % 2:
+            src = (torch.randn(n + 2, cols, generator=gen) * 3).to(dtype)
+            parts.append((src, torch.randperm(n + 2, generator=gen)[:n]))
+        else:
+            parts.append(((torch.randn(cols, n, generator=gen) * 3).to(dtype).T, None))
+    return parts
+
+
+def _per_part(stack: RowStack) -> torch.Tensor:
+    """The stack written part by part: one ``assemble_rows`` launch per part, into its rows."""
+    first = stack.parts[0][0]
+    counts = [src.shape[0] if rows is None else rows.shape[0] for src, rows in stack.parts]
+    out = torch.empty((sum(counts), first.shape[1]), dtype=first.dtype)
+    for (src, rows), part in zip(stack.parts, out.split(counts), strict=True):
+        assemble_rows(part, src, rows, stack.gamma)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_stack_is_written_in_one_launch_like_part_by_part(dtype: torch.dtype) -> None:
+    """``RowStack``'s in-place writer (the GPU's; the interpreter here) launches the row kernel
+    once for a stack of up to ``MAX_PARTS`` parts of odd row counts — a part wider than a row
+    tile among them — and writes what the per-part launches and PyTorch's ``index_select`` /
+    ``cat`` / ``fold_columns`` write, bit for bit: with and without row orders and γ (a 16-bit
+    one, and an fp32 one as ``offset_gamma`` makes)."""
+    cols = 263  # two column tiles
+    gen = torch.Generator().manual_seed(8)
+    gamma = (torch.randn(cols, generator=gen) * torch.logspace(-2, 2, cols)).to(dtype)
+    for counts in [(5, 3, 7), (5, 37, 3, 7), (1,), (4, 0, 6)]:
+        parts = _parts(dtype, counts, cols, seed=sum(counts))
+        whole = tuple((src, None) for src, _ in parts)  # every part in order: plain stacking
+        for stack in (
+            RowStack(tuple(parts)),
+            RowStack(tuple(parts), gamma),
+            RowStack(tuple(parts), gamma.float() + 1.0),
+            RowStack(whole),
+        ):
+            with recorded_launches() as launches:
+                got = stack._write_in_place()
+            assert [call[0] for call in launches] == [_assemble_rows_kernel], counts
+            assert got.dtype == dtype
+            assert torch.equal(got, _per_part(stack)), counts
+            assert torch.equal(got, stack.write(torch.float32)), counts  # the CPU's writer
+
+
+def test_a_stack_of_more_parts_takes_a_launch_per_max_parts() -> None:
+    gen = torch.Generator().manual_seed(9)
+    counts = (3, 5, 2, 7, 1, 4) + (6,) * (MAX_PARTS - 4)  # more than MAX_PARTS parts
+    parts = _parts(torch.float32, counts, cols=9, seed=3)
+    stack = RowStack(tuple(parts), torch.randn(9, generator=gen))
+    with recorded_launches() as launches:
+        got = stack._write_in_place()
+    assert len(launches) == -(-len(counts) // MAX_PARTS) == 2
+    assert torch.equal(got, stack.write(torch.float32))
+
+
+def test_a_stack_of_mismatched_parts_is_refused() -> None:
+    w = torch.randn(4, 6)
+    cases = {
+        "part 1 is \\(4, 6\\) torch.float16 on cpu, but part 0 is \\(4, 6\\) torch.float32": (
+            (w, None),
+            (w.half(), None),
+        ),
+        "part 2 is \\(4, 5\\)": ((w, None), (w, None), (torch.randn(4, 5), None)),
+        "part 0 is a \\(6,\\) tensor; stack 2-D weights": ((w[0], None),),
+        "part 1's row order is a \\(2, 2\\) tensor": ((w, None), (w, torch.zeros(2, 2).long())),
+        "part 0's row order is a \\(2,\\) tensor with strides \\(2,\\)": (
+            (w, torch.arange(4)[::2]),
+        ),
+    }
+    for message, parts in cases.items():
+        with pytest.raises(ValueError, match=message):
+            stack_rows(parts)
+    with pytest.raises(
+        ValueError, match="γ is a \\(5,\\) tensor on cpu; give one value per column"
+    ):
+        stack_rows(((w, None),), torch.randn(5))
