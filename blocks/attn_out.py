@@ -8,8 +8,9 @@ decoder layer, with or without a post-norm between them, forward and backward.
 * ``olmo2_attn_out``: ``x_out = x + rmsnorm(attn @ w_o.T) · γ`` (OLMo 2's
   ``post_attention_layernorm``, an ``Olmo2RMSNorm``: ``γ · x̂`` in fp32, cast after).
 
-Each has a backward (``<name>_bwd``: gradients of ``attn``, ``w_o``, the post-norm's ``gamma``
-and the residual ``x``, whose gradient is ``dx_out`` itself, so the backward takes no ``x``).
+Each has a backward (``<name>_bwd``: gradients of ``attn``, ``w_o`` and the post-norm's
+``gamma``; the residual ``x``'s is ``dx_out`` itself, so the backward neither takes ``x`` nor
+returns ``dx``: ``VJP.passthrough``).
 The post-norm forms have an epsilon: another value than ``LLAMA_RMS_EPS`` registers
 ``<name>_eps<eps>`` and its ``_bwd`` on first use (resolved by name, as the MLP families are);
 ``attn_out`` has no norm and one family for every epsilon.
@@ -92,16 +93,17 @@ olmo2_attn_out = _post_norm_block(
 
 
 def _backward(forward: Block) -> Block:
-    """``<forward>_bwd``: gradients of every input; the residual's is ``dx_out``, so ``x`` is
-    left out of the backward's inputs (the sandbox could not tell a Program that ignores it from
-    one that reads it)."""
+    """``<forward>_bwd``: gradients of ``attn``, ``w_o`` (and ``gamma``). The residual's is
+    ``dx_out`` itself (``passthrough``): ``x`` is neither an input (the sandbox could not tell a
+    Program that ignores it from one that reads it) nor is ``dx`` an output — the exported
+    function hands ``dx_out`` on as ``x``'s gradient, with no copy."""
     return register(
         backward_block(
             forward,
             name=f"{forward.name}_bwd",
             cotangents=_COTANGENT,
-            wrt=[n for n in forward.inputs],
-            zeros=["x"],
+            wrt=[n for n in forward.inputs if n != "x"],
+            passthrough=["x"],
         )
     )
 

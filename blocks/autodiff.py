@@ -7,6 +7,10 @@ forward block's own reference source, which the backward block's source shows in
 ``pick`` per gradient. The built-in planner lowers it from the *forward* graph (``coda.planner``,
 its ``vjp`` rule): recompute what the backward needs, fuse each pairwise/norm backward into the
 epilogue of the GEMM that produces its input, weight gradients on the vendor GEMM.
+
+A residual input that only enters ``out = x + branch`` gets ``dout`` itself as its gradient
+(``passthrough``, proved from the forward graph by ``residual_passthrough``): the backward block
+has no output for it, and whoever runs the backward hands ``dout`` on — no copy.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from .block import Block, ShapeSets, TensorSpec, Tolerance
-from .ops import GraphOp
+from .ops import Add, GraphOp
 from .registry import get_block
 
 
@@ -59,6 +63,10 @@ class VJP(GraphOp):
     # an affine map's derivatives do not see its offset): not inputs of the backward block, the
     # forward runs on zeros in their place (still differentiated when in ``wrt``).
     zeros: list[str] = []
+    # Forward inputs whose gradient is the cotangent of a forward output as is (a residual ``x``
+    # of ``out = x + branch``, by ``residual_passthrough``): no output of the backward block; the
+    # caller hands that cotangent on (input -> output).
+    passthrough: dict[str, str] = {}
 
     def forward_block(self) -> Block:
         return get_block(self.forward)
@@ -140,6 +148,8 @@ class VJP(GraphOp):
             line += f"  # {', '.join(self.saved)}: saved by the forward pass (autograd recomputes)"
         if self.zeros:
             line += f"  # {', '.join(self.zeros)}: no gradient depends on them"
+        for name, output in self.passthrough.items():
+            line += f"; d{name} is {self.cotangents[output]} itself"
         return line
 
     def _zeros_shape(self, name: str) -> str:
@@ -184,6 +194,52 @@ def _sizes_from(block: Block, shapes: dict[str, tuple[int, ...]]) -> dict[str, i
     return sizes
 
 
+def _downstream(forward: Block, value: str) -> set[str]:
+    """Every graph value computed (transitively) from ``value``."""
+    found = {value}
+    for op in forward.graph:
+        if found.intersection(op.inputs()):
+            found.add(op.out)
+    return found - {value}
+
+
+def residual_passthrough(forward: Block, name: str, cotangents: dict[str, TensorSpec]) -> str:
+    """The forward output whose gradient is input ``name``'s as is: ``name`` must enter the graph
+    once, as an operand of ``out = name + branch`` (an ``Add`` of two different values), with
+    ``out`` a block output given a cotangent of ``name``'s dtype and nothing computed from ``out``
+    given one — then ``d name = d out`` exactly (an addition's derivative is the identity, and no
+    other path reaches a cotangent). ``ValueError`` naming what differs."""
+    readers = [op for op in forward.graph if name in op.inputs()]
+    if name not in forward.inputs or len(readers) != 1:
+        raise ValueError(
+            f"passthrough {name!r}: it must be an input of {forward.name!r} that exactly one "
+            f"graph op reads (it is read by {[op.out for op in readers]})"
+        )
+    add = readers[0]
+    if not isinstance(add, Add) or add.a == add.b:
+        raise ValueError(
+            f"passthrough {name!r}: its reader {add.out!r} is a {type(add).__name__}, not an Add "
+            "of it and another value (only a residual add passes its gradient through as is)"
+        )
+    spec = cotangents.get(add.out)
+    if add.out not in forward.outputs or spec is None:
+        raise ValueError(
+            f"passthrough {name!r}: the sum {add.out!r} must be a block output with a cotangent"
+        )
+    if spec.dtype != forward.inputs[name].dtype:
+        raise ValueError(
+            f"passthrough {name!r}: the cotangent of {add.out!r} is {spec.dtype}, the input "
+            f"{forward.inputs[name].dtype}; its gradient would need a cast"
+        )
+    reached = sorted(_downstream(forward, add.out) & set(cotangents))
+    if reached:
+        raise ValueError(
+            f"passthrough {name!r}: {reached} are computed from {add.out!r} and have cotangents, "
+            f"so {name!r}'s gradient is more than the cotangent of {add.out!r}"
+        )
+    return add.out
+
+
 def backward_block(
     forward: Block,
     *,
@@ -194,6 +250,7 @@ def backward_block(
     shapes: ShapeSets | None = None,
     tolerance: Tolerance | None = None,
     zeros: list[str] | None = None,
+    passthrough: list[str] | None = None,
 ) -> Block:
     """The backward block of ``forward``: inputs = forward inputs, the ``saved`` forward values
     (drawn consistently: computed by the forward reference), and ``d<output>`` for each output in
@@ -202,7 +259,19 @@ def backward_block(
     ``zeros``: forward inputs no gradient depends on (biases of Linears that only linear maps
     follow), left out of the inputs — the sandbox would rightly refuse a block with an input that
     moves no output; the reference runs the forward on zeros in their place. Not with ``saved``
-    (a saved value would depend on them)."""
+    (a saved value would depend on them).
+
+    ``passthrough``: residual inputs whose gradient is a cotangent as is (``residual_passthrough``
+    checks the forward graph): not in ``wrt``, left out of the inputs as ``zeros`` are, and no
+    output ``d<input>`` — the caller hands the cotangent on (``VJP.passthrough``), so the backward
+    neither copies nor stores it."""
+    passing = {n: residual_passthrough(forward, n, cotangents) for n in passthrough or []}
+    if set(passing) & set(wrt):
+        raise ValueError(
+            f"backward_block {name!r}: {sorted(set(passing) & set(wrt))} pass their gradient "
+            "through (passthrough); leave them out of wrt"
+        )
+    zeros = [*(zeros or []), *(n for n in passing if n not in (zeros or []))]
     if zeros and saved:
         raise ValueError(
             f"backward_block {name!r}: saved forward values depend on the inputs {zeros}, so "
@@ -218,7 +287,8 @@ def backward_block(
             cotangents={o: f"d{o}" for o in cotangents},
             wrt=wrt,
             saved=list(saved_specs),
-            zeros=list(zeros or []),
+            zeros=list(zeros),
+            passthrough=passing,
             out="grads",
         )
     ]
@@ -231,7 +301,7 @@ def backward_block(
             f"{', '.join(cotangents)} (autograd of the forward reference)."
         ),
         inputs={
-            **{n: s for n, s in forward.inputs.items() if n not in (zeros or [])},
+            **{n: s for n, s in forward.inputs.items() if n not in zeros},
             **saved_specs,
             **grads,
         },

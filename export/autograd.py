@@ -435,7 +435,9 @@ def export_autograd(
 
     ``backward_block`` is the block ``backward`` was verified against: its ``vjp`` op maps forward
     outputs to cotangent inputs (``cotangents``) and names the inputs that get gradients (``wrt``);
-    the backward Program's inputs must be the forward inputs followed by those cotangents.
+    the backward Program's inputs must be the forward inputs followed by those cotangents. An
+    input the vjp passes a cotangent through to (``passthrough``: a residual ``x`` of ``out = x +
+    …``) gets that cotangent itself as its gradient, from no Program.
     ``packed``: pairs of forward inputs the function takes as one tensor of interleaved rows
     (``PackedRows``); the backward Program must return their gradients as the even and odd rows of
     one tensor, which becomes the packed tensor's gradient. ``inference``: a Program with the
@@ -471,9 +473,7 @@ def export_autograd(
     bwd_inputs, bwd_outputs = bwd_runner.args, bwd_runner.outputs
     saved_names = list(vjp.saved)
     plumbing = _Plumbing.of(fwd_inputs, fwd_outputs, saved_names, saved_only, bwd_inputs, vjp)
-    # each forward input's gradient: its position among the backward op's outputs, or None
-    bwd_position = {name: i for i, name in enumerate(bwd_outputs)}
-    grad_at = tuple(bwd_position.get(grad_names.get(n, "")) for n in fwd_inputs)
+    grad_at = _gradient_sources(fwd_inputs, fwd_outputs, bwd_outputs, grad_names, plumbing, vjp)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         outs = output if isinstance(output, tuple) else (output,)
@@ -498,7 +498,8 @@ def export_autograd(
         sources = (ctx.saved_tensors, cot)
         result = run_backward(*[sources[kind][at] for kind, at in plumbing.bwd_sources])
         result = result if isinstance(result, tuple) else (result,)
-        return tuple([None if at is None else result[at] for at in grad_at])
+        grads_from = (result, cot)
+        return tuple([None if at is None else grads_from[at[0]][at[1]] for at in grad_at])
 
     fwd_op.register_autograd(backward_fn, setup_context=setup_context)
     user_outputs = [n for n in fwd_outputs if n not in saved_only]
@@ -540,6 +541,30 @@ def export_autograd(
     exported.tune = tune
     _REGISTERED[key] = exported
     return exported
+
+
+def _gradient_sources(
+    fwd_inputs: list[str],
+    fwd_outputs: list[str],
+    bwd_outputs: list[str],
+    grad_names: dict[str, str],
+    plumbing: _Plumbing,
+    vjp: VJP,
+) -> tuple[tuple[int, int] | None, ...]:
+    """Where each forward input's gradient comes from: ``(0, i)``, the backward op's ``i``-th
+    output; ``(1, j)``, the ``j``-th cotangent as is (an input the vjp passes its output's
+    gradient through to: a residual, ``VJP.passthrough``); None, no gradient."""
+    bwd_position = {name: i for i, name in enumerate(bwd_outputs)}
+    cot_position = {fwd_outputs[i]: j for j, i in enumerate(plumbing.cot_at)}
+    sources: list[tuple[int, int] | None] = []
+    for name in fwd_inputs:
+        if name in vjp.passthrough:
+            sources.append((1, cot_position[vjp.passthrough[name]]))
+        elif grad_names.get(name, "") in bwd_position:
+            sources.append((0, bwd_position[grad_names[name]]))
+        else:
+            sources.append(None)
+    return tuple(sources)
 
 
 def _check_inference(forward: Program, inference: Program, returned: list[str]) -> None:

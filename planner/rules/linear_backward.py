@@ -2,7 +2,8 @@
 output ``out = x + attn W_oᵀ`` (Llama, Mistral) or ``out = x + RMSNorm(attn W_oᵀ)·γ`` (OLMo 2's
 post-norm), differentiated from the ``Add`` that ends it (``AddRule.differentiate``).
 
-* the residual passes the gradient through: ``dx = dout``, stored from the post-norm's GEMM or
+* the residual passes the gradient through: ``dx = dout``. A backward block that hands it on
+  itself (``VJP.passthrough``) gets no ``dx``; otherwise it is stored from the post-norm's GEMM or
   copied by aux ``rescale_rows`` without a vector (a block output is never a block input);
 * ``m = attn W_oᵀ`` gets ``dm = dout``, or through the post-norm ``BackwardBuilder.
   post_norm_backward`` (``m`` recomputed in two GEMMs, ``dγ`` as partial column sums);
@@ -21,17 +22,20 @@ def residual_linear_backward(b: BackwardBuilder) -> None:
     add, linear, post = _residual_linear(b)
     dout = b.cotangent(add.out)
     residual = next(v for v in add.inputs() if v != (post.out if post else linear.out))
+    wants_dx = residual in b.grad_name  # not when the caller hands dout on (passthrough)
+    dx = b.name(f"d{residual}") if wants_dx else None
     if post is not None:  # dx = dout stored from the post-norm GEMM's [M, d] tiles
-        dx = b.name(f"d{residual}")
-        store = [{"op": "store", "src": "dh_tile", "to": dx}]
+        store = [{"op": "store", "src": "dh_tile", "to": dx}] if dx else []
         dm = b.post_norm_backward(post, linear.x, linear.weight, dout, extra=store)
     else:  # no GEMM has [M, d] tiles: one copying pass (outputs are never inputs)
         dm = dout
-        dx = b.aux({"kind": "rescale_rows", "src": dout, "out": f"d{residual}"})
+        if dx:
+            b.st.steps.append({"kind": "rescale_rows", "src": dout, "out": dx})
     b.output(linear.x, b.plain_gemm("linear_input_grad", dm, linear.weight, f"d{linear.x}"))
     weight_grad = b.plain_gemm("linear_weight_grad", f"{dm}.T", linear.x, f"d{linear.weight}")
     b.output(linear.weight, weight_grad)
-    b.output(residual, dx)
+    if dx:
+        b.output(residual, dx)
 
 
 def _residual_linear(b: BackwardBuilder) -> tuple[Add, Linear, RMSNorm | None]:

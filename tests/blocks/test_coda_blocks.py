@@ -282,3 +282,40 @@ def test_saved_inputs_are_the_forward_values() -> None:
     inputs = block.make_inputs(block.shapes.cpu[0], torch.float64, seed=3)
     logits = fn.rms_norm(inputs["x"], inputs["gamma"], 1e-5) @ inputs["w_lm"].T
     assert torch.allclose(inputs["lse"], torch.logsumexp(logits, dim=-1))
+
+
+def test_the_residual_of_an_attention_output_passes_its_gradient_through() -> None:
+    # x only enters x_out = x + attn @ w_oᵀ: its gradient is dx_out, so the backward block has
+    # no dx (the exported function hands dx_out on) and does not take x
+    for name in ("attn_out_bwd", "gemma2_attn_out_bwd", "olmo2_attn_out_bwd"):
+        block = get_block(name)
+        vjp = block.graph[0]
+        assert vjp.passthrough == {"x": "x_out"}, name
+        assert "dx" not in block.outputs and "x" not in block.inputs, name
+        assert "dx is dx_out itself" in block.reference_source(), name
+
+
+def test_only_a_residual_passes_its_gradient_through() -> None:
+    from coda.blocks.autodiff import backward_block, residual_passthrough
+    from coda.blocks.block import TensorSpec
+
+    dout = {"out": TensorSpec(shape=["M", "d"])}
+    # llama_mlp's x also feeds the pre-norm: its gradient is more than dout
+    with pytest.raises(ValueError, match="exactly one graph op reads"):
+        residual_passthrough(get_block("llama_mlp"), "x", dout)
+    with pytest.raises(ValueError, match="not an Add"):
+        residual_passthrough(get_block("llama_mlp"), "w_down", dout)
+    # llama_attn_out's x_out feeds the next norm's statistic: with a cotangent for it too, x's
+    # gradient gets that path's share
+    both = {"x_out": TensorSpec(shape=["M", "d"]), "rstd": TensorSpec(shape=["M"])}
+    with pytest.raises(ValueError, match=r"\['rstd'\] are computed from 'x_out'"):
+        residual_passthrough(get_block("llama_attn_out"), "x", both)
+    assert residual_passthrough(get_block("llama_attn_out"), "x", {"x_out": both["x_out"]})
+    with pytest.raises(ValueError, match="leave them out of wrt"):
+        backward_block(
+            get_block("attn_out"),
+            name="attn_out_bwd_twice",
+            cotangents={"x_out": both["x_out"]},
+            wrt=["attn", "x"],
+            passthrough=["x"],
+        )

@@ -518,6 +518,34 @@ def test_the_attention_input_keeps_its_output_for_a_backward_without_the_project
         torch.testing.assert_close(g, w * 2)
 
 
+def test_the_attention_outputs_residual_gets_the_incoming_gradient_itself() -> None:
+    """x_out = x + attn @ w_oᵀ: x's gradient is dx_out as is — the backward Program returns no
+    dx and copies nothing (its two GEMMs only); autograd gets dx_out's own storage."""
+    from coda.export.attn_out import ATTN_OUT, attention_output_function
+
+    fn = attention_output_function(ATTN_OUT, 1e-5, tune="off")
+    assert [s.kind for s in fn.backward.steps] == ["gemm", "gemm"]
+    assert "dx" not in fn.backward.outputs
+    gen = torch.Generator().manual_seed(5)
+    attn, w_o = torch.randn(7, 32, generator=gen), torch.randn(24, 32, generator=gen) / 6
+    x = torch.randn(7, 24, generator=gen)
+    leaves = [t.requires_grad_() for t in (attn, w_o, x)]
+    dx_out = torch.randn(7, 24, generator=gen)
+    out = fn(*leaves)
+    dattn, dw_o, dx = torch.autograd.grad(out, leaves, dx_out)
+    assert dx.data_ptr() == dx_out.data_ptr()  # no copy
+    want = x + attn @ w_o.T
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    want_grads = torch.autograd.grad(want, leaves, dx_out)
+    for g, w in zip((dattn, dw_o, dx), want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    # traced whole, through the registered ops: the same gradients
+    compiled = torch.compile(lambda *t: fn(*t) * 2, backend="aot_eager", fullgraph=True)
+    twice_grads = torch.autograd.grad(compiled(*leaves), leaves, dx_out)
+    for g, w in zip(twice_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w * 2, atol=1e-5, rtol=1e-5)
+
+
 def test_kept_prepared_weights_follow_an_optimizer_step_and_a_swapped_parameter() -> None:
     """``keep_prepared`` reuses the prepared weights (γ folded into gate/up) between calls with
     unchanged weights; an in-place update or a new Parameter is seen on the next call: it gives

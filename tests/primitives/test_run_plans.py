@@ -5,10 +5,12 @@ pinned configs, the mainloop asked for — is part of the signature and records 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
-from coda.blocks import get_block
+from coda.blocks import Block, TensorSpec, get_block
 from coda.planner import lower
 from coda.primitives import analyze, compile_program
 from coda.primitives.ir import MainloopConfig
@@ -258,24 +260,40 @@ def test_an_aux_step_replays_its_recorded_launches_pinned_where_it_can(
     torch.testing.assert_close(got["out"], want["out"], rtol=0, atol=0)
 
 
+def _attn_out_backward_with_dx() -> Block:
+    """``attn_out``'s backward returning the residual's gradient too: the planner copies
+    ``dx_out`` into ``dx`` with a ``rescale_rows`` without a vector (the shipped ``attn_out_bwd``
+    hands ``dx_out`` on instead)."""
+    from coda.blocks.autodiff import backward_block
+
+    forward = get_block("attn_out")
+    return backward_block(
+        forward,
+        name="attn_out_bwd_dx",
+        cotangents={"x_out": TensorSpec(shape=["M", "d"])},
+        wrt=list(forward.inputs),
+        zeros=["x"],
+    )
+
+
 @pytest.mark.parametrize(
-    ("base", "key", "kind", "src"),
+    ("block", "kind", "src"),
     [
-        ("attn_out", "backward", "rescale_rows", "dx_out"),
-        ("gemma2_attn_out", "forward", "norm_rows", "x"),
+        (_attn_out_backward_with_dx, "rescale_rows", "dx_out"),
+        (lambda: get_block("gemma2_attn_out"), "norm_rows", "x"),
     ],
+    ids=["attn_out_bwd_dx", "gemma2_attn_out"],
 )
 def test_row_kernels_replay_pinned_and_follow_a_changed_layout(
-    base: str, key: str, kind: str, src: str
+    block: Callable[[], Block], kind: str, src: str
 ) -> None:
     """``rescale_rows`` and ``norm_rows`` launch only their kernels on the run's tensors: a run
     plan replays them pinned. A replay equals a fresh program's run, and the same call with
     the step's source tensor laid out otherwise (transposed storage) records a plan of its own
     that is right too — the pinned strides are those of the signature it was recorded at."""
-    from coda.blocks.attn_out import attn_out_family
     from coda.primitives.run_plans import PinnedAuxLaunch
 
-    block = attn_out_family(base, 1e-5)[key]
+    block = block()
     program, sizes = lower(block), block.shapes.cpu[0]
     compiled = compile_program(program, analyze(program, sizes))
     compiled(block.make_inputs(sizes, torch.float32, seed=0))
