@@ -211,15 +211,72 @@ llama_attn_in_bwd = register(
         ),
     )
 )
-llama_attn_in_bwd_saved = register(
-    backward_block(
-        llama_attn_in,
-        name="llama_attn_in_bwd_saved",
+
+
+def norm_statistic(forward: Block) -> tuple[RowRstd, TensorSpec] | None:
+    """The statistic of ``forward``'s pre-norm (its one RMSNorm of a block input) as a graph op —
+    ``rstd_<norm output> = row_rstd(x, eps)``, fp32, one value per row — and its spec as a saved
+    input; None when the block has no such norm (OLMo 2's MLP). A training forward returns it,
+    and its backward takes it (the planner's ``BackwardBuilder.rstd``) instead of reading ``x``
+    once more to recompute it: the forward's own aux ``rstd`` output, bit for bit."""
+    norms = [op for op in forward.graph if isinstance(op, RMSNorm) and op.x in forward.inputs]
+    if len(norms) != 1:
+        return None
+    norm = norms[0]
+    rows = forward.inputs[norm.x].shape[:1]
+    op = RowRstd(x=norm.x, eps=norm.eps, out=f"rstd_{norm.out}")
+    spec = TensorSpec(
+        shape=rows,
+        dtype="float32",
+        doc=f"rsqrt(mean({norm.x}²) + eps) per row, the pre-norm's statistic saved by the forward",
+    )
+    return op, spec
+
+
+def _with_statistic(forward: Block, name: str, outputs: list[str], what: str) -> Block:
+    """``forward`` as the training forward ``name``: ``outputs`` (values it saves for the
+    backward), and its pre-norm's statistic after them (``norm_statistic``), if it has one."""
+    stat = norm_statistic(forward)
+    graph, extra = list(forward.graph), ""
+    if stat is not None:
+        graph.append(stat[0])
+        outputs = [*outputs, stat[0].out]
+        extra = f" and {stat[0].out} = the pre-norm's rstd (fp32)"
+    return forward.model_copy(
+        update={
+            "name": name,
+            "description": f"{forward.description} Training forward: also returns {what}{extra}"
+            " for the backward.",
+            "graph": graph,
+            "outputs": outputs,
+        }
+    )
+
+
+def _saved_statistic(train: Block) -> dict[str, TensorSpec]:
+    """The saved-input spec of ``train``'s pre-norm statistic (none without one)."""
+    stat = norm_statistic(train)
+    return {stat[0].out: stat[1]} if stat is not None and stat[0].out in train.outputs else {}
+
+
+def _attn_in_training_pair(forward: Block, name: str) -> tuple[Block, Block]:
+    """``<name>_train`` (the forward that also returns its input norm's statistic ``rstd_h``)
+    and ``<name>_bwd_saved`` (the backward that takes it and the forward's output ``qkv``
+    instead of recomputing the QKV projection and the statistic)."""
+    train = register(_with_statistic(forward, f"{name}_train", ["qkv"], "qkv (its output)"))
+    saved = backward_block(
+        train,
+        name=f"{name}_bwd_saved",
         cotangents=ATTN_IN_COTANGENT,
         wrt=ATTN_IN_GRADS,
-        saved=ATTN_IN_SAVED,
-        shapes=llama_attn_in_bwd.shapes,
+        saved={**ATTN_IN_SAVED, **_saved_statistic(train)},
+        shapes=llama_attn_in_bwd.shapes,  # with Nqkv, as the built-in backward's
     )
+    return train, register(saved)
+
+
+llama_attn_in_train, llama_attn_in_bwd_saved = _attn_in_training_pair(
+    llama_attn_in, "llama_attn_in"
 )
 
 LM_HEAD_GRADS = ["x", "gamma", "w_lm"]
@@ -288,26 +345,21 @@ MLP_SAVED = {
 def _mlp_training_pair(
     forward: Block, name: str, wrt: list[str] = MLP_GRADS
 ) -> tuple[Block, Block]:
-    """``<name>_train`` (the forward that also returns g, u and a = silu(g)·u) and
-    ``<name>_bwd_saved`` (the backward that receives them instead of recomputing the gate/up GEMM
-    and a — what eager PyTorch's autograd keeps too), with the gradients of ``wrt``."""
-    train = forward.model_copy(
-        update={
-            "name": f"{name}_train",
-            "description": forward.description
-            + " Training forward: also returns g = gate(h), u = up(h) and a = silu(g) * u for"
-            " the backward.",
-            "outputs": ["out", "g", "u", "a"],
-        }
-    )
+    """``<name>_train`` (the forward that also returns g, u and a = silu(g)·u, and its pre-norm's
+    statistic ``rstd_h`` where it has one) and ``<name>_bwd_saved`` (the backward that receives
+    them instead of recomputing the gate/up GEMM, a and the statistic — what eager PyTorch's
+    autograd keeps too), with the gradients of ``wrt``."""
+    what = "g = gate(h), u = up(h) and a = silu(g) * u"
+    train = register(_with_statistic(forward, f"{name}_train", ["out", "g", "u", "a"], what))
+    statistic = _saved_statistic(train)
     saved = backward_block(
-        forward,
+        train if statistic else forward,
         name=f"{name}_bwd_saved",
         cotangents=MLP_COTANGENT,
         wrt=wrt,
-        saved=MLP_SAVED,
+        saved={**MLP_SAVED, **statistic},
     )
-    return register(train), register(saved)
+    return train, register(saved)
 
 
 llama_mlp_train, llama_mlp_bwd_saved = _mlp_training_pair(llama_mlp, "llama_mlp")
@@ -402,33 +454,27 @@ def llama_lm_head_ce_family(eps: float) -> dict[str, Block]:
     return dict(zip(_KEYS, _VARIANTS[name], strict=True))
 
 
-_ATTN_KEYS = ("forward", "backward", "backward_saved")
-
-
 def llama_attn_in_family(eps: float) -> dict[str, Block]:
     """``forward`` (``llama_attn_in``), ``backward`` (``llama_attn_in_bwd``: gets the forward
-    inputs, recomputes the projection) and ``backward_saved`` (``llama_attn_in_bwd_saved``: also
-    gets the forward's output ``qkv``) for an input norm's epsilon; another value than 1e-5
-    registers ``llama_attn_in_eps<eps>``, ``_bwd`` and ``_bwd_saved``."""
+    inputs, recomputes the projection), ``train`` (``llama_attn_in_train``: also returns the
+    input norm's statistic ``rstd_h``) and ``backward_saved`` (``llama_attn_in_bwd_saved``: also
+    gets the forward's output ``qkv`` and ``rstd_h``) for an input norm's epsilon; another value
+    than 1e-5 registers ``llama_attn_in_eps<eps>``, ``_bwd``, ``_train`` and ``_bwd_saved``."""
     if eps == LLAMA_RMS_EPS:
-        builtin = (llama_attn_in, llama_attn_in_bwd, llama_attn_in_bwd_saved)
-        return dict(zip(_ATTN_KEYS, builtin, strict=True))
+        builtin = (llama_attn_in, llama_attn_in_bwd, llama_attn_in_train, llama_attn_in_bwd_saved)
+        return dict(zip(_KEYS, builtin, strict=True))
     name = f"llama_attn_in_eps{eps:g}"
     if name not in _VARIANTS:
         forward = _with_eps(llama_attn_in, eps, name)
-        backwards = [
-            backward_block(
-                forward,
-                name=f"{name}{suffix}",
-                cotangents=ATTN_IN_COTANGENT,
-                wrt=ATTN_IN_GRADS,
-                saved=saved,
-                shapes=llama_attn_in_bwd.shapes,  # with Nqkv, as the built-in backward's
-            )
-            for suffix, saved in (("_bwd", None), ("_bwd_saved", ATTN_IN_SAVED))
-        ]
-        _VARIANTS[name] = (forward, *map(register, backwards))
-    return dict(zip(_ATTN_KEYS, _VARIANTS[name], strict=True))
+        backward = backward_block(
+            forward,
+            name=f"{name}_bwd",
+            cotangents=ATTN_IN_COTANGENT,
+            wrt=ATTN_IN_GRADS,
+            shapes=llama_attn_in_bwd.shapes,  # with Nqkv, as the built-in backward's
+        )
+        _VARIANTS[name] = (forward, register(backward), *_attn_in_training_pair(forward, name))
+    return dict(zip(_KEYS, _VARIANTS[name], strict=True))
 
 
 _VARIANTS: dict[str, tuple[Block, ...]] = {}

@@ -3,9 +3,11 @@ projections + RoPE as one GEMM (``llama_attn_in``, docs/algebra.md §2–3), and
 
 * ``llama_attn_in_function(eps)``: ``f(x, gamma, w_q, w_k, w_v, cos, sin) -> qkv`` with autograd
   for ``x``, ``gamma`` and the three weights; the backward (``llama_attn_in_bwd_saved``) takes
-  the returned ``qkv`` and recomputes no projection. ``qkv = [q | k | v]`` ``[tokens, Nq +
-  2·Nkv]``; Q and K are rotated and come in the per-head adjacent-pair column order the fused
-  kernel writes (``[r0, r_{D/2}, r1, r_{D/2+1}, …]`` of Hugging Face's rotate-half layout) — the
+  the returned ``qkv`` and recomputes no projection, and the input norm's statistic ``rstd_h``,
+  which the training forward (``llama_attn_in_train``) returns too and a call does not.
+  ``qkv = [q | k | v]`` ``[tokens, Nq + 2·Nkv]``; Q and K are rotated and come in the per-head
+  adjacent-pair column order the fused kernel writes (``[r0, r_{D/2}, r1, r_{D/2+1}, …]`` of
+  Hugging Face's rotate-half layout) — the
   attention scores, and so the attention output, are the same, because Q and K share the order.
 * ``CodaLlamaAttention(attn, norm)``: a ``LlamaAttention`` whose input norm (the layer's
   ``input_layernorm``, which ``patch_llama`` turns into a ``DeferredRMSNorm``), projections and
@@ -77,11 +79,14 @@ def llama_attn_in_function(
 @lru_cache(maxsize=8)
 def _attn_in_function(eps: float, verify: bool) -> ExportedFunction:
     # The backward takes the forward's output qkv instead of recomputing the QKV projection GEMM
-    # for RoPE's inverse and the norm's statistic (q, k, v are views of it, which attention's own
-    # backward may hold too; the memory this costs is not yet measured).
-    keys = ("forward", "backward_saved")
-    forward, backward = dropin_programs("llama_attn_in", keys, eps, verify=verify)
-    return export_autograd(forward, backward, llama_attn_in_family(eps)["backward_saved"])
+    # for RoPE's inverse (q, k, v are views of it, which attention's own backward may hold too;
+    # the memory this costs is not yet measured), and the training forward's norm statistic
+    # rstd_h (one float32 a row) instead of a pass over x; without gradients the plain forward
+    # runs.
+    keys = ("train", "backward_saved", "forward")
+    train, backward, forward = dropin_programs("llama_attn_in", keys, eps, verify=verify)
+    block = llama_attn_in_family(eps)["backward_saved"]
+    return export_autograd(train, backward, block, inference=forward)
 
 
 @dataclass(frozen=True)

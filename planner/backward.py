@@ -9,6 +9,8 @@ writes the schedule with a ``BackwardBuilder``. Every supported forward block st
    the backward block gets only the forward inputs) or read from what the forward saved, and the
    head's backward runs in an epilogue (the head's rule); that epilogue also writes partial sums of
    ``z·dz`` (``c = Σ z·dz / d``, §4: ``zdz_partials``, ``statistic``);
+   The norm's statistic ``r`` is an aux ``rstd`` pass over ``x``, or the forward's own when it
+   saved it (``rstd``);
 2. the RMSNorm backward in the epilogue of ``dh = dz W`` (``norm_backward``):
    ``dx = r (dh ⊙ γ − x̂ c)`` (+ the residual's gradient), ``y = x̂ ⊙ γ`` stored for the weight
    gradient, partial column sums of ``dh ⊙ x̂``;
@@ -24,7 +26,7 @@ from typing import Any, NoReturn
 
 from coda.blocks.autodiff import VJP, Pick
 from coda.blocks.block import Block
-from coda.blocks.ops import RMSNorm
+from coda.blocks.ops import RMSNorm, RowRstd
 
 from .shapes import size_expr_of
 from .state import NoRule, PlanState
@@ -102,8 +104,27 @@ class BackwardBuilder:
 
     # -- shared pieces -----------------------------------------------------------------------------
     def rstd(self, norm: RMSNorm) -> str:
-        """The norm's ``r``: one pass over its input (cheap next to the GEMMs)."""
+        """The norm's ``r``: the backward block's input when the forward saved it (a ``RowRstd``
+        of the norm's input with its epsilon, in ``saved``: ``saved_rstd``), else one pass over
+        its input (cheap next to the GEMMs, but a launch)."""
+        saved = self.saved_rstd(norm)
+        if saved is not None:
+            return saved
         return self.aux({"kind": "rstd", "src": norm.x, "eps": norm.eps, "out": f"rstd_{norm.out}"})
+
+    def saved_rstd(self, norm: RMSNorm) -> str | None:
+        """The saved forward value that is ``norm``'s statistic — a ``RowRstd`` of the norm's
+        input with the norm's epsilon, computed in fp32 as the norm's own — or None."""
+        return next(
+            (
+                op.out
+                for op in self.forward.graph
+                if isinstance(op, RowRstd)
+                and op.out in self.op.saved
+                and (op.x, op.eps) == (norm.x, norm.eps)
+            ),
+            None,
+        )
 
     def forward_projection(self, norm: RMSNorm, weight: str) -> tuple[str, str]:
         """(rstd of x, γ folded into ``weight``) for recomputing ``z = r ⊙ (x W_foldedᵀ)``."""

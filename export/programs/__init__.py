@@ -82,7 +82,9 @@ FAMILIES: dict[str, Family] = {
     "gemma_mlp": Family(lambda eps: gemma_mlp_family("gemma_mlp", eps), _MLP_KEYS),
     "gemma_mlp_branch": Family(lambda eps: gemma_mlp_family("gemma_mlp_branch", eps), _MLP_KEYS),
     "gemma2_mlp_branch": Family(lambda eps: gemma_mlp_family("gemma2_mlp_branch", eps), _MLP_KEYS),
-    "llama_attn_in": Family(llama_attn_in_family, ("forward", "backward_saved")),
+    # Llama's attention input: the training forward also returns the norm's statistic, which the
+    # backward takes with qkv; the plain forward runs without gradients.
+    "llama_attn_in": Family(llama_attn_in_family, ("forward", "train", "backward_saved")),
     "llama_lm_head_ce": Family(llama_lm_head_ce_family, ("forward", "train", "backward_saved")),
     # the attention inputs in Hugging Face's order (separate q_rot, k_rot, v): Qwen2's, Qwen3's
     "qwen2_attn_in": Family(qwen2_attn_in_family, ("forward", "backward")),

@@ -248,6 +248,7 @@ def test_llama_mlp_epsilon_variants_resolve_by_name() -> None:
     assert branch["forward"].name == "llama_mlp_branch_eps1e-06"
     assert not any(op.op == "add" for op in branch["forward"].graph)  # no residual
     assert family["train"].graph[0].eps == 1e-6
+    assert family["train"].graph[-1].eps == 1e-6  # the saved statistic's, as the norm's
     builtin = llama_mlp_family(1e-5)
     assert builtin["forward"] is get_block("llama_mlp")
     assert builtin["backward_saved"] is get_block("llama_mlp_bwd_saved")
@@ -276,7 +277,10 @@ def test_saved_inputs_are_the_forward_values() -> None:
     inputs = block.make_inputs(block.shapes.cpu[1], torch.float64, seed=3)
     values = get_block("llama_mlp").values({n: inputs[n] for n in get_block("llama_mlp").inputs})
     assert all(torch.equal(inputs[n], values[n]) for n in ("g", "u", "a"))
-    assert "g, u, a: saved by the forward pass" in block.reference_source()
+    assert "g, u, a, rstd_h: saved by the forward pass" in block.reference_source()
+    # ... and the pre-norm's statistic, as the training forward returns it (one value a row)
+    assert get_block("llama_mlp_train").outputs == ["out", "g", "u", "a", "rstd_h"]
+    assert torch.equal(inputs["rstd_h"], fn.row_rstd(inputs["x"], 1e-5))
     # llama_lm_head_ce_bwd_saved receives each row's log-sum-exp of the logits
     block = get_block("llama_lm_head_ce_bwd_saved")
     inputs = block.make_inputs(block.shapes.cpu[0], torch.float64, seed=3)

@@ -78,7 +78,8 @@ def test_the_custom_op_passes_torch_opcheck() -> None:
     )
     torch.library.opcheck(fn.forward_op, args, test_utils=("test_schema", "test_faketensor"))
     # the backward returns dw_gate and dw_up from one interleaved gradient: copies, not aliases
-    saved = [torch.randn(7, 80) for _ in range(3)]  # g, u, a
+    saved = fn.forward_op(*args)[1:]  # g, u, a and rstd_h, as the forward returns them
+    assert fn.saved_names == ["g", "u", "a", "rstd_h"] and saved[-1].shape == (7,)
     backward_args = (*args, *saved, torch.randn(7, 48))
     torch.library.opcheck(fn.backward_op, backward_args, test_utils=("test_schema",))
 
@@ -95,7 +96,7 @@ def test_the_packed_ops_pass_torch_opcheck() -> None:
     x, weights = torch.randn(7, 48), [norm.weight.detach(), gate_up, mlp.down_proj.weight.detach()]
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(fn.forward_op, (x, *weights), test_utils=checks)
-    saved = [torch.randn(7, 80) for _ in range(3)]  # g, u, a
+    saved = fn.forward_op(x, *weights)[1:]  # g, u, a and rstd_h
     backward_args = (x, *weights, *saved, torch.randn(7, 48))
     torch.library.opcheck(fn.backward_op, backward_args, test_utils=checks)
     dx, dgamma, dw_gate_up, dw_down = fn.backward_op(*backward_args)
@@ -481,15 +482,17 @@ def test_autocast_path_compiles_and_resolves_late() -> None:
 
 def test_the_attention_input_keeps_its_output_for_a_backward_without_the_projection() -> None:
     """llama_attn_in's qkv is both what a call returns (and differentiates) and what its backward
-    takes (llama_attn_in_bwd_saved): gradients match autograd of the PyTorch reference, the ops
-    pass opcheck, and the backward Program runs no GEMM of the forward projection."""
+    takes (llama_attn_in_bwd_saved), with the input norm's statistic rstd_h the training forward
+    returns too: gradients match autograd of the PyTorch reference, the ops pass opcheck, and the
+    backward Program runs no GEMM of the forward projection and no pass over x for rstd."""
     from coda.blocks import get_block
     from coda.export import llama_attn_in_function
     from tests.helpers import rope_tables
 
     fn = llama_attn_in_function(1e-5, verify=False, tune="off")
-    assert fn.output_names == ["qkv"] and fn.saved_names == ["qkv"]
+    assert fn.output_names == ["qkv"] and fn.saved_names == ["qkv", "rstd_h"]
     assert [s.name for s in fn.backward.steps if s.kind == "gemm"] == ["qkv_bwd", "w_qkv_grad"]
+    assert not any(s.kind == "rstd" for s in fn.backward.steps)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(9, 24, generator=gen)
     gamma = 1 + 0.1 * torch.randn(24, generator=gen)
@@ -508,7 +511,9 @@ def test_the_attention_input_keeps_its_output_for_a_backward_without_the_project
     checks = ("test_schema", "test_faketensor")
     args = [t.detach() for t in (*leaves, cos, sin)]
     torch.library.opcheck(fn.forward_op, tuple(args), test_utils=checks)
-    torch.library.opcheck(fn.backward_op, (*args, got.detach(), dqkv), test_utils=checks)
+    qkv, rstd = fn.forward_op(*args)
+    assert torch.equal(qkv, got.detach()) and rstd.dtype == torch.float32
+    torch.library.opcheck(fn.backward_op, (*args, qkv, rstd, dqkv), test_utils=checks)
     # traced whole (a saved output through AOT autograd): the same values and gradients
     compiled = torch.compile(lambda *t: fn(*t) * 2, backend="aot_eager", fullgraph=True)
     twice = compiled(*leaves, cos, sin)

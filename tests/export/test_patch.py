@@ -71,6 +71,37 @@ def test_a_patched_llama_matches_the_original_logits_loss_and_gradients() -> Non
         torch.testing.assert_close(got_grads[name], g, atol=2e-5, rtol=2e-5, msg=name)
 
 
+def test_a_patched_layers_backward_copies_no_gradient_and_reads_x_for_no_statistic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Programs one training step's backward runs, step by step (a step is a launch): the
+    attention output's two GEMMs only (its residual's gradient is dx_out, handed on: no copying
+    launch), and the MLP's and attention input's no rstd pass over x (the training forwards
+    return the statistic they computed: one launch fewer each)."""
+    from coda.primitives.runtime import CompiledProgram
+
+    ran: list = []
+    run = CompiledProgram.run
+
+    def recording(self, prepared, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        ran.append(self.program)
+        return run(self, prepared, **kwargs)
+
+    monkeypatch.setattr(CompiledProgram, "run", recording)
+    hf = _model(num_hidden_layers=1, rms_norm_eps=1e-5)  # the blocks under their own names
+    model = patch_llama(hf, verify=False, tune="off")
+    ids = torch.randint(0, 96, (1, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    steps = {p.block: [(s.kind, getattr(s, "src", None)) for s in p.steps] for p in ran}
+    assert [kind for kind, _ in steps["attn_out_bwd"]] == ["gemm", "gemm"]
+    for forward, backward in [
+        ("llama_mlp_train", "llama_mlp_bwd_saved"),
+        ("llama_attn_in_train", "llama_attn_in_bwd_saved"),
+    ]:
+        assert ("rstd", "x") in steps[forward]  # computed once, by the forward
+        assert ("rstd", "x") not in steps[backward], backward
+
+
 @pytest.mark.parametrize(
     "config",
     [

@@ -150,6 +150,37 @@ def test_training_forward_saves_what_its_backward_uses() -> None:
     assert gemms[0].a.tensor == "dout" and "join_pairs" in _ops(gemms[0])
 
 
+@pytest.mark.parametrize(
+    ("forward", "backward"),
+    [
+        ("llama_mlp_train", "llama_mlp_bwd_saved"),
+        ("llama_attn_in_train", "llama_attn_in_bwd_saved"),
+        ("gemma2_mlp_branch_train", "gemma2_mlp_branch_bwd_saved"),  # and a post-norm's own
+    ],
+)
+def test_the_training_forward_hands_its_norm_statistic_to_the_backward(
+    forward: str, backward: str
+) -> None:
+    # the forward's one rstd pass over x is also its output rstd_h; the backward reads that
+    # instead of a pass of its own (the post-norm's statistic, of a GEMM output, stays)
+    train = lower(get_block(forward))
+    (rstd,) = [s for s in train.steps if s.kind == "rstd" and s.src == "x"]
+    assert train.outputs["rstd_h"] == rstd.out
+    saved = lower(get_block(backward))
+    assert "rstd_h" in saved.inputs
+    assert not any(s.kind == "rstd" and s.src == "x" for s in saved.steps)
+    rows = [op.vector for g in _gemms(saved) for op in g.epilogue if op.op == "load_row_vector"]
+    assert "rstd_h" in rows  # the norm's backward scales by it
+
+
+def test_a_row_statistic_of_another_epsilon_is_not_the_norms() -> None:
+    train = get_block("llama_mlp_train")
+    other = RowRstd(x="x", eps=1e-3, out="rstd_h")
+    block = train.model_copy(update={"name": "other_eps", "graph": [*train.graph[:-1], other]})
+    with pytest.raises(NoRule, match="row_rstd"):
+        lower(block)
+
+
 def test_lm_head_training_forward_keeps_the_logsumexp_for_its_backward() -> None:
     # the loss and lse share one partial log-sum-exp in the epilogue: no second reduction
     train = lower(get_block("llama_lm_head_ce_train"))
