@@ -36,12 +36,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from coda.blocks.autodiff import VJP, Pick
 from coda.blocks.block import Block
@@ -96,7 +95,8 @@ class _Runner:
     keep_prepared: bool = False  # CompiledProgram.keep_prepared (ExportedFunction.keep_prepared)
 
     def __post_init__(self) -> None:
-        self.binding  # noqa: B018  (worked out now: torch.compile cannot trace its first use)
+        # worked out now: torch.compile cannot trace their first use
+        self.binding, self.plain_inputs, self.single_output, self.arity  # noqa: B018
 
     @functools.cached_property
     def args(self) -> list[str]:
@@ -119,13 +119,26 @@ class _Runner:
             where[p.even], where[p.odd] = (at, slice(0, None, 2)), (at, slice(1, None, 2))
         return tuple((n, *where[n]) for n in self.program.inputs)
 
+    @functools.cached_property
+    def plain_inputs(self) -> tuple[str, ...] | None:
+        """The Program's inputs, in the order of the op's arguments, where nothing is packed
+        (each argument is the input of its place); None where a pair is."""
+        return None if self.packed else tuple(self.program.inputs)
+
+    @functools.cached_property
+    def arity(self) -> int:
+        """How many arguments the op takes."""
+        return len(self.args)
+
     def bind(self, args: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
         """The Program's inputs for the op's arguments (packed ones as row views)."""
-        if len(args) != len(self.args):
+        if len(args) != self.arity:
             raise TypeError(
                 f"{self.op_name or self.program.block} takes {len(self.args)} tensors "
                 f"({', '.join(self.args)}), not {len(args)}"
             )
+        if self.plain_inputs is not None:
+            return dict(zip(self.plain_inputs, args, strict=True))
         return {n: args[i] if rows is None else args[i][rows] for n, i, rows in self.binding}
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
@@ -136,19 +149,29 @@ class _Runner:
             self.compiled.keep_prepared = self.keep_prepared
         if self.tune != "off":
             self._pin_configs(inputs)
-        outs = self.compiled(inputs)
-        for name, (even, odd) in self.whole.items():
-            outs[name] = _whole_rows(outs.pop(even), outs.pop(odd), name)
-        return _unaliased([outs[name] for name in self.outputs], args)
+        outs, fresh = self.compiled.run_outputs(inputs)
+        if self.whole:
+            for name, (even, odd) in self.whole.items():
+                outs[name] = _whole_rows(outs.pop(even), outs.pop(odd), name)
+        returned = [outs[name] for name in self.outputs]
+        if fresh.issuperset(self.outputs):
+            return returned  # each made anew by this call: aliases nothing (_unaliased)
+        return _unaliased(returned, args, [i for i, n in enumerate(self.outputs) if n in fresh])
 
     def as_op(self, *args: torch.Tensor) -> Any:
         """What its op returns for ``args`` (one tensor, or a tuple), run without the dispatcher;
         a profile names the call as the op (a record_function range, opened only while a
         profiler runs: it costs host time on every call)."""
         if not _profiler_enabled():
-            return _op_result(self(*args))
+            outs = self(*args)
+            return outs[0] if self.single_output else tuple(outs)
         with torch.profiler.record_function(self.op_name):
             return _op_result(self(*args))
+
+    @functools.cached_property
+    def single_output(self) -> bool:
+        """Whether its op returns one tensor (else a tuple)."""
+        return len(self.outputs) == 1
 
     def _pin_configs(self, inputs: dict[str, torch.Tensor]) -> None:
         """Pin the tuned configs of these shapes on the compiled Program (tuning them first if
@@ -212,16 +235,33 @@ def _whole_rows(even: torch.Tensor, odd: torch.Tensor, name: str) -> torch.Tenso
     return rows.clone()
 
 
-def _unaliased(outs: list[torch.Tensor], args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _unaliased(
+    outs: list[torch.Tensor], args: Sequence[torch.Tensor], made: Collection[int] = ()
+) -> list[torch.Tensor]:
     """``outs`` with every view, and every tensor that shares memory with an argument or an
     earlier output, copied: a custom op's outputs may alias neither (views of one fused weight
     gradient, e.g. the Q, K and V rows of ``dw_qkv``, would). Memory is compared, not only
-    ``_base``: under a dispatch mode such as ``opcheck``'s a view need not report its base."""
-    taken = {t.untyped_storage().data_ptr() for t in args}
+    ``_base``: under a dispatch mode such as ``opcheck``'s a view need not report its base.
+
+    ``made``: the positions of outputs the call allocated anew as whole tensors
+    (``CompiledProgram.run_outputs``), which alias no argument and no earlier output: they are
+    kept as they are, and the arguments' memory is looked up only for an output that is neither
+    one of them nor a view (a view is copied whatever it shares)."""
+    taken: set[int] | None = None  # the memory of the arguments and of the outputs so far
     owned = []
-    for t in outs:
+    for i, t in enumerate(outs):
+        if i in made:
+            if taken is not None:
+                taken.add(t.untyped_storage().data_ptr())
+            owned.append(t)
+            continue
+        if t._base is not None:
+            owned.append(t.clone(memory_format=torch.contiguous_format))  # new memory
+            continue
+        if taken is None:
+            taken = {a.untyped_storage().data_ptr() for a in [*args, *owned]}
         memory = t.untyped_storage().data_ptr()
-        if t._base is not None or memory in taken:
+        if memory in taken:
             t = t.clone(memory_format=torch.contiguous_format)
             memory = t.untyped_storage().data_ptr()
         taken.add(memory)
@@ -293,11 +333,16 @@ class ExportedFunction:
     # returns every output (worked out here, not on first use: read on every call, and
     # torch.compile cannot trace a cached_property's first computation).
     returned_at: tuple[int, ...] | None = field(default=None, init=False, repr=False)
+    # ``eager.apply`` as ``Function.apply`` runs it where no functorch transform is active
+    # (``_direct_apply``), for the calls ``__call__`` sends to ``eager``
+    eager_apply: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.output_names) != len(self.forward.outputs):
             every = list(self.forward.outputs)
             self.returned_at = tuple(every.index(n) for n in self.output_names)
+        if self.eager is not None:
+            self.eager_apply = _direct_apply(self.eager)
 
     @property
     def tune(self) -> Tuning:
@@ -339,7 +384,7 @@ class ExportedFunction:
         if self.inference_op is not None and not _needs_grad(args):
             inference = self.runners[-1]  # export_autograd appends it last
             return inference.as_op(*args) if eager else self.inference_op(*args)
-        outs = self.eager.apply(*args) if eager else self.forward_op(*args)
+        outs = self.eager_apply(*args) if eager else self.forward_op(*args)
         returned = self.returned_at
         if returned is None:  # none held for the backward only
             return outs
@@ -406,14 +451,34 @@ def _traced(args: tuple[torch.Tensor, ...]) -> bool:
     return (
         torch.compiler.is_compiling()
         or not _PLAIN.issuperset(map(type, args))
-        or _get_current_dispatch_mode() is not None
+        or _dispatch_modes() > 0  # what _get_current_dispatch_mode() reads
         or _functorch_active()
     )
 
 
-def _functorch_active() -> bool:
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active and active())
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+# (a PyTorch without functorch transforms has none active)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def _direct_apply(function: type[torch.autograd.Function]) -> Any:
+    """``function.apply`` for calls made where no functorch transform is active (``_traced``
+    sends the others to the registered op): what ``Function.apply`` does then — each dead
+    functorch wrapper unwrapped (a tensor that outlived its transform), then
+    ``_FunctionBase.apply`` — without its Python around that (a ``setup_context`` check for a
+    class that defines none, a generator and an ``isinstance`` per argument: every argument of
+    an exported function is a tensor)."""
+    if function.setup_context is not torch.autograd.Function.setup_context:
+        raise TypeError(f"{function.__name__} defines setup_context: call its apply")
+    base_apply = super(torch.autograd.Function, function).apply
+    unwrap = getattr(torch._C._functorch, "unwrap_if_dead", None)
+    if unwrap is None:  # a PyTorch without dead-wrapper unwrapping: Function.apply as it is
+        return function.apply
+
+    def apply(*args: torch.Tensor) -> Any:
+        return base_apply(*map(unwrap, args))
+
+    return apply
 
 
 def _op_result(outs: list[torch.Tensor]) -> Any:
@@ -477,7 +542,8 @@ def export_autograd(
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         outs = output if isinstance(output, tuple) else (output,)
-        ctx.mark_non_differentiable(*[outs[i] for i in plumbing.saved_only_at])
+        if plumbing.saved_only_at:
+            ctx.mark_non_differentiable(*[outs[i] for i in plumbing.saved_only_at])
         # Outputs nobody differentiated (saved activations, e.g. llama_mlp's g, u, a) reach
         # backward_fn as None, not as zero tensors of their size: for llama_mlp 3 fills of M·f
         # values a step (0.24 ms at d = 2048, 0.42 ms at d = 4096 on the H200,

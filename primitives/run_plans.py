@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from . import descriptors
 from .analysis import GemmInfo, ProgramInfo
 from .base import RunEnv
 from .codegen.context import Param
@@ -50,8 +51,12 @@ class Allocate(Action):
     shared: tuple[tuple[str, str], ...] = ()
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
-        for name, shape, dtype in self.tensors:
-            tensors[name] = empty_tensor(shape, dtype, self.device, self.poison)
+        if self.poison:
+            for name, shape, dtype in self.tensors:
+                tensors[name] = empty_tensor(shape, dtype, self.device, True)
+        else:  # torch.empty itself: a replay allocates here on every call
+            for name, shape, dtype in self.tensors:
+                tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
         for out, src in self.shared:
             tensors[out] = tensors[src]
 
@@ -146,12 +151,38 @@ def record_aux(step: Any, tensors: dict[str, torch.Tensor], env: RunEnv) -> Acti
 @dataclass
 class RunPlan:
     """What ``CompiledProgram.run`` did at one run signature, as actions to replay, with the
-    mainloop variant and compiled-kernel statistics of each fused gemm step it launched."""
+    mainloop variant and compiled-kernel statistics of each fused gemm step it launched.
+    Filled in once the run is recorded (``CompiledProgram._record``): ``needs_env``, whether an
+    action reads the ``RunEnv`` (an ``AuxLaunch``; the others take the tensors only, so a
+    replay without one builds none); ``fresh_outputs``, the block outputs every run of the plan
+    returns as tensors it made itself (``fresh_tensors``)."""
 
     info: ProgramInfo
     actions: list[Action] = field(default_factory=list)
     mainloops: dict[str, str] = field(default_factory=dict)
     kernel_stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    needs_env: bool = True
+    fresh_outputs: frozenset[str] = frozenset()
+
+
+def fresh_tensors(actions: list[Action]) -> frozenset[str]:
+    """The Program tensors that every run of ``actions`` makes anew, as whole tensors that
+    share memory with nothing the run was given: the outputs of an ``Allocate`` (not those that
+    take over another tensor's storage) and of a ``VendorProduct``. An ``AuxLaunch`` (a step
+    whose own ``launch`` runs, which may bind its outputs to other tensors) takes back the
+    names of the ``Allocate`` just before it."""
+    fresh: set[str] = set()
+    last: tuple[str, ...] = ()
+    for action in actions:
+        if isinstance(action, Allocate):
+            last = tuple(name for name, _, _ in action.tensors)
+            fresh.update(last)
+            fresh.difference_update(out for out, _ in action.shared)
+        elif isinstance(action, VendorProduct):
+            fresh.add(action.operands[4])
+        elif isinstance(action, AuxLaunch):
+            fresh.difference_update(last)
+    return frozenset(fresh)
 
 
 @dataclass(frozen=True)
@@ -194,6 +225,7 @@ class LaunchPlan:
 
 
 _CONST, _PTR, _DESC = 0, 1, 2  # how a Relaunch gets each argument (``Relaunch.slots``)
+_new_descriptor = object.__new__
 
 
 class Relaunch(Action):
@@ -213,15 +245,38 @@ class Relaunch(Action):
         self.slots = tuple(_slot(source, tensors) for source in plan.sources)
         self._template, self._tensor_at = _template(self.slots)
         self._descriptor_at = tuple((i, *s[1:]) for i, s in enumerate(self.slots) if s[0] == _DESC)
+        # each descriptor's fields but its base, where descriptors are filled in directly
+        defaults = descriptors._DESCRIPTOR_DEFAULTS
+        self._descriptor_fields = (
+            None
+            if defaults is None
+            else tuple(
+                (i, name, {**defaults, "shape": shape, "strides": strides, "block_shape": block})
+                for i, name, shape, strides, block in self._descriptor_at
+            )
+        )
 
     def arguments(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
         """The launch arguments on ``tensors`` (of the run signature it was recorded at): the
-        recorded constants, with the call's tensors and their descriptors filled in."""
+        recorded constants, with the call's tensors and their descriptors filled in — each
+        descriptor ``unchecked_descriptor``'s, built here from its fields worked out once (its
+        own lists of shape and strides, as every call's)."""
         args = self._template.copy()
         for i, name in self._tensor_at:
             args[i] = tensors[name]
-        for i, name, shape, strides, block in self._descriptor_at:
-            args[i] = unchecked_descriptor(tensors[name], list(shape), list(strides), block)
+        if self._descriptor_fields is None:
+            for i, name, shape, strides, block in self._descriptor_at:
+                args[i] = unchecked_descriptor(tensors[name], list(shape), list(strides), block)
+            return args
+        for i, name, fields in self._descriptor_fields:
+            desc = _new_descriptor(TensorDescriptor)
+            desc.__dict__ = {
+                **fields,
+                "base": tensors[name],
+                "shape": [*fields["shape"]],
+                "strides": [*fields["strides"]],
+            }
+            args[i] = desc
         return args
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> Any:

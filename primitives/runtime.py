@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from .codegen.cache import load_kernel, write_source
 from .codegen.configs import resolve_config
 from .codegen.kernel import OPERAND_DESCRIPTORS, KernelSource, generate_kernel
 from .descriptors import TMA_MAX_BOX, descriptor_block, tma_available, tma_compatible
-from .ir import GemmEpilogue, MainloopConfig, OutputView, Program
+from .ir import GemmEpilogue, MainloopConfig, Program
 from .kernel_stats import compiled_kernel_stats
 from .mainloop_choice import Mainloop, choose_mainloop
 from .prep.fusion import names_in, run_prep
@@ -42,11 +43,13 @@ from .run_plans import (
     RUN_PLAN_LIMIT,
     Action,
     Allocate,
+    AuxLaunch,
     LaunchPlan,
     Relaunch,
     RunPlan,
     VendorProduct,
     argument_source,
+    fresh_tensors,
     record_aux,
 )
 from .settings import current
@@ -69,6 +72,10 @@ __all__ = [  # the runtime's own names, and those of its parts that callers impo
     "tma_available",
     "tma_compatible",
 ]
+
+
+_WHOLE, _CUT, _PARTIALS_VIEW = 0, 1, 2  # how a block output is taken (``_output_views``)
+_shape = operator.attrgetter("shape")
 
 
 @dataclass
@@ -97,7 +104,7 @@ class CompiledProgram:
     _tiles: dict[tuple, list[tuple[str, list[int]]]] = field(default_factory=dict)
     _default_configs: dict[tuple, MainloopConfig] = field(default_factory=dict)
     _run_plans: dict[tuple, RunPlan] = field(default_factory=dict)  # by run signature (``run``)
-    _views: dict[int, list[tuple[str, str, Any]]] = field(default_factory=dict)  # by id(info)
+    _views: dict[int, list[tuple[str, str, int, Any]]] = field(default_factory=dict)  # by id(info)
     # Keep the last call's prep results and reuse them while the tensors prep reads are the same
     # memory, unchanged (``_prepare``): for weights that do not change between calls (inference,
     # generation, gradient accumulation), at the price of keeping one prepared copy.
@@ -108,7 +115,7 @@ class CompiledProgram:
     def info_for(self, inputs: dict[str, torch.Tensor]) -> ProgramInfo:
         # Looked up several times per call (host time on every training step): by the inputs'
         # shapes first, binding sizes only for shapes not seen before.
-        shapes = tuple([(n, t.shape) for n, t in inputs.items()])  # torch.Size: a tuple
+        shapes = tuple(zip(inputs, map(_shape, inputs.values()), strict=True))  # Size: a tuple
         if shapes not in self._infos_by_shapes:
             sizes = bind_sizes(self.program, {n: tuple(shape) for n, shape in shapes})
             key = tuple(sorted(sizes.items()))
@@ -210,8 +217,14 @@ class CompiledProgram:
         does what deciding anew would do, with a fraction of the host's work (bench/RESULTS.md,
         run 2026-12-01d). ``CODA_DECIDE_EVERY_RUN=1`` in the environment (module flag
         ``REPLAY``) decides every call anew."""
+        return self._run(prepared, poison)[0]
+
+    def _run(
+        self, prepared: dict[str, torch.Tensor], poison: bool
+    ) -> tuple[dict[str, torch.Tensor], RunPlan]:
+        """``run``, with the plan it recorded or replayed."""
         if not REPLAY:
-            return self._record(prepared, poison)[0]
+            return self._record(prepared, poison)
         key = self._run_key(prepared, poison)
         plan = self._run_plans.get(key)
         if plan is None:
@@ -219,19 +232,30 @@ class CompiledProgram:
             if len(self._run_plans) >= RUN_PLAN_LIMIT:
                 self._run_plans.clear()
             self._run_plans[key] = plan
-            return tensors
+            return tensors, plan
         tensors = dict(prepared)
-        env = RunEnv(tensors, plan.info.tensors, sizes=plan.info.sizes)
+        env = RunEnv(tensors, plan.info.tensors, sizes=plan.info.sizes) if plan.needs_env else None
         for action in plan.actions:
             action(tensors, env)
-        self.mainloops_used.update(plan.mainloops)
-        self.kernel_stats.update(plan.kernel_stats)
-        return tensors
+        if plan.mainloops:  # only fused gemm steps launched by generated kernels record these
+            self.mainloops_used.update(plan.mainloops)
+            self.kernel_stats.update(plan.kernel_stats)
+        return tensors, plan
 
     def _run_key(self, prepared: dict[str, torch.Tensor], poison: bool) -> tuple:
-        """The run signature of ``prepared`` (see ``run``)."""
+        """The run signature of ``prepared`` (see ``run``). Strides and alignment are read only
+        for the tensors the steps and outputs may read (``read_by_steps``): a Program input only
+        its prep steps read (e.g. ``w_gate`` beside the interleaved ``w_gu`` the GEMM reads)
+        reaches no decision but through its shape (the size binding) and dtype, while the prep
+        results made from it carry their own layouts."""
+        read = self.read_by_steps
         layouts = tuple(
-            [(n, t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for n, t in prepared.items()]
+            [
+                (n, t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+                if n in read
+                else (n, t.shape, t.dtype)
+                for n, t in prepared.items()
+            ]
         )
         device = next(iter(prepared.values())).device
         configs = tuple(self.configs.items())
@@ -270,7 +294,20 @@ class CompiledProgram:
                     # run now; replayed pinned where it can be (an empty batch: nothing to run)
                     actions.append(record_aux(step, tensors, env))
             plan.actions.extend(actions)
+        plan.needs_env = any(isinstance(a, AuxLaunch) for a in plan.actions)
+        plan.fresh_outputs = self._fresh_outputs(info, fresh_tensors(plan.actions))
         return tensors, plan
+
+    def _fresh_outputs(self, info: ProgramInfo, fresh: frozenset[str]) -> frozenset[str]:
+        """The block outputs that are a whole Program tensor in ``fresh`` (made anew by every run
+        of a plan: ``run_plans.fresh_tensors``), each tensor counted for its first output only:
+        such an output is no view and shares memory with no input and no other output."""
+        outputs, seen = set(), set()
+        for name, tensor, kind, _ in self._output_views(info):
+            if kind == _WHOLE and tensor in fresh and tensor not in seen:
+                outputs.add(name)
+            seen.add(tensor)
+        return frozenset(outputs)
 
     def _shared(
         self,
@@ -299,36 +336,46 @@ class CompiledProgram:
     def __call__(
         self, inputs: dict[str, torch.Tensor], *, poison: bool = False
     ) -> dict[str, torch.Tensor]:
+        return self.run_outputs(inputs, poison=poison)[0]
+
+    def run_outputs(
+        self, inputs: dict[str, torch.Tensor], *, poison: bool = False
+    ) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+        """The block outputs of a call (what calling it returns), and which of them the call
+        made anew as whole tensors (``RunPlan.fresh_outputs``): no view, no memory shared with an
+        input or another output — a caller that must not return aliases need not check those."""
         info = self.info_for(inputs)
-        tensors = self.run(self._prepare(inputs, info), poison=poison)
+        tensors, plan = self._run(self._prepare(inputs, info), poison)
         outputs = {}
-        for name, tensor, view in self._output_views(info):
+        for name, tensor, kind, view in self._output_views(info):
             t = tensors[tensor]
-            if isinstance(view, OutputView):  # of a partials tensor: its own extent
-                t = view.apply(t, info.sizes)
-            elif view is not None:
+            if kind == _CUT:
                 dim, start, length, index = view
                 t = t.narrow(dim, start, length)[index]
+            elif kind == _PARTIALS_VIEW:  # of a partials tensor: its own extent
+                t = view.apply(t, info.sizes)
             outputs[name] = t
-        return outputs
+        return outputs, plan.fresh_outputs
 
-    def _output_views(self, info: ProgramInfo) -> list[tuple[str, str, Any]]:
-        """Each block output: its program tensor and, for an ``OutputView``, the (dim, start,
-        length, step index) that cut it at ``info``'s sizes — ``Program.select_outputs``'s
-        views, their size expressions evaluated once per binding (a view of a partials tensor,
-        whose allocated extent is not its declared one, stays an ``OutputView``)."""
+    def _output_views(self, info: ProgramInfo) -> list[tuple[str, str, int, Any]]:
+        """Each block output: its program tensor, how it is taken (``_WHOLE``, ``_CUT`` or
+        ``_PARTIALS_VIEW``) and, for an ``OutputView``, the (dim, start, length, step index) that
+        cut it at ``info``'s sizes — ``Program.select_outputs``'s views, their size expressions
+        evaluated once per binding (a view of a partials tensor, whose allocated extent is not
+        its declared one, stays an ``OutputView``)."""
         key = id(info)  # infos live as long as _infos holds them
         if key not in self._views:
-            views = []
+            views: list[tuple[str, str, int, Any]] = []
             for name, value in self.program.outputs.items():
                 if isinstance(value, str):
-                    views.append((name, value, None))
+                    views.append((name, value, _WHOLE, None))
                     continue
                 t = info.tensors[value.tensor]
                 if t.partials is not None:
-                    views.append((name, value.tensor, value))
+                    views.append((name, value.tensor, _PARTIALS_VIEW, value))
                     continue
-                views.append((name, value.tensor, value.cut(info.sizes, t.shape[value.dim])))
+                cut = value.cut(info.sizes, t.shape[value.dim])
+                views.append((name, value.tensor, _CUT, cut))
             self._views[key] = views
         return self._views[key]
 

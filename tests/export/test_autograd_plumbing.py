@@ -88,3 +88,76 @@ def test_pinned_configs_follow_the_call_s_shapes_and_every_change_to_them() -> N
         for key in keys.values():
             runner.tuned.pop(key, None)
         runner.compiled.configs = {}
+
+
+def test_outputs_a_run_made_anew_are_kept_and_every_other_one_is_checked() -> None:
+    """``_unaliased``: an output the call allocated anew (``made``) is returned as it is; a view
+    is copied; an output sharing memory with an argument or with an earlier output (a made one
+    included) is copied — the arguments' memory looked up only when such an output comes."""
+    from coda.export.autograd import _unaliased
+
+    arg, other = torch.randn(4, 3), torch.randn(4, 3)
+    made = torch.randn(4, 3)
+    assert _unaliased([made], [arg], made=[0])[0] is made
+    outs = _unaliased([made, arg, arg[1:], made.view(12), other], [arg], made=[0])
+    assert outs[0] is made and outs[4] is other
+    for i, t in enumerate(outs[1:4], start=1):  # the argument, a view of it, a view of made
+        assert t._base is None and t.untyped_storage().data_ptr() not in {
+            arg.untyped_storage().data_ptr(),
+            made.untyped_storage().data_ptr(),
+        }, i
+    same = other.detach()  # other's memory, not a view (no _base), after made
+    outs = _unaliased([made, other, same], [arg], made=[0])
+    assert outs[1] is other and outs[2] is not same
+    assert outs[2].untyped_storage().data_ptr() != other.untyped_storage().data_ptr()
+    alias_of_made = made.detach()  # made's memory behind a tensor that was not made
+    outs = _unaliased([made, alias_of_made], [arg], made=[0])
+    assert outs[1].untyped_storage().data_ptr() != made.untyped_storage().data_ptr()
+
+
+def test_eager_calls_apply_the_function_without_function_apply(monkeypatch) -> None:  # noqa: ANN001
+    """An eager call reaches ``_FunctionBase.apply`` directly (``Function.apply``'s Python per
+    call left out) with the same values and gradients; a dead functorch wrapper (a tensor that
+    outlived its ``torch.func`` transform) still reaches the forward unwrapped, as
+    ``Function.apply`` would hand it."""
+    from coda.export import llama_mlp_function
+    from coda.export.autograd import _direct_apply
+
+    fn = llama_mlp_function(1e-5, verify=False, tune="off")
+    gen = torch.Generator().manual_seed(3)
+    weights = [1 + 0.1 * torch.randn(48, generator=gen)]
+    weights += [torch.randn(*s, generator=gen) / 7 for s in ((80, 48), (80, 48), (48, 80))]
+    weights = [w.requires_grad_() for w in weights]
+    x = torch.randn(9, 48, generator=gen, requires_grad=True)
+    want = fn.eager.apply(x, *weights)[0]
+    want_grads = torch.autograd.grad(want.sum(), [x, *weights])
+
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("Function.apply ran")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.autograd.Function, "apply", classmethod(refuse))
+        got = fn(x, *weights)
+        got_grads = torch.autograd.grad(got.sum(), [x, *weights])
+    assert torch.equal(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert torch.equal(g, w)
+
+    leaked = []
+    torch.func.grad(lambda t: leaked.append(t) or (t * t).sum())(torch.randn(3))
+    assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])
+    seen = []
+
+    class Recorder(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):  # noqa: ANN001, ANN205
+            seen.append(torch._C._functorch.is_functorch_wrapped_tensor(t))
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            return g * 2
+
+    Recorder.apply(leaked[0])
+    _direct_apply(Recorder)(leaked[0])
+    assert seen == [False, False]

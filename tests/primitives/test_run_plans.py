@@ -308,3 +308,96 @@ def test_row_kernels_replay_pinned_and_follow_a_changed_layout(
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
     assert len(compiled._run_plans) == 2
+
+
+def test_an_input_only_prep_reads_reaches_the_run_signature_by_shape_and_dtype_only(
+    mlp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama_mlp's GEMMs read the interleaved, γ-folded ``w_gu``, never ``w_gate`` or ``w_up``:
+    a call whose ``w_gate`` is misaligned and ``w_up`` column-major replays the recorded plan
+    (prep makes the same ``w_gu`` layout), and equals a program deciding anew; a new dtype
+    still records a new plan."""
+    block, program, sizes = mlp
+    compiled = compile_program(program, analyze(program, sizes))
+    assert {"w_gate", "w_up"}.isdisjoint(compiled.read_by_steps)
+    inputs = block.make_inputs(sizes, torch.float32, seed=0)
+    compiled(inputs)
+    decided = _decisions(monkeypatch, compiled)
+    inputs["w_gate"] = misaligned(inputs["w_gate"])
+    inputs["w_up"] = inputs["w_up"].T.contiguous().T
+    got = compiled(inputs)
+    assert decided == [] and len(compiled._run_plans) == 1
+    want = compile_program(program, analyze(program, sizes))(inputs)
+    torch.testing.assert_close(got["out"], want["out"], rtol=0, atol=0)
+    compiled({n: t.half() for n, t in inputs.items()})
+    assert len(compiled._run_plans) == 2
+
+
+def test_fresh_outputs_are_the_whole_tensors_a_run_allocates() -> None:
+    """``run_outputs`` names the outputs each run made anew as whole tensors: llama_attn_in's
+    backward returns dx and dgamma so, and dw_q, dw_k, dw_v as row views of one gradient (not
+    fresh); on a replay too, and the fresh ones share memory with no input and no other
+    output."""
+    block = get_block("llama_attn_in_bwd_saved")
+    program = lower(block)
+    sizes = block.shapes.cpu[0]
+    compiled = compile_program(program, analyze(program, sizes))
+    for seed in (0, 1):  # recorded, then replayed
+        inputs = block.make_inputs(sizes, torch.float32, seed=seed)
+        outputs, fresh = compiled.run_outputs(inputs)
+        assert fresh == {"dx", "dgamma"}
+        memory = [t.untyped_storage().data_ptr() for t in inputs.values()]
+        for name in sorted(fresh):
+            assert outputs[name]._base is None
+            assert outputs[name].untyped_storage().data_ptr() not in memory, name
+            memory.append(outputs[name].untyped_storage().data_ptr())
+
+
+def test_fresh_tensors_leave_out_shared_storage_and_steps_that_launch_themselves() -> None:
+    """An ``Allocate``'s outputs and a ``VendorProduct``'s are fresh; an output that takes over
+    another tensor's storage is not, nor are the outputs allocated for a step replayed through
+    its own ``launch`` (``AuxLaunch``: it may bind them to other tensors)."""
+    from coda.primitives.run_plans import Allocate, AuxLaunch, VendorProduct, fresh_tensors
+
+    cpu = torch.device("cpu")
+    f32 = torch.float32
+    vendor = next(
+        VendorProduct(step, f32)
+        for step in lower(get_block("llama_mlp_bwd_saved")).steps
+        if getattr(step, "epilogue", None) and len(step.epilogue) == 1
+    )
+    actions = [
+        Allocate((("a", (2,), f32), ("b", (2,), f32)), cpu, False),
+        Allocate((), cpu, False, shared=(("c", "a"),)),
+        Allocate((("d", (2,), f32),), cpu, False),
+        AuxLaunch(step=None),
+        vendor,
+    ]
+    assert fresh_tensors(actions) == {"a", "b", vendor.operands[4]}
+
+
+def test_a_replay_builds_a_run_env_only_for_a_step_that_launches_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only an ``AuxLaunch`` reads the ``RunEnv``: a replay of a plan without one (llama_mlp)
+    builds none; llama_attn_in's backward, whose last step launches itself, builds one."""
+    from coda.primitives import runtime
+    from coda.primitives.run_plans import AuxLaunch
+
+    built = []
+    env = runtime.RunEnv
+    monkeypatch.setattr(runtime, "RunEnv", lambda *a, **k: built.append(1) or env(*a, **k))
+    for name, launches_itself in [("llama_mlp", False), ("llama_attn_in_bwd_saved", True)]:
+        block = get_block(name)
+        program = lower(block)
+        sizes = block.shapes.cpu[0]
+        compiled = compile_program(program, analyze(program, sizes))
+        inputs = block.make_inputs(sizes, torch.float32, seed=0)
+        compiled.run(compiled.prepare(inputs))
+        prepared = compiled.prepare(inputs)
+        (plan,) = compiled._run_plans.values()
+        assert plan.needs_env == any(isinstance(a, AuxLaunch) for a in plan.actions)
+        assert plan.needs_env == launches_itself
+        built.clear()
+        compiled.run(prepared)
+        assert built == ([1] if launches_itself else []), name
