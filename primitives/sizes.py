@@ -118,6 +118,8 @@ def _names(source: str) -> frozenset[str]:
 
 def evaluate(source: str, sizes: dict[str, int], *, what: str = "size expression") -> int:
     """The value of ``source`` at one binding of the sizes; unknown names are named in the error."""
+    if source in sizes:  # a size's own name (host code evaluates these on every call)
+        return sizes[source]
     for name in sorted(_names(source)):
         if name not in sizes:
             raise ProgramError(

@@ -31,11 +31,13 @@ from .layout import ConcatRows, RopePairs
 from .rows import stack_rows
 
 
-@dataclass(frozen=True)
+@dataclass
 class RowStack:
     """A prepared weight not yet written: the rows of each part stacked in order — part ``(src,
     rows)`` contributes ``src[rows]`` (``src`` whole if ``rows`` is None) — with every column then
-    scaled by ``gamma`` when given."""
+    scaled by ``gamma`` when given. Never changed once made (not a frozen dataclass only because
+    a frozen one's ``__init__`` costs a call per field, and prep describes weights on every
+    training step)."""
 
     parts: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]
     gamma: torch.Tensor | None = None

@@ -67,15 +67,22 @@ def interleaved_buffer(first: torch.Tensor, second: torch.Tensor) -> torch.Tenso
     if first.dim() != 2 or first.shape != second.shape or first.dtype != second.dtype:
         return None
     rows, cols = first.shape
+    offset = first.storage_offset()
     if (
         first.device != second.device
         or first.stride() != (2 * cols, 1)
         or second.stride() != (2 * cols, 1)
-        or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
-        or second.storage_offset() != first.storage_offset() + cols
+        or second.storage_offset() != offset + cols
     ):
         return None
-    return first.as_strided((2 * rows, cols), (cols, 1), first.storage_offset())
+    # one storage: views of one base tensor (a packed weight's two row views, on every training
+    # step: no storage looked up), or one memory
+    base = first._base
+    if (base is None or base is not second._base) and (
+        first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    ):
+        return None
+    return first.as_strided((2 * rows, cols), (cols, 1), offset)
 
 
 def pair_order(rows: int, head_dim: int) -> torch.Tensor:

@@ -728,6 +728,8 @@ def test_interleave_rows_of_one_buffers_views_is_that_buffer() -> None:
     assert env.tensors["ab"].is_contiguous()
     offset = torch.randn(11, 7)[1:]  # same layout, storage offset one row in
     assert interleaved_buffer(offset[0::2], offset[1::2]).data_ptr() == offset.data_ptr()
+    # one storage through two base tensors (no common _base): found through the storage
+    assert interleaved_buffer(w.detach()[0::2], w[1::2]).data_ptr() == w.data_ptr()
     not_one_buffer = {
         "separate": (w[0::2].clone(), w[1::2].clone()),
         "swapped": (w[1::2], w[0::2]),

@@ -115,3 +115,22 @@ def test_a_program_holds_only_canonical_text() -> None:
     assert "#" not in text and "comment" not in text
     assert program.steps[0].epilogue[0].expr == "acc * 2"
     assert (program.outputs["out"].start, program.outputs["out"].stop) == ("0", "N")
+
+
+def test_a_size_s_own_name_evaluates_without_parsing_and_unknown_names_still_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Host code evaluates bare size names on every call (a head width ``"D"``): ``evaluate``
+    returns the binding's value without parsing or walking the expression; an expression, or a
+    name the binding lacks, takes the full path (values, and the error naming the size)."""
+    from coda.primitives import sizes
+
+    sizes_bound = {"D": 64, "Nq": 256}
+    assert evaluate("Nq + D", sizes_bound) == 320
+    walked = []
+    eval_node = sizes._eval
+    monkeypatch.setattr(sizes, "_eval", lambda *a: walked.append(1) or eval_node(*a))
+    assert evaluate("D", sizes_bound) == 64 and walked == []
+    assert evaluate("2 * D", sizes_bound) == 128 and walked
+    with pytest.raises(ProgramError, match="uses size 'Nkv', which this program does not bind"):
+        evaluate("Nkv", sizes_bound)
