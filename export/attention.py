@@ -389,9 +389,19 @@ class _CodaAttentionIn(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``[tokens, Nq + 2·Nkv]`` from ``x`` ``[..., hidden]`` and Hugging Face's rotary tables
         ``[..., T, head_dim]`` (broadcast over the batch when it is 1)."""
+        return self._qkv(x, cos, sin, self.recipe.layout.split(self))
+
+    def _qkv(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """``qkv`` with the Q, K and V weights given (``recipe.layout.split(self)``)."""
         flat = x.reshape(-1, x.shape[-1])
         gamma = norm_gamma(self.norm.weight, self.norm_offset)
-        weights = [gamma, *self.recipe.layout.split(self)]
+        weights = [gamma, *projections]
         tables = [
             t.expand(*x.shape[:-1], t.shape[-1]).reshape(flat.shape[0], -1) for t in (cos, sin)
         ]
@@ -403,9 +413,9 @@ class _CodaAttentionIn(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q, k and v, each ``[..., heads·head_dim]``, from ``x`` ``[..., hidden]``:
         column views of ``qkv``."""
-        qkv = self.qkv(x, cos, sin).view(*x.shape[:-1], -1)
-        _, w_k, _ = self.recipe.layout.split(self)
-        nkv = w_k.shape[0]
+        projections = self.recipe.layout.split(self)  # (once: nn.Module lookups per weight)
+        qkv = self._qkv(x, cos, sin, projections).view(*x.shape[:-1], -1)
+        nkv = projections[1].shape[0]
         q, k, v = qkv.split([qkv.shape[-1] - 2 * nkv, nkv, nkv], dim=-1)
         return q, k, v
 
@@ -423,7 +433,10 @@ class _CodaAttentionIn(nn.Module):
         batch = hidden_states.shape[:-1]
         cos, sin = position_embeddings
         q, k, v = self.project(hidden_states, cos, sin)
-        q, k, v = (t.view(*batch, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        heads = (*batch, -1, self.head_dim)
+        q = q.view(heads).transpose(1, 2)
+        k = k.view(heads).transpose(1, 2)
+        v = v.view(heads).transpose(1, 2)
         cache = cache if cache is not None else past_key_values
         if cache is not None:
             if self._cache_takes_kwargs:  # newer transformers: the call's keyword arguments

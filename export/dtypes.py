@@ -21,13 +21,13 @@ def autocast_dtype(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.dtype 
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
         return torch.get_autocast_dtype(device)
-    mixed = [w for w in weights if w.dtype != x.dtype]
-    if mixed:
-        raise TypeError(
-            f"parameters of dtype {mixed[0].dtype} next to activations of dtype {x.dtype}: "
-            "cast the modules to the activation dtype (e.g. model.to(torch.bfloat16)), or "
-            "run under torch.autocast"
-        )
+    for w in weights:  # (a loop, not a comprehension: no call on every forward)
+        if w.dtype != x.dtype:
+            raise TypeError(
+                f"parameters of dtype {w.dtype} next to activations of dtype {x.dtype}: "
+                "cast the modules to the activation dtype (e.g. model.to(torch.bfloat16)), or "
+                "run under torch.autocast"
+            )
     return None
 
 
