@@ -81,13 +81,13 @@ def test_a_patched_layers_backward_copies_no_gradient_and_reads_x_for_no_statist
     from coda.primitives.runtime import CompiledProgram
 
     ran: list = []
-    run = CompiledProgram.run
+    run = CompiledProgram._run  # what every call runs through, recorded or replayed
 
-    def recording(self, prepared, **kwargs):  # noqa: ANN001, ANN003, ANN202
+    def recording(self, prepared, poison):  # noqa: ANN001, ANN202
         ran.append(self.program)
-        return run(self, prepared, **kwargs)
+        return run(self, prepared, poison)
 
-    monkeypatch.setattr(CompiledProgram, "run", recording)
+    monkeypatch.setattr(CompiledProgram, "_run", recording)
     hf = _model(num_hidden_layers=1, rms_norm_eps=1e-5)  # the blocks under their own names
     model = patch_llama(hf, verify=False, tune="off")
     ids = torch.randint(0, 96, (1, 6))
