@@ -75,25 +75,31 @@ def denormals_flushed() -> Any:
 @contextmanager
 def launches_stubbed() -> Any:
     """``launch_kernel`` a no-op in ``coda.primitives.launch`` and every ``coda`` module that
-    imported it by name (restored on exit)."""
+    imported it by name, and so is a relaunch of a kernel that already ran (``launch._run``, what
+    ``PinnedLaunch`` and ``launch_kernel``'s kept kernels call on a GPU) — restored on exit."""
     from coda.primitives import launch
 
     def no_launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
         return None
+
+    def no_relaunch(entry: Any, grid: Any, stream: int, args: list[Any]) -> Any:
+        return entry.compiled
 
     targets = [launch] + [
         m
         for name, m in sys.modules.items()
         if name.startswith("coda.") and getattr(m, "launch_kernel", None) is launch.launch_kernel
     ]
-    real = launch.launch_kernel
+    real, relaunch = launch.launch_kernel, launch._run
     for module in targets:
         module.launch_kernel = no_launch
+    launch._run = no_relaunch
     try:
         yield
     finally:
         for module in targets:
             module.launch_kernel = real
+        launch._run = relaunch
 
 
 def training_steps(layers: int, tokens: int) -> dict[str, Callable[[], None]]:

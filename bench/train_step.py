@@ -96,11 +96,14 @@ the cost of a slower host; ``--trace``: also a gzip'd Chrome trace per variant).
 ``--memory-peak N`` records the CUDA caching allocator's history over one forward+backward per
 variant and lists the N largest groups of memory live at the step's peak, by the code that
 allocated them (the innermost frames in coda, transformers, Liger-Kernel or this script).
+``--host`` times the host's part of a step (``host_ms``); ``--host-split`` also times each
+``coda`` variant's host with every Triton launch a no-op, which separates the launch path's share
+from the rest of the patched step's Python and PyTorch work.
 
     python3 bench/train_step.py [--family llama|qwen3,gemma2|all] [--out DIR] [--layers N]
         [--vocab V] [--batch 4] [--seq 2048] [--settings bf16,amp] [--variants hf,coda,…|default]
         [--runs 3] [--gaps [N]] [--gaps-stacks] [--trace] [--profile K] [--sync-check] [--host]
-        [--memory-peak [N]]
+        [--host-split] [--memory-peak [N]]
         [--cprofile VARIANTS] [--compile-mode default|reduce-overhead]
     python3 bench/train_step.py --dry-run --family all  # CPU interpreter, toy models
 
@@ -330,6 +333,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--host", action="store_true",
         help="also measure each variant's host time per step: the wall time of step() from a "
         "synchronized GPU until it returns (no sync inside), against its GPU busy time",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-split", action="store_true",
+        help="with --host: each coda variant's host time again with every Triton launch a no-op "
+        "(bench/host_work.py's launches_stubbed): the difference is the launch path's share. "
+        "Measured last: the stubbed steps leave that variant's weights garbage",
     )  # fmt: skip
     p.add_argument(
         "--cprofile", default="", metavar="VARIANTS",
@@ -901,6 +910,11 @@ def measure_more(
         trace = Path(args.out) / f"trace-{family}-{setting}-{variant}.json" if args.trace else None
         row["gaps"] = gap_profile(step, bench, args.gaps, trace, args.gaps_stacks)
         row["gaps"]["python_stacks"] = args.gaps_stacks
+    if args.host and args.host_split and variant.startswith("coda"):
+        from host_work import launches_stubbed  # (same folder; it imports this module)
+
+        with launches_stubbed():  # last: the steps' gradients, hence the weights, are garbage
+            row["host_ms_no_launches"] = host_ms(step, bench)
 
 
 def host_syncs(step: Callable[[], Any], bench: Bench) -> dict[str, int] | None:
@@ -1306,9 +1320,17 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['setting']} | {r['variant']} | {r['correct']} | {r['loss']:.4f} | "
             f"{r['grad_norm']:.4f} | {timing} | {'not measured' if mem is None else f'{mem:.2f}'} "
-            f"| {f'{host:.2f}' if (host := r.get('host_ms')) is not None else '—'} | {spread} |"
+            f"| {_host_cell(r)} | {spread} |"
         )
     return "\n".join(lines)
+
+
+def _host_cell(row: dict[str, Any]) -> str:
+    """The host-ms cell: the step's host time, and without Triton's launches where measured."""
+    host, bare = row.get("host_ms"), row.get("host_ms_no_launches")
+    if host is None:
+        return "—"
+    return f"{host:.2f}" if bare is None else f"{host:.2f} ({bare:.2f} without launches)"
 
 
 def _cell(text: str) -> str:

@@ -31,7 +31,7 @@ def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> No
     variants = "hf,coda_mlp,coda,coda_fused,coda_lm_head,coda_lm_head_decide,coda_lm_head_ops"
     variants += ",coda_compile,coda_lm_head_graph"  # (a graph is GPU-only: the plain step here)
     argv = ["--dry-run", "--out", str(tmp_path), "--variants", variants, "--sync-check"]
-    argv += ["--host", "--cprofile", "coda_lm_head", "--memory-peak"]
+    argv += ["--host", "--host-split", "--cprofile", "coda_lm_head", "--memory-peak"]
     assert load_script("llama_train_step").main(argv) == 0  # the Llama entry, as recorded
     result = json.loads((tmp_path / "llama_train_step.json").read_text())
     rows = result["rows"]
@@ -40,6 +40,9 @@ def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> No
         (s, v) for s in ("bf16", "amp") for v in variants.split(",")
     ]
     assert all(r["correct"] and r["step_ms"] > 0 and r["host_ms"] > 0 for r in rows)
+    split = [r for r in rows if r["variant"].startswith("coda")]  # their launches stubbed too
+    assert all(r["host_ms_no_launches"] > 0 for r in split)
+    assert not any("host_ms_no_launches" in r for r in rows if r not in split)
     assert all(r["syncs"] is None for r in rows)  # GPU only: not measured in a dry run
     script = load_script("train_step")
     graphs = [r for r in rows if r["variant"].endswith("_graph")]
@@ -57,6 +60,7 @@ def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> No
 
     # coda_lm_head_decide and coda_lm_head_ops switched them back
     assert autograd.EAGER_CALLS and launch.DIRECT and runtime.REPLAY
+    assert launch._run.__name__ == "_run"  # --host-split put the relaunch back
     assert result["model"]["num_hidden_layers"] == 2
     assert "DRY RUN" in (tmp_path / "llama_train_step.md").read_text()
 
