@@ -25,7 +25,8 @@
 * **backward** of ``concat(rope(q), rope(k), v)`` of ``h = rmsnorm(x)·γ``: the inverse rotation of
   ``dqkv`` (in the epilogue of the recomputed projection, or one ``rope_rows`` pass over the saved
   output), the RMSNorm backward in the epilogue of ``dz W_qkv``, the weight gradient as a plain
-  GEMM whose Q/K rows ``unpair_rows`` puts back, split into the three weights by views.
+  GEMM whose Q/K rows ``unpair_rows`` puts back, writing each weight's gradient as a tensor of its
+  own (``parts``: no row views of one tensor for a caller to copy apart).
 """
 
 from __future__ import annotations
@@ -385,16 +386,26 @@ def attention_in_backward(b: BackwardBuilder) -> None:
         )
     y = b.norm_backward("qkv_bwd", dz, w_qkv, norm, r, c, residual=None)
     dw = b.plain_gemm("w_qkv_grad", f"{dz}.T", y, "dw_qkv_pairs" if rotated else "dw_qkv")
-    if rotated:
-        node = {"kind": "unpair_rows", "src": dw, "head_dim": size_expr_of(b.st, cos, 1)}
-        if rot_cols:
-            node["rows"] = rot_cols
-        dw = b.aux({**node, "out": "dw_qkv"})
+    if not rotated:
+        _row_views(b, group.parts, widths, dw)
+        return
+    # one gather puts the Q/K rows back and writes each weight's gradient as a tensor of its own
+    node = {"kind": "unpair_rows", "src": dw, "head_dim": size_expr_of(b.st, cos, 1)}
+    if rot_cols:
+        node["rows"] = rot_cols
+    names = [b.name(f"d{part.linear[1].weight}") for part in group.parts]
+    node["parts"] = [{"out": n, "rows": w} for n, w in zip(names, widths, strict=True)]
+    b.st.steps.append(node)
+    for part, name in zip(group.parts, names, strict=True):
+        b.output(part.linear[1].weight, name)
+
+
+def _row_views(b: BackwardBuilder, parts: list, widths: list[str], dw: str) -> None:
+    """Each part's weight gradient as a row view of the fused ``dw``."""
     start = "0"
-    for part, width in zip(group.parts, widths, strict=True):
+    for part, width in zip(parts, widths, strict=True):
         stop = width if start == "0" else f"{start} + {width}"
-        view = {"tensor": dw, "dim": 0, "start": start, "stop": stop}
-        b.output(part.linear[1].weight, view)
+        b.output(part.linear[1].weight, {"tensor": dw, "dim": 0, "start": start, "stop": stop})
         start = stop
 
 

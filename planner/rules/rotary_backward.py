@@ -13,8 +13,9 @@ Schedule (``RoPERule.differentiate``):
    norms' backward), the input norm's statistic ``c`` and the per-head norms' weight gradients;
 3. the RMSNorm backward in the epilogue of ``dh = dz W_qkv`` (``BackwardBuilder.norm_backward``):
    ``dx``, ``dγ`` — without an input norm ``dx = dz W_qkv`` alone;
-4. ``dW_qkv = dzᵀ y`` on the vendor GEMM, split into the three weights by row views; the biases'
-   gradients are the column sums of each part of ``dz`` (from ``rotary_input_grad``).
+4. ``dW_qkv = dzᵀ y`` on the vendor GEMM, split into the three weights' gradients by one aux
+   ``split_rows`` (tensors of their own, not row views); the biases' gradients are the column
+   sums of each part of ``dz`` (from ``rotary_input_grad``).
 """
 
 from __future__ import annotations
@@ -125,12 +126,14 @@ def rotary_input_backward(b: BackwardBuilder) -> None:
         b.output(parts[0].linear.x, b.plain_gemm("qkv_bwd", dz, w_qkv, "dx"))
         y = parts[0].linear.x
     dw = b.plain_gemm("w_qkv_grad", f"{dz}.T", y, "dw_qkv")
-    start = "0"
-    for part in parts:
-        width = size_expr_of(b.st, part.linear.weight, 0)
-        stop = width if start == "0" else f"{start} + {width}"
-        b.output(part.linear.weight, {"tensor": dw, "dim": 0, "start": start, "stop": stop})
-        start = stop
+    # one copy writes each weight's gradient as a tensor of its own (row views of dw would be
+    # copied apart, one launch each, by a caller whose results may not alias)
+    names = [b.name(f"d{p.linear.weight}") for p in parts]
+    widths = [size_expr_of(b.st, p.linear.weight, 0) for p in parts]
+    split = [{"out": n, "rows": w} for n, w in zip(names, widths, strict=True)]
+    b.st.steps.append({"kind": "split_rows", "src": dw, "parts": split})
+    for part, name in zip(parts, names, strict=True):
+        b.output(part.linear.weight, name)
 
 
 def _grad_node(b: BackwardBuilder, norm: RMSNorm | None, parts: list[Part]) -> dict[str, Any]:

@@ -102,6 +102,43 @@ def test_a_patched_layers_backward_copies_no_gradient_and_reads_x_for_no_statist
         assert ("rstd", "x") not in steps[backward], backward
 
 
+def test_the_attention_inputs_weight_gradients_are_written_apart_not_copied_from_views(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shipped attention-input backward writes dW_q, dW_k and dW_v as tensors of their own
+    (``unpair_rows`` parts): nothing copies them out of one ``[Nq + 2·Nkv, d]`` gradient — and
+    every gradient is still the unpatched model's."""
+    from coda.primitives.runtime import CompiledProgram
+
+    hf = _model(num_hidden_layers=2, rms_norm_eps=1e-5)  # the shipped Programs' epsilon
+    patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off")
+    fused_rows = 48 + 2 * 24  # Nq + 2·Nkv: 4 query heads and 2 KV heads of 12
+    copied: list[tuple[int, ...]] = []
+    clone = torch.Tensor.clone
+
+    def recording_clone(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self._base is not None and self._base.shape[0] == fused_rows:
+            copied.append(tuple(self.shape))
+        return clone(self, *args, **kwargs)
+
+    ran: list[str] = []
+    run = CompiledProgram._run
+
+    def recording_run(self, prepared, poison):  # noqa: ANN001, ANN202
+        ran.append(self.program.block)
+        return run(self, prepared, poison)
+
+    ids = torch.randint(0, 96, (2, 7))
+    _, _, grads = _step(hf, ids)
+    monkeypatch.setattr(torch.Tensor, "clone", recording_clone)
+    monkeypatch.setattr(CompiledProgram, "_run", recording_run)
+    _, _, got = _step(patched, ids)
+    assert ran.count("llama_attn_in_bwd_saved") == 2  # one backward per layer
+    assert copied == [], f"copies of rows of a fused QKV gradient: {copied}"
+    for name, g in grads.items():
+        torch.testing.assert_close(got[name], g, atol=2e-5, rtol=2e-5, msg=name)
+
+
 @pytest.mark.parametrize(
     "config",
     [

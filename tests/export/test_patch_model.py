@@ -517,3 +517,34 @@ def test_gradient_checkpointing_reruns_the_patched_post_norm_layers(family: str)
     torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, atol=2e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_the_attention_inputs_weight_gradients_are_not_copied_out_of_one_tensor(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Families whose attention-input backward computes one ``dW_qkv`` in Hugging Face's row
+    order get dW_q, dW_k, dW_v from it as tensors of their own (aux ``split_rows``, one launch):
+    nothing clones row views of the ``[Nq + 2·Nkv, d]`` gradient apart, and each gradient is
+    the original model's."""
+    model = _model(family).train()
+    patched, report = _patched(model)
+    assert report.patched(fam.ATTENTION_INPUT)
+    fused_rows = 32 + 2 * 16  # Nq + 2·Nkv: 4 query heads and 2 KV heads of 8
+    copied: list[tuple[int, ...]] = []
+    clone = torch.Tensor.clone
+
+    def recording_clone(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self._base is not None and self._base.shape[0] == fused_rows:
+            copied.append(tuple(self.shape))
+        return clone(self, *args, **kwargs)
+
+    batch = _batch()
+    _, want = _train_step(model, batch)
+    monkeypatch.setattr(torch.Tensor, "clone", recording_clone)
+    _, got = _train_step(patched, batch)
+    assert copied == [], f"copies of rows of a fused QKV gradient: {copied}"
+    names = [n for n in want if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
+    assert len(names) == 6  # two layers
+    for name in names:
+        torch.testing.assert_close(got[name], want[name], atol=2e-6, rtol=1e-5, msg=name)

@@ -216,6 +216,19 @@ def test_attention_input_backward_puts_qk_rows_back() -> None:
     assert rope.inverse and rope.rotary_cols == "Nq + Nkv"
 
 
+@pytest.mark.parametrize("name", ["llama_attn_in_bwd", "llama_attn_in_bwd_saved"])
+def test_attention_input_backward_writes_each_weight_gradient_apart(name: str) -> None:
+    # one unpair_rows gather writes dW_q, dW_k (Q/K rows put back) and dW_v (copied) as tensors
+    # of their own: no block output is a row view of one fused gradient for a caller to copy
+    program = lower(get_block(name))
+    (unpair,) = [s for s in program.steps if s.kind == "unpair_rows"]
+    assert unpair.out is None and unpair.rows == "Nq + Nkv" and unpair.head_dim == "D"
+    parts = [(p.out, p.rows) for p in unpair.parts or []]
+    assert parts == [("dw_q", "Nq"), ("dw_k", "Nkv"), ("dw_v", "Nkv")]
+    assert {n: program.outputs[n] for n in ("dw_q", "dw_k", "dw_v")} == {n: n for n, _ in parts}
+    assert not any(isinstance(v, OutputView) for v in program.outputs.values())
+
+
 def test_attention_input_backward_from_the_saved_output_recomputes_no_projection() -> None:
     # qkv kept by the forward: the inverse rotation and c = Σ qkv·dqkv / d in one rope_rows pass,
     # then only the dx GEMM (norm backward in its epilogue) and the weight gradient

@@ -57,8 +57,16 @@ def test_qwen2_backward_recomputes_the_projection_and_sums_the_bias_gradients() 
     assert {"db_q", "db_k", "db_v"} <= set(block.outputs)
     program = lower(block)
     assert [s.kind for s in program.steps] == [
-        "rstd", "gemm", "rotary_input_grad", "gemm", "sum_partials", "gemm",
+        "rstd", "gemm", "rotary_input_grad", "gemm", "sum_partials", "gemm", "split_rows",
     ]  # fmt: skip
+    # the weights' gradients: tensors of their own, copied out of dW_qkv by one launch
+    split = program.steps[-1]
+    assert [(p.out, p.rows) for p in split.parts] == [
+        ("dw_q", "Nq"), ("dw_k", "Nkv"), ("dw_v", "Nkv"),
+    ]  # fmt: skip
+    assert {n: program.outputs[n] for n in ("dw_q", "dw_k", "dw_v")} == {
+        "dw_q": "dw_q", "dw_k": "dw_k", "dw_v": "dw_v",
+    }  # fmt: skip
     report = evaluate(program, block, OPTIONS)
     assert report.verified, report.render_text()
 
@@ -115,7 +123,9 @@ def test_whole_projection_norms_run_their_backward_in_the_grad_pass(input_norm: 
 def test_saved_outputs_spare_the_projection_gemm() -> None:
     """Without per-head norms the saved q_rot, k_rot, v give c: no GEMM recomputes z."""
     block = _backward(LLAMA, saved=True)
-    assert _kinds(block) == ["rstd", "rotary_input_grad", "gemm", "sum_partials", "gemm"]
+    assert _kinds(block) == [
+        "rstd", "rotary_input_grad", "gemm", "sum_partials", "gemm", "split_rows",
+    ]  # fmt: skip
     report = evaluate(lower(block), block, OPTIONS)
     assert report.verified, report.render_text()
 

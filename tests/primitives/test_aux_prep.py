@@ -3,6 +3,7 @@ output views, against independent formulas — Hugging Face's own RoPE and PyTor
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -257,6 +258,110 @@ def test_unpair_rows_inverts_rope_pairs() -> None:
     got, _, _ = run_both(Program.parse(data), inputs)
     assert torch.equal(got["back"][:12], inputs["w"][:12])
     assert torch.equal(got["back"][12:], got["w_p"][12:])
+
+
+def _unpair_parts(parts: list[tuple[str, str]], rows: str | None = None) -> dict[str, Any]:
+    """``w`` through prep ``rope_pairs`` and back through ``unpair_rows`` into ``parts``."""
+    step: dict[str, Any] = {"kind": "unpair_rows", "src": "w_p", "head_dim": "D"}
+    step["parts"] = [{"out": out, "rows": n} for out, n in parts]
+    if rows is not None:
+        step["rows"] = rows
+    return {
+        "block": "test",
+        "inputs": {"w": ["R", "C"], "cos": ["R", "D"]},  # cos binds the head width D
+        "prep": [{"kind": "rope_pairs", "weight": "w", "head_dim": "D", "out": "w_p"}],
+        "steps": [step],
+        "outputs": {out: out for out, _ in parts},
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("permuted", "heads", "width", "parts"),
+    [
+        # Q (3 heads of 6), K (1 head), V (1 head, not permuted): a fused QKV gradient's rows
+        (4, 5, 5, [("q", "D * 3"), ("k", "D"), ("v", "D")]),
+        # all rows permuted, a part boundary inside a head, four parts, 300 columns (2 tiles)
+        (None, 5, 300, [("a", "7"), ("b", "D * 2 - 1"), ("c", "1"), ("d", "R - D * 2 - 7")]),
+        # no row permuted: a plain split of the rows
+        (0, 3, 3, [("x", "R - 5"), ("y", "5")]),
+    ],
+)
+def test_unpair_rows_parts_are_the_inverse_split_by_rows(
+    permuted: int | None, heads: int, width: int, parts: list, dtype: torch.dtype
+) -> None:
+    head_dim = 6
+    total = head_dim * heads
+    w = torch.randn(total, width).to(dtype)
+    program = Program.parse(_unpair_parts(parts, None if permuted is None else f"D * {permuted}"))
+    got, ref, _ = run_both(program, {"w": w, "cos": torch.zeros(total, head_dim, dtype=dtype)})
+    assert torch.equal(got["w_p"], _to_pairs(w.T, head_dim).T)  # rope_pairs of all rows
+    back = head_dim * (heads if permuted is None else permuted)
+    want = torch.cat([w[:back], got["w_p"][back:]])  # un-permuted rows, then w_p's copied
+    start = 0
+    for name, _ in parts:
+        out = got[name]
+        assert out.is_contiguous() and out._base is None, f"{name} is not a tensor of its own"
+        assert out.dtype == dtype
+        assert torch.equal(out, want[start : start + out.shape[0]]), name  # exact: a gather
+        assert torch.equal(out, ref[name]), f"{name}: kernel vs reference"
+        start += out.shape[0]
+    assert start == total
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"out": "back"}, "sets both of out and parts; set exactly one"),
+        ({"parts": None}, "sets neither of out and parts; set exactly one"),
+        ({"parts": []}, "has 0 parts; it writes 1 to 4"),
+        ({"parts": [{"out": f"p{i}", "rows": "D"} for i in range(5)]}, "has 5 parts"),
+        (
+            {"parts": [{"out": "q", "rows": "D"}, {"out": "k", "rows": "R - D * 2"}]},
+            "parts take 18 rows ('q': 6, 'k': 12), but src 'w_p'",
+        ),
+        (
+            {"parts": [{"out": "q", "rows": "R"}, {"out": "k", "rows": "0"}]},
+            "part 'k' takes 0 rows ('0'); each part takes at least one row",
+        ),
+        ({"parts": [{"out": "q", "rows": "D"}, {"out": "q", "rows": "R - D"}]}, "tensor 'q' is"),
+        ({"parts": [{"out": "w", "rows": "R"}]}, "tensor 'w' is a block input"),
+    ],
+)
+def test_unpair_rows_parts_refusals_name_the_fault(edit: dict[str, Any], message: str) -> None:
+    data = _unpair_parts([("q", "D"), ("k", "R - D")])
+    data["steps"][0].update(edit)
+    data["outputs"] = {"paired": "w_p"}
+    program = Program.parse(data)
+    with pytest.raises(ProgramError, match=re.escape(message)):
+        analyze(program, {"R": 24, "C": 5, "D": 6})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_split_rows_copies_each_row_range_into_a_tensor_of_its_own(dtype: torch.dtype) -> None:
+    parts = [("q", "R - N * 2"), ("k", "N"), ("v", "N")]
+    program = _program(
+        {"x": ["R", "C"], "n": ["N"]},  # n binds the K/V width N
+        [],
+        [{"kind": "split_rows", "src": "x", "parts": [{"out": o, "rows": r} for o, r in parts]}],
+        {o: o for o, _ in parts},
+    )
+    x = torch.randn(29, 263).to(dtype)  # odd sizes: partial row and column tiles
+    got, ref, _ = run_both(program, {"x": x, "n": torch.zeros(5, dtype=dtype)})
+    for name, want in zip(("q", "k", "v"), x.split([19, 5, 5]), strict=True):
+        assert got[name].is_contiguous() and got[name]._base is None, name
+        assert torch.equal(got[name], want), name  # exact: a copy
+        assert torch.equal(ref[name], want), name
+    with pytest.raises(ProgramError, match=re.escape("split_rows parts take 19 rows ('q': 19)")):
+        analyze(
+            _program(
+                {"x": ["R", "C"]},
+                [],
+                [{"kind": "split_rows", "src": "x", "parts": [{"out": "q", "rows": "19"}]}],
+                {"q": "q"},
+            ),
+            {"R": 29, "C": 4},
+        )
 
 
 # -- rope_rows: the rotation on a whole tensor, and the inverse with a row dot -------------------

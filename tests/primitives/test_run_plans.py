@@ -127,10 +127,10 @@ def test_with_replays_off_every_call_decides_anew(mlp, monkeypatch: pytest.Monke
 
 
 def test_output_views_cut_once_per_binding_match_select_outputs() -> None:
-    # llama_attn_in_bwd_saved returns dw_q, dw_k, dw_v as row views of one fused gradient
+    # llama_mlp_bwd_saved returns dw_gate, dw_up as every other row of one interleaved gradient
     from coda.primitives.analysis import bind_sizes
 
-    block = get_block("llama_attn_in_bwd_saved")
+    block = get_block("llama_mlp_bwd_saved")
     program = lower(block)
     assert any(not isinstance(v, str) for v in program.outputs.values())
     compiled = compile_program(program, analyze(program, block.shapes.cpu[0]))
@@ -335,17 +335,24 @@ def test_an_input_only_prep_reads_reaches_the_run_signature_by_shape_and_dtype_o
 
 def test_fresh_outputs_are_the_whole_tensors_a_run_allocates() -> None:
     """``run_outputs`` names the outputs each run made anew as whole tensors: llama_attn_in's
-    backward returns dx and dgamma so, and dw_q, dw_k, dw_v as row views of one gradient (not
-    fresh); on a replay too, and the fresh ones share memory with no input and no other
-    output."""
-    block = get_block("llama_attn_in_bwd_saved")
+    backward returns dx, dgamma and (written apart by unpair_rows) dw_q, dw_k, dw_v so; the
+    MLP's backward returns dw_gate and dw_up as row views of one gradient (not fresh); on a
+    replay too, and the fresh ones share memory with no input and no other output."""
+    for name, want in [
+        ("llama_attn_in_bwd_saved", {"dx", "dgamma", "dw_q", "dw_k", "dw_v"}),
+        ("llama_mlp_bwd_saved", {"dx", "dgamma", "dw_down"}),
+    ]:
+        _check_fresh_outputs(get_block(name), want)
+
+
+def _check_fresh_outputs(block: Block, want: set[str]) -> None:
     program = lower(block)
     sizes = block.shapes.cpu[0]
     compiled = compile_program(program, analyze(program, sizes))
     for seed in (0, 1):  # recorded, then replayed
         inputs = block.make_inputs(sizes, torch.float32, seed=seed)
         outputs, fresh = compiled.run_outputs(inputs)
-        assert fresh == {"dx", "dgamma"}
+        assert fresh == want, block.name
         memory = [t.untyped_storage().data_ptr() for t in inputs.values()]
         for name in sorted(fresh):
             assert outputs[name]._base is None
@@ -380,14 +387,19 @@ def test_a_replay_builds_a_run_env_only_for_a_step_that_launches_itself(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Only an ``AuxLaunch`` reads the ``RunEnv``: a replay of a plan without one (llama_mlp)
-    builds none; llama_attn_in's backward, whose last step launches itself, builds one."""
+    builds none, nor does llama_attn_in's backward (its aux steps replay pinned launches); the
+    Qwen2 attention input's backward, whose ``rotary_input_grad`` launches itself, builds one."""
     from coda.primitives import runtime
     from coda.primitives.run_plans import AuxLaunch
 
     built = []
     env = runtime.RunEnv
     monkeypatch.setattr(runtime, "RunEnv", lambda *a, **k: built.append(1) or env(*a, **k))
-    for name, launches_itself in [("llama_mlp", False), ("llama_attn_in_bwd_saved", True)]:
+    for name, launches_itself in [
+        ("llama_mlp", False),
+        ("llama_attn_in_bwd_saved", False),
+        ("qwen2_attn_in_bwd", True),
+    ]:
         block = get_block(name)
         program = lower(block)
         sizes = block.shapes.cpu[0]

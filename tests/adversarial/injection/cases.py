@@ -245,8 +245,9 @@ COMMENTS: list[tuple[str, tuple, str]] = [
     ("llama_attn_in_bwd", ("steps", 2, "divide_by"), "d"),
     ("llama_attn_in_bwd", ("steps", 6, "head_dim"), "D"),
     ("llama_attn_in_bwd", ("steps", 6, "rows"), "Nq + Nkv"),
-    ("llama_attn_in_bwd", ("outputs", "dw_k", "start"), "Nq"),
-    ("llama_attn_in_bwd", ("outputs", "dw_v", "stop"), "Nq + Nkv + Nkv"),
+    ("llama_attn_in_bwd", ("steps", 6, "parts", 1, "rows"), "Nkv"),
+    ("llama_mlp_bwd", ("outputs", "dw_up", "start"), "1"),
+    ("qwen2_attn_in_bwd", ("steps", 6, "parts", 0, "rows"), "Nq"),
     ("llama_attn_in", ("prep", 0, "head_dim"), "D"),
 ]
 
