@@ -18,6 +18,8 @@ from coda.export import (
     patch_llama,
 )
 
+from .copies import clones_of_views_of
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -113,14 +115,6 @@ def test_the_attention_inputs_weight_gradients_are_written_apart_not_copied_from
     hf = _model(num_hidden_layers=2, rms_norm_eps=1e-5)  # the shipped Programs' epsilon
     patched = patch_llama(copy.deepcopy(hf), verify=False, tune="off")
     fused_rows = 48 + 2 * 24  # Nq + 2·Nkv: 4 query heads and 2 KV heads of 12
-    copied: list[tuple[int, ...]] = []
-    clone = torch.Tensor.clone
-
-    def recording_clone(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if self._base is not None and self._base.shape[0] == fused_rows:
-            copied.append(tuple(self.shape))
-        return clone(self, *args, **kwargs)
-
     ran: list[str] = []
     run = CompiledProgram._run
 
@@ -130,7 +124,7 @@ def test_the_attention_inputs_weight_gradients_are_written_apart_not_copied_from
 
     ids = torch.randint(0, 96, (2, 7))
     _, _, grads = _step(hf, ids)
-    monkeypatch.setattr(torch.Tensor, "clone", recording_clone)
+    copied = clones_of_views_of(fused_rows, monkeypatch)
     monkeypatch.setattr(CompiledProgram, "_run", recording_run)
     _, _, got = _step(patched, ids)
     assert ran.count("llama_attn_in_bwd_saved") == 2  # one backward per layer

@@ -17,6 +17,8 @@ import torch
 from coda.export import PatchReport, patch_model
 from coda.export import families as fam
 
+from .copies import clones_of_views_of
+
 transformers = pytest.importorskip("transformers")
 
 SMALL = {
@@ -531,17 +533,9 @@ def test_the_attention_inputs_weight_gradients_are_not_copied_out_of_one_tensor(
     patched, report = _patched(model)
     assert report.patched(fam.ATTENTION_INPUT)
     fused_rows = 32 + 2 * 16  # Nq + 2·Nkv: 4 query heads and 2 KV heads of 8
-    copied: list[tuple[int, ...]] = []
-    clone = torch.Tensor.clone
-
-    def recording_clone(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if self._base is not None and self._base.shape[0] == fused_rows:
-            copied.append(tuple(self.shape))
-        return clone(self, *args, **kwargs)
-
     batch = _batch()
     _, want = _train_step(model, batch)
-    monkeypatch.setattr(torch.Tensor, "clone", recording_clone)
+    copied = clones_of_views_of(fused_rows, monkeypatch)
     _, got = _train_step(patched, batch)
     assert copied == [], f"copies of rows of a fused QKV gradient: {copied}"
     names = [n for n in want if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
