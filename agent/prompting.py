@@ -26,6 +26,7 @@ from coda import prompts
 from coda.blocks import Add, Block, Linear, RMSNorm, ShapeSets, TensorSpec
 from coda.planner import lower, refusal
 from coda.primitives import backend
+from coda.primitives.aux.layout import RowPart
 from coda.primitives.base import AuxStep, EpilogueOp, PrepStep
 from coda.primitives.errors import did_you_mean
 from coda.primitives.ir import (
@@ -172,6 +173,7 @@ def structure() -> list[PrimitiveDoc]:
         PrimitiveDoc("gemm", "structure", GemmEpilogue, tag="kind"),
         PrimitiveDoc("Operand", "structure", Operand),
         PrimitiveDoc("MainloopConfig", "structure", MainloopConfig),
+        PrimitiveDoc("RowPart", "structure", RowPart),
     ]
 
 

@@ -94,13 +94,12 @@ class MainloopConfig(Node):
     ``block_m/n/k``: output tile and K step; ``group_m``: grouped tile order (L2 reuse);
     ``num_warps``, ``num_stages``: Triton launch parameters; ``epilogue_subtiles``: the epilogue
     runs on 1, 2, 4 or 8 column slices of the tile in turn, each at least 16 columns wide (fewer
-    live registers: a 128×256 tile's heavy backward epilogues spill in 2 slices, not in 8; an
-    epilogue that reduces writes its row partials one slot per slice);
+    live registers; a reducing epilogue writes one partial per slice);
     ``flatten``: let Triton pipeline across output tiles of the persistent loop;
     ``warp_specialize``: producer and consumer warps for the persistent loop (Triton ≥ 3.4; a config
     that does not compile is pruned);
-    ``programs_per_sm``: persistent programs per SM (2: one program's epilogue runs while the
-    other's mainloop keeps the tensor cores busy, a "ping-pong" GEMM's overlap);
+    ``programs_per_sm``: persistent programs per SM (2: one's epilogue overlaps the other's
+    mainloop);
     ``maxnreg``: cap on registers per thread (``None``: the compiler's), so two programs of a
     register-heavy epilogue fit on one SM.
     """

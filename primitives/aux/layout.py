@@ -104,7 +104,7 @@ def _blocks(rows: int, cols: int) -> tuple[int, int]:
 
 
 class RowPart(Node):
-    """One output of ``unpair_rows``/``split_rows``: the next ``rows`` rows (a size expression)."""
+    """The next ``rows`` rows, into ``out``."""
 
     out: Name
     rows: SizeExpr
@@ -186,18 +186,11 @@ def _gather(src: torch.Tensor, outs: list[torch.Tensor], permuted: int, head_dim
 
 
 class UnpairRows(AuxStep):
-    """Inverse of prep ``rope_pairs`` on the leading rows of a 2-D tensor: the result is ``src``
-    with each head's rows moved from adjacent-pair order back to rotate-half order.
+    """Inverse of prep ``rope_pairs`` on the leading ``rows`` rows (default: all; the rest are
+    copied): per head of ``head_dim`` rows, row ``e·D/2 + p`` from row ``2p + e`` of ``src``.
 
-    Within each head of ``head_dim`` rows (a size expression), old row ``e·D/2 + p`` is taken from
-    row ``2p + e`` of ``src``. ``rows``: how many leading rows are permuted (e.g. ``"Nq + Nkv"``
-    for the Q and K part of a fused QKV weight gradient; the rest are copied); default: all.
-
-    The result goes to ``out`` (src's shape), or — give ``parts`` instead — split by rows into
-    up to 4 tensors: ``parts=[{"out": "dw_q", "rows": "Nq"}, {"out": "dw_k", "rows": "Nkv"},
-    {"out": "dw_v", "rows": "Nkv"}]`` writes result rows ``[0, Nq)`` to ``dw_q``, the next
-    ``Nkv`` to ``dw_k``, the last ``Nkv`` (copied, not permuted, with ``rows="Nq + Nkv"``) to
-    ``dw_v``. The parts' rows add up to src's. A part boundary need not fall on a head's.
+    Into ``out``, or split by rows into ``parts`` (1 to 4, rows summing to src's), e.g. a fused
+    QKV weight gradient with ``rows="Nq + Nkv"`` into ``[{"out": "dw_q", "rows": "Nq"}, …]``.
     """
 
     kind: Literal["unpair_rows"] = "unpair_rows"
@@ -254,11 +247,7 @@ class UnpairRows(AuxStep):
 
 
 class SplitRows(AuxStep):
-    """Copy consecutive row ranges of a 2-D tensor into tensors of their own, in one launch:
-    ``parts`` as ``unpair_rows``'s (up to 4 ``{out, rows}``, rows adding up to src's), e.g. the
-    Q, K and V weights' gradients out of one fused ``dW_qkv`` — each a whole contiguous tensor,
-    where row views of ``dW_qkv`` would be copied apart by a caller whose results may not alias.
-    """
+    """Row ranges of a 2-D tensor into tensors of their own (``parts`` as ``unpair_rows``'s)."""
 
     kind: Literal["split_rows"] = "split_rows"
     replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)

@@ -96,8 +96,8 @@ def _blocks(rows: int, width: int) -> tuple[int, int]:
 
 class RopeRows(AuxStep):
     """Rotate adjacent column pairs of a whole ``[M, W]`` tensor by per-token angles (RoPE), as
-    epilogue op ``rope`` does a tile — e.g. the gradient ``dqkv`` reaching a fused QKV projection's
-    backward (``inverse=True``). Pair k = columns ``(2k, 2k+1)``, ``c = cos[i, k mod D/2]``, ``s``
+    epilogue op ``rope`` does a tile — e.g. ``dqkv`` in a QKV projection's backward
+    (``inverse=True``). Pair k = columns ``(2k, 2k+1)``, ``c = cos[i, k mod D/2]``, ``s``
     likewise (``[M, D]`` tables, Hugging Face's); ``out[:, 2k] = x·c − y·s``, ``out[:, 2k+1] = y·c
     + x·s``; ``inverse`` negates ``s``. ``rotary_cols`` (size expression, a multiple of D): the
     leading columns rotated, the rest copied. ``out``: src's shape and dtype. ``dot`` (src's
