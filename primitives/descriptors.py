@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,17 +64,37 @@ def _descriptor_defaults() -> dict[str, Any] | None:
 _DESCRIPTOR_DEFAULTS = _descriptor_defaults()
 
 
+class DescriptorTemplate:
+    """A TMA descriptor's fields but its base — shape, strides, block shape and
+    ``TensorDescriptor``'s defaults — worked out once for a replay that builds the same
+    descriptor on another base at every call (``on``)."""
+
+    __slots__ = ("shape", "strides", "block", "fields")
+
+    def __init__(self, shape: Sequence[int], strides: Sequence[int], block: list[int]) -> None:
+        self.shape, self.strides, self.block = tuple(shape), tuple(strides), block
+        defaults = _DESCRIPTOR_DEFAULTS
+        self.fields = None if defaults is None else {**defaults, "block_shape": block}
+
+    def on(self, base: torch.Tensor) -> Any:
+        """``TensorDescriptor(base, shape, strides, block)`` without its ``__post_init__`` checks
+        (a few microseconds per descriptor, a hundred descriptors per training step); its own
+        lists of shape and strides, as a checked one has."""
+        if self.fields is None:
+            return TensorDescriptor(base, list(self.shape), list(self.strides), self.block)
+        desc = object.__new__(TensorDescriptor)
+        desc.__dict__ = {
+            **self.fields, "base": base, "shape": list(self.shape), "strides": list(self.strides)
+        }  # fmt: skip
+        return desc
+
+
 def unchecked_descriptor(
     base: torch.Tensor, shape: list[int], strides: list[int], block: list[int]
 ) -> Any:
-    """``TensorDescriptor(base, shape, strides, block)`` without its ``__post_init__`` checks
-    (a few microseconds per descriptor, a hundred descriptors per training step)."""
-    if _DESCRIPTOR_DEFAULTS is None:
-        return TensorDescriptor(base, shape, strides, block)
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(_DESCRIPTOR_DEFAULTS)
-    desc.base, desc.shape, desc.strides, desc.block_shape = base, shape, strides, block
-    return desc
+    """``TensorDescriptor(base, shape, strides, block)`` without its checks
+    (``DescriptorTemplate.on``)."""
+    return DescriptorTemplate(shape, strides, block).on(base)
 
 
 def descriptor_block(p: Param, cfg: MainloopConfig) -> list[int]:

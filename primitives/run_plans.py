@@ -11,11 +11,15 @@ from typing import Any
 
 import torch
 
-from . import descriptors
 from .analysis import GemmInfo, ProgramInfo
 from .base import RunEnv
 from .codegen.context import Param
-from .descriptors import TensorDescriptor, descriptor_block, unchecked_descriptor
+from .descriptors import (
+    DescriptorTemplate,
+    TensorDescriptor,
+    descriptor_block,
+    unchecked_descriptor,
+)
 from .ir import GemmEpilogue, MainloopConfig
 from .launch import PinnedLaunch, launch_kernel, recorded_launches
 from .sizes import evaluate as evaluate_size
@@ -225,7 +229,6 @@ class LaunchPlan:
 
 
 _CONST, _PTR, _DESC = 0, 1, 2  # how a Relaunch gets each argument (``Relaunch.slots``)
-_new_descriptor = object.__new__
 
 
 class Relaunch(Action):
@@ -244,39 +247,22 @@ class Relaunch(Action):
         self.launch = PinnedLaunch(plan.kernel, plan.grid, **plan.meta)
         self.slots = tuple(_slot(source, tensors) for source in plan.sources)
         self._template, self._tensor_at = _template(self.slots)
-        self._descriptor_at = tuple((i, *s[1:]) for i, s in enumerate(self.slots) if s[0] == _DESC)
-        # each descriptor's fields but its base, where descriptors are filled in directly
-        defaults = descriptors._DESCRIPTOR_DEFAULTS
-        self._descriptor_fields = (
-            None
-            if defaults is None
-            else tuple(
-                (i, name, {**defaults, "shape": shape, "strides": strides, "block_shape": block})
-                for i, name, shape, strides, block in self._descriptor_at
-            )
+        # each descriptor's position, its tensor's name and its fields but the base
+        self._descriptor_at = tuple(
+            (i, name, DescriptorTemplate(*layout))  # layout: shape, strides, block
+            for i, (kind, name, *layout) in enumerate(self.slots)
+            if kind == _DESC
         )
 
     def arguments(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
         """The launch arguments on ``tensors`` (of the run signature it was recorded at): the
-        recorded constants, with the call's tensors and their descriptors filled in — each
-        descriptor ``unchecked_descriptor``'s, built here from its fields worked out once (its
-        own lists of shape and strides, as every call's)."""
+        recorded constants, with the call's tensors and their descriptors (without Triton's
+        checks: ``DescriptorTemplate``) filled in."""
         args = self._template.copy()
         for i, name in self._tensor_at:
             args[i] = tensors[name]
-        if self._descriptor_fields is None:
-            for i, name, shape, strides, block in self._descriptor_at:
-                args[i] = unchecked_descriptor(tensors[name], list(shape), list(strides), block)
-            return args
-        for i, name, fields in self._descriptor_fields:
-            desc = _new_descriptor(TensorDescriptor)
-            desc.__dict__ = {
-                **fields,
-                "base": tensors[name],
-                "shape": [*fields["shape"]],
-                "strides": [*fields["strides"]],
-            }
-            args[i] = desc
+        for i, name, descriptor in self._descriptor_at:
+            args[i] = descriptor.on(tensors[name])
         return args
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> Any:
