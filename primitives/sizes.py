@@ -151,3 +151,15 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two ≥ ``n`` (1 for n ≤ 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def row_tile(
+    rows: int, cols: int, *, max_cols: int, elements: int, max_rows: int = 64, min_cols: int = 1
+) -> tuple[int, int]:
+    """The (rows, columns) one program of a row-wise aux kernel takes at a time: the columns a
+    power of two covering ``cols`` between ``min_cols`` and ``max_cols``, the rows a power of two
+    no more than ``rows`` needs, ``max_rows`` or ``elements`` over the columns allow (at least
+    one)."""
+    block_cols = max(min_cols, min(next_power_of_2(cols), max_cols))
+    block_rows = max(1, min(max_rows, elements // block_cols, next_power_of_2(rows)))
+    return block_rows, block_cols

@@ -25,7 +25,7 @@ from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
 from ..launch import launch_kernel
-from ..sizes import SizeExpr, cdiv, next_power_of_2
+from ..sizes import SizeExpr, cdiv, row_tile
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo, torch_dtype
 from .partials import _act_dtype
@@ -83,9 +83,7 @@ def ce_grad_blocks(rows: int, cols: int) -> tuple[int, int]:
     """Rows and columns per program step: up to 4096 columns a step (a row of a large
     vocabulary streams through in long contiguous reads, one row per program: a chunk of 1024
     rows is 1024 programs), about 4096 elements a step."""
-    block_cols = min(next_power_of_2(max(cols, 1)), 4096)
-    block_rows = max(1, min(16, 4096 // block_cols, next_power_of_2(max(rows, 1))))
-    return block_rows, block_cols
+    return row_tile(rows, cols, max_cols=4096, elements=4096, max_rows=16)
 
 
 class CrossEntropyGradRows(AuxStep):

@@ -20,7 +20,7 @@ from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
 from ..launch import launch_kernel
-from ..sizes import cdiv, next_power_of_2
+from ..sizes import cdiv, row_tile
 from ..types import TensorInfo
 
 
@@ -67,9 +67,8 @@ def _gather_dot_kernel(
 
 
 def _blocks(rows: int, cols: int) -> tuple[int, int]:
-    block_cols = min(next_power_of_2(cols), 256)
-    block_rows = max(1, min(32, 4096 // block_cols, next_power_of_2(rows)))
-    return block_rows, block_cols
+    """Rows and columns per chunk: up to 256 columns and 32 rows, about 4096 elements."""
+    return row_tile(rows, cols, max_cols=256, elements=4096, max_rows=32)
 
 
 class GatherDot(AuxStep):

@@ -24,7 +24,7 @@ from ..checking import ProgramEnv
 from ..errors import ProgramError
 from ..launch import launch_kernel
 from ..prep.layout import row_order_on
-from ..sizes import SizeExpr, cdiv, next_power_of_2
+from ..sizes import SizeExpr, cdiv, row_tile
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo
 
@@ -98,9 +98,7 @@ def _unpair_rows_kernel(
 
 def _blocks(rows: int, cols: int) -> tuple[int, int]:
     """Tile of one program: up to 256 columns, about 8192 elements."""
-    block_cols = max(16, min(next_power_of_2(cols), 256))
-    block_rows = max(1, min(64, 8192 // block_cols, next_power_of_2(rows)))
-    return block_rows, block_cols
+    return row_tile(rows, cols, max_cols=256, elements=8192, min_cols=16)
 
 
 class RowPart(Node):

@@ -21,7 +21,7 @@ from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
 from ..launch import launch_kernel
-from ..sizes import cdiv, next_power_of_2
+from ..sizes import cdiv, row_tile
 from ..types import TensorInfo
 
 
@@ -82,9 +82,7 @@ def _norm_rows_kernel(
 
 def _blocks(rows: int, cols: int) -> tuple[int, int]:
     """Rows and columns per chunk: up to 1024 columns, about 4096 elements per chunk."""
-    block_cols = min(next_power_of_2(max(cols, 1)), 1024)
-    block_rows = max(1, min(64, 4096 // block_cols, next_power_of_2(max(rows, 1))))
-    return block_rows, block_cols
+    return row_tile(rows, cols, max_cols=1024, elements=4096)
 
 
 class NormRows(AuxStep):

@@ -21,7 +21,7 @@ from ..checking import ProgramEnv
 from ..errors import ProgramError
 from ..launch import launch_kernel
 from ..ops.rope import check_rope_tables, rotate_pairs
-from ..sizes import SizeExpr, cdiv, next_power_of_2
+from ..sizes import SizeExpr, cdiv, row_tile
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo
 
@@ -89,9 +89,7 @@ def _rope_rows_kernel(
 
 def _blocks(rows: int, width: int) -> tuple[int, int]:
     """Rows and columns per chunk: up to 512 columns, about 4096 elements per chunk."""
-    block_cols = max(2, min(next_power_of_2(width), 512))
-    block_rows = max(1, min(64, 4096 // block_cols, next_power_of_2(rows)))
-    return block_rows, block_cols
+    return row_tile(rows, width, max_cols=512, elements=4096, min_cols=2)
 
 
 class RopeRows(AuxStep):

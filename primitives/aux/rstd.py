@@ -18,7 +18,7 @@ from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
 from ..launch import launch_kernel
-from ..sizes import cdiv, next_power_of_2
+from ..sizes import cdiv, row_tile
 from ..types import TensorInfo
 
 
@@ -57,9 +57,7 @@ def _rstd_kernel(
 def row_blocks(rows: int, cols: int) -> tuple[int, int]:
     """Rows and columns per chunk of a per-row statistic kernel (``rstd``, ``mean_rstd``): up to
     1024 columns, about 2048 elements per chunk."""
-    block_cols = min(next_power_of_2(cols), 1024)
-    block_rows = max(1, min(64, 2048 // block_cols, next_power_of_2(rows)))
-    return block_rows, block_cols
+    return row_tile(rows, cols, max_cols=1024, elements=2048)
 
 
 class Rstd(AuxStep):
