@@ -91,6 +91,17 @@ class BackwardBuilder:
         self.st.steps.append(node)
         return node["out"]
 
+    def weight_gradients(self, node: dict[str, Any], weights: list[str], rows: list[str]) -> None:
+        """Append aux ``node`` — ``unpair_rows`` or ``split_rows`` of a fused weight gradient —
+        with one part per weight of ``weights`` (``rows`` each, in order), and make each part
+        that weight's gradient: a tensor of its own, where row views of one tensor would be
+        copied apart by a caller whose results may not alias."""
+        names = [self.name(f"d{w}") for w in weights]
+        node = {**node, "parts": [{"out": n, "rows": r} for n, r in zip(names, rows, strict=True)]}
+        self.st.steps.append(node)
+        for weight, name in zip(weights, names, strict=True):
+            self.output(weight, name)
+
     def output(self, wrt: str, value: Any) -> None:
         """Block output ``d<wrt>`` is program tensor (or view) ``value``."""
         if wrt in self.grad_name:

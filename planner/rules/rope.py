@@ -393,11 +393,7 @@ def attention_in_backward(b: BackwardBuilder) -> None:
     node = {"kind": "unpair_rows", "src": dw, "head_dim": size_expr_of(b.st, cos, 1)}
     if rot_cols:
         node["rows"] = rot_cols
-    names = [b.name(f"d{part.linear[1].weight}") for part in group.parts]
-    node["parts"] = [{"out": n, "rows": w} for n, w in zip(names, widths, strict=True)]
-    b.st.steps.append(node)
-    for part, name in zip(group.parts, names, strict=True):
-        b.output(part.linear[1].weight, name)
+    b.weight_gradients(node, [p.linear[1].weight for p in group.parts], widths)
 
 
 def _row_views(b: BackwardBuilder, parts: list, widths: list[str], dw: str) -> None:

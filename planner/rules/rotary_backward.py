@@ -126,14 +126,9 @@ def rotary_input_backward(b: BackwardBuilder) -> None:
         b.output(parts[0].linear.x, b.plain_gemm("qkv_bwd", dz, w_qkv, "dx"))
         y = parts[0].linear.x
     dw = b.plain_gemm("w_qkv_grad", f"{dz}.T", y, "dw_qkv")
-    # one copy writes each weight's gradient as a tensor of its own (row views of dw would be
-    # copied apart, one launch each, by a caller whose results may not alias)
-    names = [b.name(f"d{p.linear.weight}") for p in parts]
+    # one copy writes each weight's gradient as a tensor of its own
     widths = [size_expr_of(b.st, p.linear.weight, 0) for p in parts]
-    split = [{"out": n, "rows": w} for n, w in zip(names, widths, strict=True)]
-    b.st.steps.append({"kind": "split_rows", "src": dw, "parts": split})
-    for part, name in zip(parts, names, strict=True):
-        b.output(part.linear.weight, name)
+    b.weight_gradients({"kind": "split_rows", "src": dw}, [p.linear.weight for p in parts], widths)
 
 
 def _grad_node(b: BackwardBuilder, norm: RMSNorm | None, parts: list[Part]) -> dict[str, Any]:
