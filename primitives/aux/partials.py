@@ -73,7 +73,8 @@ def _combine_kernel(
         result = tl.sum(total, axis=1) * scale
     if HAS_MINUS:
         result -= tl.load(minus_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_r, result, mask=mask_r)
+    # fp32 throughout; a 16-bit ``out`` rounds once here (to nearest even, as ``Tensor.to``)
+    tl.store(out_ptr + offs_r, result.to(out_ptr.dtype.element_ty), mask=mask_r)
 
 
 def _launch(
@@ -105,6 +106,12 @@ def _launch(
     )
 
 
+def sum_partials(p: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
+    """``out[i] = scale · Σ_b p[i, b]`` in fp32 (``p`` of any strides, ``out`` a contiguous
+    vector of any float dtype, rounded once): what a kernel's per-program partial sums need."""
+    _launch(p, out, lse=False, scale=scale)
+
+
 def _partials(env: ProgramEnv, src: str, kinds: tuple[str, ...], step: str) -> TensorInfo:
     info = env.tensor(src, role="src")
     p = info.partials
@@ -126,8 +133,6 @@ class SumPartials(AuxStep):
     """
 
     kind: Literal["sum_partials"] = "sum_partials"
-    # (a 16-bit out goes through an fp32 temporary: a launch on a tensor not in env, which
-    # run_plans.record_aux does not replay: that step is called anew)
     replayable: ClassVar[bool] = True  # only launch_kernel calls (AuxStep.replayable)
     src: Name
     out: Name
@@ -150,13 +155,8 @@ class SumPartials(AuxStep):
         env.tensors[self.out] = total if exact else total.to(torch_dtype(self.dtype, act))
 
     def launch(self, env: RunEnv) -> None:
-        out = env.tensors[self.out]
-        if out.dtype == torch.float32:
-            _launch(env.tensors[self.src], out, lse=False, scale=self._scale(env))
-            return
-        tmp = torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        _launch(env.tensors[self.src], tmp, lse=False, scale=self._scale(env))
-        out.copy_(tmp)
+        # a 16-bit ``out`` takes the fp32 sum rounded once, by the kernel's store
+        _launch(env.tensors[self.src], env.tensors[self.out], lse=False, scale=self._scale(env))
 
 
 class LseCombine(AuxStep):

@@ -46,7 +46,7 @@ from ..ops.rope import check_rope_tables
 from ..sizes import SizeExpr, cdiv, next_power_of_2
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo
-from .partials import _act_dtype
+from .partials import _act_dtype, sum_partials
 
 
 @backend.jit
@@ -504,7 +504,8 @@ class RotaryInputGrad(AuxStep):
             HAS_BIAS=self.bias is not None, BIAS_GRAD=self.bias_grads is not None, FIRST=first,
             BLOCK_ROWS=block_rows, BLOCK_HALF=block_half,
         )  # fmt: skip
+        # each program's column sums, summed by the partials kernel into the gradient itself
         if norm:
-            env.tensors[self.norm_grads[p]].copy_(wsum.sum(dim=0))  # type: ignore[index]
+            sum_partials(wsum.T, env.tensors[self.norm_grads[p]])  # type: ignore[index]
         if self.bias_grads:
-            env.tensors[self.bias_grads[p]].copy_(bsum.sum(dim=0))
+            sum_partials(bsum.T, env.tensors[self.bias_grads[p]])

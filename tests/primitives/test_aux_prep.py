@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coda.primitives import Program, ProgramError, analyze
+from coda.primitives import Program, ProgramError, analyze, compile_program
 from coda.primitives.aux.partials import _launch
 from coda.sandbox.compare import assert_close
 from tests.helpers import DTYPE_TOL, make_inputs, rope_tables, run_both
@@ -135,6 +135,16 @@ def test_lse_combine_kernel_streams_many_partials() -> None:
     assert_close(total, q.double().sum(1) * 0.5, atol=1e-4, rtol=1e-5, what="sum of partials")
 
 
+def test_a_16_bit_sum_of_partials_is_the_fp32_sum_rounded_once() -> None:
+    """The kernel stores into a 16-bit ``out`` itself (no fp32 temporary: the step launches on
+    the run's tensors only, so a run plan replays it pinned): the fp32 sum rounded once."""
+    q = torch.randn(9, 300, generator=torch.Generator().manual_seed(1)) * 100
+    total, half = torch.empty(9), torch.empty(9, dtype=torch.float16)
+    _launch(q, total, lse=False, scale=0.25)
+    _launch(q, half, lse=False, scale=0.25)
+    assert torch.equal(half, total.to(torch.float16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 def test_sum_partials_rows_and_columns(dtype: torch.dtype) -> None:
     program = _program(
@@ -167,6 +177,11 @@ def test_sum_partials_rows_and_columns(dtype: torch.dtype) -> None:
     assert got["row_mean"].dtype == torch.float32 and got["col_sum"].dtype == dtype
     assert_close(got["row_mean"], acc.sum(1) / 30, atol=atol * 4, rtol=rtol * 4, what="row mean")
     assert_close(got["col_sum"], acc.sum(0), atol=atol * 40, rtol=rtol * 4, what="column sums")
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled(inputs)
+    (plan,) = compiled._run_plans.values()
+    kinds = {type(a).__name__ for a in plan.actions if getattr(a, "step", None) is not None}
+    assert kinds == {"PinnedAuxLaunch"}  # in either dtype: no temporary, replayed pinned
 
 
 # -- RoPE: prep rope_pairs + epilogue rope == Hugging Face ----------------------------------------
