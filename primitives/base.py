@@ -212,6 +212,10 @@ class AuxStep(Node):
     # True where ``launch`` does nothing but ``launch_kernel`` calls whose arguments are tensors of
     # ``env`` and values fixed by the tensors' shapes, strides and dtypes: a run plan then replays
     # the recorded launches pinned (``run_plans.record_aux``) instead of calling ``launch`` again.
+    # Any step's ``launch``, replayable or not, must at one run signature (the layouts, dtypes
+    # and alignments of the tensors it reads) launch the same kernels, grids and meta-parameters
+    # on arguments of the same signatures (temporaries it allocates are fresh, hence aligned):
+    # a run plan calls a step that is not replayable anew with its launches pinned in order.
     replayable: ClassVar[bool] = False
     # Outputs whose storage may be an input's, {output field: input field}: declared only where
     # the kernel reads each element of that input once and writes the output's element at the

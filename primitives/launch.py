@@ -20,6 +20,10 @@ CPU interpreter, which compiles nothing.
 ``PinnedLaunch(kernel, grid, **meta)`` goes one step further for a caller that knows every later
 call has the first one's signature (``CompiledProgram``'s run plans key their launches by the
 tensors' dtypes, layouts and alignments): after the first launch it skips the signature too.
+``PinnedSequence`` pins the launches of code that calls ``launch_kernel`` itself (an aux step
+that allocates temporaries or launches on views, which a run plan calls anew): in its ``run``,
+the n-th ``launch_kernel`` call goes to the n-th pinned launch when its kernel, grid and
+meta-parameters are the recorded ones.
 
 Both hand the compiled kernel's launcher what ``kernel[grid]`` would. Where that launcher is the
 one this module knows — Triton 3.6's ``CudaLauncher``, recognised by its attributes and by the code
@@ -117,9 +121,27 @@ def _signature(args: tuple[Any, ...]) -> tuple:
 
 
 def _device_and_stream() -> tuple[int, int]:
-    """The current CUDA device and stream, as Triton's launch takes them."""
-    device = driver.active.get_current_device()
-    return device, driver.active.get_current_stream(device)
+    """The current CUDA device and stream, as Triton's launch takes them: its active driver's
+    queries, PyTorch's raw device query in place of ``torch.cuda.current_device`` (the one
+    Triton's GPU drivers install, whose wrapper only sets CUDA up: a relaunch follows a launch)."""
+    global _QUERIES
+    active = driver.active
+    queries = _QUERIES
+    if queries[0] is not active:
+        queries = _QUERIES = (active, *_queries(active))
+    device = queries[1]()
+    return device, queries[2](device)
+
+
+_QUERIES: tuple[Any, Any, Any] = (None, None, None)  # (driver, device(), stream(device))
+
+
+def _queries(active: Any) -> tuple[Any, Any]:
+    get_device, get_stream = active.get_current_device, active.get_current_stream
+    raw_device = getattr(torch._C, "_cuda_getDevice", None)
+    if get_device is torch.cuda.current_device and raw_device is not None:
+        return raw_device, get_stream
+    return get_device, get_stream
 
 
 class _Entry:
@@ -296,11 +318,69 @@ def recorded_launches() -> Iterator[list[tuple[Any, Any, tuple, dict]]]:
         _RECORDING.calls = previous
 
 
+class _Sequence(threading.local):
+    """The pinned launches a ``PinnedSequence`` replays in this thread (None: none active) and
+    the index of the next ``launch_kernel`` call among them."""
+
+    pins: tuple[PinnedLaunch | None, ...] | None = None
+    next: int = 0
+
+
+_SEQUENCE = _Sequence()
+
+
+class PinnedSequence:
+    """The launches one call of some code makes through ``launch_kernel``, pinned in order, for
+    code whose later calls launch the same kernels with the same grids and meta-parameters on
+    arguments of the same signatures (the caller guarantees the signatures, as for
+    ``PinnedLaunch``): in ``sequence.run(fn, *args)`` the n-th ``launch_kernel`` call goes to
+    the n-th ``PinnedLaunch`` when kernel, grid and meta-parameters are the recorded ones, and
+    takes ``launch_kernel``'s own path otherwise (as does a launch with a callable grid, which
+    is not pinned). ``calls``: what ``recorded_launches`` collected from one call."""
+
+    __slots__ = ("pins",)
+
+    def __init__(self, calls: Sequence[tuple[Any, Any, tuple, dict]]) -> None:
+        self.pins = tuple(
+            PinnedLaunch(kernel, grid, **meta) if isinstance(grid, tuple | list) else None
+            for kernel, grid, _args, meta in calls
+        )
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` with this sequence's launches pinned (in this thread; nests)."""
+        outer = _SEQUENCE.pins, _SEQUENCE.next
+        _SEQUENCE.pins, _SEQUENCE.next = self.pins, 0
+        try:
+            return fn(*args)
+        finally:
+            _SEQUENCE.pins, _SEQUENCE.next = outer
+
+
+def _pinned(kernel: Any, grid: Sequence[int], meta: dict[str, Any]) -> PinnedLaunch | None:
+    """The active sequence's next pinned launch if it is ``kernel`` at ``grid`` with ``meta``."""
+    pins, index = _SEQUENCE.pins, _SEQUENCE.next
+    _SEQUENCE.next = index + 1
+    pin = pins[index] if index < len(pins) else None  # type: ignore[arg-type]
+    if pin is None or pin.kernel is not kernel or pin.meta != meta:
+        return None
+    return pin if pin.grid == (grid if type(grid) is tuple else tuple(grid)) else None
+
+
 def launch_kernel(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> Any:
     """``kernel[grid](*args, **meta)`` (returns what it returns: the compiled kernel), by the
-    compiled kernel's own launcher once this argument signature has launched before."""
+    compiled kernel's own launcher once this argument signature has launched before (by a
+    pinned launch inside a ``PinnedSequence`` that recorded this call)."""
     if _RECORDING.calls is not None:
         _RECORDING.calls.append((kernel, grid, args, meta))
+    pins = _SEQUENCE.pins
+    if pins is not None:
+        pin = _pinned(kernel, grid, meta)
+        if pin is not None:
+            _SEQUENCE.pins = None  # a pinned launch's first call comes back here
+            try:
+                return pin(*args)
+            finally:
+                _SEQUENCE.pins = pins
     if backend.INTERPRET or not DIRECT:
         return kernel[grid](*args, **meta)
     try:

@@ -21,7 +21,7 @@ from .descriptors import (
     unchecked_descriptor,
 )
 from .ir import GemmEpilogue, MainloopConfig
-from .launch import PinnedLaunch, launch_kernel, recorded_launches
+from .launch import PinnedLaunch, PinnedSequence, launch_kernel, recorded_launches
 from .sizes import evaluate as evaluate_size
 from .types import torch_dtype
 
@@ -91,14 +91,19 @@ class VendorProduct(Action):
         object.__setattr__(self, "operands", (*operands, dtype))
 
 
-@dataclass(frozen=True)
 class AuxLaunch(Action):
-    """An aux step's kernel, into its outputs (allocated by the ``Allocate`` before it)."""
+    """An aux step's kernel, into its outputs (allocated by the ``Allocate`` before it): its
+    ``launch`` called anew, with the launches the recorded call made pinned in order
+    (``launch.PinnedSequence``) — at one run signature the step launches the same kernels,
+    grids and meta-parameters on arguments whose signatures the run signature fixes (the
+    tensors' layouts, dtypes and alignments; its temporaries are fresh, aligned allocations;
+    ``AuxStep``)."""
 
-    step: Any
+    def __init__(self, step: Any, calls: tuple = ()) -> None:
+        self.step, self.pinned = step, PinnedSequence(calls)
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
-        self.step.launch(env)
+        self.pinned.run(self.step.launch, env)
 
 
 class PinnedAuxLaunch(Action):
@@ -129,12 +134,12 @@ def record_aux(step: Any, tensors: dict[str, torch.Tensor], env: RunEnv) -> Acti
     """Run aux ``step`` on ``tensors`` (its outputs allocated) and return what replays it at
     this run signature: its launches pinned (``PinnedAuxLaunch``) when the step is
     ``replayable`` and every tensor it launched on is one of ``tensors``, else the step itself
-    (``AuxLaunch``: ``launch`` called anew each time — a temporary, a view, a callable grid)."""
-    if not step.replayable:
-        AuxLaunch(step)(tensors, env)
-        return AuxLaunch(step)
+    (``AuxLaunch``: ``launch`` called anew each time — a temporary, a view, a callable grid —
+    with the launches it made now pinned in order)."""
     with recorded_launches() as calls:
         step.launch(env)
+    if not step.replayable:
+        return AuxLaunch(step, tuple(calls))
     names = {id(t): n for n, t in tensors.items()}
     launches = []
     for kernel, grid, args, meta in calls:
@@ -142,12 +147,12 @@ def record_aux(step: Any, tensors: dict[str, torch.Tensor], env: RunEnv) -> Acti
         for arg in args:
             if isinstance(arg, torch.Tensor):
                 if id(arg) not in names:
-                    return AuxLaunch(step)
+                    return AuxLaunch(step, tuple(calls))
                 slots.append((_PTR, names[id(arg)]))
             else:
                 slots.append((_CONST, arg))
         if callable(grid):
-            return AuxLaunch(step)
+            return AuxLaunch(step, tuple(calls))
         launches.append((PinnedLaunch(kernel, grid, **meta), tuple(slots)))
     return PinnedAuxLaunch(step, tuple(launches))
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from coda.primitives import launch as launch_module
-from coda.primitives.launch import PinnedLaunch, launch_kernel
+from coda.primitives.launch import PinnedLaunch, PinnedSequence, launch_kernel, recorded_launches
 
 
 class FakeCompiled:
@@ -178,6 +178,107 @@ def test_a_pinned_launch_on_another_device_or_off_the_direct_path_asks_triton(
     monkeypatch.setattr(launch_module, "DIRECT", False)
     pinned(torch.zeros(4))
     assert len(kernel.triton_launches) == 3 and not kernel.compiled.runs
+
+
+def _sequence_of(*calls: tuple) -> PinnedSequence:
+    """A sequence recorded from ``launch_kernel`` calls ``(kernel, grid, args, meta)``."""
+    with recorded_launches() as recorded:
+        for kernel, grid, args, meta in calls:
+            launch_kernel(kernel, grid, *args, **meta)
+    return PinnedSequence(recorded)
+
+
+def test_a_pinned_sequence_relaunches_each_recorded_call_without_a_signature(
+    on_a_gpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside ``run``, the n-th ``launch_kernel`` call goes to the n-th pinned launch (no
+    signature computed); the launches after the recorded ones, and every launch after ``run``
+    returns, take ``launch_kernel``'s own path."""
+    norm, scale = FakeKernel(["x_ptr", "n", "BLOCK"]), FakeKernel(["x_ptr", "EVEN"])
+    x = torch.zeros(64)
+    sequence = _sequence_of(
+        (norm, (4,), (x, 64), {"BLOCK": 16}), (scale, (2, 2), (x,), {"EVEN": True})
+    )
+    y = torch.ones(64)
+
+    def step() -> None:
+        launch_kernel(norm, (4,), y, 64, BLOCK=16)
+        launch_kernel(scale, (2, 2), y, EVEN=True)
+
+    sequence.run(step)  # each pin's first call: launch_kernel's kept kernels, no Triton
+    signatures = []
+    real = launch_module._signature
+    monkeypatch.setattr(launch_module, "_signature", lambda a: signatures.append(a) or real(a))
+    sequence.run(step)
+    assert signatures == [] and len(norm.triton_launches) == len(scale.triton_launches) == 1
+    assert norm.compiled.runs[-1][-3:] == (y, 64, 16) and scale.compiled.runs[-1][:3] == (2, 2, 1)
+    sequence.run(lambda: (step(), launch_kernel(norm, (4,), y, 64, BLOCK=16)))
+    assert len(signatures) == 2  # the third launch was not recorded: signature and meta keyed
+    step()
+    assert len(signatures) == 6
+
+
+@pytest.mark.parametrize("change", ["kernel", "grid", "meta"])
+def test_a_pinned_sequence_sends_a_call_unlike_the_recorded_one_through_launch_kernel(
+    on_a_gpu: None, change: str
+) -> None:
+    kernel, other = FakeKernel(["x_ptr", "BLOCK"]), FakeKernel(["x_ptr", "BLOCK"])
+    x = torch.zeros(8)
+    sequence = _sequence_of((kernel, (1,), (x,), {"BLOCK": 4}))
+    launched = {"kernel": other, "grid": kernel, "meta": kernel}[change]
+    grid = (2,) if change == "grid" else (1,)
+    meta = {"BLOCK": 8} if change == "meta" else {"BLOCK": 4}
+    sequence.run(lambda: launch_kernel(launched, grid, x, **meta))
+    assert len(launched.triton_launches) == (2 if change == "meta" else 1)
+    pinned = sequence.pins[0]
+    assert pinned is not None and pinned.entry is None  # the pin never ran
+
+
+def test_pinned_sequences_nest_and_a_callable_grid_is_not_pinned(on_a_gpu: None) -> None:
+    kernel = FakeKernel(["x_ptr", "BLOCK"])
+    x = torch.zeros(8)
+    outer = _sequence_of((kernel, (1,), (x,), {"BLOCK": 4}), (kernel, (3,), (x,), {"BLOCK": 4}))
+    inner = PinnedSequence([(kernel, lambda meta: (1,), (x,), {"BLOCK": 4})])
+    assert inner.pins == (None,)
+    order: list[str] = []
+
+    def body() -> None:
+        launch_kernel(kernel, (1,), x, BLOCK=4)
+        inner.run(lambda: launch_kernel(kernel, (1,), x, BLOCK=4))  # unpinned: its own path
+        order.append("inner done")
+        launch_kernel(kernel, (3,), x, BLOCK=4)  # the outer's second pin, after the inner
+
+    outer.run(body)
+    assert [p.entry is not None for p in outer.pins] == [True, True]
+    assert launch_module._SEQUENCE.pins is None and order == ["inner done"]
+
+
+def test_the_device_and_stream_come_from_the_active_driver_s_queries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Triton's GPU driver queries the device through ``torch.cuda.current_device``: a relaunch
+    asks PyTorch's raw query instead (same answer, no wrapper); another driver's own queries
+    are called as they are, and a change of active driver is followed."""
+    from types import SimpleNamespace
+
+    streams: list[int] = []
+
+    def stream_of(device: int) -> int:
+        streams.append(device)
+        return 100 + device
+
+    gpu = SimpleNamespace(
+        get_current_device=torch.cuda.current_device, get_current_stream=stream_of
+    )
+    other = SimpleNamespace(get_current_device=lambda: 5, get_current_stream=stream_of)
+    config = SimpleNamespace(active=gpu)
+    monkeypatch.setattr(launch_module, "driver", config)
+    monkeypatch.setattr(launch_module, "_QUERIES", (None, None, None))
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 2, raising=False)
+    assert launch_module._device_and_stream() == (2, 102)
+    config.active = other
+    assert launch_module._device_and_stream() == (5, 105)
+    assert streams == [2, 5]
 
 
 # --- the direct call of the C launch function, under Triton 3.6's launcher (cuda_launcher_36.py)

@@ -285,3 +285,44 @@ def test_a_stack_of_mismatched_parts_is_refused() -> None:
         ValueError, match="γ is a \\(5,\\) tensor on cpu; give one value per column"
     ):
         stack_rows(((w, None),), torch.randn(5))
+
+
+def test_the_prep_s_launches_replay_pinned_per_layout_of_what_prep_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call at the layouts of an earlier call's prep inputs launches the prep's row kernel
+    through the pinned launches that call recorded (no signature); other layouts of those inputs
+    (a misaligned, a column-major weight) record sequences of their own. Every call computes
+    what a fresh program does. (Stacks are written by the row kernel here, as on a GPU.)"""
+    from coda.primitives.launch import PinnedLaunch
+    from tests.primitives.test_run_plans import misaligned
+
+    monkeypatch.setattr(RowStack, "write", lambda self, compute: self._write_in_place())
+    program, inputs = _block_case("llama_attn_in", torch.float32)
+    sizes = bind_sizes(program, _shapes(inputs))
+    compiled = compile_program(program, analyze(program, sizes))
+    pinned: list[str] = []
+    real = PinnedLaunch.__call__
+
+    def pinned_call(self: PinnedLaunch, *args: object) -> object:
+        pinned.append(self.kernel.__name__)
+        return real(self, *args)
+
+    monkeypatch.setattr(PinnedLaunch, "__call__", pinned_call)
+    calls = [
+        inputs,
+        inputs,
+        {**inputs, "w_q": misaligned(inputs["w_q"])},
+        {**inputs, "w_k": inputs["w_k"].T.contiguous().T},
+        {**inputs, "w_q": inputs["w_q"] * 2},
+    ]
+    counts = []
+    for call in calls:
+        pinned.clear()
+        got = compiled(call)
+        counts.append(pinned.count("_assemble_rows_kernel"))
+        want = compile_program(program, analyze(program, sizes))(call)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+    assert counts == [0, 1, 0, 0, 1]
+    assert len(compiled._prep_launches) == 3

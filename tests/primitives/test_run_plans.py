@@ -225,8 +225,10 @@ def test_an_aux_step_replays_its_recorded_launches_pinned_where_it_can(
 ) -> None:
     """A replayable aux step (rstd) whose launches read only the run's tensors replays them
     pinned, without calling its ``launch``; a step not marked replayable, or one that launched
-    on a tensor the run does not hold, is called anew. Every replay equals a fresh program."""
+    on a tensor the run does not hold, is called anew, its launches pinned in the order it made
+    them. Every replay equals a fresh program."""
     from coda.primitives.aux.rstd import Rstd
+    from coda.primitives.launch import PinnedLaunch
     from coda.primitives.run_plans import AuxLaunch, PinnedAuxLaunch
 
     block, program, sizes = mlp
@@ -253,9 +255,18 @@ def test_an_aux_step_replays_its_recorded_launches_pinned_where_it_can(
     (action,) = [a for a in plan.actions if getattr(getattr(a, "step", None), "kind", "") == "rstd"]
     assert type(action) is (PinnedAuxLaunch if how == "pinned" else AuxLaunch)
     launches.clear()
+    pinned: list[str] = []  # the kernels launched through a PinnedLaunch
+    real_pinned = PinnedLaunch.__call__
+
+    def pinned_call(self: PinnedLaunch, *args: object) -> object:
+        pinned.append(self.kernel.__name__)
+        return real_pinned(self, *args)
+
+    monkeypatch.setattr(PinnedLaunch, "__call__", pinned_call)
     inputs = block.make_inputs(sizes, torch.float32, seed=1)
     got = compiled(inputs)
     assert launches == ([] if how == "pinned" else ["rstd_h"])
+    assert pinned.count("_rstd_kernel") == 1
     want = compile_program(program, analyze(program, sizes))(inputs)
     torch.testing.assert_close(got["out"], want["out"], rtol=0, atol=0)
 
