@@ -1,0 +1,32 @@
+"""The launch-path experiment runs end to end on the CPU (``--dry-run``: interpreter, toy
+model), counting the patched step's launches per path, and puts the launch functions back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import load_script
+
+experiment = load_script("experiments/launch_path")
+
+
+def test_dry_run_counts_the_patched_step_s_launches_per_path(tmp_path: Path) -> None:
+    assert experiment.main(["--dry-run", "--steps", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "launch_path_llama.json").read_text())
+    assert set(result["variants"]) == {"hf", "coda_lm_head"}
+    assert "per_step" not in result["variants"]["hf"]
+    per_step = result["variants"]["coda_lm_head"]["per_step"]
+    # the interpreter takes launch_kernel's path on every launch, pinned or not
+    assert per_step["launch_kernel"]["calls"] >= per_step["PinnedLaunch.__call__"]["calls"] > 0
+    assert result["floors_us"] is None
+
+
+def test_the_timers_are_undone() -> None:
+    import coda.primitives.aux.rstd as rstd
+    from coda.primitives import launch
+
+    real = (launch.launch_kernel, launch._run, launch.PinnedLaunch.__call__)
+    with experiment.timed_launch_path(experiment.Timers()):
+        assert rstd.launch_kernel is not real[0] and launch._run is not real[1]
+    assert (rstd.launch_kernel, launch._run, launch.PinnedLaunch.__call__) == real
