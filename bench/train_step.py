@@ -951,15 +951,18 @@ def sync_counts(stacks: list) -> dict[str, int]:
     return counts
 
 
-def host_ms(step: Callable[[], Any], bench: Bench) -> float:
-    """Median host milliseconds of one step: from a synchronized, idle GPU until ``step()``
-    returns, without synchronizing inside (the time the host needs to issue the step's work).
-    When it reaches the step's time the GPU waits on the host: the step is host-bound."""
+def host_ms(step: Callable[[], Any], bench: Bench, steps: int | None = None) -> float:
+    """Median host milliseconds of one step over ``steps`` (default 10; a dry run 2): from a
+    synchronized, idle GPU until ``step()`` returns, without synchronizing inside (the time the
+    host needs to issue the step's work). When it reaches the step's time the GPU waits on the
+    host: the step is host-bound."""
     import statistics
     import time
 
     samples = []
-    for _ in range(2 if bench.dry_run else 10):  # the interpreter is slow; a dry run checks code
+    if steps is None:  # the interpreter is slow; a dry run checks code
+        steps = 2 if bench.dry_run else 10
+    for _ in range(steps):
         bench.synchronize()
         start = time.perf_counter()
         step()

@@ -30,7 +30,6 @@ import argparse
 import collections
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -110,28 +109,16 @@ def timed_launch_path(timers: Timers) -> Iterator[None]:
         launch._run, launch._device_and_stream, launch.PinnedLaunch.__call__ = saved
 
 
-def host_ms(step: Callable[[], Any], bench: Any, steps: int) -> float:
-    """Median host milliseconds of ``step()`` from an idle GPU."""
-    samples = []
-    for _ in range(steps):
-        bench.synchronize()
-        start = time.perf_counter()
-        step()
-        samples.append((time.perf_counter() - start) * 1e3)
-    bench.synchronize()
-    return statistics.median(samples)
-
-
 def variant_row(name: str, base: Any, ids: Any, args: argparse.Namespace, bench: Any) -> dict:
     model = ts.make_variant(name, base, "bf16", bench, family=args.family)
     step = ts.train_step(model, ts.loss_of(name, bench, args.family), ids, "bf16", bench)
     for _ in range(2 if bench.dry_run else 5):
         step()
-    row: dict[str, Any] = {"host_ms": host_ms(step, bench, max(args.steps, 3))}
+    row: dict[str, Any] = {"host_ms": ts.host_ms(step, bench, max(args.steps, 3))}
     if name.startswith("coda"):
         timers = Timers()
         with timed_launch_path(timers):
-            row["host_ms_instrumented"] = host_ms(step, bench, args.steps)
+            row["host_ms_instrumented"] = ts.host_ms(step, bench, args.steps)
         row["per_step"] = timers.per_step(args.steps)
     return row
 
