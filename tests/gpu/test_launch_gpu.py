@@ -51,3 +51,40 @@ def test_direct_replays_of_tma_kernels_are_triton_s_bit_for_bit_gpu(
     kept = [k for d in direct for *_, k in d.descriptors if k is not None]
     if triton.__version__.startswith("3.6."):  # the launcher launch.py recognises
         assert kept and all(0 < len(k) <= 6 for k in kept), [len(k) for k in kept]
+
+
+@pytest.mark.parametrize("name", ["llama_attn_in", "qwen3_attn_in_bwd"])
+def test_pinned_sequences_replay_prep_and_aux_launches_bit_for_bit_gpu(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """What launches for itself replays through pinned sequences: the attention input's prep
+    (its stacked QKV weight) and the rotary backward (an aux step with temporaries, called anew).
+    On moving addresses each call equals a fresh Program's launched through Triton, and the
+    sequences' launches went pinned (each pin holds the compiled kernel it relaunches)."""
+    from coda.blocks import get_block
+    from coda.planner import lower
+    from coda.primitives import analyze, compile_program
+    from coda.primitives.run_plans import AuxLaunch
+
+    block = get_block(name)
+    program = lower(block)
+    sizes = block.shapes.gpu[0]
+    replayed = compile_program(program, analyze(program, sizes))
+    shifts = []
+    for i in range(4):
+        inputs = block.make_inputs(sizes, torch.bfloat16, seed=i, device="cuda")
+        got = replayed(inputs)
+        monkeypatch.setattr(launch_module, "DIRECT", False)
+        want = compile_program(program, analyze(program, sizes))(inputs)
+        monkeypatch.setattr(launch_module, "DIRECT", True)
+        for out in want:
+            assert torch.equal(got[out], want[out]), (i, out)
+        shifts.append(torch.empty((i + 1) * 4096 + 256, dtype=torch.uint8, device="cuda"))
+    sequences = list(replayed._prep_launches.values()) + [
+        action.pinned
+        for plan in replayed._run_plans.values()
+        for action in plan.actions
+        if isinstance(action, AuxLaunch)
+    ]
+    pins = [pin for sequence in sequences for pin in sequence.pins if pin is not None]
+    assert pins and all(pin.entry is not None for pin in pins)
