@@ -4,6 +4,8 @@ descriptors' tensor maps kept per base address, give the bits of launches throug
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import triton
@@ -19,26 +21,7 @@ def test_direct_replays_of_tma_kernels_are_triton_s_bit_for_bit_gpu(
     addresses move from call to call — a kept tensor map must never stand for another address —
     and on the same inputs twice (kept maps reused); each call's outputs equal a fresh Program's
     launched through Triton (``CODA_TRITON_LAUNCH=1``'s path)."""
-    from coda.blocks import get_block
-    from coda.planner import lower
-    from coda.primitives import analyze, compile_program
-
-    block = get_block("llama_mlp")
-    program = lower(block)
-    sizes = block.shapes.gpu[0]
-    replayed = compile_program(program, analyze(program, sizes))
-
-    shifts = []  # allocations kept alive so that later inputs and outputs land elsewhere
-    for i in range(6):
-        if i < 5:  # the last call repeats the previous one's inputs
-            inputs = block.make_inputs(sizes, torch.bfloat16, seed=i, device="cuda")
-        got = replayed(inputs)
-        monkeypatch.setattr(launch_module, "DIRECT", False)
-        want = compile_program(program, analyze(program, sizes))(inputs)
-        monkeypatch.setattr(launch_module, "DIRECT", True)
-        for name in want:
-            assert torch.equal(got[name], want[name]), (i, name)
-        shifts.append(torch.empty((i + 1) * 4096 + 256, dtype=torch.uint8, device="cuda"))
+    replayed = _replayed_on_moving_addresses("llama_mlp", monkeypatch, calls=6, repeat_last=True)
     assert replayed.mainloops_used["down"] != "pointer"  # its operands went by descriptor
 
     entries = [
@@ -61,25 +44,9 @@ def test_pinned_sequences_replay_prep_and_aux_launches_bit_for_bit_gpu(
     (its stacked QKV weight) and the rotary backward (an aux step with temporaries, called anew).
     On moving addresses each call equals a fresh Program's launched through Triton, and the
     sequences' launches went pinned (each pin holds the compiled kernel it relaunches)."""
-    from coda.blocks import get_block
-    from coda.planner import lower
-    from coda.primitives import analyze, compile_program
     from coda.primitives.run_plans import AuxLaunch
 
-    block = get_block(name)
-    program = lower(block)
-    sizes = block.shapes.gpu[0]
-    replayed = compile_program(program, analyze(program, sizes))
-    shifts = []
-    for i in range(4):
-        inputs = block.make_inputs(sizes, torch.bfloat16, seed=i, device="cuda")
-        got = replayed(inputs)
-        monkeypatch.setattr(launch_module, "DIRECT", False)
-        want = compile_program(program, analyze(program, sizes))(inputs)
-        monkeypatch.setattr(launch_module, "DIRECT", True)
-        for out in want:
-            assert torch.equal(got[out], want[out]), (i, out)
-        shifts.append(torch.empty((i + 1) * 4096 + 256, dtype=torch.uint8, device="cuda"))
+    replayed = _replayed_on_moving_addresses(name, monkeypatch, calls=4)
     sequences = list(replayed._prep_launches.values()) + [
         action.pinned
         for plan in replayed._run_plans.values()
@@ -88,3 +55,32 @@ def test_pinned_sequences_replay_prep_and_aux_launches_bit_for_bit_gpu(
     ]
     pins = [pin for sequence in sequences for pin in sequence.pins if pin is not None]
     assert pins and all(pin.entry is not None for pin in pins)
+
+
+def _replayed_on_moving_addresses(
+    name: str, monkeypatch: pytest.MonkeyPatch, *, calls: int, repeat_last: bool = False
+) -> Any:
+    """Block ``name``'s Program compiled once and called ``calls`` times in bf16 on fresh inputs
+    whose addresses move from call to call (``repeat_last``: the last call repeats the previous
+    one's inputs); each call's outputs must equal a fresh Program's launched through Triton
+    (``CODA_TRITON_LAUNCH=1``'s path). Returns the compiled Program."""
+    from coda.blocks import get_block
+    from coda.planner import lower
+    from coda.primitives import analyze, compile_program
+
+    block = get_block(name)
+    program = lower(block)
+    sizes = block.shapes.gpu[0]
+    replayed = compile_program(program, analyze(program, sizes))
+    shifts = []  # allocations kept alive so that later inputs and outputs land elsewhere
+    for i in range(calls):
+        if not (repeat_last and i == calls - 1):
+            inputs = block.make_inputs(sizes, torch.bfloat16, seed=i, device="cuda")
+        got = replayed(inputs)
+        monkeypatch.setattr(launch_module, "DIRECT", False)
+        want = compile_program(program, analyze(program, sizes))(inputs)
+        monkeypatch.setattr(launch_module, "DIRECT", True)
+        for out in want:
+            assert torch.equal(got[out], want[out]), (i, out)
+        shifts.append(torch.empty((i + 1) * 4096 + 256, dtype=torch.uint8, device="cuda"))
+    return replayed
