@@ -32,6 +32,13 @@ MAX_PARTS = 4  # output pointers the kernel takes
 
 
 @backend.jit
+def _store_part_rows(out_ptr, tile, r, c, mask, start, end, stride_m, stride_n):
+    # The rows start ≤ r < end of a tile (rows r, columns c) into their part, from its row 0.
+    keep = mask & ((r >= start) & (r < end))[:, None]
+    tl.store(out_ptr + (r - start)[:, None] * stride_m + c * stride_n, tile, mask=keep)
+
+
+@backend.jit
 def _unpair_rows_kernel(
     src_ptr,
     out0_ptr,
@@ -61,7 +68,8 @@ def _unpair_rows_kernel(
 ):
     # One program: a BLOCK_ROWS × BLOCK_COLS tile of the un-permuted result, gathered from src
     # once and stored into the part that holds each row (part k: rows end_{k-1} ≤ r < end_k, the
-    # last ending at total). A tile across a part boundary stores into both, each row once.
+    # ends past the last part equal to total). A tile across a part boundary stores into both,
+    # each row once.
     offs_r = tl.program_id(axis=0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     offs_c = tl.program_id(axis=1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     r = offs_r.to(tl.int64)
@@ -71,29 +79,13 @@ def _unpair_rows_kernel(
     mask = (offs_r < total)[:, None] & (offs_c < cols)[None, :]
     c = offs_c[None, :]
     tile = tl.load(src_ptr + src_r[:, None] * stride_sm + c * stride_sn, mask=mask)
-    end_last = total
+    _store_part_rows(out0_ptr, tile, r, c, mask, 0, end0, stride_0m, stride_0n)
     if PARTS > 1:
-        end_last = end0
-    tl.store(
-        out0_ptr + r[:, None] * stride_0m + c * stride_0n,
-        tile,
-        mask=mask & (r < end_last)[:, None],
-    )
-    if PARTS > 1:
-        end_last = total
-        if PARTS > 2:
-            end_last = end1
-        keep = mask & ((r >= end0) & (r < end_last))[:, None]
-        tl.store(out1_ptr + (r - end0)[:, None] * stride_1m + c * stride_1n, tile, mask=keep)
+        _store_part_rows(out1_ptr, tile, r, c, mask, end0, end1, stride_1m, stride_1n)
     if PARTS > 2:
-        end_last = total
-        if PARTS > 3:
-            end_last = end2
-        keep = mask & ((r >= end1) & (r < end_last))[:, None]
-        tl.store(out2_ptr + (r - end1)[:, None] * stride_2m + c * stride_2n, tile, mask=keep)
+        _store_part_rows(out2_ptr, tile, r, c, mask, end1, end2, stride_2m, stride_2n)
     if PARTS > 3:
-        keep = mask & (r >= end2)[:, None]
-        tl.store(out3_ptr + (r - end2)[:, None] * stride_3m + c * stride_3n, tile, mask=keep)
+        _store_part_rows(out3_ptr, tile, r, c, mask, end2, total, stride_3m, stride_3n)
 
 
 def _blocks(rows: int, cols: int) -> tuple[int, int]:
@@ -156,7 +148,7 @@ def _gather(src: torch.Tensor, outs: list[torch.Tensor], permuted: int, head_dim
     total, cols = src.shape
     if total == 0 or cols == 0:
         return
-    ends = [0] * (MAX_PARTS - 1)
+    ends = [total] * (MAX_PARTS - 1)  # each part's end row; the last part's, and past it: total
     end = 0
     for i, t in enumerate(outs[:-1]):
         end += t.shape[0]

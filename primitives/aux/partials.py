@@ -22,7 +22,7 @@ from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
 from ..launch import launch_kernel
-from ..sizes import SizeExpr, cdiv, next_power_of_2
+from ..sizes import SizeExpr, cdiv, row_tile
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo, torch_dtype
 
@@ -86,8 +86,7 @@ def _launch(
     minus: torch.Tensor | None = None,
 ) -> None:
     rows, cols = p.shape
-    block_cols = min(next_power_of_2(cols), 256)
-    block_rows = max(1, min(64, 4096 // block_cols, next_power_of_2(rows)))
+    block_rows, block_cols = row_tile(rows, cols, max_cols=256, elements=4096)
     launch_kernel(
         _combine_kernel,
         (cdiv(rows, block_rows),),
