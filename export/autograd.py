@@ -96,7 +96,7 @@ class _Runner:
 
     def __post_init__(self) -> None:
         # worked out now: torch.compile cannot trace their first use
-        self.binding, self.plain_inputs, self.single_output, self.arity  # noqa: B018
+        self.binding, self.plain_inputs  # noqa: B018
 
     @functools.cached_property
     def args(self) -> list[str]:
@@ -125,14 +125,9 @@ class _Runner:
         (each argument is the input of its place); None where a pair is."""
         return None if self.packed else tuple(self.program.inputs)
 
-    @functools.cached_property
-    def arity(self) -> int:
-        """How many arguments the op takes."""
-        return len(self.args)
-
     def bind(self, args: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
         """The Program's inputs for the op's arguments (packed ones as row views)."""
-        if len(args) != self.arity:
+        if len(args) != len(self.args):
             raise TypeError(
                 f"{self.op_name or self.program.block} takes {len(self.args)} tensors "
                 f"({', '.join(self.args)}), not {len(args)}"
@@ -163,15 +158,9 @@ class _Runner:
         a profile names the call as the op (a record_function range, opened only while a
         profiler runs: it costs host time on every call)."""
         if not _profiler_enabled():
-            outs = self(*args)
-            return outs[0] if self.single_output else tuple(outs)
+            return _op_result(self(*args))
         with torch.profiler.record_function(self.op_name):
             return _op_result(self(*args))
-
-    @functools.cached_property
-    def single_output(self) -> bool:
-        """Whether its op returns one tensor (else a tuple)."""
-        return len(self.outputs) == 1
 
     def _pin_configs(self, inputs: dict[str, torch.Tensor]) -> None:
         """Pin the tuned configs of these shapes on the compiled Program (tuning them first if
