@@ -70,6 +70,35 @@ def _part_tile(
 
 
 @backend.jit
+def _part(
+    tile,
+    start,
+    first_row,
+    src_ptr,
+    rows_ptr,
+    n_rows,
+    stride_sm,
+    stride_sn,
+    g_ptr,
+    stride_g,
+    out_ptr,
+    cols,
+    stride_om,
+    stride_on,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    # The part whose row tiles are programs start, start + 1, …: program ``tile`` writes its
+    # tile when it is one of them. Returns the program after the part's last.
+    end = start + (n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS  # by hand: a count of 1 is a constexpr
+    if (tile >= start) & (tile < end):
+        _part_tile(tile - start, first_row, src_ptr, rows_ptr, n_rows, stride_sm, stride_sn,
+                   g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
+                   BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
+    return end
+
+
+@backend.jit
 def _assemble_rows_kernel(
     out_ptr,
     cols,
@@ -101,37 +130,26 @@ def _assemble_rows_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    # Axis 0: the parts' row tiles, part after part (part p starts at program ``start`` and at
-    # output row ``first``, the sums over the parts before it); axis 1: column tiles. A part's
-    # rows_ptr is None when it takes its source's rows in order, g_ptr None without γ, and the
-    # arguments of parts from NUM_PARTS on are None (never read).
+    # Axis 0: the parts' row tiles, part after part (each part's first program and first output
+    # row are the sums over the parts before it); axis 1: column tiles. A part's rows_ptr is None
+    # when it takes its source's rows in order, g_ptr None without γ, and the arguments of parts
+    # from NUM_PARTS on are None (never read).
     tile = tl.program_id(axis=0)
-    end = (n0 + BLOCK_ROWS - 1) // BLOCK_ROWS  # by hand: a count of 1 arrives as a constexpr
-    if tile < end:
-        _part_tile(tile, 0, src0, rows0, n0, stride_sm0, stride_sn0,
-                   g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
-                   BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
+    end = _part(tile, 0, 0, src0, rows0, n0, stride_sm0, stride_sn0,
+                g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
+                BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
     if NUM_PARTS > 1:
-        start, first = end, n0
-        end = start + (n1 + BLOCK_ROWS - 1) // BLOCK_ROWS
-        if (tile >= start) & (tile < end):
-            _part_tile(tile - start, first, src1, rows1, n1, stride_sm1, stride_sn1,
-                       g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
-                       BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
+        end = _part(tile, end, n0, src1, rows1, n1, stride_sm1, stride_sn1,
+                    g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
+                    BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
     if NUM_PARTS > 2:
-        start, first = end, first + n1
-        end = start + (n2 + BLOCK_ROWS - 1) // BLOCK_ROWS
-        if (tile >= start) & (tile < end):
-            _part_tile(tile - start, first, src2, rows2, n2, stride_sm2, stride_sn2,
-                       g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
-                       BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
+        end = _part(tile, end, n0 + n1, src2, rows2, n2, stride_sm2, stride_sn2,
+                    g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
+                    BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
     if NUM_PARTS > 3:
-        start, first = end, first + n2
-        end = start + (n3 + BLOCK_ROWS - 1) // BLOCK_ROWS
-        if (tile >= start) & (tile < end):
-            _part_tile(tile - start, first, src3, rows3, n3, stride_sm3, stride_sn3,
-                       g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
-                       BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
+        _part(tile, end, n0 + n1 + n2, src3, rows3, n3, stride_sm3, stride_sn3,
+              g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
+              BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
 
 
 def stack_rows(parts: Sequence[Part], gamma: torch.Tensor | None = None) -> torch.Tensor:
