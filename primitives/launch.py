@@ -120,6 +120,16 @@ def _signature(args: tuple[Any, ...]) -> tuple:
     return tuple(key)
 
 
+def launch_signature(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> tuple | None:
+    """What decides which compiled ``kernel`` a launch on ``args`` with ``meta`` uses, on the
+    current device (at least as fine as Triton's specialization); None for an argument this
+    module does not key."""
+    try:
+        return (kernel, _signature(tuple(meta.items())), _signature(args))
+    except _Unknown:
+        return None
+
+
 def _device_and_stream() -> tuple[int, int]:
     """The current CUDA device and stream, as Triton's launch takes them: its active driver's
     queries, PyTorch's raw device query in place of ``torch.cuda.current_device`` (the one
@@ -318,6 +328,32 @@ def recorded_launches() -> Iterator[list[tuple[Any, Any, tuple, dict]]]:
         _RECORDING.calls = previous
 
 
+class _Collecting(threading.local):
+    """The launches ``collected_launches`` takes instead of launching, in this thread (None: not
+    collecting)."""
+
+    calls: list[tuple[Any, Any, tuple, dict]] | None = None
+
+
+_COLLECTING = _Collecting()
+
+
+@contextmanager
+def collected_launches() -> Iterator[list[tuple[Any, Any, tuple, dict]]]:
+    """Collect ``(kernel, grid, args, meta)`` of every ``launch_kernel`` call this thread makes
+    until the block ends, *without launching*: each call returns None and its kernel neither
+    compiles nor runs, so whatever the launches would have written keeps its old bytes. Code
+    run inside must not use a launch's result or read what a launch writes to decide anything;
+    ``compile_ahead`` compiles what was collected. Recording (``recorded_launches``) inside
+    the block still records."""
+    previous = _COLLECTING.calls
+    _COLLECTING.calls = calls = []
+    try:
+        yield calls
+    finally:
+        _COLLECTING.calls = previous
+
+
 class _Sequence(threading.local):
     """The pinned launches a ``PinnedSequence`` replays in this thread (None: none active) and
     the index of the next ``launch_kernel`` call among them."""
@@ -369,9 +405,13 @@ def _pinned(kernel: Any, grid: Sequence[int], meta: dict[str, Any]) -> PinnedLau
 def launch_kernel(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> Any:
     """``kernel[grid](*args, **meta)`` (returns what it returns: the compiled kernel), by the
     compiled kernel's own launcher once this argument signature has launched before (by a
-    pinned launch inside a ``PinnedSequence`` that recorded this call)."""
+    pinned launch inside a ``PinnedSequence`` that recorded this call). Inside
+    ``collected_launches``: collected, not launched, and None."""
     if _RECORDING.calls is not None:
         _RECORDING.calls.append((kernel, grid, args, meta))
+    if _COLLECTING.calls is not None:
+        _COLLECTING.calls.append((kernel, grid, args, meta))
+        return None
     pins = _SEQUENCE.pins
     if pins is not None:
         pin = _pinned(kernel, grid, meta)
@@ -467,6 +507,8 @@ class PinnedLaunch:
 
     def __call__(self, *args: Any) -> Any:
         """Launch on ``args``; returns the compiled kernel (see ``launch_kernel``)."""
+        if _COLLECTING.calls is not None:  # collected, and the entry kept
+            return launch_kernel(self.kernel, self.grid, *args, **self.meta)
         if self.entry is None or not DIRECT:
             compiled = launch_kernel(self.kernel, self.grid, *args, **self.meta)
             if DIRECT and not backend.INTERPRET:

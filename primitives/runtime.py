@@ -36,7 +36,7 @@ from .codegen.kernel import OPERAND_DESCRIPTORS, KernelSource, generate_kernel
 from .descriptors import TMA_MAX_BOX, descriptor_block, tma_available, tma_compatible
 from .ir import GemmEpilogue, MainloopConfig, Program
 from .kernel_stats import compiled_kernel_stats
-from .launch import PinnedSequence, recorded_launches
+from .launch import PinnedSequence, collected_launches, recorded_launches
 from .mainloop_choice import Mainloop, choose_mainloop
 from .prep.fusion import names_in, run_prep
 from .reference import activation_dtype
@@ -346,6 +346,20 @@ class CompiledProgram:
         steps = frozenset(self.program.step_names())
         later = self.reads_after[index]
         return shared_storage(step, outputs, later, tensors, info.tensors, steps)
+
+    def collect_launches(
+        self, inputs: dict[str, torch.Tensor], *, poison: bool = False
+    ) -> list[tuple[Any, Any, tuple, dict]]:
+        """The kernel launches a call on ``inputs`` would make, as ``(kernel, grid, args,
+        meta)``, collected without launching (``launch.collected_launches``) — what
+        ``compile_ahead`` compiles before the call. Prep and every step are decided anew at
+        the current ``mainloop`` and configs (no plan replayed, none kept); allocations happen,
+        kernels neither compile nor run. Sizes, layouts and dtypes decide every launch, so the
+        unwritten tensors change none."""
+        info = self.info_for({n: inputs[n] for n in self.program.inputs})
+        with collected_launches() as calls:
+            self._record(self._run_prep(inputs, info), poison)
+        return calls
 
     def run_gemm_step(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         """Launch one fused gemm step on tensors a previous ``run`` produced (for tuning)."""

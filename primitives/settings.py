@@ -28,6 +28,9 @@ Variables, their fields and effects (the README's configuration table says the s
 * ``CODA_DEBUG_CODEGEN`` (non-empty) → ``debug_codegen``: print every generated module.
 * ``CODA_SANDBOX_WORKER=1`` → ``sandbox_worker``: this process is a sandbox worker (the sandbox's
   runner sets it for its workers).
+* ``CODA_COMPILE_THREADS`` → ``compile_threads`` (default: one per CPU, at most 16): threads
+  that compile a run's kernels ahead of its launches (``compile_ahead``); ``1`` compiles each
+  kernel at its first launch.
 * ``TRITON_INTERPRET=1`` → ``force_interpreter``: run coda's kernels in Triton's interpreter even
   on a GPU (Triton's own variable; without a GPU coda interprets its kernels regardless).
 """
@@ -54,6 +57,7 @@ class Settings:
     debug_codegen: bool = False
     sandbox_worker: bool = False
     force_interpreter: bool = False
+    compile_threads: int | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:
@@ -69,7 +73,18 @@ class Settings:
             debug_codegen=bool(environ.get("CODA_DEBUG_CODEGEN")),
             sandbox_worker=environ.get("CODA_SANDBOX_WORKER") == "1",
             force_interpreter=environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+            compile_threads=_positive_int(environ, "CODA_COMPILE_THREADS"),
         )
+
+
+def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
+    """Variable ``name`` as a positive integer; None when unset or empty."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer (unset: the default)")
+    return int(raw)
 
 
 _current: Settings | None = None

@@ -25,6 +25,7 @@ from coda.blocks.block import Block
 from coda.blocks.draws import SCENARIOS, draw_shapes, scenario_inputs
 from coda.primitives import backend
 from coda.primitives.analysis import ProgramInfo, analyze_all, upstream_fix
+from coda.primitives.compile_ahead import compile_ahead_of
 from coda.primitives.errors import ProgramError
 from coda.primitives.footprint import check_footprint
 from coda.primitives.ir import Program
@@ -532,7 +533,9 @@ def compile_stage(
         compiled.load_all()
         if not backend.INTERPRET:
             dtype = TORCH_DTYPES["bfloat16"]
-            compiled(block.make_inputs(sizes, dtype, seed=0, device=backend.DEVICE))
+            inputs = block.make_inputs(sizes, dtype, seed=0, device=backend.DEVICE)
+            compile_ahead_of(lambda: compiled.collect_launches(inputs))
+            compiled(inputs)
             torch.cuda.synchronize()
         box["message"] = f"{len(compiled.kernels)} Triton kernels ({backend.describe()})"
     return compiled if results[-1].status == "passed" else None
@@ -566,6 +569,7 @@ def verify(
         extra = f" + float32 at {', '.join(f'{k}={v}' for k, v in float32_at.items())}"
     with timed("verify", results) as box:
         try:
+            _compile_runs_ahead(compiled, block, runs)
             for i, (sizes, dtype, seed) in enumerate(runs):
                 compiled.mainloop = "auto" if i % 2 == 0 else "pointer"
                 checks += verify_one(compiled, block, sizes, TORCH_DTYPES[dtype], seed)
@@ -586,6 +590,32 @@ def verify(
             f"seeds{extra}); {screened}"
         )
     return checks
+
+
+def _compile_runs_ahead(
+    compiled: CompiledProgram, block: Block, runs: list[tuple[dict[str, int], str, int]]
+) -> None:
+    """Compile every kernel ``verify``'s runs will launch, at once (``compile_ahead_of``): each
+    run's sizes, dtype and mainloop once (seeds change values, not launches), collected
+    without launching on inputs drawn as the run draws them."""
+
+    def collect() -> list:
+        calls, seen = [], set()
+        try:
+            for i, (sizes, dtype, seed) in enumerate(runs):
+                mainloop = "auto" if i % 2 == 0 else "pointer"
+                key = (tuple(sorted(sizes.items())), dtype, mainloop)
+                if key in seen:
+                    continue
+                seen.add(key)
+                compiled.mainloop = mainloop
+                inputs = block.make_inputs(sizes, TORCH_DTYPES[dtype], seed, device=backend.DEVICE)
+                calls += compiled.collect_launches(inputs, poison=True)
+        finally:
+            compiled.mainloop = "auto"
+        return calls
+
+    compile_ahead_of(collect)
 
 
 def verify_one(

@@ -32,7 +32,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..compile_ahead import compile_ahead_of
 from ..ir import MainloopConfig
+from ..launch import collected_launches
 from ..settings import current
 from ..tolerance import allowed_error, tuning_floor
 from .configs import GPU_DEFAULT, INTERPRETER_DEFAULT, fit_columns
@@ -339,11 +341,12 @@ def _screen(
             )
         )
 
+    _compile_configs_ahead(compiled, name, tensors, configs)
     trials, ok = [], []
     for cfg in configs:
         compiled.configs[name] = cfg
         try:
-            compiled.run_gemm_step(name, tensors)  # compiles; raises if it cannot
+            compiled.run_gemm_step(name, tensors)  # compiles if not yet; raises if it cannot
             trials.append(Trial(cfg, None))
             ok.append(trials[-1])
         except Exception as e:  # noqa: BLE001 - a config that cannot compile is pruned
@@ -353,6 +356,27 @@ def _screen(
     for t, a, b in zip(ok, forward, backward, strict=True):
         t.ms = (a + b) / 2
     return trials
+
+
+def _compile_configs_ahead(
+    compiled, name: str, tensors: dict, configs: list[MainloopConfig]
+) -> None:  # noqa: ANN001
+    """Compile step ``name``'s kernel under every config in ``configs`` at once
+    (``compile_ahead_of``), so the screen's one-by-one first launches find them compiled. A config
+    whose launch cannot even be planned is left to the screen, which records its error. The last
+    config stays set: the screen sets each before launching it."""
+
+    def collect() -> list:
+        with collected_launches() as calls:
+            for cfg in configs:
+                compiled.configs[name] = cfg
+                try:
+                    compiled.run_gemm_step(name, tensors)
+                except Exception:  # noqa: BLE001 - the screen launches it again, keeps the error
+                    continue
+        return calls
+
+    compile_ahead_of(collect)
 
 
 def _final_round(
@@ -445,6 +469,7 @@ def tune_program(
     from .. import backend
 
     cache = cache or TuningCache()
+    compile_ahead_of(lambda: compiled.collect_launches(prepared))
     tensors = compiled.run(prepared)
     info = compiled.info_for({n: prepared[n] for n in compiled.program.inputs})
     device = next(iter(prepared.values())).device
