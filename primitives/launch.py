@@ -64,7 +64,7 @@ import inspect
 import threading
 import types
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -306,52 +306,41 @@ _CACHE_LIMIT = 4096  # signatures kept (integers are keyed by value: every new s
 DIRECT = not current().triton_launch  # CODA_TRITON_LAUNCH=1: every launch through Triton
 
 
-class _Recording(threading.local):
-    """The launches ``recorded_launches`` collects in this thread (None: not recording)."""
+class _Calls(threading.local):
+    """The launches a context manager below collects in this thread (None: none active)."""
 
     calls: list[tuple[Any, Any, tuple, dict]] | None = None
 
 
-_RECORDING = _Recording()
+_RECORDING = _Calls()  # recorded_launches: recorded, and launched
+_COLLECTING = _Calls()  # collected_launches: collected instead of launched
 
 
 @contextmanager
-def recorded_launches() -> Iterator[list[tuple[Any, Any, tuple, dict]]]:
-    """Collect ``(kernel, grid, args, meta)`` of every ``launch_kernel`` call this thread makes
-    until the block ends (the launches still happen): how ``run_plans.record_aux`` learns what
-    an aux step launches."""
-    previous = _RECORDING.calls
-    _RECORDING.calls = calls = []
+def _collecting_into(holder: _Calls) -> Iterator[list[tuple[Any, Any, tuple, dict]]]:
+    previous = holder.calls
+    holder.calls = calls = []
     try:
         yield calls
     finally:
-        _RECORDING.calls = previous
+        holder.calls = previous
 
 
-class _Collecting(threading.local):
-    """The launches ``collected_launches`` takes instead of launching, in this thread (None: not
-    collecting)."""
-
-    calls: list[tuple[Any, Any, tuple, dict]] | None = None
-
-
-_COLLECTING = _Collecting()
+def recorded_launches() -> AbstractContextManager[list[tuple[Any, Any, tuple, dict]]]:
+    """Collect ``(kernel, grid, args, meta)`` of every ``launch_kernel`` call this thread makes
+    until the block ends (the launches still happen): how ``run_plans.record_aux`` learns what
+    an aux step launches."""
+    return _collecting_into(_RECORDING)
 
 
-@contextmanager
-def collected_launches() -> Iterator[list[tuple[Any, Any, tuple, dict]]]:
+def collected_launches() -> AbstractContextManager[list[tuple[Any, Any, tuple, dict]]]:
     """Collect ``(kernel, grid, args, meta)`` of every ``launch_kernel`` call this thread makes
     until the block ends, *without launching*: each call returns None and its kernel neither
     compiles nor runs, so whatever the launches would have written keeps its old bytes. Code
     run inside must not use a launch's result or read what a launch writes to decide anything;
     ``compile_ahead`` compiles what was collected. Recording (``recorded_launches``) inside
     the block still records."""
-    previous = _COLLECTING.calls
-    _COLLECTING.calls = calls = []
-    try:
-        yield calls
-    finally:
-        _COLLECTING.calls = previous
+    return _collecting_into(_COLLECTING)
 
 
 class _Sequence(threading.local):

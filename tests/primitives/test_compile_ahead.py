@@ -16,8 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from coda.blocks import get_block
-from coda.planner import lower
 from coda.primitives import analyze, compile_ahead, compile_program
 from coda.primitives import launch as launch_module
 from coda.primitives.backend import CodaInterpretedFunction
@@ -173,14 +171,6 @@ def test_compile_threads_come_from_the_setting_or_the_cpus(monkeypatch: pytest.M
         assert compile_threads() == compile_ahead.MAX_THREADS
         monkeypatch.setattr(compile_ahead.os, "sched_getaffinity", lambda pid: {0, 1})
         assert compile_threads() == 2
-
-
-@pytest.fixture
-def mlp():  # noqa: ANN201
-    block = get_block("llama_mlp")
-    program = lower(block)
-    sizes = block.shapes.cpu[0]
-    return block, program, sizes
 
 
 def _counting_launches(monkeypatch: pytest.MonkeyPatch) -> list[Any]:

@@ -17,14 +17,6 @@ from coda.primitives.ir import MainloopConfig
 from coda.primitives.runtime import CompiledProgram
 
 
-@pytest.fixture
-def mlp():  # noqa: ANN201
-    block = get_block("llama_mlp")
-    program = lower(block)
-    sizes = block.shapes.cpu[0]
-    return block, program, sizes
-
-
 def _decisions(monkeypatch: pytest.MonkeyPatch, compiled: CompiledProgram) -> list[str]:
     """Names of the gemm steps ``compiled`` decides (plans) from now on."""
     decided: list[str] = []
