@@ -348,17 +348,20 @@ class CompiledProgram:
         return shared_storage(step, outputs, later, tensors, info.tensors, steps)
 
     def collect_launches(
-        self, inputs: dict[str, torch.Tensor], *, poison: bool = False
+        self, inputs: dict[str, torch.Tensor], *, poison: bool = False, prepared: bool = False
     ) -> list[tuple[Any, Any, tuple, dict]]:
-        """The kernel launches a call on ``inputs`` would make, as ``(kernel, grid, args,
-        meta)``, collected without launching (``launch.collected_launches``) — what
-        ``compile_ahead`` compiles before the call. Prep and every step are decided anew at
-        the current ``mainloop`` and configs (no plan replayed, none kept); allocations happen,
-        kernels neither compile nor run. Sizes, layouts and dtypes decide every launch, so the
-        unwritten tensors change none."""
-        info = self.info_for({n: inputs[n] for n in self.program.inputs})
+        """The kernel launches a call on ``inputs`` would make — ``run`` on them with
+        ``prepared`` (the prep results are among them) — as ``(kernel, grid, args, meta)``,
+        collected without launching (``launch.collected_launches``): what
+        ``compile_ahead.compile_ahead_of`` compiles before the call. Prep and every step are
+        decided anew at the current ``mainloop`` and configs (no plan replayed, none kept);
+        allocations happen, kernels neither compile nor run. Sizes, layouts and dtypes decide
+        every launch, so the unwritten tensors change none."""
         with collected_launches() as calls:
-            self._record(self._run_prep(inputs, info), poison)
+            if not prepared:
+                info = self.info_for({n: inputs[n] for n in self.program.inputs})
+                inputs = self._run_prep(inputs, info)
+            self._record(inputs, poison)
         return calls
 
     def run_gemm_step(self, name: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -469,7 +469,7 @@ def tune_program(
     from .. import backend
 
     cache = cache or TuningCache()
-    compile_ahead_of(lambda: compiled.collect_launches(prepared))
+    compile_ahead_of(lambda: compiled.collect_launches(prepared, prepared=True))
     tensors = compiled.run(prepared)
     info = compiled.info_for({n: prepared[n] for n in compiled.program.inputs})
     device = next(iter(prepared.values())).device

@@ -205,6 +205,23 @@ def test_a_program_s_launches_are_collected_without_running_and_leave_its_runs_a
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
 
 
+def test_prepared_tensors_collect_the_steps_launches_without_prep(
+    mlp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    block, program, sizes = mlp
+    compiled = compile_program(program, analyze(program, sizes))
+    inputs = block.make_inputs(sizes, torch.float32, seed=0)
+    whole = [c[0].fn.__name__ for c in compiled.collect_launches(inputs)]
+    prepared = compiled.prepare(inputs)
+
+    def no_prep(*args: Any) -> None:
+        raise AssertionError("prepared tensors are prepared again")
+
+    monkeypatch.setattr(compiled, "_run_prep", no_prep)
+    steps = [c[0].fn.__name__ for c in compiled.collect_launches(prepared, prepared=True)]
+    assert steps == whole[len(whole) - len(steps) :]  # the interpreter's prep launches nothing
+
+
 def test_the_screen_compiles_every_config_ahead(mlp, monkeypatch: pytest.MonkeyPatch) -> None:
     block, program, sizes = mlp
     compiled = compile_program(program, analyze(program, sizes))
