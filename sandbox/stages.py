@@ -569,9 +569,11 @@ def verify(
         extra = f" + float32 at {', '.join(f'{k}={v}' for k, v in float32_at.items())}"
     with timed("verify", results) as box:
         try:
-            _compile_runs_ahead(compiled, block, runs)
-            for i, (sizes, dtype, seed) in enumerate(runs):
-                compiled.mainloop = "auto" if i % 2 == 0 else "pointer"
+            mainloops = ["auto" if i % 2 == 0 else "pointer" for i in range(len(runs))]
+            planned = [(s, d, m) for (s, d, _), m in zip(runs, mainloops, strict=True)]
+            _compile_runs_ahead(compiled, block, [*planned, (smallest, "float32", "auto")])
+            for (sizes, dtype, seed), mainloop in zip(runs, mainloops, strict=True):
+                compiled.mainloop = mainloop
                 checks += verify_one(compiled, block, sizes, TORCH_DTYPES[dtype], seed)
         finally:
             compiled.mainloop = "auto"
@@ -593,23 +595,21 @@ def verify(
 
 
 def _compile_runs_ahead(
-    compiled: CompiledProgram, block: Block, runs: list[tuple[dict[str, int], str, int]]
+    compiled: CompiledProgram, block: Block, runs: list[tuple[dict[str, int], str, str]]
 ) -> None:
-    """Compile every kernel ``verify``'s runs will launch, at once (``compile_ahead_of``): each
-    run's sizes, dtype and mainloop once (seeds change values, not launches), collected
-    without launching on inputs drawn as the run draws them."""
+    """Compile every kernel ``verify``'s runs — ``(sizes, dtype, mainloop)``, the input
+    screen's last — will launch, at once (``compile_ahead_of``): each distinct run once,
+    collected without launching on inputs drawn as the run draws them (seeds change values,
+    not launches)."""
 
     def collect() -> list:
-        calls, seen = [], set()
+        calls = []
         try:
-            for i, (sizes, dtype, seed) in enumerate(runs):
-                mainloop = "auto" if i % 2 == 0 else "pointer"
-                key = (tuple(sorted(sizes.items())), dtype, mainloop)
-                if key in seen:
-                    continue
-                seen.add(key)
+            for sizes, dtype, mainloop in dict.fromkeys(
+                (tuple(sizes.items()), dtype, mainloop) for sizes, dtype, mainloop in runs
+            ):
                 compiled.mainloop = mainloop
-                inputs = block.make_inputs(sizes, TORCH_DTYPES[dtype], seed, device=backend.DEVICE)
+                inputs = block.make_inputs(dict(sizes), TORCH_DTYPES[dtype], 0, backend.DEVICE)
                 calls += compiled.collect_launches(inputs, poison=True)
         finally:
             compiled.mainloop = "auto"

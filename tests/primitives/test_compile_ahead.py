@@ -246,28 +246,23 @@ def test_verify_compiles_each_sizes_dtype_and_mainloop_once_ahead(
     block, program, sizes = mlp
     compiled = compile_program(program, analyze(program, sizes))
     seen: list[tuple] = []
+    collect_launches = compiled.collect_launches
 
-    def collect_launches(inputs: dict, *, poison: bool = False) -> list:
-        dtype = next(iter(inputs.values())).dtype
-        seen.append((inputs["x"].shape[0], dtype, compiled.mainloop, poison))
-        return []
+    def collecting(inputs: dict, *, poison: bool = False) -> list:
+        seen.append((inputs["x"].shape[0], inputs["x"].dtype, compiled.mainloop, poison))
+        return collect_launches(inputs, poison=poison)
 
-    monkeypatch.setattr(compiled, "collect_launches", collect_launches)
+    monkeypatch.setattr(compiled, "collect_launches", collecting)
     monkeypatch.setattr(stages, "compile_ahead_of", lambda collect: collect())
     other = {**sizes, "M": sizes["M"] + 3}
-    seeds = (0, 1, 2)  # the third run of each sizes and dtype repeats the first's mainloop
-    runs = [(s, d, seed) for s in (sizes, other) for d in ("float16", "float32") for seed in seeds]
-    stages._compile_runs_ahead(compiled, block, runs)
+    checks = stages.verify(compiled, block, [sizes, other], ["float16"], [0, 1, 2], [])
+    assert len(checks) == 6 and all(c.passed for c in checks)
     m, n = sizes["M"], other["M"]
-    f16, f32 = torch.float16, torch.float32
-    assert seen == [
-        (m, f16, "auto", True),  # runs alternate mainloops: 12 runs, 8 distinct
-        (m, f16, "pointer", True),
-        (m, f32, "pointer", True),
-        (m, f32, "auto", True),
-        (n, f16, "auto", True),
-        (n, f16, "pointer", True),
-        (n, f32, "pointer", True),
-        (n, f32, "auto", True),
+    assert seen == [  # runs alternate mainloops: 6 runs, 4 distinct; then the input screen's
+        (m, torch.float16, "auto", True),
+        (m, torch.float16, "pointer", True),
+        (n, torch.float16, "pointer", True),
+        (n, torch.float16, "auto", True),
+        (m, torch.float32, "auto", True),
     ]
     assert compiled.mainloop == "auto"
