@@ -113,10 +113,21 @@ def _compile_all(launches: Iterable[Launch], threads: int) -> Ahead:
         return Ahead(skipped="nothing to compile")
     device = torch.cuda.current_device()
     start = time.perf_counter()
+    for kernel in {id(call[0]): call[0] for call in todo}.values():
+        _caches_for(kernel, device)
     workers = min(threads, len(todo))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coda-compile") as pool:
         failed = sum(pool.map(lambda call: _compile(call, device), todo))
     return Ahead(len(todo), failed, workers, round(time.perf_counter() - start, 3))
+
+
+def _caches_for(kernel: Any, device: int) -> None:
+    """Make ``kernel``'s per-device caches now, on this thread: a ``JITFunction`` creates its
+    compiled-kernel cache for a device on first use, and threads that first use it at once would
+    each create one — the compiles stored in all but the last would be lost to the launch."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        caches[device]  # a defaultdict: the lookup creates them
 
 
 def _compile(call: Launch, device: int) -> bool:

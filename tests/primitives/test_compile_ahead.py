@@ -136,6 +136,34 @@ def test_every_distinct_launch_compiles_once_on_the_collecting_device(on_a_gpu: 
     assert _DEVICE.current == -1  # the caller's thread is left as it was
 
 
+def test_a_kernel_s_caches_for_the_device_are_made_before_the_threads_start(
+    on_a_gpu: None,
+) -> None:
+    made: list[tuple[int, str]] = []
+
+    def make(device: int) -> dict:
+        made.append((device, threading.current_thread().name))
+        return {}
+
+    kernel = WarmKernel()
+    kernel.device_caches = _Caches(make)  # type: ignore[attr-defined]
+    x, y = torch.zeros(8), torch.zeros(8, dtype=torch.float16)
+    compile_ahead_of(lambda: [(kernel, (1,), (x,), {}), (kernel, (1,), (y,), {})], threads=2)
+    assert made == [(3, threading.current_thread().name)] and len(kernel.warmed) == 2
+
+
+class _Caches(dict):
+    """A ``defaultdict`` whose factory is told the key (as a JITFunction's per-device caches)."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, device: int) -> dict:
+        self[device] = value = self.make(device)
+        return value
+
+
 def test_a_launch_that_fails_to_compile_is_counted_not_raised(on_a_gpu: None) -> None:
     good, bad = WarmKernel(), WarmKernel(fail=True)
     x = torch.zeros(8)
