@@ -98,13 +98,19 @@ def compile_ahead_of(
     meta)``, as ``launch.collected_launches`` or ``CompiledProgram.collect_launches`` collect
     them) on ``threads`` threads (default ``compile_threads()``), for the current CUDA device;
     returns what it did. ``collect`` is not called where nothing would compile ahead: under the
-    interpreter, or with one thread."""
+    interpreter, or with one thread. Compiling ahead only saves time: where ``collect`` raises,
+    nothing is compiled ahead and the error is left to the run itself, which meets it where its
+    caller reports it."""
     threads = compile_threads() if threads is None else threads
     if backend.INTERPRET:
         return Ahead(skipped="the interpreter compiles nothing")
     if threads < 2:
         return Ahead(skipped="one compile thread: kernels compile at their first launch")
-    return _compile_all(collect(), threads)
+    try:
+        launches = list(collect())
+    except Exception as e:  # noqa: BLE001 - the run raises it again, where it is reported
+        return Ahead(skipped=f"collecting the launches failed: {type(e).__name__}: {e}")
+    return _compile_all(launches, threads)
 
 
 def _compile_all(launches: Iterable[Launch], threads: int) -> Ahead:

@@ -186,6 +186,14 @@ def test_nothing_is_collected_where_nothing_would_compile_ahead(
     )
 
 
+def test_a_collection_that_fails_is_left_to_the_run(on_a_gpu: None) -> None:
+    def collect() -> list:
+        raise IndexError("index 7 is out of bounds")
+
+    done = compile_ahead_of(collect, threads=4)
+    assert done.skipped == "collecting the launches failed: IndexError: index 7 is out of bounds"
+
+
 def test_compile_threads_come_from_the_setting_or_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Settings.from_environ({"CODA_COMPILE_THREADS": "3"}).compile_threads == 3
     assert Settings.from_environ({"CODA_COMPILE_THREADS": ""}).compile_threads is None
