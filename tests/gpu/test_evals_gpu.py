@@ -27,6 +27,19 @@ def test_the_stored_kernels_verify_in_bf16_and_are_timed() -> None:
         assert row.time_now_ms is not None and row.time_now_ms > 0
 
 
+def test_regress_records_times_then_checks_them_gpu(tmp_path: Path) -> None:
+    """The built-in entries were accepted from CPU runs, with no time: the first regress on this
+    GPU records the times it measures, the second compares against them."""
+    times = tmp_path / "times.json"
+    first = regress(options=QUICK, times=times)
+    assert first and all(r.status == "ok" for r in first), [r.message for r in first]
+    assert all("now recorded for cuda" in r.time_note for r in first)
+    second = regress(options=QUICK, times=times)
+    for before, row in zip(first, second, strict=True):
+        assert row.status in ("ok", "slower") and row.time_note == "", row.message
+        assert row.time_recorded_ms == before.time_now_ms and row.slowdown is not None
+
+
 @pytest.mark.slow
 def test_an_eval_cell_on_a_gpu_measures_speedups(tmp_path: Path) -> None:
     spec = EvalSpec(
