@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from . import backend
-from .launch import launch_signature
+from .launch import TensorDescriptor, launch_signature
 from .settings import current
 
 Launch = tuple[Any, Any, tuple, dict]  # (kernel, grid, args, meta)
@@ -52,7 +52,8 @@ MAX_THREADS = 16
 @dataclass(frozen=True)
 class Ahead:
     """What ``compile_ahead_of`` did: ``kernels`` distinct launches compiled (or found compiled),
-    ``failed`` of them failing to compile, on ``threads`` threads in ``seconds``; ``skipped``:
+    ``failed`` of them failing to compile, on ``threads`` threads (one per group of
+    ``groups`` at most) in ``seconds``; ``skipped``:
     why nothing was compiled ahead ("" when it was)."""
 
     kernels: int = 0
@@ -91,6 +92,44 @@ def distinct(launches: Iterable[Launch]) -> list[Launch]:
     return kept
 
 
+def groups(launches: Iterable[Launch]) -> list[list[Launch]]:
+    """``launches`` in groups that one thread compiles one after another, the groups side by
+    side: launches of one kernel with the same meta-parameters and the same dtypes, alignments
+    and descriptor blocks, differing only in integers, floats or descriptor shapes. Triton
+    specializes those only by class (an integer on 1, multiples of 16 and its width), so such
+    launches often compile one binary: compiled in turn, a later one finds the earlier's in the
+    kernel's cache, where side by side both would compile it. A launch with an argument of
+    another type is a group of its own."""
+    grouped: dict[Any, list[Launch]] = {}
+    for call in launches:
+        kernel, _grid, args, meta = call
+        key = _binary_class(kernel, args, meta)
+        grouped.setdefault(object() if key is None else key, []).append(call)
+    return list(grouped.values())
+
+
+def _binary_class(kernel: Any, args: tuple, meta: dict[str, Any]) -> tuple | None:
+    """What of a launch always changes the compiled binary (see ``groups``); None: unknown."""
+    key: list[Any] = [kernel]
+    for name, value in meta.items():
+        if not isinstance(value, int | float | bool | str) and value is not None:
+            return None
+        key.append((name, type(value), value))
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif isinstance(arg, bool) or arg is None or isinstance(arg, str):
+            key.append((type(arg), arg))
+        elif isinstance(arg, int | float):
+            key.append(type(arg))
+        elif TensorDescriptor is not None and type(arg) is TensorDescriptor:
+            base = arg.base
+            key.append((base.dtype, base.data_ptr() % 16 == 0, tuple(arg.block_shape)))
+        else:
+            return None
+    return tuple(key)
+
+
 def compile_ahead_of(
     collect: Callable[[], Iterable[Launch]], *, threads: int | None = None
 ) -> Ahead:
@@ -121,9 +160,10 @@ def _compile_all(launches: Iterable[Launch], threads: int) -> Ahead:
     start = time.perf_counter()
     for kernel in {id(call[0]): call[0] for call in todo}.values():
         _caches_for(kernel, device)
-    workers = min(threads, len(todo))
+    batches = groups(todo)
+    workers = min(threads, len(batches))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coda-compile") as pool:
-        failed = sum(pool.map(lambda call: _compile(call, device), todo))
+        failed = sum(pool.map(lambda batch: sum(_compile(c, device) for c in batch), batches))
     return Ahead(len(todo), failed, workers, round(time.perf_counter() - start, 3))
 
 

@@ -124,6 +124,36 @@ def test_distinct_keeps_one_launch_per_kernel_and_signature() -> None:
     assert kept == [launches[i] for i in (0, 2, 3, 4, 5, 6, 7)]
 
 
+def test_launches_that_may_share_a_binary_are_grouped_in_order() -> None:
+    a, b = WarmKernel(), WarmKernel()
+    x, y = torch.zeros(8), torch.zeros(8, dtype=torch.float16)
+    odd = torch.zeros(9)[1:]  # 4 bytes past a 16-byte boundary
+    unknown = object()
+    launches = [
+        (a, (1,), (x, 16, 0.5), {"BLOCK": 4}),
+        (a, (2,), (x, 17, 0.25), {"BLOCK": 4}),  # other integer and float: maybe one binary
+        (a, (1,), (y, 16, 0.5), {"BLOCK": 4}),  # another dtype
+        (a, (1,), (odd, 16, 0.5), {"BLOCK": 4}),  # another alignment
+        (a, (1,), (x, 16, 0.5), {"BLOCK": 8}),  # another meta value
+        (a, (1,), (x, True, 0.5), {"BLOCK": 4}),  # a bool is a value, not an integer class
+        (b, (1,), (x, 16, 0.5), {"BLOCK": 4}),  # another kernel
+        (a, (3,), (x, 48, 1.5), {"BLOCK": 4}),
+        (a, (1,), (unknown,), {}),
+        (a, (1,), (unknown,), {}),
+    ]
+    got = compile_ahead.groups(launches)
+    assert got == [[launches[i] for i in g] for g in ([0, 1, 7], [2], [3], [4], [5], [6], [8], [9])]
+
+
+def test_a_group_compiles_in_turn_on_one_thread(on_a_gpu: None) -> None:
+    kernel = WarmKernel()
+    x = torch.zeros(8)
+    launches = [(kernel, (1,), (x, n), {"BLOCK": 4}) for n in (16, 17, 32, 33)]
+    done = compile_ahead_of(lambda: launches, threads=4)
+    assert (done.kernels, done.threads) == (4, 1)
+    assert [w[1][1] for w in kernel.warmed] == [16, 17, 32, 33] and len(kernel.threads) == 1
+
+
 def test_every_distinct_launch_compiles_once_on_the_collecting_device(on_a_gpu: None) -> None:
     kernels = [WarmKernel() for _ in range(6)]
     x = torch.zeros(8)
