@@ -34,42 +34,6 @@ Part = tuple[torch.Tensor, torch.Tensor | None]  # (source, its row order or Non
 
 
 @backend.jit
-def _part_tile(
-    tile,
-    first_row,
-    src_ptr,
-    rows_ptr,
-    n_rows,
-    stride_sm,
-    stride_sn,
-    g_ptr,
-    stride_g,
-    out_ptr,
-    cols,
-    stride_om,
-    stride_on,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-):
-    # Row tile ``tile`` of one part: out[first_row + r, c] = src[rows[r], c] · g[c].
-    offs_r = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    offs_c = tl.program_id(axis=1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    mask_r = offs_r < n_rows
-    mask_c = offs_c < cols
-    mask = mask_r[:, None] & mask_c[None, :]
-    if rows_ptr is not None:
-        src_r = tl.load(rows_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
-    else:
-        src_r = offs_r.to(tl.int64)
-    w = tl.load(src_ptr + src_r[:, None] * stride_sm + offs_c[None, :] * stride_sn, mask=mask)
-    if g_ptr is not None:
-        g = tl.load(g_ptr + offs_c * stride_g, mask=mask_c, other=0.0).to(tl.float32)
-        w = (w.to(tl.float32) * g[None, :]).to(out_ptr.dtype.element_ty)
-    out_r = (first_row + offs_r).to(tl.int64)[:, None]
-    tl.store(out_ptr + out_r * stride_om + offs_c[None, :] * stride_on, w, mask=mask)
-
-
-@backend.jit
 def _part(
     tile,
     start,
@@ -89,12 +53,25 @@ def _part(
     BLOCK_COLS: tl.constexpr,
 ):
     # The part whose row tiles are programs start, start + 1, …: program ``tile`` writes its
-    # tile when it is one of them. Returns the program after the part's last.
+    # tile when it is one of them, out[first_row + r, c] = src[rows[r], c] · g[c]. Returns the
+    # program after the part's last.
     end = start + (n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS  # by hand: a count of 1 is a constexpr
     if (tile >= start) & (tile < end):
-        _part_tile(tile - start, first_row, src_ptr, rows_ptr, n_rows, stride_sm, stride_sn,
-                   g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
-                   BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
+        offs_r = (tile - start) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        offs_c = tl.program_id(axis=1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        mask_r = offs_r < n_rows
+        mask_c = offs_c < cols
+        mask = mask_r[:, None] & mask_c[None, :]
+        if rows_ptr is not None:
+            src_r = tl.load(rows_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
+        else:
+            src_r = offs_r.to(tl.int64)
+        w = tl.load(src_ptr + src_r[:, None] * stride_sm + offs_c[None, :] * stride_sn, mask=mask)
+        if g_ptr is not None:
+            g = tl.load(g_ptr + offs_c * stride_g, mask=mask_c, other=0.0).to(tl.float32)
+            w = (w.to(tl.float32) * g[None, :]).to(out_ptr.dtype.element_ty)
+        out_r = (first_row + offs_r).to(tl.int64)[:, None]
+        tl.store(out_ptr + out_r * stride_om + offs_c[None, :] * stride_on, w, mask=mask)
     return end
 
 
