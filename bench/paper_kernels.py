@@ -29,6 +29,7 @@ it and reported with its registers and spills (the llama_mlp section is not forc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -584,7 +585,22 @@ def environment(bench: Bench, argv: list[str] | None) -> dict[str, Any]:
         "triton": triton.__version__,
         "python": platform.python_version(),
         "dry_run": bench.dry_run,
+        **_cute_versions(),
     }
+
+
+def _cute_versions() -> dict[str, Any]:
+    """The fused steps' backend (``CODA_EPILOGUE_BACKEND``) and, where installed, the CuTe DSL's
+    and QuACK's versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from coda.primitives.settings import current
+
+    out: dict[str, Any] = {"epilogue_backend": current().epilogue_backend}
+    for package in ("nvidia-cutlass-dsl", "quack-kernels"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[package] = version(package)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from .types import TensorInfo
 if TYPE_CHECKING:
     from .checking import CheckEnv, ProgramEnv
     from .codegen.context import EmitContext
+    from .cute.emit import CuteEmitContext
     from .reference import RefEnv
 
 # Names that would collide with generated code or with the accumulator.
@@ -193,6 +194,13 @@ class EpilogueOp(Node):
     def emit(self, ctx: EmitContext) -> None:
         """Append the op's Triton lines to the kernel being generated."""
         raise NotImplementedError
+
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        """Append the op's lines to a CuTe DSL epilogue (``cute/emit.py``). An op without them
+        keeps its step on the Triton kernels."""
+        from .cute.emit import CuteUnsupported
+
+        raise CuteUnsupported(f"{self.op} has no CuTe emitter")
 
 
 @dataclass

@@ -68,6 +68,10 @@ class Expr:
     def to_triton(self, var: Callable[[str], str]) -> str:
         return _triton(self.tree, var)
 
+    def to_cute(self, var: Callable[[str], str]) -> str:
+        """The expression on fp32 scalars of a CuTe DSL epilogue (``cute/epilogue.F``)."""
+        return _cute(self.tree, var)
+
     def evaluate(self, values: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return _torch(self.tree, values, dtype)
 
@@ -265,6 +269,32 @@ def _triton(t: tuple, var: Callable[[str], str]) -> str:
         return BINARY_FN[t[1]][0].format(_triton(t[2], var), _triton(t[3], var))
     if kind == "where":
         return f"tl.where({_triton(t[1], var)}, {_triton(t[2], var)}, {_triton(t[3], var)})"
+    raise AssertionError(kind)
+
+
+def _cute(t: tuple, var: Callable[[str], str]) -> str:
+    """``_triton``'s twin for the CuTe backend: every function is ``F.<name>`` on scalars."""
+    kind = t[0]
+    if kind == "num":
+        return repr(float(t[1]))
+    if kind == "var":
+        return var(t[1])
+    if kind == "neg":
+        return f"(-{_cute(t[1], var)})"
+    if kind in ("bin", "cmp"):
+        return f"({_cute(t[2], var)} {t[1]} {_cute(t[3], var)})"
+    if kind == "pow":
+        base, k = _cute(t[1], var), t[2]
+        if k == 0:
+            return f"({base} * 0.0 + 1.0)"
+        product = " * ".join([base] * abs(k))
+        return f"({product})" if k > 0 else f"(1.0 / ({product}))"
+    if kind == "fn":
+        return f"F.{t[1]}({_cute(t[2], var)})"
+    if kind == "fn2":
+        return f"F.{t[1]}({_cute(t[2], var)}, {_cute(t[3], var)})"
+    if kind == "where":
+        return f"F.where({_cute(t[1], var)}, {_cute(t[2], var)}, {_cute(t[3], var)})"
     raise AssertionError(kind)
 
 

@@ -333,6 +333,12 @@ def recorded_launches() -> AbstractContextManager[list[tuple[Any, Any, tuple, di
     return _collecting_into(_RECORDING)
 
 
+def collecting() -> bool:
+    """Whether this thread is inside ``collected_launches`` (code that launches by other means
+    than ``launch_kernel`` must then launch nothing)."""
+    return _COLLECTING.calls is not None
+
+
 def collected_launches() -> AbstractContextManager[list[tuple[Any, Any, tuple, dict]]]:
     """Collect ``(kernel, grid, args, meta)`` of every ``launch_kernel`` call this thread makes
     until the block ends, *without launching*: each call returns None and its kernel neither

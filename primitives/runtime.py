@@ -19,6 +19,7 @@ import functools
 import math
 import operator
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from .base import RunEnv
 from .codegen.cache import load_kernel, write_source
 from .codegen.configs import resolve_config
 from .codegen.kernel import OPERAND_DESCRIPTORS, KernelSource, generate_kernel
+from .cute.launch import CuteLaunch
 from .descriptors import TMA_MAX_BOX, descriptor_block, tma_available, tma_compatible
 from .ir import GemmEpilogue, MainloopConfig, Program
 from .kernel_stats import compiled_kernel_stats
@@ -113,6 +115,11 @@ class CompiledProgram:
     # generation, gradient accumulation), at the price of keeping one prepared copy.
     keep_prepared: bool = False
     _kept: tuple[tuple, dict[str, torch.Tensor], list[torch.Tensor]] | None = None
+    # Which kernels run fused steps: "triton", "cute" or "auto" (``coda.primitives.cute``); a
+    # step the CuTe backend does not cover runs on Triton, and why is kept in ``cute_refusals``.
+    epilogue_backend: str = field(default_factory=lambda: current().epilogue_backend)
+    cute_refusals: dict[str, str] = field(default_factory=dict)  # step -> why it ran on Triton
+    _cute_steps: dict[str, Any] = field(default_factory=dict)  # step -> cute.launch.CuteStep
 
     # -- analysis at the call's sizes ------------------------------------------------------------
     def info_for(self, inputs: dict[str, torch.Tensor]) -> ProgramInfo:
@@ -281,7 +288,8 @@ class CompiledProgram:
         )
         device = next(iter(prepared.values())).device
         configs = tuple(self.configs.items())
-        return (layouts, device, configs, self.mainloop, self.use_vendor, poison)
+        backend = self.epilogue_backend
+        return (layouts, device, configs, self.mainloop, self.use_vendor, poison, backend)
 
     def _record(
         self, prepared: dict[str, torch.Tensor], poison: bool
@@ -298,7 +306,7 @@ class CompiledProgram:
             if isinstance(step, GemmEpilogue):
                 gemm = info.gemms[name]
                 actions = self._run_gemm(step, gemm, tensors, act, device, poison, info.sizes)
-                if any(isinstance(a, Relaunch) for a in actions):  # a generated kernel ran
+                if any(isinstance(a, Relaunch | CuteLaunch) for a in actions):  # generated, ran
                     plan.mainloops[name] = self.mainloops_used[name]
                     plan.kernel_stats[name] = self.kernel_stats.get(name, {})
             else:
@@ -434,6 +442,10 @@ class CompiledProgram:
             vendor = VendorProduct(step, act)
             vendor(tensors, None)
             return [vendor]
+        if self.epilogue_backend != "triton" and gemm.M and gemm.N:
+            actions = self._run_cute(step, gemm, tensors, act, device, poison)
+            if actions is not None:
+                return actions
         cfg = self.config_for(gemm.name, gemm)
         allocate = Allocate(
             tuple((n, *_allocation(t, gemm, cfg, act)) for n, t in gemm.writes.items()),
@@ -459,6 +471,46 @@ class CompiledProgram:
             self._tma_epilogue_too_big.add(too_big)
             plan = self._launch(step, gemm, tensors, cfg, sizes, device, "tma_mainloop")
         return [allocate, Relaunch(plan, tensors)]
+
+    def _run_cute(
+        self,
+        step: GemmEpilogue,
+        gemm: GemmInfo,
+        tensors: dict[str, torch.Tensor],
+        act: torch.dtype,
+        device: torch.device,
+        poison: bool,
+    ) -> list[Action] | None:
+        """Run step ``gemm`` on the CuTe backend and return its actions; None where it cannot
+        (the reason kept in ``cute_refusals``), and the step runs on Triton."""
+        from . import cute
+
+        reason = cute.unavailable_reason(device)
+        if reason is not None:
+            if self.epilogue_backend == "cute":
+                raise RuntimeError(
+                    f"CODA_EPILOGUE_BACKEND=cute, but the backend cannot run: {reason}"
+                )
+            self.cute_refusals[gemm.name] = reason
+            return None
+        from .cute.emit import CuteUnsupported
+        from .cute.launch import CuteStep
+
+        runner = self._cute_steps.get(gemm.name)
+        if runner is None:
+            runner = self._cute_steps[gemm.name] = CuteStep(step)
+        try:
+            actions = runner.actions(gemm, tensors, act, device, poison)
+        except CuteUnsupported as e:
+            if self.epilogue_backend == "cute" and gemm.name not in self.cute_refusals:
+                warnings.warn(
+                    f"{self.program.block}: step {gemm.name!r} runs on Triton: {e}", stacklevel=3
+                )
+            self.cute_refusals[gemm.name] = str(e)
+            return None
+        self.mainloops_used[gemm.name] = "cute"
+        self.cute_refusals.pop(gemm.name, None)
+        return actions
 
     def _epilogue_tiles(self, name: str, cfg: MainloopConfig) -> list[tuple[str, list[int]]]:
         """The tensors step ``name``'s epilogue moves as TMA tiles, with their block shapes."""
@@ -531,6 +583,14 @@ class CompiledProgram:
             self._loaded[key] = load_kernel(source, source.variants[variant].function)
         return self._loaded[key]
 
+    def cute_sources(self) -> dict[str, str]:
+        """The CuTe module of each step that ran on the CuTe backend (its first, by dtypes)."""
+        return {
+            name: runner.sources()[0].text
+            for name, runner in self._cute_steps.items()
+            if runner.sources() and self.mainloops_used.get(name) == "cute"
+        }
+
     def load_all(self) -> None:
         """Import every generated kernel (both mainloops): surfaces generation errors early."""
         for name, source in self.kernels.items():
@@ -547,6 +607,11 @@ class CompiledProgram:
             dst = directory / f"{kernel.step}.py"
             shutil.copyfile(src, dst)
             paths.append(dst)
+        for name, runner in self._cute_steps.items():  # the CuTe modules the steps ran
+            for k, source in enumerate(runner.sources()):
+                dst = directory / f"{name}.cute{'' if k == 0 else k}.py"
+                dst.write_text(source.text)
+                paths.append(dst)
         return paths
 
 

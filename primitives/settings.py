@@ -31,6 +31,10 @@ Variables, their fields and effects (the README's configuration table says the s
 * ``CODA_COMPILE_THREADS`` → ``compile_threads`` (default: one per CPU, at most 16): threads
   that compile a run's kernels ahead of its launches (``compile_ahead``); ``1`` compiles each
   kernel at its first launch.
+* ``CODA_EPILOGUE_BACKEND`` → ``epilogue_backend`` (default ``triton``): which kernels run fused
+  GEMM steps — ``triton``, ``cute`` (QuACK's Hopper GEMM on the CuTe DSL for every step it
+  covers; the rest on Triton) or ``auto`` (``cute`` where the DSL, QuACK and a Hopper GPU are
+  there). See ``coda.primitives.cute``.
 * ``TRITON_INTERPRET=1`` → ``force_interpreter``: run coda's kernels in Triton's interpreter even
   on a GPU (Triton's own variable; without a GPU coda interprets its kernels regardless).
 """
@@ -58,6 +62,7 @@ class Settings:
     sandbox_worker: bool = False
     force_interpreter: bool = False
     compile_threads: int | None = None
+    epilogue_backend: str = "triton"
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:
@@ -74,7 +79,21 @@ class Settings:
             sandbox_worker=environ.get("CODA_SANDBOX_WORKER") == "1",
             force_interpreter=environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
             compile_threads=_positive_int(environ, "CODA_COMPILE_THREADS"),
+            epilogue_backend=_choice(environ, "CODA_EPILOGUE_BACKEND", EPILOGUE_BACKENDS),
         )
+
+
+EPILOGUE_BACKENDS = ("triton", "cute", "auto")  # the first is the default
+
+
+def _choice(environ: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    """Variable ``name`` as one of ``choices`` (the first when unset or empty)."""
+    raw = environ.get(name, "").strip().lower()
+    if not raw:
+        return choices[0]
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return raw
 
 
 def _positive_int(environ: Mapping[str, str], name: str) -> int | None:

@@ -14,6 +14,7 @@ from ..types import LocalType
 if TYPE_CHECKING:
     from ..checking import CheckEnv
     from ..codegen.context import EmitContext
+    from ..cute.emit import CuteEmitContext
     from ..reference import RefEnv
 
 
@@ -71,3 +72,11 @@ class Map(EpilogueOp):
     def emit(self, ctx: EmitContext) -> None:
         code = expr_lang.parse(self.expr).to_triton(ctx.var)
         ctx.line(f"{ctx.define(self.out)} = {code}")
+
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        # a pair-wide result is the expression on each member (row vectors shared by both)
+        parts = [
+            ctx.expression(self.expr, lambda n, k=k: ctx.part(n, k))
+            for k in range(ctx.width(self.out))
+        ]
+        ctx.define(self.out, parts)

@@ -24,7 +24,19 @@ from ..types import SCALES, LocalType
 if TYPE_CHECKING:
     from ..checking import CheckEnv
     from ..codegen.context import EmitContext
+    from ..cute.emit import CuteEmitContext
     from ..reference import RefEnv
+
+
+def _pair_members(ctx: CuteEmitContext, src: str, op: str) -> list[str]:
+    """The two members of pair-wide value ``src`` at the CuTe loop's element; a narrower
+    ``src`` (the accumulator's own adjacent columns) keeps the step on Triton."""
+    parts = ctx.parts(src)
+    if len(parts) != 2:
+        from ..cute.emit import CuteUnsupported
+
+        raise CuteUnsupported(f"{op} of {src!r}, which is not twice the accumulator's width")
+    return parts
 
 
 def contract_pairs(env: CheckEnv, src: str, op: str) -> LocalType:
@@ -71,6 +83,10 @@ class Swiglu(EpilogueOp):
         gate, up = f"p_{self.out}_gate", f"p_{self.out}_up"
         ctx.split_pairs(ctx.var(self.src), scale, gate, up)
         ctx.line(f"{ctx.define(self.out)} = {gate} * tl.sigmoid({gate}) * {up}")
+
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        gate, up = _pair_members(ctx, self.src, self.op)
+        ctx.define(self.out, [f"(F.silu({gate}) * {up})"])
 
 
 # -- pair plumbing ---------------------------------------------------------------------------------
@@ -173,6 +189,13 @@ class Pairwise(EpilogueOp):
         joined = ctx.join_pairs(f"p_{self.out}_0", f"p_{self.out}_1", scale)
         ctx.line(f"{ctx.define(self.out)} = {joined}")
 
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        x0, x1 = _pair_members(ctx, self.src, self.op)
+        names = {"x0": x0, "x1": x1}
+        var = lambda n: names.get(n) or ctx.parts(n)[0]  # noqa: E731  (others are pair-wide)
+        exprs = [self.expr0] if self.expr1 is None else [self.expr0, self.expr1]
+        ctx.define(self.out, [ctx.expression(e, var) for e in exprs])
+
 
 class SplitPairs(EpilogueOp):
     """Split tile ``src`` into its pair members: ``first = src[:, 0::2]``, ``second =
@@ -202,6 +225,11 @@ class SplitPairs(EpilogueOp):
         scale: Fraction = ctx.type_of(self.src).scale
         first, second = ctx.define(self.first), ctx.define(self.second)
         ctx.split_pairs(ctx.var(self.src), scale, first, second)
+
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        first, second = _pair_members(ctx, self.src, self.op)
+        ctx.define(self.first, [first])
+        ctx.define(self.second, [second])
 
 
 class JoinPairs(EpilogueOp):
@@ -241,3 +269,11 @@ class JoinPairs(EpilogueOp):
         scale = ctx.type_of(self.first).scale * 2
         joined = ctx.join_pairs(ctx.var(self.first), ctx.var(self.second), scale)
         ctx.line(f"{ctx.define(self.out)} = {joined}")
+
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        first, second = ctx.parts(self.first), ctx.parts(self.second)
+        if len(first) != 1 or ctx.width(self.out) != 2:
+            from ..cute.emit import CuteUnsupported
+
+            raise CuteUnsupported("join_pairs of tiles not as wide as the accumulator")
+        ctx.define(self.out, [first[0], second[0]])

@@ -23,6 +23,7 @@ from ..types import PartialsInfo, TensorInfo
 if TYPE_CHECKING:
     from ..checking import CheckEnv
     from ..codegen.context import EmitContext
+    from ..cute.emit import CuteEmitContext
     from ..reference import RefEnv
 
 
@@ -104,6 +105,9 @@ class PartialReduce(EpilogueOp):
         else:
             ctx.line(f"{partial} = {kind.triton}({masked}, axis={dim})")
         ctx.store_partials(self.to, partial, self.axis, scale)
+
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        ctx.reduce(self.to, self.axis, self.kind, ctx.parts(self.src))
 
 
 def _emit_lse(ctx: EmitContext, partial: str, masked: str, dim: int) -> None:

@@ -11,6 +11,7 @@ from ..types import StoreDtype, TensorInfo
 if TYPE_CHECKING:
     from ..checking import CheckEnv
     from ..codegen.context import EmitContext
+    from ..cute.emit import CuteEmitContext
     from ..reference import RefEnv
 
 
@@ -71,3 +72,10 @@ class Store(EpilogueOp):
     def emit(self, ctx: EmitContext) -> None:
         scale = ctx.type_of(self.src).scale
         ctx.store_tile(self.to, ctx.var(self.src), scale, accumulate=self.mode == "accumulate")
+
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        if self.mode == "accumulate":
+            from ..cute.emit import CuteUnsupported
+
+            raise CuteUnsupported(f"store(mode='accumulate') into {self.to!r}")
+        ctx.store(self.to, ctx.parts(self.src))

@@ -15,6 +15,7 @@ from ..types import LocalType, scale_name
 if TYPE_CHECKING:
     from ..checking import CheckEnv
     from ..codegen.context import EmitContext
+    from ..cute.emit import CuteEmitContext
     from ..reference import RefEnv
 
 
@@ -53,6 +54,11 @@ class AddTile(EpilogueOp):
         tile = ctx.load_tile(self.tensor, scale)
         ctx.line(f"{ctx.define(self.out)} = {ctx.var(self.src)} + {tile}")
 
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        src = ctx.parts(self.src)
+        tile = ctx.tile(self.tensor, ctx.scale(self.src))
+        ctx.define(self.out, [f"({a} + {b})" for a, b in zip(src, tile, strict=True)])
+
 
 class LoadTile(EpilogueOp):
     """Load this output tile's block of a program tensor into registers as epilogue value ``out``.
@@ -78,3 +84,6 @@ class LoadTile(EpilogueOp):
     def emit(self, ctx: EmitContext) -> None:
         scale = ctx.type_of(self.out).scale
         ctx.line(f"{ctx.define(self.out)} = {ctx.load_tile(self.tensor, scale)}")
+
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        ctx.define(self.out, ctx.tile(self.tensor, ctx.scale(self.out)))

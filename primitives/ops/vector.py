@@ -17,6 +17,7 @@ from ..types import SCALES, LocalType
 if TYPE_CHECKING:
     from ..checking import CheckEnv
     from ..codegen.context import EmitContext
+    from ..cute.emit import CuteEmitContext
     from ..reference import RefEnv
 
 
@@ -48,6 +49,15 @@ class _VectorOp(EpilogueOp):
         scale = ctx.type_of(self.src).scale
         v = ctx.load_row(self.vector) if self.axis == "row" else ctx.load_col(self.vector, scale)
         ctx.line(f"{ctx.define(self.out)} = {ctx.var(self.src)} {self.combine} {v}")
+
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        parts = ctx.parts(self.src)
+        if self.axis == "col" and len(parts) != 1:
+            from ..cute.emit import CuteUnsupported
+
+            raise CuteUnsupported(f"{self.op} on a pair-wide tile (a 2N column vector)")
+        v = ctx.vector(self.vector, self.axis)
+        ctx.define(self.out, [f"({p} {self.combine} {v})" for p in parts])
 
 
 class ScaleRows(_VectorOp):
@@ -127,6 +137,9 @@ class LoadRowVector(EpilogueOp):
     def emit(self, ctx: EmitContext) -> None:
         ctx.line(f"{ctx.define(self.out)} = {ctx.load_row(self.vector)}")
 
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        ctx.define(self.out, [ctx.vector(self.vector, "row")])
+
 
 class LoadColVector(EpilogueOp):
     """Bring a per-column program tensor into registers as column vector ``out`` (fp32).
@@ -159,3 +172,10 @@ class LoadColVector(EpilogueOp):
     def emit(self, ctx: EmitContext) -> None:
         scale = ctx.type_of(self.out).scale
         ctx.line(f"{ctx.define(self.out)} = {ctx.load_col(self.vector, scale)}")
+
+    def emit_cute(self, ctx: CuteEmitContext) -> None:
+        if ctx.scale(self.out) != 1:
+            from ..cute.emit import CuteUnsupported
+
+            raise CuteUnsupported(f"column vector {self.vector!r} is not N wide")
+        ctx.define(self.out, [ctx.vector(self.vector, "col")])

@@ -1,0 +1,227 @@
+"""The CuTe DSL side of the second epilogue backend: QuACK's Hopper GEMM with a generated epilogue.
+
+A module that ``cute.emit`` generates defines one class, ``Epilogue(CodaEpilogue, GemmSm90)``:
+its ``_epi_ops`` name the QuACK epilogue ops the step needs (tile loads and stores through TMA,
+per-row and per-column vectors, per-tile partial sums, the bounds of the output) and its
+``epi_visit_subtile`` computes the step's epilogue one register fragment at a time. This module is
+what such a class stands on, plus the math the generated expressions call (``F``). It imports the
+CuTe DSL and QuACK, so only code that has chosen this backend imports it.
+
+QuACK's GEMM (``quack.gemm_sm90.GemmSm90``) is persistent and warp-specialized: a producer warp
+loads A/B tiles by TMA, and two consumer warpgroups take output tiles in turn (ping-pong), so one
+consumer's epilogue — its tile loads, math and stores — runs while the other's K loop keeps the
+tensor cores busy. That overlap is what the Triton kernels cannot express, and why a traffic-heavy
+epilogue costs less here.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.utils import LayoutEnum
+from quack import copy_utils
+from quack.epi_composable import ComposableEpiMixin
+from quack.epi_ops import (
+    ColVecLoad,
+    ColVecReduce,
+    RowVecLoad,
+    RowVecReduce,
+    Scalar,
+    TileLoad,
+    TileStore,
+)
+from quack.gemm_sm90 import GemmSm90
+from quack.rounding import RoundingMode
+from quack.sm90_utils import partition_for_epilogue
+
+__all__ = [
+    "F",
+    "ColVecLoad",
+    "ColVecReduce",
+    "CodaEpilogue",
+    "GemmSm90",
+    "RowVecLoad",
+    "RowVecReduce",
+    "Scalar",
+    "TileLoad",
+    "TypedTileStore",
+]
+
+COORDS = "__coords"  # the key of the fragment's tile coordinates in ``epi_loop_tensors``
+
+
+class TypedTileStore(TileStore):
+    """QuACK's TMA tile store with its own element type (QuACK sizes every store's buffer by one
+    aux dtype; a coda epilogue may store bfloat16 values next to packed pairs)."""
+
+    def _dtype_attr(self) -> str:
+        return f"_store_dtype_{self.name}"
+
+    def _layout_attr(self) -> str:
+        return f"_store_layout_{self.name}"
+
+    def to_params(self, gemm, args):
+        tensor = getattr(args, self.name)
+        setattr(gemm, self._dtype_attr(), tensor.element_type)
+        setattr(gemm, self._layout_attr(), LayoutEnum.from_tensor(tensor))
+        return super().to_params(gemm, args)
+
+    def smem_struct_field(self, gemm, params):
+        layout = getattr(params, self._smem_layout_key())
+        dtype = getattr(gemm, self._dtype_attr())
+        return (
+            f"s_{self.name}",
+            cute.struct.Align[
+                cute.struct.MemRange[dtype, cute.cosize(layout)], gemm.buffer_align_bytes
+            ],
+        )
+
+    def dtype(self, gemm):
+        return getattr(gemm, self._dtype_attr())
+
+    def layout(self, gemm):
+        return getattr(gemm, self._layout_attr())
+
+
+class CodaEpilogue(ComposableEpiMixin):
+    """Epilogue plumbing shared by every generated class: any number of tile stores (returned by
+    ``epi_visit_subtile`` in ``_epi_ops`` order), and the coordinates of each fragment element in
+    its output tile when ``uses_coords`` (reductions must not count elements past the edges)."""
+
+    uses_coords = False
+
+    def epi_to_underlying_arguments(self, args, *, loc=None, ip=None):
+        self.rounding_mode = RoundingMode.RN
+        return self.EpilogueParams(**self._epi_ops_to_params_dict(args))
+
+    def _stores(self):
+        return [op for op in self._epi_ops if isinstance(op, TypedTileStore)]
+
+    def epi_setup_aux_out(
+        self, params, epi_smem_tensors, tiled_copy_r2s, tiled_copy_t2r, tile_coord_mnkl,
+        varlen_manager, tidx,
+    ):  # fmt: skip
+        contexts = []
+        for op in self._stores():
+            smem = epi_smem_tensors[op.name]
+            epi_tile = getattr(params, op._epi_tile_key())
+            atom = copy_utils.get_smem_store_atom(
+                op.dtype(self),
+                transpose=op.layout(self) != LayoutEnum.ROW_MAJOR,
+                major_mode_size=cute.size(epi_tile, mode=[1]) // self.atom_layout_mnk[1],
+            )
+            tiled_copy = cute.make_tiled_copy_S(atom, tiled_copy_r2s)
+            partitioned = tiled_copy.get_slice(tidx).partition_D(smem)
+            copy_out, _, _ = self.epilog_gmem_copy_and_partition(
+                getattr(params, op._tma_atom_key()),
+                varlen_manager.offset_batch_epi(getattr(params, op.name), tile_coord_mnkl[3]),
+                self.cta_tile_shape_mnk[:2],
+                epi_tile,
+                smem,
+                tile_coord_mnkl,
+            )
+            contexts.append((tiled_copy, partitioned, copy_out))
+        return tuple(contexts)
+
+    @cute.jit
+    def epi_convert_aux_out(
+        self, output_idx: cutlass.Constexpr[int], tRS_rAuxOut, sr_seed, tidx, tile_coord_mnkl,
+        num_prev_subtiles, epi_idx,
+    ):  # fmt: skip
+        return tRS_rAuxOut.to(self._stores()[output_idx].dtype(self))
+
+    @cute.jit
+    def epi_begin(
+        self, params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
+        tile_coord_mnkl, varlen_manager, epilogue_barrier, tidx, tRS_rD_layout=None,
+    ):  # fmt: skip
+        tensors = ComposableEpiMixin.epi_begin(
+            self, params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
+            tile_coord_mnkl, varlen_manager, epilogue_barrier, tidx, tRS_rD_layout,
+        )  # fmt: skip
+        if const_expr(self.uses_coords):
+            partition = partial(
+                partition_for_epilogue,
+                epi_tile=epi_tile,
+                tiled_copy=tiled_copy_t2r if tiled_copy_t2r is not None else tiled_copy_r2s,
+                tidx=tidx,
+                reference_src=tiled_copy_t2r is None,
+            )
+            tile_m, tile_n = self.cta_tile_shape_mnk[:2]
+            coords = partition(cute.make_identity_tensor((tile_m, tile_n)))
+            origin = (tile_coord_mnkl[0] * tile_m, tile_coord_mnkl[1] * tile_n)
+            tensors[COORDS] = (coords, origin)
+        return tensors
+
+    def epi_begin_loop(self, params, epi_tensors, epi_coord):
+        loop = ComposableEpiMixin.epi_begin_loop(self, params, epi_tensors, epi_coord)
+        if const_expr(self.uses_coords):
+            coords, origin = epi_tensors[COORDS]
+            loop[COORDS] = (coords[None, None, None, epi_coord[0], epi_coord[1]], origin)
+        return loop
+
+
+class F:
+    """The expression language's functions on fp32 scalars, as generated code calls them."""
+
+    @staticmethod
+    def exp(x):
+        return cute.math.exp(x, fastmath=True)
+
+    @staticmethod
+    def log(x):
+        return cute.math.log(x, fastmath=True)
+
+    @staticmethod
+    def sigmoid(x):
+        return 1.0 / (1.0 + cute.math.exp2(x * (-math.log2(math.e)), fastmath=True))
+
+    @staticmethod
+    def silu(x):
+        return x * F.sigmoid(x)
+
+    @staticmethod
+    def tanh(x):
+        return cute.math.tanh(x, fastmath=True)
+
+    @staticmethod
+    def erf(x):
+        return cute.math.erf(x)
+
+    @staticmethod
+    def sqrt(x):
+        return cute.math.sqrt(x, fastmath=True)
+
+    @staticmethod
+    def rsqrt(x):
+        return cute.math.rsqrt(x, fastmath=True)
+
+    @staticmethod
+    def abs(x):
+        return cute.math.absf(x)
+
+    @staticmethod
+    def min(a, b):
+        return cute.arch.fmin(Float32(a), Float32(b))
+
+    @staticmethod
+    def max(a, b):
+        return cute.arch.fmax(Float32(a), Float32(b))
+
+    @staticmethod
+    def where(cond, a, b):
+        return Float32(cutlass.select_(cond, Float32(a), Float32(b)))
+
+    @staticmethod
+    def inside(coords, i, m_bound, n_bound):
+        """Whether fragment element ``i`` lies inside the ``m_bound × n_bound`` output."""
+        local, origin = coords
+        m, n = local[i]
+        return (origin[0] + m < m_bound) & (origin[1] + n < n_bound)
+
+
+Int32 = Int32  # re-exported for generated code (the bounds' scalar type)

@@ -1,0 +1,281 @@
+"""Compile a generated CuTe epilogue module for a call's tensors, and launch it.
+
+``CuteStep`` belongs to one fused GEMM step of a compiled Program. ``actions(...)`` decides
+whether this call can run on the CuTe backend (every tensor laid out as TMA needs it, the epilogue
+generated for these dtypes) and returns the run-plan actions that allocate the step's outputs and
+launch the kernel — or raises ``CuteUnsupported`` and the step runs on Triton. Compiled kernels
+are kept per signature (dtypes, which operand dimension is contiguous, tile config): the sizes are
+symbolic, so one compile serves every M, N and K.
+
+The tile config is chosen by shape from what was measured on an H200 (bench/RESULTS.md, runs
+2026-12-02h and i): 128 × 192 output tiles for large products (K ≥ 4096, M·N ≥ 2²⁶) whose
+epilogue moves no pair-wide tile, 128 × 128 otherwise, both with two consumer warpgroups in
+ping-pong and clusters of two CTAs along M.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..launch import collecting
+from ..run_plans import Action, Allocate
+from ..settings import current
+from ..types import partials_shape, torch_dtype
+from .emit import CuteSource, CuteUnsupported, generate
+
+if TYPE_CHECKING:
+    from ..analysis import GemmInfo
+    from ..base import RunEnv
+    from ..ir import GemmEpilogue
+
+PINGPONG = True
+CLUSTER = (2, 1, 1)
+_COMPILE_LOCK = threading.Lock()  # the DSL's compiler is not reentrant
+
+
+def tile_shape(gemm: GemmInfo, pairs: bool = False) -> tuple[int, int]:
+    """The output tile of step ``gemm`` (see the module docstring); 128 × 128 for an epilogue
+    that moves pair-wide tiles (with 128 × 192 tiles such a step failed the tuner's check against
+    the reference at 8192³ on an H200, run 2026-12-02i; not yet understood)."""
+    if not pairs and gemm.K >= 4096 and gemm.M * gemm.N >= 1 << 26:
+        return (128, 192)
+    return (128, 128)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A 2-D tensor TMA can move: one dimension contiguous, the other's stride and the base
+    address multiples of 16 bytes."""
+    if t.dim() != 2 or t.data_ptr() % 16:
+        return False
+    size = t.element_size()
+    s0, s1 = t.stride()
+    return (s1 == 1 and (s0 * size) % 16 == 0) or (s0 == 1 and (s1 * size) % 16 == 0)
+
+
+def _as_mk(t: torch.Tensor) -> torch.Tensor:
+    """``[rows, cols]`` as QuACK's ``(rows, cols, L=1)``."""
+    return t.unsqueeze(0).permute(1, 2, 0)
+
+
+@dataclass
+class CuteStep:
+    """The CuTe side of one fused step: generated sources by dtypes, compiled kernels by
+    signature."""
+
+    step: GemmEpilogue
+    _sources: dict[tuple, CuteSource] = field(default_factory=dict)
+    _compiled: dict[tuple, Any] = field(default_factory=dict)
+
+    def source(self, gemm: GemmInfo, dtypes: dict[str, torch.dtype]) -> CuteSource:
+        key = tuple(sorted((k, str(v)) for k, v in dtypes.items()))
+        if key not in self._sources:
+            self._sources[key] = generate(self.step, gemm, dtypes)
+        return self._sources[key]
+
+    def sources(self) -> list[CuteSource]:
+        """The modules generated so far (one per set of dtypes)."""
+        return list(self._sources.values())
+
+    def actions(
+        self,
+        gemm: GemmInfo,
+        tensors: dict[str, torch.Tensor],
+        act: torch.dtype,
+        device: torch.device,
+        poison: bool,
+    ) -> list[Action]:
+        """Allocate what the step writes and launch it; raises ``CuteUnsupported``."""
+        a, b = self._operands(tensors)
+        if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
+            raise CuteUnsupported(f"operands are {a.dtype} / {b.dtype} (the CuTe GEMM is 16-bit)")
+        dtypes = {n: t.dtype for n, t in tensors.items() if t.is_floating_point()}
+        dtypes |= {n: torch_dtype(t.dtype, act) for n, t in gemm.writes.items()}
+        source = self.source(gemm, dtypes)
+        tile = tile_shape(gemm, pairs=source.moves_pairs)
+        allocate = Allocate(
+            tuple((n, *self._allocation(t, gemm, tile, act)) for n, t in gemm.writes.items()),
+            device,
+            poison,
+        )
+        allocate(tensors, None)
+        moved = [tensors[b.tensor] for b in source.bindings if b.kind in ("tile", "store")]
+        if source.output is not None:
+            moved.append(tensors[source.output])
+        for t in (a, b, *moved):
+            if not _tma_ready(t):
+                raise CuteUnsupported(
+                    f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not "
+                    "16-byte aligned for TMA"
+                )
+        for v in (tensors[b.tensor] for b in source.bindings if b.kind in ("row", "col")):
+            if not v.is_contiguous() or (v.numel() * v.element_size()) % 4 or v.data_ptr() % 4:
+                raise CuteUnsupported(
+                    f"a vector of {v.numel()} {v.dtype} values is not whole 32-bit words"
+                )
+        launch = CuteLaunch(self, source, gemm.M, gemm.N, tile)
+        launch(tensors, None)
+        return [allocate, launch]
+
+    def _operands(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A as ``[M, K]`` and B as QuACK takes it, ``[N, K]`` (views, no copies)."""
+        a = tensors[self.step.a.tensor]
+        b = tensors[self.step.b.tensor]
+        a = a.T if self.step.a.transpose else a
+        b = b if self.step.b.transpose else b.T
+        return a, b
+
+    @staticmethod
+    def _allocation(t, gemm: GemmInfo, tile: tuple[int, int], act: torch.dtype):
+        if t.partials is not None:
+            p = t.partials
+            if p.axis == "row":  # one partial per tile_n accumulator columns
+                return partials_shape(
+                    t.shape[0], p.length, tile[1] * p.length // gemm.N
+                ), torch.float32
+            return partials_shape(t.shape[0], p.length, tile[0]), torch.float32
+        return t.shape, torch_dtype(t.dtype, act)
+
+    def compiled(self, source: CuteSource, args: dict[str, Any], tile: tuple[int, int]) -> Any:
+        signature = (source.key, tile, *((n, _signature(v)) for n, v in args.items()))
+        fn = self._compiled.get(signature)
+        if fn is None:
+            with _COMPILE_LOCK:
+                fn = self._compiled.get(signature)
+                if fn is None:
+                    try:
+                        fn = _compile(source, args, tile)
+                    except Exception as e:  # the DSL's compiler refused this epilogue
+                        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                        raise CuteUnsupported(f"the CuTe DSL did not compile it: {first}") from e
+                    self._compiled[signature] = fn
+        return fn
+
+
+def _signature(value: Any) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, tuple(s == 1 for s in value.stride()), value.dim())
+    return (type(value).__name__,)
+
+
+class CuteLaunch(Action):
+    """Launch a step's CuTe kernel on a call's tensors (inside ``collected_launches``: compile
+    it, launch nothing)."""
+
+    def __init__(
+        self, step: CuteStep, source: CuteSource, m: int, n: int, tile: tuple[int, int]
+    ) -> None:
+        self.step, self.source, self.m, self.n, self.tile = step, source, m, n, tile
+
+    def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
+        args = self.arguments(tensors)
+        fn = self.step.compiled(self.source, args, self.tile)
+        if collecting():
+            return
+        _run(fn, self.source, args)
+
+    def arguments(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The kernel's arguments in QuACK's shapes: A ``(M, K, 1)``, B ``(N, K, 1)``, D and
+        every tile ``(M, N, 1)`` (pair-wide ones as 32-bit words), vectors ``(1, len)``, row
+        partials ``(1, M, tiles)``, column partials ``(1, tiles, N)``, and the bounds."""
+        a, b = self.step._operands(tensors)
+        args: dict[str, Any] = {"A": _as_mk(a), "B": _as_mk(b), "D": None}
+        if self.source.output is not None:
+            out = tensors[self.source.output]
+            args["D"] = _as_mk(out.view(torch.float32) if self.source.output_pairs else out)
+        for binding in self.source.bindings:
+            t = tensors[binding.tensor]
+            if binding.kind in ("tile", "store"):
+                args[binding.op] = _as_mk(t.view(torch.float32) if binding.pairs else t)
+            elif binding.kind in ("row", "col", "row_partials"):
+                args[binding.op] = t.unsqueeze(0)
+            else:  # col_partials: [N, m tiles] as QuACK's (1, m tiles, N)
+                args[binding.op] = t.t().unsqueeze(0)
+        if self.source.uses_coords:
+            args["m_bound"], args["n_bound"] = self.m, self.n
+        return args
+
+
+def _module(source: CuteSource) -> Any:
+    """Import the generated module (written to the kernel cache, where a person can read it)."""
+    name = f"coda_cute_{source.key}"
+    if name in sys.modules:
+        return sys.modules[name]
+    directory = current().cache_dir / "cute"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.py"
+    if not path.exists() or path.read_text() != source.text:
+        path.write_text(source.text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake(value: Any, shape: tuple, tma: bool = True) -> Any:
+    """A stand-in of ``value`` for compiling: its dtype and contiguous dimension, sizes and
+    other strides symbolic — multiples of 16 bytes where TMA moves it, of 4 bytes otherwise
+    (vectors come in 32-bit copies)."""
+    import cutlass
+    from quack.compile_utils import make_fake_tensor
+    from quack.cute_dsl_utils import torch2cute_dtype_map
+
+    if not isinstance(value, torch.Tensor):
+        return cutlass.Int32(0)
+    ones = [i for i, s in enumerate(value.stride()) if s == 1]
+    leading = next((i for i in ones if value.shape[i] > 1), ones[0] if ones else None)
+    dtype = torch2cute_dtype_map[value.dtype]
+    divisibility = 128 // dtype.width if tma else max(1, 32 // dtype.width)
+    return make_fake_tensor(dtype, shape, divisibility=divisibility, leading_dim=leading)
+
+
+_TMA_KINDS = ("tile", "store")
+
+
+def _compile(source: CuteSource, args: dict[str, Any], tile: tuple[int, int]) -> Any:
+    """Compile the module's ``Epilogue`` GEMM for tensors laid out like ``args`` (sizes
+    symbolic: one compile serves every M, N, K)."""
+    import cutlass.cute as cute
+    from quack.gemm_tvm_ffi_utils import compile_gemm_kernel, make_fake_scheduler_args
+
+    module = _module(source)
+    m, n, k, batch, tiles = (cute.sym_int() for _ in range(5))
+    mA = _fake(args["A"], (m, k, batch))
+    mB = _fake(args["B"], (n, k, batch))
+    mD = None if args["D"] is None else _fake(args["D"], (m, n, batch))
+    shapes = {"tile": (m, n, batch), "store": (m, n, batch), "row": (batch, m), "col": (batch, n)}
+    shapes |= {"row_partials": (batch, m, tiles), "col_partials": (batch, tiles, n)}
+    epi = {
+        b.op: _fake(args[b.op], shapes[b.kind], tma=b.kind in _TMA_KINDS) for b in source.bindings
+    }
+    if source.uses_coords:
+        epi["m_bound"] = epi["n_bound"] = _fake(0, ())
+    cls = module.Epilogue
+    return compile_gemm_kernel(
+        cls, mA.element_type, tile, CLUSTER, PINGPONG, True, False, False, (9, 0),
+        mA, mB, mD, None, cls.EpilogueArguments(**epi),
+        make_fake_scheduler_args(False, False, batch), None,
+    )  # fmt: skip
+
+
+def _run(fn: Any, source: CuteSource, args: dict[str, Any]) -> None:
+    import cutlass
+    from quack.cute_dsl_utils import get_max_active_clusters
+    from quack.gemm_tvm_ffi_utils import make_scheduler_args
+
+    module = sys.modules[f"coda_cute_{source.key}"]
+    epi = {b.op: args[b.op] for b in source.bindings}
+    if source.uses_coords:
+        epi["m_bound"], epi["n_bound"] = (
+            cutlass.Int32(args["m_bound"]),
+            cutlass.Int32(args["n_bound"]),
+        )
+    sched = make_scheduler_args(get_max_active_clusters(CLUSTER[0] * CLUSTER[1]), 8, None)
+    fn(args["A"], args["B"], args["D"], None, module.Epilogue.EpilogueArguments(**epi), sched, None)

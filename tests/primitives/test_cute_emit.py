@@ -1,0 +1,202 @@
+"""The CuTe backend's code generation (``coda.primitives.cute.emit``), without the DSL or a GPU:
+which steps it covers and why the others stay on Triton, what each generated module binds, that
+the modules are Python a reader can follow, and that the expression printer computes what the
+reference executor computes."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from coda.blocks.registry import get_block
+from coda.planner import lower
+from coda.primitives import analyze
+from coda.primitives import expr as expr_lang
+from coda.primitives.cute.emit import CuteUnsupported, generate
+from coda.primitives.cute.launch import CuteStep, tile_shape
+from coda.primitives.ir import GemmEpilogue, Program
+
+PROGRAMS = Path(__file__).parents[2] / "export" / "programs"
+
+
+def _fused(program: Program, sizes: dict[str, int]):
+    info = analyze(program, sizes)
+    names = program.step_names()
+    for step, name in zip(program.steps, names, strict=True):
+        if isinstance(step, GemmEpilogue) and not info.gemms[name].vendor:
+            yield step, info.gemms[name], info
+
+
+def _dtypes(info, act=torch.bfloat16) -> dict[str, torch.dtype]:
+    return {
+        n: torch.float32 if t.dtype == "float32" else act
+        for n, t in info.tensors.items()
+        if t.dtype in ("float32", "act")
+    }
+
+
+def _block_step(name: str):
+    block = get_block(name)
+    program = lower(block)
+    ((step, gemm, info),) = list(_fused(program, dict(block.shapes.gpu[0])))
+    return step, gemm, info
+
+
+def _shipped(name: str) -> Program:
+    return Program.model_validate(json.loads((PROGRAMS / f"{name}.json").read_text())["program"])
+
+
+def test_swiglu_backward_binds_its_pair_tile_partials_and_outputs() -> None:
+    step, gemm, info = _block_step("gemm_partial_swiglu_bwd")
+    source = generate(step, gemm, _dtypes(info))
+    kinds = {(b.kind, b.tensor, b.pairs) for b in source.bindings}
+    # z moves as 32-bit words of [g, u] pairs; dz is the GEMM's own output, in pairs too
+    assert kinds == {
+        ("tile", "z", True),
+        ("row_partials", "zdz_partials", False),
+        ("store", "o", False),
+    }
+    assert (source.output, source.output_pairs) == ("dz", True)
+    assert source.uses_coords  # the partial sums must not count elements past the edges
+    ast.parse(source.text)
+
+
+def test_rmsnorm_backward_binds_vectors_of_both_axes_and_column_partials() -> None:
+    step, gemm, info = _block_step("gemm_residual_partial_rmsnorm_bwd")
+    source = generate(step, gemm, _dtypes(info))
+    kinds = {(b.kind, b.tensor) for b in source.bindings}
+    assert kinds == {
+        ("tile", "x"), ("tile", "o"), ("row", "rstd"), ("row", "c"), ("col", "gamma"),
+        ("col_partials", "dgamma_partials"), ("store", "c_out"),
+    }  # fmt: skip
+    assert source.output == "o_out" and not source.output_pairs
+    text = source.text
+    assert 'ColVecLoad("wr_rstd")' in text and 'RowVecLoad("wc_gamma")' in text
+    assert 'RowVecReduce("r_dgamma_partials")' in text
+    ast.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("block", "reason"),
+    [
+        ("gemm_swiglu", "not twice the accumulator's width"),  # pairs of the accumulator itself
+        ("gemm_rope", "rope has no CuTe emitter"),
+        ("gemm_partial_cross_entropy", "select_column has no CuTe emitter"),
+    ],
+)
+def test_steps_outside_the_backend_say_why(block: str, reason: str) -> None:
+    step, gemm, info = _block_step(block)
+    with pytest.raises(CuteUnsupported, match=reason):
+        generate(step, gemm, _dtypes(info))
+
+
+def test_an_lse_reduction_and_an_accumulating_store_stay_on_triton() -> None:
+    (step, gemm, info), *_ = _fused(_shipped("llama_lm_head_ce"), {"M": 64, "d": 64, "V": 128})
+    with pytest.raises(CuteUnsupported, match="kind 'lse'"):
+        generate(step, gemm, _dtypes(info))
+    step, gemm, info = _block_step("gemm_rmsnorm")
+    store = step.epilogue[-1].model_copy(update={"mode": "accumulate"})
+    gemm.accumulates.add(store.to)
+    with pytest.raises(CuteUnsupported, match="accumulates"):
+        generate(step.model_copy(update={"epilogue": [*step.epilogue[:-1], store]}), gemm, {})
+
+
+def test_float32_pairs_are_refused() -> None:
+    step, gemm, info = _block_step("gemm_partial_swiglu_bwd")
+    with pytest.raises(CuteUnsupported, match="pairs move as 16-bit"):
+        generate(step, gemm, _dtypes(info, act=torch.float32))
+
+
+def test_the_training_backward_steps_generate() -> None:
+    program = _shipped("llama_mlp_bwd_saved")
+    steps = {
+        gemm.name: generate(step, gemm, _dtypes(info))
+        for step, gemm, info in _fused(program, {"M": 96, "d": 64, "f": 160})
+    }
+    assert set(steps) == {"down_bwd", "gate_up_bwd"}
+    down = steps["down_bwd"]
+    assert (down.output, down.output_pairs) == ("dz", True)  # [dg, du] joined into pairs
+    assert {(b.kind, b.tensor) for b in down.bindings} >= {("tile", "g"), ("tile", "u")}
+    up = steps["gate_up_bwd"]
+    assert up.output == "dx"
+    assert {(b.kind, b.tensor) for b in up.bindings} >= {("store", "y"), ("col", "gamma")}
+
+
+def test_generated_modules_depend_only_on_the_program_and_dtypes() -> None:
+    step, gemm, info = _block_step("gemm_partial_swiglu_bwd")
+    a = generate(step, gemm, _dtypes(info))
+    assert generate(step, gemm, _dtypes(info)).key == a.key
+    b = generate(step, gemm, _dtypes(info, act=torch.float16))
+    assert b.key != a.key and "Float16" in b.text
+
+
+def test_partials_follow_the_cute_tile() -> None:
+    step, gemm, info = _block_step("gemm_partial_swiglu_bwd")
+    tile = tile_shape(gemm)
+    shape, dtype = CuteStep._allocation(info.tensors["zdz_partials"], gemm, tile, torch.bfloat16)
+    assert shape == (gemm.M, -(-gemm.N // tile[1])) and dtype == torch.float32
+    step, gemm, info = _block_step("gemm_residual_partial_rmsnorm_bwd")
+    shape, _ = CuteStep._allocation(info.tensors["dgamma_partials"], gemm, tile_shape(gemm), None)
+    assert shape == (gemm.N, -(-gemm.M // tile_shape(gemm)[0]))
+
+
+def test_tile_shape_by_product_size() -> None:
+    class G:
+        M, N, K = 8192, 8192, 8192
+
+    assert tile_shape(G) == (128, 192)
+    assert tile_shape(G, pairs=True) == (128, 128)
+    G.K = 2048
+    assert tile_shape(G) == (128, 128)
+
+
+class _PyF:
+    """``cute/epilogue.F`` on Python floats: what the generated expressions call."""
+
+    exp, log, tanh, erf, sqrt, abs = math.exp, math.log, math.tanh, math.erf, math.sqrt, abs
+    min, max = min, max
+
+    @staticmethod
+    def sigmoid(x: float) -> float:
+        return 1.0 / (1.0 + math.exp(-x))
+
+    @staticmethod
+    def silu(x: float) -> float:
+        return x / (1.0 + math.exp(-x))
+
+    @staticmethod
+    def rsqrt(x: float) -> float:
+        return 1.0 / math.sqrt(x)
+
+    @staticmethod
+    def where(cond: bool, a: float, b: float) -> float:
+        return a if cond else b
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "acc * u * sigmoid(g) * (1 + g * (1 - sigmoid(g)))",
+        "r * (acc * gamma - r * x * c)",
+        "exp(-abs(g)) + log(1 + u * u) - tanh(acc) / 3",
+        "where(g > u, min(g, acc), max(u, -acc)) ** 2",
+        "rsqrt(u * u + 1e-06) * erf(g) + sqrt(abs(acc)) - g ** -2",
+        "silu(g) * u - -acc",
+    ],
+)
+def test_the_cute_printer_computes_what_the_reference_computes(source: str) -> None:
+    parsed = expr_lang.parse(source)
+    rng = random.Random(source)
+    for _ in range(20):
+        values = {n: rng.uniform(-3, 3) or 0.5 for n in parsed.variables()}
+        code = parsed.to_cute(lambda n: f"V[{n!r}]")
+        got = eval(code, {"F": _PyF, "V": values})  # noqa: S307 - printed from a parsed tree
+        as_tensor = {n: torch.tensor(v, dtype=torch.float64) for n, v in values.items()}
+        want = parsed.evaluate(as_tensor.__getitem__, torch.float64)
+        assert got == pytest.approx(float(want), rel=1e-9, abs=1e-12)

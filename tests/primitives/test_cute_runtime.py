@@ -1,0 +1,136 @@
+"""How a compiled Program chooses and drives the CuTe backend, on a CPU: the choice and its
+refusals, and — with the DSL's compile and launch replaced by recorders — the arguments a launch
+gets (QuACK's shapes and layouts), one compile per signature, replays, and nothing launched while
+launches are being collected. The kernels themselves run in tests/gpu/test_cute_gpu.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from coda.blocks import get_block
+from coda.planner import lower
+from coda.primitives import analyze, compile_program, cute
+from coda.primitives.cute import launch as cute_launch
+
+SIZES = {"M": 40, "N": 48, "K": 24, "N2": 96}
+
+
+def _swiglu_bwd(backend: str):
+    block = get_block("gemm_partial_swiglu_bwd")
+    program = lower(block)
+    compiled = compile_program(program, analyze(program, SIZES))
+    compiled.epilogue_backend = backend
+    inputs = block.make_inputs(SIZES, torch.float16, seed=0, device="cpu")
+    return block, program, compiled, inputs
+
+
+def test_auto_on_a_cpu_runs_triton_and_says_why() -> None:
+    block, program, compiled, inputs = _swiglu_bwd("auto")
+    out = program.select_outputs(compiled.run(compiled.prepare(inputs)), SIZES)
+    assert compiled.mainloops_used["b"] != "cute"
+    assert "cpu" in compiled.cute_refusals["b"]
+    ref = block.reference({k: v.float() for k, v in inputs.items()})
+    assert torch.allclose(out["o"].float(), ref["o"], atol=2e-2, rtol=2e-2)
+
+
+def test_a_step_left_on_triton_under_cute_warns_once(recorder) -> None:  # noqa: ANN001
+    block = get_block("gemm_swiglu")
+    program = lower(block)
+    sizes = {"M": 40, "N": 48, "K": 24}
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "cute"
+    prepared = compiled.prepare(block.make_inputs(sizes, torch.float16, seed=0, device="cpu"))
+    with pytest.warns(UserWarning, match="step 'd' runs on Triton: swiglu of 'acc'"):
+        compiled.run(prepared)
+    assert "swiglu" in compiled.cute_refusals["d"]
+
+
+def test_cute_asked_for_where_it_cannot_run_is_an_error() -> None:
+    _, _, compiled, inputs = _swiglu_bwd("cute")
+    with pytest.raises(RuntimeError, match="CODA_EPILOGUE_BACKEND=cute.*cpu"):
+        compiled.run(compiled.prepare(inputs))
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.compiles: list[tuple] = []
+        self.launches: list[dict[str, Any]] = []
+
+    def compile(self, source, args, tile):  # noqa: ANN001
+        self.compiles.append((source.key, tile))
+        return "kernel"
+
+    def run(self, fn, source, args) -> None:  # noqa: ANN001
+        assert fn == "kernel"
+        self.launches.append(args)
+
+
+@pytest.fixture
+def recorder(monkeypatch) -> _Recorder:
+    rec = _Recorder()
+    monkeypatch.setattr(cute, "unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(cute_launch, "_compile", rec.compile)
+    monkeypatch.setattr(cute_launch, "_run", rec.run)
+    return rec
+
+
+def test_a_launch_gets_quack_shapes_and_layouts(recorder: _Recorder) -> None:
+    _, _, compiled, inputs = _swiglu_bwd("cute")
+    tensors = compiled.run(compiled.prepare(inputs))
+    assert compiled.mainloops_used["b"] == "cute" and not compiled.cute_refusals
+    (args,) = recorder.launches
+    M, N, K = SIZES["M"], SIZES["N"], SIZES["K"]
+    assert args["A"].shape == (M, K, 1) and args["A"].stride(1) == 1
+    assert args["B"].shape == (N, K, 1) and args["B"].stride(1) == 1  # b is [N, K]: used as Bᵀ
+    # dz is [M, 2N] fp16, moved as [M, N] 32-bit words of (dg, du) pairs; so is the loaded z
+    assert args["D"].shape == (M, N, 1) and args["D"].dtype == torch.float32
+    assert args["D"].data_ptr() == tensors["dz"].data_ptr()
+    assert args["t_z"].shape == (M, N, 1) and args["t_z"].dtype == torch.float32
+    assert args["s_o"].shape == (M, N, 1) and args["s_o"].dtype == torch.float16
+    tiles = -(-N // cute_launch.tile_shape(compiled.info_for(inputs).gemms["b"])[1])
+    assert args["r_zdz_partials"].shape == (1, M, tiles)
+    assert (args["m_bound"], args["n_bound"]) == (M, N)
+
+
+def test_replays_launch_again_and_compile_once(recorder: _Recorder) -> None:
+    _, _, compiled, inputs = _swiglu_bwd("cute")
+    prepared = compiled.prepare(inputs)
+    for _ in range(3):
+        compiled.run(prepared)
+    assert len(recorder.launches) == 3 and len(recorder.compiles) == 1
+
+
+def test_collecting_launches_compiles_and_launches_nothing(recorder: _Recorder) -> None:
+    _, _, compiled, inputs = _swiglu_bwd("cute")
+    compiled.collect_launches(inputs)
+    assert len(recorder.compiles) == 1 and recorder.launches == []
+
+
+def test_column_partials_reach_quack_transposed(recorder: _Recorder) -> None:
+    block = get_block("gemm_residual_partial_rmsnorm_bwd")
+    program = lower(block)
+    sizes = {"M": 40, "N": 48, "K": 24}
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "cute"
+    tensors = compiled.run(
+        compiled.prepare(block.make_inputs(sizes, torch.float16, seed=0, device="cpu"))
+    )
+    (args,) = recorder.launches
+    partials = tensors["dgamma_partials"]  # [N, ⌈M / tile_m⌉]
+    assert partials.shape[0] == sizes["N"]
+    assert args["r_dgamma_partials"].shape == (1, partials.shape[1], sizes["N"])
+    assert args["r_dgamma_partials"].data_ptr() == partials.data_ptr()
+    assert args["wr_rstd"].shape == (1, sizes["M"]) and args["wc_gamma"].shape == (1, sizes["N"])
+
+
+def test_a_tensor_tma_cannot_move_keeps_the_step_on_triton(recorder: _Recorder) -> None:
+    block = get_block("gemm_partial_swiglu_bwd")
+    program = lower(block)
+    sizes = {"M": 40, "N": 44, "K": 23, "N2": 88}  # K · 2 bytes is no multiple of 16
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "cute"
+    compiled.run(compiled.prepare(block.make_inputs(sizes, torch.float16, seed=0, device="cpu")))
+    assert recorder.launches == [] and "16-byte aligned" in compiled.cute_refusals["b"]
