@@ -1,8 +1,8 @@
-"""``python -m coda.primitives.cute [PROGRAM.json ...]``: which fused steps of each Program the
-CuTe backend covers, and — with the CuTe DSL and QuACK installed — compile each for Hopper
-(sm_90a) on this machine; no GPU needed. Without arguments: the Programs the Hugging Face drop-ins
-ship (``coda.export.programs``). Sizes are the block's GPU shapes where the block is registered,
-else 256 for every size. Exit status 1 when a covered step does not compile.
+"""``python -m coda.primitives.cute PROGRAM.json ... [--size M=1000 ...]``: which fused steps of
+each Program the CuTe backend covers, and — with the CuTe DSL and QuACK installed — compile each
+for Hopper (sm_90a) on this machine; no GPU needed. A file holds a Program, or an object with one
+under ``"program"`` (as the drop-ins' shipped Programs in ``export/programs/`` do). Every size is
+256 unless ``--size`` says otherwise. Exit status 1 when a covered step does not compile.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ import torch
 def _programs(paths: list[str]) -> list[tuple[str, object]]:
     from coda.primitives.ir import Program
 
-    if not paths:
-        shipped = Path(importlib.util.find_spec("coda.export.programs").origin).parent
-        paths = sorted(str(p) for p in shipped.glob("*.json"))
     out = []
     for path in paths:
         data = json.loads(Path(path).read_text())
@@ -31,17 +28,12 @@ def _programs(paths: list[str]) -> list[tuple[str, object]]:
     return out
 
 
-def _sizes(program) -> dict[str, int]:
-    from coda.blocks.registry import get_block
-
-    try:
-        return dict(get_block(program.block).shapes.gpu[0])
-    except (KeyError, ValueError):
-        names = {d for t in program.inputs.values() for d in t.shape if isinstance(d, str)}
-        return dict.fromkeys(names, 256)
+def _sizes(program, given: dict[str, int]) -> dict[str, int]:
+    names = {d for t in program.inputs.values() for d in t.shape if isinstance(d, str)}
+    return {name: given.get(name, 256) for name in names}
 
 
-def check(paths: list[str], compile_: bool) -> int:
+def check(paths: list[str], compile_: bool, sizes: dict[str, int] | None = None) -> int:
     from coda.primitives import analyze
     from coda.primitives.cute.emit import CuteUnsupported
     from coda.primitives.cute.launch import CuteLaunch, CuteStep, tile_shape
@@ -50,7 +42,7 @@ def check(paths: list[str], compile_: bool) -> int:
 
     failed = 0
     for label, program in _programs(paths):
-        info = analyze(program, _sizes(program))
+        info = analyze(program, _sizes(program, sizes or {}))
         tensors = {
             n: torch.empty(t.shape, dtype=torch_dtype(t.dtype, torch.bfloat16))
             for n, t in info.tensors.items()
@@ -83,7 +75,10 @@ def check(paths: list[str], compile_: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("programs", nargs="*", help="Program JSON files (default: the shipped ones)")
+    p.add_argument("programs", nargs="+", help="Program JSON files")
+    p.add_argument(
+        "--size", action="append", default=[], metavar="NAME=N", help="a size (default 256)"
+    )
     p.add_argument("--no-compile", action="store_true", help="only say which steps are covered")
     args = p.parse_args(argv)
     have_dsl = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "quack"))
@@ -91,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         print("the CuTe DSL or QuACK is not installed: saying what is covered, compiling nothing")
     if have_dsl:
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
-    return check(args.programs, compile_=have_dsl and not args.no_compile)
+    try:
+        sizes = {k: int(v) for k, v in (s.split("=", 1) for s in args.size)}
+    except ValueError:
+        p.error(f"--size takes NAME=N, got {args.size}")
+    return check(args.programs, compile_=have_dsl and not args.no_compile, sizes=sizes)
 
 
 if __name__ == "__main__":
