@@ -247,55 +247,44 @@ def _variables(t: tuple) -> set[str]:
     return out
 
 
-def _triton(t: tuple, var: Callable[[str], str]) -> str:
+def _code(t: tuple, var: Callable[[str], str], call: Callable[[str, list[str]], str]) -> str:
+    """Print a tree as code of a target language: arithmetic as Python writes it, each function
+    (and ``where``) through ``call(name, printed_arguments)``."""
     kind = t[0]
     if kind == "num":
         return repr(t[1])
     if kind == "var":
         return var(t[1])
     if kind == "neg":
-        return f"(-{_triton(t[1], var)})"
+        return f"(-{_code(t[1], var, call)})"
     if kind in ("bin", "cmp"):
-        return f"({_triton(t[2], var)} {t[1]} {_triton(t[3], var)})"
+        return f"({_code(t[2], var, call)} {t[1]} {_code(t[3], var, call)})"
     if kind == "pow":
-        base, k = _triton(t[1], var), t[2]
+        base, k = _code(t[1], var, call), t[2]
         if k == 0:
             return f"({base} * 0.0 + 1.0)"
         product = " * ".join([base] * abs(k))
         return f"({product})" if k > 0 else f"(1.0 / ({product}))"
-    if kind == "fn":
-        return UNARY[t[1]][0].format(_triton(t[2], var))
-    if kind == "fn2":
-        return BINARY_FN[t[1]][0].format(_triton(t[2], var), _triton(t[3], var))
-    if kind == "where":
-        return f"tl.where({_triton(t[1], var)}, {_triton(t[2], var)}, {_triton(t[3], var)})"
+    if kind in ("fn", "fn2", "where"):
+        name = "where" if kind == "where" else t[1]
+        first = 1 if kind == "where" else 2
+        return call(name, [_code(a, var, call) for a in t[first:]])
     raise AssertionError(kind)
+
+
+def _triton_call(name: str, args: list[str]) -> str:
+    if name == "where":
+        return f"tl.where({', '.join(args)})"
+    return (UNARY.get(name) or BINARY_FN[name])[0].format(*args)
+
+
+def _triton(t: tuple, var: Callable[[str], str]) -> str:
+    return _code(t, var, _triton_call)
 
 
 def _cute(t: tuple, var: Callable[[str], str]) -> str:
-    """``_triton``'s twin for the CuTe backend: every function is ``F.<name>`` on scalars."""
-    kind = t[0]
-    if kind == "num":
-        return repr(float(t[1]))
-    if kind == "var":
-        return var(t[1])
-    if kind == "neg":
-        return f"(-{_cute(t[1], var)})"
-    if kind in ("bin", "cmp"):
-        return f"({_cute(t[2], var)} {t[1]} {_cute(t[3], var)})"
-    if kind == "pow":
-        base, k = _cute(t[1], var), t[2]
-        if k == 0:
-            return f"({base} * 0.0 + 1.0)"
-        product = " * ".join([base] * abs(k))
-        return f"({product})" if k > 0 else f"(1.0 / ({product}))"
-    if kind == "fn":
-        return f"F.{t[1]}({_cute(t[2], var)})"
-    if kind == "fn2":
-        return f"F.{t[1]}({_cute(t[2], var)}, {_cute(t[3], var)})"
-    if kind == "where":
-        return f"F.where({_cute(t[1], var)}, {_cute(t[2], var)}, {_cute(t[3], var)})"
-    raise AssertionError(kind)
+    """The CuTe backend's form: every function is ``F.<name>`` on fp32 scalars."""
+    return _code(t, var, lambda name, args: f"F.{name}({', '.join(args)})")
 
 
 # Binding strength of each printed construct (Python's): atoms and calls bind tightest.

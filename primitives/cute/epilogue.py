@@ -165,16 +165,21 @@ class CodaEpilogue(ComposableEpiMixin):
         return loop
 
 
+def _fast(fn):
+    """``fn`` with the DSL's fast-math flag, as a static method of ``F``."""
+    return staticmethod(lambda x: fn(x, fastmath=True))
+
+
 class F:
     """The expression language's functions on fp32 scalars, as generated code calls them."""
 
-    @staticmethod
-    def exp(x):
-        return cute.math.exp(x, fastmath=True)
-
-    @staticmethod
-    def log(x):
-        return cute.math.log(x, fastmath=True)
+    exp = _fast(cute.math.exp)
+    log = _fast(cute.math.log)
+    tanh = _fast(cute.math.tanh)
+    sqrt = _fast(cute.math.sqrt)
+    rsqrt = _fast(cute.math.rsqrt)
+    erf = staticmethod(cute.math.erf)
+    abs = staticmethod(cute.math.absf)
 
     @staticmethod
     def sigmoid(x):
@@ -183,26 +188,6 @@ class F:
     @staticmethod
     def silu(x):
         return x * F.sigmoid(x)
-
-    @staticmethod
-    def tanh(x):
-        return cute.math.tanh(x, fastmath=True)
-
-    @staticmethod
-    def erf(x):
-        return cute.math.erf(x)
-
-    @staticmethod
-    def sqrt(x):
-        return cute.math.sqrt(x, fastmath=True)
-
-    @staticmethod
-    def rsqrt(x):
-        return cute.math.rsqrt(x, fastmath=True)
-
-    @staticmethod
-    def abs(x):
-        return cute.math.absf(x)
 
     @staticmethod
     def min(a, b):
