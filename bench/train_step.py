@@ -1439,6 +1439,10 @@ def family_result(
         (out / f"{family}_train_step.json").write_text(json.dumps(result, indent=2, default=str))
     del base
     bench.free()
+    from coda.export import kernels_used
+
+    result["kernels"] = kernels_used()  # which backend ran each exported Program's fused steps
+    (out / f"{family}_train_step.json").write_text(json.dumps(result, indent=2, default=str))
     rows = result["rows"]
     text = table(rows) + patch_lines(rows) + family_table(rows) + kernel_tables(rows)
     text += graph_lines(rows) + sync_lines(rows) + memory_tables(rows) + gap_tables(rows)

@@ -46,7 +46,7 @@ drop-in), ``attention``, ``attn_out``, ``lm_head``, ``patch``, ``families``, ``p
 
 from .attention import CodaLlamaAttention, hf_attn_in_function, llama_attn_in_function
 from .attn_out import CodaAttentionOutput, DeferredOProj, attention_output_function
-from .autograd import ExportedFunction, PackedRows, export_autograd
+from .autograd import ExportedFunction, PackedRows, export_autograd, kernels_used
 from .families import PatchReport, patch_model
 from .lm_head import (
     CodaLlamaLMHeadLoss,
@@ -80,6 +80,7 @@ __all__ = [
     "export_autograd",
     "fuse_causal_lm_loss",
     "hf_attn_in_function",
+    "kernels_used",
     "llama_attn_in_function",
     "llama_lm_head_ce_function",
     "llama_mlp_function",

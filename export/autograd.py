@@ -425,6 +425,23 @@ class _Plumbing:
         )
 
 
+def kernels_used() -> dict[str, dict[str, dict[str, str]]]:
+    """What ran the fused steps of every exported Program that has run in this process: per
+    Program (its block's name), ``ran`` — step → ``"cute"`` or the Triton mainloop last
+    launched — and ``not_cute`` — step → why it did not take the CuTe backend where that was
+    asked for (``CODA_EPILOGUE_BACKEND``)."""
+    out: dict[str, dict[str, dict[str, str]]] = {}
+    for exported in _REGISTERED.values():
+        for runner in exported.runners:
+            compiled = runner.compiled
+            if compiled is None or not compiled.mainloops_used:
+                continue
+            entry = out.setdefault(runner.program.block, {"ran": {}, "not_cute": {}})
+            entry["ran"].update(compiled.mainloops_used)
+            entry["not_cute"].update(compiled.cute_refusals)
+    return out
+
+
 def _needs_grad(args: tuple[torch.Tensor, ...]) -> bool:
     return torch.is_grad_enabled() and any(a.requires_grad for a in args)
 

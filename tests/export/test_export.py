@@ -580,3 +580,19 @@ def test_kept_prepared_weights_follow_an_optimizer_step_and_a_swapped_parameter(
     finally:
         fn.keep_prepared = False
     assert not any(r.compiled is not None and r.compiled._kept for r in fn.runners)
+
+
+def test_kernels_used_names_what_ran_each_exported_step() -> None:
+    from coda.export import kernels_used
+
+    norm, mlp = _hf_modules(seed=6)
+    block = CodaLlamaMLPBlock(norm, mlp, verify=False)
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    block(x).sum().backward()
+    used = kernels_used()
+    forward = next(b for b in used if b.startswith("llama_mlp") and "bwd" not in b)
+    backward = next(b for b in used if b.startswith("llama_mlp") and "bwd" in b)
+    assert used[forward]["ran"] and used[backward]["ran"]  # each fused step and its kernel
+    # on a CPU the CuTe backend is not asked for: no step says why it did not take it
+    assert all(kind != "cute" for entry in used.values() for kind in entry["ran"].values())
+    assert used[backward]["not_cute"] == {}
