@@ -21,7 +21,7 @@ from functools import partial
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 from cutlass.utils import LayoutEnum
 from quack import copy_utils
 from quack.epi_composable import ComposableEpiMixin
@@ -39,6 +39,7 @@ from quack.rounding import RoundingMode
 from quack.sm90_utils import partition_for_epilogue
 
 __all__ = [
+    "COORDS",
     "F",
     "ColVecLoad",
     "ColVecReduce",
@@ -207,6 +208,3 @@ class F:
         local, origin = coords
         m, n = local[i]
         return (origin[0] + m < m_bound) & (origin[1] + n < n_bound)
-
-
-Int32 = Int32  # re-exported for generated code (the bounds' scalar type)
