@@ -537,8 +537,9 @@ def compile_stage(
             compile_ahead_of(lambda: compiled.collect_launches(inputs))
             compiled(inputs)
             torch.cuda.synchronize()
-            if on_kernels is not None and compiled.cute_sources():  # CODA_EPILOGUE_BACKEND
-                on_kernels({f"{n}.cute": text for n, text in compiled.cute_sources().items()})
+            cute_sources = compiled.cute_sources()  # steps on CODA_EPILOGUE_BACKEND=cute
+            if on_kernels is not None and cute_sources:
+                on_kernels({f"{n}.cute": text for n, text in cute_sources.items()})
         on_cute = sorted(n for n, m in compiled.mainloops_used.items() if m == "cute")
         kinds = f"{len(compiled.kernels) - len(on_cute)} Triton" + (
             f", {len(on_cute)} CuTe ({', '.join(on_cute)})" if on_cute else ""

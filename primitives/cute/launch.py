@@ -15,6 +15,7 @@ ping-pong and clusters of two CTAs along M.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import threading
@@ -171,13 +172,15 @@ class CuteLaunch(Action):
         self, step: CuteStep, source: CuteSource, m: int, n: int, tile: tuple[int, int]
     ) -> None:
         self.step, self.source, self.m, self.n, self.tile = step, source, m, n, tile
+        self._fn: Any = None  # the compiled kernel, looked up once: a plan's replays share it
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
         args = self.arguments(tensors)
-        fn = self.step.compiled(self.source, args, self.tile)
+        if self._fn is None:  # one run signature, one kernel signature (run_plans)
+            self._fn = self.step.compiled(self.source, args, self.tile)
         if collecting():
             return
-        _run(fn, self.source, args)
+        _run(self._fn, self.source, args)
 
     def arguments(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The kernel's arguments in QuACK's shapes: A ``(M, K, 1)``, B ``(N, K, 1)``, D and
@@ -265,10 +268,17 @@ def _compile(source: CuteSource, args: dict[str, Any], tile: tuple[int, int]) ->
     )  # fmt: skip
 
 
-def _run(fn: Any, source: CuteSource, args: dict[str, Any]) -> None:
-    import cutlass
+@functools.cache
+def _scheduler(device_index: int) -> Any:
+    """The persistent tile scheduler's arguments on a device (as many clusters as fit)."""
     from quack.cute_dsl_utils import get_max_active_clusters
     from quack.gemm_tvm_ffi_utils import make_scheduler_args
+
+    return make_scheduler_args(get_max_active_clusters(CLUSTER[0] * CLUSTER[1]), 8, None)
+
+
+def _run(fn: Any, source: CuteSource, args: dict[str, Any]) -> None:
+    import cutlass
 
     module = sys.modules[f"coda_cute_{source.key}"]
     epi = {b.op: args[b.op] for b in source.bindings}
@@ -277,5 +287,5 @@ def _run(fn: Any, source: CuteSource, args: dict[str, Any]) -> None:
             cutlass.Int32(args["m_bound"]),
             cutlass.Int32(args["n_bound"]),
         )
-    sched = make_scheduler_args(get_max_active_clusters(CLUSTER[0] * CLUSTER[1]), 8, None)
+    sched = _scheduler(args["A"].device.index or 0)
     fn(args["A"], args["B"], args["D"], None, module.Epilogue.EpilogueArguments(**epi), sched, None)
