@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -143,6 +143,10 @@ class CuteEmitContext:
             f"value {name!r} is {self.gemm.locals[name].describe()}; the CuTe backend handles "
             "values as wide as the accumulator or twice as wide"
         )
+
+    def refuse(self, why: str) -> NoReturn:
+        """Keep this step on Triton, saying why (``CuteUnsupported``)."""
+        raise CuteUnsupported(why)
 
     def expression(self, source: str, var) -> str:
         return expr_lang.parse(source).to_cute(var)

@@ -33,9 +33,7 @@ def _pair_members(ctx: CuteEmitContext, src: str, op: str) -> list[str]:
     ``src`` (the accumulator's own adjacent columns) keeps the step on Triton."""
     parts = ctx.parts(src)
     if len(parts) != 2:
-        from ..cute.emit import CuteUnsupported
-
-        raise CuteUnsupported(f"{op} of {src!r}, which is not twice the accumulator's width")
+        ctx.refuse(f"{op} of {src!r}, which is not twice the accumulator's width")
     return parts
 
 
@@ -273,7 +271,5 @@ class JoinPairs(EpilogueOp):
     def emit_cute(self, ctx: CuteEmitContext) -> None:
         first, second = ctx.parts(self.first), ctx.parts(self.second)
         if len(first) != 1 or ctx.width(self.out) != 2:
-            from ..cute.emit import CuteUnsupported
-
-            raise CuteUnsupported("join_pairs of tiles not as wide as the accumulator")
+            ctx.refuse("join_pairs of tiles not as wide as the accumulator")
         ctx.define(self.out, [first[0], second[0]])

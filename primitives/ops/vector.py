@@ -53,9 +53,7 @@ class _VectorOp(EpilogueOp):
     def emit_cute(self, ctx: CuteEmitContext) -> None:
         parts = ctx.parts(self.src)
         if self.axis == "col" and len(parts) != 1:
-            from ..cute.emit import CuteUnsupported
-
-            raise CuteUnsupported(f"{self.op} on a pair-wide tile (a 2N column vector)")
+            ctx.refuse(f"{self.op} on a pair-wide tile (a 2N column vector)")
         v = ctx.vector(self.vector, self.axis)
         ctx.define(self.out, [f"({p} {self.combine} {v})" for p in parts])
 
@@ -175,7 +173,5 @@ class LoadColVector(EpilogueOp):
 
     def emit_cute(self, ctx: CuteEmitContext) -> None:
         if ctx.scale(self.out) != 1:
-            from ..cute.emit import CuteUnsupported
-
-            raise CuteUnsupported(f"column vector {self.vector!r} is not N wide")
+            ctx.refuse(f"column vector {self.vector!r} is not N wide")
         ctx.define(self.out, [ctx.vector(self.vector, "col")])
