@@ -36,7 +36,7 @@ def _sizes(program, given: dict[str, int]) -> dict[str, int]:
 def check(paths: list[str], compile_: bool, sizes: dict[str, int] | None = None) -> int:
     from coda.primitives import analyze
     from coda.primitives.cute.emit import CuteUnsupported
-    from coda.primitives.cute.launch import CuteLaunch, CuteStep, tile_shape
+    from coda.primitives.cute.launch import CuteLaunch, CuteStep
     from coda.primitives.ir import GemmEpilogue
     from coda.primitives.types import torch_dtype
 
@@ -54,10 +54,8 @@ def check(paths: list[str], compile_: bool, sizes: dict[str, int] | None = None)
             gemm, runner = info.gemms[name], CuteStep(step)
             floats = {n: t.dtype for n, t in tensors.items() if t.is_floating_point()}
             try:
-                source = runner.source(gemm, floats)
-                tile = tile_shape(gemm, pairs=source.moves_pairs)
-                for out, t in gemm.writes.items():
-                    shape, dtype = runner._allocation(t, gemm, tile, torch.bfloat16)
+                source, tile, writes = runner.plan(gemm, floats, torch.bfloat16)
+                for out, shape, dtype in writes:
                     tensors[out] = torch.empty(shape, dtype=dtype)
                 if compile_:
                     start = time.perf_counter()

@@ -83,6 +83,17 @@ class CuteStep:
         """The modules generated so far (one per set of dtypes)."""
         return list(self._sources.values())
 
+    def plan(
+        self, gemm: GemmInfo, dtypes: dict[str, torch.dtype], act: torch.dtype
+    ) -> tuple[CuteSource, tuple[int, int], tuple[tuple[str, tuple, torch.dtype], ...]]:
+        """For tensors of ``dtypes`` (what the step writes aside): the generated module, its
+        output tile, and what the step allocates as ``(name, shape, dtype)``."""
+        dtypes = {**dtypes, **{n: torch_dtype(t.dtype, act) for n, t in gemm.writes.items()}}
+        source = self.source(gemm, dtypes)
+        tile = tile_shape(gemm, pairs=source.moves_pairs)
+        writes = tuple((n, *self._allocation(t, gemm, tile, act)) for n, t in gemm.writes.items())
+        return source, tile, writes
+
     def actions(
         self,
         gemm: GemmInfo,
@@ -96,14 +107,8 @@ class CuteStep:
         if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
             raise CuteUnsupported(f"operands are {a.dtype} / {b.dtype} (the CuTe GEMM is 16-bit)")
         dtypes = {n: t.dtype for n, t in tensors.items() if t.is_floating_point()}
-        dtypes |= {n: torch_dtype(t.dtype, act) for n, t in gemm.writes.items()}
-        source = self.source(gemm, dtypes)
-        tile = tile_shape(gemm, pairs=source.moves_pairs)
-        allocate = Allocate(
-            tuple((n, *self._allocation(t, gemm, tile, act)) for n, t in gemm.writes.items()),
-            device,
-            poison,
-        )
+        source, tile, writes = self.plan(gemm, dtypes, act)
+        allocate = Allocate(writes, device, poison)
         allocate(tensors, None)
         moved = [tensors[b.tensor] for b in source.bindings if b.kind in ("tile", "store")]
         if source.output is not None:
