@@ -35,12 +35,14 @@ from quack.epi_ops import (
     TileStore,
 )
 from quack.gemm_sm90 import GemmSm90
+from quack.layout_utils import permute_gated_Cregs_b16
 from quack.rounding import RoundingMode
 from quack.sm90_utils import partition_for_epilogue
 
 __all__ = [
     "COORDS",
     "F",
+    "HALF_WIDTH",
     "ColVecLoad",
     "ColVecReduce",
     "CodaEpilogue",
@@ -55,9 +57,23 @@ __all__ = [
 COORDS = "__coords"  # the key of the fragment's tile coordinates in ``epi_loop_tensors``
 
 
+def HALF_WIDTH(gemm, epi_tile):  # noqa: N802 - named like the constant it is used as
+    """The epilogue tile of a store half the accumulator's width (``epi_tile_fn`` of QuACK's
+    tile ops): the same rows, half the columns."""
+    if isinstance(epi_tile[1], cute.Layout):
+        return (epi_tile[0], cute.recast_layout(2, 1, epi_tile[1]))
+    return (epi_tile[0], epi_tile[1] // 2)
+
+
 class TypedTileStore(TileStore):
     """QuACK's TMA tile store with its own element type (QuACK sizes every store's buffer by one
-    aux dtype; a coda epilogue may store bfloat16 values next to packed pairs)."""
+    aux dtype; a coda epilogue may store bfloat16 values next to packed pairs). With
+    ``epi_tile_fn=HALF_WIDTH`` it stores a tensor half the accumulator's width, one value per
+    accumulator column pair, as QuACK's gated GEMM stores its activation."""
+
+    @property
+    def half(self) -> bool:
+        return self.epi_tile_fn is not None
 
     def _dtype_attr(self) -> str:
         return f"_store_dtype_{self.name}"
@@ -117,10 +133,11 @@ class CodaEpilogue(ComposableEpiMixin):
             )
             tiled_copy = cute.make_tiled_copy_S(atom, tiled_copy_r2s)
             partitioned = tiled_copy.get_slice(tidx).partition_D(smem)
+            tile_m, tile_n = self.cta_tile_shape_mnk[:2]
             copy_out, _, _ = self.epilog_gmem_copy_and_partition(
                 getattr(params, op._tma_atom_key()),
                 varlen_manager.offset_batch_epi(getattr(params, op.name), tile_coord_mnkl[3]),
-                self.cta_tile_shape_mnk[:2],
+                (tile_m, tile_n // 2) if op.half else (tile_m, tile_n),
                 epi_tile,
                 smem,
                 tile_coord_mnkl,
@@ -133,7 +150,13 @@ class CodaEpilogue(ComposableEpiMixin):
         self, output_idx: cutlass.Constexpr[int], tRS_rAuxOut, sr_seed, tidx, tile_coord_mnkl,
         num_prev_subtiles, epi_idx,
     ):  # fmt: skip
-        return tRS_rAuxOut.to(self._stores()[output_idx].dtype(self))
+        op = self._stores()[output_idx]
+        out = tRS_rAuxOut.to(op.dtype(self))
+        if const_expr(op.half):
+            # pairs' results sit in alternate registers of a quad's lanes; the 16-bit shared
+            # memory store (stmatrix) wants them adjacent (QuACK's gated GEMM does the same)
+            permute_gated_Cregs_b16(out)
+        return out
 
     @cute.jit
     def epi_begin(
@@ -155,14 +178,14 @@ class CodaEpilogue(ComposableEpiMixin):
             tile_m, tile_n = self.cta_tile_shape_mnk[:2]
             coords = partition(cute.make_identity_tensor((tile_m, tile_n)))
             origin = (tile_coord_mnkl[0] * tile_m, tile_coord_mnkl[1] * tile_n)
-            tensors[COORDS] = (coords, origin)
+            tensors[COORDS] = (coords, origin, (tile_m, tile_n))
         return tensors
 
     def epi_begin_loop(self, params, epi_tensors, epi_coord):
         loop = ComposableEpiMixin.epi_begin_loop(self, params, epi_tensors, epi_coord)
         if const_expr(self.uses_coords):
-            coords, origin = epi_tensors[COORDS]
-            loop[COORDS] = (coords[None, None, None, epi_coord[0], epi_coord[1]], origin)
+            coords, origin, tile = epi_tensors[COORDS]
+            loop[COORDS] = (coords[None, None, None, epi_coord[0], epi_coord[1]], origin, tile)
         return loop
 
 
@@ -203,8 +226,25 @@ class F:
         return Float32(cutlass.select_(cond, Float32(a), Float32(b)))
 
     @staticmethod
-    def inside(coords, i, m_bound, n_bound):
-        """Whether fragment element ``i`` lies inside the ``m_bound × n_bound`` output."""
-        local, origin = coords
-        m, n = local[i]
-        return (origin[0] + m < m_bound) & (origin[1] + n < n_bound)
+    def inside_m(coords, i, m_bound):
+        """Whether fragment element ``i`` lies in one of the output's ``m_bound`` rows."""
+        local, origin, _ = coords
+        return origin[0] + local[i][0] < m_bound
+
+    @staticmethod
+    def inside_n(coords, i, n_bound):
+        """Whether fragment element ``i`` lies in one of the output's ``n_bound`` columns."""
+        local, origin, _ = coords
+        return origin[1] + local[i][1] < n_bound
+
+    @staticmethod
+    def tile_inside_m(coords, m_bound):
+        """Whether every row of this output tile is one of the output's ``m_bound`` rows."""
+        _, origin, tile = coords
+        return origin[0] + tile[0] <= m_bound
+
+    @staticmethod
+    def tile_inside_n(coords, n_bound):
+        """Whether every column of this output tile is one of the output's ``n_bound``."""
+        _, origin, tile = coords
+        return origin[1] + tile[1] <= n_bound

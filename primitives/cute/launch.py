@@ -7,10 +7,10 @@ launch the kernel — or raises ``CuteUnsupported`` and the step runs on Triton.
 are kept per signature (dtypes, which operand dimension is contiguous, tile config): the sizes are
 symbolic, so one compile serves every M, N and K.
 
-The tile config is chosen by shape from what was measured on an H200 (bench/RESULTS.md, runs
-2026-12-02h and i): 128 × 192 output tiles for large products (K ≥ 4096, M·N ≥ 2²⁶) whose
-epilogue moves no pair-wide tile, 128 × 128 otherwise, both with two consumer warpgroups in
-ping-pong and clusters of two CTAs along M.
+The config is chosen by shape from what was measured on an H200 (bench/RESULTS.md, runs
+2026-12-02h to j): 128 × 192 output tiles for large products (K ≥ 4096, M·N ≥ 2²⁶), 128 × 128
+otherwise, both with two consumer warpgroups in ping-pong and clusters of two CTAs along M
+(clusters of one and cooperative 256 × 128 tiles were slower in every variant measured).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import importlib.util
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -35,18 +35,38 @@ if TYPE_CHECKING:
     from ..base import RunEnv
     from ..ir import GemmEpilogue
 
-PINGPONG = True
-CLUSTER = (2, 1, 1)
 _COMPILE_LOCK = threading.Lock()  # the DSL's compiler is not reentrant
 
 
-def tile_shape(gemm: GemmInfo, pairs: bool = False) -> tuple[int, int]:
-    """The output tile of step ``gemm`` (see the module docstring). An epilogue that moves
-    pair-wide tiles keeps 128 × 128: with 128 × 192 the SwiGLU backward ran at 1.137× the cuBLAS
-    GEMM at 8192³ against 1.095× with 128 × 128 (H200, run 2026-12-02i; both correct)."""
-    if not pairs and gemm.K >= 4096 and gemm.M * gemm.N >= 1 << 26:
-        return (128, 192)
-    return (128, 128)
+class CuteConfig(NamedTuple):
+    """How QuACK's GEMM runs a step: the CTA's output tile, the cluster of CTAs sharing A/B tile
+    loads, and whether two consumer warpgroups take tiles in turn (ping-pong, 128-row tiles) or
+    share one (cooperative, 256-row tiles)."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    cluster_m: int = 2
+    cluster_n: int = 1
+    pingpong: bool = True
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        return (self.tile_m, self.tile_n)
+
+    @property
+    def cluster(self) -> tuple[int, int, int]:
+        return (self.cluster_m, self.cluster_n, 1)
+
+    def __str__(self) -> str:
+        kind = "pingpong" if self.pingpong else "cooperative"
+        return f"{self.tile_m}x{self.tile_n} cluster {self.cluster_m}x{self.cluster_n} {kind}"
+
+
+def choose_config(gemm: GemmInfo) -> CuteConfig:
+    """The config of step ``gemm`` (see the module docstring)."""
+    if gemm.K >= 4096 and gemm.M * gemm.N >= 1 << 26:
+        return CuteConfig(128, 192)
+    return CuteConfig(128, 128)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -85,14 +105,16 @@ class CuteStep:
 
     def plan(
         self, gemm: GemmInfo, dtypes: dict[str, torch.dtype], act: torch.dtype
-    ) -> tuple[CuteSource, tuple[int, int], tuple[tuple[str, tuple, torch.dtype], ...]]:
-        """For tensors of ``dtypes`` (what the step writes aside): the generated module, its
-        output tile, and what the step allocates as ``(name, shape, dtype)``."""
+    ) -> tuple[CuteSource, CuteConfig, tuple[tuple[str, tuple, torch.dtype], ...]]:
+        """For tensors of ``dtypes`` (what the step writes aside): the generated module, the
+        config it runs at, and what the step allocates as ``(name, shape, dtype)``."""
         dtypes = {**dtypes, **{n: torch_dtype(t.dtype, act) for n, t in gemm.writes.items()}}
         source = self.source(gemm, dtypes)
-        tile = tile_shape(gemm, pairs=source.moves_pairs)
-        writes = tuple((n, *self._allocation(t, gemm, tile, act)) for n, t in gemm.writes.items())
-        return source, tile, writes
+        config = choose_config(gemm)
+        writes = tuple(
+            (n, *self._allocation(t, gemm, config.tile, act)) for n, t in gemm.writes.items()
+        )
+        return source, config, writes
 
     def actions(
         self,
@@ -107,7 +129,7 @@ class CuteStep:
         if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
             raise CuteUnsupported(f"operands are {a.dtype} / {b.dtype} (the CuTe GEMM is 16-bit)")
         dtypes = {n: t.dtype for n, t in tensors.items() if t.is_floating_point()}
-        source, tile, writes = self.plan(gemm, dtypes, act)
+        source, config, writes = self.plan(gemm, dtypes, act)
         allocate = Allocate(writes, device, poison)
         allocate(tensors, None)
         moved = [tensors[b.tensor] for b in source.bindings if b.kind in ("tile", "store")]
@@ -124,7 +146,7 @@ class CuteStep:
                 raise CuteUnsupported(
                     f"a vector of {v.numel()} {v.dtype} values is not whole 32-bit words"
                 )
-        launch = CuteLaunch(self, source, gemm.M, gemm.N, tile)
+        launch = CuteLaunch(self, source, gemm.M, gemm.N, config)
         launch(tensors, None)
         return [allocate, launch]
 
@@ -147,15 +169,15 @@ class CuteStep:
             return partials_shape(t.shape[0], p.length, tile[0]), torch.float32
         return t.shape, torch_dtype(t.dtype, act)
 
-    def compiled(self, source: CuteSource, args: dict[str, Any], tile: tuple[int, int]) -> Any:
-        signature = (source.key, tile, *((n, _signature(v)) for n, v in args.items()))
+    def compiled(self, source: CuteSource, args: dict[str, Any], config: CuteConfig) -> Any:
+        signature = (source.key, config, *((n, _signature(v)) for n, v in args.items()))
         fn = self._compiled.get(signature)
         if fn is None:
             with _COMPILE_LOCK:
                 fn = self._compiled.get(signature)
                 if fn is None:
                     try:
-                        fn = _compile(source, args, tile)
+                        fn = _compile(source, args, config)
                     except Exception as e:  # the DSL's compiler refused this epilogue
                         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
                         raise CuteUnsupported(f"the CuTe DSL did not compile it: {first}") from e
@@ -174,22 +196,23 @@ class CuteLaunch(Action):
     it, launch nothing)."""
 
     def __init__(
-        self, step: CuteStep, source: CuteSource, m: int, n: int, tile: tuple[int, int]
+        self, step: CuteStep, source: CuteSource, m: int, n: int, config: CuteConfig
     ) -> None:
-        self.step, self.source, self.m, self.n, self.tile = step, source, m, n, tile
+        self.step, self.source, self.m, self.n, self.config = step, source, m, n, config
         self._fn: Any = None  # the compiled kernel, looked up once: a plan's replays share it
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
         args = self.arguments(tensors)
         if self._fn is None:  # one run signature, one kernel signature (run_plans)
-            self._fn = self.step.compiled(self.source, args, self.tile)
+            self._fn = self.step.compiled(self.source, args, self.config)
         if collecting():
             return
-        _run(self._fn, self.source, args)
+        _run(self._fn, self.source, args, self.config)
 
     def arguments(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The kernel's arguments in QuACK's shapes: A ``(M, K, 1)``, B ``(N, K, 1)``, D and
-        every tile ``(M, N, 1)`` (pair-wide ones as 32-bit words), vectors ``(1, len)``, row
+        every tile ``(M, N, 1)`` (pair-wide ones as 32-bit words; half-wide stores ``(M, N/2,
+        1)``), vectors ``(1, len)``, row
         partials ``(1, M, tiles)``, column partials ``(1, tiles, N)``, and the bounds."""
         a, b = self.step._operands(tensors)
         args: dict[str, Any] = {"A": _as_mk(a), "B": _as_mk(b), "D": None}
@@ -247,42 +270,46 @@ def _fake(value: Any, shape: tuple, tma: bool = True) -> Any:
 _TMA_KINDS = ("tile", "store")
 
 
-def _compile(source: CuteSource, args: dict[str, Any], tile: tuple[int, int]) -> Any:
+def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> Any:
     """Compile the module's ``Epilogue`` GEMM for tensors laid out like ``args`` (sizes
     symbolic: one compile serves every M, N, K)."""
     import cutlass.cute as cute
     from quack.gemm_tvm_ffi_utils import compile_gemm_kernel, make_fake_scheduler_args
 
     module = _module(source)
-    m, n, k, batch, tiles = (cute.sym_int() for _ in range(5))
+    m, n, k, batch, tiles, half_n = (cute.sym_int() for _ in range(6))
     mA = _fake(args["A"], (m, k, batch))
     mB = _fake(args["B"], (n, k, batch))
     mD = None if args["D"] is None else _fake(args["D"], (m, n, batch))
     shapes = {"tile": (m, n, batch), "store": (m, n, batch), "row": (batch, m), "col": (batch, n)}
     shapes |= {"row_partials": (batch, m, tiles), "col_partials": (batch, tiles, n)}
     epi = {
-        b.op: _fake(args[b.op], shapes[b.kind], tma=b.kind in _TMA_KINDS) for b in source.bindings
+        b.op: _fake(
+            args[b.op], (m, half_n, batch) if b.half else shapes[b.kind], tma=b.kind in _TMA_KINDS
+        )
+        for b in source.bindings
     }
     if source.uses_coords:
         epi["m_bound"] = epi["n_bound"] = _fake(0, ())
     cls = module.Epilogue
     return compile_gemm_kernel(
-        cls, mA.element_type, tile, CLUSTER, PINGPONG, True, False, False, (9, 0),
+        cls, mA.element_type, config.tile, config.cluster, config.pingpong, True, False, False,
+        (9, 0),
         mA, mB, mD, None, cls.EpilogueArguments(**epi),
         make_fake_scheduler_args(False, False, batch), None,
     )  # fmt: skip
 
 
 @functools.cache
-def _scheduler(device_index: int) -> Any:
+def _scheduler(device_index: int, cluster_size: int) -> Any:
     """The persistent tile scheduler's arguments on a device (as many clusters as fit)."""
     from quack.cute_dsl_utils import get_max_active_clusters
     from quack.gemm_tvm_ffi_utils import make_scheduler_args
 
-    return make_scheduler_args(get_max_active_clusters(CLUSTER[0] * CLUSTER[1]), 8, None)
+    return make_scheduler_args(get_max_active_clusters(cluster_size), 8, None)
 
 
-def _run(fn: Any, source: CuteSource, args: dict[str, Any]) -> None:
+def _run(fn: Any, source: CuteSource, args: dict[str, Any], config: CuteConfig) -> None:
     import cutlass
 
     module = sys.modules[f"coda_cute_{source.key}"]
@@ -292,5 +319,5 @@ def _run(fn: Any, source: CuteSource, args: dict[str, Any]) -> None:
             cutlass.Int32(args["m_bound"]),
             cutlass.Int32(args["n_bound"]),
         )
-    sched = _scheduler(args["A"].device.index or 0)
+    sched = _scheduler(args["A"].device.index or 0, config.cluster_m * config.cluster_n)
     fn(args["A"], args["B"], args["D"], None, module.Epilogue.EpilogueArguments(**epi), sched, None)

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 KERNELS = [
+    "gemm_swiglu",
+    "gemm_rmsnorm_swiglu",
     "gemm_partial_swiglu_bwd",
     "gemm_residual_partial_rmsnorm_bwd",
     "gemm_rmsnorm",
@@ -85,16 +87,26 @@ def test_paper_kernels_on_cute_match_triton_and_the_reference_gpu(
 
 
 @pytest.mark.parametrize(
-    "name", ["gemm_residual_partial_rmsnorm_bwd", "gemm_rmsnorm", "gemm_residual_partial_rmsnorm"]
+    "name",
+    [
+        "gemm_residual_partial_rmsnorm_bwd",
+        "gemm_rmsnorm",
+        "gemm_residual_partial_rmsnorm",
+        "gemm_partial_swiglu_bwd",
+        "gemm_rmsnorm_swiglu",
+    ],
 )
 def test_the_wide_tile_matches_triton_at_a_ragged_shape_gpu(name: str, monkeypatch) -> None:
-    # 128 × 192 tiles run only large products (cute.launch.tile_shape); here forced at a ragged
+    # 128 × 192 tiles run only large products (cute.launch.choose_config); here forced at a ragged
     # shape, so partial tiles at both edges and the partial sums' masks are exercised
     from coda.primitives.cute import launch
 
-    monkeypatch.setattr(launch, "tile_shape", lambda gemm, pairs=False: (128, 192))
+    wide = launch.CuteConfig(128, 192)
+    monkeypatch.setattr(launch, "choose_config", lambda gemm: wide)
     block = get_block(name)
-    sizes = _sizes(block, {"M": 1000, "N": 1000, "K": 1000})
+    # N = 1088: ragged for 192-column tiles, and half of it (a SwiGLU's output) still a whole
+    # number of 16-byte rows for TMA
+    sizes = _sizes(block, {"M": 1000, "N": 1088, "K": 1000})
     program = lower(block)
     inputs = block.make_inputs(sizes, torch.bfloat16, seed=7, device="cuda")
     on_cute, got = _run(program, sizes, inputs, "cute")
@@ -104,28 +116,39 @@ def test_the_wide_tile_matches_triton_at_a_ragged_shape_gpu(name: str, monkeypat
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_llama_mlp_backward_on_cute_matches_triton_gpu(dtype: torch.dtype) -> None:
-    data = json.loads((PROGRAMS / "llama_mlp_bwd_saved.json").read_text())
+@pytest.mark.parametrize(
+    ("name", "steps"),
+    [
+        ("llama_mlp_train", ("gate_up", "down")),
+        ("llama_mlp_bwd_saved", ("down_bwd", "gate_up_bwd")),
+    ],
+)
+def test_the_shipped_llama_mlp_on_cute_matches_triton_gpu(
+    name: str, steps: tuple, dtype: torch.dtype
+) -> None:
+    # the forward's gate/up contracts the accumulator's own [g, u] pairs into three half-wide
+    # stores; the backward's steps move pair-wide tiles
+    data = json.loads((PROGRAMS / f"{name}.json").read_text())
     program = Program.model_validate(data["program"])
-    block = get_block("llama_mlp_bwd_saved")
+    block = get_block(name)
     sizes = {"M": 1000, "d": 1024, "f": 2816}
     inputs = block.make_inputs(sizes, dtype, seed=3, device="cuda")
     on_cute, got = _run(program, sizes, inputs, "cute")
-    assert {on_cute.mainloops_used[n] for n in ("down_bwd", "gate_up_bwd")} == {"cute"}
+    assert {on_cute.mainloops_used[n] for n in steps} == {"cute"}, on_cute.cute_refusals
     _, triton = _run(program, sizes, inputs, "triton")
     _assert_matches(block, inputs, got, triton)
 
 
 def test_a_step_the_backend_does_not_cover_runs_on_triton_and_says_why_gpu() -> None:
-    block = get_block("gemm_swiglu")
-    sizes = {"M": 512, "N": 512, "K": 256}
+    block = get_block("gemm_rope")
+    sizes = {"M": 512, "N": 512, "K": 256, "D": 128}
     program = lower(block)
     compiled, _ = _run(
         program, sizes, block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda"), "cute"
     )
     (step,) = compiled.kernels
     assert compiled.mainloops_used[step] != "cute"
-    assert "twice the accumulator's width" in compiled.cute_refusals[step]
+    assert "rope has no CuTe emitter" in compiled.cute_refusals[step]
 
 
 def test_the_sandbox_verifies_the_swiglu_backward_on_cute_gpu(monkeypatch) -> None:

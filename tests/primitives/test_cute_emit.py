@@ -19,7 +19,7 @@ from coda.planner import lower
 from coda.primitives import analyze
 from coda.primitives import expr as expr_lang
 from coda.primitives.cute.emit import CuteUnsupported, generate
-from coda.primitives.cute.launch import CuteStep, tile_shape
+from coda.primitives.cute.launch import CuteConfig, CuteStep, choose_config
 from coda.primitives.ir import GemmEpilogue, Program
 
 PROGRAMS = Path(__file__).parents[2] / "export" / "programs"
@@ -82,10 +82,101 @@ def test_rmsnorm_backward_binds_vectors_of_both_axes_and_column_partials() -> No
     ast.parse(text)
 
 
+def test_partial_sums_are_masked_only_in_tiles_that_cross_the_edge() -> None:
+    step, gemm, info = _block_step("gemm_partial_swiglu_bwd")
+    text = generate(step, gemm, _dtypes(info)).text
+    # a row's partial sums its columns: only the column edge is masked, and only in the loop
+    # taken by a tile crossing it
+    assert "if F.tile_inside_n(coords, n_bound):" in text and "inside_m" not in text
+    terms = "p0_zdz_terms + p1_zdz_terms"  # both members of each [g, u] pair
+    masked = f"r_zdz_partials[i] = r_zdz_partials[i] + F.where(inside_n, {terms}, 0.0)"
+    assert text.count(masked) == 1
+    assert text.count(f"r_zdz_partials[i] = r_zdz_partials[i] + {terms}\n") == 1
+    assert text.count("for i in cutlass.range(") == 2
+    step, gemm, info = _block_step("gemm_residual_partial_rmsnorm_bwd")
+    text = generate(step, gemm, _dtypes(info)).text  # column partials sum rows: the row edge
+    assert "if F.tile_inside_m(coords, m_bound):" in text and "inside_n" not in text
+    ast.parse(text)
+
+
+def test_a_gate_up_step_loops_over_the_accumulator_pairs() -> None:
+    program = _shipped("llama_mlp_train")
+    steps = {
+        gemm.name: generate(step, gemm, _dtypes(info))
+        for step, gemm, info in _fused(program, {"M": 96, "d": 64, "f": 160})
+    }
+    gate_up = steps["gate_up"]
+    # g, u and silu(g)·u are [M, f], half the accumulator's [M, 2f]: three half-wide stores
+    # and no output D
+    assert gate_up.output is None and not gate_up.moves_pairs
+    assert {(b.kind, b.tensor, b.half) for b in gate_up.bindings} == {
+        ("row", "rstd_h", False), ("store", "g", True), ("store", "u", True),
+        ("store", "a", True),
+    }  # fmt: skip
+    text = gate_up.text
+    assert 'TypedTileStore("s_a", epi_tile_fn=HALF_WIDTH)' in text
+    assert "for i in cutlass.range(cute.size(tRS_rD) // 2, unroll_full=True):" in text
+    assert "p0_acc, p1_acc = tRS_rD[2 * i], tRS_rD[2 * i + 1]" in text
+    assert "p0_gu = (p0_acc * wr_rstd_h[2 * i])" in text  # a row's value at the pair's first
+    assert "o_a[i] = v_a" in text
+    ast.parse(text)
+
+
+def test_next_to_a_pair_contraction_the_accumulator_is_written_member_by_member() -> None:
+    step, gemm, info = _block_step("gemm_swiglu")  # stores acc as D and silu(g)·u half-wide
+    source = generate(step, gemm, _dtypes(info))
+    assert source.output == "d" and not source.output_pairs
+    assert "tRS_rD[2 * i] = p0_acc" in source.text
+    assert "tRS_rD[2 * i + 1] = p1_acc" in source.text
+    assert {(b.kind, b.tensor, b.half) for b in source.bindings} == {("store", "o", True)}
+
+
+def _gate_up_with(*ops: dict, inputs: dict | None = None):
+    """``gemm_swiglu``'s step (D = acc, o = silu(g)·u) with ``ops`` before its last store and
+    ``inputs`` added to the Program."""
+    data = lower(get_block("gemm_swiglu")).model_dump(exclude_none=True)
+    data["inputs"] |= inputs or {}
+    (step,) = data["steps"]
+    step["epilogue"][-1:-1] = list(ops)
+    program = Program.model_validate(data)
+    ((step, gemm, info),) = list(_fused(program, {"M": 100, "N": 128, "K": 40}))
+    return step, gemm, info
+
+
+@pytest.mark.parametrize(
+    ("ops", "inputs", "reason"),
+    [
+        (
+            [{"op": "load_col_vector", "vector": "gamma", "out": "g"},
+             {"op": "map", "expr": "acc * g", "out": "ag"},
+             {"op": "store", "src": "ag", "to": "ag"}],
+            {"gamma": {"shape": ["N"], "dtype": "act"}},
+            "column vector 'gamma' next to a contraction",
+        ),
+        (
+            [{"op": "partial_reduce", "src": "o", "kind": "sum", "axis": "col", "to": "s"}],
+            {},
+            "a column reduction next to a contraction",
+        ),
+    ],
+)  # fmt: skip
+def test_what_a_pair_loop_cannot_take_is_refused(ops, inputs, reason: str) -> None:  # noqa: ANN001
+    step, gemm, info = _gate_up_with(*ops, inputs=inputs)
+    with pytest.raises(CuteUnsupported, match=reason):
+        generate(step, gemm, _dtypes(info))
+
+
+def test_a_row_sum_of_half_wide_values_indexes_the_pairs_first_member() -> None:
+    op = {"op": "partial_reduce", "src": "o", "kind": "sumsq", "axis": "row", "to": "s"}
+    step, gemm, info = _gate_up_with(op)
+    text = generate(step, gemm, _dtypes(info)).text
+    assert "r_s[2 * i] = r_s[2 * i] + v_o * v_o\n" in text
+    assert "inside_n = F.inside_n(coords, 2 * i, n_bound)" in text
+
+
 @pytest.mark.parametrize(
     ("block", "reason"),
     [
-        ("gemm_swiglu", "not twice the accumulator's width"),  # pairs of the accumulator itself
         ("gemm_rope", "rope has no CuTe emitter"),
         ("gemm_partial_cross_entropy", "select_column has no CuTe emitter"),
     ],
@@ -138,22 +229,23 @@ def test_generated_modules_depend_only_on_the_program_and_dtypes() -> None:
 
 def test_partials_follow_the_cute_tile() -> None:
     step, gemm, info = _block_step("gemm_partial_swiglu_bwd")
-    tile = tile_shape(gemm)
+    tile = choose_config(gemm).tile
     shape, dtype = CuteStep._allocation(info.tensors["zdz_partials"], gemm, tile, torch.bfloat16)
     assert shape == (gemm.M, -(-gemm.N // tile[1])) and dtype == torch.float32
     step, gemm, info = _block_step("gemm_residual_partial_rmsnorm_bwd")
-    shape, _ = CuteStep._allocation(info.tensors["dgamma_partials"], gemm, tile_shape(gemm), None)
-    assert shape == (gemm.N, -(-gemm.M // tile_shape(gemm)[0]))
+    tile = choose_config(gemm).tile
+    shape, _ = CuteStep._allocation(info.tensors["dgamma_partials"], gemm, tile, None)
+    assert shape == (gemm.N, -(-gemm.M // tile[0]))
 
 
-def test_tile_shape_by_product_size() -> None:
+def test_config_by_product_size() -> None:
     class G:
         M, N, K = 8192, 8192, 8192
 
-    assert tile_shape(G) == (128, 192)
-    assert tile_shape(G, pairs=True) == (128, 128)
+    assert choose_config(G) == CuteConfig(128, 192, 2, 1, True)
     G.K = 2048
-    assert tile_shape(G) == (128, 128)
+    assert choose_config(G).tile == (128, 128)
+    assert str(choose_config(G)) == "128x128 cluster 2x1 pingpong"
 
 
 class _PyF:

@@ -37,15 +37,15 @@ def test_auto_on_a_cpu_runs_triton_and_says_why() -> None:
 
 
 def test_a_step_left_on_triton_under_cute_warns_once(recorder) -> None:  # noqa: ANN001
-    block = get_block("gemm_swiglu")
+    block = get_block("gemm_rope")
     program = lower(block)
-    sizes = {"M": 40, "N": 48, "K": 24}
+    sizes = {"M": 40, "N": 64, "K": 24, "D": 32}
     compiled = compile_program(program, analyze(program, sizes))
     compiled.epilogue_backend = "cute"
     prepared = compiled.prepare(block.make_inputs(sizes, torch.float16, seed=0, device="cpu"))
-    with pytest.warns(UserWarning, match="step 'd' runs on Triton: swiglu of 'acc'"):
+    with pytest.warns(UserWarning, match="step 'd' runs on Triton: rope has no CuTe emitter"):
         compiled.run(prepared)
-    assert "swiglu" in compiled.cute_refusals["d"]
+    assert "rope" in compiled.cute_refusals["d"]
 
 
 def test_cute_asked_for_where_it_cannot_run_is_an_error() -> None:
@@ -59,11 +59,11 @@ class _Recorder:
         self.compiles: list[tuple] = []
         self.launches: list[dict[str, Any]] = []
 
-    def compile(self, source, args, tile):  # noqa: ANN001
-        self.compiles.append((source.key, tile))
+    def compile(self, source, args, config):  # noqa: ANN001
+        self.compiles.append((source.key, config))
         return "kernel"
 
-    def run(self, fn, source, args) -> None:  # noqa: ANN001
+    def run(self, fn, source, args, config) -> None:  # noqa: ANN001
         assert fn == "kernel"
         self.launches.append(args)
 
@@ -90,7 +90,7 @@ def test_a_launch_gets_quack_shapes_and_layouts(recorder: _Recorder) -> None:
     assert args["D"].data_ptr() == tensors["dz"].data_ptr()
     assert args["t_z"].shape == (M, N, 1) and args["t_z"].dtype == torch.float32
     assert args["s_o"].shape == (M, N, 1) and args["s_o"].dtype == torch.float16
-    tiles = -(-N // cute_launch.tile_shape(compiled.info_for(inputs).gemms["b"])[1])
+    tiles = -(-N // cute_launch.choose_config(compiled.info_for(inputs).gemms["b"]).tile_n)
     assert args["r_zdz_partials"].shape == (1, M, tiles)
     assert (args["m_bound"], args["n_bound"]) == (M, N)
 
