@@ -29,11 +29,11 @@ if TYPE_CHECKING:
 
 
 def _pair_members(ctx: CuteEmitContext, src: str, op: str) -> list[str]:
-    """The two members of pair-wide value ``src`` at the CuTe loop's element; a narrower
-    ``src`` (the accumulator's own adjacent columns) keeps the step on Triton."""
+    """The two members of the pair of ``src`` at the CuTe loop's element (a step contracting
+    the accumulator's own pairs loops over pairs, so ``src`` is two scalars there too)."""
     parts = ctx.parts(src)
     if len(parts) != 2:
-        ctx.refuse(f"{op} of {src!r}, which is not twice the accumulator's width")
+        ctx.refuse(f"{op} of {src!r}, which is one scalar at the loop's element, not a pair")
     return parts
 
 

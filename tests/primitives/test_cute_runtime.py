@@ -126,6 +126,23 @@ def test_column_partials_reach_quack_transposed(recorder: _Recorder) -> None:
     assert args["wr_rstd"].shape == (1, sizes["M"]) and args["wc_gamma"].shape == (1, sizes["N"])
 
 
+def test_a_gate_up_launch_gets_its_half_wide_store(recorder: _Recorder) -> None:
+    # D = acc [M, N]; o = silu(g)·u over the accumulator's [g, u] pairs, [M, N/2], stored as
+    # its own half-wide tensor; B is [K, N] (not transposed): QuACK takes it as an N×K view
+    block = get_block("gemm_swiglu")
+    program = lower(block)
+    sizes = {"M": 40, "N": 64, "K": 24}
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "cute"
+    inputs = block.make_inputs(sizes, torch.float16, seed=0, device="cpu")
+    tensors = compiled.run(compiled.prepare(inputs))
+    assert compiled.mainloops_used["d"] == "cute", compiled.cute_refusals
+    (args,) = recorder.launches
+    assert args["D"].shape == (40, 64, 1) and args["D"].data_ptr() == tensors["d"].data_ptr()
+    assert args["s_o"].shape == (40, 32, 1) and args["s_o"].data_ptr() == tensors["o"].data_ptr()
+    assert args["B"].shape == (64, 24, 1) and args["B"].stride(0) == 1
+
+
 def test_a_tensor_tma_cannot_move_keeps_the_step_on_triton(recorder: _Recorder) -> None:
     block = get_block("gemm_partial_swiglu_bwd")
     program = lower(block)
