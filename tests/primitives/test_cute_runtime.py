@@ -18,13 +18,18 @@ from coda.primitives.cute import launch as cute_launch
 SIZES = {"M": 40, "N": 48, "K": 24, "N2": 96}
 
 
-def _swiglu_bwd(backend: str):
-    block = get_block("gemm_partial_swiglu_bwd")
+def _compiled(name: str, sizes: dict[str, int], backend: str):
+    """Block ``name``'s planned Program compiled for ``sizes`` on ``backend``, and fp16 inputs."""
+    block = get_block(name)
     program = lower(block)
-    compiled = compile_program(program, analyze(program, SIZES))
+    compiled = compile_program(program, analyze(program, sizes))
     compiled.epilogue_backend = backend
-    inputs = block.make_inputs(SIZES, torch.float16, seed=0, device="cpu")
+    inputs = block.make_inputs(sizes, torch.float16, seed=0, device="cpu")
     return block, program, compiled, inputs
+
+
+def _swiglu_bwd(backend: str):
+    return _compiled("gemm_partial_swiglu_bwd", SIZES, backend)
 
 
 def test_auto_on_a_cpu_runs_triton_and_says_why() -> None:
@@ -37,12 +42,9 @@ def test_auto_on_a_cpu_runs_triton_and_says_why() -> None:
 
 
 def test_a_step_left_on_triton_under_cute_warns_once(recorder) -> None:  # noqa: ANN001
-    block = get_block("gemm_rope")
-    program = lower(block)
     sizes = {"M": 40, "N": 64, "K": 24, "D": 32}
-    compiled = compile_program(program, analyze(program, sizes))
-    compiled.epilogue_backend = "cute"
-    prepared = compiled.prepare(block.make_inputs(sizes, torch.float16, seed=0, device="cpu"))
+    _, _, compiled, inputs = _compiled("gemm_rope", sizes, "cute")
+    prepared = compiled.prepare(inputs)
     with pytest.warns(UserWarning, match="step 'd' runs on Triton: rope has no CuTe emitter"):
         compiled.run(prepared)
     assert "rope" in compiled.cute_refusals["d"]
@@ -110,14 +112,9 @@ def test_collecting_launches_compiles_and_launches_nothing(recorder: _Recorder) 
 
 
 def test_column_partials_reach_quack_transposed(recorder: _Recorder) -> None:
-    block = get_block("gemm_residual_partial_rmsnorm_bwd")
-    program = lower(block)
     sizes = {"M": 40, "N": 48, "K": 24}
-    compiled = compile_program(program, analyze(program, sizes))
-    compiled.epilogue_backend = "cute"
-    tensors = compiled.run(
-        compiled.prepare(block.make_inputs(sizes, torch.float16, seed=0, device="cpu"))
-    )
+    _, _, compiled, inputs = _compiled("gemm_residual_partial_rmsnorm_bwd", sizes, "cute")
+    tensors = compiled.run(compiled.prepare(inputs))
     (args,) = recorder.launches
     partials = tensors["dgamma_partials"]  # [N, ⌈M / tile_m⌉]
     assert partials.shape[0] == sizes["N"]
@@ -129,12 +126,7 @@ def test_column_partials_reach_quack_transposed(recorder: _Recorder) -> None:
 def test_a_gate_up_launch_gets_its_half_wide_store(recorder: _Recorder) -> None:
     # D = acc [M, N]; o = silu(g)·u over the accumulator's [g, u] pairs, [M, N/2], stored as
     # its own half-wide tensor; B is [K, N] (not transposed): QuACK takes it as an N×K view
-    block = get_block("gemm_swiglu")
-    program = lower(block)
-    sizes = {"M": 40, "N": 64, "K": 24}
-    compiled = compile_program(program, analyze(program, sizes))
-    compiled.epilogue_backend = "cute"
-    inputs = block.make_inputs(sizes, torch.float16, seed=0, device="cpu")
+    _, _, compiled, inputs = _compiled("gemm_swiglu", {"M": 40, "N": 64, "K": 24}, "cute")
     tensors = compiled.run(compiled.prepare(inputs))
     assert compiled.mainloops_used["d"] == "cute", compiled.cute_refusals
     (args,) = recorder.launches
@@ -144,12 +136,9 @@ def test_a_gate_up_launch_gets_its_half_wide_store(recorder: _Recorder) -> None:
 
 
 def test_a_tensor_tma_cannot_move_keeps_the_step_on_triton(recorder: _Recorder) -> None:
-    block = get_block("gemm_partial_swiglu_bwd")
-    program = lower(block)
     sizes = {"M": 40, "N": 44, "K": 23, "N2": 88}  # K · 2 bytes is no multiple of 16
-    compiled = compile_program(program, analyze(program, sizes))
-    compiled.epilogue_backend = "cute"
-    compiled.run(compiled.prepare(block.make_inputs(sizes, torch.float16, seed=0, device="cpu")))
+    _, _, compiled, inputs = _compiled("gemm_partial_swiglu_bwd", sizes, "cute")
+    compiled.run(compiled.prepare(inputs))
     assert recorder.launches == [] and "16-byte aligned" in compiled.cute_refusals["b"]
 
 
