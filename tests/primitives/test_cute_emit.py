@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import random
 from pathlib import Path
 
@@ -21,6 +20,8 @@ from coda.primitives import expr as expr_lang
 from coda.primitives.cute.emit import CuteUnsupported, generate
 from coda.primitives.cute.launch import CuteConfig, CuteStep, choose_config
 from coda.primitives.ir import GemmEpilogue, Program
+
+from .cute_emulator import EmulatedF
 
 PROGRAMS = Path(__file__).parents[2] / "export" / "programs"
 
@@ -248,29 +249,6 @@ def test_config_by_product_size() -> None:
     assert str(choose_config(G)) == "128x128 cluster 2x1 pingpong"
 
 
-class _PyF:
-    """``cute/epilogue.F`` on Python floats: what the generated expressions call."""
-
-    exp, log, tanh, erf, sqrt, abs = math.exp, math.log, math.tanh, math.erf, math.sqrt, abs
-    min, max = min, max
-
-    @staticmethod
-    def sigmoid(x: float) -> float:
-        return 1.0 / (1.0 + math.exp(-x))
-
-    @staticmethod
-    def silu(x: float) -> float:
-        return x / (1.0 + math.exp(-x))
-
-    @staticmethod
-    def rsqrt(x: float) -> float:
-        return 1.0 / math.sqrt(x)
-
-    @staticmethod
-    def where(cond: bool, a: float, b: float) -> float:
-        return a if cond else b
-
-
 @pytest.mark.parametrize(
     "source",
     [
@@ -288,7 +266,7 @@ def test_the_cute_printer_computes_what_the_reference_computes(source: str) -> N
     for _ in range(20):
         values = {n: rng.uniform(-3, 3) or 0.5 for n in parsed.variables()}
         code = parsed.to_cute(lambda n: f"V[{n!r}]")
-        got = eval(code, {"F": _PyF, "V": values})  # noqa: S307 - printed from a parsed tree
+        got = eval(code, {"F": EmulatedF, "V": values})  # noqa: S307 - printed from a parsed tree
         as_tensor = {n: torch.tensor(v, dtype=torch.float64) for n, v in values.items()}
         want = parsed.evaluate(as_tensor.__getitem__, torch.float64)
         assert got == pytest.approx(float(want), rel=1e-9, abs=1e-12)
