@@ -91,11 +91,6 @@ class CuteSource:
     uses_coords: bool
 
     @property
-    def moves_pairs(self) -> bool:
-        """Whether a tile moves as 32-bit words of pairs (loaded, stored, or the output)."""
-        return self.output_pairs or any(b.pairs for b in self.bindings)
-
-    @property
     def key(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()[:24]
 
@@ -128,13 +123,17 @@ class CuteEmitContext:
     values: dict[str, list[str]] = field(default_factory=lambda: {"acc": ["acc"]})
     stores: list[str] = field(default_factory=list)  # aux outputs' fragments, in binding order
     output: tuple[str, bool] | None = None
-    uses_coords: bool = False
     edges: set[str] = field(default_factory=set)  # the output edges a reduction masks: m, n
     pair_layout: bool = False
 
     # -- values ------------------------------------------------------------------------------
     def scale(self, name: str) -> Fraction:
         return self.gemm.locals[name].scale if name != "acc" else Fraction(1)
+
+    @property
+    def uses_coords(self) -> bool:
+        """Whether the loop reads its elements' coordinates (to mask an edge)."""
+        return bool(self.edges)
 
     @property
     def index(self) -> str:
@@ -270,7 +269,6 @@ class CuteEmitContext:
         if axis == "col" and self.halves:
             raise CuteUnsupported("a column reduction next to a contraction of the accumulator")
         op = self._bind(f"{axis}_partials", "r", to)
-        self.uses_coords = True
         edge = "n" if axis == "row" else "m"  # a row's partial sums columns: mask past N
         self.edges.add(edge)
         terms = " + ".join(_REDUCE_KINDS[kind].format(v=p) for p in parts)

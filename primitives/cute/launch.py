@@ -211,9 +211,9 @@ class CuteLaunch(Action):
 
     def arguments(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The kernel's arguments in QuACK's shapes: A ``(M, K, 1)``, B ``(N, K, 1)``, D and
-        every tile ``(M, N, 1)`` (pair-wide ones as 32-bit words; half-wide stores ``(M, N/2,
-        1)``), vectors ``(1, len)``, row
-        partials ``(1, M, tiles)``, column partials ``(1, tiles, N)``, and the bounds."""
+        every tile ``(M, N, 1)`` (pair-wide ones as 32-bit words; half-wide stores
+        ``(M, N/2, 1)``), vectors ``(1, len)``, row partials ``(1, M, tiles)``, column partials
+        ``(1, tiles, N)``, and the bounds."""
         a, b = self.step._operands(tensors)
         args: dict[str, Any] = {"A": _as_mk(a), "B": _as_mk(b), "D": None}
         if self.source.output is not None:

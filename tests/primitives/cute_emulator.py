@@ -24,8 +24,6 @@ import torch
 
 from coda.primitives.cute.emit import CuteSource
 
-_16BIT = {"BFloat16": torch.bfloat16, "Float16": torch.float16}
-
 
 class DType:
     """A CuTe numeric type: its torch dtype and width (callable, as the DSL's types are)."""

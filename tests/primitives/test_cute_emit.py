@@ -109,7 +109,7 @@ def test_a_gate_up_step_loops_over_the_accumulator_pairs() -> None:
     gate_up = steps["gate_up"]
     # g, u and silu(g)·u are [M, f], half the accumulator's [M, 2f]: three half-wide stores
     # and no output D
-    assert gate_up.output is None and not gate_up.moves_pairs
+    assert gate_up.output is None and not any(b.pairs for b in gate_up.bindings)
     assert {(b.kind, b.tensor, b.half) for b in gate_up.bindings} == {
         ("row", "rstd_h", False), ("store", "g", True), ("store", "u", True),
         ("store", "a", True),
