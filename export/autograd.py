@@ -90,7 +90,8 @@ class _Runner:
     whole: dict[str, tuple[str, str]] = field(default_factory=dict)
     compiled: CompiledProgram | None = None
     tune: Tuning = "quick"
-    tuned: dict[tuple, dict] = field(default_factory=dict)  # configs per input shapes and dtypes
+    # per input shapes and dtypes: the tuned Triton configs and CuTe choices (CompiledProgram's)
+    tuned: dict[tuple, tuple[dict, dict]] = field(default_factory=dict)
     op_name: str = ""  # its registered op, coda::<name> (set by _custom_op)
     keep_prepared: bool = False  # CompiledProgram.keep_prepared (ExportedFunction.keep_prepared)
 
@@ -164,19 +165,20 @@ class _Runner:
 
     def _pin_configs(self, inputs: dict[str, torch.Tensor]) -> None:
         """Pin the tuned configs of these shapes on the compiled Program (tuning them first if
-        they are new to this op and to the tuning cache)."""
+        they are new to this op and to the tuning cache): Triton's and the CuTe backend's."""
         from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
 
-        assert self.compiled is not None
+        compiled = self.compiled
+        assert compiled is not None
         key = tuple([(t.shape, t.dtype) for t in inputs.values()])  # torch.Size: a tuple
         tuned = self.tuned.get(key)
-        if tuned is not None and self.compiled.configs == tuned:
+        if tuned is not None and (compiled.configs, compiled.cute_configs) == tuned:
             return  # pinned already (a tuned run comes here on every call: no copy each time)
         if tuned is None:
             space = QUICK_SPACE if self.tune == "quick" else None
-            tune_program(self.compiled, self.compiled.prepare(inputs), space=space)
-            tuned = self.tuned[key] = dict(self.compiled.configs)
-        self.compiled.configs = dict(tuned)
+            tune_program(compiled, compiled.prepare(inputs), space=space)
+            tuned = self.tuned[key] = (dict(compiled.configs), dict(compiled.cute_configs))
+        compiled.configs, compiled.cute_configs = dict(tuned[0]), dict(tuned[1])
 
     def fake(self, *args: torch.Tensor) -> list[torch.Tensor]:
         """Outputs with the right shapes and dtypes, allocated like ``args`` (meta / fake)."""

@@ -34,7 +34,7 @@ from .base import RunEnv
 from .codegen.cache import load_kernel, write_source
 from .codegen.configs import resolve_config
 from .codegen.kernel import OPERAND_DESCRIPTORS, KernelSource, generate_kernel
-from .cute.launch import CuteLaunch
+from .cute.launch import CuteConfig, CuteLaunch
 from .descriptors import TMA_MAX_BOX, descriptor_block, tma_available, tma_compatible
 from .ir import GemmEpilogue, MainloopConfig, Program
 from .kernel_stats import compiled_kernel_stats
@@ -78,6 +78,7 @@ __all__ = [  # the runtime's own names, and those of its parts that callers impo
 
 
 _WHOLE, _CUT, _PARTIALS_VIEW = 0, 1, 2  # how a block output is taken (``_output_views``)
+_UNPINNED = object()  # a step without a tuned CuTe config (``CompiledProgram.cute_configs``)
 _shape = operator.attrgetter("shape")
 
 
@@ -118,6 +119,9 @@ class CompiledProgram:
     # Which kernels run fused steps: "triton", "cute" or "auto" (``coda.primitives.cute``); a
     # step the CuTe backend does not cover runs on Triton, and why is kept in ``cute_refusals``.
     epilogue_backend: str = field(default_factory=lambda: current().epilogue_backend)
+    # Pinned per step by tuning (``cute.tuning``): the CuTe config a step runs at, or None where
+    # Triton ran it faster; a step not here runs at ``cute.launch.choose_config``'s config.
+    cute_configs: dict[str, CuteConfig | None] = field(default_factory=dict)
     cute_refusals: dict[str, str] = field(default_factory=dict)  # step -> why it ran on Triton
     _cute_steps: dict[str, Any] = field(default_factory=dict)  # step -> cute.launch.CuteStep
 
@@ -288,7 +292,7 @@ class CompiledProgram:
         )
         device = next(iter(prepared.values())).device
         configs = tuple(self.configs.items())
-        backend = self.epilogue_backend
+        backend = (self.epilogue_backend, tuple(self.cute_configs.items()))
         return (layouts, device, configs, self.mainloop, self.use_vendor, poison, backend)
 
     def _record(
@@ -379,6 +383,19 @@ class CompiledProgram:
         device = tensors[next(iter(self.program.inputs))].device
         step, gemm = self._step(name), info.gemms[name]
         self._run_gemm(step, gemm, tensors, act, device, poison=False, sizes=info.sizes)
+
+    def step_launch(self, name: str, tensors: dict[str, torch.Tensor]) -> Callable[[], None]:
+        """Launch one fused gemm step on tensors a previous ``run`` produced, deciding its kernel
+        and config as a run would, and return what launches that kernel again on them — the
+        launch a run plan replays, without the step's allocations (for timing). It launches into
+        the tensors this call allocated, whatever later calls put in ``tensors``."""
+        info = self.info_for({n: tensors[n] for n in self.program.inputs})
+        act = activation_dtype(self.program, tensors)
+        device = tensors[next(iter(self.program.inputs))].device
+        step, gemm = self._step(name), info.gemms[name]
+        actions = self._run_gemm(step, gemm, tensors, act, device, poison=False, sizes=info.sizes)
+        launch, own = actions[-1], dict(tensors)
+        return lambda: launch(own, None)
 
     def __call__(
         self, inputs: dict[str, torch.Tensor], *, poison: bool = False
@@ -482,9 +499,13 @@ class CompiledProgram:
         poison: bool,
     ) -> list[Action] | None:
         """Run step ``gemm`` on the CuTe backend and return its actions; None where it cannot
-        (the reason kept in ``cute_refusals``), and the step runs on Triton."""
+        (the reason kept in ``cute_refusals``) or tuning pinned Triton for it, and the step runs
+        on Triton."""
         from . import cute
 
+        config = self.cute_configs.get(gemm.name, _UNPINNED)
+        if config is None:
+            return None
         reason = cute.unavailable_reason(device)
         if reason is not None:
             if self.epilogue_backend == "cute":
@@ -500,7 +521,8 @@ class CompiledProgram:
         if runner is None:
             runner = self._cute_steps[gemm.name] = CuteStep(step)
         try:
-            actions = runner.actions(gemm, tensors, act, device, poison)
+            pinned = None if config is _UNPINNED else config
+            actions = runner.actions(gemm, tensors, act, device, poison, pinned)
         except CuteUnsupported as e:
             if self.epilogue_backend == "cute" and gemm.name not in self.cute_refusals:
                 warnings.warn(

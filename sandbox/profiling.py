@@ -81,7 +81,7 @@ def profile_shape(
         configs = QUICK_SPACE if space == "quick" else None
         for name, result in tune_program(compiled, prepared, space=configs).items():
             if result.rejected:
-                rejected[name] = [f"{c.model_dump()}: {why}" for c, why in result.rejected]
+                rejected[name] = [f"{_config_text(c)}: {why}" for c, why in result.rejected]
     errors = _check_at_shape(compiled, block, inputs, prepared)
     n = rotation_count(_nbytes(inputs), torch.device("cuda"))
     sets = [inputs] + [block.make_inputs(sizes, dtype, seed=s, device="cuda") for s in range(1, n)]
@@ -146,3 +146,10 @@ def _compiled_baseline(block: Block, sets: list[dict[str, torch.Tensor]]):  # no
         return rotating([lambda s=s: fn(s) for s in sets])
     except Exception:  # noqa: BLE001 - a baseline that does not compile is reported as missing
         return None
+
+
+def _config_text(config: object) -> str:
+    """A tuned config as a report names it: a Triton ``MainloopConfig``'s fields, a CuTe
+    ``CuteConfig`` as its tile, cluster and schedule."""
+    dump = getattr(config, "model_dump", None)
+    return str(dump()) if dump is not None else str(config)

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from ..compile_ahead import compile_ahead_of
+from ..cute.tuning import CuteTuning, tune_cute_steps
 from ..ir import MainloopConfig
 from ..launch import collected_launches
 from ..settings import current
@@ -214,10 +215,23 @@ def wrong_steps(compiled, prepared: dict[str, torch.Tensor]) -> dict[str, str]: 
     wrong: dict[str, str] = {}
     for name, t in info.tensors.items():
         if t.producer in compiled.kernels and t.producer not in wrong:
-            why = _mismatch(got[name], want[name], act)
+            g, w = got[name], want[name]
+            if t.partials is not None and g.shape != w.shape:  # another tile (CuTe): combined
+                g, w = _combined(g, t.partials.kind), _combined(w, t.partials.kind)
+            why = _mismatch(g, w, act)
             if why:
                 wrong[t.producer] = f"{name}: {why}"
     return wrong
+
+
+def _combined(partials: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-tile partials ``[rows, tiles]`` combined across the tiles, as ``sum_partials`` does."""
+    p = partials.float()
+    if kind == "max":
+        return p.amax(dim=1)
+    if kind == "lse":
+        return torch.logsumexp(p, dim=1)
+    return p.sum(dim=1)  # sum, sumsq
 
 
 def _mismatch(got: torch.Tensor, want: torch.Tensor, act: torch.dtype) -> str:
@@ -242,9 +256,7 @@ def _settle(compiled, prepared: dict, results: dict[str, TuningResult], cache) -
     is right; the default config comes last, and a step wrong under every config is an error."""
     from .configs import resolve_config
 
-    # Only tuned steps: a step on the CuTe backend writes partial sums per its own tile, which
-    # the check's reference (per the Triton config's tile) does not lay out alike; the sandbox
-    # verifies such steps on the block's outputs.
+    # Only the steps tuned here: a step the CuTe backend runs is checked by cute.tuning.
     while wrong := {n: w for n, w in wrong_steps(compiled, prepared).items() if n in results}:
         info = compiled.info_for({n: prepared[n] for n in compiled.program.inputs})
         for name, why in wrong.items():
@@ -294,6 +306,16 @@ class TuningCache:
     def get(self, key: str) -> MainloopConfig | None:
         entry = self.entries.get(key)
         return MainloopConfig.model_validate(entry["config"]) if entry else None
+
+    def entry(self, key: str) -> dict | None:
+        """The entry under ``key`` as stored (another tuner's own record, e.g. the CuTe
+        backend's choices); None if there is none or it has no ``config``."""
+        entry = self.entries.get(key)
+        return entry if isinstance(entry, dict) and "config" in entry else None
+
+    def put_entry(self, key: str, entry: dict) -> None:
+        """Record ``entry`` (JSON-ready, with a ``config``) here and in the file."""
+        self._write(key, entry)
 
     def finalists(self, key: str) -> list[MainloopConfig]:
         """The configs an earlier tuning under ``related_key`` kept as finalists (fastest
@@ -468,19 +490,29 @@ def tune_program(
     (clocks drift under load: a one-pass sweep favours whatever runs first). Pins the winners on
     ``compiled.configs``. With ``check`` (default), winners whose results differ from the
     reference executor's are replaced (``TuningResult.rejected`` says why).
+
+    Steps the CuTe backend runs are tuned by ``cute.tuning`` after the Triton steps: its configs
+    timed against each other and, with the ``auto`` backend, against the step's Triton kernel
+    tuned first (``CuteTuning`` in the results; its choice pinned on ``compiled.cute_configs``).
     """
     from .. import backend
 
     cache = cache or TuningCache()
     compile_ahead_of(lambda: compiled.collect_launches(prepared, prepared=True))
+    for name in list(compiled.cute_configs):
+        del compiled.cute_configs[name]  # chosen anew below (or from the cache)
     tensors = compiled.run(prepared)
     info = compiled.info_for({n: prepared[n] for n in compiled.program.inputs})
     device = next(iter(prepared.values())).device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    results: dict[str, TuningResult] = {}
+    on_cute = [n for n in compiled.kernels if compiled.mainloops_used.get(n) == "cute"]
+    with_triton = compiled.epilogue_backend == "auto"
+    for name in on_cute if with_triton else ():
+        compiled.cute_configs[name] = None  # its Triton kernel is tuned first, then compared
+    results: dict[str, TuningResult | CuteTuning] = {}
     for name, source in compiled.kernels.items():
-        if compiled.mainloops_used.get(name) == "cute":
-            continue  # the CuTe backend runs it: its tile is chosen by shape (cute.launch)
+        if name in on_cute and not with_triton:
+            continue  # the CuTe backend runs it: cute.tuning below
         gemm = info.gemms[name]
         dtype = tensors[compiled._step(name).a.tensor].dtype
         key = tuning_key(source.digest, device_name, gemm.M, gemm.N, gemm.K, dtype)
@@ -522,4 +554,13 @@ def tune_program(
         )
     if check:
         _settle(compiled, prepared, results, cache)
+    if on_cute and not backend.INTERPRET:  # nothing to time on a CPU
+        results.update(
+            tune_cute_steps(
+                compiled, prepared, tensors, on_cute, cache, with_triton=with_triton, check=check
+            )
+        )
+    else:
+        for name in on_cute:
+            compiled.cute_configs.pop(name, None)
     return results

@@ -7,10 +7,12 @@ launch the kernel — or raises ``CuteUnsupported`` and the step runs on Triton.
 are kept per signature (dtypes, which operand dimension is contiguous, tile config): the sizes are
 symbolic, so one compile serves every M, N and K.
 
-The config is chosen by shape from what was measured on an H200 (bench/RESULTS.md, runs
-2026-12-02h to j): 128 × 192 output tiles for large products (K ≥ 4096, M·N ≥ 2²⁶), 128 × 128
-otherwise, both with two consumer warpgroups in ping-pong and clusters of two CTAs along M
-(clusters of one and cooperative 256 × 128 tiles were slower in every variant measured).
+A step runs at the config tuning pinned for it (``cute.tuning``: the candidates timed on the
+step's tensors). Untuned, the config is chosen by shape from what was measured on an H200
+(bench/RESULTS.md, runs 2026-12-02h to j): 128 × 192 output tiles for large products (K ≥ 4096,
+M·N ≥ 2²⁶), 128 × 128 otherwise, both with two consumer warpgroups in ping-pong and clusters of
+two CTAs along M (clusters of one and cooperative 256 × 128 tiles were slower in every variant
+measured at 8192³).
 """
 
 from __future__ import annotations
@@ -104,13 +106,18 @@ class CuteStep:
         return list(self._sources.values())
 
     def plan(
-        self, gemm: GemmInfo, dtypes: dict[str, torch.dtype], act: torch.dtype
+        self,
+        gemm: GemmInfo,
+        dtypes: dict[str, torch.dtype],
+        act: torch.dtype,
+        config: CuteConfig | None = None,
     ) -> tuple[CuteSource, CuteConfig, tuple[tuple[str, tuple, torch.dtype], ...]]:
         """For tensors of ``dtypes`` (what the step writes aside): the generated module, the
-        config it runs at, and what the step allocates as ``(name, shape, dtype)``."""
+        config it runs at (``config``, else ``choose_config``'s) and what the step allocates as
+        ``(name, shape, dtype)``."""
         dtypes = {**dtypes, **{n: torch_dtype(t.dtype, act) for n, t in gemm.writes.items()}}
         source = self.source(gemm, dtypes)
-        config = choose_config(gemm)
+        config = config or choose_config(gemm)
         writes = tuple(
             (n, *self._allocation(t, gemm, config.tile, act)) for n, t in gemm.writes.items()
         )
@@ -123,13 +130,15 @@ class CuteStep:
         act: torch.dtype,
         device: torch.device,
         poison: bool,
+        config: CuteConfig | None = None,
     ) -> list[Action]:
-        """Allocate what the step writes and launch it; raises ``CuteUnsupported``."""
+        """Allocate what the step writes and launch it at ``config`` (default: by shape,
+        ``choose_config``); raises ``CuteUnsupported``."""
         a, b = self._operands(tensors)
         if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
             raise CuteUnsupported(f"operands are {a.dtype} / {b.dtype} (the CuTe GEMM is 16-bit)")
         dtypes = {n: t.dtype for n, t in tensors.items() if t.is_floating_point()}
-        source, config, writes = self.plan(gemm, dtypes, act)
+        source, config, writes = self.plan(gemm, dtypes, act, config)
         allocate = Allocate(writes, device, poison)
         allocate(tensors, None)
         moved = [tensors[b.tensor] for b in source.bindings if b.kind in ("tile", "store")]

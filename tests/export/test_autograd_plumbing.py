@@ -41,11 +41,13 @@ def test_a_runner_called_with_the_wrong_number_of_tensors_names_what_it_takes() 
 
 
 def test_pinned_configs_follow_the_call_s_shapes_and_every_change_to_them() -> None:
-    """A tuned function pins each input shape's tuned configs on its compiled Program on every
-    call, and skips pinning while the compiled Program holds them: alternating shapes, a config
-    replaced in the compiled Program, the compiled Program's dict replaced and a tuned entry
-    replaced between calls each leave the right configs pinned."""
+    """A tuned function pins each input shape's tuned configs (Triton's and the CuTe backend's
+    choices) on its compiled Program on every call, and skips pinning while the compiled Program
+    holds them: alternating shapes, a config replaced in the compiled Program, the compiled
+    Program's dict replaced and a tuned entry replaced between calls each leave the right configs
+    pinned."""
     from coda.export import llama_mlp_function
+    from coda.primitives.cute.launch import CuteConfig
 
     fn = llama_mlp_function(1e-5, verify=False, tune="off")
     runner = fn.runners[2]  # under no_grad the inference Program runs
@@ -65,11 +67,13 @@ def test_pinned_configs_follow_the_call_s_shapes_and_every_change_to_them() -> N
             }
     try:
         fn.tune = "quick"
-        runner.tuned.update({keys[m]: dict(tuned[m]) for m in xs})
+        cute = {5: {"gate_up": CuteConfig(128, 128, 1, 2)}, 9: {"gate_up": None}}
+        runner.tuned.update({keys[m]: (dict(tuned[m]), dict(cute[m])) for m in xs})
 
         def pinned_after(m: int) -> dict:
             with torch.no_grad():
                 fn(xs[m], *weights)
+            assert runner.compiled.cute_configs == cute[m]
             return dict(runner.compiled.configs)
 
         assert pinned_after(5) == tuned[5] and pinned_after(9) == tuned[9]
@@ -79,15 +83,17 @@ def test_pinned_configs_follow_the_call_s_shapes_and_every_change_to_them() -> N
         assert pinned_after(5) == tuned[5]
         runner.compiled.configs = {}  # replaced
         assert pinned_after(5) == tuned[5]
-        runner.tuned[keys[5]] = {**tuned[5], "down": other}  # a new tuned entry
+        runner.tuned[keys[5]] = ({**tuned[5], "down": other}, cute[5])  # a new tuned entry
         assert pinned_after(5) == {**tuned[5], "down": other}
-        runner.tuned[keys[5]]["down"] = tuned[5]["down"]  # that entry changed in place
+        runner.tuned[keys[5]][0]["down"] = tuned[5]["down"]  # that entry changed in place
+        assert pinned_after(5) == tuned[5]
+        runner.compiled.cute_configs["gate_up"] = None  # a CuTe choice changed in place
         assert pinned_after(5) == tuned[5]
     finally:
         fn.tune = "off"
         for key in keys.values():
             runner.tuned.pop(key, None)
-        runner.compiled.configs = {}
+        runner.compiled.configs, runner.compiled.cute_configs = {}, {}
 
 
 def test_outputs_a_run_made_anew_are_kept_and_every_other_one_is_checked() -> None:

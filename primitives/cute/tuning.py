@@ -1,0 +1,165 @@
+"""Tune the CuTe backend per step and shape: time each candidate config — and, with the ``auto``
+backend, the step's tuned Triton kernel — on the step's own tensors, and pin the fastest.
+
+``choose_config`` is a rule measured at a few shapes; which tile and cluster win moves with the
+shape. At the shapes of a Llama 3.2 1B training step at 8192 tokens (bench/RESULTS.md, run
+2026-12-02m; time / the cuBLAS GEMM): the RMSNorm backward of the gate/up projection (N = 2048,
+K = 16384) ran 1.07× at the rule's 128 × 128 tile with two CTAs along M and 0.99× with two along
+N; the SwiGLU backward of the down projection (K = 2048) ran 1.84–1.99× on every CuTe config,
+where the Triton kernel runs it faster. So tuning times, per step:
+
+- ``CANDIDATES``: 128 × 128 tiles with clusters of two CTAs along M or along N, and 128 × 192
+  (the 8192³ winner), all with two consumer warpgroups in ping-pong;
+- with the ``auto`` backend, the step's Triton kernel at its tuned config.
+
+Each candidate is timed as its launch alone (what a run plan replays), in interleaved rounds
+(``timing.interleaved_ms``). The winner is checked against the reference executor
+(``codegen.tuning.wrong_steps``: every tensor the step writes, partial sums compared once
+combined across tiles, since the CuTe tile lays them out its own way); a wrong one is rejected and
+the next fastest taken. The choice is pinned on ``CompiledProgram.cute_configs`` (None: Triton)
+and kept in the tuning cache under the step's kernel digest, the backends compared, the device,
+the sizes and the dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .emit import CuteUnsupported
+from .launch import CuteConfig
+
+if TYPE_CHECKING:
+    from ..codegen.tuning import TuningCache
+
+CANDIDATES = (
+    CuteConfig(128, 128, 2, 1),
+    CuteConfig(128, 128, 1, 2),
+    CuteConfig(128, 192, 2, 1),
+)
+TRITON = "triton"  # the label of the step's Triton kernel among the timed candidates
+
+Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
+
+
+@dataclass
+class CuteTuning:
+    """What tuning chose for one step on the CuTe backend: ``best`` None means Triton."""
+
+    step: str
+    key: str
+    best: CuteConfig | None
+    ms: float | None
+    cached: bool
+    times: dict[str, float] = field(default_factory=dict)  # every candidate timed, by label
+    errors: dict[str, str] = field(default_factory=dict)  # candidates that could not launch
+    rejected: list[tuple[CuteConfig, str]] = field(default_factory=list)  # fast but wrong
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the choice, whether it came from the cache, every time and rejection."""
+        return {
+            "backend": "triton" if self.best is None else "cute",
+            "best": None if self.best is None else str(self.best),
+            "ms": self.ms,
+            "cached": self.cached,
+            "times": self.times,
+            "errors": self.errors,
+            "rejected": [{"config": str(c), "why": why} for c, why in self.rejected],
+        }
+
+
+def cute_key(digest: str, with_triton: bool, device: str, gemm: Any, dtype: torch.dtype) -> str:
+    """The tuning-cache key of a step's CuTe choice (``with_triton``: Triton was a candidate)."""
+    from ..codegen.tuning import tuning_key
+
+    kind = "cute+triton" if with_triton else "cute"
+    return f"{kind}|" + tuning_key(digest, device, gemm.M, gemm.N, gemm.K, dtype)
+
+
+def _from_entry(entry: dict) -> CuteConfig | None:
+    config = entry["config"]
+    return None if config is None else CuteConfig(*config)
+
+
+def tune_cute_steps(
+    compiled: Any,
+    prepared: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+    steps: list[str],
+    cache: TuningCache,
+    *,
+    with_triton: bool,
+    timer: Timer | None = None,
+    check: bool = True,
+) -> dict[str, CuteTuning]:
+    """Choose and pin the config — or Triton, ``with_triton`` — of each step in ``steps`` (steps
+    the CuTe backend ran) at the sizes of ``tensors`` (a full run's). ``timer`` times launches by
+    label (default: interleaved rounds of ``do_bench`` medians)."""
+    from ..timing import interleaved_ms
+
+    timer = timer or (lambda fns: interleaved_ms(fns, rounds=3, warmup=10, rep=30))
+    inputs = {n: prepared[n] for n in compiled.program.inputs}
+    info = compiled.info_for(inputs)
+    device = next(iter(prepared.values())).device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    results: dict[str, CuteTuning] = {}
+    for name in steps:
+        gemm = info.gemms[name]
+        dtype = tensors[compiled._step(name).a.tensor].dtype
+        key = cute_key(compiled.kernels[name].digest, with_triton, device_name, gemm, dtype)
+        entry = cache.entry(key)
+        if entry is not None:
+            compiled.cute_configs[name] = best = _from_entry(entry)
+            results[name] = CuteTuning(name, key, best, entry.get("ms"), cached=True)
+            continue
+        result = _tune_step(compiled, prepared, tensors, name, key, with_triton, timer, check)
+        cache.put_entry(key, {"config": None if result.best is None else list(result.best),
+                              "ms": result.ms})  # fmt: skip
+        results[name] = result
+    return results
+
+
+def _tune_step(
+    compiled: Any,
+    prepared: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    key: str,
+    with_triton: bool,
+    timer: Timer,
+    check: bool,
+) -> CuteTuning:
+    choices: dict[str, CuteConfig | None] = {str(c): c for c in CANDIDATES}
+    if with_triton:
+        choices[TRITON] = None
+    launches: dict[str, Callable[[], None]] = {}
+    errors: dict[str, str] = {}
+    for label, choice in choices.items():
+        compiled.cute_configs[name] = choice
+        try:
+            launches[label] = compiled.step_launch(name, tensors)
+        except CuteUnsupported as e:
+            errors[label] = str(e)
+        if choice is not None and compiled.mainloops_used.get(name) != "cute":
+            launches.pop(label, None)  # the runtime took Triton instead: not this candidate
+            errors.setdefault(label, compiled.cute_refusals.get(name, "ran on Triton"))
+    times = timer(launches) if launches else {}
+    rejected: list[tuple[CuteConfig, str]] = []
+    for label in sorted(times, key=times.__getitem__):
+        choice = choices[label]
+        compiled.cute_configs[name] = choice
+        why = _wrong(compiled, prepared, name) if check and choice is not None else ""
+        if not why:
+            return CuteTuning(name, key, choice, times[label], False, times, errors, rejected)
+        rejected.append((choice, why))
+    compiled.cute_configs[name] = None  # no CuTe config computed it right: Triton runs it
+    return CuteTuning(name, key, None, times.get(TRITON), False, times, errors, rejected)
+
+
+def _wrong(compiled: Any, prepared: dict[str, torch.Tensor], name: str) -> str:
+    from ..codegen.tuning import wrong_steps
+
+    return wrong_steps(compiled, prepared).get(name, "")

@@ -1,0 +1,177 @@
+"""Tuning on the CuTe backend, on a CPU: which candidate wins, Triton as a candidate under
+``auto``, a fast wrong config rejected, the choice pinned and cached, each candidate timed on its
+own tensors. The launches are the generated modules executed by the CPU emulator
+(``cute_emulator``), their partial sums written as one tile's; times come from a stand-in timer,
+so what is checked is the choosing, not the kernels (tests/gpu/test_cute_gpu.py runs those)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from coda.blocks import get_block
+from coda.planner import lower
+from coda.primitives import analyze, compile_program, cute
+from coda.primitives.codegen.tuning import TuningCache, _combined, wrong_steps
+from coda.primitives.cute import launch as cute_launch
+from coda.primitives.cute.tuning import CANDIDATES, TRITON, tune_cute_steps
+
+from .cute_emulator import emulate_step
+
+SIZES = {"M": 40, "N": 48, "K": 24, "N2": 96}
+FAST, MIDDLE, SLOW = CANDIDATES
+
+
+class _Emulated:
+    """``CuteLaunch.__call__`` on a CPU: the step's writes from the emulator (partial sums in the
+    first tile's column, zeros in the others); ``wrong`` configs add 1 to every value."""
+
+    def __init__(self) -> None:
+        self.launches: list[cute_launch.CuteConfig] = []
+        self.wrong: set[cute_launch.CuteConfig] = set()
+
+    def __call__(self, launch, tensors, env) -> None:  # noqa: ANN001
+        self.launches.append(launch.config)
+        a, b = launch.step._operands(tensors)
+        got = emulate_step(launch.source, a, b, tensors)
+        shift = 1.0 if launch.config in self.wrong else 0.0
+        for name, values in got.items():
+            if name.endswith(":sum"):
+                partials = tensors[name.removesuffix(":sum")]
+                partials.zero_()
+                partials[:, 0] = values.to(partials.dtype) + shift
+            else:
+                tensors[name].copy_(values + shift)
+
+
+@pytest.fixture
+def emulated(monkeypatch) -> _Emulated:
+    emulator = _Emulated()
+    monkeypatch.setattr(cute, "unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(
+        cute_launch.CuteLaunch, "__call__", lambda self, t, env: emulator(self, t, env)
+    )
+    return emulator
+
+
+def _setup(backend: str):
+    block = get_block("gemm_partial_swiglu_bwd")
+    program = lower(block)
+    compiled = compile_program(program, analyze(program, SIZES))
+    compiled.epilogue_backend = backend
+    prepared = compiled.prepare(block.make_inputs(SIZES, torch.float16, seed=0, device="cpu"))
+    tensors = compiled.run(prepared)
+    assert compiled.mainloops_used["b"] == "cute", compiled.cute_refusals
+    return compiled, prepared, tensors
+
+
+def _timer(times: dict[str, float]):
+    """A stand-in for interleaved timing: runs each launch once, reports ``times`` by label
+    (CuTe configs by ``str``), and records the labels it was given."""
+    seen: list[list[str]] = []
+
+    def timer(fns):  # noqa: ANN001, ANN202
+        seen.append(list(fns))
+        for fn in fns.values():
+            fn()
+        return {label: times[label] for label in fns}
+
+    timer.seen = seen  # type: ignore[attr-defined]
+    return timer
+
+
+def test_the_fastest_config_is_pinned_and_cached(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
+    compiled, prepared, tensors = _setup("cute")
+    cache = TuningCache(tmp_path / "tuning.json")
+    timer = _timer({str(FAST): 1.0, str(MIDDLE): 0.5, str(SLOW): 2.0})
+    (result,) = tune_cute_steps(
+        compiled, prepared, tensors, ["b"], cache, with_triton=False, timer=timer
+    ).values()
+    assert timer.seen == [[str(c) for c in CANDIDATES]]  # no Triton candidate under "cute"
+    assert result.best == MIDDLE and result.ms == 0.5 and not result.cached
+    assert compiled.cute_configs == {"b": MIDDLE}
+    emulated.launches.clear()
+    compiled.run(prepared)
+    assert emulated.launches == [MIDDLE]
+    # a fresh compiled Program with a fresh cache object reads the choice from the file
+    again, prepared2, tensors2 = _setup("cute")
+    (cached,) = tune_cute_steps(
+        again, prepared2, tensors2, ["b"], TuningCache(tmp_path / "tuning.json"),
+        with_triton=False, timer=_timer({}),
+    ).values()  # fmt: skip
+    assert cached.cached and cached.best == MIDDLE and again.cute_configs == {"b": MIDDLE}
+
+
+def test_under_auto_triton_is_a_candidate_and_can_win(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
+    compiled, prepared, tensors = _setup("auto")
+    timer = _timer({str(FAST): 1.0, str(MIDDLE): 1.1, str(SLOW): 1.2, TRITON: 0.7})
+    (result,) = tune_cute_steps(
+        compiled, prepared, tensors, ["b"], TuningCache(tmp_path / "t.json"),
+        with_triton=True, timer=timer,
+    ).values()  # fmt: skip
+    assert timer.seen == [[*(str(c) for c in CANDIDATES), TRITON]]
+    assert result.best is None and result.as_dict()["backend"] == "triton"
+    emulated.launches.clear()
+    compiled.run(prepared)
+    assert emulated.launches == [] and compiled.mainloops_used["b"] != "cute"
+    # the same sizes under "cute" only are another choice: another key
+    assert len(TuningCache(tmp_path / "t.json").entries) == 1
+    assert result.key.startswith("cute+triton|")
+
+
+def test_a_fast_wrong_config_is_rejected_for_the_next(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
+    compiled, prepared, tensors = _setup("cute")
+    emulated.wrong.add(FAST)
+    timer = _timer({str(FAST): 0.1, str(MIDDLE): 0.5, str(SLOW): 0.3})
+    (result,) = tune_cute_steps(
+        compiled, prepared, tensors, ["b"], TuningCache(tmp_path / "t.json"),
+        with_triton=False, timer=timer,
+    ).values()  # fmt: skip
+    assert [c for c, _ in result.rejected] == [FAST] and result.best == SLOW
+    assert "max |error|" in result.rejected[0][1]
+
+
+def test_every_config_wrong_leaves_the_step_on_triton(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
+    compiled, prepared, tensors = _setup("cute")
+    emulated.wrong.update(CANDIDATES)
+    timer = _timer({str(c): 1.0 + i for i, c in enumerate(CANDIDATES)})
+    (result,) = tune_cute_steps(
+        compiled, prepared, tensors, ["b"], TuningCache(tmp_path / "t.json"),
+        with_triton=False, timer=timer,
+    ).values()  # fmt: skip
+    assert result.best is None and len(result.rejected) == len(CANDIDATES)
+    assert compiled.cute_configs == {"b": None}
+
+
+def test_each_candidate_launches_into_its_own_tensors(emulated: _Emulated) -> None:
+    # 128- and 192-column tiles give partial-sum buffers of other widths: a candidate's launch
+    # timed later must not write into what a later candidate allocated
+    compiled, _, tensors = _setup("cute")
+    compiled.cute_configs["b"] = FAST
+    first = compiled.step_launch("b", tensors)
+    mine = tensors["zdz_partials"]
+    compiled.cute_configs["b"] = SLOW
+    compiled.step_launch("b", tensors)
+    assert tensors["zdz_partials"] is not mine
+    mine.fill_(math.nan)
+    first()
+    assert not mine.isnan().any()
+
+
+def test_the_check_combines_partials_of_another_tile(emulated: _Emulated) -> None:
+    compiled, prepared, _ = _setup("cute")
+    assert wrong_steps(compiled, prepared) == {}  # CuTe's one-column-per-128 vs the reference's
+    emulated.wrong.add(cute_launch.choose_config(compiled.info_for(prepared).gemms["b"]))
+    assert "b" in wrong_steps(compiled, prepared)
+
+
+@pytest.mark.parametrize(
+    ("kind", "want"), [("sum", [3.0, 7.0]), ("sumsq", [3.0, 7.0]), ("max", [2.0, 4.0])]
+)
+def test_partials_combine_across_tiles_by_kind(kind: str, want: list[float]) -> None:
+    p = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert _combined(p, kind).tolist() == want
+    lse = _combined(p, "lse")
+    assert torch.allclose(lse, torch.logsumexp(p, dim=1))
