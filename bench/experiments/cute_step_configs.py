@@ -1,0 +1,157 @@
+"""Experiment: the CuTe-covered steps of the shipped Programs at a training step's shapes, at
+several tile configs, with B as stored and as a copy laid out the other way, beside cuBLAS.
+
+``choose_config`` picks the CuTe tile by a rule measured at 8192³ (bench/RESULTS.md, runs
+2026-12-02h-j). A Llama training step at 8192 tokens has other shapes — K = 2048 for the down
+projection's backward, N = 2048 for the attention output — and its weights are stored as PyTorch
+keeps them, so some B operands are N-major. This script times, per step:
+
+- ``cublas``: ``torch.mm`` of the step's A and B as stored;
+- ``cute <config> B <K|N>-major``: the product's generated kernel at that config, B as stored;
+- ``... (copy)``: the same with B copied to the other layout (the weight transposed in memory).
+
+Every CuTe variant's written tensors are checked against the Triton backend's for the same step
+first. Not product code.
+
+    python3 bench/experiments/cute_step_configs.py [--programs llama_mlp_bwd_saved,...]
+        [--configs 128x128,128x192,256x128c] [--size M=8192 ...] [--rounds 3] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PROGRAMS = "llama_mlp_train,llama_mlp_bwd_saved,attn_out,llama_attn_in_bwd_saved"
+SIZES = {"M": 8192, "d": 2048, "f": 8192, "Nq": 2048, "Nkv": 512, "Nqkv": 3072, "D": 64}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_config(text: str):
+    """``128x192`` (ping-pong, cluster 2×1), ``256x128c`` (cooperative), ``128x128/1x1``."""
+    from coda.primitives.cute.launch import CuteConfig
+
+    body, _, cluster = text.partition("/")
+    coop = body.endswith("c")
+    tm, tn = (int(v) for v in body.rstrip("c").split("x"))
+    cm, cn = (int(v) for v in cluster.split("x")) if cluster else (2, 1)
+    return CuteConfig(tm, tn, cm, cn, not coop)
+
+
+def step_rows(name: str, sizes: dict, configs: list, rounds: int) -> list[dict]:
+    import torch
+
+    from coda.blocks import get_block
+    from coda.primitives import analyze, compile_program
+    from coda.primitives.cute import launch
+    from coda.primitives.cute.emit import CuteUnsupported
+    from coda.primitives.ir import GemmEpilogue, Program
+    from coda.primitives.reference import activation_dtype
+    from coda.primitives.timing import interleaved_ms
+
+    data = json.loads((ROOT / "export" / "programs" / f"{name}.json").read_text())
+    program = Program.model_validate(data["program"])
+    block = get_block(program.block)
+    dims = {d for t in program.inputs.values() for d in t.shape if isinstance(d, str)}
+    sizes = {k: v for k, v in sizes.items() if k in dims}
+    inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "triton"
+    prepared = compiled.prepare(inputs)
+    tensors = compiled.run(prepared)
+    info = compiled.info_for({n: prepared[n] for n in program.inputs})
+    act = activation_dtype(program, tensors)
+    rows = []
+    for step, sname in zip(program.steps, program.step_names(), strict=True):
+        if not isinstance(step, GemmEpilogue) or info.gemms[sname].vendor:
+            continue
+        gemm = info.gemms[sname]
+        compiled.run_gemm_step(sname, tensors)  # Triton: the reference for the checks
+        want = {n: tensors[n].clone() for n in gemm.writes if gemm.writes[n].partials is None}
+        runner = launch.CuteStep(step)
+        a, b = runner._operands(tensors)
+        fns = {"cublas": lambda a=a, b=b: torch.mm(a, b.t())}
+        errors = {}
+        b_name = step.b.tensor
+        stored = tensors[b_name]
+        flipped = stored.t().contiguous().t()  # the same values, the other dimension contiguous
+        for config in configs:
+            for b_tensor in (stored, flipped):
+                local = dict(tensors)
+                local[b_name] = b_tensor
+                label = f"cute {config.tile_m}x{config.tile_n}"
+                label += f"{'' if config.pingpong else 'c'}/{config.cluster_m}x{config.cluster_n}"
+                label += " B " + _major(runner, local) + (" (copy)" if b_tensor is flipped else "")
+                launch.choose_config = lambda gemm, config=config: config
+                try:
+                    actions = runner.actions(gemm, local, act, stored.device, False)
+                except CuteUnsupported as e:
+                    errors[label] = f"refused: {e}"[:200]
+                    continue
+                except Exception as e:  # a config that does not fit shared memory
+                    errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    continue
+                run = actions[-1]
+                run(local, None)
+                torch.cuda.synchronize()
+                err = max(
+                    float((local[n].float() - w.float()).abs().max() / w.float().abs().max())
+                    for n, w in want.items()
+                )
+                if err > 0.02:
+                    errors[label] = f"WRONG: {err:.3g}"
+                    continue
+                fns[label] = lambda run=run, local=local: run(local, None)
+        times = interleaved_ms(fns, rounds=rounds, warmup=10, rep=50)
+        row = {
+            "program": name, "step": sname, "M": gemm.M, "N": gemm.N, "K": gemm.K,
+            "b_stored": _major(runner, tensors),
+            "ms": times, "over_cublas": {k: v / times["cublas"] for k, v in times.items()},
+            "errors": errors,
+        }  # fmt: skip
+        rows.append(row)
+        best = min((k for k in times if k != "cublas"), key=times.get, default=None)
+        print(
+            f"{name} {sname} {gemm.M}x{gemm.N}x{gemm.K} (B {row['b_stored']}): cublas "
+            f"{times['cublas']:.3f} ms; "
+            + "; ".join(f"{k} {v:.3f}" for k, v in times.items() if k != "cublas")
+            + f"; best {best}; {errors or ''}",
+            flush=True,
+        )
+    return rows
+
+
+def _major(runner, tensors) -> str:
+    """How the step's B operand, as QuACK takes it (``[N, K]``), lies in memory."""
+    return "K-major" if runner._operands(tensors)[1].stride(1) == 1 else "N-major"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--programs", default=PROGRAMS)
+    p.add_argument("--configs", default="128x128,128x192,256x128c")
+    p.add_argument("--size", action="append", default=[], metavar="NAME=N")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    sizes = dict(SIZES)
+    sizes.update({k: int(v) for k, v in (s.split("=", 1) for s in args.size)})
+    configs = [parse_config(c) for c in args.configs.split(",")]
+    from coda.primitives.cute import launch
+
+    saved = launch.choose_config
+    rows: list[dict] = []
+    try:
+        for name in args.programs.split(","):
+            rows += step_rows(name, sizes, configs, args.rounds)
+            if args.out:
+                Path(args.out).write_text(json.dumps(rows, indent=1))
+    finally:
+        launch.choose_config = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
