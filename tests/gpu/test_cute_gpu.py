@@ -156,3 +156,36 @@ def test_the_sandbox_verifies_the_swiglu_backward_on_cute_gpu(monkeypatch) -> No
     block = get_block("gemm_partial_swiglu_bwd")
     report = evaluate(lower(block), block, SandboxOptions(profile=False))
     assert report.verified, report.render_text()
+
+
+@pytest.mark.parametrize("backend", ["cute", "auto"])
+def test_tuning_pins_a_checked_choice_per_step_and_the_program_still_matches_gpu(
+    backend: str, tmp_path
+) -> None:  # noqa: ANN001
+    # every CuTe candidate (and under auto the step's Triton kernel) timed on the step's tensors,
+    # the winner checked against the reference; the tuned Program computes what Triton's does
+    from coda.primitives.codegen.tuning import QUICK_SPACE, TuningCache, tune_program
+    from coda.primitives.cute.tuning import CuteTuning
+
+    data = json.loads((PROGRAMS / "llama_mlp_bwd_saved.json").read_text())
+    program = Program.model_validate(data["program"])
+    block = get_block("llama_mlp_bwd_saved")
+    sizes = {"M": 1000, "d": 1024, "f": 2816}
+    inputs = block.make_inputs(sizes, torch.bfloat16, seed=5, device="cuda")
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = backend
+    prepared = compiled.prepare(inputs)
+    results = tune_program(
+        compiled, prepared, space=QUICK_SPACE, cache=TuningCache(tmp_path / "t.json")
+    )
+    for step in ("down_bwd", "gate_up_bwd"):
+        result = results[step]
+        assert isinstance(result, CuteTuning) and result.times, result
+        assert set(compiled.cute_configs) >= {step}
+        if backend == "cute":
+            assert result.best is not None and "triton" not in result.times
+    tensors = compiled.run(prepared, poison=True)
+    torch.cuda.synchronize()
+    got = program.select_outputs(tensors, sizes)
+    _, triton = _run(program, sizes, inputs, "triton")
+    _assert_matches(block, inputs, got, triton)
