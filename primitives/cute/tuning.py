@@ -18,8 +18,8 @@ Each candidate is timed as its launch alone (what a run plan replays), in interl
 (``codegen.tuning.wrong_steps``: every tensor the step writes, partial sums compared once
 combined across tiles, since the CuTe tile lays them out its own way); a wrong one is rejected and
 the next fastest taken. The choice is pinned on ``CompiledProgram.cute_configs`` (None: Triton)
-and kept in the tuning cache under the step's kernel digest, the backends compared, the device,
-the sizes and the dtype.
+and kept in the tuning cache under the step's kernels (its Triton digest and generated CuTe
+modules), the backends compared, the device, the sizes and the dtype.
 """
 
 from __future__ import annotations
@@ -72,12 +72,16 @@ class CuteTuning:
         }
 
 
-def cute_key(digest: str, with_triton: bool, device: str, gemm: Any, dtype: torch.dtype) -> str:
-    """The tuning-cache key of a step's CuTe choice (``with_triton``: Triton was a candidate)."""
+def cute_key(
+    digest: str, modules: str, with_triton: bool, device: str, gemm: Any, dtype: torch.dtype
+) -> str:
+    """The tuning-cache key of a step's CuTe choice: its Triton kernel's digest and its generated
+    CuTe modules' keys (either kernel changed: tuned anew), whether Triton was a candidate, the
+    device, sizes and dtype."""
     from ..codegen.tuning import tuning_key
 
     kind = "cute+triton" if with_triton else "cute"
-    return f"{kind}|" + tuning_key(digest, device, gemm.M, gemm.N, gemm.K, dtype)
+    return f"{kind}|" + tuning_key(f"{digest}+{modules}", device, gemm.M, gemm.N, gemm.K, dtype)
 
 
 def _from_entry(entry: dict) -> CuteConfig | None:
@@ -110,7 +114,10 @@ def tune_cute_steps(
     for name in steps:
         gemm = info.gemms[name]
         dtype = tensors[compiled._step(name).a.tensor].dtype
-        key = cute_key(compiled.kernels[name].digest, with_triton, device_name, gemm, dtype)
+        modules = "+".join(sorted(src.key for src in compiled._cute_steps[name].sources()))
+        key = cute_key(
+            compiled.kernels[name].digest, modules, with_triton, device_name, gemm, dtype
+        )
         entry = cache.entry(key)
         if entry is not None:
             compiled.cute_configs[name] = best = _from_entry(entry)

@@ -102,6 +102,9 @@ def test_the_fastest_config_is_pinned_and_cached(emulated: _Emulated, tmp_path) 
         with_triton=False, timer=_timer({}),
     ).values()  # fmt: skip
     assert cached.cached and cached.best == MIDDLE and again.cute_configs == {"b": MIDDLE}
+    # the key names the generated CuTe module: another module (an emitter change) tunes anew
+    (source,) = again._cute_steps["b"].sources()
+    assert source.key in cached.key
 
 
 def test_under_auto_triton_is_a_candidate_and_can_win(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
