@@ -499,8 +499,7 @@ def tune_program(
 
     cache = cache or TuningCache()
     compile_ahead_of(lambda: compiled.collect_launches(prepared, prepared=True))
-    for name in list(compiled.cute_configs):
-        del compiled.cute_configs[name]  # chosen anew below (or from the cache)
+    compiled.cute_configs.clear()  # chosen anew below (or read from the cache)
     tensors = compiled.run(prepared)
     info = compiled.info_for({n: prepared[n] for n in compiled.program.inputs})
     device = next(iter(prepared.values())).device
