@@ -14,7 +14,8 @@ Every CuTe variant's written tensors are checked against the Triton backend's fo
 first. Not product code.
 
     python3 bench/experiments/cute_step_configs.py [--programs llama_mlp_bwd_saved,...]
-        [--configs 128x128,128x192,256x128c] [--size M=8192 ...] [--rounds 3] [--out FILE]
+        [--configs 128x128,128x192,256x128c,128x128+e4] [--size M=8192 ...] [--rounds 3]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_config(text: str):
-    """``128x192`` (ping-pong, cluster 2×1), ``256x128c`` (cooperative), ``128x128/1x1``."""
+    """``128x192`` (ping-pong, cluster 2×1), ``256x128c`` (cooperative), ``128x128/1x2``, and
+    ``+e4`` after any of them: four stages of epilogue tile loads and stores."""
     from coda.primitives.cute.launch import CuteConfig
 
+    text, _, stages = text.partition("+e")
     body, _, cluster = text.partition("/")
     coop = body.endswith("c")
     tm, tn = (int(v) for v in body.rstrip("c").split("x"))
     cm, cn = (int(v) for v in cluster.split("x")) if cluster else (2, 1)
-    return CuteConfig(tm, tn, cm, cn, not coop)
+    return CuteConfig(tm, tn, cm, cn, not coop, int(stages) if stages else 0)
 
 
 def step_rows(name: str, sizes: dict, configs: list, rounds: int) -> list[dict]:
@@ -83,6 +86,7 @@ def step_rows(name: str, sizes: dict, configs: list, rounds: int) -> list[dict]:
                 local[b_name] = b_tensor
                 label = f"cute {config.tile_m}x{config.tile_n}"
                 label += f"{'' if config.pingpong else 'c'}/{config.cluster_m}x{config.cluster_n}"
+                label += f"+e{config.epi_stages}" if config.epi_stages else ""
                 label += " B " + _major(runner, local) + (" (copy)" if b_tensor is flipped else "")
                 launch.choose_config = lambda gemm, config=config: config
                 try:

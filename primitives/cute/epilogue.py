@@ -110,6 +110,43 @@ class CodaEpilogue(ComposableEpiMixin):
     its output tile when ``uses_coords`` (reductions must not count elements past the edges)."""
 
     uses_coords = False
+    epi_stages = 0  # 0: QuACK's stage split; n: n tile-store and n tile-load stages (below)
+
+    @classmethod
+    def _compute_stages(
+        cls, cta_tile_shape_mnk, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
+        smem_capacity, occupancy, warp_shape_mnk=None,
+    ):  # fmt: skip
+        """QuACK's split of shared memory between the A/B pipeline and the epilogue, unless
+        ``epi_stages`` asks for deeper epilogue pipelines. QuACK gives the A/B pipeline every
+        stage that fits after two epilogue stages and the leftovers to the tile stores: the
+        SwiGLU backward of a Llama down projection gets six A/B stages and two for its loads and
+        its stores, where the hand-written QuACK kernel it was measured against (with one more
+        store) got five and four. An epilogue that loads and stores a tile per sub-tile waits on
+        those TMA copies when the K loop beside it is short. With ``epi_stages`` = n, the tile
+        stores and tile loads get n stages each and the A/B pipeline what remains (QuACK's
+        split where fewer than three A/B stages would remain); tuning times both."""
+        default = super()._compute_stages(
+            cta_tile_shape_mnk, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
+            smem_capacity, occupancy, warp_shape_mnk,
+        )  # fmt: skip
+        n = cls.epi_stages
+        if not n:
+            return default
+        smem = cls.epi_smem_bytes(epilogue_args, cta_tile_shape_mnk, epi_tile, warp_shape_mnk)
+        elems = cute.size(cute.shape(epi_tile))
+        store_bytes = (elems * d_dtype.width // 8 if d_dtype is not None else 0) + smem.d_stage
+        load_bytes = (elems * c_dtype.width // 8 if c_dtype is not None else 0) + smem.c_stage
+        loads = n if load_bytes else 0
+        epi_bytes = smem.unstaged + store_bytes * n + load_bytes * loads
+        tile_m, tile_n, tile_k = cta_tile_shape_mnk
+        ab_bytes = (tile_m * a_dtype.width + tile_n * b_dtype.width) * tile_k // 8
+        remaining = smem_capacity // occupancy - 1024 - epi_bytes  # 1 KB: QuACK's barriers
+        ab_stage = remaining // ab_bytes
+        if ab_stage < 3:
+            return default
+        extra = (remaining - ab_stage * ab_bytes) // store_bytes if store_bytes else 0
+        return ab_stage, n + extra, loads
 
     def epi_to_underlying_arguments(self, args, *, loc=None, ip=None):
         self.rounding_mode = RoundingMode.RN

@@ -42,14 +42,17 @@ _COMPILE_LOCK = threading.Lock()  # the DSL's compiler is not reentrant
 
 class CuteConfig(NamedTuple):
     """How QuACK's GEMM runs a step: the CTA's output tile, the cluster of CTAs sharing A/B tile
-    loads, and whether two consumer warpgroups take tiles in turn (ping-pong, 128-row tiles) or
-    share one (cooperative, 256-row tiles)."""
+    loads, whether two consumer warpgroups take tiles in turn (ping-pong, 128-row tiles) or
+    share one (cooperative, 256-row tiles), and how deep the epilogue's pipelines are:
+    ``epi_stages`` 0 takes QuACK's shared-memory split, n > 0 gives the epilogue's tile stores and
+    tile loads n stages each before the A/B pipeline takes the rest (``epilogue.CodaEpilogue``)."""
 
     tile_m: int = 128
     tile_n: int = 128
     cluster_m: int = 2
     cluster_n: int = 1
     pingpong: bool = True
+    epi_stages: int = 0
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -61,7 +64,8 @@ class CuteConfig(NamedTuple):
 
     def __str__(self) -> str:
         kind = "pingpong" if self.pingpong else "cooperative"
-        return f"{self.tile_m}x{self.tile_n} cluster {self.cluster_m}x{self.cluster_n} {kind}"
+        text = f"{self.tile_m}x{self.tile_n} cluster {self.cluster_m}x{self.cluster_n} {kind}"
+        return text + (f", {self.epi_stages} epilogue stages" if self.epi_stages else "")
 
 
 def choose_config(gemm: GemmInfo) -> CuteConfig:
@@ -300,13 +304,22 @@ def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> An
     }
     if source.uses_coords:
         epi["m_bound"] = epi["n_bound"] = _fake(0, ())
-    cls = module.Epilogue
+    cls = _with_epi_stages(module.Epilogue, config.epi_stages)
     return compile_gemm_kernel(
         cls, mA.element_type, config.tile, config.cluster, config.pingpong, True, False, False,
         (9, 0),
         mA, mB, mD, None, cls.EpilogueArguments(**epi),
         make_fake_scheduler_args(False, False, batch), None,
     )  # fmt: skip
+
+
+@functools.cache
+def _with_epi_stages(epilogue: type, stages: int) -> type:
+    """The generated class itself, or a subclass of it whose epilogue pipelines are ``stages``
+    deep (``CodaEpilogue.epi_stages``)."""
+    if not stages:
+        return epilogue
+    return type(f"{epilogue.__name__}E{stages}", (epilogue,), {"epi_stages": stages})
 
 
 @functools.cache

@@ -11,6 +11,10 @@ times, per step:
 
 - ``CANDIDATES``: 128 × 128 tiles with clusters of two CTAs along M or along N, and 128 × 192
   (the 8192³ winner), all with two consumer warpgroups in ping-pong;
+- for a step whose epilogue loads tiles, the two 128 × 128 ones again with four stages of tile
+  loads and four of tile stores (``CuteConfig.epi_stages``; QuACK's own split gives the A/B
+  pipeline all it can and these two stages each, which leaves such an epilogue waiting on its
+  copies beside a short K loop — not measured yet);
 - with the ``auto`` backend, the step's Triton kernel at its tuned config.
 
 Each candidate is timed as its launch alone (what a run plan replays), in interleaved rounds
@@ -41,6 +45,18 @@ CANDIDATES = (
     CuteConfig(128, 128, 1, 2),
     CuteConfig(128, 192, 2, 1),
 )
+DEEP_EPILOGUE = 4  # the epilogue pipelines' depth of the extra candidates of a step loading tiles
+
+
+def candidates(loads_tiles: bool) -> tuple[CuteConfig, ...]:
+    """The configs timed for a step: ``CANDIDATES``, and for a step whose epilogue loads tiles
+    the 128 × 128 ones again with ``DEEP_EPILOGUE`` stages of tile loads and stores."""
+    if not loads_tiles:
+        return CANDIDATES
+    deep = [c._replace(epi_stages=DEEP_EPILOGUE) for c in CANDIDATES if c.tile_n == 128]
+    return (*CANDIDATES, *deep)
+
+
 TRITON = "triton"  # the label of the step's Triton kernel among the timed candidates
 
 Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
@@ -140,7 +156,9 @@ def _tune_step(
     timer: Timer,
     check: bool,
 ) -> CuteTuning:
-    choices: dict[str, CuteConfig | None] = {str(c): c for c in CANDIDATES}
+    sources = compiled._cute_steps[name].sources()
+    loads_tiles = any(b.kind == "tile" for src in sources for b in src.bindings)
+    choices: dict[str, CuteConfig | None] = {str(c): c for c in candidates(loads_tiles)}
     if with_triton:
         choices[TRITON] = None
     launches: dict[str, Callable[[], None]] = {}

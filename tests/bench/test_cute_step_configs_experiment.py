@@ -23,6 +23,7 @@ experiment = load_script("experiments/cute_step_configs")
         ("128x192", CuteConfig(128, 192, 2, 1, True)),
         ("256x128c", CuteConfig(256, 128, 2, 1, False)),
         ("128x128/1x2", CuteConfig(128, 128, 1, 2, True)),
+        ("128x128/1x2+e4", CuteConfig(128, 128, 1, 2, True, 4)),
     ],
 )
 def test_configs_read_as_the_product_s(text: str, config: CuteConfig) -> None:

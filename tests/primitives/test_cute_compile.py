@@ -45,3 +45,50 @@ def test_the_training_backward_steps_compile_for_sm90a(tmp_path: Path) -> None:
     r = _check(*programs, env={"CODA_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("compiled in") == 4, r.stdout
+
+
+_STAGES = """
+import json, torch
+from coda.primitives import analyze
+from coda.primitives.cute import epilogue
+from coda.primitives.cute.launch import CuteConfig, CuteLaunch, CuteStep
+from coda.primitives.ir import Program
+from coda.primitives.types import torch_dtype
+
+split = epilogue.CodaEpilogue._compute_stages.__func__
+def printed(cls, *args, **kwargs):
+    stages = split(cls, *args, **kwargs)
+    print("stages", cls.epi_stages, *stages)
+    return stages
+epilogue.CodaEpilogue._compute_stages = classmethod(printed)
+data = json.loads(open({path!r}).read())
+program = Program.model_validate(data["program"])
+info = analyze(program, {{"M": 256, "d": 256, "f": 256}})
+tensors = {{n: torch.empty(t.shape, dtype=torch_dtype(t.dtype, torch.bfloat16))
+           for n, t in info.tensors.items() if t.partials is None}}
+step = program.steps[0]  # down_bwd: loads g and u, stores dz
+runner, gemm = CuteStep(step), info.gemms["down_bwd"]
+floats = {{n: t.dtype for n, t in tensors.items() if t.is_floating_point()}}
+for stages in (0, 4):
+    source, config, writes = runner.plan(
+        gemm, floats, torch.bfloat16, CuteConfig(128, 128, 2, 1, True, stages)
+    )
+    for out, shape, dtype in writes:
+        tensors[out] = torch.empty(shape, dtype=dtype)
+    launch = CuteLaunch(runner, source, gemm.M, gemm.N, config)
+    runner.compiled(source, launch.arguments(tensors), config)
+"""
+
+
+@pytest.mark.skipif(not HAVE_DSL, reason="the CuTe DSL and QuACK are not installed")
+def test_deeper_epilogue_pipelines_take_their_stages_from_the_a_b_pipeline(tmp_path: Path) -> None:
+    # QuACK's split for the SwiGLU backward: six A/B stages, two of tile stores, two of tile
+    # loads; with epi_stages=4 the epilogue's get four each and the A/B pipeline five
+    code = _STAGES.format(path=str(PROGRAMS / "llama_mlp_bwd_saved.json"))
+    env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    stages = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("stages")]
+    assert stages == [["0", "6", "2", "2"], ["4", "5", "4", "4"]], r.stdout

@@ -16,12 +16,19 @@ from coda.planner import lower
 from coda.primitives import analyze, compile_program, cute
 from coda.primitives.codegen.tuning import TuningCache, _combined, wrong_steps
 from coda.primitives.cute import launch as cute_launch
-from coda.primitives.cute.tuning import CANDIDATES, TRITON, tune_cute_steps
+from coda.primitives.cute.tuning import (
+    CANDIDATES,
+    DEEP_EPILOGUE,
+    TRITON,
+    candidates,
+    tune_cute_steps,
+)
 
 from .cute_emulator import emulate_step
 
 SIZES = {"M": 40, "N": 48, "K": 24, "N2": 96}
 FAST, MIDDLE, SLOW = CANDIDATES
+ALL = candidates(loads_tiles=True)  # the SwiGLU backward's epilogue loads z
 
 
 class _Emulated:
@@ -69,14 +76,15 @@ def _setup(backend: str):
 
 def _timer(times: dict[str, float]):
     """A stand-in for interleaved timing: runs each launch once, reports ``times`` by label
-    (CuTe configs by ``str``), and records the labels it was given."""
+    (CuTe configs by ``str``; 9 ms for a label not given), and records the labels it was
+    given."""
     seen: list[list[str]] = []
 
     def timer(fns):  # noqa: ANN001, ANN202
         seen.append(list(fns))
         for fn in fns.values():
             fn()
-        return {label: times[label] for label in fns}
+        return {label: times.get(label, 9.0) for label in fns}
 
     timer.seen = seen  # type: ignore[attr-defined]
     return timer
@@ -89,7 +97,7 @@ def test_the_fastest_config_is_pinned_and_cached(emulated: _Emulated, tmp_path) 
     (result,) = tune_cute_steps(
         compiled, prepared, tensors, ["b"], cache, with_triton=False, timer=timer
     ).values()
-    assert timer.seen == [[str(c) for c in CANDIDATES]]  # no Triton candidate under "cute"
+    assert timer.seen == [[str(c) for c in ALL]]  # no Triton candidate under "cute"
     assert result.best == MIDDLE and result.ms == 0.5 and not result.cached
     assert compiled.cute_configs == {"b": MIDDLE}
     emulated.launches.clear()
@@ -114,7 +122,7 @@ def test_under_auto_triton_is_a_candidate_and_can_win(emulated: _Emulated, tmp_p
         compiled, prepared, tensors, ["b"], TuningCache(tmp_path / "t.json"),
         with_triton=True, timer=timer,
     ).values()  # fmt: skip
-    assert timer.seen == [[*(str(c) for c in CANDIDATES), TRITON]]
+    assert timer.seen == [[*(str(c) for c in ALL), TRITON]]
     assert result.best is None and result.as_dict()["backend"] == "triton"
     emulated.launches.clear()
     compiled.run(prepared)
@@ -138,13 +146,13 @@ def test_a_fast_wrong_config_is_rejected_for_the_next(emulated: _Emulated, tmp_p
 
 def test_every_config_wrong_leaves_the_step_on_triton(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
     compiled, prepared, tensors = _setup("cute")
-    emulated.wrong.update(CANDIDATES)
-    timer = _timer({str(c): 1.0 + i for i, c in enumerate(CANDIDATES)})
+    emulated.wrong.update(ALL)
+    timer = _timer({str(c): 1.0 + i for i, c in enumerate(ALL)})
     (result,) = tune_cute_steps(
         compiled, prepared, tensors, ["b"], TuningCache(tmp_path / "t.json"),
         with_triton=False, timer=timer,
     ).values()  # fmt: skip
-    assert result.best is None and len(result.rejected) == len(CANDIDATES)
+    assert result.best is None and len(result.rejected) == len(ALL)
     assert compiled.cute_configs == {"b": None}
 
 
@@ -178,3 +186,25 @@ def test_partials_combine_across_tiles_by_kind(kind: str, want: list[float]) -> 
     assert _combined(p, kind).tolist() == want
     lse = _combined(p, "lse")
     assert torch.allclose(lse, torch.logsumexp(p, dim=1))
+
+
+def test_deeper_epilogue_candidates_only_for_steps_that_load_tiles() -> None:
+    assert candidates(loads_tiles=False) == CANDIDATES
+    deep = [c for c in ALL if c not in CANDIDATES]
+    assert deep and all(c.epi_stages == DEEP_EPILOGUE and c.tile == (128, 128) for c in deep)
+    assert {c._replace(epi_stages=0) for c in deep} <= set(CANDIDATES)
+    assert "4 epilogue stages" in str(deep[0]) and "epilogue" not in str(CANDIDATES[0])
+
+
+def test_a_deep_candidate_can_win_and_the_runs_after_take_it(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
+    compiled, prepared, tensors = _setup("cute")
+    deep = FAST._replace(epi_stages=DEEP_EPILOGUE)
+    timer = _timer({str(deep): 0.2})
+    (result,) = tune_cute_steps(
+        compiled, prepared, tensors, ["b"], TuningCache(tmp_path / "t.json"),
+        with_triton=False, timer=timer,
+    ).values()  # fmt: skip
+    assert result.best == deep and compiled.cute_configs == {"b": deep}
+    emulated.launches.clear()
+    compiled.run(prepared)
+    assert emulated.launches == [deep]
