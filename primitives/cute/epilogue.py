@@ -120,12 +120,13 @@ class CodaEpilogue(ComposableEpiMixin):
         """QuACK's split of shared memory between the A/B pipeline and the epilogue, unless
         ``epi_stages`` asks for deeper epilogue pipelines. QuACK gives the A/B pipeline every
         stage that fits after two epilogue stages and the leftovers to the tile stores: the
-        SwiGLU backward of a Llama down projection gets six A/B stages and two for its loads and
-        its stores, where the hand-written QuACK kernel it was measured against (with one more
-        store) got five and four. An epilogue that loads and stores a tile per sub-tile waits on
-        those TMA copies when the K loop beside it is short. With ``epi_stages`` = n, the tile
-        stores and tile loads get n stages each and the A/B pipeline what remains (QuACK's
-        split where fewer than three A/B stages would remain); tuning times both."""
+        SwiGLU backward of a Llama down projection gets six A/B stages and two each for its
+        loads and its stores, where the hand-written QuACK kernel it was measured against (with
+        one more store) got five A/B stages and four store stages. An epilogue that loads and
+        stores a tile per sub-tile waits on those TMA copies when the K loop beside it is
+        short. With ``epi_stages`` = n, the tile stores and tile loads get n stages each and the
+        A/B pipeline what remains (QuACK's split where fewer than three A/B stages would
+        remain); tuning times both."""
         default = super()._compute_stages(
             cta_tile_shape_mnk, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
             smem_capacity, occupancy, warp_shape_mnk,
