@@ -34,6 +34,7 @@ and sizes come from a fixed table — no text of the Program reaches the module 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -90,8 +91,9 @@ class CuteSource:
     output_pairs: bool
     uses_coords: bool
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        """The module's name suffix: a digest of its text (looked up on every launch)."""
         return hashlib.sha256(self.text.encode()).hexdigest()[:24]
 
 

@@ -86,8 +86,12 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def _as_mk(t: torch.Tensor) -> torch.Tensor:
-    """``[rows, cols]`` as QuACK's ``(rows, cols, L=1)``."""
-    return t.unsqueeze(0).permute(1, 2, 0)
+    """``[rows, cols]`` as QuACK's ``(rows, cols, L=1)``: the strides of
+    ``t.unsqueeze(0).permute(1, 2, 0)``, in one view (this runs for every tensor of every
+    launch)."""
+    rows, cols = t.shape
+    s0, s1 = t.stride()
+    return t.as_strided((rows, cols, 1), (s0, s1, s0 * rows))
 
 
 @dataclass

@@ -151,3 +151,21 @@ def test_tuning_skips_steps_on_cute_and_its_check_leaves_them_alone(recorder: _R
     _, _, compiled, inputs = _swiglu_bwd("cute")
     results = tune_program(compiled, compiled.prepare(inputs))
     assert "b" not in results and compiled.mainloops_used["b"] == "cute"
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.empty(40, 24),
+        torch.empty(24, 40).t(),  # column-major
+        torch.empty(50, 30)[3:, 5:29],  # a view with an offset and a wider row stride
+        torch.empty(0, 8),
+    ],
+    ids=["row-major", "column-major", "offset view", "empty"],
+)
+def test_a_matrix_reaches_quack_as_the_unsqueezed_permuted_view(tensor: torch.Tensor) -> None:
+    # one view where there were two: the same shape, strides, offset and memory
+    want = tensor.unsqueeze(0).permute(1, 2, 0)
+    got = cute_launch._as_mk(tensor)
+    assert got.shape == want.shape and got.stride() == want.stride()
+    assert got.storage_offset() == want.storage_offset() and got.data_ptr() == want.data_ptr()
