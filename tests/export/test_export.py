@@ -135,8 +135,9 @@ def test_configs_are_tuned_once_per_new_shape_and_tuning_can_be_switched_off() -
         assert len(forward_runner.tuned) == 1
         fn(torch.randn(9, 48), *weights)
         assert len(forward_runner.tuned) == 2
-        (configs,) = [c for k, c in forward_runner.tuned.items() if k[0][0] == (9, 48)]
+        ((configs, cute),) = [c for k, c in forward_runner.tuned.items() if k[0][0] == (9, 48)]
         assert set(configs) == {"gate_up", "down"}  # every fused gemm step has its config
+        assert cute == {}  # no step ran on the CuTe backend (a CPU): no CuTe choice to pin
         fn.tune = "off"
         fn(torch.randn(13, 48), *weights)
         assert len(forward_runner.tuned) == 2
