@@ -430,17 +430,23 @@ class _Plumbing:
 def kernels_used() -> dict[str, dict[str, dict[str, str]]]:
     """What ran the fused steps of every exported Program that has run in this process: per
     Program (its block's name), ``ran`` — step → ``"cute"`` or the Triton mainloop last
-    launched — and ``not_cute`` — step → why it did not take the CuTe backend where that was
-    asked for (``CODA_EPILOGUE_BACKEND``)."""
+    launched —, ``not_cute`` — step → why it did not take the CuTe backend where that was
+    asked for (``CODA_EPILOGUE_BACKEND``) — and ``cute_tuned`` — step → the CuTe config tuning
+    pinned for the last shape it ran at, or ``"triton"`` where tuning timed Triton faster."""
     out: dict[str, dict[str, dict[str, str]]] = {}
     for exported in _REGISTERED.values():
         for runner in exported.runners:
             compiled = runner.compiled
             if compiled is None or not compiled.mainloops_used:
                 continue
-            entry = out.setdefault(runner.program.block, {"ran": {}, "not_cute": {}})
+            entry = out.setdefault(
+                runner.program.block, {"ran": {}, "not_cute": {}, "cute_tuned": {}}
+            )
             entry["ran"].update(compiled.mainloops_used)
             entry["not_cute"].update(compiled.cute_refusals)
+            entry["cute_tuned"].update(
+                {n: "triton" if c is None else str(c) for n, c in compiled.cute_configs.items()}
+            )
     return out
 
 

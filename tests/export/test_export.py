@@ -596,4 +596,16 @@ def test_kernels_used_names_what_ran_each_exported_step() -> None:
     assert used[forward]["ran"] and used[backward]["ran"]  # each fused step and its kernel
     # on a CPU the CuTe backend is not asked for: no step says why it did not take it
     assert all(kind != "cute" for entry in used.values() for kind in entry["ran"].values())
-    assert used[backward]["not_cute"] == {}
+    assert used[backward]["not_cute"] == {} and used[backward]["cute_tuned"] == {}
+    # what tuning pinned is named: a CuTe config by its tile and cluster, Triton as "triton"
+    from coda.primitives.cute.launch import CuteConfig
+
+    runner = next(r for r in block.function.runners if r.program.block == backward)
+    runner.compiled.cute_configs.update(
+        {"down_bwd": None, "gate_up_bwd": CuteConfig(128, 128, 1, 2)}
+    )
+    try:
+        tuned = kernels_used()[backward]["cute_tuned"]
+    finally:
+        runner.compiled.cute_configs.clear()
+    assert tuned == {"down_bwd": "triton", "gate_up_bwd": "128x128 cluster 1x2 pingpong"}
