@@ -378,24 +378,24 @@ class CompiledProgram:
 
     def run_gemm_step(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         """Launch one fused gemm step on tensors a previous ``run`` produced (for tuning)."""
-        info = self.info_for({n: tensors[n] for n in self.program.inputs})
-        act = activation_dtype(self.program, tensors)
-        device = tensors[next(iter(self.program.inputs))].device
-        step, gemm = self._step(name), info.gemms[name]
-        self._run_gemm(step, gemm, tensors, act, device, poison=False, sizes=info.sizes)
+        self._gemm_step_actions(name, tensors)
 
     def step_launch(self, name: str, tensors: dict[str, torch.Tensor]) -> Callable[[], None]:
         """Launch one fused gemm step on tensors a previous ``run`` produced, deciding its kernel
         and config as a run would, and return what launches that kernel again on them — the
         launch a run plan replays, without the step's allocations (for timing). It launches into
         the tensors this call allocated, whatever later calls put in ``tensors``."""
+        launch, own = self._gemm_step_actions(name, tensors)[-1], dict(tensors)
+        return lambda: launch(own, None)
+
+    def _gemm_step_actions(self, name: str, tensors: dict[str, torch.Tensor]) -> list[Action]:
+        """Run fused gemm step ``name`` on ``tensors`` (a previous ``run``'s), deciding as a run
+        would; its actions."""
         info = self.info_for({n: tensors[n] for n in self.program.inputs})
         act = activation_dtype(self.program, tensors)
         device = tensors[next(iter(self.program.inputs))].device
         step, gemm = self._step(name), info.gemms[name]
-        actions = self._run_gemm(step, gemm, tensors, act, device, poison=False, sizes=info.sizes)
-        launch, own = actions[-1], dict(tensors)
-        return lambda: launch(own, None)
+        return self._run_gemm(step, gemm, tensors, act, device, poison=False, sizes=info.sizes)
 
     def __call__(
         self, inputs: dict[str, torch.Tensor], *, poison: bool = False

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .emit import CuteUnsupported
 from .launch import CuteConfig
 
 if TYPE_CHECKING:
@@ -165,13 +164,12 @@ def _tune_step(
     errors: dict[str, str] = {}
     for label, choice in choices.items():
         compiled.cute_configs[name] = choice
-        try:
-            launches[label] = compiled.step_launch(name, tensors)
-        except CuteUnsupported as e:
-            errors[label] = str(e)
+        launch = compiled.step_launch(name, tensors)
         if choice is not None and compiled.mainloops_used.get(name) != "cute":
-            launches.pop(label, None)  # the runtime took Triton instead: not this candidate
-            errors.setdefault(label, compiled.cute_refusals.get(name, "ran on Triton"))
+            # the backend refused this config (the runtime ran Triton and kept why)
+            errors[label] = compiled.cute_refusals.get(name, "ran on Triton")
+            continue
+        launches[label] = launch
     times = timer(launches) if launches else {}
     rejected: list[tuple[CuteConfig, str]] = []
     for label in sorted(times, key=times.__getitem__):
