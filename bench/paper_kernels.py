@@ -5,7 +5,7 @@ and on the same inputs: the planner's fused Program, the cuBLAS GEMM alone (its 
 the block's PyTorch reference eagerly, and the same reference under ``torch.compile`` (cuBLAS GEMM +
 a compiled epilogue). For ``llama_mlp`` at M = 16384 tokens, d = 2048 (f = 8192) and d = 4096
 (f = 14336): forward and forward+backward of the exported CODA op (``coda.export``, prep included:
-weights change every step; forward ``llama_mlp_train`` saving g, u and a, backward
+weights change every step; forward ``llama_mlp_train`` saving g and u, backward
 ``llama_mlp_bwd_saved``; and the variant that recomputes the gate/up GEMM instead) against eager
 PyTorch, ``torch.compile``, Liger-Kernel when installed, and the six cuBLAS GEMMs alone (gate/up
 fused). Every configuration is first checked for correctness in bf16 against a float32 reference

@@ -154,8 +154,9 @@ _BUILTIN = {
 def gemma_mlp_family(base: str, eps: float) -> dict[str, Block]:
     """The blocks of the Gemma MLP family ``base`` (``gemma_mlp``, ``gemma_mlp_branch`` or
     ``gemma2_mlp_branch``) for an RMSNorm epsilon (every norm of the block takes it):
-    ``forward``, ``backward`` (gets the forward inputs), ``train`` (also returns g, u and a =
-    gelu_tanh(g)·u) and ``backward_saved`` (gets them). Another epsilon than 1e-5 registers
+    ``forward``, ``backward`` (gets the forward inputs), ``train`` (also returns g and u, and
+    for ``gemma2_mlp_branch``, whose post-norm's backward needs it, a = gelu_tanh(g)·u) and
+    ``backward_saved`` (gets them). Another epsilon than 1e-5 registers
     ``<base>_eps<eps>`` and its ``_bwd``, ``_train``, ``_bwd_saved`` on first use."""
     if base not in _BUILTIN:
         raise ValueError(f"no Gemma MLP family {base!r}: known are {', '.join(_BUILTIN)}")

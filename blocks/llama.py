@@ -12,9 +12,11 @@ from __future__ import annotations
 from .autodiff import VJP, Pick, backward_block
 from .block import Block, ShapeSets, TensorSpec
 from .ops import (
+    GLU,
     Add,
     Concat,
     CrossEntropy,
+    LayerNorm,
     Linear,
     LogSumExp,
     PairLayout,
@@ -335,29 +337,48 @@ llama_lm_head_ce_train, llama_lm_head_ce_bwd_saved = _lm_head_training_pair(
 
 MLP_GRADS = ["x", "gamma", "w_gate", "w_up", "w_down"]
 MLP_COTANGENT = {"out": TensorSpec(shape=["M", "d"], doc="gradient of out")}
+# The gated activation's output a = act(g)·u is not saved: the backward's first GEMM loads the
+# g and u tiles for the activation's derivative anyway and writes a beside dz from them (one
+# more tile stored in the backward, against one [M, f] tensor per layer held from the forward
+# to the backward — a third of what the MLP keeps for it).
 MLP_SAVED = {
     "g": TensorSpec(shape=["M", "f"], doc="gate_proj(h), saved by the forward pass"),
     "u": TensorSpec(shape=["M", "f"], doc="up_proj(h), saved by the forward pass"),
-    "a": TensorSpec(shape=["M", "f"], doc="silu(g) * u, saved by the forward pass"),
 }
+# A post-norm after the down projection (Gemma 2's sandwich, OLMo 2) needs a in the backward
+# before any epilogue has read g and u: its statistic comes from the down projection's output.
+MLP_SAVED_WITH_A = {
+    **MLP_SAVED,
+    "a": TensorSpec(shape=["M", "f"], doc="act(g) * u, saved by the forward pass"),
+}
+
+
+def _normed_after_down(forward: Block) -> bool:
+    """Whether a norm reads the down projection's output (the projection of the gated unit's
+    output): a post-norm, as in Gemma 2's sandwich or OLMo 2."""
+    glu_out = {op.out for op in forward.graph if isinstance(op, SwiGLU | GLU)}
+    down = {op.out for op in forward.graph if isinstance(op, Linear) and op.x in glu_out}
+    return any(isinstance(op, RMSNorm | LayerNorm) and op.x in down for op in forward.graph)
 
 
 def _mlp_training_pair(
     forward: Block, name: str, wrt: list[str] = MLP_GRADS
 ) -> tuple[Block, Block]:
-    """``<name>_train`` (the forward that also returns g, u and a = silu(g)·u, and its pre-norm's
-    statistic ``rstd_h`` where it has one) and ``<name>_bwd_saved`` (the backward that receives
-    them instead of recomputing the gate/up GEMM, a and the statistic — what eager PyTorch's
-    autograd keeps too), with the gradients of ``wrt``."""
-    what = "g = gate(h), u = up(h) and a = silu(g) * u"
-    train = register(_with_statistic(forward, f"{name}_train", ["out", "g", "u", "a"], what))
+    """``<name>_train`` (the forward that also returns g and u, and its pre-norm's statistic
+    ``rstd_h`` where it has one) and ``<name>_bwd_saved`` (the backward that receives them
+    instead of recomputing the gate/up GEMM and the statistic, and recomputes the activation's
+    output a = act(g)·u in the epilogue that reads g and u), with the gradients of ``wrt``.
+    With a post-norm after the down projection a is saved too (``MLP_SAVED_WITH_A``)."""
+    kept = MLP_SAVED_WITH_A if _normed_after_down(forward) else MLP_SAVED
+    what = "g = gate(h), u = up(h)" + (" and a = act(g) * u" if "a" in kept else "")
+    train = register(_with_statistic(forward, f"{name}_train", ["out", *kept], what))
     statistic = _saved_statistic(train)
     saved = backward_block(
         train if statistic else forward,
         name=f"{name}_bwd_saved",
         cotangents=MLP_COTANGENT,
         wrt=wrt,
-        saved={**MLP_SAVED, **statistic},
+        saved={**kept, **statistic},
     )
     return train, register(saved)
 
@@ -411,7 +432,7 @@ def _with_eps(block: Block, eps: float, name: str) -> Block:
 
 def llama_mlp_family(eps: float, *, residual: bool = True) -> dict[str, Block]:
     """The llama_mlp blocks for an RMSNorm epsilon: ``forward``, ``backward`` (gets the forward
-    inputs), ``train`` (forward that also returns g, u, a) and ``backward_saved`` (gets them).
+    inputs), ``train`` (forward that also returns g, u) and ``backward_saved`` (gets them).
 
     ``residual=False``: the ``llama_mlp_branch`` family instead (no residual add; the caller adds
     x). Llama 3 uses eps = 1e-5: the built-in ``llama_mlp``, ``llama_mlp_bwd``,

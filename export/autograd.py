@@ -536,7 +536,7 @@ def export_autograd(
         p.key: p.out for p in backward_block.graph if isinstance(p, Pick) and p.src == vjp.out
     }
     _check_packing(forward, backward, grad_names, packed)
-    # Saved values that are not also differentiable outputs (e.g. llama_mlp's g, u, a) are extra
+    # Saved values that are not also differentiable outputs (e.g. llama_mlp's g, u) are extra
     # outputs a call does not return; a saved output that is returned too (llama_attn_in's qkv,
     # which its backward takes instead of recomputing) stays an ordinary output.
     saved_only = [n for n in vjp.saved if n not in vjp.cotangents]
@@ -558,10 +558,10 @@ def export_autograd(
         outs = output if isinstance(output, tuple) else (output,)
         if plumbing.saved_only_at:
             ctx.mark_non_differentiable(*[outs[i] for i in plumbing.saved_only_at])
-        # Outputs nobody differentiated (saved activations, e.g. llama_mlp's g, u, a) reach
-        # backward_fn as None, not as zero tensors of their size: for llama_mlp 3 fills of M·f
-        # values a step (0.24 ms at d = 2048, 0.42 ms at d = 4096 on the H200,
-        # bench/profile_export.py).
+        # Outputs nobody differentiated (saved activations, e.g. llama_mlp's g, u) reach
+        # backward_fn as None, not as zero tensors of their size: for llama_mlp, when it saved
+        # g, u and a, 3 fills of M·f values a step (0.24 ms at d = 2048, 0.42 ms at d = 4096 on
+        # the H200, bench/profile_export.py).
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs, *[outs[i] for i in plumbing.saved_at])
         # what a zero cotangent for an output whose gradient comes as None is made like

@@ -165,7 +165,7 @@ def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor
 def _llama_mlp_function(
     eps: float, verify: bool, saved: bool, packed: bool, name: str
 ) -> ExportedFunction:
-    # Saving g, u, a for the backward: without gradients (evaluation, no_grad) the plain forward
+    # Saving g and u for the backward: without gradients (evaluation, no_grad) the plain forward
     # runs instead and stores none of them.
     keys = ["train", "backward_saved", "forward"] if saved else ["forward", "backward"]
     programs = dropin_programs(name, keys, eps, verify=verify)

@@ -272,14 +272,18 @@ def test_lm_head_epsilon_variants_have_a_training_pair() -> None:
 
 
 def test_saved_inputs_are_the_forward_values() -> None:
-    # llama_mlp_bwd_saved receives g, u and a: drawn consistently with x and the weights
+    # llama_mlp_bwd_saved receives g and u (not a = silu(g)·u, which its first epilogue
+    # recomputes): drawn consistently with x and the weights
     block = get_block("llama_mlp_bwd_saved")
     inputs = block.make_inputs(block.shapes.cpu[1], torch.float64, seed=3)
     values = get_block("llama_mlp").values({n: inputs[n] for n in get_block("llama_mlp").inputs})
-    assert all(torch.equal(inputs[n], values[n]) for n in ("g", "u", "a"))
-    assert "g, u, a, rstd_h: saved by the forward pass" in block.reference_source()
+    assert all(torch.equal(inputs[n], values[n]) for n in ("g", "u")) and "a" not in inputs
+    assert "g, u, rstd_h: saved by the forward pass" in block.reference_source()
     # ... and the pre-norm's statistic, as the training forward returns it (one value a row)
-    assert get_block("llama_mlp_train").outputs == ["out", "g", "u", "a", "rstd_h"]
+    assert get_block("llama_mlp_train").outputs == ["out", "g", "u", "rstd_h"]
+    # a post-norm after the down projection (OLMo 2, Gemma 2's sandwich) needs a saved too
+    assert get_block("olmo2_mlp_branch_train").outputs == ["out", "g", "u", "a"]
+    assert "a" in get_block("gemma2_mlp_branch_bwd_saved").inputs
     assert torch.equal(inputs["rstd_h"], fn.row_rstd(inputs["x"], 1e-5))
     # llama_lm_head_ce_bwd_saved receives each row's log-sum-exp of the logits
     block = get_block("llama_lm_head_ce_bwd_saved")

@@ -78,8 +78,8 @@ def test_the_custom_op_passes_torch_opcheck() -> None:
     )
     torch.library.opcheck(fn.forward_op, args, test_utils=("test_schema", "test_faketensor"))
     # the backward returns dw_gate and dw_up from one interleaved gradient: copies, not aliases
-    saved = fn.forward_op(*args)[1:]  # g, u, a and rstd_h, as the forward returns them
-    assert fn.saved_names == ["g", "u", "a", "rstd_h"] and saved[-1].shape == (7,)
+    saved = fn.forward_op(*args)[1:]  # g, u and rstd_h, as the forward returns them
+    assert fn.saved_names == ["g", "u", "rstd_h"] and saved[-1].shape == (7,)
     backward_args = (*args, *saved, torch.randn(7, 48))
     torch.library.opcheck(fn.backward_op, backward_args, test_utils=("test_schema",))
 
@@ -96,7 +96,7 @@ def test_the_packed_ops_pass_torch_opcheck() -> None:
     x, weights = torch.randn(7, 48), [norm.weight.detach(), gate_up, mlp.down_proj.weight.detach()]
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(fn.forward_op, (x, *weights), test_utils=checks)
-    saved = fn.forward_op(x, *weights)[1:]  # g, u, a and rstd_h
+    saved = fn.forward_op(x, *weights)[1:]  # g, u and rstd_h
     backward_args = (x, *weights, *saved, torch.randn(7, 48))
     torch.library.opcheck(fn.backward_op, backward_args, test_utils=checks)
     dx, dgamma, dw_gate_up, dw_down = fn.backward_op(*backward_args)

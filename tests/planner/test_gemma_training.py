@@ -28,6 +28,7 @@ from coda.blocks.llama import (
     MLP_COTANGENT,
     MLP_GRADS,
     MLP_SAVED,
+    MLP_SAVED_WITH_A,
     _lm_head_training_pair,
     _mlp_training_pair,
 )
@@ -214,7 +215,9 @@ def test_the_gemma_geglu_mlp_backward_verifies() -> None:
 
 @pytest.mark.usefixtures("scratch_registry")
 def test_the_gemma_geglu_mlp_training_pair_verifies() -> None:
-    """The training forward returns g, u and a = gelu_tanh(g)·u; its backward reads them."""
+    """The training forward returns g and u; its backward reads them and recomputes
+    a = gelu_tanh(g)·u for the down projection's weight gradient in the epilogue that reads
+    them."""
     forward = registry.register(gemma_mlp())
     train, saved = _mlp_training_pair(forward, forward.name)
     for block in (train, saved):
@@ -396,7 +399,7 @@ def test_the_sandwich_mlp_training_pair_verifies() -> None:
     train = GEMMA2_MLP.model_copy(
         update={"name": "gemma2_sandwich_mlp_train", "outputs": ["h", "g", "u", "a"]}
     )
-    saved = _sandwich_bwd(saved=dict(MLP_SAVED))
+    saved = _sandwich_bwd(saved=dict(MLP_SAVED_WITH_A))
     assert not any(s.name == "gate_up" for s in lower(saved).steps if s.kind == "gemm")
     for block in (train, saved):
         report = evaluate(lower(block), block, OPTIONS)

@@ -143,11 +143,16 @@ def test_training_forward_saves_what_its_backward_uses() -> None:
     train = lower(get_block("llama_mlp_train"))
     gate_up = _gemms(train)[0]
     assert _ops(gate_up)[:3] == ["scale_rows", "split_pairs", "swiglu"]
+    # a = silu(g)·u is written for the down projection but not returned: the backward
+    # recomputes it where it reads g and u
     assert {op.to for op in gate_up.epilogue if op.op == "store"} == {"g", "u", "a"}
+    assert set(train.outputs) == {"out", "g", "u", "rstd_h"}
     saved = lower(get_block("llama_mlp_bwd_saved"))
     gemms = _gemms(saved)
-    assert [g.is_plain_store for g in gemms] == [False, True, False, True]  # no recompute
+    assert [g.is_plain_store for g in gemms] == [False, True, False, True]  # no GEMM recomputed
     assert gemms[0].a.tensor == "dout" and "join_pairs" in _ops(gemms[0])
+    assert {op.to for op in gemms[0].epilogue if op.op == "store"} == {"dz", "a"}
+    assert gemms[1].b.tensor == "a"  # dW_down = doutᵀ · a
 
 
 @pytest.mark.parametrize(
