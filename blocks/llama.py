@@ -16,7 +16,6 @@ from .ops import (
     Add,
     Concat,
     CrossEntropy,
-    LayerNorm,
     Linear,
     LogSumExp,
     PairLayout,
@@ -354,11 +353,12 @@ MLP_SAVED_WITH_A = {
 
 
 def _normed_after_down(forward: Block) -> bool:
-    """Whether a norm reads the down projection's output (the projection of the gated unit's
-    output): a post-norm, as in Gemma 2's sandwich or OLMo 2."""
+    """Whether an RMSNorm reads the down projection's output (the projection of the gated
+    unit's output): a post-norm, as in Gemma 2's sandwich or OLMo 2 — the post-norm the
+    planner's MLP backward rule looks for (``planner/rules/swiglu.py``, ``_mlp_output``)."""
     glu_out = {op.out for op in forward.graph if isinstance(op, SwiGLU | GLU)}
     down = {op.out for op in forward.graph if isinstance(op, Linear) and op.x in glu_out}
-    return any(isinstance(op, RMSNorm | LayerNorm) and op.x in down for op in forward.graph)
+    return any(isinstance(op, RMSNorm) and op.x in down for op in forward.graph)
 
 
 def _mlp_training_pair(
