@@ -2,8 +2,9 @@
 
 The loss is the last op of a training step, so its gradient can be computed with it (as
 Liger-Kernel's fused linear cross-entropy does) and the backward only scales by the incoming
-gradient. Per chunk of rows, one Program (``gradient_program``, verified against the block
-``<family>_grad``: loss and the gradients of ``Σ dloss · loss``) runs
+gradient — a kernel that reads it on the device and leaves the gradients untouched when it is 1
+(``primitives/scale_in_place.py``). Per chunk of rows, one Program (``gradient_program``,
+verified against the block ``<family>_grad``: loss and the gradients of ``Σ dloss · loss``) runs
 
 0. prep: the norm's γ folded into the chunk's rows, ``x ⊙ γ`` (``[rows, d]``, rounded once):
    ``(x̂ ⊙ γ) Wᵀ = diag(r) · ((x ⊙ γ) Wᵀ)``, so the GEMMs read the LM head weight ``W`` itself
@@ -40,6 +41,7 @@ from coda.blocks.block import Block
 from coda.blocks.llama import lm_head_gradient_block
 from coda.primitives.ir import Program
 from coda.primitives.prep.fusion import names_in
+from coda.primitives.scale_in_place import scale_unless_one
 
 from .autograd import _Runner
 from .programs import FAMILIES
@@ -226,23 +228,29 @@ class _ChunkedLoss(torch.autograd.Function):
         runner: _Runner,
         rows: int,
     ) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
         dx = torch.empty_like(x)
-        dgamma = torch.zeros(gamma.shape, dtype=torch.float32, device=x.device)
-        dw = None
+        losses, dgammas, dw = [], [], None
         for start in range(0, x.shape[0], rows):
             part = slice(start, start + rows)
             loss, dx_part, dgamma_part, dz, y = runner(
                 x[part], gamma, w, classes[part], weights[part]
             )
-            total += (loss * weights[part]).sum()
+            losses.append(loss)
+            dgammas.append(dgamma_part)
             dx[part] = dx_part
-            dgamma += dgamma_part
             if ctx.needs_input_grad[2]:  # the first chunk writes the buffer, later ones add
                 dw = dz.T @ y if dw is None else dw.addmm_(dz.T, y)
             del dz, y, dx_part  # freed before the next chunk allocates its own
         if dw is None and ctx.needs_input_grad[2]:  # no rows
             dw = torch.zeros_like(w)
+        # The chunks' losses and γ partials summed once at the end (a few launches, not a few
+        # per chunk): fp32 throughout.
+        if losses:
+            total = torch.dot(torch.cat(losses).to(torch.float32), weights)
+            dgamma = torch.stack(dgammas).to(torch.float32).sum(dim=0)
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=x.device)
+            dgamma = torch.zeros(gamma.shape, dtype=torch.float32, device=x.device)
         # Held on ctx, not saved for backward: the backward scales them in place and hands them
         # over, so autograd takes each as the parameter's gradient without a copy (a tensor
         # the graph still held would be cloned) and the weight gradient exists once.
@@ -258,12 +266,11 @@ class _ChunkedLoss(torch.autograd.Function):
                 "cannot run it again); compute the loss again for another backward"
             )
         (dx, dgamma, dw), ctx.grads = ctx.grads, None
-        # Always scaled: whether ``grad`` is 1 is known only on the device (a host sync to ask);
-        # a multiply is one pass over each gradient. (A 0-dim float32 ``grad`` keeps each
-        # gradient's dtype: the product is rounded once.)
-        for t in (dx, dgamma, dw):
-            if t is not None:
-                t.mul_(grad)
+        # Whether ``grad`` is 1 (a plain ``loss.backward()``) is known on the device only: its
+        # kernel reads it there and leaves the gradients unread when it is, where ``mul_`` would
+        # pass over each of them — the [V, d] weight gradient included — to multiply by one.
+        # Any other value multiplies as ``mul_`` does: in fp32, rounded once to each dtype.
+        scale_unless_one((dx, dgamma, dw), grad)
         return dx, dgamma, dw, None, None, None, None
 
 

@@ -156,6 +156,23 @@ def test_the_fold_prep_kernel_rounds_like_pytorch_gpu(dtype: torch.dtype) -> Non
         assert torch.equal(got, w * gamma[None, :])
 
 
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_scaling_in_place_by_a_device_factor_is_mul_bit_for_bit_gpu(dtype: torch.dtype) -> None:
+    """``scale_unless_one`` on the GPU (the kernel, its factor a 0-dim fp32 tensor there, as
+    autograd hands a loss's backward): PyTorch's ``mul_`` bit for bit at the LM head's weight
+    gradient's shape and a ragged one, and a factor of exactly 1 rewrites nothing."""
+    from coda.primitives.scale_in_place import scale_unless_one
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for shape in [(32000, 2048), (301, 37)]:
+        t = (torch.randn(shape, device="cuda", generator=gen) * 5).to(dtype)
+        for value in [1.0, 0.37, -3.0, 0.0]:
+            factor = torch.tensor(value, device="cuda")
+            want = t.clone().mul_(factor)
+            scale_unless_one((t,), factor)
+            assert torch.equal(t, want), (shape, value)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("block", ["llama_attn_in", "llama_attn_in_bwd_saved"])
 def test_fused_prep_chains_are_the_steps_bit_for_bit_gpu(block: str, dtype: torch.dtype) -> None:

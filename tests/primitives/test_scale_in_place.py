@@ -1,0 +1,58 @@
+"""``primitives/scale_in_place.py``: in-place scaling by a factor read on the device, the kernel
+run through Triton's interpreter on odd sizes against ``Tensor.mul_``; a factor of exactly 1
+leaves the tensor as it was, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda.primitives.scale_in_place import scale_on_device, scale_unless_one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n", [1, 4095, 4097, 3 * 1237])
+@pytest.mark.parametrize("value", [1.0, 0.5, -2.75, 0.0, 1.0000001, float("nan")])
+def test_the_kernel_multiplies_as_mul_does(dtype: torch.dtype, n: int, value: float) -> None:
+    torch.manual_seed(n)
+    t = (torch.randn(n) * 7).to(dtype)
+    factor = torch.tensor(value, dtype=torch.float32)
+    want = t.clone().mul_(factor)
+    scale_on_device(t, factor)
+    torch.testing.assert_close(t, want, atol=0, rtol=0, equal_nan=True)
+
+
+def test_fewer_programs_than_blocks_cover_the_whole_tensor() -> None:
+    """Two programs over five blocks: each loops over its share, the last block partial."""
+    t = torch.arange(4 * 4096 + 33, dtype=torch.float32)
+    scale_on_device(t, torch.tensor(3.0), max_programs=2)
+    torch.testing.assert_close(t, torch.arange(4 * 4096 + 33, dtype=torch.float32) * 3)
+
+
+def test_a_factor_of_one_leaves_every_value_as_it_was() -> None:
+    """NaNs, infinities and signed zeros included: nothing is rewritten."""
+    t = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40, -3.5] * 1000, dtype=torch.float32)
+    before = t.clone()
+    scale_on_device(t, torch.ones(1))
+    assert torch.equal(t.view(torch.int32), before.view(torch.int32))
+
+
+def test_a_strided_view_or_a_wrong_factor_is_refused_by_the_kernel() -> None:
+    t = torch.zeros(6, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        scale_on_device(t.T, torch.tensor(2.0))
+    with pytest.raises(ValueError, match="one-element factor"):
+        scale_on_device(t, torch.tensor([2.0, 3.0]))
+
+
+def test_scale_unless_one_on_the_cpu_multiplies_unless_the_factor_is_one() -> None:
+    a, b = torch.randn(5, 3), torch.randn(7).to(torch.float16)
+    a0, b0 = a.clone(), b.clone()
+    scale_unless_one((a, None, b), torch.tensor(1.0))
+    assert torch.equal(a, a0) and torch.equal(b, b0)
+    strided = torch.randn(4, 6).T
+    want = strided.clone() * 0.25
+    scale_unless_one((a, b, strided), torch.tensor(0.25))
+    torch.testing.assert_close(a, a0 * 0.25, atol=0, rtol=0)
+    torch.testing.assert_close(b, b0.mul_(torch.tensor(0.25)), atol=0, rtol=0)
+    torch.testing.assert_close(strided, want, atol=0, rtol=0)
