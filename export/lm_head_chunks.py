@@ -269,7 +269,7 @@ class _ChunkedLoss(torch.autograd.Function):
         # Whether ``grad`` is 1 (a plain ``loss.backward()``) is known on the device only: its
         # kernel reads it there and leaves the gradients unread when it is, where ``mul_`` would
         # pass over each of them — the [V, d] weight gradient included — to multiply by one.
-        # Any other value multiplies as ``mul_`` does: in fp32, rounded once to each dtype.
+        # Any other value multiplies in fp32, rounded once to each gradient's dtype.
         scale_unless_one((dx, dgamma, dw), grad)
         return dx, dgamma, dw, None, None, None, None
 

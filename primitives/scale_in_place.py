@@ -8,9 +8,10 @@ weight gradient among them, one read and one write of the whole tensor (0.1–0.
 step on an H200) to multiply by one. Asking the host whether ``g`` is 1 would make it wait for the
 GPU. ``scale_unless_one`` asks the device instead: each program of its kernel loads ``g`` and
 returns at once when it is 1, so the launch costs its few microseconds and nothing is read; any
-other value (0, a loss scale, NaN) multiplies as ``t.mul_(g)`` does — in fp32, rounded once to
-``t``'s dtype. On the CPU the host knows ``g`` without waiting, and ``t.mul_(g)`` runs when it is
-not 1.
+other value (0, a loss scale, NaN) multiplies in fp32, rounded once to ``t``'s dtype — what
+``t.mul_(g)`` computes on the CPU (on a GPU, ``mul_`` first rounds a 0-dim GPU factor to a 16-bit
+``t``'s dtype: 0.37 becomes 0.369 in bf16). On the CPU the host knows ``g`` without waiting, and
+``t.mul_(g)`` runs when it is not 1.
 
 The kernel reads the factor when it runs, so a captured CUDA graph replays it correctly with
 whatever the factor's memory holds then.
@@ -79,9 +80,9 @@ def scale_on_device(
 
 def scale_unless_one(tensors: Iterable[torch.Tensor | None], factor: torch.Tensor) -> None:
     """Multiply each tensor (None: skipped) in place by the one-element ``factor`` — unread and
-    unchanged when ``factor`` is exactly 1, ``t.mul_(factor)``'s result otherwise. On a GPU the
-    device decides (``scale_on_device``; a tensor that is not contiguous takes ``mul_``); on the
-    CPU the host does."""
+    unchanged when ``factor`` is exactly 1, otherwise the product in fp32 rounded once. On a GPU
+    the device decides (``scale_on_device``; a tensor that is not contiguous takes ``mul_``); on
+    the CPU the host does (``mul_``, which computes the same product there)."""
     ts = [t for t in tensors if t is not None]
     if factor.device.type == "cpu":
         if factor.item() != 1.0:

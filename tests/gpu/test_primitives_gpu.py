@@ -159,8 +159,9 @@ def test_the_fold_prep_kernel_rounds_like_pytorch_gpu(dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_scaling_in_place_by_a_device_factor_is_mul_bit_for_bit_gpu(dtype: torch.dtype) -> None:
     """``scale_unless_one`` on the GPU (the kernel, its factor a 0-dim fp32 tensor there, as
-    autograd hands a loss's backward): PyTorch's ``mul_`` bit for bit at the LM head's weight
-    gradient's shape and a ragged one, and a factor of exactly 1 rewrites nothing."""
+    autograd hands a loss's backward): the product in fp32 rounded once, bit for bit, at the LM
+    head's weight gradient's shape and a ragged one; a factor of exactly 1 rewrites nothing.
+    (``mul_`` on the GPU rounds such a factor to the tensor's 16-bit dtype first.)"""
     from coda.primitives.scale_in_place import scale_unless_one
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -168,7 +169,7 @@ def test_scaling_in_place_by_a_device_factor_is_mul_bit_for_bit_gpu(dtype: torch
         t = (torch.randn(shape, device="cuda", generator=gen) * 5).to(dtype)
         for value in [1.0, 0.37, -3.0, 0.0]:
             factor = torch.tensor(value, device="cuda")
-            want = t.clone().mul_(factor)
+            want = (t.float() * value).to(dtype)
             scale_unless_one((t,), factor)
             assert torch.equal(t, want), (shape, value)
 

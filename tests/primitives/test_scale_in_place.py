@@ -1,5 +1,5 @@
 """``primitives/scale_in_place.py``: in-place scaling by a factor read on the device, the kernel
-run through Triton's interpreter on odd sizes against ``Tensor.mul_``; a factor of exactly 1
+run through Triton's interpreter on odd sizes against the fp32 product; a factor of exactly 1
 leaves the tensor as it was, bit for bit."""
 
 from __future__ import annotations
@@ -12,12 +12,17 @@ from coda.primitives.scale_in_place import scale_on_device, scale_unless_one
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n", [1, 4095, 4097, 3 * 1237])
-@pytest.mark.parametrize("value", [1.0, 0.5, -2.75, 0.0, 1.0000001, float("nan")])
-def test_the_kernel_multiplies_as_mul_does(dtype: torch.dtype, n: int, value: float) -> None:
+@pytest.mark.parametrize("value", [1.0, 0.37, -2.75, 0.0, 1.0009, float("nan")])
+def test_the_kernel_multiplies_in_fp32_rounding_once(
+    dtype: torch.dtype, n: int, value: float
+) -> None:
+    """The product in fp32, rounded once to the tensor's dtype — what ``mul_`` computes on the
+    CPU, with the factor not rounded to a 16-bit dtype first."""
     torch.manual_seed(n)
     t = (torch.randn(n) * 7).to(dtype)
     factor = torch.tensor(value, dtype=torch.float32)
-    want = t.clone().mul_(factor)
+    want = (t.float() * value).to(dtype)
+    torch.testing.assert_close(t.clone().mul_(factor), want, atol=0, rtol=0, equal_nan=True)
     scale_on_device(t, factor)
     torch.testing.assert_close(t, want, atol=0, rtol=0, equal_nan=True)
 
