@@ -1,0 +1,73 @@
+"""``coda.export.kv_cache``: the fused causal-LM loss runs its base model with a cache that keeps
+nothing — no key or value is copied into a cache the loss never returns — and computes what
+Hugging Face's model does; a caller's own cache decision is left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda.export import causal_lm_loss
+from coda.export.kv_cache import discarding_cache
+from coda.export.lm_head import check_fused_loss_fits
+
+from .test_lm_head import _labels, _loss_and_grads
+from .test_patch import _model
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def stored(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The key shapes every cache layer of any cache stored in the test."""
+    from transformers import cache_utils
+
+    calls: list[tuple[int, ...]] = []
+    real = cache_utils.DynamicLayer.update
+
+    def counted(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(tuple(key_states.shape))
+        return real(self, key_states, value_states, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.DynamicLayer, "update", counted)
+    return calls
+
+
+def test_the_loss_stores_no_keys_and_equals_hugging_face_s(stored: list) -> None:
+    """Hugging Face's forward with labels fills a cache (one update per layer); the fused loss's
+    forward stores nothing, with the same loss and gradients."""
+    model = _model(seed=31)
+    ids = torch.randint(0, 96, (2, 9))
+    labels = _labels(ids)
+    want, want_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
+    assert len(stored) == model.config.num_hidden_layers  # the test sees a cache being filled
+    check_fused_loss_fits(model)  # (its probe runs Hugging Face's forward, with a cache)
+    stored.clear()
+    got, grads = _loss_and_grads(model, lambda: causal_lm_loss(model, ids, labels, tune="off"))
+    assert stored == []
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def test_a_caller_s_cache_decision_or_a_config_without_cache_is_left_alone(stored: list) -> None:
+    from transformers.cache_utils import DynamicCache
+
+    model = _model(seed=32)
+    base = model.model
+    kept = discarding_cache(base, {})
+    assert list(kept) in (["cache"], ["past_key_values"])
+    cache = next(iter(kept.values()))
+    k = torch.randn(1, 2, 5, 12)
+    assert cache.update(k, k, 0) == (k, k) and cache.get_seq_length() == 0
+    for given in ({"use_cache": False}, {"use_cache": True}, {"past_key_values": None}):
+        assert discarding_cache(base, given) == {}
+    ids = torch.randint(0, 96, (1, 7))
+    check_fused_loss_fits(model)
+    stored.clear()
+    own = DynamicCache(config=model.config)
+    keyword = next(iter(kept))
+    causal_lm_loss(model, ids, ids, tune="off", **{keyword: own})
+    assert own.get_seq_length() == 7 and len(stored) == model.config.num_hidden_layers
+    model.config.use_cache = False
+    assert discarding_cache(base, {}) == {}
