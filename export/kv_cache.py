@@ -21,6 +21,7 @@ import functools
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 
 # the forward keywords through which a caller already decides about the cache
@@ -55,8 +56,11 @@ def discarding_cache(base: nn.Module, given: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments that make ``base`` (a Hugging Face base model) run with a cache that
     keeps nothing — none when the caller's ``given`` keywords already decide about the cache
     (``cache``, ``past_key_values`` or ``use_cache``), ``use_cache`` is off in the model's
-    config, or the forward takes no cache."""
+    config, the forward takes no cache, or ``torch.compile`` is tracing the call (Dynamo cannot
+    trace the class's first definition; the compiled graph keeps Hugging Face's own cache)."""
     if CACHE_KEYWORDS.intersection(given) or not getattr(base.config, "use_cache", False):
+        return {}
+    if torch.compiler.is_compiling():
         return {}
     keyword = _cache_keyword(type(base).forward)
     if keyword is None:
