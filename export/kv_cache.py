@@ -8,7 +8,7 @@ cache, so those copies are lost work; turning ``use_cache`` off instead is no be
 attention mask, Hugging Face then checks the position ids for packed sequences with a ``.all()``
 that makes the host wait for the GPU.
 
-``discarding_cache(base)`` gives the keyword and a cache to pass ``base``'s forward instead: a
+``discarding_cache(base, given)`` gives the ``cache`` argument for ``base``'s forward instead: a
 ``DynamicCache`` whose ``update`` hands the keys and values back as they came and stores nothing.
 Everything else of the cache answers as an empty one does — no cached length, masks for the
 query alone — which is what a fresh cache answers when the masks are made, before any layer
@@ -42,32 +42,26 @@ def _discarding_class() -> type:
 
 
 @functools.cache
-def _cache_keyword(forward: Any) -> str | None:
-    """The keyword a base model's forward takes its cache by: ``cache`` (transformers 5) or
-    ``past_key_values`` (earlier); None if it names neither."""
+def _takes_cache(forward: Any) -> bool:
+    """Whether a base model's forward takes ``cache`` — transformers 5's decoders, which make a
+    ``DynamicCache(config=...)`` themselves whenever ``use_cache`` is on, in training too. (Earlier
+    versions took ``past_key_values`` and made no cache in training for some families: they get
+    none from here either.)"""
     try:
-        names = inspect.signature(forward).parameters
+        return "cache" in inspect.signature(forward).parameters
     except (TypeError, ValueError):
-        return None
-    return next((n for n in ("cache", "past_key_values") if n in names), None)
+        return False
 
 
 def discarding_cache(base: nn.Module, given: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments that make ``base`` (a Hugging Face base model) run with a cache that
     keeps nothing — none when the caller's ``given`` keywords already decide about the cache
     (``cache``, ``past_key_values`` or ``use_cache``), ``use_cache`` is off in the model's
-    config, the forward takes no cache, or ``torch.compile`` is tracing the call (Dynamo cannot
-    trace the class's first definition; the compiled graph keeps Hugging Face's own cache)."""
+    config, the forward takes no ``cache`` (the model makes none of its own then), or
+    ``torch.compile`` is tracing the call (Dynamo cannot trace the class's first definition; the
+    compiled graph keeps Hugging Face's own cache)."""
     if CACHE_KEYWORDS.intersection(given) or not getattr(base.config, "use_cache", False):
         return {}
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _takes_cache(type(base).forward):
         return {}
-    keyword = _cache_keyword(type(base).forward)
-    if keyword is None:
-        return {}
-    cls = _discarding_class()
-    try:
-        cache = cls(config=base.config)
-    except TypeError:  # transformers 4: no config argument
-        cache = cls()
-    return {keyword: cache}
+    return {"cache": _discarding_class()(config=base.config)}
