@@ -8,14 +8,19 @@ keeps them, so some B operands are N-major. This script times, per step:
 
 - ``cublas``: ``torch.mm`` of the step's A and B as stored;
 - ``cute <config> B <K|N>-major``: the product's generated kernel at that config, B as stored;
-- ``... (copy)``: the same with B copied to the other layout (the weight transposed in memory).
+- ``... (copy)``: the same with B copied to the other layout (the weight transposed in memory);
+- ``... without <ops>``: with ``--without``, the kernel of the step with those epilogue ops left
+  out, B as stored — what each part of an epilogue costs. Each spec removes the ops it names
+  together (``+`` between them): ``partial_reduce`` (every one), ``store:a`` (the store to
+  ``a``), ``map:a`` (the map writing ``a``), ``load_tile:u_tile``; a step none of whose ops match
+  is not timed again. Its output is not checked (it computes less).
 
-Every CuTe variant's written tensors are checked against the Triton backend's for the same step
-first. Not product code.
+Every other CuTe variant's written tensors are checked against the Triton backend's for the same
+step first. Not product code.
 
     python3 bench/experiments/cute_step_configs.py [--programs llama_mlp_bwd_saved,...]
         [--configs 128x128,128x192,256x128c,128x128+e4] [--size M=8192 ...] [--rounds 3]
-        [--out FILE]
+        [--without partial_reduce,store:a+map:a,...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -43,7 +48,28 @@ def parse_config(text: str):
     return CuteConfig(tm, tn, cm, cn, not coop, int(stages) if stages else 0)
 
 
-def step_rows(name: str, sizes: dict, configs: list, rounds: int) -> list[dict]:
+def _matches(op, token: str) -> bool:
+    """Whether epilogue op ``op`` is what ``token`` names: ``kind`` or ``kind:name`` (the name
+    it writes: ``out`` or ``to``)."""
+    kind, _, name = token.partition(":")
+    if op.op != kind:
+        return False
+    return not name or name in (getattr(op, "out", None), getattr(op, "to", None))
+
+
+def ablated(step, spec: str):
+    """``step`` without the epilogue ops ``spec`` names (``+``-joined tokens), or None when it
+    has none of them."""
+    tokens = spec.split("+")
+    kept = [op for op in step.epilogue if not any(_matches(op, t) for t in tokens)]
+    if len(kept) == len(step.epilogue):
+        return None
+    return step.model_copy(update={"epilogue": kept})
+
+
+def step_rows(
+    name: str, sizes: dict, configs: list, rounds: int, without: list[str] = ()
+) -> list[dict]:
     import torch
 
     from coda.blocks import get_block
@@ -108,6 +134,20 @@ def step_rows(name: str, sizes: dict, configs: list, rounds: int) -> list[dict]:
                     errors[label] = f"WRONG: {err:.3g}"
                     continue
                 fns[label] = lambda run=run, local=local: run(local, None)
+            for spec in without:
+                smaller = ablated(step, spec)
+                if smaller is None:
+                    continue
+                label = f"cute {config.tile_m}x{config.tile_n} without {spec}"
+                local = dict(tensors)
+                try:
+                    actions = launch.CuteStep(smaller).actions(
+                        gemm, local, act, stored.device, False
+                    )
+                except Exception as e:  # noqa: BLE001 (an experiment: report and go on)
+                    errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    continue
+                fns[label] = lambda run=actions[-1], local=local: run(local, None)
         times = interleaved_ms(fns, rounds=rounds, warmup=10, rep=50)
         row = {
             "program": name, "step": sname, "M": gemm.M, "N": gemm.N, "K": gemm.K,
@@ -139,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", action="append", default=[], metavar="NAME=N")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--without", default="", metavar="SPECS",
+        help="comma-separated epilogue ablations, each ops joined by + (see the docstring)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    without = [w for w in args.without.split(",") if w]
     sizes = dict(SIZES)
     sizes.update({k: int(v) for k, v in (s.split("=", 1) for s in args.size)})
     configs = [parse_config(c) for c in args.configs.split(",")]
@@ -149,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     try:
         for name in args.programs.split(","):
-            rows += step_rows(name, sizes, configs, args.rounds)
+            rows += step_rows(name, sizes, configs, args.rounds, without)
             if args.out:
                 Path(args.out).write_text(json.dumps(rows, indent=1))
     finally:
