@@ -12,7 +12,9 @@ that makes the host wait for the GPU.
 ``DynamicCache`` whose ``update`` hands the keys and values back as they came and stores nothing.
 Everything else of the cache answers as an empty one does — no cached length, masks for the
 query alone — which is what a fresh cache answers when the masks are made, before any layer
-updates it: the attention sees the same keys, values and mask.
+updates it: the attention sees the same keys, values and mask. Only for the base models known to
+make such a plain ``DynamicCache`` themselves (``PLAIN_CACHE_MODELS``): a model with a cache of
+its own kind keeps it.
 """
 
 from __future__ import annotations
@@ -41,12 +43,41 @@ def _discarding_class() -> type:
     return DiscardingCache
 
 
+# The Hugging Face base models (transformers 5) known to make exactly ``DynamicCache(config=...)``
+# whenever ``use_cache`` is on and no cache is given, in training too: the decoders the drop-ins
+# are built for. Another model may make a cache of its own type (MiniMax refuses any other), share
+# keys and values between layers through it, or take none; it gets no discarding cache.
+# tests/export/test_kv_cache.py checks each against its installed source.
+PLAIN_CACHE_MODELS = frozenset(
+    {
+        ("llama", "LlamaModel"),
+        ("mistral", "MistralModel"),
+        ("qwen2", "Qwen2Model"),
+        ("qwen3", "Qwen3Model"),
+        ("gemma", "GemmaModel"),
+        ("gemma2", "Gemma2Model"),
+        ("gemma3", "Gemma3TextModel"),
+        ("phi3", "Phi3Model"),
+        ("olmo", "OlmoModel"),
+        ("olmo2", "Olmo2Model"),
+    }
+)
+
+
+def _plain_cache_model(cls: type) -> bool:
+    """Whether ``cls`` is one of ``PLAIN_CACHE_MODELS`` itself (a subclass may do otherwise)."""
+    module = cls.__module__
+    prefix = "transformers.models."
+    if not module.startswith(prefix):
+        return False
+    family = module[len(prefix) :].split(".")[0]
+    return (family, cls.__name__) in PLAIN_CACHE_MODELS and _takes_cache(cls.forward)
+
+
 @functools.cache
 def _takes_cache(forward: Any) -> bool:
-    """Whether a base model's forward takes ``cache`` — transformers 5's decoders, which make a
-    ``DynamicCache(config=...)`` themselves whenever ``use_cache`` is on, in training too. (Earlier
-    versions took ``past_key_values`` and made no cache in training for some families: they get
-    none from here either.)"""
+    """Whether a base model's forward takes ``cache`` (transformers 5; earlier versions took
+    ``past_key_values`` and made no cache in training for some families)."""
     try:
         return "cache" in inspect.signature(forward).parameters
     except (TypeError, ValueError):
@@ -57,11 +88,11 @@ def discarding_cache(base: nn.Module, given: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments that make ``base`` (a Hugging Face base model) run with a cache that
     keeps nothing — none when the caller's ``given`` keywords already decide about the cache
     (``cache``, ``past_key_values`` or ``use_cache``), ``use_cache`` is off in the model's
-    config, the forward takes no ``cache`` (the model makes none of its own then), or
-    ``torch.compile`` is tracing the call (Dynamo cannot trace the class's first definition; the
-    compiled graph keeps Hugging Face's own cache)."""
+    config, ``base`` is not one of ``PLAIN_CACHE_MODELS`` (whose own cache is a plain
+    ``DynamicCache``), or ``torch.compile`` is tracing the call (Dynamo cannot trace the class's
+    first definition; the compiled graph keeps Hugging Face's own cache)."""
     if CACHE_KEYWORDS.intersection(given) or not getattr(base.config, "use_cache", False):
         return {}
-    if torch.compiler.is_compiling() or not _takes_cache(type(base).forward):
+    if torch.compiler.is_compiling() or not _plain_cache_model(type(base)):
         return {}
     return {"cache": _discarding_class()(config=base.config)}

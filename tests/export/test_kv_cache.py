@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from coda.export import causal_lm_loss
-from coda.export.kv_cache import discarding_cache
+from coda.export.kv_cache import PLAIN_CACHE_MODELS, _plain_cache_model, discarding_cache
 from coda.export.lm_head import check_fused_loss_fits
 
 from .test_lm_head import _labels, _loss_and_grads
@@ -70,3 +70,42 @@ def test_a_caller_s_cache_decision_or_a_config_without_cache_is_left_alone(store
     assert own.get_seq_length() == 7 and len(stored) == model.config.num_hidden_layers
     model.config.use_cache = False
     assert discarding_cache(base, {}) == {}
+
+
+@pytest.mark.parametrize("family,name", sorted(PLAIN_CACHE_MODELS))
+def test_each_listed_base_model_makes_a_plain_dynamic_cache_itself(family: str, name: str) -> None:
+    """What the allowlist stands for, read from the installed transformers: the class's forward
+    takes ``cache`` and makes ``DynamicCache(config=self.config)`` when none is given."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = getattr(module, name)
+    source = inspect.getsource(cls.forward)
+    assert "if use_cache and cache is None:" in source
+    assert "cache = DynamicCache(config=self.config)" in source
+    assert _plain_cache_model(cls)
+
+
+def test_a_model_with_a_cache_of_its_own_or_a_subclass_gets_none() -> None:
+    """MiniMax makes its own cache type and refuses any other; a user's subclass of a listed
+    model may do anything: neither is handed a discarding cache."""
+    from transformers import LlamaConfig, LlamaModel, MiniMaxConfig, MiniMaxModel
+
+    minimax = MiniMaxModel(
+        MiniMaxConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=64, num_local_experts=2, head_dim=8,
+        )
+    )  # fmt: skip
+    assert discarding_cache(minimax, {}) == {}
+
+    class MyLlama(LlamaModel):
+        pass
+
+    cfg = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64,
+    )  # fmt: skip
+    assert discarding_cache(MyLlama(cfg), {}) == {}
+    assert list(discarding_cache(LlamaModel(cfg), {})) == ["cache"]
