@@ -8,8 +8,10 @@ cache, so those copies are lost work; turning ``use_cache`` off instead is no be
 attention mask, Hugging Face then checks the position ids for packed sequences with a ``.all()``
 that makes the host wait for the GPU.
 
-``discarding_cache(base, given)`` gives the ``cache`` argument for ``base``'s forward instead: a
-``DynamicCache`` whose ``update`` hands the keys and values back as they came and stores nothing.
+``discarding_cache(base, given)`` gives the cache argument for ``base``'s forward instead
+(``cache``, or ``past_key_values`` in earlier transformers 5 releases: read from the installed
+forward): a ``DynamicCache`` whose ``update`` hands the keys and values back as they came and
+stores nothing.
 Everything else of the cache answers as an empty one does — no cached length, masks for the
 query alone — which is what a fresh cache answers when the masks are made, before any layer
 updates it: the attention sees the same keys, values and mask. Only for the base models known to
@@ -64,24 +66,38 @@ PLAIN_CACHE_MODELS = frozenset(
 )
 
 
-def _plain_cache_model(cls: type) -> bool:
-    """Whether ``cls`` is one of ``PLAIN_CACHE_MODELS`` itself (a subclass may do otherwise)."""
+def _plain_cache_model(cls: type) -> str | None:
+    """The keyword through which ``cls`` takes its cache, when ``cls`` is one of
+    ``PLAIN_CACHE_MODELS`` itself (a subclass may do otherwise) and its installed forward makes
+    the plain cache (``cache_keyword``); else None."""
     module = cls.__module__
     prefix = "transformers.models."
     if not module.startswith(prefix):
-        return False
+        return None
     family = module[len(prefix) :].split(".")[0]
-    return (family, cls.__name__) in PLAIN_CACHE_MODELS and _takes_cache(cls.forward)
+    if (family, cls.__name__) not in PLAIN_CACHE_MODELS:
+        return None
+    return cache_keyword(cls.forward)
 
 
 @functools.cache
-def _takes_cache(forward: Any) -> bool:
-    """Whether a base model's forward takes ``cache`` (transformers 5; earlier versions took
-    ``past_key_values`` and made no cache in training for some families)."""
+def cache_keyword(forward: Any) -> str | None:
+    """The keyword through which a base model's ``forward`` takes a cache — ``cache`` (recent
+    transformers 5 releases) or ``past_key_values`` (earlier ones) — when its installed source
+    makes exactly ``DynamicCache(config=self.config)`` under that keyword whenever ``use_cache``
+    is on and no cache is given; None when it does neither (transformers 4 made no cache in
+    training for some families, or only a legacy one)."""
     try:
-        return "cache" in inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return False
+        parameters = inspect.signature(forward).parameters
+        source = inspect.getsource(forward)
+    except (TypeError, ValueError, OSError):
+        return None
+    for keyword in ("cache", "past_key_values"):
+        makes = f"if use_cache and {keyword} is None:" in source
+        plain = f"{keyword} = DynamicCache(config=self.config)" in source
+        if keyword in parameters and makes and plain:
+            return keyword
+    return None
 
 
 def discarding_cache(base: nn.Module, given: dict[str, Any]) -> dict[str, Any]:
@@ -93,6 +109,9 @@ def discarding_cache(base: nn.Module, given: dict[str, Any]) -> dict[str, Any]:
     first definition; the compiled graph keeps Hugging Face's own cache)."""
     if CACHE_KEYWORDS.intersection(given) or not getattr(base.config, "use_cache", False):
         return {}
-    if torch.compiler.is_compiling() or not _plain_cache_model(type(base)):
+    if torch.compiler.is_compiling():
         return {}
-    return {"cache": _discarding_class()(config=base.config)}
+    keyword = _plain_cache_model(type(base))
+    if keyword is None:
+        return {}
+    return {keyword: _discarding_class()(config=base.config)}

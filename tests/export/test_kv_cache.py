@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from coda.export import causal_lm_loss
-from coda.export.kv_cache import PLAIN_CACHE_MODELS, _plain_cache_model, discarding_cache
+from coda.export.kv_cache import (
+    PLAIN_CACHE_MODELS,
+    _plain_cache_model,
+    cache_keyword,
+    discarding_cache,
+)
 from coda.export.lm_head import check_fused_loss_fits
 
 from .test_lm_head import _labels, _loss_and_grads
@@ -56,7 +61,8 @@ def test_a_caller_s_cache_decision_or_a_config_without_cache_is_left_alone(store
     model = _model(seed=32)
     base = model.model
     kept = discarding_cache(base, {})
-    assert list(kept) == ["cache"]
+    keyword = cache_keyword(type(base).forward)
+    assert list(kept) == [keyword]
     cache = next(iter(kept.values()))
     k = torch.randn(1, 2, 5, 12)
     assert cache.update(k, k, 0) == (k, k) and cache.get_seq_length() == 0
@@ -66,7 +72,7 @@ def test_a_caller_s_cache_decision_or_a_config_without_cache_is_left_alone(store
     check_fused_loss_fits(model)
     stored.clear()
     own = DynamicCache(config=model.config)
-    causal_lm_loss(model, ids, ids, tune="off", cache=own)
+    causal_lm_loss(model, ids, ids, tune="off", **{keyword: own})
     assert own.get_seq_length() == 7 and len(stored) == model.config.num_hidden_layers
     model.config.use_cache = False
     assert discarding_cache(base, {}) == {}
@@ -75,16 +81,59 @@ def test_a_caller_s_cache_decision_or_a_config_without_cache_is_left_alone(store
 @pytest.mark.parametrize("family,name", sorted(PLAIN_CACHE_MODELS))
 def test_each_listed_base_model_makes_a_plain_dynamic_cache_itself(family: str, name: str) -> None:
     """What the allowlist stands for, read from the installed transformers: the class's forward
-    takes ``cache`` and makes ``DynamicCache(config=self.config)`` when none is given."""
+    takes a cache and makes ``DynamicCache(config=self.config)`` under that keyword when none is
+    given — and the discarding cache goes in through the same keyword."""
     import importlib
     import inspect
 
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     cls = getattr(module, name)
+    keyword = _plain_cache_model(cls)
+    assert keyword in ("cache", "past_key_values")
     source = inspect.getsource(cls.forward)
-    assert "if use_cache and cache is None:" in source
-    assert "cache = DynamicCache(config=self.config)" in source
-    assert _plain_cache_model(cls)
+    assert f"if use_cache and {keyword} is None:" in source
+    assert f"{keyword} = DynamicCache(config=self.config)" in source
+    assert keyword in inspect.signature(cls.forward).parameters
+
+
+class _Config:
+    use_cache = True
+
+
+def _forward_cache(self, input_ids=None, cache=None, use_cache=None):  # noqa: ANN001, ANN202
+    if use_cache and cache is None:
+        cache = DynamicCache(config=self.config)  # noqa: F821
+    return cache
+
+
+def _forward_past_key_values(self, input_ids=None, past_key_values=None, use_cache=None):  # noqa: ANN001, ANN202
+    if use_cache and past_key_values is None:
+        past_key_values = DynamicCache(config=self.config)  # noqa: F821
+    return past_key_values
+
+
+def _forward_legacy(self, input_ids=None, past_key_values=None, use_cache=None):  # noqa: ANN001, ANN202
+    if use_cache and not isinstance(past_key_values, Cache):  # noqa: F821
+        past_key_values = DynamicCache.from_legacy_cache(past_key_values)  # noqa: F821
+    return past_key_values
+
+
+def _forward_elsewhere(self, input_ids=None, use_cache=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
+    if use_cache and cache is None:  # noqa: F821
+        cache = DynamicCache(config=self.config)  # noqa: F841, F821
+    return kwargs
+
+
+def test_the_cache_keyword_is_the_one_the_installed_forward_makes_its_cache_under() -> None:
+    """transformers 5 releases took the cache as ``past_key_values`` before ``cache``; the
+    discarding cache must go in through the keyword the installed forward reads (under another
+    it lands in ``**kwargs`` and the model makes and fills its own), and a forward that makes no
+    plain cache of either (transformers 4's legacy caches) gets none."""
+    assert cache_keyword(_forward_cache) == "cache"
+    assert cache_keyword(_forward_past_key_values) == "past_key_values"
+    assert cache_keyword(_forward_legacy) is None
+    assert cache_keyword(_forward_elsewhere) is None  # makes one, but takes no such keyword
+    assert cache_keyword(len) is None  # no Python source
 
 
 def test_a_model_with_a_cache_of_its_own_or_a_subclass_gets_none() -> None:
@@ -108,4 +157,4 @@ def test_a_model_with_a_cache_of_its_own_or_a_subclass_gets_none() -> None:
         num_key_value_heads=2, vocab_size=64,
     )  # fmt: skip
     assert discarding_cache(MyLlama(cfg), {}) == {}
-    assert list(discarding_cache(LlamaModel(cfg), {})) == ["cache"]
+    assert list(discarding_cache(LlamaModel(cfg), {})) == [cache_keyword(LlamaModel.forward)]
