@@ -61,6 +61,7 @@ from coda.blocks.qwen import (
 from .autograd import ExportedFunction, Tuning, export_autograd
 from .checks import GEMMA_OFFSET, norm_gamma, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
+from .heads import split_heads
 from .resolve import dropin_programs
 
 
@@ -408,16 +409,17 @@ class _CodaAttentionIn(nn.Module):
         dtype = autocast_dtype(x, weights) or x.dtype  # under autocast: as HF's projections
         return run_in_dtype(self.function, dtype, flat, *weights, *tables)
 
-    def project(
+    def project_heads(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q, k and v, each ``[..., heads·head_dim]``, from ``x`` ``[..., hidden]``:
-        column views of ``qkv``."""
-        projections = self.recipe.layout.split(self)  # (once: nn.Module lookups per weight)
+        """Rotated q, k and v as heads ``[B, heads, T, head_dim]`` from ``x`` ``[B, T, hidden]``:
+        views of ``qkv`` whose backward packs the three gradients in one copy
+        (``heads.split_heads``)."""
+        projections = self.recipe.layout.split(self)
         qkv = self._qkv(x, cos, sin, projections).view(*x.shape[:-1], -1)
         nkv = projections[1].shape[0]
-        q, k, v = qkv.split([qkv.shape[-1] - 2 * nkv, nkv, nkv], dim=-1)
-        return q, k, v
+        widths = (qkv.shape[-1] - 2 * nkv, nkv, nkv)
+        return split_heads(qkv, widths, self.head_dim)
 
     def forward(
         self,
@@ -432,11 +434,7 @@ class _CodaAttentionIn(nn.Module):
             raise ValueError(f"{type(self).__name__} needs position_embeddings (cos, sin)")
         batch = hidden_states.shape[:-1]
         cos, sin = position_embeddings
-        q, k, v = self.project(hidden_states, cos, sin)
-        heads = (*batch, -1, self.head_dim)
-        q = q.view(heads).transpose(1, 2)
-        k = k.view(heads).transpose(1, 2)
-        v = v.view(heads).transpose(1, 2)
+        q, k, v = self.project_heads(hidden_states, cos, sin)
         cache = cache if cache is not None else past_key_values
         if cache is not None:
             if self._cache_takes_kwargs:  # newer transformers: the call's keyword arguments
@@ -534,6 +532,18 @@ class _CodaAttentionInHFOrder(_CodaAttentionIn):
         dtype = autocast_dtype(x, weights) or x.dtype  # under autocast: as HF's projections
         q, k, v = run_in_dtype(self.function, dtype, flat, *weights, *tables)
         return q.view(*x.shape[:-1], -1), k.view(*x.shape[:-1], -1), v.view(*x.shape[:-1], -1)
+
+    def project_heads(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``project``'s q, k and v (three tensors of the kernel) as heads ``[B, heads, T, D]``."""
+        heads = (*x.shape[:-1], -1, self.head_dim)
+        q, k, v = self.project(x, cos, sin)
+        return (
+            q.view(heads).transpose(1, 2),
+            k.view(heads).transpose(1, 2),
+            v.view(heads).transpose(1, 2),
+        )
 
     def _gamma(self) -> list[torch.Tensor]:
         """The input norm's weight as the kernel's block takes it (none for OLMo 2's): the block
