@@ -52,12 +52,13 @@ def dropin_programs(
 
 
 def _program(family: str, key: str, block: Block, eps: float, verify: bool) -> Program:
+    options = FAMILIES[family].options
     if verify:
-        return verified_program(block)
+        return verified_program(block, options)
     try:
         return shipped_program(family, key, eps)
     except ShippedMismatch as e:
         warnings.warn(
             f"{e}; verifying {block.name} in the sandbox instead", ShippedProgramWarning, 3
         )
-        return verified_program(block)
+        return verified_program(block, options)

@@ -6,7 +6,10 @@ The candidates are Programs that CODA's rules give for the block under different
 * **decompositions** — γ folded into the next weight or stored as a side output by the producing
   epilogue; norm statistics as partial sums in the producing epilogue or one pass over the stored
   tensor. Options that change nothing for a block (e.g. a norm of a block input) give the same
-  Program and are tried once.
+  Program and are tried once. The third γ option, a row pass writing the norm's output
+  (``gamma="rows"``), is not searched: with timings every decomposition costs a verify and a
+  tuning on the GPU (``synthesize --block llama_mlp`` would take about twice its time); the
+  export's MLP Programs use it by its byte count (docs/algebra.md §1).
 * **mainloop configs** — explicit tile shapes for every fused GEMM (``TUNING_CONFIGS``).
 
 How it chooses (``PlanSearch.propose``), in order:
@@ -97,6 +100,9 @@ def describe(program: Program) -> str:
         notes.append("γ folded into the weight")
     if any(op.op == "scale_cols" for s in program.steps if s.kind == "gemm" for op in s.epilogue):
         notes.append("γ stored as a side output")
+    normed = {s.out for s in program.steps if s.kind == "norm_rows"}
+    if any(s.a.tensor in normed for s in program.steps if s.kind == "gemm"):
+        notes.append("the norm written by a row pass")
     partials = {
         op.to
         for s in program.steps

@@ -58,13 +58,16 @@ class LoweringOptions:
 
     ``gamma``: ``fold`` multiplies a norm's γ into the following weights (prep
     ``fold_norm_weight``); ``side_output`` has the epilogue that produces the norm's input also
-    store ``x ⊙ γ`` for the following GEMMs — a norm of a block input always folds.
+    store ``x ⊙ γ`` for the following GEMMs — a norm of a block input then folds; ``rows`` has
+    an aux ``norm_rows`` pass write the norm's output ``r ⊙ x ⊙ γ`` itself, which the following
+    GEMMs read with their weights as they are and no row scale (``[M, d]`` written per call
+    against the fold's ``[N, d]`` read and written: the cheaper one below ``M = 2N``).
     ``stats``: ``epilogue`` writes partial sums of squares where the norm's input is produced;
     ``pass`` has ``rstd`` read the stored tensor once instead.
     ``config``: the mainloop config of every fused gemm (``"auto"`` or a ``MainloopConfig``).
     """
 
-    gamma: Literal["fold", "side_output"] = "fold"
+    gamma: Literal["fold", "side_output", "rows"] = "fold"
     stats: Literal["epilogue", "pass"] = "epilogue"
     config: Any = "auto"
 
@@ -85,8 +88,9 @@ class PlanState:
     ``done``: indices of graph ops already lowered (a rule that absorbs an op marks it).
     ``skipped``: indices of graph ops left unlowered (no epilogue may absorb them later).
     ``partials``: value → the buffer of its row sums of squares, written by the epilogue that
-    stored it. ``scaled``: RMSNorm output → the stored ``x ⊙ γ`` its GEMMs read. ``rstd``: RMSNorm
-    output → its rstd tensor. ``prepared``: prep memo (``prepare``).
+    stored it. ``scaled``: RMSNorm output → the stored ``x ⊙ γ`` its GEMMs read. ``normed``:
+    RMSNorm outputs an aux ``norm_rows`` wrote (``gamma="rows"``). ``rstd``: RMSNorm output → its
+    rstd tensor. ``prepared``: prep memo (``prepare``).
     """
 
     block: Block
@@ -98,6 +102,7 @@ class PlanState:
     skipped: set[int] = field(default_factory=set)
     partials: dict[str, str] = field(default_factory=dict)
     scaled: dict[str, str] = field(default_factory=dict)
+    normed: set[str] = field(default_factory=set)
     rstd: dict[str, str] = field(default_factory=dict)
     prepared: dict[tuple, str] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)

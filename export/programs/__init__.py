@@ -6,7 +6,7 @@ Each file holds the built-in planner's Program for one block of a family the dro
 (post-norm only), the attention inputs (Llama's, Qwen2's, Qwen3's, Gemma 3's, OLMo 2's), the
 attention outputs (``o_proj`` + residual: plain, and with Gemma 2/3's or OLMo 2's post-norm), the
 LM-head loss (plain, and softcapped as Gemma 2's) — forward and backward,
-at Llama's RMSNorm epsilon ``SHIPPED_EPS``, with the default lowering options), with its content
+at Llama's RMSNorm epsilon ``SHIPPED_EPS``, with its family's lowering options), with its content
 hash: the first 12 hex digits of the SHA-256 of its canonical JSON, the key the sandbox's Reports
 and the regression
 store know a Program by. Every file was
@@ -64,24 +64,35 @@ REWRITE = "python -m coda.export.programs --write"
 
 @dataclass(frozen=True)
 class Family:
-    """Blocks for an RMSNorm epsilon (a ``coda.blocks.llama`` or ``coda.blocks.qwen`` family)
-    and the keys of those the drop-ins run."""
+    """Blocks for an RMSNorm epsilon (a ``coda.blocks.llama`` or ``coda.blocks.qwen`` family),
+    the keys of those the drop-ins run, and the lowering options their Programs are lowered
+    with."""
 
     blocks: Callable[[float], dict[str, Block]]
     keys: tuple[str, ...]
+    options: LoweringOptions = LoweringOptions()
 
 
 _MLP_KEYS = ("forward", "backward", "train", "backward_saved")
+# The MLPs' pre-norm in a row pass (``gamma="rows"``): folding γ into the gate/up weight reads and
+# writes [2f, d] per call (67 MB at Llama 1B widths), the row pass writes [tokens, d] (8 MB at
+# 2048 tokens) — fewer bytes below 4f tokens per call (32768 there). The attention inputs keep
+# the fold: their [Nq + 2·Nkv, d] weight is near [tokens, d] at training sizes.
+_ROWS = LoweringOptions(gamma="rows")
 FAMILIES: dict[str, Family] = {
     # CodaLlamaMLPBlock: saved (train, backward_saved, forward without gradients) or not
     # (forward, backward); with its residual add or without (the branch, under autocast).
-    "llama_mlp": Family(llama_mlp_family, _MLP_KEYS),
-    "llama_mlp_branch": Family(lambda eps: llama_mlp_family(eps, residual=False), _MLP_KEYS),
+    "llama_mlp": Family(llama_mlp_family, _MLP_KEYS, _ROWS),
+    "llama_mlp_branch": Family(lambda eps: llama_mlp_family(eps, residual=False), _MLP_KEYS, _ROWS),
     # The same for Gemma's GeGLU MLP under its (1 + γ) norm, and Gemma 2/3's between sandwich
     # norms (a branch only: their layers add the residual).
-    "gemma_mlp": Family(lambda eps: gemma_mlp_family("gemma_mlp", eps), _MLP_KEYS),
-    "gemma_mlp_branch": Family(lambda eps: gemma_mlp_family("gemma_mlp_branch", eps), _MLP_KEYS),
-    "gemma2_mlp_branch": Family(lambda eps: gemma_mlp_family("gemma2_mlp_branch", eps), _MLP_KEYS),
+    "gemma_mlp": Family(lambda eps: gemma_mlp_family("gemma_mlp", eps), _MLP_KEYS, _ROWS),
+    "gemma_mlp_branch": Family(
+        lambda eps: gemma_mlp_family("gemma_mlp_branch", eps), _MLP_KEYS, _ROWS
+    ),
+    "gemma2_mlp_branch": Family(
+        lambda eps: gemma_mlp_family("gemma2_mlp_branch", eps), _MLP_KEYS, _ROWS
+    ),
     # Llama's attention input: the training forward also returns the norm's statistic, which the
     # backward takes with qkv; the plain forward runs without gradients.
     "llama_attn_in": Family(llama_attn_in_family, ("forward", "train", "backward_saved")),
@@ -120,18 +131,29 @@ def shipped_blocks() -> list[Block]:
     return [f.blocks(SHIPPED_EPS)[key] for f in FAMILIES.values() for key in f.keys]
 
 
+def shipped_options(block: Block) -> LoweringOptions:
+    """The lowering options of the family that ships ``block`` (at ``SHIPPED_EPS``); the
+    defaults for a block no family ships."""
+    for family in FAMILIES.values():
+        blocks = family.blocks(SHIPPED_EPS)
+        if any(blocks[key].name == block.name for key in family.keys):
+            return family.options
+    return LoweringOptions()
+
+
 def program_file(block_name: str) -> Path:
     """Where the shipped Program of the block ``block_name`` (at ``SHIPPED_EPS``) lives."""
     return PROGRAMS_DIR / f"{block_name}.json"
 
 
 def render(block: Block) -> str:
-    """The file for ``block``: the planner's Program now, its hash and the lowering options it
-    was lowered with (indented, sorted JSON)."""
-    program = lowered(block)
+    """The file for ``block``: the planner's Program now (with its family's options), its hash
+    and those lowering options (indented, sorted JSON)."""
+    options = shipped_options(block)
+    program = lowered(block, options)
     entry = {
         "block": block.name,
-        "options": asdict(LoweringOptions()),
+        "options": asdict(options),
         "program_hash": content_hash(program.canonical_json()),
         "program": program.model_dump(mode="json"),
     }
@@ -146,7 +168,7 @@ def shipped_program(family: str, key: str, eps: float) -> Program:
     block, shipped = blocks(eps)[key], blocks(SHIPPED_EPS)[key]
     path = program_file(shipped.name)
     want = content_hash(_with_eps(_read(path)["program"], eps, block.name).canonical_json())
-    program = lowered(block)
+    program = lowered(block, FAMILIES[family].options)
     got = content_hash(program.canonical_json())
     if got != want:
         at = "" if eps == SHIPPED_EPS else f" once its epsilon is {eps:g} ({want})"

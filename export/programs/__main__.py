@@ -15,7 +15,7 @@ import sys
 
 from coda.export.resolve import NotVerified, verified_program
 
-from . import shipped_blocks, stale_files, write_all
+from . import shipped_blocks, shipped_options, stale_files, write_all
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         for block in shipped_blocks():
             try:
-                verified_program(block)
+                verified_program(block, shipped_options(block))
             except NotVerified as e:
                 print(f"not written: {e}", file=sys.stderr)
                 return 1

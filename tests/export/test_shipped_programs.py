@@ -62,7 +62,7 @@ def test_every_family_resolves_at_any_epsilon_without_the_sandbox(
             # a family without a norm (attn_out: o_proj + residual) sets no epsilon at all
             normed = any(isinstance(op, RMSNorm) for op in blocks["forward"].graph)
             for key, program in zip(family.keys, got, strict=True):
-                assert program == lowered(blocks[key])
+                assert program == lowered(blocks[key], family.options)
                 # every epsilon a step sets (a norm's rstd — two in a sandwich —, Qwen3's q/k
                 # norms' backward) is eps
                 epsilons = {getattr(s, "eps", None) for s in program.steps} - {None}
@@ -162,3 +162,18 @@ def test_the_files_ship_as_package_data() -> None:
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     setuptools = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
     assert "*.json" in setuptools["package-data"]["coda.export.programs"]
+
+
+def test_the_mlp_families_ship_their_pre_norm_in_a_row_pass() -> None:
+    """The MLP Programs write ``h = r ⊙ x ⊙ γ`` once (aux ``norm_rows``) instead of folding γ into
+    the [2f, d] gate/up weight each call; the attention inputs keep the fold."""
+    for name in ("llama_mlp", "llama_mlp_branch", "gemma_mlp", "gemma2_mlp_branch"):
+        family = FAMILIES[name]
+        assert family.options.gamma == "rows", name
+        train = shipped_program(name, "train", SHIPPED_EPS)
+        assert all(p.kind != "fold_norm_weight" for p in train.prep), name
+        rows = [s for s in train.steps if s.kind == "norm_rows" and s.src == "x"]
+        gate_up = next(s for s in train.steps if s.kind == "gemm")
+        assert len(rows) == 1 and gate_up.a.tensor == rows[0].out, name
+    attention = shipped_program("llama_attn_in", "train", SHIPPED_EPS)
+    assert [p.kind for p in attention.prep][-1] == "fold_norm_weight"

@@ -86,6 +86,18 @@ def test_a_norm_with_an_offset_folds_even_when_gamma_could_be_a_side_output() ->
     assert all(op.op != "scale_cols" for ops in epilogues for op in ops)
 
 
+def test_a_norm_with_an_offset_in_a_row_pass_keeps_its_offset() -> None:
+    """``gamma="rows"``: the row pass applies Gemma's ``1 + γ``; no weight is folded."""
+    program = lower(GEMMA_NORM_LINEAR, LoweringOptions(gamma="rows"))
+    assert program.prep == []
+    rows = next(step for step in program.steps if step.kind == "norm_rows")
+    assert (rows.src, rows.weight, rows.offset) == ("x", "gamma", 1.0)
+    gemm = next(step for step in program.steps if step.kind == "gemm")
+    assert gemm.a.tensor == rows.out and [op.op for op in gemm.epilogue] == ["store"]
+    report = evaluate(program, GEMMA_NORM_LINEAR, OPTIONS)
+    assert report.verified, report.render_text()
+
+
 def _renamed(graph: list) -> list:
     """``graph`` reading ``x1`` where it read ``x``."""
     return [op.model_copy(update={"x": "x1"}) if op.x == "x" else op for op in graph]

@@ -103,8 +103,12 @@ def test_unsupported_graphs_name_the_op(graph, outputs, fragment: str) -> None: 
 
 @pytest.mark.parametrize(
     "options",
-    [LoweringOptions(gamma="side_output"), LoweringOptions(stats="pass")],
-    ids=["gamma-side-output", "stats-pass"],
+    [
+        LoweringOptions(gamma="side_output"),
+        LoweringOptions(gamma="rows"),
+        LoweringOptions(stats="pass"),
+    ],
+    ids=["gamma-side-output", "gamma-rows", "stats-pass"],
 )
 def test_decomposition_variants_verify(options: LoweringOptions) -> None:
     program = lower(DECODER_TAIL, options)
@@ -114,6 +118,21 @@ def test_decomposition_variants_verify(options: LoweringOptions) -> None:
         assert ops == ["add_tile", "store", "partial_reduce", "scale_cols", "store"]
         assert [p.kind for p in program.prep] == ["interleave_rows"]
         assert program.steps[2].a.tensor == "x1_gamma"
+    elif options.gamma == "rows":
+        # rstd from the o-proj's partials, then one pass writes h = r ⊙ x1 ⊙ γ, which the
+        # gate/up GEMM reads with its weight unfolded and no row scale
+        assert ops == ["add_tile", "store", "partial_reduce"]
+        assert [p.kind for p in program.prep] == ["interleave_rows"]
+        rstd, rows, gate_up = program.steps[1:4]
+        assert (rstd.kind, rstd.src) == ("rstd", "x1_sumsq")
+        assert (rows.kind, rows.src, rows.rstd, rows.weight) == (
+            "norm_rows",
+            "x1",
+            rstd.out,
+            "gamma",
+        )
+        assert gate_up.a.tensor == rows.out and gate_up.b.tensor == "w_g_u"
+        assert all(op.op != "scale_rows" for op in gate_up.epilogue)
     else:
         assert ops == ["add_tile", "store"] and program.steps[1].src == "x1"
     report = evaluate(program, DECODER_TAIL, FAST)
