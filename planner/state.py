@@ -88,9 +88,8 @@ class PlanState:
     ``done``: indices of graph ops already lowered (a rule that absorbs an op marks it).
     ``skipped``: indices of graph ops left unlowered (no epilogue may absorb them later).
     ``partials``: value → the buffer of its row sums of squares, written by the epilogue that
-    stored it. ``scaled``: RMSNorm output → the stored ``x ⊙ γ`` its GEMMs read. ``normed``:
-    RMSNorm outputs an aux ``norm_rows`` wrote (``gamma="rows"``). ``rstd``: RMSNorm output → its
-    rstd tensor. ``prepared``: prep memo (``prepare``).
+    stored it. ``scaled``: RMSNorm output → the stored ``x ⊙ γ`` its GEMMs read. ``rstd``:
+    RMSNorm output → its rstd tensor. ``prepared``: prep memo (``prepare``).
     """
 
     block: Block
@@ -102,7 +101,6 @@ class PlanState:
     skipped: set[int] = field(default_factory=set)
     partials: dict[str, str] = field(default_factory=dict)
     scaled: dict[str, str] = field(default_factory=dict)
-    normed: set[str] = field(default_factory=set)
     rstd: dict[str, str] = field(default_factory=dict)
     prepared: dict[tuple, str] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from coda.blocks.attn_out import attn_out_family
 from coda.blocks.block import Block
@@ -126,19 +126,21 @@ def lowered(block: Block, options: LoweringOptions | None = None) -> Program:
     return lower(block, options)
 
 
-def shipped_blocks() -> list[Block]:
-    """Every block a file here holds the Program of (at ``SHIPPED_EPS``), in ``FAMILIES`` order."""
-    return [f.blocks(SHIPPED_EPS)[key] for f in FAMILIES.values() for key in f.keys]
+class ShippedBlock(NamedTuple):
+    """A block a file here holds the Program of (at ``SHIPPED_EPS``), with the lowering options
+    of the family that ships it."""
+
+    block: Block
+    options: LoweringOptions
 
 
-def shipped_options(block: Block) -> LoweringOptions:
-    """The lowering options of the family that ships ``block`` (at ``SHIPPED_EPS``); the
-    defaults for a block no family ships."""
-    for family in FAMILIES.values():
-        blocks = family.blocks(SHIPPED_EPS)
-        if any(blocks[key].name == block.name for key in family.keys):
-            return family.options
-    return LoweringOptions()
+def shipped_blocks() -> list[ShippedBlock]:
+    """Every shipped block and its family's options, in ``FAMILIES`` order."""
+    return [
+        ShippedBlock(f.blocks(SHIPPED_EPS)[key], f.options)
+        for f in FAMILIES.values()
+        for key in f.keys
+    ]
 
 
 def program_file(block_name: str) -> Path:
@@ -146,14 +148,13 @@ def program_file(block_name: str) -> Path:
     return PROGRAMS_DIR / f"{block_name}.json"
 
 
-def render(block: Block) -> str:
-    """The file for ``block``: the planner's Program now (with its family's options), its hash
-    and those lowering options (indented, sorted JSON)."""
-    options = shipped_options(block)
-    program = lowered(block, options)
+def render(shipped: ShippedBlock) -> str:
+    """The file for a shipped block: the planner's Program now (with its family's options), its
+    hash and those lowering options (indented, sorted JSON)."""
+    program = lowered(shipped.block, shipped.options)
     entry = {
-        "block": block.name,
-        "options": asdict(options),
+        "block": shipped.block.name,
+        "options": asdict(shipped.options),
         "program_hash": content_hash(program.canonical_json()),
         "program": program.model_dump(mode="json"),
     }
@@ -225,24 +226,24 @@ def _replace_eps(node: Any, eps: float) -> Any:
 def stale_files() -> list[Path]:
     """The shipped files that are not byte for byte what ``render`` writes now (missing ones
     included), and files of blocks no longer shipped."""
-    blocks = shipped_blocks()
-    stale = [
-        program_file(b.name)
-        for b in blocks
-        if not program_file(b.name).is_file() or program_file(b.name).read_text() != render(b)
-    ]
-    extra = set(PROGRAMS_DIR.glob("*.json")) - {program_file(b.name) for b in blocks}
+    shipped = shipped_blocks()
+    stale = []
+    for entry in shipped:
+        path = program_file(entry.block.name)
+        if not path.is_file() or path.read_text() != render(entry):
+            stale.append(path)
+    extra = set(PROGRAMS_DIR.glob("*.json")) - {program_file(s.block.name) for s in shipped}
     return stale + sorted(extra)
 
 
 def write_all() -> list[Path]:
     """Rewrite every shipped file from the planner's Programs now (and remove files of blocks no
     longer shipped); returns the files written. Verify them afterwards (``make test``)."""
-    blocks = shipped_blocks()
-    keep = {program_file(b.name) for b in blocks}
-    for stale in set(PROGRAMS_DIR.glob("*.json")) - keep:
+    shipped = shipped_blocks()
+    paths = [program_file(s.block.name) for s in shipped]
+    for stale in set(PROGRAMS_DIR.glob("*.json")) - set(paths):
         stale.unlink()
-    for block in blocks:
-        program_file(block.name).write_text(render(block))
+    for entry, path in zip(shipped, paths, strict=True):
+        path.write_text(render(entry))
     _read.cache_clear()
-    return [program_file(b.name) for b in blocks]
+    return paths

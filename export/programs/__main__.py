@@ -15,7 +15,7 @@ import sys
 
 from coda.export.resolve import NotVerified, verified_program
 
-from . import shipped_blocks, shipped_options, stale_files, write_all
+from . import shipped_blocks, stale_files, write_all
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="verify, then rewrite the files")
     args = parser.parse_args(argv)
     if args.write:
-        for block in shipped_blocks():
+        for block, options in shipped_blocks():
             try:
-                verified_program(block, shipped_options(block))
+                verified_program(block, options)
             except NotVerified as e:
                 print(f"not written: {e}", file=sys.stderr)
                 return 1

@@ -101,11 +101,14 @@ def commute(
 ) -> tuple[str, tuple[str, str] | None]:
     """The A operand of Linear ``op`` (graph op ``index``) over ``weight``, and (rstd tensor,
     the weight to use instead) when its input is an RMSNorm output: the norm's input (γ folded
-    into the weight) or its stored ``x ⊙ γ`` side output (the weight as is) — or, with
-    ``gamma="rows"``, the norm's output from a row pass and None (no row scale)."""
+    into the weight) or its stored ``x ⊙ γ`` side output (the weight as is) — or the norm's
+    output itself and None (no row scale) when a step wrote it already (a post-norm materialised
+    for another reader) or, with ``gamma="rows"``, from a row pass written now."""
     found = st.producer(op.x)
     if found is not None and isinstance(found[1], RMSNorm):
         norm = found[1]
+        if norm.out in st.available:  # written already: a row pass, or a post-norm's own
+            return norm.out, None
         if norm.x not in st.available:
             raise NoRule(
                 found[0], norm, f"its input {norm.x!r} is not materialised before the GEMM"
@@ -122,16 +125,20 @@ def commute(
 
 
 def normed_rows(st: PlanState, norm: RMSNorm, r: str) -> str:
-    """The norm's output ``r ⊙ x ⊙ (offset + γ)``, written by one aux ``norm_rows`` (added
-    once per norm)."""
-    if norm.out not in st.normed:
-        node = {"kind": "norm_rows", "src": norm.x, "rstd": r, "weight": norm.weight}
-        if norm.offset:
-            node["offset"] = norm.offset
-        st.steps.append({**node, "out": norm.out})
-        st.normed.add(norm.out)
-        st.available.add(norm.out)
+    """The norm's output ``r ⊙ x ⊙ (offset + γ)``, written by one aux ``norm_rows`` (later
+    GEMMs reading the norm find it available and read it as is)."""
+    st.steps.append({**norm_rows_node(norm, r), "out": norm.out})
+    st.available.add(norm.out)
     return norm.out
+
+
+def norm_rows_node(norm: RMSNorm, r: str) -> dict[str, Any]:
+    """The fields of an aux ``norm_rows`` forming ``r ⊙ x ⊙ (offset + γ)`` for ``norm`` (its
+    ``out``, and any ``residual``, are the caller's)."""
+    node: dict[str, Any] = {"kind": "norm_rows", "src": norm.x, "rstd": r, "weight": norm.weight}
+    if norm.offset:
+        node["offset"] = norm.offset
+    return node
 
 
 def fold(st: PlanState, norm: RMSNorm, weight: str) -> str:
@@ -210,10 +217,7 @@ def apply_post_norm(st: PlanState, index: int, norm: RMSNorm) -> None:
             f"its input {norm.x!r} is not materialised before the norm (a post-norm reads a "
             "stored GEMM output)",
         )
-    r = ensure_rstd(st, norm)
-    node = {"kind": "norm_rows", "src": norm.x, "rstd": r, "weight": norm.weight}
-    if norm.offset:
-        node["offset"] = norm.offset
+    node = norm_rows_node(norm, ensure_rstd(st, norm))
     standalone = norm.out in st.block.outputs
     for j, reader in st.consumers(norm.out):
         if j in st.done or isinstance(reader, Linear):

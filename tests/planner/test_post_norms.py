@@ -201,3 +201,35 @@ def test_olmo2_mlp_with_only_a_post_norm_verifies() -> None:
     assert [s.kind for s in program.steps] == ["gemm", "gemm", "rstd", "norm_rows"]
     report = evaluate(program, block, OPTIONS)
     assert report.verified, report.render_text()
+
+
+@pytest.mark.parametrize("gamma", ["fold", "rows"])
+def test_a_gemm_reads_a_post_norm_written_for_another_reader_as_is(gamma: str) -> None:
+    """``n = rmsnorm(o_proj(attn))`` is a block output and ``z = n @ w_2ᵀ`` reads it: the GEMM
+    reads the ``n`` the finishing pass wrote, with its weight as is — no second ``norm_rows`` to
+    ``n`` (the row pass), no γ folded into ``w_2`` and no row scale (the fold)."""
+    block = Block(
+        name="post_norm_then_linear",
+        description="n = rmsnorm(attn @ w_o.T); z = n @ w_2.T",
+        inputs={
+            "attn": _spec("M", "f"),
+            "w_o": _spec("d", "f", init="linear_weight"),
+            "gamma": _spec("d", init="norm_weight"),
+            "w_2": _spec("f", "d", init="linear_weight"),
+        },
+        graph=[
+            Linear(x="attn", weight="w_o", out="y"),
+            RMSNorm(x="y", weight="gamma", out="n", **GEMMA),
+            Linear(x="n", weight="w_2", out="z"),
+        ],
+        outputs=["n", "z"],
+        shapes=RAGGED,
+    )
+    program = lower(block, LoweringOptions(gamma=gamma))
+    assert [s.out for s in program.steps if s.kind == "norm_rows"] == ["n"]
+    assert not program.prep
+    second = [s for s in program.steps if s.kind == "gemm"][1]
+    assert second.a.tensor == "n" and second.b.tensor == "w_2"
+    assert [op.op for op in second.epilogue] == ["store"]
+    report = evaluate(program, block, OPTIONS)
+    assert report.verified, report.render_text()
