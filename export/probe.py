@@ -31,7 +31,7 @@ could wire its modules differently for another.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -121,9 +121,20 @@ def probe_forward(model: nn.Module, watched: list[nn.Module], *, labels: bool = 
             if module._buffers.get(name) is not buffer:
                 module._buffers[name] = buffer
     recording.input_ids = ids
-    if hasattr(recording.output, "past_key_values"):
-        recording.output.past_key_values = None  # the probe's cache goes now, not with the record
+    _drop_cache(recording.output)
     return recording
+
+
+def _drop_cache(output: Any) -> None:
+    """The probe's key/value cache goes now, not with the record: a model output's cache field
+    (``cache`` in recent transformers 5 releases, ``past_key_values`` before) set to None under
+    its own name — as an item too, which the attribute alone leaves holding the cache; the old
+    name's compatibility property (which logs a deprecation) is never touched."""
+    if not is_dataclass(output) or not isinstance(output, dict):
+        return
+    for field in fields(output):
+        if field.name in _OUTPUT_CACHES and field.name in output:
+            output[field.name] = None
 
 
 def _tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -554,6 +565,7 @@ def _watched(lookup: Any, seen: list[dict[str, Any]]) -> Any:
 
 
 _CACHES = ("past_key_values", "cache", "past_key_value")
+_OUTPUT_CACHES = ("cache", "past_key_values")  # a model output's cache field, new name first
 
 
 def _same_arguments(a: dict[str, Any], b: dict[str, Any]) -> bool:

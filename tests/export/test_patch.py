@@ -6,6 +6,7 @@ unpatched model."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -534,3 +535,27 @@ def test_torch_compile_traces_a_patched_training_step_whole() -> None:
     grads = dict(twin.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_the_probe_drops_its_cache_without_the_deprecated_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe's model output keeps no key/value cache, under the field name the installed
+    transformers uses (``cache`` or ``past_key_values``), and patching never reads the other
+    name's compatibility property — which logs a deprecation warning in releases that renamed
+    the field."""
+    from transformers import DynamicCache
+    from transformers.utils import generic
+
+    from coda.export.probe import probe_forward
+
+    logged: list[str] = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda msg, *a, **k: logged.append(msg))
+    model = _model(seed=5)
+    recording = probe_forward(model, [model.model.layers[0]])
+    out = recording.output
+    names = [f.name for f in dataclasses.fields(out) if f.name in ("cache", "past_key_values")]
+    assert names and all(getattr(out, n) is None for n in names)
+    assert not any(isinstance(v, DynamicCache) for v in out.values())
+    patch_llama(model, verify=False, tune="off", fused_loss=True)
+    assert not [m for m in logged if "deprecated" in m], logged
