@@ -227,13 +227,13 @@ def stale_files() -> list[Path]:
     """The shipped files that are not byte for byte what ``render`` writes now (missing ones
     included), and files of blocks no longer shipped."""
     shipped = shipped_blocks()
-    stale = []
-    for entry in shipped:
-        path = program_file(entry.block.name)
-        if not path.is_file() or path.read_text() != render(entry):
-            stale.append(path)
-    extra = set(PROGRAMS_DIR.glob("*.json")) - {program_file(s.block.name) for s in shipped}
-    return stale + sorted(extra)
+    paths = [program_file(s.block.name) for s in shipped]
+    stale = [
+        path
+        for entry, path in zip(shipped, paths, strict=True)
+        if not path.is_file() or path.read_text() != render(entry)
+    ]
+    return stale + sorted(set(PROGRAMS_DIR.glob("*.json")) - set(paths))
 
 
 def write_all() -> list[Path]:
