@@ -11,9 +11,13 @@ PyTorch, ``torch.compile``, Liger-Kernel when installed, and the six cuBLAS GEMM
 fused). Every configuration is first checked for correctness in bf16 against a float32 reference
 (the sandbox's rule: within 2× PyTorch's own bf16 error plus a floor).
 
-Times are medians of ``triton.testing.do_bench`` (L2 flushed between repetitions). A short table
-is printed last; full numbers go to ``paper_kernels.json`` and ``paper_kernels.md`` in ``--out``
-(default ``$OUT``, else ``bench/out``).
+Each row is timed in ``--runs`` (default 3) interleaved comparisons — every function once per round,
+three rounds, each timing a ``triton.testing.do_bench`` median (L2 flushed between repetitions) —
+and reports the median over the runs; a ratio (CODA / the GEMM, the packed op against
+``torch.compile`` and Liger) is formed within each run and shown as its median with the min–max
+over the runs (the runs' times are in the JSON, ``*_runs``). A short table is printed last; full
+numbers go to ``paper_kernels.json`` and ``paper_kernels.md`` in ``--out`` (default ``$OUT``, else
+``bench/out``).
 
 ``--subtiles 1,2,4,8`` also times each paper kernel's fused Program with every fused step's epilogue
 forced to each of these numbers of column sub-tiles (``MainloopConfig.epilogue_subtiles``; the
@@ -22,7 +26,7 @@ it and reported with its registers and spills (the llama_mlp section is not forc
 ``bench/mlp_steps.py --subtiles`` times its steps).
 
     python3 bench/paper_kernels.py [--out DIR] [--only gemm_swiglu,...] [--skip-mlp]
-        [--subtiles 1,2,4,8]
+        [--subtiles 1,2,4,8] [--runs 3]
     python3 bench/paper_kernels.py --dry-run   # CPU, toy sizes, interpreter: checks the script only
 """
 
@@ -60,6 +64,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="llama_mlp: leave out the variant whose backward recomputes the gate/up GEMM",
     )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="interleaved comparisons per row: each time is their median, each ratio shown with "
+        "its min–max over them",
+    )
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: checks the script only")
     p.add_argument(
         "--tune",
@@ -73,6 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also time each kernel with its epilogues forced to these sub-tile counts (1,2,4,8)",
     )
     args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error(f"--runs takes a positive count, got {args.runs}")
     args.subtiles = [int(s) for s in args.subtiles.split(",") if s]
     if any(s not in (1, 2, 4, 8) for s in args.subtiles):
         p.error(f"--subtiles takes 1, 2, 4 or 8 (comma-separated), got {args.subtiles}")
@@ -88,10 +101,12 @@ class Bench:
         tune: str = "none",
         recompute: bool = True,
         subtiles: list[int] | None = None,
+        runs: int = 3,
     ) -> None:
         import torch
 
         self.dry_run = dry_run
+        self.runs = runs  # interleaved comparisons per table row: medians and min–max of these
         self.tune = tune
         self.recompute = recompute
         self.subtiles = subtiles or []  # epilogue sub-tile counts each kernel is also timed at
@@ -124,6 +139,12 @@ class Bench:
         from coda.primitives.timing import interleaved_ms
 
         return interleaved_ms(fns, rounds=3, warmup=25, rep=rep_ms)
+
+    def compare_runs(self, fns: dict[str, Callable[[], Any]]) -> dict[str, list[float]]:
+        """``compare`` repeated ``self.runs`` times: each function's milliseconds in every run
+        (a run is one interleaved comparison of them all), for the median and its spread."""
+        runs = [self.compare(fns) for _ in range(self.runs)]
+        return {name: [run[name] for run in runs] for name in fns}
 
     def graph_ms(self, fn: Callable[[], Any]) -> float | None:
         """Milliseconds of ``fn`` replayed from a CUDA graph: GPU time with no host launch cost
@@ -223,7 +244,7 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
     compiled.configs.update(tuned)
     (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
     reference = bench.compile(lambda **kw: block.reference(kw))
-    times = bench.compare(
+    runs = bench.compare_runs(
         {
             "coda": run_at(compiled, tuned, prepared),
             "gemm": lambda: gemm.call(inputs),
@@ -236,6 +257,7 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
             },
         }
     )
+    times = {name: statistics.median(ms) for name, ms in runs.items()}
     compiled.configs.update(tuned)
     compiled.run(prepared)  # the tuned Program's kernel stats, last
     # The same two from CUDA graphs (no L2 flush): kernel time without the host's launch path
@@ -249,6 +271,7 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
         "correct": all(c["passed"] for c in checks),
         "checks": checks,
         **{f"{name}_ms": ms for name, ms in times.items()},
+        **{f"{name}_ms_runs": ms for name, ms in runs.items()},
         **graphs,
         "configs": {n: c.model_dump() for n, c in compiled.configs_for(info).items()},
         "mainloops": dict(compiled.mainloops_used),
@@ -266,6 +289,7 @@ def kernel_row(block: Any, sizes: dict[str, int], bench: Bench) -> dict[str, Any
         ],
     }
     row["coda_over_gemm"] = row["coda_ms"] / row["gemm_ms"]
+    row["coda_over_gemm_runs"] = per_run_ratios(runs["coda"], runs["gemm"])
     row["compile_over_gemm"] = row["compile_ms"] / row["gemm_ms"]
     row["speedup_vs_compile"] = row["compile_ms"] / row["coda_ms"]
     m, n, k = block.matmuls(sizes)[0]
@@ -470,10 +494,10 @@ def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
                 raise
             fwd.pop(name, None), fwd_bwd.pop(name, None)
             row[f"{name}_error"] = repr(e)[:500]
-    for name, ms in bench.compare(fwd).items():
-        row[f"{name}_fwd_ms"] = ms
-    for name, ms in bench.compare(fwd_bwd).items():
-        row[f"{name}_fwd_bwd_ms"] = ms
+    for what, fns in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        for name, ms in bench.compare_runs(fns).items():
+            row[f"{name}_{what}_ms"] = statistics.median(ms)
+            row[f"{name}_{what}_ms_runs"] = ms
     for name in ("eager", "compile", "liger", "coda_recompute"):
         base = row[f"{name}_fwd_bwd_ms"]
         row[f"coda_speedup_vs_{name}"] = None if base is None else base / row["coda_fwd_bwd_ms"]
@@ -482,7 +506,26 @@ def mlp_row(sizes: dict[str, int], bench: Bench) -> dict[str, Any]:
         ms = row["coda_packed_fwd_bwd_ms"]
         row["coda_packed_speedup_vs_compile"] = row["compile_fwd_bwd_ms"] / ms
         row["coda_packed_over_gemms_alone"] = ms / row["gemms_alone_fwd_bwd_ms"]
+        packed = row["coda_packed_fwd_bwd_ms_runs"]
+        for name in ("compile", "liger"):  # the baselines the packed op is to beat, per run
+            base = row.get(f"{name}_fwd_bwd_ms_runs")
+            if base is not None:
+                row[f"coda_packed_speedup_vs_{name}_runs"] = per_run_ratios(base, packed)
+        liger = row["liger_fwd_bwd_ms"]
+        row["coda_packed_speedup_vs_liger"] = None if liger is None else liger / ms
     return row
+
+
+def per_run_ratios(numerators: list[float], denominators: list[float]) -> list[float]:
+    """``numerator / denominator`` of each run: two times from one interleaved comparison."""
+    return [a / b for a, b in zip(numerators, denominators, strict=True)]
+
+
+def _spread(ratios: list[float] | None) -> str:
+    """A ratio's median with its min–max over the runs (``1.012× (1.004–1.020)``)."""
+    if not ratios:
+        return "n/a"
+    return f"{statistics.median(ratios):.3f}× ({min(ratios):.3f}–{max(ratios):.3f})"
 
 
 def mlp_section(
@@ -519,7 +562,7 @@ def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
                 continue
             lines.append(
                 f"| {r['block']} | {r['sizes']['M']} | {'yes' if r['correct'] else 'NO'} | "
-                f"{_f(r['coda_ms'])} | {_f(r['gemm_ms'])} | {_f(r['coda_over_gemm'])}× | "
+                f"{_f(r['coda_ms'])} | {_f(r['gemm_ms'])} | {_spread(r['coda_over_gemm_runs'])} | "
                 f"{_f(r['compile_ms'])} | {_f(r['compile_over_gemm'])}× | {_f(r['eager_ms'])} | "
                 f"{_f(r['coda_tflops'], '.0f')} | "
                 f"{_f(r.get('coda_graph_ms'))} / {_f(r.get('gemm_graph_ms'))} |"
@@ -532,8 +575,8 @@ def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
             "",
             "| llama_mlp | ok | GEMMs alone fwd+bwd | CODA fwd / fwd+bwd | CODA, recompute | "
             "CODA, packed gate/up | eager | compile | Liger | CODA vs compile | "
-            "packed vs compile |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "packed vs compile (min–max) | packed vs Liger (min–max) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in mlp:
             s = r["sizes"]
@@ -547,7 +590,8 @@ def tables(kernels: list[dict[str, Any]], mlp: list[dict[str, Any]]) -> str:
                 f"{_f(r['gemms_alone_fwd_bwd_ms'])} | {pair('coda')} | {pair('coda_recompute')} | "
                 f"{pair('coda_packed')} | {pair('eager')} | {pair('compile')} | {pair('liger')} | "
                 f"{_f(r['coda_speedup_vs_compile'])}× | "
-                f"{_f(r.get('coda_packed_speedup_vs_compile'))}× |"
+                f"{_spread(r.get('coda_packed_speedup_vs_compile_runs'))} | "
+                f"{_spread(r.get('coda_packed_speedup_vs_liger_runs'))} |"
             )
     return "\n".join(lines)
 
@@ -613,7 +657,11 @@ def main(argv: list[str] | None = None) -> int:
     import coda.primitives  # noqa: F401  (its kernels run in the interpreter without a GPU)
 
     bench = Bench(
-        args.dry_run, args.tune, recompute=not args.skip_recompute, subtiles=args.subtiles
+        args.dry_run,
+        args.tune,
+        recompute=not args.skip_recompute,
+        subtiles=args.subtiles,
+        runs=args.runs,
     )
     only = [s for s in args.only.split(",") if s]
     print(f"paper kernels and llama_mlp on {environment(bench, argv)['device']}", flush=True)

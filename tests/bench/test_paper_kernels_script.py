@@ -30,7 +30,7 @@ def table_of(out: Path) -> str:
 def test_dry_run_writes_tables_and_numbers(tmp_path: Path) -> None:
     only = "gemm_rmsnorm_swiglu,gemm_rope"
     code = _script().main(
-        ["--dry-run", "--out", str(tmp_path), "--only", only, "--subtiles", "2,4"]
+        ["--dry-run", "--out", str(tmp_path), "--only", only, "--subtiles", "2,4", "--runs", "2"]
     )
     assert code == 0
     result = json.loads((tmp_path / "paper_kernels.json").read_text())
@@ -41,7 +41,21 @@ def test_dry_run_writes_tables_and_numbers(tmp_path: Path) -> None:
     # output + 5 gradients, for the op with separate gate/up weights and for the packed one
     assert mlp["correct"] and len(mlp["checks"]) == 12 and mlp["coda_fwd_bwd_ms"] > 0
     assert mlp["coda_packed_fwd_bwd_ms"] > 0 and "packed vs compile" in table_of(tmp_path)
+    # --runs 2: every time is the median of two interleaved comparisons, kept in the JSON, and
+    # each ratio the table shows is formed within a run, with its min–max over the runs
+    assert len(mlp["coda_packed_fwd_bwd_ms_runs"]) == 2
+    assert mlp["coda_packed_fwd_bwd_ms"] == pytest.approx(
+        sum(mlp["coda_packed_fwd_bwd_ms_runs"]) / 2
+    )
+    ratios = mlp["coda_packed_speedup_vs_compile_runs"]
+    runs = zip(mlp["compile_fwd_bwd_ms_runs"], mlp["coda_packed_fwd_bwd_ms_runs"], strict=True)
+    assert ratios == [compiled / packed for compiled, packed in runs]
     table = table_of(tmp_path)
+    assert f"({min(ratios):.3f}–{max(ratios):.3f})" in table
+    for r in result["kernels"]:
+        assert len(r["coda_ms_runs"]) == len(r["gemm_ms_runs"]) == 2
+        low, high = min(r["coda_over_gemm_runs"]), max(r["coda_over_gemm_runs"])
+        assert f"({low:.3f}–{high:.3f}) |" in table
     assert "DRY RUN" in table and "| gemm_rope |" in table
     # --subtiles: each kernel again with its epilogue in 2 sub-tiles (checked, timed); 4 refused
     # with why (the interpreter's 32-column tile would leave 8-column sub-tiles)
