@@ -1,0 +1,211 @@
+"""Experiment: does the GPU wait for the host inside back-to-back training steps at 8192 tokens?
+
+``bench/train_step.py`` times steps the way ``do_bench`` runs them: one after another with no
+synchronization between steps, so the host may run ahead of the GPU by whole steps. Its
+``--gaps`` profile instead synchronizes before the profiled step, and so shows every gap of a
+host that starts level with the GPU. This script looks at the steady state, for each variant of
+``--variants`` (the names of ``train_step.py``; a 4-layer Llama at 3.2 1B widths, bf16, AdamW):
+
+* ``do_bench_ms``: three ``triton.testing.do_bench`` medians of the step (L2 flushed before each);
+* ``back_to_back_ms``: 20 steps in a row between two CUDA events, per step (no flush, no sync);
+* under ``torch.profiler`` (CPU and CUDA activities), ``--steps`` steps in a row: the GPU's busy
+  and idle time per step (the first step's share of the timeline left out), the gaps between
+  kernels by length, and the 25 longest with the kernels on either side. The profiler's CPU
+  tracing slows the host, so this idle time is an upper bound on the unprofiled step's.
+
+``--host-lead`` measures instead, with no profiler, how far ahead the host is: whether a step
+synchronizes anywhere (``torch.cuda.set_sync_debug_mode``), the host's wall time of each of 12
+steps in a row (short while the host runs ahead, a GPU step long once CUDA's launch queue is full)
+and, from an idle GPU, the host's time to issue the forward and the backward and the time the
+GPU then needs to drain.
+
+Not part of the product: a measurement to decide whether host work or GPU work limits the step.
+
+    python3 bench/experiments/step_idle.py [--batch 4] [--variants coda_lm_head,liger]
+        [--steps 6] [--host-lead] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+GAP_BINS = (("<2us", 2.0), ("2-5us", 5.0), ("5-20us", 20.0), ("20-100us", 100.0), (">100us", None))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=4, help="sequences of 2048 tokens")
+    p.add_argument("--variants", default="coda_lm_head,liger")
+    p.add_argument("--steps", type=int, default=6, help="profiled steps in a row")
+    p.add_argument("--host-lead", action="store_true", help="the host's lead, no profiler")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench/out")
+    return p.parse_args(argv)
+
+
+def gap_bin(us: float) -> str:
+    return next(name for name, upper in GAP_BINS if upper is None or us < upper)
+
+
+def timeline(kernels: list[tuple[float, float, str]], start: float, steps: int) -> dict:
+    """Busy and idle µs of the GPU from ``start`` to its last kernel's end, per step, with the
+    gaps between kernels (each with the kernel before and the one after)."""
+    gaps, intervals, end, last = [], [], None, None
+    for s, e, name in kernels:
+        if e <= start:
+            continue
+        s = max(s, start)
+        if end is not None and s > end:
+            gaps.append((s - end, last, name))
+        if end is None or e > end:
+            end, last = e, name
+        intervals.append((s, e))
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    window = max(e for _, e, _ in kernels) - start
+    counts = {name: 0 for name, _ in GAP_BINS}
+    sums = {name: 0.0 for name, _ in GAP_BINS}
+    for us, _, _ in gaps:
+        counts[gap_bin(us)] += 1
+        sums[gap_bin(us)] += us
+    gaps.sort(reverse=True)
+    return {
+        "window_ms_per_step": window / 1e3 / steps,
+        "busy_ms_per_step": busy / 1e3 / steps,
+        "idle_ms_per_step": (window - busy) / 1e3 / steps,
+        "gaps_per_step": len(gaps) / steps,
+        "gap_hist_count_per_step": {k: v / steps for k, v in counts.items()},
+        "gap_hist_ms_per_step": {k: v / 1e3 / steps for k, v in sums.items()},
+        "longest": [(round(us, 1), before[:70], after[:70]) for us, before, after in gaps[:25]],
+    }
+
+
+def measure(step, steps: int) -> dict:  # noqa: ANN001 - a train_step step
+    import torch
+    import triton
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    do_bench = [
+        triton.testing.do_bench(step, warmup=10, rep=1000, return_mode="median") for _ in range(3)
+    ]
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(20):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    )
+    first, last = kernels[0][0], max(e for _, e, _ in kernels)
+    start = first + (last - first) / steps  # the first step's share left out
+    return {
+        "do_bench_ms": do_bench,
+        "back_to_back_ms": begin.elapsed_time(end) / 20,
+        **timeline(kernels, start, steps - 1),
+    }
+
+
+def host_lead(step, forward, backward) -> dict:  # noqa: ANN001 - train_step callables
+    """Syncs in a step, the host's wall ms per step back to back, and from an idle GPU the host's
+    ms to issue ``forward()`` and ``backward(loss)`` and the GPU's ms to drain after them."""
+    import time
+    import warnings
+
+    import torch
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode(1)
+    with warnings.catch_warnings(record=True) as syncs:
+        warnings.simplefilter("always")
+        step()
+    torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(12):
+        t = time.perf_counter()
+        step()
+        walls.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    a = time.perf_counter()
+    loss = forward()
+    b = time.perf_counter()
+    backward(loss)
+    c = time.perf_counter()
+    torch.cuda.synchronize()
+    d = time.perf_counter()
+    return {
+        "sync_warnings": [str(w.message)[:200] for w in syncs],
+        "host_wall_ms_back_to_back": walls,
+        "host_forward_ms": (b - a) * 1e3,
+        "host_backward_ms": (c - b) * 1e3,
+        "gpu_drain_ms": (d - c) * 1e3,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    import train_step as ts
+    from paper_kernels import Bench
+
+    if not torch.cuda.is_available():
+        print("step_idle.py needs a CUDA GPU (it times training steps on it)", file=sys.stderr)
+        return 2
+    bench = Bench(False)
+    base = ts.base_model(argparse.Namespace(layers=None, vocab=None), bench)
+    ids = torch.randint(0, base.config.vocab_size, (args.batch, 2048), device="cuda")
+    results = {}
+    for name in args.variants.split(","):
+        model = ts.make_variant(name, base, "bf16", bench)
+        step = ts.train_step(model, ts.loss_of(name, bench), ids, "bf16", bench)
+        if args.host_lead:
+            loss_fn = ts.loss_of(name, bench)
+
+            def forward(model=model, loss_fn=loss_fn):  # noqa: ANN001, ANN202
+                model.zero_grad(set_to_none=True)
+                return ts.setting_loss(model, loss_fn, ids, "bf16", bench)
+
+            results[name] = host_lead(step, forward, lambda loss: loss.backward())
+            print(name, json.dumps(results[name], indent=1))
+        else:
+            results[name] = measure(step, args.steps)
+            shown = {k: v for k, v in results[name].items() if k != "longest"}
+            print(name, json.dumps(shown, indent=1))
+            for gap in results[name]["longest"]:
+                print("  ", gap)
+        del model, step
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    kind = "host_lead" if args.host_lead else "step_idle"
+    with open(os.path.join(args.out, f"{kind}-b{args.batch}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
