@@ -1070,9 +1070,7 @@ def gap_profile(
     for e in prof.events():
         span = Span(e.time_range.start, e.time_range.end, e.name, e.thread)
         if e.device_type == DeviceType.CUDA:
-            # a record_function range shows on the GPU's timeline too (gpu_user_annotation):
-            # a span of host intent, not GPU work
-            if not getattr(e, "is_user_annotation", False) and e.name != STEP_RANGE:
+            if is_gpu_work(e) and e.name != STEP_RANGE:
                 gpu.append(span)
         elif e.name == STEP_RANGE and window is None:
             window = span
@@ -1081,6 +1079,15 @@ def gap_profile(
     if window is None:
         raise RuntimeError(f"the profile has no {STEP_RANGE!r} range around the step")
     return idle_gaps(gpu, cpu, window, top)
+
+
+def is_gpu_work(event: Any) -> bool:
+    """Whether a ``torch.profiler`` event is work on the GPU (a kernel, copy or memset). A
+    ``record_function`` range shows on the GPU's timeline too (``gpu_user_annotation``): a span
+    of host intent, not GPU work."""
+    from torch.autograd import DeviceType
+
+    return event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
 
 
 def busy_intervals(gpu: list[Span], start: float, end: float) -> list[tuple[float, float]]:

@@ -33,6 +33,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import train_step as ts  # noqa: E402  (bench/)
+from train_step import Span, busy_intervals, is_gpu_work  # noqa: E402
 
 GAP_BINS = (("<2us", 2.0), ("2-5us", 5.0), ("5-20us", 20.0), ("20-100us", 100.0), (">100us", None))
 
@@ -51,29 +53,21 @@ def gap_bin(us: float) -> str:
     return next(name for name, upper in GAP_BINS if upper is None or us < upper)
 
 
-def timeline(kernels: list[tuple[float, float, str]], start: float, steps: int) -> dict:
+def timeline(kernels: list[Span], start: float, steps: int) -> dict:
     """Busy and idle µs of the GPU from ``start`` to its last kernel's end, per step, with the
-    gaps between kernels (each with the kernel before and the one after)."""
-    gaps, intervals, end, last = [], [], None, None
-    for s, e, name in kernels:
-        if e <= start:
+    gaps between kernels (each with the kernel before and the one after); ``kernels`` in order
+    of their start."""
+    gaps, end, last = [], None, None
+    for k in kernels:
+        if k.end <= start:
             continue
-        s = max(s, start)
-        if end is not None and s > end:
-            gaps.append((s - end, last, name))
-        if end is None or e > end:
-            end, last = e, name
-        intervals.append((s, e))
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
-    window = max(e for _, e, _ in kernels) - start
+        if end is not None and k.start > end:  # (end, once set, lies past start)
+            gaps.append((k.start - end, last, k.name))
+        if end is None or k.end > end:
+            end, last = k.end, k.name
+    finish = max(k.end for k in kernels)
+    busy = sum(b - a for a, b in busy_intervals(kernels, start, finish))
+    window = finish - start
     counts = {name: 0 for name, _ in GAP_BINS}
     sums = {name: 0.0 for name, _ in GAP_BINS}
     for us, _, _ in gaps:
@@ -94,7 +88,6 @@ def timeline(kernels: list[tuple[float, float, str]], start: float, steps: int) 
 def measure(step, steps: int) -> dict:  # noqa: ANN001 - a train_step step
     import torch
     import triton
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(5):
@@ -115,11 +108,9 @@ def measure(step, steps: int) -> dict:  # noqa: ANN001 - a train_step step
             step()
         torch.cuda.synchronize()
     kernels = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        Span(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if is_gpu_work(e)
     )
-    first, last = kernels[0][0], max(e for _, e, _ in kernels)
+    first, last = kernels[0].start, max(k.end for k in kernels)
     start = first + (last - first) / steps  # the first step's share left out
     return {
         "do_bench_ms": do_bench,
@@ -170,7 +161,6 @@ def host_lead(step, forward, backward) -> dict:  # noqa: ANN001 - train_step cal
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
-    import train_step as ts
     from paper_kernels import Bench
 
     if not torch.cuda.is_available():
@@ -182,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in args.variants.split(","):
         model = ts.make_variant(name, base, "bf16", bench)
-        step = ts.train_step(model, ts.loss_of(name, bench), ids, "bf16", bench)
+        loss_fn = ts.loss_of(name, bench)
+        step = ts.train_step(model, loss_fn, ids, "bf16", bench)
         if args.host_lead:
-            loss_fn = ts.loss_of(name, bench)
 
             def forward(model=model, loss_fn=loss_fn):  # noqa: ANN001, ANN202
                 model.zero_grad(set_to_none=True)

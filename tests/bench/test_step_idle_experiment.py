@@ -15,12 +15,15 @@ def test_the_timeline_counts_busy_time_once_and_bins_the_gaps() -> None:
     # µs: a kernel overlapping another (counted once), gaps of 1, 10 and 150, and a kernel that
     # ends before the window starts (left out); two steps in the window
     kernels = [
-        (0.0, 5.0, "before"),
-        (10.0, 20.0, "a"),
-        (15.0, 25.0, "b"),
-        (26.0, 30.0, "c"),
-        (40.0, 50.0, "d"),
-        (200.0, 210.0, "e"),
+        experiment.Span(*k)
+        for k in [
+            (0.0, 5.0, "before"),
+            (10.0, 20.0, "a"),
+            (15.0, 25.0, "b"),
+            (26.0, 30.0, "c"),
+            (40.0, 50.0, "d"),
+            (200.0, 210.0, "e"),
+        ]
     ]
     t = experiment.timeline(kernels, start=8.0, steps=2)
     busy = (25.0 - 10.0) + (30.0 - 26.0) + (50.0 - 40.0) + (210.0 - 200.0)
