@@ -35,6 +35,7 @@ import os
 import platform
 import sys
 import time
+import typing
 from typing import Any, NamedTuple
 
 # The pairs the kernels are timed at: the paper shapes, then the two training shapes of the
@@ -121,6 +122,44 @@ try:  # the CuTe DSL is optional: the module imports without it (--help, tests)
     class SwiGLUBwdSm90(SwiGLUBwdMixin, GemmSm90):
         pass
 
+    class SwiGLUBwdTileLoadMixin(SwiGLUBwdMixin):
+        """The same epilogue with the ``[G, U]`` words loaded as an epilogue tile (QuACK's
+        ``TileLoad``, as the product's generated epilogues load tiles) instead of as C."""
+
+        _epi_ops = (*GemmDGatedMixin._epi_ops, TileLoad("mZ"))
+
+        @mlir_namedtuple
+        class EpilogueArguments(NamedTuple):
+            mAuxOut: cute.Tensor
+            mZ: cute.Tensor
+            act_bwd_fn: cutlass.Constexpr[typing.Callable] = None
+            mColVecBroadcast: cute.Tensor | None = None
+            mColVecReduce: cute.Tensor | None = None
+            rounding_mode: cutlass.Constexpr[int] = 0
+            sr_seed: cutlass.Int32 | cute.Tensor | None = None
+
+        def epi_to_underlying_arguments(self, args, *, loc=None, ip=None):
+            self.rounding_mode = args.rounding_mode
+            self.aux_out_dtype = args.mAuxOut.element_type
+            self.aux_out_layout = cutlass.utils.LayoutEnum.from_tensor(args.mAuxOut)
+            self.cta_tile_shape_aux_out_mn = self.cta_tile_shape_mnk[:2]
+            d = self._epi_ops_to_params_dict(args)
+            d["act_bwd_fn"] = args.act_bwd_fn
+            return self.EpilogueParams(**d)
+
+        @cute.jit
+        def epi_visit_subtile(self, params, epi_loop_tensors, tRS_rD, tRS_rC=None):
+            words = epi_loop_tensors["mZ"]
+            return SwiGLUBwdMixin.epi_visit_subtile(self, params, epi_loop_tensors, tRS_rD, words)
+
+    # this module's annotations are strings; the DSL reads a Constexpr field's from the class
+    SwiGLUBwdTileLoadMixin.EpilogueArguments.__annotations__ = typing.get_type_hints(
+        SwiGLUBwdTileLoadMixin.EpilogueArguments
+    )
+
+    class SwiGLUBwdTileLoadSm90(SwiGLUBwdTileLoadMixin, GemmSm90):
+        pass
+
     class RMSNormBwdMixin(GemmActMixin):
         """D = O + (acc·γ − x̂·c)·r with x̂ = r·x (O is GEMM's C); aux out x̂·γ; dγ partials."""
 
@@ -180,7 +219,7 @@ try:  # the CuTe DSL is optional: the module imports without it (--help, tests)
 
 
 except ImportError:  # pragma: no cover - depends on the machine
-    SwiGLUBwdSm90 = RMSNormBwdSm90 = None
+    SwiGLUBwdSm90 = RMSNormBwdSm90 = SwiGLUBwdTileLoadSm90 = None
 
 
 def _quack_epilogues():
@@ -224,6 +263,34 @@ def compile_swiglu_bwd(config: tuple, arch: tuple = (9, 0)) -> Compiled:
     fn = compile_gemm_kernel(
         cls, cutlass.BFloat16, (tile_m, tile_n), (cm, cn, 1), pingpong, True, False, False,
         arch, mA, mB, mD, mC, epi, make_fake_scheduler_args(False, False, batch), None,
+        post_init=implicit,
+    )  # fmt: skip
+    return Compiled(fn, config)
+
+
+def compile_swiglu_bwd_tile_load(config: tuple, arch: tuple = (9, 0)) -> Compiled:
+    """``compile_swiglu_bwd`` with ``[G, U]`` as an epilogue tile load, no C operand."""
+    import cutlass
+    import cutlass.cute as cute
+    from quack.activation import dgate_fn_map
+    from quack.compile_utils import make_fake_tensor as fake
+    from quack.gemm_tvm_ffi_utils import compile_gemm_kernel, make_fake_scheduler_args
+
+    _quack_epilogues()
+    cls = SwiGLUBwdTileLoadSm90
+    tile_m, tile_n, pingpong, cm, cn = config
+    mA, mB, mD, _, m, n, _, batch = _fake_common(True)
+    mO = fake(cutlass.BFloat16, (m, n, batch), leading_dim=1, divisibility=8)
+    mZ = fake(cutlass.Float32, (m, n, batch), leading_dim=1, divisibility=4)
+    mZdz = fake(cutlass.Float32, (batch, m, cute.sym_int()), leading_dim=2, divisibility=1)
+    epi = cls.EpilogueArguments(mO, mZ, dgate_fn_map["swiglu"], mColVecReduce=mZdz)
+
+    def implicit(gemm):
+        gemm.implicit_dtype = cutlass.BFloat16
+
+    fn = compile_gemm_kernel(
+        cls, cutlass.BFloat16, (tile_m, tile_n), (cm, cn, 1), pingpong, True, False, False,
+        arch, mA, mB, mD, None, epi, make_fake_scheduler_args(False, False, batch), None,
         post_init=implicit,
     )  # fmt: skip
     return Compiled(fn, config)
@@ -292,6 +359,30 @@ def swiglu_bwd_runner(compiled: Compiled, inputs: dict):
     return run, out
 
 
+def swiglu_bwd_tile_load_runner(compiled: Compiled, inputs: dict):
+    """``swiglu_bwd_runner`` for the kernel that loads ``[G, U]`` as an epilogue tile."""
+    import torch
+
+    a, b, z = inputs["a"], inputs["b"], inputs["z"]
+    M, N = a.shape[0], b.shape[0]
+    dz = torch.empty(M, 2 * N, dtype=z.dtype, device=z.device)
+    o = torch.empty(M, N, dtype=z.dtype, device=z.device)
+    part = torch.empty(1, M, -(-N // compiled.config[1]), dtype=torch.float32, device=z.device)
+    epi = SwiGLUBwdTileLoadSm90.EpilogueArguments(
+        _p(o), _p(z.view(torch.float32)), None, mColVecReduce=part, rounding_mode=None,
+        sr_seed=None,
+    )  # fmt: skip
+    args = (_p(a), _p(b), _p(dz.view(torch.float32)), None, epi, _sched(compiled), None)
+    out = {"dz": dz, "o": o}
+
+    def run():
+        compiled.fn(*args)
+        out["zdz"] = part[0].sum(-1)
+        return out
+
+    return run, out
+
+
 def rmsnorm_bwd_runner(compiled: Compiled, inputs: dict):
     import torch
 
@@ -326,6 +417,9 @@ KERNELS = {
     "gemm_partial_swiglu_bwd": (compile_swiglu_bwd, swiglu_bwd_runner),
     "gemm_residual_partial_rmsnorm_bwd": (compile_rmsnorm_bwd, rmsnorm_bwd_runner),
 }
+# The SwiGLU backward again with [G, U] as an epilogue tile load (--tile-load): timed beside the
+# kernel above, to tell what the C operand's path is worth against a tile load.
+TILE_LOAD = (compile_swiglu_bwd_tile_load, swiglu_bwd_tile_load_runner)
 
 
 def _sizes(block_name: str, m: int, n: int, k: int) -> dict[str, int]:
@@ -364,16 +458,19 @@ def triton_runner(block, sizes: dict, inputs: dict):
 
 
 # The product's generated epilogues (``CODA_EPILOGUE_BACKEND=cute``) at tiles and clusters of
-# one's choice, with the edge masks as generated or taken out (masked=False):
-# (tile_m, tile_n, pingpong, cluster_m, cluster_n, masked).
+# one's choice, with the edge masks as generated or taken out (masked=False), and the epilogue
+# pipelines as QuACK splits shared memory (0) or n stages deep (``CuteConfig.epi_stages``):
+# (tile_m, tile_n, pingpong, cluster_m, cluster_n, masked, epi_stages).
 GENERATED = [
-    (128, 128, True, 2, 1, True),
-    (128, 128, True, 2, 1, False),
-    (128, 192, True, 2, 1, True),
-    (128, 192, True, 2, 1, False),
-    (128, 128, True, 1, 1, True),
-    (256, 128, False, 2, 1, True),
-    (128, 192, True, 1, 2, True),
+    (128, 128, True, 2, 1, True, 0),
+    (128, 128, True, 2, 1, False, 0),
+    (128, 192, True, 2, 1, True, 0),
+    (128, 192, True, 2, 1, False, 0),
+    (128, 128, True, 1, 1, True, 0),
+    (256, 128, False, 2, 1, True, 0),
+    (128, 192, True, 1, 2, True, 0),
+    (128, 128, True, 2, 1, True, 4),
+    (128, 128, True, 1, 2, True, 4),
 ]
 
 
@@ -387,7 +484,8 @@ def generated_runner(block, sizes: dict, inputs: dict, variant: tuple):
     from coda.primitives import analyze, compile_program
     from coda.primitives.cute import launch
 
-    *config, masked = variant
+    tile_m, tile_n, pingpong, cm, cn, masked, stages = variant
+    config = launch.CuteConfig(tile_m, tile_n, cm, cn, pingpong, stages)
     program = lower(block)
     info = analyze(program, sizes)
     compiled = compile_program(program, info)
@@ -400,8 +498,7 @@ def generated_runner(block, sizes: dict, inputs: dict, variant: tuple):
         text = re.sub(r"F\.where\(inside_\w, (.*), 0\.0\)", r"\1", source.text)
         return dataclasses.replace(source, text=text)
 
-    tile_m, tile_n, pingpong, cm, cn = config
-    launch.choose_config = lambda gemm: launch.CuteConfig(tile_m, tile_n, cm, cn, pingpong)
+    launch.choose_config = lambda gemm: config
     launch.generate = saved[1] if masked else unmasked
     try:
         compiled.run(prepared)  # plans (and compiles) at this variant; replays keep it
@@ -416,10 +513,13 @@ def generated_runner(block, sizes: dict, inputs: dict, variant: tuple):
     return run
 
 
-def compile_all(configs: list[tuple], arch: tuple = (9, 0)) -> dict:
-    """Compile each kernel at each config; a config that does not fit records why."""
+def compile_all(configs: list[tuple], arch: tuple = (9, 0), kernels=None) -> dict:
+    """Compile each kernel (of ``kernels``, default all) at each config; a config that does not
+    fit records why."""
     done: dict = {}
     for name, (compile_fn, _) in KERNELS.items():
+        if kernels and name not in kernels:
+            continue
         for config in configs:
             start = time.perf_counter()
             try:
@@ -441,13 +541,22 @@ def bench(args: argparse.Namespace) -> dict:
 
     configs = [c for c in CONFIGS if args.configs is None or CONFIGS.index(c) in args.configs]
     generated = [GENERATED[i] for i in args.generated]
-    compiled = compile_all(configs)
+    compiled = compile_all(configs, kernels=args.kernels)
+    tile_load = {}  # config -> the SwiGLU backward loading [G, U] as a tile (--tile-load)
+    if args.tile_load:
+        for config in configs:
+            try:
+                tile_load[config] = TILE_LOAD[0](config)
+            except Exception as e:  # noqa: BLE001 (an experiment: report and go on)
+                print(f"skipped tile-load {config}: {type(e).__name__}: {e}"[:300], flush=True)
     rows: list[dict] = []
     result = {"environment": environment(), "rows": rows, "compile_errors": {}}
     for (name, config), c in compiled.items():
         if isinstance(c, str):
             result["compile_errors"][f"{name} {config}"] = c
     for name, (_, runner) in KERNELS.items():
+        if args.kernels and name not in args.kernels:
+            continue
         block = get_block(name)
         # correctness first, at a ragged shape, for every config
         sizes = _sizes(name, *CHECK_SIZE)
@@ -463,6 +572,9 @@ def bench(args: argparse.Namespace) -> dict:
             rows.append({"kernel": name, "config": config, "sizes": sizes, "errors": errors,
                          "correct": correct[config]})  # fmt: skip
             print(f"check {name} {config}: {errors}", flush=True)
+            if name == "gemm_partial_swiglu_bwd" and config in tile_load:
+                errors = check_outputs(block, TILE_LOAD[1](tile_load[config], inputs)[0](), inputs)
+                print(f"check tile-load {config}: {errors}", flush=True)
         for m, n, k in [SIZES[i] for i in args.sizes] if args.sizes else SIZES:
             sizes = _sizes(name, m, n, k)
             inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
@@ -472,6 +584,8 @@ def bench(args: argparse.Namespace) -> dict:
                 c = compiled[name, config]
                 if not isinstance(c, str) and correct.get(config):
                     fns[f"quack {config}"] = runner(c, inputs)[0]
+                if name == "gemm_partial_swiglu_bwd" and config in tile_load:
+                    fns[f"quack tile-load {config}"] = TILE_LOAD[1](tile_load[config], inputs)[0]
             fns["triton"] = triton_runner(block, sizes, inputs)
             for variant in generated:
                 try:
@@ -520,6 +634,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="indices into GENERATED: product kernels to time too")  # fmt: skip
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="indices into SIZES (default: all)")  # fmt: skip
+    p.add_argument("--kernels", type=lambda s: s.split(","), default=None,
+                   help=f"which of {', '.join(KERNELS)} (default: both)")  # fmt: skip
+    p.add_argument(
+        "--tile-load",
+        action="store_true",
+        help="also the SwiGLU backward with [G, U] as an epilogue tile load, not as C",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tolerance", type=float, default=0.02)
     p.add_argument("--out", default=None, help="write every row as JSON here")
