@@ -120,13 +120,13 @@ class CodaEpilogue(ComposableEpiMixin):
         """QuACK's split of shared memory between the A/B pipeline and the epilogue, unless
         ``epi_stages`` asks for deeper epilogue pipelines. QuACK gives the A/B pipeline every
         stage that fits after two epilogue stages and the leftovers to the tile stores: the
-        SwiGLU backward of a Llama down projection gets six A/B stages and two each for its
-        loads and its stores, where the hand-written QuACK kernel it was measured against (with
-        one more store) got five A/B stages and four store stages. An epilogue that loads and
-        stores a tile per sub-tile waits on those TMA copies when the K loop beside it is
-        short. With ``epi_stages`` = n, the tile stores and tile loads get n stages each and the
-        A/B pipeline what remains (QuACK's split where fewer than three A/B stages would
-        remain); tuning times both."""
+        SwiGLU backward of a Llama down projection (dz as D, a as a second store, g and u
+        loaded) gets five A/B stages, four of tile stores and two of tile loads — the split of
+        the hand-written QuACK kernel it was measured against. With ``epi_stages`` = n, the tile
+        stores and tile loads get n stages each and the A/B pipeline what remains (QuACK's split
+        where fewer than three A/B stages would remain); tuning times both. For that step four
+        load stages were slower (0.534 against 0.503 ms at 8192 × 8192 × 2048, bench/RESULTS.md
+        run 2026-12-03h)."""
         default = super()._compute_stages(
             cta_tile_shape_mnk, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
             smem_capacity, occupancy, warp_shape_mnk,
@@ -245,7 +245,11 @@ class F:
 
     @staticmethod
     def sigmoid(x):
-        return 1.0 / (1.0 + cute.math.exp2(x * (-math.log2(math.e)), fastmath=True))
+        """1 / (1 + 2^(−x·log2 e)) with the hardware's approximate reciprocal (``rcp.approx``,
+        as QuACK's activations and Triton's fast division; ``1.0 / y`` would compile to the
+        correctly rounded ``rcp.rn``, several instructions more per element — in the SwiGLU
+        backward, whose epilogue must fit beside a K = 2048 mainloop, that showed)."""
+        return cute.arch.rcp_approx(1.0 + cute.math.exp2(x * (-math.log2(math.e)), fastmath=True))
 
     @staticmethod
     def silu(x):

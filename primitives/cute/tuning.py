@@ -6,15 +6,16 @@ shape. At the shapes of a Llama 3.2 1B training step at 8192 tokens (bench/RESUL
 2026-12-02n; time / the cuBLAS GEMM): the RMSNorm backward of the gate/up projection (N = 2048,
 K = 16384) ran 1.07× at the rule's 128 × 128 tile with two CTAs along M and 0.99× with two along
 N; the SwiGLU backward of the down projection (K = 2048) took 0.68–1.09 ms on the CuTe configs
-against the GEMM's 0.37 ms, and its Triton kernel 0.58 ms (tuned, run 2026-12-02o). So tuning
-times, per step:
+against the GEMM's 0.37 ms, and its Triton kernel 0.58 ms (tuned, run 2026-12-02o) — since its
+sigmoid takes the approximate reciprocal (``epilogue.F``), 0.50 ms at 128 × 128 with clusters
+along M against the GEMM's 0.41 (run 2026-12-03h). So tuning times, per step:
 
 - ``CANDIDATES``: 128 × 128 tiles with clusters of two CTAs along M or along N, and 128 × 192
   (the 8192³ winner), all with two consumer warpgroups in ping-pong;
 - for a step whose epilogue loads tiles, the two 128 × 128 ones again with four stages of tile
   loads and four of tile stores (``CuteConfig.epi_stages``; QuACK's own split gives the A/B
-  pipeline all it can and these two stages each, which leaves such an epilogue waiting on its
-  copies beside a short K loop — not measured yet);
+  pipeline all it can and the tile loads two stages — for the SwiGLU backward the deeper split
+  was slower, 0.534 against 0.503 ms, run 2026-12-03h);
 - with the ``auto`` backend, the step's Triton kernel at its tuned config.
 
 Each candidate is timed as its launch alone (what a run plan replays), in interleaved rounds

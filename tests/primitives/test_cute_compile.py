@@ -82,8 +82,9 @@ for stages in (0, 4):
 
 @pytest.mark.skipif(not HAVE_DSL, reason="the CuTe DSL and QuACK are not installed")
 def test_deeper_epilogue_pipelines_take_their_stages_from_the_a_b_pipeline(tmp_path: Path) -> None:
-    # QuACK's split for the SwiGLU backward: six A/B stages, two of tile stores, two of tile
-    # loads; with epi_stages=4 the epilogue's get four each and the A/B pipeline five
+    # QuACK's split for the SwiGLU backward (three tile stores: dz as D, a, and two tile loads):
+    # five A/B stages, four of tile stores, two of tile loads; with epi_stages=4 the loads get
+    # four, the stores four and what is left over (five), and the A/B pipeline four
     code = _STAGES.format(path=str(PROGRAMS / "llama_mlp_bwd_saved.json"))
     env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
     r = subprocess.run(
@@ -91,4 +92,24 @@ def test_deeper_epilogue_pipelines_take_their_stages_from_the_a_b_pipeline(tmp_p
     )
     assert r.returncode == 0, r.stdout + r.stderr
     stages = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("stages")]
-    assert stages == [["0", "6", "2", "2"], ["4", "5", "4", "4"]], r.stdout
+    assert stages == [["0", "5", "4", "2"], ["4", "4", "5", "4"]], r.stdout
+
+
+@pytest.mark.skipif(not HAVE_DSL, reason="the CuTe DSL and QuACK are not installed")
+def test_sigmoid_takes_the_approximate_reciprocal(tmp_path: Path) -> None:
+    # The SwiGLU backward's sigmoid as ``rcp.approx``, as QuACK's and Triton's: the correctly
+    # rounded ``rcp.rn`` that ``1.0 / y`` compiles to made its epilogue 2.5x the hand-written
+    # kernel's machine code, too slow to hide beside a K = 2048 mainloop
+    (tmp_path / "ptx").mkdir()  # the DSL writes its PTX only into a folder that exists
+    env = {
+        "CODA_CACHE_DIR": str(tmp_path / "cache"),
+        "CUTE_DSL_ARCH": "sm_90a",
+        "CUTE_DSL_KEEP": "ptx",
+        "CUTE_DSL_DUMP_DIR": str(tmp_path / "ptx"),
+    }
+    r = _check(str(PROGRAMS / "llama_mlp_bwd_saved.json"), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ptx = [p.read_text() for p in (tmp_path / "ptx").rglob("*.ptx")]
+    (down_bwd,) = [text for text in ptx if "ex2.approx" in text]  # the step with a sigmoid
+    assert "rcp.approx" in down_bwd
+    assert "rcp.rn" not in down_bwd and "div.rn" not in down_bwd
