@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -232,6 +233,7 @@ def _quack_epilogues():
 class Compiled(NamedTuple):
     fn: Any
     config: tuple
+    tile_load: bool = False  # the SwiGLU backward's [G, U] as an epilogue tile load, not C
 
 
 def _fake_common(c_dtype_is_pair: bool):
@@ -243,7 +245,10 @@ def _fake_common(c_dtype_is_pair: bool):
     return make_fake_gemm_tensors(bf16, bf16, dc, dc, "k", "k", "n", "n")
 
 
-def compile_swiglu_bwd(config: tuple, arch: tuple = (9, 0)) -> Compiled:
+def compile_swiglu_bwd(config: tuple, arch: tuple = (9, 0), tile_load: bool = False) -> Compiled:
+    """The hand-written SwiGLU backward at ``config``: ``[G, U]`` as the GEMM's C operand, or with
+    ``tile_load`` as an epilogue tile load (QuACK's ``TileLoad``, as the generated kernels load
+    tiles)."""
     import cutlass
     import cutlass.cute as cute
     from quack.activation import dgate_fn_map
@@ -255,7 +260,12 @@ def compile_swiglu_bwd(config: tuple, arch: tuple = (9, 0)) -> Compiled:
     mA, mB, mD, mC, m, n, _, batch = _fake_common(True)
     mO = fake(cutlass.BFloat16, (m, n, batch), leading_dim=1, divisibility=8)
     mZdz = fake(cutlass.Float32, (batch, m, cute.sym_int()), leading_dim=2, divisibility=1)
-    epi = cls.EpilogueArguments(mO, dgate_fn_map["swiglu"], mColVecReduce=mZdz)
+    if tile_load:
+        cls, mC = SwiGLUBwdTileLoadSm90, None
+        mZ = fake(cutlass.Float32, (m, n, batch), leading_dim=1, divisibility=4)
+        epi = cls.EpilogueArguments(mO, mZ, dgate_fn_map["swiglu"], mColVecReduce=mZdz)
+    else:
+        epi = cls.EpilogueArguments(mO, dgate_fn_map["swiglu"], mColVecReduce=mZdz)
 
     def implicit(gemm):
         gemm.implicit_dtype = cutlass.BFloat16
@@ -265,35 +275,7 @@ def compile_swiglu_bwd(config: tuple, arch: tuple = (9, 0)) -> Compiled:
         arch, mA, mB, mD, mC, epi, make_fake_scheduler_args(False, False, batch), None,
         post_init=implicit,
     )  # fmt: skip
-    return Compiled(fn, config)
-
-
-def compile_swiglu_bwd_tile_load(config: tuple, arch: tuple = (9, 0)) -> Compiled:
-    """``compile_swiglu_bwd`` with ``[G, U]`` as an epilogue tile load, no C operand."""
-    import cutlass
-    import cutlass.cute as cute
-    from quack.activation import dgate_fn_map
-    from quack.compile_utils import make_fake_tensor as fake
-    from quack.gemm_tvm_ffi_utils import compile_gemm_kernel, make_fake_scheduler_args
-
-    _quack_epilogues()
-    cls = SwiGLUBwdTileLoadSm90
-    tile_m, tile_n, pingpong, cm, cn = config
-    mA, mB, mD, _, m, n, _, batch = _fake_common(True)
-    mO = fake(cutlass.BFloat16, (m, n, batch), leading_dim=1, divisibility=8)
-    mZ = fake(cutlass.Float32, (m, n, batch), leading_dim=1, divisibility=4)
-    mZdz = fake(cutlass.Float32, (batch, m, cute.sym_int()), leading_dim=2, divisibility=1)
-    epi = cls.EpilogueArguments(mO, mZ, dgate_fn_map["swiglu"], mColVecReduce=mZdz)
-
-    def implicit(gemm):
-        gemm.implicit_dtype = cutlass.BFloat16
-
-    fn = compile_gemm_kernel(
-        cls, cutlass.BFloat16, (tile_m, tile_n), (cm, cn, 1), pingpong, True, False, False,
-        arch, mA, mB, mD, None, epi, make_fake_scheduler_args(False, False, batch), None,
-        post_init=implicit,
-    )  # fmt: skip
-    return Compiled(fn, config)
+    return Compiled(fn, config, tile_load)
 
 
 def compile_rmsnorm_bwd(config: tuple, arch: tuple = (9, 0)) -> Compiled:
@@ -345,34 +327,23 @@ def swiglu_bwd_runner(compiled: Compiled, inputs: dict):
     dz = torch.empty(M, 2 * N, dtype=z.dtype, device=z.device)
     o = torch.empty(M, N, dtype=z.dtype, device=z.device)
     part = torch.empty(1, M, -(-N // tile_n), dtype=torch.float32, device=z.device)
-    cls, _ = _quack_epilogues()
-    epi = cls.EpilogueArguments(_p(o), None, mColVecReduce=part, rounding_mode=None, sr_seed=None)
-    sched = _sched(compiled)
-    args = (_p(a), _p(b), _p(dz.view(torch.float32)), _p(z.view(torch.float32)), epi, sched, None)
-    out = {"dz": dz, "o": o}
-
-    def run():
-        compiled.fn(*args)
-        out["zdz"] = part[0].sum(-1)
-        return out
-
-    return run, out
-
-
-def swiglu_bwd_tile_load_runner(compiled: Compiled, inputs: dict):
-    """``swiglu_bwd_runner`` for the kernel that loads ``[G, U]`` as an epilogue tile."""
-    import torch
-
-    a, b, z = inputs["a"], inputs["b"], inputs["z"]
-    M, N = a.shape[0], b.shape[0]
-    dz = torch.empty(M, 2 * N, dtype=z.dtype, device=z.device)
-    o = torch.empty(M, N, dtype=z.dtype, device=z.device)
-    part = torch.empty(1, M, -(-N // compiled.config[1]), dtype=torch.float32, device=z.device)
-    epi = SwiGLUBwdTileLoadSm90.EpilogueArguments(
-        _p(o), _p(z.view(torch.float32)), None, mColVecReduce=part, rounding_mode=None,
-        sr_seed=None,
-    )  # fmt: skip
-    args = (_p(a), _p(b), _p(dz.view(torch.float32)), None, epi, _sched(compiled), None)
+    words = _p(z.view(torch.float32))
+    if compiled.tile_load:
+        c, epi = (
+            None,
+            SwiGLUBwdTileLoadSm90.EpilogueArguments(
+                _p(o), words, None, mColVecReduce=part, rounding_mode=None, sr_seed=None
+            ),
+        )
+    else:
+        cls, _ = _quack_epilogues()
+        c, epi = (
+            words,
+            cls.EpilogueArguments(
+                _p(o), None, mColVecReduce=part, rounding_mode=None, sr_seed=None
+            ),
+        )
+    args = (_p(a), _p(b), _p(dz.view(torch.float32)), c, epi, _sched(compiled), None)
     out = {"dz": dz, "o": o}
 
     def run():
@@ -419,7 +390,7 @@ KERNELS = {
 }
 # The SwiGLU backward again with [G, U] as an epilogue tile load (--tile-load): timed beside the
 # kernel above, to tell what the C operand's path is worth against a tile load.
-TILE_LOAD = (compile_swiglu_bwd_tile_load, swiglu_bwd_tile_load_runner)
+TILE_LOAD = (functools.partial(compile_swiglu_bwd, tile_load=True), swiglu_bwd_runner)
 
 
 def _sizes(block_name: str, m: int, n: int, k: int) -> dict[str, int]:
