@@ -123,8 +123,9 @@ class CodaEpilogue(ComposableEpiMixin):
         SwiGLU backward of a Llama down projection (dz as D, a as a second store, g and u
         loaded) gets five A/B stages, four of tile stores and two of tile loads — the split of
         the hand-written QuACK kernel it was measured against. With ``epi_stages`` = n, the tile
-        stores and tile loads get n stages each and the A/B pipeline what remains (QuACK's split
-        where fewer than three A/B stages would remain); tuning times both. For that step four
+        stores and tile loads get n stages each (the stores also what is left over) and the A/B
+        pipeline what remains (QuACK's split where fewer than three A/B stages would remain);
+        tuning times both. For that step four
         load stages were slower (0.534 against 0.503 ms at 8192 × 8192 × 2048, bench/RESULTS.md
         run 2026-12-03h)."""
         default = super()._compute_stages(
