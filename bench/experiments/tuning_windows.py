@@ -1,0 +1,172 @@
+"""Experiment: do tuning's short timing windows rank a step's CuTe and Triton kernels as longer
+runs do?
+
+Tuning times each candidate in 30 ms windows of ``do_bench`` (``timing.interleaved_ms``, rep 30);
+``bench/paper_kernels.py`` times in 100 ms windows. In run 2026-12-03f every paper kernel that
+tuning sent to the CuTe backend ran 5–12% slower in the benchmark than tuning had timed it
+(``gemm_rmsnorm`` at 8192³: 1.577 ms in tuning, 1.722 in the benchmark, beside cuBLAS's 1.641),
+while the kernels tuning kept on Triton matched within 3% — so under ``auto`` tuning may pick
+CuTe where Triton is faster in a sustained run. One guess: a kernel at the power limit keeps its
+boost clock for 30 ms but not for 100.
+
+This script tunes each block under ``CODA_EPILOGUE_BACKEND=auto``, then times its fused step on
+the CuTe config tuning pinned and on its tuned Triton kernel — each as the launch alone (as
+tuning times it) and as the whole Program (as the benchmark does) — beside the cuBLAS GEMM of the
+same shape, at every window in ``--reps``, in interleaved rounds; after each measurement it reads
+the SM clock where NVML answers (``torch.cuda.clock_rate``).
+
+    CODA_EPILOGUE_BACKEND=auto python3 bench/experiments/tuning_windows.py \\
+        [--blocks gemm_rmsnorm,gemm_swiglu] [--size 8192] [--reps 30,100,300] [--rounds 3] \\
+        [--out FILE]
+
+Not product code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+NEEDS_GPU = "tuning_windows.py times kernels on a CUDA GPU; none is available here"
+
+
+def summarize(samples: dict[str, dict[int, list[float]]], reference: str = "cublas") -> dict:
+    """Per variant and window: the median ms over the rounds, and that median over the
+    ``reference``'s median at the same window (``samples[variant][rep] = [ms, ...]``)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for variant, by_rep in samples.items():
+        out[variant] = {}
+        for rep, values in by_rep.items():
+            ms = statistics.median(values)
+            base = statistics.median(samples[reference][rep])
+            out[variant][str(rep)] = {"ms": ms, "over_reference": ms / base}
+    return out
+
+
+def table(summary: dict, reps: list[int]) -> str:
+    """Markdown: one row per variant, ms (× the reference) per window."""
+    head = "| variant | " + " | ".join(f"{r} ms windows" for r in reps) + " |"
+    rule = "|---|" + "---|" * len(reps)
+    rows = [
+        f"| {variant} | "
+        + " | ".join(
+            f"{cells[str(r)]['ms']:.3f} ({cells[str(r)]['over_reference']:.3f}×)" for r in reps
+        )
+        + " |"
+        for variant, cells in summary.items()
+    ]
+    return "\n".join([head, rule, *rows])
+
+
+def _clock_mhz() -> float | None:
+    import torch
+
+    try:
+        return float(torch.cuda.clock_rate())
+    except Exception:  # noqa: BLE001 - NVML missing or not answering: no clock recorded
+        return None
+
+
+def measure(
+    fns: dict[str, Callable[[], object]], reps: list[int], rounds: int
+) -> tuple[dict[str, dict[int, list[float]]], dict[str, list[float]]]:
+    """Every function at every window, in ``rounds`` interleaved rounds (the order rotating);
+    the ms samples and the SM clocks read after each."""
+    import triton
+
+    names = list(fns)
+    samples: dict[str, dict[int, list[float]]] = {n: {r: [] for r in reps} for n in names}
+    clocks: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(rounds):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for rep in reps:
+            for name in order:
+                ms = triton.testing.do_bench(fns[name], warmup=10, rep=rep, return_mode="median")
+                samples[name][rep].append(float(ms))
+                clock = _clock_mhz()
+                if clock is not None:
+                    clocks[name].append(clock)
+    return samples, clocks
+
+
+def block_row(name: str, size: int, reps: list[int], rounds: int) -> dict[str, Any]:
+    import torch
+
+    from coda.blocks.ops import Linear, Matmul
+    from coda.blocks.registry import get_block
+    from coda.planner import lower
+    from coda.primitives import analyze, compile_program
+    from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
+
+    block = get_block(name)
+    (sizes,) = [s for s in block.shapes.bench if s["M"] == size]
+    inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
+    program = lower(block)
+    compiled = compile_program(program, analyze(program, sizes))
+    prepared = compiled.prepare(inputs)
+    tuning = tune_program(compiled, prepared, space=QUICK_SPACE)
+    tensors = compiled.run(prepared)
+    (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
+    fns: dict[str, Callable[[], object]] = {"cublas": lambda: gemm.call(inputs)}
+    pinned = dict(compiled.cute_configs)
+    for step, config in pinned.items():
+        for label, choice in (("cute", config), ("triton", None)):
+            if label == "cute" and config is None:
+                continue  # tuning chose Triton: nothing on CuTe to compare
+            compiled.cute_configs[step] = choice
+            fns[f"{label} launch"] = compiled.step_launch(step, tensors)
+            fns[f"{label} program"] = _program_at(compiled, step, choice, prepared)
+    compiled.cute_configs.update(pinned)
+    samples, clocks = measure(fns, reps, rounds)
+    return {
+        "block": name,
+        "sizes": sizes,
+        "tuning": {s: r.as_dict() for s, r in tuning.items() if hasattr(r, "as_dict")},
+        "samples": {v: {str(r): ms for r, ms in by.items()} for v, by in samples.items()},
+        "clocks_mhz": clocks,
+        "summary": summarize(samples),
+    }
+
+
+def _program_at(compiled: Any, step: str, choice: Any, prepared: dict) -> Callable[[], object]:
+    """The whole Program with ``step`` pinned to ``choice`` (a CuTe config, or None: Triton) on
+    every call (the variants of one Program are timed interleaved)."""
+
+    def run() -> object:
+        compiled.cute_configs[step] = choice
+        return compiled.run(prepared)
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--blocks", default="gemm_rmsnorm,gemm_swiglu")
+    p.add_argument("--size", type=int, default=8192, help="M = N = K")
+    p.add_argument("--reps", default="30,100,300", help="do_bench windows, ms")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=None, help="write every sample as JSON here")
+    args = p.parse_args(argv)
+    reps = [int(r) for r in args.reps.split(",")]
+    import torch
+
+    if not torch.cuda.is_available():
+        print(NEEDS_GPU, file=sys.stderr)
+        return 2
+    rows = []
+    for name in args.blocks.split(","):
+        row = block_row(name, args.size, reps, args.rounds)
+        rows.append(row)
+        print(f"{name} {row['sizes']}\n{table(row['summary'], reps)}\n", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

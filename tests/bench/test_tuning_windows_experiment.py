@@ -1,0 +1,32 @@
+"""bench/experiments/tuning_windows.py: its summary arithmetic and table on made-up timings, and
+its refusal without a GPU (the measurements need one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import load_script
+
+experiment = load_script("experiments/tuning_windows")
+
+
+def test_the_summary_takes_medians_per_window_against_the_reference() -> None:
+    samples = {
+        "cublas": {30: [1.60, 1.64, 1.62], 100: [1.64, 1.66, 1.65]},
+        "cute launch": {30: [1.58, 1.57, 1.59], 100: [1.72, 1.70, 1.74]},
+    }
+    summary = experiment.summarize(samples)
+    assert summary["cublas"]["30"] == {"ms": pytest.approx(1.62), "over_reference": 1.0}
+    assert summary["cute launch"]["30"]["ms"] == pytest.approx(1.58)
+    assert summary["cute launch"]["30"]["over_reference"] == pytest.approx(1.58 / 1.62)
+    assert summary["cute launch"]["100"]["over_reference"] == pytest.approx(1.72 / 1.65)
+    lines = experiment.table(summary, [30, 100]).splitlines()
+    assert lines[0] == "| variant | 30 ms windows | 100 ms windows |"
+    assert lines[3] == "| cute launch | 1.580 (0.975×) | 1.720 (1.042×) |"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without one")
+def test_it_refuses_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert experiment.main(["--blocks", "gemm_rmsnorm"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
