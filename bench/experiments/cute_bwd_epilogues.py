@@ -328,21 +328,14 @@ def swiglu_bwd_runner(compiled: Compiled, inputs: dict):
     o = torch.empty(M, N, dtype=z.dtype, device=z.device)
     part = torch.empty(1, M, -(-N // tile_n), dtype=torch.float32, device=z.device)
     words = _p(z.view(torch.float32))
+    reduce = dict(mColVecReduce=part, rounding_mode=None, sr_seed=None)
     if compiled.tile_load:
-        c, epi = (
-            None,
-            SwiGLUBwdTileLoadSm90.EpilogueArguments(
-                _p(o), words, None, mColVecReduce=part, rounding_mode=None, sr_seed=None
-            ),
-        )
+        c = None
+        epi = SwiGLUBwdTileLoadSm90.EpilogueArguments(_p(o), words, None, **reduce)
     else:
         cls, _ = _quack_epilogues()
-        c, epi = (
-            words,
-            cls.EpilogueArguments(
-                _p(o), None, mColVecReduce=part, rounding_mode=None, sr_seed=None
-            ),
-        )
+        c = words
+        epi = cls.EpilogueArguments(_p(o), None, **reduce)
     args = (_p(a), _p(b), _p(dz.view(torch.float32)), c, epi, _sched(compiled), None)
     out = {"dz": dz, "o": o}
 
@@ -513,11 +506,13 @@ def bench(args: argparse.Namespace) -> dict:
     configs = [c for c in CONFIGS if args.configs is None or CONFIGS.index(c) in args.configs]
     generated = [GENERATED[i] for i in args.generated]
     compiled = compile_all(configs, kernels=args.kernels)
-    tile_load = {}  # config -> the SwiGLU backward loading [G, U] as a tile (--tile-load)
-    if args.tile_load:
+    # (kernel, config) -> the SwiGLU backward loading [G, U] as a tile (--tile-load)
+    tile_load = {}
+    swiglu = "gemm_partial_swiglu_bwd"
+    if args.tile_load and (not args.kernels or swiglu in args.kernels):
         for config in configs:
             try:
-                tile_load[config] = TILE_LOAD[0](config)
+                tile_load[swiglu, config] = TILE_LOAD[0](config)
             except Exception as e:  # noqa: BLE001 (an experiment: report and go on)
                 print(f"skipped tile-load {config}: {type(e).__name__}: {e}"[:300], flush=True)
     rows: list[dict] = []
@@ -543,8 +538,9 @@ def bench(args: argparse.Namespace) -> dict:
             rows.append({"kernel": name, "config": config, "sizes": sizes, "errors": errors,
                          "correct": correct[config]})  # fmt: skip
             print(f"check {name} {config}: {errors}", flush=True)
-            if name == "gemm_partial_swiglu_bwd" and config in tile_load:
-                errors = check_outputs(block, TILE_LOAD[1](tile_load[config], inputs)[0](), inputs)
+            if (name, config) in tile_load:
+                run, _ = TILE_LOAD[1](tile_load[name, config], inputs)
+                errors = check_outputs(block, run(), inputs)
                 print(f"check tile-load {config}: {errors}", flush=True)
         for m, n, k in [SIZES[i] for i in args.sizes] if args.sizes else SIZES:
             sizes = _sizes(name, m, n, k)
@@ -555,8 +551,10 @@ def bench(args: argparse.Namespace) -> dict:
                 c = compiled[name, config]
                 if not isinstance(c, str) and correct.get(config):
                     fns[f"quack {config}"] = runner(c, inputs)[0]
-                if name == "gemm_partial_swiglu_bwd" and config in tile_load:
-                    fns[f"quack tile-load {config}"] = TILE_LOAD[1](tile_load[config], inputs)[0]
+                if (name, config) in tile_load:
+                    fns[f"quack tile-load {config}"] = TILE_LOAD[1](
+                        tile_load[name, config], inputs
+                    )[0]
             fns["triton"] = triton_runner(block, sizes, inputs)
             for variant in generated:
                 try:

@@ -114,13 +114,19 @@ def block_row(name: str, size: int, reps: list[int], rounds: int) -> dict[str, A
     (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
     fns: dict[str, Callable[[], object]] = {"cublas": lambda: gemm.call(inputs)}
     pinned = dict(compiled.cute_configs)
+    if not pinned:
+        raise SystemExit(
+            f"{name}: no step ran on the CuTe backend (run under CODA_EPILOGUE_BACKEND=auto on a "
+            "Hopper GPU with the CuTe DSL and QuACK installed)"
+        )
     for step, config in pinned.items():
+        prefix = f"{step}: " if len(pinned) > 1 else ""
         for label, choice in (("cute", config), ("triton", None)):
             if label == "cute" and config is None:
                 continue  # tuning chose Triton: nothing on CuTe to compare
             compiled.cute_configs[step] = choice
-            fns[f"{label} launch"] = compiled.step_launch(step, tensors)
-            fns[f"{label} program"] = _program_at(compiled, step, choice, prepared)
+            fns[f"{prefix}{label} launch"] = compiled.step_launch(step, tensors)
+            fns[f"{prefix}{label} program"] = _program_at(compiled, step, choice, prepared)
     compiled.cute_configs.update(pinned)
     samples, clocks = measure(fns, reps, rounds)
     return {

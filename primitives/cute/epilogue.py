@@ -125,9 +125,8 @@ class CodaEpilogue(ComposableEpiMixin):
         the hand-written QuACK kernel it was measured against. With ``epi_stages`` = n, the tile
         stores and tile loads get n stages each (the stores also what is left over) and the A/B
         pipeline what remains (QuACK's split where fewer than three A/B stages would remain);
-        tuning times both. For that step four
-        load stages were slower (0.534 against 0.503 ms at 8192 × 8192 × 2048, bench/RESULTS.md
-        run 2026-12-03h)."""
+        tuning times both. For that step four load stages were slower (0.534 against 0.503 ms at
+        8192 × 8192 × 2048, bench/RESULTS.md run 2026-12-03h)."""
         default = super()._compute_stages(
             cta_tile_shape_mnk, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
             smem_capacity, occupancy, warp_shape_mnk,
