@@ -5,6 +5,15 @@ Under sustained bf16 load an H200's clocks fall (measured here, 2026-11-29: the 
 the other are compared at different clocks. ``interleaved_ms`` times every function once per round,
 rotating the order each round, and reports the median of the per-round medians: drift then affects
 all of them alike. Each ``do_bench`` call flushes L2 between runs and returns a median.
+
+Windows must also be long enough to reach the clock a kernel sustains. A kernel that draws more
+power per unit of time runs at a lower clock once the GPU sits at its power limit, and the limit
+is reached within tens of milliseconds: at 8192³ on an H200 (2026-12-03, ``bench/experiments/
+tuning_windows.py``) a CuTe ``gemm_rmsnorm`` kernel ran at 1290–1545 MHz against its Triton
+kernel's 1350–1590, and 30 ms windows ranked the CuTe kernel first (1.644 against 1.676 ms)
+where 100 and 300 ms windows — and a training run — rank the Triton kernel first (1.625 against
+1.664 ms). ``sustained_ms`` times in the windows the profiler and the benchmarks use; a choice
+between kernels that draw different power (two backends) is made with it.
 """
 
 from __future__ import annotations
@@ -27,3 +36,12 @@ def interleaved_ms(
             ms = triton.testing.do_bench(fns[name], warmup=warmup, rep=rep, return_mode="median")
             samples[name].append(float(ms))
     return {n: statistics.median(v) for n, v in samples.items()}
+
+
+SUSTAINED = {"rounds": 3, "warmup": 25, "rep": 100}  # the profiler's and benchmarks' windows
+
+
+def sustained_ms(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """``interleaved_ms`` in 100 ms windows (``SUSTAINED``): each function's time at the clock it
+    sustains at the power limit, as the profiler reports it."""
+    return interleaved_ms(fns, **SUSTAINED)

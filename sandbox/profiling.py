@@ -21,7 +21,7 @@ import torch
 from coda.blocks.block import Block
 from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
 from coda.primitives.runtime import CompiledProgram
-from coda.primitives.timing import interleaved_ms
+from coda.primitives.timing import sustained_ms
 
 from .report import ProfileRow
 
@@ -96,7 +96,7 @@ def profile_shape(
         fns["compile"] = compiled_ref
     for name, fn in (extra or {}).items():
         fns[name] = rotating([lambda s=s, f=fn: f(s) for s in sets])
-    times = interleaved_ms(fns, rounds=3, warmup=25, rep=100)
+    times = sustained_ms(fns)
     program_ms = times["program"]
     info = compiled.info_for(inputs)
     return ProfileRow(

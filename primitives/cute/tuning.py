@@ -18,12 +18,15 @@ along M against the GEMM's 0.41 (run 2026-12-03h). So tuning times, per step:
   was slower, 0.534 against 0.503 ms, run 2026-12-03h);
 - with the ``auto`` backend, the step's Triton kernel at its tuned config.
 
-Each candidate is timed as its launch alone (what a run plan replays), in interleaved rounds
-(``timing.interleaved_ms``). The winner is checked against the reference executor
-(``codegen.tuning.wrong_steps``: every tensor the step writes, partial sums compared once
-combined across tiles, since the CuTe tile lays them out its own way); a wrong one is rejected and
-the next fastest taken. The choice is pinned on ``CompiledProgram.cute_configs`` (None: Triton)
-and kept in the tuning cache under the step's kernels (its Triton digest and generated CuTe
+Each candidate is timed as its launch alone (what a run plan replays), in interleaved rounds of
+100 ms windows (``timing.sustained_ms``): CuTe kernels draw more power than Triton's and lose more
+clock at the power limit, which shorter windows do not reach — in 30 ms windows tuning put
+``gemm_rmsnorm`` and ``gemm_swiglu`` at 8192³ on CuTe, where in 100 ms windows both run faster on
+Triton (2026-12-03, ``bench/experiments/tuning_windows.py``). The winner is checked against the
+reference executor (``codegen.tuning.wrong_steps``: every tensor the step writes, partial sums
+compared once combined across tiles, since the CuTe tile lays them out its own way); a wrong one is
+rejected and the next fastest taken. The choice is pinned on ``CompiledProgram.cute_configs`` (None:
+Triton) and kept in the tuning cache under the step's kernels (its Triton digest and generated CuTe
 modules), the backends compared, the device, the sizes and the dtype.
 """
 
@@ -58,6 +61,7 @@ def candidates(loads_tiles: bool) -> tuple[CuteConfig, ...]:
 
 
 TRITON = "triton"  # the label of the step's Triton kernel among the timed candidates
+WINDOWS = "100ms"  # the timing windows of the cached choices (``timing.SUSTAINED``)
 
 Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
 
@@ -93,10 +97,11 @@ def cute_key(
 ) -> str:
     """The tuning-cache key of a step's CuTe choice: its Triton kernel's digest and its generated
     CuTe modules' keys (either kernel changed: tuned anew), whether Triton was a candidate, the
-    device, sizes and dtype."""
+    device, sizes and dtype, and the timing windows (``WINDOWS``: choices timed in other windows
+    are timed anew)."""
     from ..codegen.tuning import tuning_key
 
-    kind = "cute+triton" if with_triton else "cute"
+    kind = ("cute+triton" if with_triton else "cute") + f"@{WINDOWS}"
     return f"{kind}|" + tuning_key(f"{digest}+{modules}", device, gemm.M, gemm.N, gemm.K, dtype)
 
 
@@ -119,9 +124,9 @@ def tune_cute_steps(
     """Choose and pin the config — or Triton, ``with_triton`` — of each step in ``steps`` (steps
     the CuTe backend ran) at the sizes of ``tensors`` (a full run's). ``timer`` times launches by
     label (default: interleaved rounds of ``do_bench`` medians)."""
-    from ..timing import interleaved_ms
+    from ..timing import sustained_ms
 
-    timer = timer or (lambda fns: interleaved_ms(fns, rounds=3, warmup=10, rep=30))
+    timer = timer or sustained_ms
     inputs = {n: prepared[n] for n in compiled.program.inputs}
     info = compiled.info_for(inputs)
     device = next(iter(prepared.values())).device

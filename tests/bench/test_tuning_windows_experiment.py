@@ -30,3 +30,16 @@ def test_the_summary_takes_medians_per_window_against_the_reference() -> None:
 def test_it_refuses_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert experiment.main(["--blocks", "gemm_rmsnorm"]) == 2
     assert "CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_cute_side_is_the_fastest_cute_candidate_when_tuning_chose_triton() -> None:
+    from coda.primitives.cute.tuning import CANDIDATES, TRITON, CuteTuning
+
+    first, second, third = CANDIDATES
+    times = {str(first): 1.70, str(second): 1.66, str(third): 1.68, TRITON: 1.62}
+    chose_triton = CuteTuning("ab", "key", None, 1.62, False, times)
+    assert experiment._fastest_cute(chose_triton) == second
+    chose_cute = CuteTuning("ab", "key", third, 1.68, False, times)
+    assert experiment._fastest_cute(chose_cute) == third
+    only_triton = CuteTuning("ab", "key", None, 1.62, False, {TRITON: 1.62})
+    assert experiment._fastest_cute(only_triton) is None

@@ -129,7 +129,7 @@ def test_under_auto_triton_is_a_candidate_and_can_win(emulated: _Emulated, tmp_p
     assert emulated.launches == [] and compiled.mainloops_used["b"] != "cute"
     # the same sizes under "cute" only are another choice: another key
     assert len(TuningCache(tmp_path / "t.json").entries) == 1
-    assert result.key.startswith("cute+triton|")
+    assert result.key.startswith("cute+triton@100ms|")
 
 
 def test_a_fast_wrong_config_is_rejected_for_the_next(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
@@ -208,3 +208,30 @@ def test_a_deep_candidate_can_win_and_the_runs_after_take_it(emulated: _Emulated
     emulated.launches.clear()
     compiled.run(prepared)
     assert emulated.launches == [deep]
+
+
+def test_candidates_are_timed_in_sustained_windows_by_default(
+    emulated: _Emulated, tmp_path, monkeypatch
+) -> None:  # noqa: ANN001
+    """Without a timer, tuning times in the profiler's 100 ms windows (``timing.sustained_ms``),
+    not the 30 ms ones that ranked CuTe first before its clock fell; and choices cached from
+    other windows are not reused (the key names the windows)."""
+    from coda.primitives import timing
+
+    windows: list[dict] = []
+
+    def do_bench(fn, *, warmup, rep, return_mode):  # noqa: ANN001, ANN202
+        windows.append({"warmup": warmup, "rep": rep})
+        fn()
+        return 1.0
+
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    compiled, prepared, tensors = _setup("cute")
+    (result,) = tune_cute_steps(
+        compiled, prepared, tensors, ["b"], TuningCache(tmp_path / "t.json"), with_triton=False
+    ).values()
+    assert len(windows) == len(ALL) * timing.SUSTAINED["rounds"]
+    assert {w["rep"] for w in windows} == {100} and {w["warmup"] for w in windows} == {25}
+    assert "@100ms|" in result.key
