@@ -19,15 +19,16 @@ along M against the GEMM's 0.41 (run 2026-12-03h). So tuning times, per step:
 - with the ``auto`` backend, the step's Triton kernel at its tuned config.
 
 Each candidate is timed as its launch alone (what a run plan replays), in interleaved rounds of
-100 ms windows (``timing.sustained_ms``): CuTe kernels draw more power than Triton's and lose more
-clock at the power limit, which shorter windows do not reach — in 30 ms windows tuning put
-``gemm_rmsnorm`` and ``gemm_swiglu`` at 8192³ on CuTe, where in 100 ms windows both run faster on
-Triton (2026-12-03, ``bench/experiments/tuning_windows.py``). The winner is checked against the
-reference executor (``codegen.tuning.wrong_steps``: every tensor the step writes, partial sums
-compared once combined across tiles, since the CuTe tile lays them out its own way); a wrong one is
-rejected and the next fastest taken. The choice is pinned on ``CompiledProgram.cute_configs`` (None:
-Triton) and kept in the tuning cache under the step's kernels (its Triton digest and generated CuTe
-modules), the backends compared, the device, the sizes and the dtype.
+100 ms windows (``timing.sustained_ms``): the candidates draw different power and, at the power
+limit, sustain different clocks, which shorter windows do not reach. Timed in 30 ms windows, tuning
+pinned 128 × 128 tiles for ``gemm_rmsnorm`` at 8192³, which ran 1.047× the cuBLAS GEMM in the
+benchmark (run 2026-12-03f); timed in 100 ms windows it pins 128 × 192, at 0.984× (run 2026-12-03j).
+The winner is checked against the reference executor (``codegen.tuning.wrong_steps``: every tensor
+the step writes, partial sums compared once combined across tiles, since the CuTe tile lays them out
+its own way); a wrong one is rejected and the next fastest taken. The choice is pinned on
+``CompiledProgram.cute_configs`` (None: Triton) and kept in the tuning cache under the step's
+kernels (its Triton digest and generated CuTe modules), the backends compared, the device, the sizes
+and the dtype.
 """
 
 from __future__ import annotations
