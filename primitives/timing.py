@@ -8,12 +8,12 @@ all of them alike. Each ``do_bench`` call flushes L2 between runs and returns a 
 
 Windows must also be long enough to reach the clock a kernel sustains. A kernel that draws more
 power per unit of time runs at a lower clock once the GPU sits at its power limit, and a 30 ms
-window ends before that: at 8192³ on an H200 (2026-12-03, ``bench/experiments/tuning_windows.py``)
-a CuTe ``gemm_rmsnorm`` kernel ran at 1290–1545 MHz against its Triton kernel's 1350–1590, and 30
-ms windows ranked the CuTe kernel first (1.644 against 1.676 ms) where 100 and 300 ms windows
-rank the Triton kernel first (1.625 against 1.664 ms in 100 ms windows). ``sustained_ms`` times
-in the windows the profiler and the benchmarks use; a choice between kernels that draw different
-power (two backends, two tile shapes) is made with it.
+window ends before that: at 8192³ on an H200 (2026-12-03, ``bench/experiments/tuning_windows.py``) a
+CuTe ``gemm_rmsnorm`` kernel ran at 1290–1545 MHz against its Triton kernel's 1350–1590, and 30 ms
+windows ranked the CuTe kernel first (1.644 against 1.676 ms) where 100 and 300 ms windows rank the
+Triton kernel first (1.625 against 1.664 ms in 100 ms windows). ``sustained_ms`` times in the
+windows the profiler and the benchmarks use; a choice between kernels that draw different power (two
+backends, two tile shapes) is made with it.
 """
 
 from __future__ import annotations

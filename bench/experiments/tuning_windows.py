@@ -7,8 +7,10 @@ that tuning sent to the CuTe backend ran 5–12% slower in the benchmark than tu
 (``gemm_rmsnorm`` at 8192³: 1.577 ms in tuning, 1.722 in the benchmark, beside cuBLAS's 1.641),
 while the kernels tuning kept on Triton matched within 3%. This script's run of 2026-12-03
 answered it: the CuTe kernels sustain lower clocks at the power limit than the Triton ones, which
-30 ms windows do not reach, and in 100 and 300 ms windows both blocks ran faster on Triton. CuTe
-tuning now times in 100 ms windows (``timing.sustained_ms``).
+30 ms windows do not reach, and in 100 and 300 ms windows both blocks ran faster on Triton than
+on the 128 × 128 CuTe config tuning had pinned. CuTe tuning now times in 100 ms windows
+(``timing.sustained_ms``) and pins 128 × 192 tiles there, faster than both (run 2026-12-03j); when
+tuning keeps a step on Triton, this script compares the fastest CuTe candidate tuning timed.
 
 This script tunes each block under ``CODA_EPILOGUE_BACKEND=auto``, then times its fused step on
 the CuTe config tuning pinned and on its tuned Triton kernel — each as the launch alone (as

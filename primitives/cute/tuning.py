@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..timing import SUSTAINED
 from .launch import CuteConfig
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def candidates(loads_tiles: bool) -> tuple[CuteConfig, ...]:
 
 
 TRITON = "triton"  # the label of the step's Triton kernel among the timed candidates
-WINDOWS = "100ms"  # the timing windows of the cached choices (``timing.SUSTAINED``)
+WINDOWS = f"{SUSTAINED['rep']}ms"  # the timing windows of the cached choices
 
 Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
 
