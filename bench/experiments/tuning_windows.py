@@ -117,9 +117,8 @@ def block_row(name: str, size: int, reps: list[int], rounds: int) -> dict[str, A
     (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
     fns: dict[str, Callable[[], object]] = {"cublas": lambda: gemm.call(inputs)}
     pinned = dict(compiled.cute_configs)
-    cute_configs = {step: _fastest_cute(result) for step, result in tuning.items()
-                    if step in pinned}  # fmt: skip
-    cute_configs = {step: c for step, c in cute_configs.items() if c is not None}
+    fastest = {step: _fastest_cute(tuning[step]) for step in pinned if step in tuning}
+    cute_configs = {step: config for step, config in fastest.items() if config is not None}
     if not cute_configs:
         raise SystemExit(
             f"{name}: no step ran on the CuTe backend (run under CODA_EPILOGUE_BACKEND=auto on a "

@@ -125,7 +125,7 @@ def tune_cute_steps(
 ) -> dict[str, CuteTuning]:
     """Choose and pin the config — or Triton, ``with_triton`` — of each step in ``steps`` (steps
     the CuTe backend ran) at the sizes of ``tensors`` (a full run's). ``timer`` times launches by
-    label (default: interleaved rounds of ``do_bench`` medians)."""
+    label (default: ``timing.sustained_ms``)."""
     from ..timing import sustained_ms
 
     timer = timer or sustained_ms
