@@ -8,19 +8,25 @@ keeps them, so some B operands are N-major. This script times, per step:
 
 - ``cublas``: ``torch.mm`` of the step's A and B as stored;
 - ``cute <config> B <K|N>-major``: the product's generated kernel at that config, B as stored;
-- ``... (copy)``: the same with B copied to the other layout (the weight transposed in memory);
+- ``... (copy)``: the same with B copied to the other layout (the weight transposed in memory;
+  not with ``--stored-only``);
 - ``... without <ops>``: with ``--without``, the kernel of the step with those epilogue ops left
   out, B as stored — what each part of an epilogue costs. Each spec removes the ops it names
   together (``+`` between them): ``partial_reduce`` (every one), ``store:a`` (the store to
   ``a``), ``map:a`` (the map writing ``a``), ``load_tile:u_tile``; a step none of whose ops match
   is not timed again. Its output is not checked (it computes less).
 
+``--programs`` takes shipped Programs (``export/programs``) and blocks by name — a paper kernel's
+block is lowered by the planner, as ``bench/paper_kernels.py`` does (``--size M=4096 --size
+N=4096 --size K=4096``; the SwiGLU backward also ``--size N2=8192``).
+
 Every other CuTe variant's written tensors are checked against the Triton backend's for the same
-step first. Not product code.
+step first. Timed in interleaved rounds of the profiler's 100 ms windows
+(``timing.SUSTAINED``). Not product code.
 
     python3 bench/experiments/cute_step_configs.py [--programs llama_mlp_bwd_saved,...]
         [--configs 128x128,128x192,256x128c,128x128+e4] [--size M=8192 ...] [--rounds 3]
-        [--without partial_reduce,store:a+map:a,...] [--out FILE]
+        [--without partial_reduce,store:a+map:a,...] [--stored-only] [--out FILE]
 """
 
 from __future__ import annotations
@@ -68,21 +74,18 @@ def ablated(step, spec: str):
 
 
 def step_rows(
-    name: str, sizes: dict, configs: list, rounds: int, without: list[str] = ()
+    name: str, sizes: dict, configs: list, rounds: int, without: list[str] = (), copies: bool = True
 ) -> list[dict]:
     import torch
 
-    from coda.blocks import get_block
     from coda.primitives import analyze, compile_program
     from coda.primitives.cute import launch
     from coda.primitives.cute.emit import CuteUnsupported
-    from coda.primitives.ir import GemmEpilogue, Program
+    from coda.primitives.ir import GemmEpilogue
     from coda.primitives.reference import activation_dtype
-    from coda.primitives.timing import interleaved_ms
+    from coda.primitives.timing import SUSTAINED, interleaved_ms
 
-    data = json.loads((ROOT / "export" / "programs" / f"{name}.json").read_text())
-    program = Program.model_validate(data["program"])
-    block = get_block(program.block)
+    program, block = _program(name)
     dims = {d for t in program.inputs.values() for d in t.shape if isinstance(d, str)}
     sizes = {k: v for k, v in sizes.items() if k in dims}
     inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
@@ -107,7 +110,7 @@ def step_rows(
         stored = tensors[b_name]
         flipped = stored.t().contiguous().t()  # the same values, the other dimension contiguous
         for config in configs:
-            for b_tensor in (stored, flipped):
+            for b_tensor in (stored, flipped) if copies else (stored,):
                 local = dict(tensors)
                 local[b_name] = b_tensor
                 label = f"cute {config.tile_m}x{config.tile_n}"
@@ -148,7 +151,7 @@ def step_rows(
                     errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     continue
                 fns[label] = lambda run=actions[-1], local=local: run(local, None)
-        times = interleaved_ms(fns, rounds=rounds, warmup=10, rep=50)
+        times = interleaved_ms(fns, rounds=rounds, warmup=SUSTAINED["warmup"], rep=SUSTAINED["rep"])
         row = {
             "program": name, "step": sname, "M": gemm.M, "N": gemm.N, "K": gemm.K,
             "b_stored": _major(runner, tensors),
@@ -167,6 +170,22 @@ def step_rows(
     return rows
 
 
+def _program(name: str):
+    """The shipped Program ``name`` (``export/programs``) and its block, or else the block
+    ``name`` (a paper kernel, say) and the Program the planner lowers it to."""
+    from coda.blocks import get_block
+    from coda.primitives.ir import Program
+
+    shipped = ROOT / "export" / "programs" / f"{name}.json"
+    if shipped.exists():
+        program = Program.model_validate(json.loads(shipped.read_text())["program"])
+        return program, get_block(program.block)
+    from coda.planner import lower
+
+    block = get_block(name)
+    return lower(block), block
+
+
 def _major(runner, tensors) -> str:
     """How the step's B operand, as QuACK takes it (``[N, K]``), lies in memory."""
     return "K-major" if runner._operands(tensors)[1].stride(1) == 1 else "N-major"
@@ -179,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", action="append", default=[], metavar="NAME=N")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--stored-only", action="store_true",
+        help="B as stored only: no variant on a copy laid out the other way (half the compiles)",
+    )  # fmt: skip
     p.add_argument(
         "--without", default="", metavar="SPECS",
         help="comma-separated epilogue ablations, each ops joined by + (see the docstring)",
@@ -194,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     try:
         for name in args.programs.split(","):
-            rows += step_rows(name, sizes, configs, args.rounds, without)
+            rows += step_rows(name, sizes, configs, args.rounds, without, not args.stored_only)
             if args.out:
                 Path(args.out).write_text(json.dumps(rows, indent=1))
     finally:

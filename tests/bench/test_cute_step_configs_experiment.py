@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coda.primitives.cute.launch import CuteConfig, CuteStep
-from coda.primitives.ir import Program
+from coda.primitives.ir import GemmEpilogue, Program
 
 from . import load_script
 
@@ -43,3 +43,13 @@ def test_b_is_labelled_by_its_contiguous_dimension_as_quack_takes_it() -> None:
     assert experiment._major(runner, tensors) == "N-major"
     tensors["w_down"] = tensors["w_down"].t().contiguous().t()
     assert experiment._major(runner, tensors) == "K-major"
+
+
+def test_programs_are_the_shipped_ones_or_else_a_block_the_planner_lowers() -> None:
+    shipped, block = experiment._program("llama_mlp_bwd_saved")
+    assert block.name == shipped.block == "llama_mlp_bwd_saved"
+    lowered, block = experiment._program("gemm_partial_swiglu_bwd")
+    assert block.name == lowered.block == "gemm_partial_swiglu_bwd"
+    assert any(isinstance(s, GemmEpilogue) for s in lowered.steps)
+    with pytest.raises(KeyError):
+        experiment._program("no_such_block")
