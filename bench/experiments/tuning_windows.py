@@ -18,9 +18,15 @@ tuning times it) and as the whole Program (as the benchmark does) — beside the
 same shape, at every window in ``--reps``, in interleaved rounds; after each measurement it reads
 the SM clock where NVML answers (``torch.cuda.clock_rate``).
 
+With ``--triton-finalists`` it asks the same of the Triton tuner, which still ranks its
+finalists in 20 ms windows (``codegen.tuning.tune_program``): each block is tuned on Triton alone,
+and every fused step's finalists (the screen's fastest, which its final round timed) are timed as
+their launches at every window beside cuBLAS; ``finalist_ranks`` says, per window, which finalist
+each window ranks first and how far tuning's pick is behind it.
+
     CODA_EPILOGUE_BACKEND=auto python3 bench/experiments/tuning_windows.py \\
         [--blocks gemm_rmsnorm,gemm_swiglu] [--size 8192] [--reps 30,100,300] [--rounds 3] \\
-        [--out FILE]
+        [--triton-finalists] [--out FILE]
 
 Not product code.
 """
@@ -142,6 +148,77 @@ def block_row(name: str, size: int, reps: list[int], rounds: int) -> dict[str, A
     }
 
 
+def triton_finalists_row(name: str, size: int, reps: list[int], rounds: int) -> dict[str, Any]:
+    """Block ``name`` tuned on Triton alone; each fused step's finalists timed as launches at
+    every window in ``reps`` beside the cuBLAS GEMM, and how each window ranks them."""
+    import torch
+
+    from coda.blocks.ops import Linear, Matmul
+    from coda.blocks.registry import get_block
+    from coda.planner import lower
+    from coda.primitives import analyze, compile_program
+    from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
+
+    block = get_block(name)
+    (sizes,) = [s for s in block.shapes.bench if s["M"] == size]
+    inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
+    program = lower(block)
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "triton"
+    prepared = compiled.prepare(inputs)
+    tuning = tune_program(compiled, prepared, space=QUICK_SPACE)
+    tensors = compiled.run(prepared)
+    (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
+    fns: dict[str, Callable[[], object]] = {"cublas": lambda: gemm.call(inputs)}
+    finalists: dict[str, list[str]] = {}  # per step, its finalists' labels, tuning's pick first
+    configs: dict[str, str] = {}
+    for step, trials in _finalists(tuning).items():
+        pinned = compiled.configs[step]
+        for i, trial in enumerate(trials):
+            label = f"{step}: finalist {i} ({trial.final_ms:.3f} ms in tuning)"
+            compiled.configs[step] = trial.config
+            fns[label], configs[label] = compiled.step_launch(step, tensors), str(trial.config)
+            finalists.setdefault(step, []).append(label)
+        compiled.configs[step] = pinned
+    if not finalists:
+        raise SystemExit(f"{name}: no fused step had finalists to rank (a tuning cache answered?)")
+    samples, clocks = measure(fns, reps, rounds)
+    summary = summarize(samples)
+    ranks = {step: finalist_ranks(summary, labels, reps) for step, labels in finalists.items()}
+    return {
+        "block": name,
+        "sizes": sizes,
+        "tuning": {s: r.as_dict() for s, r in tuning.items() if hasattr(r, "as_dict")},
+        "configs": configs,
+        "samples": {v: {str(r): ms for r, ms in by.items()} for v, by in samples.items()},
+        "clocks_mhz": clocks,
+        "summary": summary,
+        "ranks": ranks,
+    }
+
+
+def _finalists(tuning: dict[str, Any]) -> dict[str, list[Any]]:
+    """Per step tuned here (not from the cache), the trials its final round timed, fastest first
+    (tuning's pick first); steps with fewer than two left out: nothing to rank."""
+    out = {}
+    for step, result in tuning.items():
+        timed = [t for t in getattr(result, "trials", []) if t.final_ms is not None]
+        if len(timed) >= 2:
+            out[step] = sorted(timed, key=lambda t: t.final_ms)
+    return out
+
+
+def finalist_ranks(summary: dict, labels: list[str], reps: list[int]) -> dict[str, dict]:
+    """Per window: the finalist it ranks first, and tuning's pick (``labels[0]``) over that one's
+    time (1.0: the window agrees with tuning)."""
+    out = {}
+    for rep in reps:
+        ms = {label: summary[label][str(rep)]["ms"] for label in labels}
+        first = min(ms, key=ms.__getitem__)
+        out[str(rep)] = {"first": first, "pick_over_first": ms[labels[0]] / ms[first]}
+    return out
+
+
 def _fastest_cute(result: Any) -> Any:
     """The CuTe config of a step's tuning result that timed fastest — the pinned one when tuning
     chose CuTe, else the fastest CuTe candidate it timed (None: none launched)."""
@@ -172,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", default="30,100,300", help="do_bench windows, ms")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None, help="write every sample as JSON here")
+    p.add_argument(
+        "--triton-finalists", action="store_true",
+        help="rank the Triton tuner's finalists per window instead (see the docstring)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     reps = [int(r) for r in args.reps.split(",")]
     import torch
@@ -181,9 +262,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for name in args.blocks.split(","):
-        row = block_row(name, args.size, reps, args.rounds)
+        measure_row = triton_finalists_row if args.triton_finalists else block_row
+        row = measure_row(name, args.size, reps, args.rounds)
         rows.append(row)
         print(f"{name} {row['sizes']}\n{table(row['summary'], reps)}\n", flush=True)
+        for step, by_rep in row.get("ranks", {}).items():
+            for rep, rank in by_rep.items():
+                print(f"  {step}, {rep} ms windows: first {rank['first']!r}, tuning's pick "
+                      f"{rank['pick_over_first']:.3f}× its time", flush=True)  # fmt: skip
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=1, default=str))
     return 0

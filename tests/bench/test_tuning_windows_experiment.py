@@ -43,3 +43,29 @@ def test_the_cute_side_is_the_fastest_cute_candidate_when_tuning_chose_triton() 
     assert experiment._fastest_cute(chose_cute) == third
     only_triton = CuteTuning("ab", "key", None, 1.62, False, {TRITON: 1.62})
     assert experiment._fastest_cute(only_triton) is None
+
+
+def test_finalists_are_the_final_round_s_fastest_first_and_ranked_per_window() -> None:
+    from coda.primitives.codegen.tuning import Trial, TuningResult
+    from coda.primitives.ir import MainloopConfig
+
+    a, b, c = (MainloopConfig(block_n=n) for n in (64, 128, 256))
+    trials = [Trial(a, 1.10, final_ms=1.05), Trial(b, 1.00, final_ms=1.02), Trial(c, 1.30)]
+    tuned = TuningResult("s", "key", b, 1.02, cached=False, trials=trials)
+    lone = TuningResult("t", "key", a, 1.0, cached=False, trials=[Trial(a, 1.0, final_ms=1.0)])
+    cached = TuningResult("u", "key", a, None, cached=True)
+    ordered = experiment._finalists({"s": tuned, "t": lone, "u": cached})
+    assert list(ordered) == ["s"]
+    assert [t.config for t in ordered["s"]] == [b, a]
+
+    summary = experiment.summarize(
+        {
+            "cublas": {20: [1.0], 100: [1.0]},
+            "pick": {20: [1.02], 100: [1.08]},
+            "other": {20: [1.05], 100: [1.04]},
+        }
+    )
+    ranks = experiment.finalist_ranks(summary, ["pick", "other"], [20, 100])
+    assert ranks["20"] == {"first": "pick", "pick_over_first": 1.0}
+    assert ranks["100"]["first"] == "other"
+    assert ranks["100"]["pick_over_first"] == pytest.approx(1.08 / 1.04)
