@@ -4,8 +4,9 @@
 user runs it (``torch.autograd.grad`` through the custom ops, prep included, configs tuned on the
 first call) with ``torch.profiler``, so what the op adds around the Programs' kernels — copies,
 fills, autograd bookkeeping, host gaps — shows up by name. Prints, per hidden size, the wall time of
-one fwd+bwd (CUDA events, median of the profiled iterations), the GPU busy time, and the kernels
-sorted by total GPU time; full tables go to ``profile_export.json`` in ``--out``.
+one fwd+bwd from an idle GPU (CUDA events, median of the iterations; profiled, and before that the
+same iterations without the profiler, whose ranges add host time), the GPU busy time, and the
+kernels sorted by total GPU time; full tables go to ``profile_export.json`` in ``--out``.
 
     python3 bench/profile_export.py [--out DIR] [--sizes 2048,4096] [--iters 5] [--packed]
 
@@ -60,34 +61,48 @@ def profile_one(sizes: dict[str, int], iters: int, packed: bool = False) -> dict
     for _ in range(3):  # the first call tunes
         step()
     torch.cuda.synchronize()
-    wall = []
+    unprofiled = walls(step, iters)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            wall.append(start.elapsed_time(end))
+        wall = walls(step, iters)
     kernels = gpu_work(prof.key_averages(), iters)
     return {
         "sizes": sizes,
         "wall_ms": statistics.median(wall),
+        "wall_ms_unprofiled": statistics.median(unprofiled),
         "gpu_busy_ms": sum(k["ms"] for k in kernels),
         "kernels": kernels,
     }
 
 
+def walls(step: Any, iters: int) -> list[float]:
+    """The ms of each of ``iters`` calls of ``step``, from an idle GPU (synchronized before
+    each): CUDA events around the call, so the host's time to its first launch counts."""
+    import torch
+
+    out = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
 def gpu_work(events: Any, iters: int) -> list[dict[str, Any]]:
     """The GPU's own work per iteration (kernels, copies, fills), longest first: events that ran
     on the device — not the CPU-side ops, autograd nodes and runtime calls that the profiler also
-    credits with their children's device time (they would count each kernel twice)."""
+    credits with their children's device time, nor the device-side copy of a CPU range (a
+    ``record_function`` range such as the op's ``coda::…`` name, which the profiler also lays
+    on the GPU's timeline over the kernels it launched): either would count each kernel twice."""
     from torch.autograd import DeviceType
 
+    ranges = {e.key for e in events if e.device_type == DeviceType.CPU}
     rows = [
         {"kernel": e.key, "calls": e.count // iters, "ms": e.device_time_total / 1e3 / iters}
         for e in events
-        if e.device_type == DeviceType.CUDA and e.device_time_total > 0
+        if e.device_type == DeviceType.CUDA and e.device_time_total > 0 and e.key not in ranges
     ]
     return sorted(rows, key=lambda k: -k["ms"])
 
@@ -105,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "profile_export.json").write_text(json.dumps(results, indent=2))
     for r in results:
         print(
-            f"\nd={r['sizes']['d']}: one fwd+bwd {r['wall_ms']:.3f} ms wall, "
-            f"{r['gpu_busy_ms']:.3f} ms of kernels"
+            f"\nd={r['sizes']['d']}: one fwd+bwd {r['wall_ms']:.3f} ms wall profiled, "
+            f"{r['wall_ms_unprofiled']:.3f} unprofiled, {r['gpu_busy_ms']:.3f} ms of kernels"
         )
         print("| kernel | calls | ms |\n|---|---|---|")
         for k in r["kernels"][:25]:
