@@ -75,8 +75,9 @@ def profile_one(sizes: dict[str, int], iters: int, packed: bool = False) -> dict
 
 
 def walls(step: Any, iters: int) -> list[float]:
-    """The ms of each of ``iters`` calls of ``step``, from an idle GPU (synchronized before
-    each): CUDA events around the call, so the host's time to its first launch counts."""
+    """The ms of each of ``iters`` calls of ``step``, each started on an idle GPU (synchronized
+    after the one before): CUDA events around the call, so the host's time to its first launch
+    counts."""
     import torch
 
     out = []

@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         print(NEEDS_GPU, file=sys.stderr)
         return 2
     rows = []
+    measure_row = triton_finalists_row if args.triton_finalists else block_row
     for name in args.blocks.split(","):
-        measure_row = triton_finalists_row if args.triton_finalists else block_row
         row = measure_row(name, args.size, reps, args.rounds)
         rows.append(row)
         print(f"{name} {row['sizes']}\n{table(row['summary'], reps)}\n", flush=True)
