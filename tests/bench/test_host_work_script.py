@@ -19,6 +19,7 @@ def test_it_times_both_steps_and_profiles_the_patched_one(
     import torch
 
     argv = ["--layers", "1", "--tokens", "8", "--rounds", "1", "--steps", "2", "--profile", "40"]
+    argv.append("--counts")
     threads = torch.get_num_threads()
     assert script.main([*argv, "--out", str(tmp_path)]) == 0
     assert torch.get_num_threads() == threads  # its one intra-op thread is undone
@@ -26,8 +27,14 @@ def test_it_times_both_steps_and_profiles_the_patched_one(
     assert result["layers"] == 1 and result["threads"] == 1
     assert set(result["min_ms_per_step"]) == {"hf", "coda", "coda_hf_residual"}
     assert all(ms > 0 for ms in result["min_ms_per_step"].values())
+    counts = result["per_step_counts"]
+    assert counts["hf"]["op_calls"] == counts["hf"]["triton_launches"] == 0
+    # one layer: input norm + attention input, attention output, MLP half — forward and backward
+    assert counts["coda"]["op_calls"] == 6 and counts["coda"]["triton_launches"] > 0
+    assert counts["coda"]["kernel_ops"] < counts["hf"]["kernel_ops"]
     printed = capsys.readouterr().out
     assert "launches stubbed" in printed and "causal_lm_loss" in printed
+    assert "| coda | 6 |" in printed
 
 
 def test_the_stub_covers_every_importer_and_is_undone() -> None:
@@ -53,3 +60,25 @@ def test_denormals_are_flushed_while_it_times_and_kept_after() -> None:
     with script.denormals_flushed():
         flushed = (tiny * 1).item()
     assert flushed == 0.0 and (tiny * 1).item() != 0.0
+
+
+def test_step_counts_count_what_would_run_a_kernel_once() -> None:
+    import torch
+
+    from coda.primitives import launch
+
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    real = launch.launch_kernel
+    fill = script.step_counts(lambda: torch.zeros(5))  # zeros -> empty + zero_ -> fill_
+    assert (fill["kernel_ops"], fill["allocations"]) == (1, 1)
+    linear = script.step_counts(lambda: torch.nn.functional.linear(x, w))  # -> t, mm
+    assert linear["kernel_ops"] == 1 and linear["views"] >= 1
+    view = script.step_counts(lambda: x.view(-1))
+    assert (view["kernel_ops"], view["views"]) == (0, 1)
+    alloc = script.step_counts(lambda: torch.empty_like(x))  # empty_like -> empty_strided
+    assert (alloc["kernel_ops"], alloc["allocations"]) == (0, 1)
+    cast = script.step_counts(lambda: x.to(torch.float64))  # _to_copy -> empty_strided, copy_
+    assert (cast["kernel_ops"], cast["allocations"]) == (1, 1)
+    launched = script.step_counts(lambda: launch.launch_kernel(None, (1,), x))
+    assert launched["triton_launches"] == 1 and launched["kernel_ops"] == 0
+    assert launch.launch_kernel is real  # the stub it counted with is gone
