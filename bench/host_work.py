@@ -167,10 +167,13 @@ def min_ms(steps: dict[str, Callable[[], None]], rounds: int, per_round: int) ->
 # as the ``empty_strided`` it calls)
 ALLOCATIONS = frozenset(
     {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
-     "aten::new_empty_strided"}
+     "aten::new_empty_strided", "aten::resize_"}
 )  # fmt: skip
-# ops without an alias annotation in their schema that still only make a view
-UNANNOTATED_VIEWS = frozenset({"aten::_unsafe_view", "aten::_reshape_alias"})
+# ops whose schema shows no alias of an input that still run no kernel: they make a view or
+# read or change only a tensor's metadata (counted with the views)
+UNANNOTATED_VIEWS = frozenset(
+    {"aten::_unsafe_view", "aten::_reshape_alias", "aten::result_type", "aten::detach_"}
+)
 
 
 def step_counts(step: Callable[[], None]) -> dict[str, int]:
@@ -219,8 +222,8 @@ def _aten_below(event: Any) -> bool:
 
 
 def _is_view(name: str) -> bool:
-    """Whether aten op ``name`` (``aten::view``) only makes a view: its schema returns an alias of
-    an input that it does not write, or it is one of ``UNANNOTATED_VIEWS``."""
+    """Whether aten op ``name`` (``aten::view``) runs no kernel: its schema returns an alias of an
+    input that it does not write, or it is one of ``UNANNOTATED_VIEWS``."""
     import torch
 
     if name in UNANNOTATED_VIEWS:
