@@ -39,7 +39,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 NEEDS_GPU = "tuning_windows.py times kernels on a CUDA GPU; none is available here"
 
@@ -103,7 +103,21 @@ def measure(
     return samples, clocks
 
 
-def block_row(name: str, size: int, reps: list[int], rounds: int) -> dict[str, Any]:
+class TunedBlock(NamedTuple):
+    """A paper kernel's block at ``M = N = K = size``, lowered, compiled and tuned (quick space),
+    run once; ``cublas`` launches the GEMM alone on the same inputs."""
+
+    sizes: dict[str, int]
+    compiled: Any
+    prepared: dict[str, Any]
+    tensors: dict[str, Any]
+    tuning: dict[str, Any]
+    cublas: Callable[[], object]
+
+
+def tuned_block(name: str, size: int, backend: str | None = None) -> TunedBlock:
+    """Block ``name`` tuned as the benchmark tunes it; ``backend`` (``"triton"``) overrides the
+    compiled Program's epilogue backend before tuning (default: the environment's)."""
     import torch
 
     from coda.blocks.ops import Linear, Matmul
@@ -117,11 +131,18 @@ def block_row(name: str, size: int, reps: list[int], rounds: int) -> dict[str, A
     inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
     program = lower(block)
     compiled = compile_program(program, analyze(program, sizes))
+    if backend is not None:
+        compiled.epilogue_backend = backend
     prepared = compiled.prepare(inputs)
     tuning = tune_program(compiled, prepared, space=QUICK_SPACE)
     tensors = compiled.run(prepared)
     (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
-    fns: dict[str, Callable[[], object]] = {"cublas": lambda: gemm.call(inputs)}
+    return TunedBlock(sizes, compiled, prepared, tensors, tuning, lambda: gemm.call(inputs))
+
+
+def block_row(name: str, size: int, reps: list[int], rounds: int) -> dict[str, Any]:
+    sizes, compiled, prepared, tensors, tuning, cublas = tuned_block(name, size)
+    fns: dict[str, Callable[[], object]] = {"cublas": cublas}
     pinned = dict(compiled.cute_configs)
     fastest = {step: _fastest_cute(tuning[step]) for step in pinned if step in tuning}
     cute_configs = {step: config for step, config in fastest.items() if config is not None}
@@ -151,25 +172,8 @@ def block_row(name: str, size: int, reps: list[int], rounds: int) -> dict[str, A
 def triton_finalists_row(name: str, size: int, reps: list[int], rounds: int) -> dict[str, Any]:
     """Block ``name`` tuned on Triton alone; each fused step's finalists timed as launches at
     every window in ``reps`` beside the cuBLAS GEMM, and how each window ranks them."""
-    import torch
-
-    from coda.blocks.ops import Linear, Matmul
-    from coda.blocks.registry import get_block
-    from coda.planner import lower
-    from coda.primitives import analyze, compile_program
-    from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
-
-    block = get_block(name)
-    (sizes,) = [s for s in block.shapes.bench if s["M"] == size]
-    inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
-    program = lower(block)
-    compiled = compile_program(program, analyze(program, sizes))
-    compiled.epilogue_backend = "triton"
-    prepared = compiled.prepare(inputs)
-    tuning = tune_program(compiled, prepared, space=QUICK_SPACE)
-    tensors = compiled.run(prepared)
-    (gemm,) = [op for op in block.graph if isinstance(op, Linear | Matmul)]
-    fns: dict[str, Callable[[], object]] = {"cublas": lambda: gemm.call(inputs)}
+    sizes, compiled, _, tensors, tuning, cublas = tuned_block(name, size, backend="triton")
+    fns: dict[str, Callable[[], object]] = {"cublas": cublas}
     finalists: dict[str, list[str]] = {}  # per step, its finalists' labels, tuning's pick first
     configs: dict[str, str] = {}
     for step, trials in _finalists(tuning).items():
