@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import sys
@@ -202,9 +203,11 @@ def step_counts(step: Callable[[], None]) -> dict[str, int]:
     return {**counts, "triton_launches": stubbed.count}
 
 
+@functools.cache
 def _kind(name: str) -> str | None:
     """``"allocations"``, ``"views"`` or ``"kernel_ops"`` for an aten op's event name; None for
-    any other event."""
+    any other event (kept per name: a step's events repeat a few hundred names, and
+    ``_kernels_below`` asks again for every ancestor)."""
     if not name.startswith("aten::"):
         return None
     if name in ALLOCATIONS:
