@@ -14,7 +14,15 @@ keeps them, so some B operands are N-major. This script times, per step:
   out, B as stored — what each part of an epilogue costs. Each spec removes the ops it names
   together (``+`` between them): ``partial_reduce`` (every one), ``store:a`` (the store to
   ``a``), ``map:a`` (the map writing ``a``), ``load_tile:u_tile``; a step none of whose ops match
-  is not timed again. Its output is not checked (it computes less).
+  is not timed again. Its output is not checked (it computes less);
+- ``tuned <config>`` and ``triton (tuned)``: with ``--tuned``, the kernel quick tuning pins for the
+  step under ``CODA_EPILOGUE_BACKEND`` (a CuTe config, or ``triton``), and where that is CuTe the
+  step's Triton kernel at its tuned config — what the product runs, beside the configs above.
+
+A config is ``128x192`` (ping-pong, clusters of two CTAs along M), ``256x128c`` (cooperative),
+``128x128/1x2`` (clusters along N), and after any of them ``+e4`` (four epilogue stages) and
+``+dyn`` (the dynamic tile scheduler: clusters take the next free tile from a counter). With
+``--vendor`` the plain steps (cuBLAS in the product) are timed on the CuTe kernel too.
 
 ``--programs`` takes shipped Programs (``export/programs``) and blocks by name — a paper kernel's
 block is lowered by the planner, as ``bench/paper_kernels.py`` does (``--size M=4096 --size
@@ -26,7 +34,8 @@ step first. Timed in interleaved rounds of the profiler's 100 ms windows
 
     python3 bench/experiments/cute_step_configs.py [--programs llama_mlp_bwd_saved,...]
         [--configs 128x128,128x192,256x128c,128x128+e4] [--size M=8192 ...] [--rounds 3]
-        [--without partial_reduce,store:a+map:a,...] [--stored-only] [--out FILE]
+        [--without partial_reduce,store:a+map:a,...] [--stored-only] [--tuned] [--vendor]
+        [--steps down_bwd,...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -43,15 +52,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def parse_config(text: str):
     """``128x192`` (ping-pong, cluster 2×1), ``256x128c`` (cooperative), ``128x128/1x2``, and
-    ``+e4`` after any of them: four stages of epilogue tile loads and stores."""
+    after any of them ``+e4`` (four stages of epilogue tile loads and stores) and ``+dyn`` (the
+    dynamic tile scheduler)."""
     from coda.primitives.cute.launch import CuteConfig
 
-    text, _, stages = text.partition("+e")
+    text, *modifiers = text.split("+")
     body, _, cluster = text.partition("/")
     coop = body.endswith("c")
     tm, tn = (int(v) for v in body.rstrip("c").split("x"))
     cm, cn = (int(v) for v in cluster.split("x")) if cluster else (2, 1)
-    return CuteConfig(tm, tn, cm, cn, not coop, int(stages) if stages else 0)
+    stages = [int(m[1:]) for m in modifiers if m.startswith("e")]
+    unknown = [m for m in modifiers if m != "dyn" and not m.startswith("e")]
+    if unknown:
+        raise ValueError(f"{text}: unknown modifier(s) {unknown} (known: +eN, +dyn)")
+    return CuteConfig(tm, tn, cm, cn, not coop, stages[-1] if stages else 0, "dyn" in modifiers)
+
+
+def config_label(config) -> str:
+    """``config`` as ``parse_config`` reads it, cluster always spelled out."""
+    text = f"{config.tile_m}x{config.tile_n}{'' if config.pingpong else 'c'}"
+    text += f"/{config.cluster_m}x{config.cluster_n}"
+    text += f"+e{config.epi_stages}" if config.epi_stages else ""
+    return text + ("+dyn" if config.dynamic else "")
 
 
 def _matches(op, token: str) -> bool:
@@ -73,8 +95,46 @@ def ablated(step, spec: str):
     return step.model_copy(update={"epilogue": kept})
 
 
+def tuned_launches(program, block, sizes: dict) -> tuple[dict, dict]:
+    """Program ``program`` tuned as the benchmarks tune it (quick space; the backend of
+    ``CODA_EPILOGUE_BACKEND``), on inputs of its own: per fused step, ``{label: launch}`` for
+    the kernel tuning pinned (``tuned <config or triton>``) and, where that is a CuTe kernel, the
+    step's tuned Triton kernel (``triton (tuned)``); and what tuning timed, per step."""
+    import torch
+
+    from coda.primitives import analyze, compile_program
+    from coda.primitives.codegen.tuning import QUICK_SPACE, tune_program
+
+    inputs = block.make_inputs(sizes, torch.bfloat16, seed=1, device="cuda")
+    compiled = compile_program(program, analyze(program, sizes))
+    prepared = compiled.prepare(inputs)
+    tuning = tune_program(compiled, prepared, space=QUICK_SPACE)
+    tensors = compiled.run(prepared)
+    launches, timed = {}, {}
+    for step in compiled.kernels:
+        pinned = compiled.cute_configs.get(step)
+        label = f"tuned {config_label(pinned) if pinned else 'triton'}"
+        fns = {label: compiled.step_launch(step, tensors)}
+        if pinned is not None:
+            compiled.cute_configs[step] = None
+            fns["triton (tuned)"] = compiled.step_launch(step, tensors)
+            compiled.cute_configs[step] = pinned
+        launches[step] = fns
+        result = tuning.get(step)
+        timed[step] = result.as_dict() if hasattr(result, "as_dict") else repr(result)
+    return launches, timed
+
+
 def step_rows(
-    name: str, sizes: dict, configs: list, rounds: int, without: list[str] = (), copies: bool = True
+    name: str,
+    sizes: dict,
+    configs: list,
+    rounds: int,
+    without: list[str] = (),
+    copies: bool = True,
+    tuned: bool = False,
+    vendor: bool = False,
+    only: frozenset[str] = frozenset(),
 ) -> list[dict]:
     import torch
 
@@ -88,6 +148,7 @@ def step_rows(
     program, block = _program(name)
     dims = {d for t in program.inputs.values() for d in t.shape if isinstance(d, str)}
     sizes = {k: v for k, v in sizes.items() if k in dims}
+    launches, timed = tuned_launches(program, block, sizes) if tuned else ({}, {})
     inputs = block.make_inputs(sizes, torch.bfloat16, seed=0, device="cuda")
     compiled = compile_program(program, analyze(program, sizes))
     compiled.epilogue_backend = "triton"
@@ -97,14 +158,16 @@ def step_rows(
     act = activation_dtype(program, tensors)
     rows = []
     for step, sname in zip(program.steps, program.step_names(), strict=True):
-        if not isinstance(step, GemmEpilogue) or info.gemms[sname].vendor:
+        if not isinstance(step, GemmEpilogue) or (info.gemms[sname].vendor and not vendor):
+            continue
+        if only and sname not in only:
             continue
         gemm = info.gemms[sname]
         compiled.run_gemm_step(sname, tensors)  # Triton: the reference for the checks
         want = {n: tensors[n].clone() for n in gemm.writes if gemm.writes[n].partials is None}
         runner = launch.CuteStep(step)
         a, b = runner._operands(tensors)
-        fns = {"cublas": lambda a=a, b=b: torch.mm(a, b.t())}
+        fns = {"cublas": lambda a=a, b=b: torch.mm(a, b.t()), **launches.get(sname, {})}
         errors = {}
         b_name = step.b.tensor
         stored = tensors[b_name]
@@ -113,13 +176,10 @@ def step_rows(
             for b_tensor in (stored, flipped) if copies else (stored,):
                 local = dict(tensors)
                 local[b_name] = b_tensor
-                label = f"cute {config.tile_m}x{config.tile_n}"
-                label += f"{'' if config.pingpong else 'c'}/{config.cluster_m}x{config.cluster_n}"
-                label += f"+e{config.epi_stages}" if config.epi_stages else ""
-                label += " B " + _major(runner, local) + (" (copy)" if b_tensor is flipped else "")
-                launch.choose_config = lambda gemm, config=config: config
+                label = f"cute {config_label(config)} B {_major(runner, local)}"
+                label += " (copy)" if b_tensor is flipped else ""
                 try:
-                    actions = runner.actions(gemm, local, act, stored.device, False)
+                    actions = runner.actions(gemm, local, act, stored.device, False, config)
                 except CuteUnsupported as e:
                     errors[label] = f"refused: {e}"[:200]
                     continue
@@ -127,6 +187,7 @@ def step_rows(
                     errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     continue
                 run = actions[-1]
+                run(local, None)  # twice: a dynamic scheduler's tile counter must be back at 0
                 run(local, None)
                 torch.cuda.synchronize()
                 err = max(
@@ -141,11 +202,11 @@ def step_rows(
                 smaller = ablated(step, spec)
                 if smaller is None:
                     continue
-                label = f"cute {config.tile_m}x{config.tile_n} without {spec}"
+                label = f"cute {config_label(config)} without {spec}"
                 local = dict(tensors)
                 try:
                     actions = launch.CuteStep(smaller).actions(
-                        gemm, local, act, stored.device, False
+                        gemm, local, act, stored.device, False, config
                     )
                 except Exception as e:  # noqa: BLE001 (an experiment: report and go on)
                     errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -156,7 +217,7 @@ def step_rows(
             "program": name, "step": sname, "M": gemm.M, "N": gemm.N, "K": gemm.K,
             "b_stored": _major(runner, tensors),
             "ms": times, "over_cublas": {k: v / times["cublas"] for k, v in times.items()},
-            "errors": errors,
+            "errors": errors, "tuning": timed.get(sname),
         }  # fmt: skip
         rows.append(row)
         best = min((k for k in times if k != "cublas"), key=times.get, default=None)
@@ -206,22 +267,28 @@ def main(argv: list[str] | None = None) -> int:
         "--without", default="", metavar="SPECS",
         help="comma-separated epilogue ablations, each ops joined by + (see the docstring)",
     )  # fmt: skip
+    p.add_argument("--steps", default="", help="comma-separated step names (default: every one)")
+    p.add_argument(
+        "--tuned", action="store_true",
+        help="also time each step's kernel as quick tuning pins it, and its tuned Triton kernel",
+    )  # fmt: skip
+    p.add_argument(
+        "--vendor", action="store_true",
+        help="also the plain steps (cuBLAS in the product) on the CuTe kernel at each config",
+    )  # fmt: skip
     args = p.parse_args(argv)
     without = [w for w in args.without.split(",") if w]
     sizes = dict(SIZES)
     sizes.update({k: int(v) for k, v in (s.split("=", 1) for s in args.size)})
     configs = [parse_config(c) for c in args.configs.split(",")]
-    from coda.primitives.cute import launch
-
-    saved = launch.choose_config
     rows: list[dict] = []
-    try:
-        for name in args.programs.split(","):
-            rows += step_rows(name, sizes, configs, args.rounds, without, not args.stored_only)
-            if args.out:
-                Path(args.out).write_text(json.dumps(rows, indent=1))
-    finally:
-        launch.choose_config = saved
+    for name in args.programs.split(","):
+        rows += step_rows(
+            name, sizes, configs, args.rounds, without, not args.stored_only, args.tuned,
+            args.vendor, frozenset(filter(None, args.steps.split(","))),
+        )  # fmt: skip
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0
 
 

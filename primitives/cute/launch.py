@@ -43,9 +43,13 @@ _COMPILE_LOCK = threading.Lock()  # the DSL's compiler is not reentrant
 class CuteConfig(NamedTuple):
     """How QuACK's GEMM runs a step: the CTA's output tile, the cluster of CTAs sharing A/B tile
     loads, whether two consumer warpgroups take tiles in turn (ping-pong, 128-row tiles) or
-    share one (cooperative, 256-row tiles), and how deep the epilogue's pipelines are:
+    share one (cooperative, 256-row tiles), how deep the epilogue's pipelines are:
     ``epi_stages`` 0 takes QuACK's shared-memory split, n > 0 gives the epilogue's tile stores and
-    tile loads n stages each before the A/B pipeline takes the rest (``epilogue.CodaEpilogue``)."""
+    tile loads n stages each before the A/B pipeline takes the rest (``epilogue.CodaEpilogue``),
+    and how clusters get their tiles: ``dynamic`` False, a fixed stride through the tiles (each
+    persistent cluster knows its next tile); True, the next free tile from a counter in global
+    memory (an atomic increment per tile), so a cluster whose epilogues run long takes fewer tiles
+    — QuACK's own choice for its gated backward GEMM on Hopper."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -53,6 +57,7 @@ class CuteConfig(NamedTuple):
     cluster_n: int = 1
     pingpong: bool = True
     epi_stages: int = 0
+    dynamic: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -65,7 +70,8 @@ class CuteConfig(NamedTuple):
     def __str__(self) -> str:
         kind = "pingpong" if self.pingpong else "cooperative"
         text = f"{self.tile_m}x{self.tile_n} cluster {self.cluster_m}x{self.cluster_n} {kind}"
-        return text + (f", {self.epi_stages} epilogue stages" if self.epi_stages else "")
+        text += f", {self.epi_stages} epilogue stages" if self.epi_stages else ""
+        return text + (", dynamic scheduler" if self.dynamic else "")
 
 
 def choose_config(gemm: GemmInfo) -> CuteConfig:
@@ -217,6 +223,7 @@ class CuteLaunch(Action):
     ) -> None:
         self.step, self.source, self.m, self.n, self.config = step, source, m, n, config
         self._fn: Any = None  # the compiled kernel, looked up once: a plan's replays share it
+        self._counter: torch.Tensor | None = None  # the dynamic scheduler's tile counter
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
         args = self.arguments(tensors)
@@ -224,7 +231,11 @@ class CuteLaunch(Action):
             self._fn = self.step.compiled(self.source, args, self.config)
         if collecting():
             return
-        _run(self._fn, self.source, args, self.config)
+        if self.config.dynamic and self._counter is None:
+            # zeroed once: the kernel's atomic increments wrap back to 0 after the last tile, so
+            # every later launch of this action (a replay, a CUDA graph's) finds it at 0 again
+            self._counter = torch.zeros(1, dtype=torch.int32, device=args["A"].device)
+        _run(self._fn, self.source, args, self.config, self._counter)
 
     def arguments(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The kernel's arguments in QuACK's shapes: A ``(M, K, 1)``, B ``(N, K, 1)``, D and
@@ -313,7 +324,7 @@ def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> An
         cls, mA.element_type, config.tile, config.cluster, config.pingpong, True, False, False,
         (9, 0),
         mA, mB, mD, None, cls.EpilogueArguments(**epi),
-        make_fake_scheduler_args(False, False, batch), None,
+        make_fake_scheduler_args(config.dynamic, False, batch), None,
     )  # fmt: skip
 
 
@@ -327,15 +338,37 @@ def _with_epi_stages(epilogue: type, stages: int) -> type:
 
 
 @functools.cache
-def _scheduler(device_index: int, cluster_size: int) -> Any:
-    """The persistent tile scheduler's arguments on a device (as many clusters as fit)."""
+def _max_clusters(device_index: int, cluster_size: int) -> int:
+    """How many clusters of ``cluster_size`` CTAs are resident at once on a device."""
     from quack.cute_dsl_utils import get_max_active_clusters
+
+    return get_max_active_clusters(cluster_size)
+
+
+@functools.cache
+def _scheduler(device_index: int, cluster_size: int) -> Any:
+    """The static persistent tile scheduler's arguments on a device (as many clusters as fit)."""
     from quack.gemm_tvm_ffi_utils import make_scheduler_args
 
-    return make_scheduler_args(get_max_active_clusters(cluster_size), 8, None)
+    return make_scheduler_args(_max_clusters(device_index, cluster_size), 8, None)
 
 
-def _run(fn: Any, source: CuteSource, args: dict[str, Any], config: CuteConfig) -> None:
+def _scheduler_args(device_index: int, cluster_size: int, counter: torch.Tensor | None) -> Any:
+    """The tile scheduler's arguments: static, or dynamic on the tile counter ``counter``."""
+    if counter is None:
+        return _scheduler(device_index, cluster_size)
+    from quack.gemm_tvm_ffi_utils import make_scheduler_args
+
+    return make_scheduler_args(_max_clusters(device_index, cluster_size), 8, counter)
+
+
+def _run(
+    fn: Any,
+    source: CuteSource,
+    args: dict[str, Any],
+    config: CuteConfig,
+    counter: torch.Tensor | None = None,
+) -> None:
     import cutlass
 
     module = sys.modules[f"coda_cute_{source.key}"]
@@ -345,5 +378,6 @@ def _run(fn: Any, source: CuteSource, args: dict[str, Any], config: CuteConfig) 
             cutlass.Int32(args["m_bound"]),
             cutlass.Int32(args["n_bound"]),
         )
-    sched = _scheduler(args["A"].device.index or 0, config.cluster_m * config.cluster_n)
+    cluster_size = config.cluster_m * config.cluster_n
+    sched = _scheduler_args(args["A"].device.index or 0, cluster_size, counter)
     fn(args["A"], args["B"], args["D"], None, module.Epilogue.EpilogueArguments(**epi), sched, None)

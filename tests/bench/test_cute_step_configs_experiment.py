@@ -24,10 +24,18 @@ experiment = load_script("experiments/cute_step_configs")
         ("256x128c", CuteConfig(256, 128, 2, 1, False)),
         ("128x128/1x2", CuteConfig(128, 128, 1, 2, True)),
         ("128x128/1x2+e4", CuteConfig(128, 128, 1, 2, True, 4)),
+        ("128x128+dyn", CuteConfig(128, 128, 2, 1, True, 0, True)),
+        ("256x128c/1x2+e4+dyn", CuteConfig(256, 128, 1, 2, False, 4, True)),
     ],
 )
 def test_configs_read_as_the_product_s(text: str, config: CuteConfig) -> None:
     assert experiment.parse_config(text) == config
+    assert experiment.parse_config(experiment.config_label(config)) == config
+
+
+def test_an_unknown_modifier_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"unknown modifier.*\+dyn"):
+        experiment.parse_config("128x128+dynamic")
 
 
 def test_b_is_labelled_by_its_contiguous_dimension_as_quack_takes_it() -> None:

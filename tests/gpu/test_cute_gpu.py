@@ -115,6 +115,34 @@ def test_the_wide_tile_matches_triton_at_a_ragged_shape_gpu(name: str, monkeypat
     _assert_matches(block, inputs, got, triton)
 
 
+def test_the_dynamic_scheduler_matches_triton_launch_after_launch_gpu(monkeypatch) -> None:
+    # clusters take tiles from a counter in global memory that each launch leaves at 0 again
+    # (the atomic increments wrap after the last tile): a stale counter would skip tiles, which
+    # the NaN-filled outputs of later launches would show
+    from coda.primitives.cute import launch
+
+    dynamic = launch.CuteConfig(128, 128, dynamic=True)
+    monkeypatch.setattr(launch, "choose_config", lambda gemm: dynamic)
+    block = get_block("gemm_partial_swiglu_bwd")
+    sizes = _sizes(block, {"M": 1000, "N": 1088, "K": 1000})
+    program = lower(block)
+    inputs = block.make_inputs(sizes, torch.bfloat16, seed=9, device="cuda")
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "cute"
+    prepared = compiled.prepare(inputs)
+    _, triton = _run(program, sizes, inputs, "triton")
+    for _ in range(3):
+        got = program.select_outputs(compiled.run(prepared, poison=True), sizes)
+        torch.cuda.synchronize()
+        assert set(compiled.mainloops_used.values()) == {"cute"}, compiled.cute_refusals
+        _assert_matches(block, inputs, got, triton)
+    counters = [
+        a._counter for plan in compiled._run_plans.values() for a in plan.actions
+        if isinstance(a, launch.CuteLaunch)
+    ]  # fmt: skip
+    assert counters and all(c is not None and c.item() == 0 for c in counters)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("name", "steps"),

@@ -60,14 +60,17 @@ class _Recorder:
     def __init__(self) -> None:
         self.compiles: list[tuple] = []
         self.launches: list[dict[str, Any]] = []
+        self.counters: list[torch.Tensor | None] = []
 
     def compile(self, source, args, config):  # noqa: ANN001
         self.compiles.append((source.key, config))
         return "kernel"
 
-    def run(self, fn, source, args, config) -> None:  # noqa: ANN001
+    def run(self, fn, source, args, config, counter=None) -> None:  # noqa: ANN001
         assert fn == "kernel"
+        assert (counter is not None) == config.dynamic
         self.launches.append(args)
+        self.counters.append(counter)
 
 
 @pytest.fixture
@@ -103,6 +106,23 @@ def test_replays_launch_again_and_compile_once(recorder: _Recorder) -> None:
     for _ in range(3):
         compiled.run(prepared)
     assert len(recorder.launches) == 3 and len(recorder.compiles) == 1
+
+
+def test_a_dynamic_config_launches_on_one_zeroed_tile_counter_per_action(recorder) -> None:  # noqa: ANN001
+    # the kernel's atomic increments wrap back to 0 after its last tile: one counter, zeroed
+    # once, serves every replay of the action; a static config gets none
+    _, _, compiled, inputs = _swiglu_bwd("cute")
+    compiled.cute_configs["b"] = cute_launch.CuteConfig(128, 128, dynamic=True)
+    prepared = compiled.prepare(inputs)
+    for _ in range(3):
+        compiled.run(prepared)
+    first, *rest = recorder.counters
+    assert first is not None and first.dtype == torch.int32 and first.tolist() == [0]
+    assert all(c is first for c in rest) and len(rest) == 2
+    compiled.cute_configs["b"] = cute_launch.CuteConfig(128, 128)
+    compiled.run(prepared)
+    assert recorder.counters[-1] is None
+    assert [c.dynamic for _, c in recorder.compiles] == [True, False]
 
 
 def test_collecting_launches_compiles_and_launches_nothing(recorder: _Recorder) -> None:
