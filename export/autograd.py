@@ -432,7 +432,8 @@ def kernels_used() -> dict[str, dict[str, dict[str, str]]]:
     Program (its block's name), ``ran`` — step → ``"cute"`` or the Triton mainloop last
     launched —, ``not_cute`` — step → why it did not take the CuTe backend where that was
     asked for (``CODA_EPILOGUE_BACKEND``) — and ``cute_tuned`` — step → the CuTe config tuning
-    pinned for the last shape it ran at, or ``"triton"`` where tuning timed Triton faster."""
+    pinned for the last shape it ran at, or ``"triton"`` where tuning timed Triton faster
+    (``"cublas"`` for a plain product, which tuning under ``auto`` times against QuACK's GEMM)."""
     out: dict[str, dict[str, dict[str, str]]] = {}
     for exported in _REGISTERED.values():
         for runner in exported.runners:
@@ -445,9 +446,17 @@ def kernels_used() -> dict[str, dict[str, dict[str, str]]]:
             entry["ran"].update(compiled.mainloops_used)
             entry["not_cute"].update(compiled.cute_refusals)
             entry["cute_tuned"].update(
-                {n: "triton" if c is None else str(c) for n, c in compiled.cute_configs.items()}
+                {n: _tuned_label(compiled, n, c) for n, c in compiled.cute_configs.items()}
             )
     return out
+
+
+def _tuned_label(compiled: Any, step: str, config: Any) -> str:
+    """What tuning pinned for ``step``: a CuTe config, or the kernel that runs it otherwise —
+    ``"triton"`` for a fused step, ``"cublas"`` for a plain product."""
+    if config is not None:
+        return str(config)
+    return "triton" if step in compiled.kernels else "cublas"
 
 
 def _needs_grad(args: tuple[torch.Tensor, ...]) -> bool:

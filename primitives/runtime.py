@@ -456,6 +456,11 @@ class CompiledProgram:
         """Run one gemm step, deciding its allocations and kernel; returns what it did as
         actions that redo it on other tensors of the same run signature."""
         if gemm.vendor and self.use_vendor:
+            if self._plain_on_cute(gemm):
+                actions = self._run_cute(step, gemm, tensors, act, device, poison)
+                if actions is not None:
+                    return actions
+            self.mainloops_used.pop(gemm.name, None)  # cuBLAS (an earlier run's pin may differ)
             vendor = VendorProduct(step, act)
             vendor(tensors, None)
             return [vendor]
@@ -489,6 +494,16 @@ class CompiledProgram:
             plan = self._launch(step, gemm, tensors, cfg, sizes, device, "tma_mainloop")
         return [allocate, Relaunch(plan, tensors)]
 
+    def _plain_on_cute(self, gemm: GemmInfo) -> bool:
+        """Whether plain-store step ``gemm`` runs on QuACK's GEMM rather than cuBLAS: only where
+        tuning under ``auto`` pinned a CuTe config for it (``cute.tuning.tune_plain_steps``:
+        timed faster than cuBLAS at these sizes)."""
+        return (
+            self.epilogue_backend == "auto"
+            and self.cute_configs.get(gemm.name) is not None
+            and bool(gemm.M and gemm.N)
+        )
+
     def _run_cute(
         self,
         step: GemmEpilogue,
@@ -500,7 +515,7 @@ class CompiledProgram:
     ) -> list[Action] | None:
         """Run step ``gemm`` on the CuTe backend and return its actions; None where it cannot
         (the reason kept in ``cute_refusals``) or tuning pinned Triton for it, and the step runs
-        on Triton."""
+        on Triton (a plain product: on cuBLAS)."""
         from . import cute
 
         config = self.cute_configs.get(gemm.name, _UNPINNED)

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from ..compile_ahead import compile_ahead_of
-from ..cute.tuning import CuteTuning, tune_cute_steps
+from ..cute.tuning import CuteTuning, tune_cute_steps, tune_plain_steps
 from ..ir import MainloopConfig
 from ..launch import collected_launches
 from ..settings import current
@@ -199,10 +199,11 @@ class TuningResult:
 
 
 def wrong_steps(compiled, prepared: dict[str, torch.Tensor]) -> dict[str, str]:  # noqa: ANN001
-    """Fused gemm steps of ``compiled`` (with its pinned configs) whose tensors differ from the
-    reference executor's, as ``{step: what differs}``. The run is poisoned: an element a config
-    leaves unwritten shows, and no aux output takes over an intermediate's storage
-    (``storage_sharing``), so every tensor a step wrote is still there to compare."""
+    """Fused gemm steps of ``compiled`` (with its pinned configs), and plain ones pinned to a CuTe
+    config, whose tensors differ from the reference executor's, as ``{step: what differs}``.
+    The run is poisoned: an element a config leaves unwritten shows, and no aux output takes over
+    an intermediate's storage (``storage_sharing``), so every tensor a step wrote is still there
+    to compare."""
     from ..reference import activation_dtype, execute_reference
 
     inputs = {n: prepared[n] for n in compiled.program.inputs}
@@ -212,9 +213,11 @@ def wrong_steps(compiled, prepared: dict[str, torch.Tensor]) -> dict[str, str]: 
     want = execute_reference(
         compiled.program, inputs, info=info, configs=compiled.configs_for(info)
     )
+    # fused steps, and plain steps pinned to a CuTe config (cuBLAS's own are not checked)
+    checked = set(compiled.kernels) | {n for n, c in compiled.cute_configs.items() if c}
     wrong: dict[str, str] = {}
     for name, t in info.tensors.items():
-        if t.producer in compiled.kernels and t.producer not in wrong:
+        if t.producer in checked and t.producer not in wrong:
             g, w = got[name], want[name]
             if t.partials is not None and g.shape != w.shape:  # another tile (CuTe): combined
                 g, w = _combined(g, t.partials.kind), _combined(w, t.partials.kind)
@@ -561,4 +564,19 @@ def tune_program(
         )
     else:
         compiled.cute_configs.clear()  # untimed: the CuTe steps keep the rule's configs
+    plain = _plain_steps_for_cute(compiled, info, device)
+    if plain:
+        results.update(tune_plain_steps(compiled, prepared, tensors, plain, cache, check=check))
     return results
+
+
+def _plain_steps_for_cute(compiled, info, device: torch.device) -> list[str]:  # noqa: ANN001
+    """The plain-store steps tuning times on QuACK's GEMM against cuBLAS: under ``auto``, where
+    the CuTe backend can run and the runtime hands plain products to cuBLAS at all."""
+    from .. import backend, cute
+
+    if compiled.epilogue_backend != "auto" or not compiled.use_vendor or backend.INTERPRET:
+        return []
+    if cute.unavailable_reason(device) is not None:
+        return []
+    return [n for n, g in info.gemms.items() if g.vendor and g.M and g.N]

@@ -62,7 +62,17 @@ def candidates(loads_tiles: bool) -> tuple[CuteConfig, ...]:
     return (*CANDIDATES, *deep)
 
 
+# Plain-store steps (cuBLAS in the product) under ``auto``: QuACK's cooperative tiles, the fastest
+# of six configs for the weight gradients of the Llama MLP at 16384 tokens (bench/RESULTS.md, run
+# 2026-12-03s): 0.95× cuBLAS for the down projection's at d = 4096, 0.99× for the gate/up one's at
+# d = 2048, 1.01–1.02× elsewhere — so timed against cuBLAS per step and shape, never assumed.
+PLAIN_CANDIDATES = (
+    CuteConfig(128, 256, 2, 1, pingpong=False),
+    CuteConfig(256, 128, 2, 1, pingpong=False),
+)
+
 TRITON = "triton"  # the label of the step's Triton kernel among the timed candidates
+CUBLAS = "cublas"  # the label of a plain step's cuBLAS product among the timed candidates
 WINDOWS = f"{SUSTAINED['rep']}ms"  # the timing windows of the cached choices
 
 Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
@@ -80,11 +90,12 @@ class CuteTuning:
     times: dict[str, float] = field(default_factory=dict)  # every candidate timed, by label
     errors: dict[str, str] = field(default_factory=dict)  # candidates that could not launch
     rejected: list[tuple[CuteConfig, str]] = field(default_factory=list)  # fast but wrong
+    fallback: str = TRITON  # what runs the step where ``best`` is None: Triton, or cuBLAS
 
     def as_dict(self) -> dict:
         """JSON-ready: the choice, whether it came from the cache, every time and rejection."""
         return {
-            "backend": "triton" if self.best is None else "cute",
+            "backend": self.fallback if self.best is None else "cute",
             "best": None if self.best is None else str(self.best),
             "ms": self.ms,
             "cached": self.cached,
@@ -95,15 +106,16 @@ class CuteTuning:
 
 
 def cute_key(
-    digest: str, modules: str, with_triton: bool, device: str, gemm: Any, dtype: torch.dtype
+    digest: str, modules: str, against: str | None, device: str, gemm: Any, dtype: torch.dtype
 ) -> str:
-    """The tuning-cache key of a step's CuTe choice: its Triton kernel's digest and its generated
-    CuTe modules' keys (either kernel changed: tuned anew), whether Triton was a candidate, the
-    device, sizes and dtype, and the timing windows (``WINDOWS``: choices timed in other windows
-    are timed anew)."""
+    """The tuning-cache key of a step's CuTe choice: its other kernel's digest (its Triton
+    kernel's; ``CUBLAS`` for a plain step) and its generated CuTe modules' keys (either kernel
+    changed: tuned anew), which other kernel was a candidate (``TRITON``, ``CUBLAS`` or None),
+    the device, sizes and dtype, and the timing windows (``WINDOWS``: choices timed in other
+    windows are timed anew)."""
     from ..codegen.tuning import tuning_key
 
-    kind = ("cute+triton" if with_triton else "cute") + f"@{WINDOWS}"
+    kind = ("cute" if against is None else f"cute+{against}") + f"@{WINDOWS}"
     return f"{kind}|" + tuning_key(f"{digest}+{modules}", device, gemm.M, gemm.N, gemm.K, dtype)
 
 
@@ -138,19 +150,82 @@ def tune_cute_steps(
         gemm = info.gemms[name]
         dtype = tensors[compiled._step(name).a.tensor].dtype
         modules = "+".join(sorted(src.key for src in compiled._cute_steps[name].sources()))
-        key = cute_key(
-            compiled.kernels[name].digest, modules, with_triton, device_name, gemm, dtype
-        )
+        against = TRITON if with_triton else None
+        key = cute_key(compiled.kernels[name].digest, modules, against, device_name, gemm, dtype)
         entry = cache.entry(key)
         if entry is not None:
             compiled.cute_configs[name] = best = _from_entry(entry)
             results[name] = CuteTuning(name, key, best, entry.get("ms"), cached=True)
             continue
-        result = _tune_step(compiled, prepared, tensors, name, key, with_triton, timer, check)
-        cache.put_entry(key, {"config": None if result.best is None else list(result.best),
-                              "ms": result.ms})  # fmt: skip
+        sources = compiled._cute_steps[name].sources()
+        loads_tiles = any(b.kind == "tile" for src in sources for b in src.bindings)
+        choices: dict[str, CuteConfig | None] = {str(c): c for c in candidates(loads_tiles)}
+        if with_triton:
+            choices[TRITON] = None
+        result = _tune_step(compiled, prepared, tensors, name, key, choices, timer, check)
+        _keep(cache, key, result)
         results[name] = result
     return results
+
+
+def tune_plain_steps(
+    compiled: Any,
+    prepared: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+    steps: list[str],
+    cache: TuningCache,
+    *,
+    timer: Timer | None = None,
+    check: bool = True,
+) -> dict[str, CuteTuning]:
+    """Under ``auto``: choose, for each plain-store step in ``steps`` (a product the runtime
+    hands to cuBLAS), between cuBLAS and QuACK's GEMM at ``PLAIN_CANDIDATES``, timed on the
+    step's tensors (a full run's) like a fused step's candidates, and pin the choice on
+    ``compiled.cute_configs`` (None: cuBLAS). A step whose product the backend does not cover
+    (an operand that is not 16-bit, a layout TMA cannot move) is left to cuBLAS untimed."""
+    from ..reference import activation_dtype
+    from ..timing import sustained_ms
+    from .emit import CuteUnsupported
+    from .launch import CuteStep
+
+    timer = timer or sustained_ms
+    inputs = {n: prepared[n] for n in compiled.program.inputs}
+    info = compiled.info_for(inputs)
+    act = activation_dtype(compiled.program, tensors)
+    device = next(iter(prepared.values())).device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    floats = {n: t.dtype for n, t in tensors.items() if t.is_floating_point()}
+    results: dict[str, CuteTuning] = {}
+    for name in steps:
+        gemm, step = info.gemms[name], compiled._step(name)
+        dtype = tensors[step.a.tensor].dtype
+        if dtype not in (torch.bfloat16, torch.float16):
+            continue
+        runner = compiled._cute_steps.setdefault(name, CuteStep(step))
+        try:
+            module = runner.plan(gemm, floats, act)[0].key
+        except CuteUnsupported:
+            continue
+        key = cute_key(CUBLAS, module, CUBLAS, device_name, gemm, dtype)
+        entry = cache.entry(key)
+        if entry is not None:
+            compiled.cute_configs[name] = best = _from_entry(entry)
+            results[name] = CuteTuning(
+                name, key, best, entry.get("ms"), cached=True, fallback=CUBLAS
+            )
+            continue
+        choices: dict[str, CuteConfig | None] = {str(c): c for c in PLAIN_CANDIDATES}
+        choices[CUBLAS] = None
+        result = _tune_step(compiled, prepared, tensors, name, key, choices, timer, check)
+        result.fallback = CUBLAS
+        _keep(cache, key, result)
+        results[name] = result
+    return results
+
+
+def _keep(cache: TuningCache, key: str, result: CuteTuning) -> None:
+    cache.put_entry(key, {"config": None if result.best is None else list(result.best),
+                          "ms": result.ms})  # fmt: skip
 
 
 def _tune_step(
@@ -159,15 +234,13 @@ def _tune_step(
     tensors: dict[str, torch.Tensor],
     name: str,
     key: str,
-    with_triton: bool,
+    choices: dict[str, CuteConfig | None],
     timer: Timer,
     check: bool,
 ) -> CuteTuning:
-    sources = compiled._cute_steps[name].sources()
-    loads_tiles = any(b.kind == "tile" for src in sources for b in src.bindings)
-    choices: dict[str, CuteConfig | None] = {str(c): c for c in candidates(loads_tiles)}
-    if with_triton:
-        choices[TRITON] = None
+    """Time ``choices`` (a CuTe config, or None: the step's other kernel — Triton, or cuBLAS
+    for a plain step) on the step's tensors and pin the fastest that computes the reference's
+    result; None where no CuTe config does."""
     launches: dict[str, Callable[[], None]] = {}
     errors: dict[str, str] = {}
     for label, choice in choices.items():
@@ -187,8 +260,9 @@ def _tune_step(
         if not why:
             return CuteTuning(name, key, choice, times[label], False, times, errors, rejected)
         rejected.append((choice, why))
-    compiled.cute_configs[name] = None  # no CuTe config computed it right: Triton runs it
-    return CuteTuning(name, key, None, times.get(TRITON), False, times, errors, rejected)
+    compiled.cute_configs[name] = None  # no CuTe config computed it right: the other kernel
+    other = next((label for label, c in choices.items() if c is None), None)
+    return CuteTuning(name, key, None, times.get(other), False, times, errors, rejected)
 
 
 def _wrong(compiled: Any, prepared: dict[str, torch.Tensor], name: str) -> str:

@@ -597,7 +597,8 @@ def test_kernels_used_names_what_ran_each_exported_step() -> None:
     # on a CPU the CuTe backend is not asked for: no step says why it did not take it
     assert all(kind != "cute" for entry in used.values() for kind in entry["ran"].values())
     assert used[backward]["not_cute"] == {} and used[backward]["cute_tuned"] == {}
-    # what tuning pinned is named: a CuTe config by its tile and cluster, Triton as "triton"
+    # what tuning pinned is named: a CuTe config by its tile and cluster, Triton as "triton",
+    # cuBLAS (a plain product kept off QuACK's GEMM) as "cublas"
     from coda.primitives.cute.launch import CuteConfig
 
     # (this block's own backward runner: other tests' exported functions share the registry)
@@ -605,10 +606,12 @@ def test_kernels_used_names_what_ran_each_exported_step() -> None:
         r for r in block.function.runners if r.compiled is not None and "bwd" in r.program.block
     )
     runner.compiled.cute_configs.update(
-        {"down_bwd": None, "gate_up_bwd": CuteConfig(128, 128, 1, 2)}
+        {"down_bwd": None, "gate_up_bwd": CuteConfig(128, 128, 1, 2), "w_down_grad": None}
     )
     try:
         tuned = kernels_used()[runner.program.block]["cute_tuned"]
     finally:
         runner.compiled.cute_configs.clear()
-    assert tuned == {"down_bwd": "triton", "gate_up_bwd": "128x128 cluster 1x2 pingpong"}
+    assert tuned == {
+        "down_bwd": "triton", "gate_up_bwd": "128x128 cluster 1x2 pingpong", "w_down_grad": "cublas"
+    }  # fmt: skip

@@ -190,8 +190,9 @@ def test_the_sandbox_verifies_the_swiglu_backward_on_cute_gpu(monkeypatch) -> No
 def test_tuning_pins_a_checked_choice_per_step_and_the_program_still_matches_gpu(
     backend: str, tmp_path
 ) -> None:  # noqa: ANN001
-    # every CuTe candidate (and under auto the step's Triton kernel) timed on the step's tensors,
-    # the winner checked against the reference; the tuned Program computes what Triton's does
+    # every CuTe candidate (and under auto the step's Triton kernel, and for the plain steps
+    # cuBLAS) timed on the step's tensors, the winner checked against the reference; the tuned
+    # Program computes what Triton's does
     from coda.primitives.codegen.tuning import QUICK_SPACE, TuningCache, tune_program
     from coda.primitives.cute.tuning import CuteTuning
 
@@ -212,8 +213,16 @@ def test_tuning_pins_a_checked_choice_per_step_and_the_program_still_matches_gpu
         assert set(compiled.cute_configs) >= {step}
         if backend == "cute":
             assert result.best is not None and "triton" not in result.times
+    # the weight gradients (plain products): timed against cuBLAS under auto only
     tensors = compiled.run(prepared, poison=True)
     torch.cuda.synchronize()
+    for step in ("w_down_grad", "w_gate_up_grad"):
+        if backend == "auto":
+            assert isinstance(results[step], CuteTuning) and "cublas" in results[step].times
+            ran = compiled.mainloops_used.get(step)
+            assert ran == ("cute" if compiled.cute_configs[step] else None), results[step]
+        else:
+            assert step not in results and step not in compiled.cute_configs
     got = program.select_outputs(tensors, sizes)
     _, triton = _run(program, sizes, inputs, "triton")
     _assert_matches(block, inputs, got, triton)

@@ -18,10 +18,13 @@ from coda.primitives.codegen.tuning import TuningCache, _combined, wrong_steps
 from coda.primitives.cute import launch as cute_launch
 from coda.primitives.cute.tuning import (
     CANDIDATES,
+    CUBLAS,
     DEEP_EPILOGUE,
+    PLAIN_CANDIDATES,
     TRITON,
     candidates,
     tune_cute_steps,
+    tune_plain_steps,
 )
 
 from .cute_emulator import emulate_step
@@ -235,3 +238,97 @@ def test_candidates_are_timed_in_sustained_windows_by_default(
     assert len(windows) == len(ALL) * timing.SUSTAINED["rounds"]
     assert {w["rep"] for w in windows} == {100} and {w["warmup"] for w in windows} == {25}
     assert "@100ms|" in result.key
+
+
+PLAIN_SIZES = {"M": 40, "d": 32, "f": 48}
+
+
+def _setup_plain():
+    """The shipped ``llama_mlp_bwd_saved`` under ``auto``: its two weight gradients are plain
+    products (cuBLAS), its two fused steps Triton's (the emulated CuTe steps are not asked)."""
+    import json
+    from pathlib import Path
+
+    from coda.primitives.ir import Program
+
+    path = Path(__file__).parents[2] / "export" / "programs" / "llama_mlp_bwd_saved.json"
+    program = Program.model_validate(json.loads(path.read_text())["program"])
+    block = get_block(program.block)
+    compiled = compile_program(program, analyze(program, PLAIN_SIZES))
+    compiled.epilogue_backend = "auto"
+    for step in compiled.kernels:
+        compiled.cute_configs[step] = None  # fused steps on Triton: only the plain ones tuned
+    inputs = block.make_inputs(PLAIN_SIZES, torch.float16, seed=0, device="cpu")
+    prepared = compiled.prepare(inputs)
+    tensors = compiled.run(prepared)
+    plain = [n for n, g in compiled.info_for(inputs).gemms.items() if g.vendor]
+    assert plain == ["w_down_grad", "w_gate_up_grad"]
+    return program, compiled, prepared, tensors, plain
+
+
+def test_a_plain_step_runs_on_quack_where_it_timed_faster_than_cublas(
+    emulated: _Emulated, tmp_path
+) -> None:  # noqa: ANN001
+    program, compiled, prepared, tensors, plain = _setup_plain()
+    first, second = PLAIN_CANDIDATES
+    timer = _timer({str(first): 0.5, str(second): 0.8, CUBLAS: 1.0})
+    cache = TuningCache(tmp_path / "t.json")
+    results = tune_plain_steps(compiled, prepared, tensors, plain, cache, timer=timer)
+    assert timer.seen == [[str(first), str(second), CUBLAS]] * 2
+    assert all(r.best == first and not r.cached for r in results.values())
+    assert {n: compiled.cute_configs[n] for n in plain} == dict.fromkeys(plain, first)
+    emulated.launches.clear()
+    got = compiled.run(prepared)
+    assert emulated.launches == [first, first]
+    assert all(compiled.mainloops_used[n] == "cute" for n in plain)
+    assert wrong_steps(compiled, prepared) == {}  # the emulated product is the reference's
+    for out in ("dw_down", "dw_gu"):  # and cuBLAS's (torch.matmul on a CPU) before tuning
+        assert torch.allclose(got[out].float(), tensors[out].float(), atol=1e-2, rtol=1e-2)
+    # the choice is cached by step and shape: a second tuning times nothing
+    again = tune_plain_steps(compiled, prepared, tensors, plain, cache, timer=_timer({}))
+    assert all(r.cached and r.best == first for r in again.values())
+
+
+def test_cublas_faster_keeps_the_plain_step_on_cublas(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
+    _, compiled, prepared, tensors, plain = _setup_plain()
+    timer = _timer({CUBLAS: 0.5})
+    cache = TuningCache(tmp_path / "t.json")
+    results = tune_plain_steps(compiled, prepared, tensors, plain, cache, timer=timer)
+    for name in plain:
+        assert results[name].best is None and compiled.cute_configs[name] is None
+        assert results[name].as_dict()["backend"] == "cublas"
+    emulated.launches.clear()
+    compiled.run(prepared)
+    assert emulated.launches == [] and not set(plain) & set(compiled.mainloops_used)
+
+
+def test_a_fast_wrong_plain_config_gives_way(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
+    _, compiled, prepared, tensors, plain = _setup_plain()
+    first, second = PLAIN_CANDIDATES
+    emulated.wrong.add(first)
+    timer = _timer({str(first): 0.1, str(second): 0.5, CUBLAS: 1.0})
+    results = tune_plain_steps(
+        compiled, prepared, tensors, plain, TuningCache(tmp_path / "t.json"), timer=timer
+    )
+    for result in results.values():
+        assert result.best == second
+        assert [c for c, _ in result.rejected] == [first]
+
+
+def test_plain_steps_are_tuned_only_under_auto_where_the_backend_runs(monkeypatch) -> None:
+    from coda.primitives import backend
+    from coda.primitives.codegen import tuning
+
+    _, compiled, prepared, _, plain = _setup_plain()
+    info = compiled.info_for({n: prepared[n] for n in compiled.program.inputs})
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(cute, "unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(backend, "INTERPRET", False)
+    assert tuning._plain_steps_for_cute(compiled, info, cuda) == plain
+    compiled.epilogue_backend = "cute"  # "cute" forces fused steps, not cuBLAS's products
+    assert tuning._plain_steps_for_cute(compiled, info, cuda) == []
+    compiled.epilogue_backend, compiled.use_vendor = "auto", False
+    assert tuning._plain_steps_for_cute(compiled, info, cuda) == []
+    compiled.use_vendor = True
+    monkeypatch.setattr(cute, "unavailable_reason", lambda device=None: "no GPU")
+    assert tuning._plain_steps_for_cute(compiled, info, cuda) == []
