@@ -10,14 +10,16 @@ extra ``[M, N]`` tiles — the backward ones — cost less there (bench/RESULTS.
 - ``epilogue`` is what the generated modules stand on (imports the DSL);
 - ``launch`` compiles a generated module for a call's tensors and launches it;
 - ``tuning`` picks a covered step's tile and cluster per shape by timing them — and, under
-  ``auto``, the step's Triton kernel beside them (``codegen.tuning.tune_program`` calls it).
+  ``auto``, the step's Triton kernel beside them, and for plain products cuBLAS against QuACK's
+  GEMM (``codegen.tuning.tune_program`` calls it).
 
 Which backend a step takes is ``CODA_EPILOGUE_BACKEND`` (settings ``epilogue_backend``):
 ``triton`` (the default, and the only one on a CPU), ``cute`` (every step this backend covers,
 on a Hopper GPU with ``nvidia-cutlass-dsl`` and ``quack-kernels`` installed — ``pip install
 "coda-agent[cute]"``), ``auto`` (where it can run, each covered step on the backend tuning timed
-faster at the call's shapes, CuTe where untuned; else ``triton``). Importing this package
-imports neither the DSL nor QuACK.
+faster at the call's shapes, CuTe where untuned, and each plain product on QuACK's GEMM where
+tuning timed that faster than cuBLAS; else ``triton``). Importing this package imports neither
+the DSL nor QuACK.
 """
 
 from __future__ import annotations

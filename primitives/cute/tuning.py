@@ -18,6 +18,10 @@ along M against the GEMM's 0.41 (run 2026-12-03h). So tuning times, per step:
   was slower, 0.534 against 0.503 ms, run 2026-12-03h);
 - with the ``auto`` backend, the step's Triton kernel at its tuned config.
 
+Under ``auto`` the plain products (steps whose epilogue only stores the accumulator: cuBLAS in
+the runtime) are tuned too (``tune_plain_steps``): ``PLAIN_CANDIDATES`` against cuBLAS, the
+same way.
+
 Each candidate is timed as its launch alone (what a run plan replays), in interleaved rounds of
 100 ms windows (``timing.sustained_ms``): the candidates draw different power and, at the power
 limit, sustain different clocks, which shorter windows do not reach. Timed in 30 ms windows, tuning
@@ -62,10 +66,12 @@ def candidates(loads_tiles: bool) -> tuple[CuteConfig, ...]:
     return (*CANDIDATES, *deep)
 
 
-# Plain-store steps (cuBLAS in the product) under ``auto``: QuACK's cooperative tiles, the fastest
-# of six configs for the weight gradients of the Llama MLP at 16384 tokens (bench/RESULTS.md, run
-# 2026-12-03s): 0.95× cuBLAS for the down projection's at d = 4096, 0.99× for the gate/up one's at
-# d = 2048, 1.01–1.02× elsewhere — so timed against cuBLAS per step and shape, never assumed.
+# Plain-store steps (cuBLAS in the product) under ``auto``: QuACK's cooperative tiles. For the
+# weight gradients of the Llama MLP at 16384 tokens (bench/RESULTS.md, run 2026-12-03s), 128 × 256
+# was the fastest of six configs in three of four — 0.952× cuBLAS for the down projection's at
+# d = 4096, 0.986× for the gate/up one's at d = 2048, 1.006× for the down projection's at
+# d = 2048 — and 256 × 128 the next; for the gate/up one's at d = 4096 every config was slower
+# than cuBLAS (1.02× at best). So each is timed against cuBLAS per step and shape.
 PLAIN_CANDIDATES = (
     CuteConfig(128, 256, 2, 1, pingpong=False),
     CuteConfig(256, 128, 2, 1, pingpong=False),
