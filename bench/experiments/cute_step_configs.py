@@ -16,8 +16,9 @@ keeps them, so some B operands are N-major. This script times, per step:
   ``a``), ``map:a`` (the map writing ``a``), ``load_tile:u_tile``; a step none of whose ops match
   is not timed again. Its output is not checked (it computes less);
 - ``tuned <config>`` and ``triton (tuned)``: with ``--tuned``, the kernel quick tuning pins for the
-  step under ``CODA_EPILOGUE_BACKEND`` (a CuTe config, or ``triton``), and where that is CuTe the
-  step's Triton kernel at its tuned config — what the product runs, beside the configs above.
+  step under ``CODA_EPILOGUE_BACKEND`` (a CuTe config, ``triton``, or for a plain step under
+  ``auto`` ``cublas``), and where a fused step's is CuTe its Triton kernel at its tuned config —
+  what the product runs, beside the configs above.
 
 A config is ``128x192`` (ping-pong, clusters of two CTAs along M), ``256x128c`` (cooperative),
 ``128x128/1x2`` (clusters along N), and after any of them ``+e4`` (four epilogue stages) and
@@ -97,9 +98,10 @@ def ablated(step, spec: str):
 
 def tuned_launches(program, block, sizes: dict) -> tuple[dict, dict]:
     """Program ``program`` tuned as the benchmarks tune it (quick space; the backend of
-    ``CODA_EPILOGUE_BACKEND``), on inputs of its own: per fused step, ``{label: launch}`` for
-    the kernel tuning pinned (``tuned <config or triton>``) and, where that is a CuTe kernel, the
-    step's tuned Triton kernel (``triton (tuned)``); and what tuning timed, per step."""
+    ``CODA_EPILOGUE_BACKEND``), on inputs of its own: per step tuning chose for, ``{label:
+    launch}`` for the kernel it pinned (``tuned <config, triton or cublas>``) and, where a fused
+    step's is a CuTe kernel, the step's tuned Triton kernel (``triton (tuned)``); and what
+    tuning timed, per step."""
     import torch
 
     from coda.primitives import analyze, compile_program
@@ -111,11 +113,12 @@ def tuned_launches(program, block, sizes: dict) -> tuple[dict, dict]:
     tuning = tune_program(compiled, prepared, space=QUICK_SPACE)
     tensors = compiled.run(prepared)
     launches, timed = {}, {}
-    for step in compiled.kernels:
+    for step in tuning:  # the fused steps, and under auto the plain ones
         pinned = compiled.cute_configs.get(step)
-        label = f"tuned {config_label(pinned) if pinned else 'triton'}"
+        fused = step in compiled.kernels
+        label = f"tuned {config_label(pinned) if pinned else 'triton' if fused else 'cublas'}"
         fns = {label: compiled.step_launch(step, tensors)}
-        if pinned is not None:
+        if pinned is not None and fused:
             compiled.cute_configs[step] = None
             fns["triton (tuned)"] = compiled.step_launch(step, tensors)
             compiled.cute_configs[step] = pinned
