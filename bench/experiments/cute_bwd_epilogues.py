@@ -154,8 +154,9 @@ try:  # the CuTe DSL is optional: the module imports without it (--help, tests)
             return SwiGLUBwdMixin.epi_visit_subtile(self, params, epi_loop_tensors, tRS_rD, words)
 
     # this module's annotations are strings; the DSL reads a Constexpr field's from the class
+    # (the names they use are this block's: Python 3.11 looks only in the module's globals)
     SwiGLUBwdTileLoadMixin.EpilogueArguments.__annotations__ = typing.get_type_hints(
-        SwiGLUBwdTileLoadMixin.EpilogueArguments
+        SwiGLUBwdTileLoadMixin.EpilogueArguments, localns=locals()
     )
 
     class SwiGLUBwdTileLoadSm90(SwiGLUBwdTileLoadMixin, GemmSm90):
