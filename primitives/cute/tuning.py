@@ -71,7 +71,8 @@ def candidates(loads_tiles: bool) -> tuple[CuteConfig, ...]:
 # was the fastest of six configs in three of four — 0.952× cuBLAS for the down projection's at
 # d = 4096, 0.986× for the gate/up one's at d = 2048, 1.006× for the down projection's at
 # d = 2048 — and 256 × 128 the next; for the gate/up one's at d = 4096 every config was slower
-# than cuBLAS (1.02× at best). So each is timed against cuBLAS per step and shape.
+# than cuBLAS (1.02× at best). On a second machine the 0.952× was 1.007× (run 2026-12-03t). So
+# each is timed against cuBLAS per machine, step and shape.
 PLAIN_CANDIDATES = (
     CuteConfig(128, 256, 2, 1, pingpong=False),
     CuteConfig(256, 128, 2, 1, pingpong=False),
