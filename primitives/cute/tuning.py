@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -145,34 +145,19 @@ def tune_cute_steps(
     """Choose and pin the config — or Triton, ``with_triton`` — of each step in ``steps`` (steps
     the CuTe backend ran) at the sizes of ``tensors`` (a full run's). ``timer`` times launches by
     label (default: ``timing.sustained_ms``)."""
-    from ..timing import sustained_ms
+    against = TRITON if with_triton else None
 
-    timer = timer or sustained_ms
-    inputs = {n: prepared[n] for n in compiled.program.inputs}
-    info = compiled.info_for(inputs)
-    device = next(iter(prepared.values())).device
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    results: dict[str, CuteTuning] = {}
-    for name in steps:
-        gemm = info.gemms[name]
-        dtype = tensors[compiled._step(name).a.tensor].dtype
-        modules = "+".join(sorted(src.key for src in compiled._cute_steps[name].sources()))
-        against = TRITON if with_triton else None
-        key = cute_key(compiled.kernels[name].digest, modules, against, device_name, gemm, dtype)
-        entry = cache.entry(key)
-        if entry is not None:
-            compiled.cute_configs[name] = best = _from_entry(entry)
-            results[name] = CuteTuning(name, key, best, entry.get("ms"), cached=True)
-            continue
+    def plan(name: str, gemm: Any, dtype: torch.dtype, device: str) -> _Plan:
         sources = compiled._cute_steps[name].sources()
+        modules = "+".join(sorted(src.key for src in sources))
+        key = cute_key(compiled.kernels[name].digest, modules, against, device, gemm, dtype)
         loads_tiles = any(b.kind == "tile" for src in sources for b in src.bindings)
         choices: dict[str, CuteConfig | None] = {str(c): c for c in candidates(loads_tiles)}
         if with_triton:
             choices[TRITON] = None
-        result = _tune_step(compiled, prepared, tensors, name, key, choices, timer, check)
-        _keep(cache, key, result)
-        results[name] = result
-    return results
+        return _Plan(key, choices, TRITON)
+
+    return _tune_steps(compiled, prepared, tensors, steps, cache, plan, timer, check)
 
 
 def tune_plain_steps(
@@ -191,40 +176,71 @@ def tune_plain_steps(
     ``compiled.cute_configs`` (None: cuBLAS). A step whose product the backend does not cover
     (an operand that is not 16-bit, a layout TMA cannot move) is left to cuBLAS untimed."""
     from ..reference import activation_dtype
-    from ..timing import sustained_ms
     from .emit import CuteUnsupported
     from .launch import CuteStep
 
-    timer = timer or sustained_ms
-    inputs = {n: prepared[n] for n in compiled.program.inputs}
-    info = compiled.info_for(inputs)
     act = activation_dtype(compiled.program, tensors)
-    device = next(iter(prepared.values())).device
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     floats = {n: t.dtype for n, t in tensors.items() if t.is_floating_point()}
-    results: dict[str, CuteTuning] = {}
-    for name in steps:
-        gemm, step = info.gemms[name], compiled._step(name)
-        dtype = tensors[step.a.tensor].dtype
+
+    def plan(name: str, gemm: Any, dtype: torch.dtype, device: str) -> _Plan | None:
         if dtype not in (torch.bfloat16, torch.float16):
-            continue
-        runner = compiled._cute_steps.setdefault(name, CuteStep(step))
+            return None
+        runner = compiled._cute_steps.setdefault(name, CuteStep(compiled._step(name)))
         try:
             module = runner.plan(gemm, floats, act)[0].key
         except CuteUnsupported:
+            return None
+        choices: dict[str, CuteConfig | None] = {str(c): c for c in PLAIN_CANDIDATES}
+        choices[CUBLAS] = None
+        return _Plan(cute_key(CUBLAS, module, CUBLAS, device, gemm, dtype), choices, CUBLAS)
+
+    return _tune_steps(compiled, prepared, tensors, steps, cache, plan, timer, check)
+
+
+class _Plan(NamedTuple):
+    """How one step is tuned: its cache key, the labelled choices (None: the step's other
+    kernel) and the name of that other kernel."""
+
+    key: str
+    choices: dict[str, CuteConfig | None]
+    fallback: str
+
+
+def _tune_steps(
+    compiled: Any,
+    prepared: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+    steps: list[str],
+    cache: TuningCache,
+    plan: Callable[..., _Plan | None],
+    timer: Timer | None,
+    check: bool,
+) -> dict[str, CuteTuning]:
+    """Each step of ``steps`` that ``plan`` gives a plan: its cached choice, or its choices timed
+    and the winner pinned and cached."""
+    from ..timing import sustained_ms
+
+    timer = timer or sustained_ms
+    info = compiled.info_for({n: prepared[n] for n in compiled.program.inputs})
+    device = next(iter(prepared.values())).device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    results: dict[str, CuteTuning] = {}
+    for name in steps:
+        gemm = info.gemms[name]
+        dtype = tensors[compiled._step(name).a.tensor].dtype
+        step_plan = plan(name, gemm, dtype, device_name)
+        if step_plan is None:
             continue
-        key = cute_key(CUBLAS, module, CUBLAS, device_name, gemm, dtype)
+        key, choices, fallback = step_plan
         entry = cache.entry(key)
         if entry is not None:
             compiled.cute_configs[name] = best = _from_entry(entry)
             results[name] = CuteTuning(
-                name, key, best, entry.get("ms"), cached=True, fallback=CUBLAS
+                name, key, best, entry.get("ms"), cached=True, fallback=fallback
             )
             continue
-        choices: dict[str, CuteConfig | None] = {str(c): c for c in PLAIN_CANDIDATES}
-        choices[CUBLAS] = None
         result = _tune_step(compiled, prepared, tensors, name, key, choices, timer, check)
-        result.fallback = CUBLAS
+        result.fallback = fallback
         _keep(cache, key, result)
         results[name] = result
     return results
