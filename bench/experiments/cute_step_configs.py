@@ -123,8 +123,7 @@ def tuned_launches(program, block, sizes: dict) -> tuple[dict, dict]:
             fns["triton (tuned)"] = compiled.step_launch(step, tensors)
             compiled.cute_configs[step] = pinned
         launches[step] = fns
-        result = tuning.get(step)
-        timed[step] = result.as_dict() if hasattr(result, "as_dict") else repr(result)
+        timed[step] = tuning[step].as_dict()
     return launches, timed
 
 

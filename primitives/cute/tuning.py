@@ -239,8 +239,7 @@ def _tune_steps(
                 name, key, best, entry.get("ms"), cached=True, fallback=fallback
             )
             continue
-        result = _tune_step(compiled, prepared, tensors, name, key, choices, timer, check)
-        result.fallback = fallback
+        result = _tune_step(compiled, prepared, tensors, name, key, choices, fallback, timer, check)
         _keep(cache, key, result)
         results[name] = result
     return results
@@ -258,12 +257,13 @@ def _tune_step(
     name: str,
     key: str,
     choices: dict[str, CuteConfig | None],
+    fallback: str,
     timer: Timer,
     check: bool,
 ) -> CuteTuning:
-    """Time ``choices`` (a CuTe config, or None: the step's other kernel — Triton, or cuBLAS
-    for a plain step) on the step's tensors and pin the fastest that computes the reference's
-    result; None where no CuTe config does."""
+    """Time ``choices`` (a CuTe config, or None: the step's other kernel ``fallback`` — Triton,
+    or cuBLAS for a plain step) on the step's tensors and pin the fastest that computes the
+    reference's result; None where no CuTe config does."""
     launches: dict[str, Callable[[], None]] = {}
     errors: dict[str, str] = {}
     for label, choice in choices.items():
@@ -281,11 +281,13 @@ def _tune_step(
         compiled.cute_configs[name] = choice
         why = _wrong(compiled, prepared, name) if check and choice is not None else ""
         if not why:
-            return CuteTuning(name, key, choice, times[label], False, times, errors, rejected)
+            return CuteTuning(
+                name, key, choice, times[label], False, times, errors, rejected, fallback
+            )
         rejected.append((choice, why))
     compiled.cute_configs[name] = None  # no CuTe config computed it right: the other kernel
-    other = next((label for label, c in choices.items() if c is None), None)
-    return CuteTuning(name, key, None, times.get(other), False, times, errors, rejected)
+    ms = times.get(fallback)
+    return CuteTuning(name, key, None, ms, False, times, errors, rejected, fallback)
 
 
 def _wrong(compiled: Any, prepared: dict[str, torch.Tensor], name: str) -> str:
