@@ -111,6 +111,23 @@ class CodaEpilogue(ComposableEpiMixin):
 
     uses_coords = False
     epi_stages = 0  # 0: QuACK's stage split; n: n tile-store and n tile-load stages (below)
+    epi_loads = 0  # 0: as epi_stages says; n: n tile-load stages, the tile stores QuACK's two
+    epi_n = 0  # 0: QuACK's epilogue sub-tile; n: sub-tiles n columns wide (below)
+
+    @classmethod
+    def _compute_tile_shape_or_override(
+        cls, cta_tile_shape_mnk, atom_layout_mnk, element_type=None, epi_tile_override=None
+    ):
+        """QuACK's epilogue sub-tile (64 × 32 for a 128 × 128 ping-pong tile: eight sub-tiles,
+        each paying a shared-memory fence and two named barriers before its TMA stores), or with
+        ``epi_n`` sub-tiles of its rows and ``epi_n`` columns — fewer, larger sub-tiles, each
+        stage of the epilogue's pipelines that much larger."""
+        tile = super()._compute_tile_shape_or_override(
+            cta_tile_shape_mnk, atom_layout_mnk, element_type, epi_tile_override
+        )
+        if not cls.epi_n or epi_tile_override is not None:
+            return tile
+        return (tile[0], math.gcd(cls.epi_n, cute.size(cta_tile_shape_mnk, mode=[1])))
 
     @classmethod
     def _compute_stages(
@@ -118,28 +135,32 @@ class CodaEpilogue(ComposableEpiMixin):
         smem_capacity, occupancy, warp_shape_mnk=None,
     ):  # fmt: skip
         """QuACK's split of shared memory between the A/B pipeline and the epilogue, unless
-        ``epi_stages`` asks for deeper epilogue pipelines. QuACK gives the A/B pipeline every
-        stage that fits after two epilogue stages and the leftovers to the tile stores: the
-        SwiGLU backward of a Llama down projection (dz as D, a as a second store, g and u
-        loaded) gets five A/B stages, four of tile stores and two of tile loads — the split of
-        the hand-written QuACK kernel it was measured against. With ``epi_stages`` = n, the tile
-        stores and tile loads get n stages each (the stores also what is left over) and the A/B
-        pipeline what remains (QuACK's split where fewer than three A/B stages would remain);
-        tuning times both. For that step four load stages were slower (0.534 against 0.503 ms at
+        ``epi_stages`` or ``epi_loads`` ask for other epilogue pipelines. QuACK gives the A/B
+        pipeline every stage that fits after two epilogue stages and the leftovers to the tile
+        stores: the SwiGLU backward of a Llama down projection (dz as D, a as a second store, g
+        and u loaded) gets five A/B stages, four of tile stores and two of tile loads — the
+        split of the hand-written QuACK kernel it was measured against. With ``epi_stages`` = n,
+        the tile stores and tile loads get n stages each (the stores also what is left over) and
+        the A/B pipeline what remains; with ``epi_loads`` = n the tile loads get n stages and
+        the stores QuACK's base of two (and what is left over) — for that step, four tile loads
+        leave the A/B pipeline its five stages where ``epi_stages`` = 4 takes one. Either way,
+        QuACK's split where fewer than three A/B stages would remain; tuning times the
+        candidates. For that step ``epi_stages`` = 4 was slower (0.534 against 0.503 ms at
         8192 × 8192 × 2048, bench/RESULTS.md run 2026-12-03h)."""
         default = super()._compute_stages(
             cta_tile_shape_mnk, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
             smem_capacity, occupancy, warp_shape_mnk,
         )  # fmt: skip
-        n = cls.epi_stages
-        if not n:
+        if not cls.epi_stages and not cls.epi_loads:
             return default
         smem = cls.epi_smem_bytes(epilogue_args, cta_tile_shape_mnk, epi_tile, warp_shape_mnk)
         elems = cute.size(cute.shape(epi_tile))
         store_bytes = (elems * d_dtype.width // 8 if d_dtype is not None else 0) + smem.d_stage
         load_bytes = (elems * c_dtype.width // 8 if c_dtype is not None else 0) + smem.c_stage
-        loads = n if load_bytes else 0
-        epi_bytes = smem.unstaged + store_bytes * n + load_bytes * loads
+        base = 4 if epi_tile[1] <= 16 else 2  # QuACK's store stages before the leftovers
+        stores = cls.epi_stages or base
+        loads = (cls.epi_loads or cls.epi_stages) if load_bytes else 0
+        epi_bytes = smem.unstaged + store_bytes * stores + load_bytes * loads
         tile_m, tile_n, tile_k = cta_tile_shape_mnk
         ab_bytes = (tile_m * a_dtype.width + tile_n * b_dtype.width) * tile_k // 8
         remaining = smem_capacity // occupancy - 1024 - epi_bytes  # 1 KB: QuACK's barriers
@@ -147,7 +168,7 @@ class CodaEpilogue(ComposableEpiMixin):
         if ab_stage < 3:
             return default
         extra = (remaining - ab_stage * ab_bytes) // store_bytes if store_bytes else 0
-        return ab_stage, n + extra, loads
+        return ab_stage, stores + extra, loads
 
     def epi_to_underlying_arguments(self, args, *, loc=None, ip=None):
         self.rounding_mode = RoundingMode.RN

@@ -46,7 +46,9 @@ class CuteConfig(NamedTuple):
     share one (cooperative, 256-row tiles), how deep the epilogue's pipelines are:
     ``epi_stages`` 0 takes QuACK's shared-memory split, n > 0 gives the epilogue's tile stores and
     tile loads n stages each before the A/B pipeline takes the rest (``epilogue.CodaEpilogue``),
-    and how clusters get their tiles: ``dynamic`` False, a fixed stride through the tiles (each
+    ``epi_loads`` n > 0 gives the tile loads n stages and the tile stores QuACK's base,
+    ``epi_n`` n > 0 makes the epilogue's sub-tiles n columns wide (0: QuACK's), and how clusters
+    get their tiles: ``dynamic`` False, a fixed stride through the tiles (each
     persistent cluster knows its next tile); True, the next free tile from a counter in global
     memory (an atomic increment per tile), so a cluster whose epilogues run long takes fewer tiles
     — QuACK's own choice for its gated backward GEMM on Hopper."""
@@ -58,6 +60,8 @@ class CuteConfig(NamedTuple):
     pingpong: bool = True
     epi_stages: int = 0
     dynamic: bool = False
+    epi_loads: int = 0
+    epi_n: int = 0
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -71,6 +75,8 @@ class CuteConfig(NamedTuple):
         kind = "pingpong" if self.pingpong else "cooperative"
         text = f"{self.tile_m}x{self.tile_n} cluster {self.cluster_m}x{self.cluster_n} {kind}"
         text += f", {self.epi_stages} epilogue stages" if self.epi_stages else ""
+        text += f", {self.epi_loads} tile-load stages" if self.epi_loads else ""
+        text += f", epilogue sub-tiles {self.epi_n} wide" if self.epi_n else ""
         return text + (", dynamic scheduler" if self.dynamic else "")
 
 
@@ -319,7 +325,7 @@ def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> An
     }
     if source.uses_coords:
         epi["m_bound"] = epi["n_bound"] = _fake(0, ())
-    cls = _with_epi_stages(module.Epilogue, config.epi_stages)
+    cls = _with_epi_shape(module.Epilogue, config.epi_stages, config.epi_loads, config.epi_n)
     return compile_gemm_kernel(
         cls, mA.element_type, config.tile, config.cluster, config.pingpong, True, False, False,
         (9, 0),
@@ -329,12 +335,15 @@ def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> An
 
 
 @functools.cache
-def _with_epi_stages(epilogue: type, stages: int) -> type:
+def _with_epi_shape(epilogue: type, stages: int, loads: int, width: int) -> type:
     """The generated class itself, or a subclass of it whose epilogue pipelines are ``stages``
-    deep (``CodaEpilogue.epi_stages``)."""
-    if not stages:
+    deep, whose tile loads ``loads`` deep and whose sub-tiles ``width`` columns wide
+    (``CodaEpilogue.epi_stages``, ``epi_loads``, ``epi_n``)."""
+    if not stages and not loads and not width:
         return epilogue
-    return type(f"{epilogue.__name__}E{stages}", (epilogue,), {"epi_stages": stages})
+    name = f"{epilogue.__name__}E{stages}L{loads}N{width}"
+    attributes = {"epi_stages": stages, "epi_loads": loads, "epi_n": width}
+    return type(name, (epilogue,), attributes)
 
 
 @functools.cache

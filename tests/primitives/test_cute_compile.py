@@ -56,9 +56,9 @@ from coda.primitives.ir import Program
 from coda.primitives.types import torch_dtype
 
 split = epilogue.CodaEpilogue._compute_stages.__func__
-def printed(cls, *args, **kwargs):
-    stages = split(cls, *args, **kwargs)
-    print("stages", cls.epi_stages, *stages)
+def printed(cls, tile, epi_tile, *args, **kwargs):
+    stages = split(cls, tile, epi_tile, *args, **kwargs)
+    print("stages", cls.epi_stages, cls.epi_loads, cls.epi_n, "x".join(map(str, epi_tile)), *stages)
     return stages
 epilogue.CodaEpilogue._compute_stages = classmethod(printed)
 data = json.loads(open({path!r}).read())
@@ -69,10 +69,9 @@ tensors = {{n: torch.empty(t.shape, dtype=torch_dtype(t.dtype, torch.bfloat16))
 step = program.steps[0]  # down_bwd: loads g and u, stores dz
 runner, gemm = CuteStep(step), info.gemms["down_bwd"]
 floats = {{n: t.dtype for n, t in tensors.items() if t.is_floating_point()}}
-for stages in (0, 4):
-    source, config, writes = runner.plan(
-        gemm, floats, torch.bfloat16, CuteConfig(128, 128, 2, 1, True, stages)
-    )
+for stages, loads, width in ((0, 0, 0), (4, 0, 0), (0, 4, 0), (0, 5, 0), (0, 0, 64)):
+    asked = CuteConfig(128, 128, 2, 1, True, stages, epi_loads=loads, epi_n=width)
+    source, config, writes = runner.plan(gemm, floats, torch.bfloat16, asked)
     for out, shape, dtype in writes:
         tensors[out] = torch.empty(shape, dtype=dtype)
     launch = CuteLaunch(runner, source, gemm.M, gemm.N, config)
@@ -81,10 +80,13 @@ for stages in (0, 4):
 
 
 @pytest.mark.skipif(not HAVE_DSL, reason="the CuTe DSL and QuACK are not installed")
-def test_deeper_epilogue_pipelines_take_their_stages_from_the_a_b_pipeline(tmp_path: Path) -> None:
-    # QuACK's split for the SwiGLU backward (three tile stores: dz as D, a, and two tile loads):
-    # five A/B stages, four of tile stores, two of tile loads; with epi_stages=4 the loads get
-    # four, the stores four and what is left over (five), and the A/B pipeline four
+def test_epilogue_pipelines_and_sub_tiles_take_the_shapes_asked(tmp_path: Path) -> None:
+    # QuACK's split for the SwiGLU backward (three tile stores: dz as D, a, and two tile loads)
+    # on its 64 x 32 sub-tiles: five A/B stages, four of tile stores, two of tile loads; with
+    # epi_stages=4 the loads get four, the stores four and what is left over (five), and the A/B
+    # pipeline four; with epi_loads=4 (5) the loads get four (five), the stores two, and the A/B
+    # pipeline keeps five; with epi_n=64 the sub-tiles are 64 x 64, each stage twice the bytes:
+    # QuACK's split then leaves the A/B pipeline four stages
     code = _STAGES.format(path=str(PROGRAMS / "llama_mlp_bwd_saved.json"))
     env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
     r = subprocess.run(
@@ -92,7 +94,14 @@ def test_deeper_epilogue_pipelines_take_their_stages_from_the_a_b_pipeline(tmp_p
     )
     assert r.returncode == 0, r.stdout + r.stderr
     stages = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("stages")]
-    assert stages == [["0", "5", "4", "2"], ["4", "4", "5", "4"]], r.stdout
+    expected = [
+        ["0", "0", "0", "64x32", "5", "4", "2"],
+        ["4", "0", "0", "64x32", "4", "5", "4"],
+        ["0", "4", "0", "64x32", "5", "2", "4"],
+        ["0", "5", "0", "64x32", "5", "2", "5"],
+        ["0", "0", "64", "64x64", "4", "2", "2"],
+    ]
+    assert stages == expected, r.stdout
 
 
 @pytest.mark.skipif(not HAVE_DSL, reason="the CuTe DSL and QuACK are not installed")
