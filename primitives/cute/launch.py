@@ -47,11 +47,12 @@ class CuteConfig(NamedTuple):
     ``epi_stages`` 0 takes QuACK's shared-memory split, n > 0 gives the epilogue's tile stores and
     tile loads n stages each before the A/B pipeline takes the rest (``epilogue.CodaEpilogue``),
     ``epi_loads`` n > 0 gives the tile loads n stages and the tile stores QuACK's base,
-    ``epi_n`` n > 0 makes the epilogue's sub-tiles n columns wide (0: QuACK's), and how clusters
-    get their tiles: ``dynamic`` False, a fixed stride through the tiles (each
-    persistent cluster knows its next tile); True, the next free tile from a counter in global
-    memory (an atomic increment per tile), so a cluster whose epilogues run long takes fewer tiles
-    — QuACK's own choice for its gated backward GEMM on Hopper."""
+    ``epi_n`` n > 0 makes the epilogue's sub-tiles n columns wide (0: QuACK's) — these two for
+    experiments, tuning does not time them (neither helped where measured, bench/RESULTS.md run
+    2026-12-04a) — and how clusters get their tiles: ``dynamic`` False, a fixed stride through
+    the tiles (each persistent cluster knows its next tile); True, the next free tile from a
+    counter in global memory (an atomic increment per tile), so a cluster whose epilogues run
+    long takes fewer tiles — QuACK's own choice for its gated backward GEMM on Hopper."""
 
     tile_m: int = 128
     tile_n: int = 128
