@@ -23,9 +23,9 @@ keeps them, so some B operands are N-major. This script times, per step:
 A config is ``128x192`` (ping-pong, clusters of two CTAs along M), ``256x128c`` (cooperative),
 ``128x128/1x2`` (clusters along N), and after any of them ``+e4`` (four epilogue stages),
 ``+l4`` (four tile-load stages, the tile stores two), ``+w64`` (epilogue sub-tiles 64 columns
-wide) and ``+dyn`` (the dynamic tile scheduler: clusters take the next free tile from a
-counter). With ``--vendor`` the plain steps (cuBLAS in the product) are timed on the CuTe
-kernel too.
+wide), ``+ov`` (``CuteConfig.epi_overlap``) and ``+dyn`` (the dynamic tile scheduler:
+clusters take the next free tile from a counter). With ``--vendor`` the plain steps (cuBLAS in
+the product) are timed on the CuTe kernel too.
 
 ``--programs`` takes shipped Programs (``export/programs``) and blocks by name — a paper kernel's
 block is lowered by the planner, as ``bench/paper_kernels.py`` does (``--size M=4096 --size
@@ -57,7 +57,8 @@ def parse_config(text: str):
     """``128x192`` (ping-pong, cluster 2×1), ``256x128c`` (cooperative), ``128x128/1x2``, and
     after any of them ``+e4`` (four stages of epilogue tile loads and stores), ``+l4`` (four
     stages of tile loads, QuACK's two of tile stores), ``+w64`` (epilogue sub-tiles 64 columns
-    wide) and ``+dyn`` (the dynamic tile scheduler)."""
+    wide), ``+ov`` (the next sub-tile's tile loads read during this one's arithmetic) and
+    ``+dyn`` (the dynamic tile scheduler)."""
     from coda.primitives.cute.launch import CuteConfig
 
     text, *modifiers = text.split("+")
@@ -68,12 +69,14 @@ def parse_config(text: str):
     stages = [int(m[1:]) for m in modifiers if m.startswith("e")]
     loads = [int(m[1:]) for m in modifiers if m.startswith("l")]
     widths = [int(m[1:]) for m in modifiers if m.startswith("w")]
-    unknown = [m for m in modifiers if m != "dyn" and m[:1] not in ("e", "l", "w")]
+    flags = ("dyn", "ov")
+    unknown = [m for m in modifiers if m not in flags and m[:1] not in ("e", "l", "w")]
     if unknown:
-        raise ValueError(f"{text}: unknown modifier(s) {unknown} (known: +eN, +lN, +wN, +dyn)")
+        known = "+eN, +lN, +wN, +ov, +dyn"
+        raise ValueError(f"{text}: unknown modifier(s) {unknown} (known: {known})")
     return CuteConfig(
         tm, tn, cm, cn, not coop, stages[-1] if stages else 0, "dyn" in modifiers,
-        loads[-1] if loads else 0, widths[-1] if widths else 0,
+        loads[-1] if loads else 0, widths[-1] if widths else 0, "ov" in modifiers,
     )  # fmt: skip
 
 
@@ -84,6 +87,7 @@ def config_label(config) -> str:
     text += f"+e{config.epi_stages}" if config.epi_stages else ""
     text += f"+l{config.epi_loads}" if config.epi_loads else ""
     text += f"+w{config.epi_n}" if config.epi_n else ""
+    text += "+ov" if config.epi_overlap else ""
     return text + ("+dyn" if config.dynamic else "")
 
 

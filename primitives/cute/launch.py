@@ -47,12 +47,14 @@ class CuteConfig(NamedTuple):
     ``epi_stages`` 0 takes QuACK's shared-memory split, n > 0 gives the epilogue's tile stores and
     tile loads n stages each before the A/B pipeline takes the rest (``epilogue.CodaEpilogue``),
     ``epi_loads`` n > 0 gives the tile loads n stages and the tile stores QuACK's base,
-    ``epi_n`` n > 0 makes the epilogue's sub-tiles n columns wide (0: QuACK's) — these two for
-    experiments, tuning does not time them (neither helped where measured, bench/RESULTS.md run
-    2026-12-04a) — and how clusters get their tiles: ``dynamic`` False, a fixed stride through
-    the tiles (each persistent cluster knows its next tile); True, the next free tile from a
-    counter in global memory (an atomic increment per tile), so a cluster whose epilogues run
-    long takes fewer tiles — QuACK's own choice for its gated backward GEMM on Hopper."""
+    ``epi_n`` n > 0 makes the epilogue's sub-tiles n columns wide (0: QuACK's), ``epi_overlap``
+    reads the next sub-tile's tile loads during this one's arithmetic
+    (``CodaEpilogue._overlapped_epilogue``) — these three for experiments, tuning does not time
+    them (bench/RESULTS.md runs 2026-12-04a and b) — and how clusters get their tiles:
+    ``dynamic`` False, a fixed stride through the tiles (each persistent cluster knows its next
+    tile); True, the next free tile from a counter in global memory (an atomic increment per
+    tile), so a cluster whose epilogues run long takes fewer tiles — QuACK's own choice for its
+    gated backward GEMM on Hopper."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -63,6 +65,7 @@ class CuteConfig(NamedTuple):
     dynamic: bool = False
     epi_loads: int = 0
     epi_n: int = 0
+    epi_overlap: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -78,6 +81,7 @@ class CuteConfig(NamedTuple):
         text += f", {self.epi_stages} epilogue stages" if self.epi_stages else ""
         text += f", {self.epi_loads} tile-load stages" if self.epi_loads else ""
         text += f", epilogue sub-tiles {self.epi_n} wide" if self.epi_n else ""
+        text += ", overlapped tile-load reads" if self.epi_overlap else ""
         return text + (", dynamic scheduler" if self.dynamic else "")
 
 
@@ -326,7 +330,9 @@ def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> An
     }
     if source.uses_coords:
         epi["m_bound"] = epi["n_bound"] = _fake(0, ())
-    cls = _with_epi_shape(module.Epilogue, config.epi_stages, config.epi_loads, config.epi_n)
+    cls = _with_epi_shape(
+        module.Epilogue, config.epi_stages, config.epi_loads, config.epi_n, config.epi_overlap
+    )
     return compile_gemm_kernel(
         cls, mA.element_type, config.tile, config.cluster, config.pingpong, True, False, False,
         (9, 0),
@@ -336,14 +342,16 @@ def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> An
 
 
 @functools.cache
-def _with_epi_shape(epilogue: type, stages: int, loads: int, width: int) -> type:
+def _with_epi_shape(epilogue: type, stages: int, loads: int, width: int, overlap: bool) -> type:
     """The generated class itself, or a subclass of it whose epilogue pipelines are ``stages``
-    deep, whose tile loads ``loads`` deep and whose sub-tiles ``width`` columns wide
-    (``CodaEpilogue.epi_stages``, ``epi_loads``, ``epi_n``)."""
-    if not stages and not loads and not width:
+    deep, whose tile loads ``loads`` deep, whose sub-tiles ``width`` columns wide and whose
+    loop overlaps its tile loads' reads (``CodaEpilogue.epi_stages``, ``epi_loads``, ``epi_n``,
+    ``epi_overlap``)."""
+    if not stages and not loads and not width and not overlap:
         return epilogue
-    name = f"{epilogue.__name__}E{stages}L{loads}N{width}"
+    name = f"{epilogue.__name__}E{stages}L{loads}N{width}{'O' if overlap else ''}"
     attributes = {"epi_stages": stages, "epi_loads": loads, "epi_n": width}
+    attributes["epi_overlap"] = overlap
     return type(name, (epilogue,), attributes)
 
 

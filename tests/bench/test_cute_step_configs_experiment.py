@@ -29,6 +29,7 @@ experiment = load_script("experiments/cute_step_configs")
         ("128x128+l4", CuteConfig(128, 128, epi_loads=4)),
         ("128x128/1x2+w64", CuteConfig(128, 128, 1, 2, epi_n=64)),
         ("128x128+e1+l2+w64", CuteConfig(128, 128, epi_stages=1, epi_loads=2, epi_n=64)),
+        ("128x128/1x2+ov", CuteConfig(128, 128, 1, 2, epi_overlap=True)),
     ],
 )
 def test_configs_read_as_the_product_s(text: str, config: CuteConfig) -> None:

@@ -122,3 +122,59 @@ def test_sigmoid_takes_the_approximate_reciprocal(tmp_path: Path) -> None:
     (down_bwd,) = [text for text in ptx if "ex2.approx" in text]  # the step with a sigmoid
     assert "rcp.approx" in down_bwd
     assert "rcp.rn" not in down_bwd and "div.rn" not in down_bwd
+
+
+_OVERLAP = """
+import json, torch
+from coda.primitives import analyze
+from coda.primitives.cute import epilogue
+from coda.primitives.cute.launch import CuteConfig, CuteLaunch, CuteStep
+from coda.primitives.ir import GemmEpilogue, Program
+from coda.primitives.types import torch_dtype
+
+loop = epilogue.CodaEpilogue._overlapped_epilogue
+def traced(self, *args):
+    print("overlapped", self.step_name)
+    return loop(self, *args)
+epilogue.CodaEpilogue._overlapped_epilogue = traced
+for path in {paths!r}:
+    program = Program.model_validate(json.loads(open(path).read())["program"])
+    info = analyze(program, {{"M": 256, "d": 256, "f": 256}})
+    tensors = {{n: torch.empty(t.shape, dtype=torch_dtype(t.dtype, torch.bfloat16))
+               for n, t in info.tensors.items() if t.partials is None}}
+    for step, name in zip(program.steps, program.step_names()):
+        if not isinstance(step, GemmEpilogue) or info.gemms[name].vendor:
+            continue
+        runner, gemm = CuteStep(step), info.gemms[name]
+        floats = {{n: t.dtype for n, t in tensors.items() if t.is_floating_point()}}
+        asked = CuteConfig(128, 128, 2, 1, epi_overlap=True)
+        source, config, writes = runner.plan(gemm, floats, torch.bfloat16, asked)
+        for out, shape, dtype in writes:
+            tensors[out] = torch.empty(shape, dtype=dtype)
+        epilogue.CodaEpilogue.step_name = name
+        launch = CuteLaunch(runner, source, gemm.M, gemm.N, config)
+        runner.compiled(source, launch.arguments(tensors), config)
+        print("compiled", name)
+"""
+
+
+@pytest.mark.skipif(not HAVE_DSL, reason="the CuTe DSL and QuACK are not installed")
+def test_the_overlapped_loop_compiles_where_a_step_loads_tiles(tmp_path: Path) -> None:
+    # epi_overlap: the two backward steps (each loads two tiles) and the down projection's
+    # forward (it loads the residual) take the loop that reads the next sub-tile's loads during
+    # this one's arithmetic; the gate/up forward loads no tile and keeps QuACK's loop
+    paths = [str(PROGRAMS / f"{n}.json") for n in ("llama_mlp_bwd_saved", "llama_mlp_train")]
+    env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
+    code = _OVERLAP.format(paths=paths)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert [line for line in lines if line.startswith("overlapped")] == [
+        "overlapped down_bwd",
+        "overlapped gate_up_bwd",
+        "overlapped down",
+    ], r.stdout
+    compiled = {"compiled down_bwd", "compiled gate_up_bwd", "compiled gate_up", "compiled down"}
+    assert compiled <= set(lines), r.stdout
