@@ -28,7 +28,6 @@ from quack.epi_composable import ComposableEpiMixin
 from quack.epi_ops import (
     ColVecLoad,
     ColVecReduce,
-    EpiContext,
     RowVecLoad,
     RowVecReduce,
     Scalar,
@@ -39,6 +38,8 @@ from quack.gemm_sm90 import GemmSm90
 from quack.layout_utils import permute_gated_Cregs_b16
 from quack.rounding import RoundingMode
 from quack.sm90_utils import partition_for_epilogue
+
+from .overlap import OverlappedTileLoads
 
 __all__ = [
     "COORDS",
@@ -105,16 +106,17 @@ class TypedTileStore(TileStore):
         return getattr(gemm, self._layout_attr())
 
 
-class CodaEpilogue(ComposableEpiMixin):
+class CodaEpilogue(OverlappedTileLoads, ComposableEpiMixin):
     """Epilogue plumbing shared by every generated class: any number of tile stores (returned by
-    ``epi_visit_subtile`` in ``_epi_ops`` order), and the coordinates of each fragment element in
-    its output tile when ``uses_coords`` (reductions must not count elements past the edges)."""
+    ``epi_visit_subtile`` in ``_epi_ops`` order), the coordinates of each fragment element in
+    its output tile when ``uses_coords`` (reductions must not count elements past the edges),
+    the shapes of the epilogue's pipelines and sub-tiles, and with ``epi_overlap`` the loop of
+    ``overlap.OverlappedTileLoads``."""
 
     uses_coords = False
     epi_stages = 0  # 0: QuACK's stage split; n: n tile-store and n tile-load stages (below)
     epi_loads = 0  # 0: as epi_stages says; n: n tile-load stages, the tile stores QuACK's two
     epi_n = 0  # 0: QuACK's epilogue sub-tile; n: sub-tiles n columns wide (below)
-    epi_overlap = False  # True: sub-tile i + 1's tile loads read during sub-tile i (below)
 
     @classmethod
     def _compute_tile_shape_or_override(
@@ -241,163 +243,11 @@ class CodaEpilogue(ComposableEpiMixin):
             origin = (tile_coord_mnkl[0] * tile_m, tile_coord_mnkl[1] * tile_n)
             tensors[COORDS] = (coords, origin, (tile_m, tile_n))
         if const_expr(self.epi_overlap):
-            context = EpiContext(
-                self, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl, varlen_manager,
-                epilogue_barrier, tidx, tRS_rD_layout,
+            self.begin_second_registers(
+                params, epi_smem_tensors, tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
+                tile_coord_mnkl, varlen_manager, epilogue_barrier, tidx, tRS_rD_layout,
             )  # fmt: skip
-            for op in self._tile_loads():
-                smem = epi_smem_tensors.get(op.name)
-                tensors[_second(op.name)] = op.begin(self, getattr(params, op.name), smem, context)
         return tensors
-
-    def _tile_loads(self):
-        return [op for op in self._epi_ops if op.is_tile_load()]
-
-    def _begin_loop_in(self, params, epi_tensors, epi_coord, buffer: int):
-        """``epi_begin_loop`` with each tile load's registers taken from ``buffer`` (0 or 1)."""
-        if buffer:
-            epi_tensors = dict(epi_tensors)
-            for op in self._tile_loads():
-                epi_tensors[op.name] = epi_tensors[_second(op.name)]
-        return self.epi_begin_loop(params, epi_tensors, epi_coord)
-
-    @cute.jit
-    def _tile_load_s2r_into(self, params, epi_tensors, stage_idx, buffer: cutlass.Constexpr[int]):
-        """Copy every tile load's stage ``stage_idx`` from shared memory into register buffer
-        ``buffer`` (0 or 1)."""
-        for op in self._tile_loads():
-            state = epi_tensors[op.name if const_expr(buffer == 0) else _second(op.name)]
-            op.load_s2r(self, getattr(params, op.name), state, stage_idx)
-
-    def epilogue(self, params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, *rest):
-        """QuACK's epilogue loop (``GemmBase.epilogue``), or with ``epi_overlap`` — where the
-        step loads tiles by TMA, stores by TMA and has no C operand (a coda step never has one:
-        its tiles are ``TileLoad`` ops) — ``_overlapped_epilogue``."""
-        args = (params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, *rest)
-        tma_both_ways = epi_pipeline is not None and epi_store_pipeline is not None
-        no_c = rest[5] is None  # tRS_rC
-        if self.epi_overlap and self.epi_c_stage > 0 and tma_both_ways and no_c:
-            return self._overlapped_epilogue(*args)
-        return super().epilogue(*args)
-
-    @cute.jit
-    def _overlapped_epilogue(
-        self, params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, epi_read_state,
-        epi_producer_state, epi_tile, load_acc_subtile, tRS_rD, tRS_rC, tiled_copy_t2r,
-        tiled_copy_r2s, tRS_sD, tiled_copy_s2r, tSR_rC, tSR_sC, copy_D, copy_C, tile_coord_mnkl,
-        varlen_manager, epilogue_barrier, tile_scheduler, tidx, is_tma_warp,
-    ):  # fmt: skip
-        """QuACK's epilogue loop for TMA tile loads and stores, its shared-memory reads moved
-        one sub-tile earlier. QuACK's loop reads a sub-tile's tile loads from shared memory,
-        fences and waits for the registers before releasing the buffer, then computes, then
-        writes and fences again before its TMA stores: two waits on shared memory a sub-tile,
-        with nothing to do meanwhile (bench/RESULTS.md run 2026-12-04a). Here sub-tile i + 1's
-        reads are issued before sub-tile i's arithmetic into a second set of registers, and
-        fenced and released after it, so their latency passes under the arithmetic; the tile
-        loads are issued as early as in QuACK's loop (as soon as a buffer is released), the
-        stores are QuACK's."""
-        has_D = const_expr(copy_D is not None)
-        aux_out_ctxs = self.epi_setup_aux_out(
-            params, epi_smem_tensors, tiled_copy_r2s, tiled_copy_t2r, tile_coord_mnkl,
-            varlen_manager, tidx,
-        )  # fmt: skip
-        epi_tile_shape = cute.zipped_divide(
-            cute.make_layout(self.cta_tile_shape_mnk[:2]), epi_tile
-        ).shape[1]
-        order = (0, 1) if const_expr(self.epi_m_major) else (1, 0)
-        epi_tile_layout = cute.make_ordered_layout(epi_tile_shape, order=order)
-        epi_tile_num = cute.size(epi_tile_shape)
-        num_prev_subtiles = tile_scheduler.num_tiles_executed * epi_tile_num
-        epi_tensors = self.epi_begin(
-            params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
-            varlen_manager, epilogue_barrier, tidx, tRS_rD.layout,
-        )  # fmt: skip
-        stages = self.epi_c_stage
-        for epi_idx in cutlass.range(min(epi_tile_num, stages), unroll=1):
-            if is_tma_warp:
-                epi_pipeline.producer_acquire(epi_producer_state)
-                copy_C(
-                    src_idx=epi_tile_layout.get_hier_coord(epi_idx),
-                    producer_state=epi_producer_state,
-                )
-                epi_pipeline.producer_commit(epi_producer_state)
-            epi_producer_state.advance()
-        epilogue_barrier.arrive_and_wait()
-        # sub-tile 0's tile loads into the first registers
-        epi_pipeline.consumer_wait(epi_read_state)
-        self._tile_load_s2r_into(params, epi_tensors, epi_read_state.index, 0)
-        cute.arch.fence_view_async_shared()
-        epi_pipeline.consumer_release(epi_read_state)
-        epi_read_state.advance()
-        if const_expr(stages < epi_tile_num):
-            if is_tma_warp:
-                epi_pipeline.producer_acquire(epi_producer_state)
-                copy_C(
-                    src_idx=epi_tile_layout.get_hier_coord(stages),
-                    producer_state=epi_producer_state,
-                )
-                epi_pipeline.producer_commit(epi_producer_state)
-            epi_producer_state.advance()
-        for epi_idx in cutlass.range_constexpr(epi_tile_num):
-            epi_coord = epi_tile_layout.get_hier_coord(epi_idx)
-            load_acc_subtile(tRS_rD, epi_coord)
-            epi_loop_tensors = self._begin_loop_in(params, epi_tensors, epi_coord, epi_idx % 2)
-            if const_expr(epi_idx + 1 < epi_tile_num):  # the next sub-tile's reads, issued
-                epi_pipeline.consumer_wait(epi_read_state)
-                self._tile_load_s2r_into(
-                    params, epi_tensors, epi_read_state.index, (epi_idx + 1) % 2
-                )
-            tRS_rAuxOuts = self.epi_visit_subtile(params, epi_loop_tensors, tRS_rD, tRS_rC)
-            if const_expr(epi_idx + 1 < epi_tile_num):  # ... landed: release, load the next
-                cute.arch.fence_view_async_shared()
-                epi_pipeline.consumer_release(epi_read_state)
-                epi_read_state.advance()
-                if const_expr(epi_idx + 1 + stages < epi_tile_num):
-                    if is_tma_warp:
-                        epi_pipeline.producer_acquire(epi_producer_state)
-                        copy_C(
-                            src_idx=epi_tile_layout.get_hier_coord(epi_idx + 1 + stages),
-                            producer_state=epi_producer_state,
-                        )
-                        epi_pipeline.producer_commit(epi_producer_state)
-                    epi_producer_state.advance()
-            self.epi_end_loop(
-                params, epi_tensors, epi_coord, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
-                tile_coord_mnkl, varlen_manager, tidx,
-            )  # fmt: skip
-            outs = tuple(
-                self.epi_convert_aux_out(
-                    i, tRS_rAuxOuts[i], None, tidx, tile_coord_mnkl, num_prev_subtiles, epi_idx
-                )
-                for i in range(len(aux_out_ctxs))
-            )
-            if is_tma_warp:
-                epi_store_pipeline.producer_acquire()
-            epilogue_barrier.arrive_and_wait()
-            epi_buffer = (num_prev_subtiles + epi_idx) % self.epi_stage
-            if const_expr(has_D):
-                copy_utils.cvt_copy(tiled_copy_r2s, tRS_rD, tRS_sD[None, None, None, epi_buffer])
-            for i in cutlass.range_constexpr(len(aux_out_ctxs)):
-                tiled_copy_out, tRS_sOut, _ = aux_out_ctxs[i]
-                cute.copy(
-                    tiled_copy_out,
-                    tiled_copy_out.retile(outs[i]).contiguous(),
-                    tRS_sOut[None, None, None, epi_buffer],
-                )
-            cute.arch.fence_view_async_shared()
-            epilogue_barrier.arrive_and_wait()
-            if is_tma_warp:
-                if const_expr(has_D):
-                    copy_D(src_idx=epi_buffer, dst_idx=epi_coord)
-                for i in cutlass.range_constexpr(len(aux_out_ctxs)):
-                    _, _, copy_out = aux_out_ctxs[i]
-                    copy_out(src_idx=epi_buffer, dst_idx=epi_coord)
-                epi_store_pipeline.producer_commit()
-        self.epi_end(
-            params, epi_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
-            varlen_manager, tidx,
-        )  # fmt: skip
-        return epi_read_state, epi_producer_state
 
     def epi_begin_loop(self, params, epi_tensors, epi_coord):
         loop = ComposableEpiMixin.epi_begin_loop(self, params, epi_tensors, epi_coord)
@@ -405,11 +255,6 @@ class CodaEpilogue(ComposableEpiMixin):
             coords, origin, tile = epi_tensors[COORDS]
             loop[COORDS] = (coords[None, None, None, epi_coord[0], epi_coord[1]], origin, tile)
         return loop
-
-
-def _second(name: str) -> str:
-    """The key of tile load ``name``'s second registers in ``epi_tensors``."""
-    return f"{name}@1"
 
 
 def _fast(fn):

@@ -49,7 +49,7 @@ class CuteConfig(NamedTuple):
     ``epi_loads`` n > 0 gives the tile loads n stages and the tile stores QuACK's base,
     ``epi_n`` n > 0 makes the epilogue's sub-tiles n columns wide (0: QuACK's), ``epi_overlap``
     reads the next sub-tile's tile loads during this one's arithmetic
-    (``CodaEpilogue._overlapped_epilogue``) — these three for experiments, tuning does not time
+    (``overlap.OverlappedTileLoads``) — these three for experiments, tuning does not time
     them (bench/RESULTS.md runs 2026-12-04a and b) — and how clusters get their tiles:
     ``dynamic`` False, a fixed stride through the tiles (each persistent cluster knows its next
     tile); True, the next free tile from a counter in global memory (an atomic increment per
