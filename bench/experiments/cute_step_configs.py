@@ -23,9 +23,10 @@ keeps them, so some B operands are N-major. This script times, per step:
 A config is ``128x192`` (ping-pong, clusters of two CTAs along M), ``256x128c`` (cooperative),
 ``128x128/1x2`` (clusters along N), and after any of them ``+e4`` (four epilogue stages),
 ``+l4`` (four tile-load stages, the tile stores two), ``+w64`` (epilogue sub-tiles 64 columns
-wide), ``+ov`` (``CuteConfig.epi_overlap``) and ``+dyn`` (the dynamic tile scheduler:
-clusters take the next free tile from a counter). With ``--vendor`` the plain steps (cuBLAS in
-the product) are timed on the CuTe kernel too.
+wide), ``+ov0`` / ``+ov1`` (``CuteConfig.epi_overlap`` 0 or 1, QuACK's epilogue loop or the
+overlapped reads alone; the default is 2) and ``+dyn`` (the dynamic tile scheduler: clusters
+take the next free tile from a counter). With ``--vendor`` the plain
+steps (cuBLAS in the product) are timed on the CuTe kernel too.
 
 ``--programs`` takes shipped Programs (``export/programs``) and blocks by name — a paper kernel's
 block is lowered by the planner, as ``bench/paper_kernels.py`` does (``--size M=4096 --size
@@ -57,8 +58,9 @@ def parse_config(text: str):
     """``128x192`` (ping-pong, cluster 2×1), ``256x128c`` (cooperative), ``128x128/1x2``, and
     after any of them ``+e4`` (four stages of epilogue tile loads and stores), ``+l4`` (four
     stages of tile loads, QuACK's two of tile stores), ``+w64`` (epilogue sub-tiles 64 columns
-    wide), ``+ov`` (the next sub-tile's tile loads read during this one's arithmetic) and
-    ``+dyn`` (the dynamic tile scheduler)."""
+    wide), ``+ovN`` (``CuteConfig.epi_overlap``: 0 QuACK's epilogue loop, 1 the next sub-tile's
+    tile loads read during this one's arithmetic, 2 — the default — also each sub-tile stored
+    after the next one's arithmetic) and ``+dyn`` (the dynamic tile scheduler)."""
     from coda.primitives.cute.launch import CuteConfig
 
     text, *modifiers = text.split("+")
@@ -69,15 +71,22 @@ def parse_config(text: str):
     stages = [int(m[1:]) for m in modifiers if m.startswith("e")]
     loads = [int(m[1:]) for m in modifiers if m.startswith("l")]
     widths = [int(m[1:]) for m in modifiers if m.startswith("w")]
-    flags = ("dyn", "ov")
-    unknown = [m for m in modifiers if m not in flags and m[:1] not in ("e", "l", "w")]
+    loops = [int(m[2:]) for m in modifiers if m in ("ov0", "ov1", "ov2")]
+    unknown = [m for m in modifiers if m != "dyn" and not _numbered(m)]
     if unknown:
-        known = "+eN, +lN, +wN, +ov, +dyn"
+        known = "+eN, +lN, +wN, +ov0, +ov1, +ov2, +dyn"
         raise ValueError(f"{text}: unknown modifier(s) {unknown} (known: {known})")
     return CuteConfig(
         tm, tn, cm, cn, not coop, stages[-1] if stages else 0, "dyn" in modifiers,
-        loads[-1] if loads else 0, widths[-1] if widths else 0, "ov" in modifiers,
+        loads[-1] if loads else 0, widths[-1] if widths else 0, loops[-1] if loops else 2,
     )  # fmt: skip
+
+
+def _numbered(modifier: str) -> bool:
+    """Whether ``modifier`` is ``eN``, ``lN``, ``wN`` or ``ov0``–``ov2``."""
+    if modifier in ("ov0", "ov1", "ov2"):
+        return True
+    return modifier[:1] in ("e", "l", "w") and modifier[1:].isdigit()
 
 
 def config_label(config) -> str:
@@ -87,7 +96,7 @@ def config_label(config) -> str:
     text += f"+e{config.epi_stages}" if config.epi_stages else ""
     text += f"+l{config.epi_loads}" if config.epi_loads else ""
     text += f"+w{config.epi_n}" if config.epi_n else ""
-    text += "+ov" if config.epi_overlap else ""
+    text += f"+ov{config.epi_overlap}" if config.epi_overlap != 2 else ""
     return text + ("+dyn" if config.dynamic else "")
 
 

@@ -7,8 +7,9 @@ extra ``[M, N]`` tiles — the backward ones — cost less there (bench/RESULTS.
 
 - ``emit`` turns a step's epilogue into a CuTe module (plain text; each op's ``emit_cute``), or
   says why the step stays on Triton (``CuteUnsupported``);
-- ``epilogue`` is what the generated modules stand on (imports the DSL), with ``overlap``, an
-  epilogue loop that reads the next sub-tile's tile loads early (``CuteConfig.epi_overlap``);
+- ``epilogue`` is what the generated modules stand on (imports the DSL), with ``overlap``, the
+  epilogue loop of steps that load tiles: each sub-tile's tile loads read during the previous
+  one's arithmetic, its stores issued after the next one's (``CuteConfig.epi_overlap``);
 - ``launch`` compiles a generated module for a call's tensors and launches it;
 - ``tuning`` picks a covered step's tile and cluster per shape by timing them — and, under
   ``auto``, the step's Triton kernel beside them, and for plain products cuBLAS against QuACK's

@@ -39,7 +39,7 @@ from quack.layout_utils import permute_gated_Cregs_b16
 from quack.rounding import RoundingMode
 from quack.sm90_utils import partition_for_epilogue
 
-from .overlap import OverlappedTileLoads
+from .overlap import OverlappedEpilogue
 
 __all__ = [
     "COORDS",
@@ -106,12 +106,12 @@ class TypedTileStore(TileStore):
         return getattr(gemm, self._layout_attr())
 
 
-class CodaEpilogue(OverlappedTileLoads, ComposableEpiMixin):
+class CodaEpilogue(OverlappedEpilogue, ComposableEpiMixin):
     """Epilogue plumbing shared by every generated class: any number of tile stores (returned by
     ``epi_visit_subtile`` in ``_epi_ops`` order), the coordinates of each fragment element in
     its output tile when ``uses_coords`` (reductions must not count elements past the edges),
     the shapes of the epilogue's pipelines and sub-tiles, and with ``epi_overlap`` the loop of
-    ``overlap.OverlappedTileLoads``."""
+    ``overlap.OverlappedEpilogue``."""
 
     uses_coords = False
     epi_stages = 0  # 0: QuACK's stage split; n: n tile-store and n tile-load stages (below)

@@ -43,18 +43,21 @@ _COMPILE_LOCK = threading.Lock()  # the DSL's compiler is not reentrant
 class CuteConfig(NamedTuple):
     """How QuACK's GEMM runs a step: the CTA's output tile, the cluster of CTAs sharing A/B tile
     loads, whether two consumer warpgroups take tiles in turn (ping-pong, 128-row tiles) or
-    share one (cooperative, 256-row tiles), how deep the epilogue's pipelines are:
-    ``epi_stages`` 0 takes QuACK's shared-memory split, n > 0 gives the epilogue's tile stores and
-    tile loads n stages each before the A/B pipeline takes the rest (``epilogue.CodaEpilogue``),
-    ``epi_loads`` n > 0 gives the tile loads n stages and the tile stores QuACK's base,
-    ``epi_n`` n > 0 makes the epilogue's sub-tiles n columns wide (0: QuACK's), ``epi_overlap``
-    reads the next sub-tile's tile loads during this one's arithmetic
-    (``overlap.OverlappedTileLoads``) — these three for experiments, tuning does not time
-    them (bench/RESULTS.md runs 2026-12-04a and b) — and how clusters get their tiles:
-    ``dynamic`` False, a fixed stride through the tiles (each persistent cluster knows its next
-    tile); True, the next free tile from a counter in global memory (an atomic increment per
-    tile), so a cluster whose epilogues run long takes fewer tiles — QuACK's own choice for its
-    gated backward GEMM on Hopper."""
+    share one (cooperative, 256-row tiles), and the epilogue's shape:
+
+    - ``epi_stages`` 0 takes QuACK's shared-memory split, n > 0 gives the epilogue's tile stores
+      and tile loads n stages each before the A/B pipeline takes the rest
+      (``epilogue.CodaEpilogue``); ``epi_loads`` n > 0 gives the tile loads n stages and the tile
+      stores QuACK's base; ``epi_n`` n > 0 makes the sub-tiles n columns wide (0: QuACK's) —
+      these two for experiments, tuning does not time them (bench/RESULTS.md run 2026-12-04a);
+    - ``epi_overlap``, the loop of a step that loads tiles (``overlap.OverlappedEpilogue``): 2,
+      the default, reads each sub-tile's tile loads during the previous one's arithmetic and
+      stores it after the next one's; 1 only the first; 0 QuACK's loop (run 2026-12-04c: level
+      2 took the SwiGLU backward of a Llama down projection from 1.035 to 0.997 ms);
+    - ``dynamic``, how clusters get their tiles: False, a fixed stride through the tiles (each
+      persistent cluster knows its next tile); True, the next free tile from a counter in global
+      memory (an atomic increment per tile), so a cluster whose epilogues run long takes fewer
+      tiles — QuACK's own choice for its gated backward GEMM on Hopper."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -65,7 +68,7 @@ class CuteConfig(NamedTuple):
     dynamic: bool = False
     epi_loads: int = 0
     epi_n: int = 0
-    epi_overlap: bool = False
+    epi_overlap: int = 2
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -81,7 +84,8 @@ class CuteConfig(NamedTuple):
         text += f", {self.epi_stages} epilogue stages" if self.epi_stages else ""
         text += f", {self.epi_loads} tile-load stages" if self.epi_loads else ""
         text += f", epilogue sub-tiles {self.epi_n} wide" if self.epi_n else ""
-        text += ", overlapped tile-load reads" if self.epi_overlap else ""
+        loops = {0: ", QuACK's epilogue loop", 1: ", overlapped tile-load reads only"}
+        text += loops.get(self.epi_overlap, "")
         return text + (", dynamic scheduler" if self.dynamic else "")
 
 
@@ -342,16 +346,16 @@ def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> An
 
 
 @functools.cache
-def _with_epi_shape(epilogue: type, stages: int, loads: int, width: int, overlap: bool) -> type:
+def _with_epi_shape(epilogue: type, stages: int, loads: int, width: int, overlap: int) -> type:
     """The generated class itself, or a subclass of it whose epilogue pipelines are ``stages``
     deep, whose tile loads ``loads`` deep, whose sub-tiles ``width`` columns wide and whose
-    loop overlaps its tile loads' reads (``CodaEpilogue.epi_stages``, ``epi_loads``, ``epi_n``,
+    loop overlaps its shared-memory waits (``CodaEpilogue.epi_stages``, ``epi_loads``, ``epi_n``,
     ``epi_overlap``)."""
     if not stages and not loads and not width and not overlap:
         return epilogue
-    name = f"{epilogue.__name__}E{stages}L{loads}N{width}{'O' if overlap else ''}"
+    name = f"{epilogue.__name__}E{stages}L{loads}N{width}O{int(overlap)}"
     attributes = {"epi_stages": stages, "epi_loads": loads, "epi_n": width}
-    attributes["epi_overlap"] = overlap
+    attributes["epi_overlap"] = int(overlap)
     return type(name, (epilogue,), attributes)
 
 

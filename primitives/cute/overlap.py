@@ -1,20 +1,30 @@
-"""An epilogue loop for QuACK's Hopper GEMM that reads the next sub-tile's tile loads early.
+"""An epilogue loop for QuACK's Hopper GEMM that hides its shared-memory waits under arithmetic.
 
 QuACK's loop (``GemmBase.epilogue``) takes an output tile's epilogue one sub-tile at a time
 (64 × 32 for a 128 × 128 ping-pong tile: eight a tile). Per sub-tile it reads the sub-tile's TMA
 tile loads from shared memory, fences and waits for those registers before releasing the
 buffer, computes, writes the results to shared memory, fences again and passes a named barrier
-before the TMA stores: two waits on shared memory with nothing to do meanwhile. Profiled on an
-H200, the SwiGLU backward of a Llama down projection (K = 2048) spent 39% of its epilogue's
-stall samples there, and its epilogue set the kernel's pace (bench/RESULTS.md, run 2026-12-04a).
+before the TMA stores: two waits on shared memory with nothing to do meanwhile, and two named
+barriers. Profiled on an H200, the SwiGLU backward of a Llama down projection (K = 2048) spent
+39% of its epilogue's stall samples there, and its epilogue set the kernel's pace
+(bench/RESULTS.md, run 2026-12-04a).
 
-``OverlappedTileLoads`` is ``CodaEpilogue``'s loop when ``epi_overlap`` is set (``CuteConfig``):
-sub-tile i + 1's shared-memory reads are issued before sub-tile i's arithmetic, into a second
-set of registers per tile load, and fenced and released after it, so their latency passes under
-the arithmetic. The tile loads are issued as soon as their buffer is released, as in QuACK's
-loop; the stores are QuACK's. A step with no tile loads, a C operand or a non-TMA epilogue
-keeps QuACK's loop. Measured: correct, and 0.7–1.2% faster where the epilogue sets the pace
-(run 2026-12-04b) — an experiment knob, which tuning does not time yet.
+``OverlappedEpilogue`` is ``CodaEpilogue``'s loop when ``epi_overlap`` is set (``CuteConfig``):
+
+- level 1: sub-tile i + 1's shared-memory reads are issued before sub-tile i's arithmetic, into
+  a second set of registers per tile load, and fenced and released after it, so their latency
+  passes under the arithmetic (run 2026-12-04b: correct, 0.7–1.2% faster where the epilogue sets
+  the pace). The tile loads are issued as soon as their buffer is released, as in QuACK's loop;
+  the stores are QuACK's.
+- level 2: also sub-tile i's stores trail by one sub-tile. Its results are written to shared
+  memory at the end of its iteration, as in QuACK's loop, but fenced, passed through the barrier
+  and handed to the TMA after sub-tile i + 1's arithmetic: the writes have landed by then, the
+  fence of the next tile-load release covers them, and one named barrier a sub-tile serves both
+  "sub-tile i - 1 is written" and "sub-tile i's buffer is free" (the TMA warp keeps one store
+  group fewer in flight before it, since i - 1's is not committed yet). Needs two store stages.
+
+A step with no tile loads, a C operand or a non-TMA epilogue keeps QuACK's loop. Experiment
+knobs: tuning does not time them yet.
 """
 
 from __future__ import annotations
@@ -28,10 +38,10 @@ from quack import copy_utils
 from quack.epi_ops import EpiContext
 
 
-class OverlappedTileLoads:
+class OverlappedEpilogue:
     """The overlapped epilogue loop, mixed into ``CodaEpilogue`` ahead of QuACK's classes."""
 
-    epi_overlap = False  # True: sub-tile i + 1's tile loads read during sub-tile i
+    epi_overlap = 0  # 1: sub-tile i + 1's tile loads read during sub-tile i; 2: and i's stores late
 
     def begin_second_registers(
         self, params, epi_smem_tensors, tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
@@ -85,15 +95,10 @@ class OverlappedTileLoads:
         varlen_manager, epilogue_barrier, tile_scheduler, tidx, is_tma_warp,
     ):  # fmt: skip
         """QuACK's epilogue loop for TMA tile loads and stores, its shared-memory reads moved
-        one sub-tile earlier. QuACK's loop reads a sub-tile's tile loads from shared memory,
-        fences and waits for the registers before releasing the buffer, then computes, then
-        writes and fences again before its TMA stores: two waits on shared memory a sub-tile,
-        with nothing to do meanwhile (bench/RESULTS.md run 2026-12-04a). Here sub-tile i + 1's
-        reads are issued before sub-tile i's arithmetic into a second set of registers, and
-        fenced and released after it, so their latency passes under the arithmetic; the tile
-        loads are issued as early as in QuACK's loop (as soon as a buffer is released), the
-        stores are QuACK's."""
-        has_D = const_expr(copy_D is not None)
+        one sub-tile earlier and, at level 2, its fences, barriers and TMA stores one sub-tile
+        later (the module docstring says why and how)."""
+        late_stores = const_expr(self.epi_overlap >= 2 and self.epi_stage >= 2)
+        tRS_sD = tRS_sD if const_expr(copy_D is not None) else None  # noqa: N806
         aux_out_ctxs = self.epi_setup_aux_out(
             params, epi_smem_tensors, tiled_copy_r2s, tiled_copy_t2r, tile_coord_mnkl,
             varlen_manager, tidx,
@@ -151,33 +156,83 @@ class OverlappedTileLoads:
                 )
                 for i in range(len(aux_out_ctxs))
             )
-            if is_tma_warp:
-                epi_store_pipeline.producer_acquire()
-            epilogue_barrier.arrive_and_wait()
             epi_buffer = (num_prev_subtiles + epi_idx) % self.epi_stage
-            if const_expr(has_D):
-                copy_utils.cvt_copy(tiled_copy_r2s, tRS_rD, tRS_sD[None, None, None, epi_buffer])
-            for i in cutlass.range_constexpr(len(aux_out_ctxs)):
-                tiled_copy_out, tRS_sOut, _ = aux_out_ctxs[i]
-                cute.copy(
-                    tiled_copy_out,
-                    tiled_copy_out.retile(outs[i]).contiguous(),
-                    tRS_sOut[None, None, None, epi_buffer],
+            if const_expr(late_stores):
+                # sub-tile i - 1's fence, barrier and TMA stores, behind sub-tile i's arithmetic
+                # (the release's fence above, where there was one, fenced its writes)
+                if const_expr(epi_idx > 0):
+                    if const_expr(epi_idx + 1 == epi_tile_num):
+                        cute.arch.fence_view_async_shared()
+                    if is_tma_warp:  # i - 1 is not committed: leave one stage more in flight
+                        cute.arch.cp_async_bulk_wait_group(self.epi_stage - 2, read=True)
+                elif is_tma_warp:
+                    epi_store_pipeline.producer_acquire()
+                epilogue_barrier.arrive_and_wait()
+                if const_expr(epi_idx > 0):
+                    self._store_tiles(
+                        epi_store_pipeline, aux_out_ctxs, copy_D, is_tma_warp,
+                        (num_prev_subtiles + epi_idx - 1) % self.epi_stage,
+                        epi_tile_layout.get_hier_coord(epi_idx - 1),
+                    )  # fmt: skip
+                self._write_tiles(tiled_copy_r2s, tRS_rD, tRS_sD, aux_out_ctxs, outs, epi_buffer)
+            else:
+                if is_tma_warp:
+                    epi_store_pipeline.producer_acquire()
+                epilogue_barrier.arrive_and_wait()
+                self._write_tiles(tiled_copy_r2s, tRS_rD, tRS_sD, aux_out_ctxs, outs, epi_buffer)
+                cute.arch.fence_view_async_shared()
+                epilogue_barrier.arrive_and_wait()
+                self._store_tiles(
+                    epi_store_pipeline, aux_out_ctxs, copy_D, is_tma_warp, epi_buffer, epi_coord
                 )
+        if const_expr(late_stores):  # the last sub-tile's stores
             cute.arch.fence_view_async_shared()
             epilogue_barrier.arrive_and_wait()
-            if is_tma_warp:
-                if const_expr(has_D):
-                    copy_D(src_idx=epi_buffer, dst_idx=epi_coord)
-                for i in cutlass.range_constexpr(len(aux_out_ctxs)):
-                    _, _, copy_out = aux_out_ctxs[i]
-                    copy_out(src_idx=epi_buffer, dst_idx=epi_coord)
-                epi_store_pipeline.producer_commit()
+            self._store_tiles(
+                epi_store_pipeline, aux_out_ctxs, copy_D, is_tma_warp,
+                (num_prev_subtiles + epi_tile_num - 1) % self.epi_stage,
+                epi_tile_layout.get_hier_coord(epi_tile_num - 1),
+            )  # fmt: skip
         self.epi_end(
             params, epi_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
             varlen_manager, tidx,
         )  # fmt: skip
         return epi_read_state, epi_producer_state
+
+    @cute.jit
+    def _write_tiles(self, tiled_copy_r2s, tRS_rD, tRS_sD, aux_out_ctxs, outs, epi_buffer):  # noqa: N803
+        """Write a sub-tile's D (``tRS_sD`` None: the step has none) and tile stores to
+        shared-memory buffer ``epi_buffer``."""
+        if const_expr(tRS_sD is not None):
+            copy_utils.cvt_copy(tiled_copy_r2s, tRS_rD, tRS_sD[None, None, None, epi_buffer])
+        for i in cutlass.range_constexpr(len(aux_out_ctxs)):
+            tiled_copy_out, tRS_sOut, _ = aux_out_ctxs[i]
+            cute.copy(
+                tiled_copy_out,
+                tiled_copy_out.retile(outs[i]).contiguous(),
+                tRS_sOut[None, None, None, epi_buffer],
+            )
+
+    @cute.jit
+    def _store_tiles(
+        self,
+        epi_store_pipeline,
+        aux_out_ctxs,
+        copy_D,
+        is_tma_warp,
+        epi_buffer,
+        epi_coord,  # noqa: N803
+    ):
+        """The TMA warp stores shared-memory buffer ``epi_buffer`` to sub-tile ``epi_coord`` of
+        D and of every tile store, as one bulk group (the caller has fenced the writes and
+        passed the barrier)."""
+        if is_tma_warp:
+            if const_expr(copy_D is not None):
+                copy_D(src_idx=epi_buffer, dst_idx=epi_coord)
+            for i in cutlass.range_constexpr(len(aux_out_ctxs)):
+                _, _, copy_out = aux_out_ctxs[i]
+                copy_out(src_idx=epi_buffer, dst_idx=epi_coord)
+            epi_store_pipeline.producer_commit()
 
 
 @cute.jit

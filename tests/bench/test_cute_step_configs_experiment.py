@@ -29,7 +29,9 @@ experiment = load_script("experiments/cute_step_configs")
         ("128x128+l4", CuteConfig(128, 128, epi_loads=4)),
         ("128x128/1x2+w64", CuteConfig(128, 128, 1, 2, epi_n=64)),
         ("128x128+e1+l2+w64", CuteConfig(128, 128, epi_stages=1, epi_loads=2, epi_n=64)),
-        ("128x128/1x2+ov", CuteConfig(128, 128, 1, 2, epi_overlap=True)),
+        ("128x128/1x2+ov1", CuteConfig(128, 128, 1, 2, epi_overlap=1)),
+        ("128x128+ov0+dyn", CuteConfig(128, 128, dynamic=True, epi_overlap=0)),
+        ("128x128+ov2", CuteConfig(128, 128)),
     ],
 )
 def test_configs_read_as_the_product_s(text: str, config: CuteConfig) -> None:
@@ -40,6 +42,8 @@ def test_configs_read_as_the_product_s(text: str, config: CuteConfig) -> None:
 def test_an_unknown_modifier_is_refused() -> None:
     with pytest.raises(ValueError, match=r"unknown modifier.*\+dyn"):
         experiment.parse_config("128x128+dynamic")
+    with pytest.raises(ValueError, match=r"unknown modifier.*'ov3'"):
+        experiment.parse_config("128x128+ov3")
 
 
 def test_b_is_labelled_by_its_contiguous_dimension_as_quack_takes_it() -> None:

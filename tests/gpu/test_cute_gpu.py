@@ -143,6 +143,56 @@ def test_the_dynamic_scheduler_matches_triton_launch_after_launch_gpu(monkeypatc
     assert counters and all(c is not None and c.item() == 0 for c in counters)
 
 
+def _overlapped(level: int, tile_m: int = 128, cluster_n: int = 1):
+    from coda.primitives.cute.launch import CuteConfig
+
+    pingpong = tile_m == 128
+    return CuteConfig(tile_m, 128, 2 // cluster_n, cluster_n, pingpong, epi_overlap=level)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [_overlapped(1), _overlapped(2), _overlapped(2, cluster_n=2), _overlapped(2, tile_m=256)],
+    ids=lambda c: f"{c.tile_m}x{c.tile_n}-{c.cluster_m}x{c.cluster_n}-ov{c.epi_overlap}",
+)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gemm_partial_swiglu_bwd",
+        "gemm_residual_partial_rmsnorm_bwd",
+        "gemm_residual_partial_rmsnorm",
+    ],
+)
+def test_the_overlapped_epilogue_matches_triton_launch_after_launch_gpu(
+    name: str, config, monkeypatch
+) -> None:
+    # the loop that reads the next sub-tile's tile loads early (level 1) and stores each
+    # sub-tile one sub-tile late (level 2), on ping-pong and cooperative tiles, at a ragged
+    # shape with several tiles per CTA: a store issued before its buffer was written, or a
+    # buffer overwritten before its store read it, shows as wrong or NaN elements
+    from coda.primitives.cute import launch
+
+    monkeypatch.setattr(launch, "choose_config", lambda gemm: config)
+    block = get_block(name)
+    sizes = _sizes(block, {"M": 4000, "N": 2112, "K": 512})
+    program = lower(block)
+    inputs = block.make_inputs(sizes, torch.bfloat16, seed=11, device="cuda")
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "cute"
+    prepared = compiled.prepare(inputs)
+    _, triton = _run(program, sizes, inputs, "triton")
+    for _ in range(2):
+        got = program.select_outputs(compiled.run(prepared, poison=True), sizes)
+        torch.cuda.synchronize()
+        assert set(compiled.mainloops_used.values()) == {"cute"}, compiled.cute_refusals
+        _assert_matches(block, inputs, got, triton)
+    used = {
+        a.config for plan in compiled._run_plans.values() for a in plan.actions
+        if isinstance(a, launch.CuteLaunch)
+    }  # fmt: skip
+    assert used == {config}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("name", "steps"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,10 +135,10 @@ from coda.primitives.types import torch_dtype
 
 loop = epilogue.CodaEpilogue._overlapped_epilogue
 def traced(self, *args):
-    print("overlapped", self.step_name)
+    print("overlapped", self.epi_overlap, self.step_name)
     return loop(self, *args)
 epilogue.CodaEpilogue._overlapped_epilogue = traced
-for path in {paths!r}:
+for path, level, only in {runs!r}:
     program = Program.model_validate(json.loads(open(path).read())["program"])
     info = analyze(program, {{"M": 256, "d": 256, "f": 256}})
     tensors = {{n: torch.empty(t.shape, dtype=torch_dtype(t.dtype, torch.bfloat16))
@@ -145,36 +146,64 @@ for path in {paths!r}:
     for step, name in zip(program.steps, program.step_names()):
         if not isinstance(step, GemmEpilogue) or info.gemms[name].vendor:
             continue
+        if only and name not in only:
+            continue
         runner, gemm = CuteStep(step), info.gemms[name]
         floats = {{n: t.dtype for n, t in tensors.items() if t.is_floating_point()}}
-        asked = CuteConfig(128, 128, 2, 1, epi_overlap=True)
+        asked = CuteConfig(128, 128, 2, 1, epi_overlap=level)
         source, config, writes = runner.plan(gemm, floats, torch.bfloat16, asked)
         for out, shape, dtype in writes:
             tensors[out] = torch.empty(shape, dtype=dtype)
         epilogue.CodaEpilogue.step_name = name
         launch = CuteLaunch(runner, source, gemm.M, gemm.N, config)
         runner.compiled(source, launch.arguments(tensors), config)
-        print("compiled", name)
+        print("compiled", level, name)
 """
 
 
 @pytest.mark.skipif(not HAVE_DSL, reason="the CuTe DSL and QuACK are not installed")
 def test_the_overlapped_loop_compiles_where_a_step_loads_tiles(tmp_path: Path) -> None:
     # epi_overlap: the two backward steps (each loads two tiles) and the down projection's
-    # forward (it loads the residual) take the loop that reads the next sub-tile's loads during
-    # this one's arithmetic; the gate/up forward loads no tile and keeps QuACK's loop
-    paths = [str(PROGRAMS / f"{n}.json") for n in ("llama_mlp_bwd_saved", "llama_mlp_train")]
-    env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
-    code = _OVERLAP.format(paths=paths)
+    # forward (it loads the residual) take the overlapped loop; the gate/up forward loads no
+    # tile and keeps QuACK's loop. At level 2 the SwiGLU backward's eight 64 x 32 sub-tiles pass
+    # one named barrier each, and one more for the last sub-tile's stores, where level 1 passes
+    # two each (QuACK's); its TMA warp keeps one store group fewer in flight before a barrier
+    # whose stores trail (wait_group 2 of its four store stages, level 1's 3)
+    bwd, fwd = (str(PROGRAMS / f"{n}.json") for n in ("llama_mlp_bwd_saved", "llama_mlp_train"))
+    runs = [(bwd, 2, ()), (fwd, 2, ()), (bwd, 1, ("down_bwd",))]
+    (tmp_path / "ptx").mkdir()
+    env = {
+        **os.environ,
+        "CODA_CACHE_DIR": str(tmp_path / "cache"),
+        "CUTE_DSL_ARCH": "sm_90a",
+        "CUTE_DSL_KEEP": "ptx",
+        "CUTE_DSL_DUMP_DIR": str(tmp_path / "ptx"),
+    }
+    code = _OVERLAP.format(runs=runs)
     r = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env
     )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert [line for line in lines if line.startswith("overlapped")] == [
-        "overlapped down_bwd",
-        "overlapped gate_up_bwd",
-        "overlapped down",
+        "overlapped 2 down_bwd",
+        "overlapped 2 gate_up_bwd",
+        "overlapped 2 down",
+        "overlapped 1 down_bwd",
     ], r.stdout
-    compiled = {"compiled down_bwd", "compiled gate_up_bwd", "compiled gate_up", "compiled down"}
-    assert compiled <= set(lines), r.stdout
+    compiled = {"down_bwd", "gate_up_bwd", "gate_up", "down"}
+    assert {f"compiled 2 {n}" for n in compiled} | {"compiled 1 down_bwd"} <= set(lines)
+    swiglu_bwd = {}  # level -> its PTX (the step with a sigmoid)
+    for path in (tmp_path / "ptx").rglob("*.ptx"):
+        text = path.read_text()
+        if "ex2.approx" in text:
+            swiglu_bwd[1 if "N0O1" in path.name else 2] = text
+    assert set(swiglu_bwd) == {1, 2}, sorted(p.name for p in (tmp_path / "ptx").rglob("*.ptx"))
+    barriers = {k: len(re.findall(r"\bbar(?:rier)?\.sync\b", t)) for k, t in swiglu_bwd.items()}
+    assert barriers[1] - barriers[2] == 8 - 1, barriers
+    waits = {
+        k: re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+)", t)
+        for k, t in swiglu_bwd.items()
+    }
+    assert waits[1].count("3") == 8 and "2" not in waits[1], waits
+    assert waits[2].count("2") == 7 and waits[2].count("3") == 1, waits
