@@ -53,7 +53,8 @@ class CuteConfig(NamedTuple):
     - ``epi_overlap``, the loop of a step that loads tiles (``overlap.OverlappedEpilogue``): 2,
       the default, reads each sub-tile's tile loads during the previous one's arithmetic and
       stores it after the next one's; 1 only the first; 0 QuACK's loop (run 2026-12-04c: level
-      2 took the SwiGLU backward of a Llama down projection from 1.035 to 0.997 ms);
+      2 took the SwiGLU backward of a Llama down projection from 1.035 to 0.997 ms; 128 × 192
+      tiles keep QuACK's, ``WIDE``);
     - ``dynamic``, how clusters get their tiles: False, a fixed stride through the tiles (each
       persistent cluster knows its next tile); True, the next free tile from a counter in global
       memory (an atomic increment per tile), so a cluster whose epilogues run long takes fewer
@@ -89,10 +90,16 @@ class CuteConfig(NamedTuple):
         return text + (", dynamic scheduler" if self.dynamic else "")
 
 
+# 128 × 192 tiles keep QuACK's epilogue loop: with the overlapped one the two backward paper
+# kernels ran 1.5–2% slower at 8192³ and 14–17% at 4096³ (bench/RESULTS.md run 2026-12-04c
+# against run 2026-12-03j, two machines), where on 128 × 128 tiles it ran 2–3% faster
+WIDE = CuteConfig(128, 192, epi_overlap=0)
+
+
 def choose_config(gemm: GemmInfo) -> CuteConfig:
     """The config of step ``gemm`` (see the module docstring)."""
     if gemm.K >= 4096 and gemm.M * gemm.N >= 1 << 26:
-        return CuteConfig(128, 192)
+        return WIDE
     return CuteConfig(128, 128)
 
 

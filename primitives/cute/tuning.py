@@ -10,8 +10,9 @@ against the GEMM's 0.37 ms, and its Triton kernel 0.58 ms (tuned, run 2026-12-02
 sigmoid takes the approximate reciprocal (``epilogue.F``), 0.50 ms at 128 × 128 with clusters
 along M against the GEMM's 0.41 (run 2026-12-03h). So tuning times, per step:
 
-- ``CANDIDATES``: 128 × 128 tiles with clusters of two CTAs along M or along N, and 128 × 192
-  (the 8192³ winner), all with two consumer warpgroups in ping-pong;
+- ``CANDIDATES``: 128 × 128 tiles with clusters of two CTAs along M or along N (the overlapped
+  epilogue loop, ``CuteConfig.epi_overlap``), and 128 × 192 (the 8192³ winner, QuACK's loop),
+  all with two consumer warpgroups in ping-pong;
 - for a step whose epilogue loads tiles, the two 128 × 128 ones again with four stages of tile
   loads and four of tile stores (``CuteConfig.epi_stages``; QuACK's own split gives the A/B
   pipeline all it can and the tile loads two stages — for the SwiGLU backward the deeper split
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..timing import SUSTAINED
-from .launch import CuteConfig
+from .launch import WIDE, CuteConfig
 
 if TYPE_CHECKING:
     from ..codegen.tuning import TuningCache
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 CANDIDATES = (
     CuteConfig(128, 128, 2, 1),
     CuteConfig(128, 128, 1, 2),
-    CuteConfig(128, 192, 2, 1),
+    WIDE,  # 128 × 192, QuACK's epilogue loop
 )
 DEEP_EPILOGUE = 4  # the epilogue pipelines' depth of the extra candidates of a step loading tiles
 

@@ -101,7 +101,7 @@ def test_the_wide_tile_matches_triton_at_a_ragged_shape_gpu(name: str, monkeypat
     # shape, so partial tiles at both edges and the partial sums' masks are exercised
     from coda.primitives.cute import launch
 
-    wide = launch.CuteConfig(128, 192)
+    wide = launch.WIDE
     monkeypatch.setattr(launch, "choose_config", lambda gemm: wide)
     block = get_block(name)
     # N = 1088: ragged for 192-column tiles, and half of it (a SwiGLU's output) still a whole

@@ -245,10 +245,13 @@ def test_config_by_product_size() -> None:
     class G:
         M, N, K = 8192, 8192, 8192
 
-    assert choose_config(G) == CuteConfig(128, 192, 2, 1, True)
+    # the wide tile keeps QuACK's epilogue loop, the 128 x 128 tile takes the overlapped one
+    assert choose_config(G) == CuteConfig(128, 192, 2, 1, True, epi_overlap=0)
+    assert str(choose_config(G)) == "128x192 cluster 2x1 pingpong, QuACK's epilogue loop"
     G.K = 2048
     assert choose_config(G).tile == (128, 128)
     assert str(choose_config(G)) == "128x128 cluster 2x1 pingpong"
+    assert choose_config(G).epi_overlap == 2
 
 
 @pytest.mark.parametrize(
