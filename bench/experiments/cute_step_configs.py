@@ -25,8 +25,8 @@ A config is ``128x192`` (ping-pong, clusters of two CTAs along M), ``256x128c`` 
 ``+l4`` (four tile-load stages, the tile stores two), ``+w64`` (epilogue sub-tiles 64 columns
 wide), ``+ov0`` / ``+ov1`` (``CuteConfig.epi_overlap`` 0 or 1, QuACK's epilogue loop or the
 overlapped reads alone; the default is 2) and ``+dyn`` (the dynamic tile scheduler: clusters
-take the next free tile from a counter). With ``--vendor`` the plain
-steps (cuBLAS in the product) are timed on the CuTe kernel too.
+take the next free tile from a counter). With ``--vendor`` the plain steps (cuBLAS in the
+product) are timed on the CuTe kernel too.
 
 ``--programs`` takes shipped Programs (``export/programs``) and blocks by name — a paper kernel's
 block is lowered by the planner, as ``bench/paper_kernels.py`` does (``--size M=4096 --size
@@ -52,6 +52,7 @@ from pathlib import Path
 PROGRAMS = "llama_mlp_train,llama_mlp_bwd_saved,attn_out,llama_attn_in_bwd_saved"
 SIZES = {"M": 8192, "d": 2048, "f": 8192, "Nq": 2048, "Nkv": 512, "Nqkv": 3072, "D": 64}
 ROOT = Path(__file__).resolve().parents[2]
+LOOPS = ("ov0", "ov1", "ov2")  # the modifiers of CuteConfig.epi_overlap's levels
 
 
 def parse_config(text: str):
@@ -71,7 +72,7 @@ def parse_config(text: str):
     stages = [int(m[1:]) for m in modifiers if m.startswith("e")]
     loads = [int(m[1:]) for m in modifiers if m.startswith("l")]
     widths = [int(m[1:]) for m in modifiers if m.startswith("w")]
-    loops = [int(m[2:]) for m in modifiers if m in ("ov0", "ov1", "ov2")]
+    loops = [int(m[2:]) for m in modifiers if m in LOOPS]
     unknown = [m for m in modifiers if m != "dyn" and not _numbered(m)]
     if unknown:
         known = "+eN, +lN, +wN, +ov0, +ov1, +ov2, +dyn"
@@ -84,7 +85,7 @@ def parse_config(text: str):
 
 def _numbered(modifier: str) -> bool:
     """Whether ``modifier`` is ``eN``, ``lN``, ``wN`` or ``ov0``–``ov2``."""
-    if modifier in ("ov0", "ov1", "ov2"):
+    if modifier in LOOPS:
         return True
     return modifier[:1] in ("e", "l", "w") and modifier[1:].isdigit()
 

@@ -115,6 +115,31 @@ def test_the_wide_tile_matches_triton_at_a_ragged_shape_gpu(name: str, monkeypat
     _assert_matches(block, inputs, got, triton)
 
 
+def _cute_launches_match_triton(name: str, shape: dict, seed: int, launches: int) -> list:
+    """Run block ``name``'s lowered Program on the CuTe backend ``launches`` times on the same
+    prepared inputs, each into NaN-filled outputs that must match the Triton kernels'; the
+    ``CuteLaunch`` actions its run plans replayed."""
+    from coda.primitives.cute import launch
+
+    block = get_block(name)
+    sizes = _sizes(block, shape)
+    program = lower(block)
+    inputs = block.make_inputs(sizes, torch.bfloat16, seed=seed, device="cuda")
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "cute"
+    prepared = compiled.prepare(inputs)
+    _, triton = _run(program, sizes, inputs, "triton")
+    for _ in range(launches):
+        got = program.select_outputs(compiled.run(prepared, poison=True), sizes)
+        torch.cuda.synchronize()
+        assert set(compiled.mainloops_used.values()) == {"cute"}, compiled.cute_refusals
+        _assert_matches(block, inputs, got, triton)
+    return [
+        a for plan in compiled._run_plans.values() for a in plan.actions
+        if isinstance(a, launch.CuteLaunch)
+    ]  # fmt: skip
+
+
 def test_the_dynamic_scheduler_matches_triton_launch_after_launch_gpu(monkeypatch) -> None:
     # clusters take tiles from a counter in global memory that each launch leaves at 0 again
     # (the atomic increments wrap after the last tile): a stale counter would skip tiles, which
@@ -123,23 +148,9 @@ def test_the_dynamic_scheduler_matches_triton_launch_after_launch_gpu(monkeypatc
 
     dynamic = launch.CuteConfig(128, 128, dynamic=True)
     monkeypatch.setattr(launch, "choose_config", lambda gemm: dynamic)
-    block = get_block("gemm_partial_swiglu_bwd")
-    sizes = _sizes(block, {"M": 1000, "N": 1088, "K": 1000})
-    program = lower(block)
-    inputs = block.make_inputs(sizes, torch.bfloat16, seed=9, device="cuda")
-    compiled = compile_program(program, analyze(program, sizes))
-    compiled.epilogue_backend = "cute"
-    prepared = compiled.prepare(inputs)
-    _, triton = _run(program, sizes, inputs, "triton")
-    for _ in range(3):
-        got = program.select_outputs(compiled.run(prepared, poison=True), sizes)
-        torch.cuda.synchronize()
-        assert set(compiled.mainloops_used.values()) == {"cute"}, compiled.cute_refusals
-        _assert_matches(block, inputs, got, triton)
-    counters = [
-        a._counter for plan in compiled._run_plans.values() for a in plan.actions
-        if isinstance(a, launch.CuteLaunch)
-    ]  # fmt: skip
+    shape = {"M": 1000, "N": 1088, "K": 1000}
+    launches = _cute_launches_match_triton("gemm_partial_swiglu_bwd", shape, seed=9, launches=3)
+    counters = [a._counter for a in launches]
     assert counters and all(c is not None and c.item() == 0 for c in counters)
 
 
@@ -173,23 +184,8 @@ def test_the_overlapped_epilogue_matches_triton_launch_after_launch_gpu(
     from coda.primitives.cute import launch
 
     monkeypatch.setattr(launch, "choose_config", lambda gemm: config)
-    block = get_block(name)
-    sizes = _sizes(block, {"M": 4000, "N": 2112, "K": 512})
-    program = lower(block)
-    inputs = block.make_inputs(sizes, torch.bfloat16, seed=11, device="cuda")
-    compiled = compile_program(program, analyze(program, sizes))
-    compiled.epilogue_backend = "cute"
-    prepared = compiled.prepare(inputs)
-    _, triton = _run(program, sizes, inputs, "triton")
-    for _ in range(2):
-        got = program.select_outputs(compiled.run(prepared, poison=True), sizes)
-        torch.cuda.synchronize()
-        assert set(compiled.mainloops_used.values()) == {"cute"}, compiled.cute_refusals
-        _assert_matches(block, inputs, got, triton)
-    used = {
-        a.config for plan in compiled._run_plans.values() for a in plan.actions
-        if isinstance(a, launch.CuteLaunch)
-    }  # fmt: skip
+    shape = {"M": 4000, "N": 2112, "K": 512}
+    used = {a.config for a in _cute_launches_match_triton(name, shape, seed=11, launches=2)}
     assert used == {config}
 
 
