@@ -12,7 +12,10 @@ along M against the GEMM's 0.41 (run 2026-12-03h). So tuning times, per step:
 
 - ``CANDIDATES``: 128 × 128 tiles with clusters of two CTAs along M or along N (the overlapped
   epilogue loop, ``CuteConfig.epi_overlap``), and 128 × 192 (the 8192³ winner, QuACK's loop),
-  all with two consumer warpgroups in ping-pong;
+  with two consumer warpgroups in ping-pong; and 128 × 256 with two sharing the tile
+  (cooperative), the fastest of seven configs for the RMSNorm backward of the Llama gate/up
+  projection at 16384 tokens (K = 16384: 1.058× the cuBLAS GEMM against 1.106× at 128 × 128 at
+  d = 2048, 1.014× against 1.034× at d = 4096; run 2026-12-04d);
 - for a step whose epilogue loads tiles, the two 128 × 128 ones again with four stages of tile
   loads and four of tile stores (``CuteConfig.epi_stages``; QuACK's own split gives the A/B
   pipeline all it can and the tile loads two stages — for the SwiGLU backward the deeper split
@@ -54,6 +57,7 @@ CANDIDATES = (
     CuteConfig(128, 128, 2, 1),
     CuteConfig(128, 128, 1, 2),
     WIDE,  # 128 × 192, QuACK's epilogue loop
+    CuteConfig(128, 256, 2, 1, pingpong=False),  # long K loops with light epilogues
 )
 DEEP_EPILOGUE = 4  # the epilogue pipelines' depth of the extra candidates of a step loading tiles
 

@@ -154,16 +154,22 @@ def test_the_dynamic_scheduler_matches_triton_launch_after_launch_gpu(monkeypatc
     assert counters and all(c is not None and c.item() == 0 for c in counters)
 
 
-def _overlapped(level: int, tile_m: int = 128, cluster_n: int = 1):
+def _overlapped(level: int, tile: tuple[int, int] = (128, 128), cluster_n: int = 1):
     from coda.primitives.cute.launch import CuteConfig
 
-    pingpong = tile_m == 128
-    return CuteConfig(tile_m, 128, 2 // cluster_n, cluster_n, pingpong, epi_overlap=level)
+    pingpong = tile == (128, 128)
+    return CuteConfig(*tile, 2 // cluster_n, cluster_n, pingpong, epi_overlap=level)
 
 
 @pytest.mark.parametrize(
     "config",
-    [_overlapped(1), _overlapped(2), _overlapped(2, cluster_n=2), _overlapped(2, tile_m=256)],
+    [
+        _overlapped(1),
+        _overlapped(2),
+        _overlapped(2, cluster_n=2),
+        _overlapped(2, tile=(256, 128)),
+        _overlapped(2, tile=(128, 256)),
+    ],
     ids=lambda c: f"{c.tile_m}x{c.tile_n}-{c.cluster_m}x{c.cluster_n}-ov{c.epi_overlap}",
 )
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from coda.primitives.cute.tuning import (
 from .cute_emulator import emulate_step
 
 SIZES = {"M": 40, "N": 48, "K": 24, "N2": 96}
-FAST, MIDDLE, SLOW = CANDIDATES
+FAST, MIDDLE, SLOW, COOPERATIVE = CANDIDATES
 ALL = candidates(loads_tiles=True)  # the SwiGLU backward's epilogue loads z
 
 
@@ -199,18 +199,31 @@ def test_deeper_epilogue_candidates_only_for_steps_that_load_tiles() -> None:
     assert "4 epilogue stages" in str(deep[0]) and "epilogue" not in str(CANDIDATES[0])
 
 
-def test_a_deep_candidate_can_win_and_the_runs_after_take_it(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    "winner",
+    [FAST._replace(epi_stages=DEEP_EPILOGUE), COOPERATIVE],
+    ids=["deep-epilogue", "cooperative-128x256"],
+)
+def test_a_later_candidate_can_win_and_the_runs_after_take_it(
+    winner, emulated: _Emulated, tmp_path
+) -> None:  # noqa: ANN001
     compiled, prepared, tensors = _setup("cute")
-    deep = FAST._replace(epi_stages=DEEP_EPILOGUE)
-    timer = _timer({str(deep): 0.2})
+    timer = _timer({str(winner): 0.2})
     (result,) = tune_cute_steps(
         compiled, prepared, tensors, ["b"], TuningCache(tmp_path / "t.json"),
         with_triton=False, timer=timer,
     ).values()  # fmt: skip
-    assert result.best == deep and compiled.cute_configs == {"b": deep}
+    assert result.best == winner and compiled.cute_configs == {"b": winner}
     emulated.launches.clear()
     compiled.run(prepared)
-    assert emulated.launches == [deep]
+    assert emulated.launches == [winner]
+
+
+def test_the_cooperative_candidate_is_128_by_256_and_keeps_quacks_stages() -> None:
+    # two consumer warpgroups share its tile; no deeper-epilogue twin (those are 128 × 128 only)
+    assert COOPERATIVE.tile == (128, 256) and not COOPERATIVE.pingpong
+    assert "cooperative" in str(COOPERATIVE)
+    assert all(c.tile == (128, 128) for c in ALL if c.epi_stages)
 
 
 def test_candidates_are_timed_in_sustained_windows_by_default(
