@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="tune each kernel first (quick: tuning.QUICK_SPACE; full: the whole space)",
     )
     p.add_argument(
+        "--mlp-widths",
+        default=",".join(str(s["d"]) for s in MLP_SIZES),
+        help="llama_mlp: the model widths d to run, of "
+        + ", ".join(f"{s['d']} (f {s['f']})" for s in MLP_SIZES),
+    )
+    p.add_argument(
         "--subtiles",
         default="",
         help="also time each kernel with its epilogues forced to these sub-tile counts (1,2,4,8)",
@@ -89,6 +95,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.subtiles = [int(s) for s in args.subtiles.split(",") if s]
     if any(s not in (1, 2, 4, 8) for s in args.subtiles):
         p.error(f"--subtiles takes 1, 2, 4 or 8 (comma-separated), got {args.subtiles}")
+    known = {str(s["d"]): s for s in MLP_SIZES}
+    widths = [w for w in args.mlp_widths.split(",") if w]
+    if any(w not in known for w in widths):
+        p.error(f"--mlp-widths takes widths among {', '.join(known)}, got {args.mlp_widths}")
+    args.mlp_sizes = [known[w] for w in widths]
     return args
 
 
@@ -529,13 +540,21 @@ def _spread(ratios: list[float] | None) -> str:
 
 
 def mlp_section(
-    bench: Bench, save: Callable[[], None] = lambda: None, rows: list | None = None
+    bench: Bench,
+    save: Callable[[], None] = lambda: None,
+    rows: list | None = None,
+    sizes_list: list[dict[str, int]] = MLP_SIZES,
 ) -> list[dict[str, Any]]:
+    """One row per entry of ``sizes_list`` (toy sizes on a dry run); each row also records what
+    ran each exported Program's steps at its sizes (``coda.export.kernels_used``: the backend,
+    and the CuTe config or kernel tuning pinned)."""
+    from coda.export import kernels_used
+
     rows = [] if rows is None else rows
-    for sizes in [{"M": 64, "d": 32, "f": 48}] if bench.dry_run else MLP_SIZES:
+    for sizes in [{"M": 64, "d": 32, "f": 48}] if bench.dry_run else sizes_list:
         print(f"  llama_mlp fwd+bwd {sizes} ...", flush=True)
         try:
-            rows.append(mlp_row(sizes, bench))
+            rows.append(mlp_row(sizes, bench) | {"kernels": kernels_used()})
         except Exception as e:  # noqa: BLE001 - report it with the other numbers
             rows.append({"sizes": sizes, "error": repr(e)[:2000]})
         bench.free()
@@ -676,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # llama_mlp first: the headline comparison, then the ten kernels
     if not args.skip_mlp:
-        mlp_section(bench, save, mlp)
+        mlp_section(bench, save, mlp, args.mlp_sizes)
     if not args.skip_kernels:
         kernel_section(bench, only, save, kernels)
     text = tables(kernels, mlp)

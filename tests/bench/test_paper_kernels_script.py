@@ -41,6 +41,8 @@ def test_dry_run_writes_tables_and_numbers(tmp_path: Path) -> None:
     # output + 5 gradients, for the op with separate gate/up weights and for the packed one
     assert mlp["correct"] and len(mlp["checks"]) == 12 and mlp["coda_fwd_bwd_ms"] > 0
     assert mlp["coda_packed_fwd_bwd_ms"] > 0 and "packed vs compile" in table_of(tmp_path)
+    # what ran each exported Program's steps at these sizes (the backend; what tuning pinned)
+    assert set(mlp["kernels"]["llama_mlp_bwd_saved"]["ran"]) >= {"down_bwd", "gate_up_bwd"}
     # --runs 2: every time is the median of two interleaved comparisons, kept in the JSON, and
     # each ratio the table shows is formed within a run, with its min–max over the runs
     assert len(mlp["coda_packed_fwd_bwd_ms_runs"]) == 2
@@ -65,3 +67,13 @@ def test_dry_run_writes_tables_and_numbers(tmp_path: Path) -> None:
         assert {c["epilogue_subtiles"] for c in two["configs"].values()} == {2}
         assert "leaves 8 columns each" in four["skipped"]
     assert "| gemm_rope | 64 | 2 | yes |" in table
+
+
+def test_mlp_widths_pick_rows_of_the_llama_mlp_section(capsys: pytest.CaptureFixture) -> None:
+    script = _script()
+    assert script.parse_args([]).mlp_sizes == script.MLP_SIZES
+    (only,) = script.parse_args(["--mlp-widths", "4096"]).mlp_sizes
+    assert only == {"M": 16384, "d": 4096, "f": 14336}
+    with pytest.raises(SystemExit):
+        script.parse_args(["--mlp-widths", "2048,1024"])
+    assert "among 2048, 4096, got 2048,1024" in capsys.readouterr().err
