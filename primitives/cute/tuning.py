@@ -53,11 +53,14 @@ from .launch import WIDE, CuteConfig
 if TYPE_CHECKING:
     from ..codegen.tuning import TuningCache
 
+# QuACK's cooperative 128 × 256 tile: a fused-step candidate (long K loops with light epilogues)
+# and a plain-step one
+COOPERATIVE = CuteConfig(128, 256, 2, 1, pingpong=False)
 CANDIDATES = (
     CuteConfig(128, 128, 2, 1),
     CuteConfig(128, 128, 1, 2),
     WIDE,  # 128 × 192, QuACK's epilogue loop
-    CuteConfig(128, 256, 2, 1, pingpong=False),  # long K loops with light epilogues
+    COOPERATIVE,
 )
 DEEP_EPILOGUE = 4  # the epilogue pipelines' depth of the extra candidates of a step loading tiles
 
@@ -67,7 +70,7 @@ def candidates(loads_tiles: bool) -> tuple[CuteConfig, ...]:
     the 128 × 128 ones again with ``DEEP_EPILOGUE`` stages of tile loads and stores."""
     if not loads_tiles:
         return CANDIDATES
-    deep = [c._replace(epi_stages=DEEP_EPILOGUE) for c in CANDIDATES if c.tile_n == 128]
+    deep = [c._replace(epi_stages=DEEP_EPILOGUE) for c in CANDIDATES if c.tile == (128, 128)]
     return (*CANDIDATES, *deep)
 
 
@@ -79,7 +82,7 @@ def candidates(loads_tiles: bool) -> tuple[CuteConfig, ...]:
 # than cuBLAS (1.02× at best). On a second machine the 0.952× was 1.007× (run 2026-12-03t). So
 # each is timed against cuBLAS per machine, step and shape.
 PLAIN_CANDIDATES = (
-    CuteConfig(128, 256, 2, 1, pingpong=False),
+    COOPERATIVE,
     CuteConfig(256, 128, 2, 1, pingpong=False),
 )
 
