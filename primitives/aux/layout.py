@@ -23,7 +23,7 @@ from ..base import AuxStep, Name, Node, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
 from ..launch import launch_kernel
-from ..prep.layout import row_order_on
+from ..prep.layout import pair_rows
 from ..sizes import SizeExpr, cdiv, row_tile
 from ..sizes import evaluate as evaluate_size
 from ..types import TensorInfo
@@ -223,11 +223,11 @@ class UnpairRows(AuxStep):
         src = env.tensors[self.src]
         total = src.shape[0]
         head_dim = evaluate_size(self.head_dim, env.sizes)
-        order = row_order_on(src.device, self._permuted(env, total), head_dim, total, inverse=True)
+        unpaired = pair_rows(src, head_dim, self._permuted(env, total), inverse=True)
         if self.parts is None:
-            env.tensors[self._names()[0]] = src[order]
+            env.tensors[self._names()[0]] = unpaired
         else:
-            _split_reference(env, src[order], self.parts)
+            _split_reference(env, unpaired, self.parts)
 
     def launch(self, env: RunEnv) -> None:
         src = env.tensors[self.src]

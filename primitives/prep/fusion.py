@@ -27,29 +27,30 @@ import torch
 
 from ..base import PrepStep, RunEnv
 from .fold_norm_weight import FoldNormWeight, fold_columns, offset_gamma
-from .layout import ConcatRows, RopePairs
-from .rows import stack_rows
+from .layout import ConcatRows, RopePairs, pair_rows
+from .rows import Part, stack_rows
 
 
 @dataclass
 class RowStack:
     """A prepared weight not yet written: the rows of each part stacked in order — part ``(src,
-    rows)`` contributes ``src[rows]`` (``src`` whole if ``rows`` is None) — with every column then
+    pairs)`` contributes ``src`` whole, its rows in order where ``pairs`` is 0 and in RoPE-pair
+    order per head of ``pairs`` rows otherwise (``layout.pair_rows``) — with every column then
     scaled by ``gamma`` when given. Never changed once made (not a frozen dataclass only because
     a frozen one's ``__init__`` costs a call per field, and prep describes weights on every
     training step)."""
 
-    parts: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]
+    parts: tuple[Part, ...]
     gamma: torch.Tensor | None = None
 
     def write(self, compute: torch.dtype) -> torch.Tensor:
         """The tensor this stack describes."""
         first = self.parts[0][0]
-        if len(self.parts) == 1 and self.parts[0][1] is None and self.gamma is None:
+        if len(self.parts) == 1 and not self.parts[0][1] and self.gamma is None:
             return first
         if first.is_cuda and compute != torch.float64:
             return self._write_in_place()
-        pieces = [src if rows is None else src.index_select(0, rows) for src, rows in self.parts]
+        pieces = [pair_rows(src, pairs) if pairs else src for src, pairs in self.parts]
         stacked = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return stacked if self.gamma is None else fold_columns(stacked, self.gamma, compute)
 
@@ -81,9 +82,9 @@ def _describe(step: PrepStep, env: RunEnv, pending: dict[str, RowStack]) -> RowS
     """What ``step`` produces as a ``RowStack``, or None where it must run as itself."""
     if isinstance(step, RopePairs):
         w = env.tensors.get(step.weight)  # (a bias or norm weight, 1-D, is permuted as itself)
-        return None if w is None or w.dim() != 2 else RowStack(((w, step.row_order(w, env)),))
+        return None if w is None or w.dim() != 2 else RowStack(((w, step.head_width(env)),))
     if isinstance(step, ConcatRows):
-        parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        parts: list[Part] = []
         for name in step.tensors:
             stack = _unscaled(name, env, pending)
             if stack is None:
@@ -102,7 +103,7 @@ def _unscaled(name: str, env: RunEnv, pending: dict[str, RowStack]) -> RowStack 
     if name in pending:
         stack = pending[name]
         return stack if stack.gamma is None else None
-    return RowStack(((env.tensors[name], None),))
+    return RowStack(((env.tensors[name], 0),))
 
 
 def names_in(value: Any) -> set[str]:

@@ -8,7 +8,6 @@ the weights change every step, so it is part of every step's time.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -85,30 +84,22 @@ def interleaved_buffer(first: torch.Tensor, second: torch.Tensor) -> torch.Tenso
     return first.as_strided((2 * rows, cols), (cols, 1), offset)
 
 
-def pair_order(rows: int, head_dim: int) -> torch.Tensor:
-    """Row order that takes rotate-half heads to adjacent pairs: ``new[h·D + 2p + e] =
-    old[h·D + e·D/2 + p]`` for e ∈ {0, 1}, p < D/2 (shared with the inverse aux step)."""
-    half = head_dim // 2
-    heads = torch.arange(rows // head_dim)[:, None, None] * head_dim
-    p = torch.arange(half)[None, :, None]
-    e = torch.arange(2)[None, None, :]
-    return (heads + e * half + p).reshape(-1)
-
-
-@lru_cache(maxsize=64)
-def row_order_on(
-    device: torch.device, rows: int, head_dim: int, total: int, inverse: bool
+def pair_rows(
+    w: torch.Tensor, head_dim: int, rows: int | None = None, inverse: bool = False
 ) -> torch.Tensor:
-    """``pair_order`` (or its inverse) of the first ``rows`` of ``total`` rows, the rest kept, as
-    an index tensor on ``device`` — built once per shape and kept: copying it from host memory
-    on every call would synchronize the stream (a pageable host-to-device copy does), which
-    stalled whole training steps on the H200 (bench/RESULTS.md)."""
-    order = pair_order(rows, head_dim)
-    if inverse:  # pair_order maps new → old; out[old] = src[new]
-        undo = torch.empty_like(order)
-        undo[order] = torch.arange(rows)
-        order = undo
-    return torch.cat([order, torch.arange(rows, total)]).to(device)
+    """``w`` (a weight ``[rows, …]`` or a vector) with each head of ``head_dim`` rows in RoPE-pair
+    order: new row ``h·D + 2p + e`` is old row ``h·D + e·D/2 + p`` for e ∈ {0, 1}, p < D/2 — or,
+    with ``inverse``, back to rotate-half order. Only the first ``rows`` rows (all by default)
+    are permuted; the rest are kept.
+
+    A view reshaped and transposed, then copied: no index tensor, so nothing is built per shape,
+    kept per device, or copied from host memory (the row kernel and ``unpair_rows``'s kernel
+    compute the same order from ``head_dim``)."""
+    rows = w.shape[0] if rows is None else rows
+    heads, half = rows // head_dim, head_dim // 2
+    split = (heads, half, 2) if inverse else (heads, 2, half)
+    permuted = w[:rows].reshape(*split, *w.shape[1:]).transpose(1, 2).reshape(w[:rows].shape)
+    return permuted if rows == w.shape[0] else torch.cat([permuted, w[rows:]])
 
 
 class RopePairs(PrepStep):
@@ -145,13 +136,11 @@ class RopePairs(PrepStep):
         env.define(self.out, TensorInfo(w.shape, w.dtype, env.where))
 
     def apply(self, env: RunEnv) -> None:
-        w = env.tensors[self.weight]
-        env.tensors[self.out] = w[self.row_order(w, env)]
+        env.tensors[self.out] = pair_rows(env.tensors[self.weight], self.head_width(env))
 
-    def row_order(self, w: torch.Tensor, env: RunEnv) -> torch.Tensor:
-        """Which row of ``w`` each output row takes (an index tensor on ``w``'s device)."""
-        rows, head_dim = w.shape[0], evaluate_size(self.head_dim, env.sizes)
-        return row_order_on(w.device, rows, head_dim, rows, inverse=False)
+    def head_width(self, env: RunEnv) -> int:
+        """``head_dim`` at this call's sizes."""
+        return evaluate_size(self.head_dim, env.sizes)
 
 
 class ConcatRows(PrepStep):

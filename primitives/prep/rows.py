@@ -1,5 +1,5 @@
-"""Writing a prepared weight's rows on the GPU: the rows of up to ``MAX_PARTS`` sources, each
-gathered in a given order, stacked, scaled column-wise by a norm weight γ — one pass, one launch.
+"""Writing a prepared weight's rows on the GPU: the rows of up to ``MAX_PARTS`` sources, each in
+order or in RoPE-pair order, stacked, scaled column-wise by a norm weight γ — one pass, one launch.
 
 What a fused prep chain — ``rope_pairs`` → ``concat_rows`` → ``fold_norm_weight``
 (``prep/fusion.py``) — writes a stack with (``stack_rows``: the attention input's Q, K and V
@@ -12,6 +12,11 @@ The launch's programs along the grid's first axis are the parts' row tiles, part
 kernel derives each part's first program and first output row from the row counts before it, so
 a tile never straddles two parts and parts of any row counts share one launch. A stack of more
 than ``MAX_PARTS`` parts (``concat_rows`` of stacks) takes one launch per ``MAX_PARTS`` parts.
+A part's pair order is computed from its head width in the kernel (``prep/layout.py``'s
+``pair_rows`` is the same order in PyTorch), with no index tensor: one copied from host memory per
+call would synchronize the stream, and one kept on the device between calls is allocated inside
+the memory pool of the CUDA graphs ``torch.compile(mode="reduce-overhead")`` records when its
+first call falls there — which cudagraph trees refuse.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from ..sizes import cdiv
 MAX_PARTS = 4
 _BLOCK_ROWS, _BLOCK_COLS = 16, 256
 
-Part = tuple[torch.Tensor, torch.Tensor | None]  # (source, its row order or None: all in order)
+# (source, pairs): its rows in order where pairs is 0, else in RoPE-pair order per head of pairs
+# rows (new row h·D + 2p + e is row h·D + e·D/2 + p)
+Part = tuple[torch.Tensor, int]
 
 
 @backend.jit
@@ -39,7 +46,7 @@ def _part(
     start,
     first_row,
     src_ptr,
-    rows_ptr,
+    pairs,
     n_rows,
     stride_sm,
     stride_sn,
@@ -53,8 +60,9 @@ def _part(
     BLOCK_COLS: tl.constexpr,
 ):
     # The part whose row tiles are programs start, start + 1, …: program ``tile`` writes its
-    # tile when it is one of them, out[first_row + r, c] = src[rows[r], c] · g[c]. Returns the
-    # program after the part's last.
+    # tile when it is one of them, out[first_row + r, c] = src[s(r), c] · g[c] with s(r) = r, or
+    # with pairs = D > 0 the rotate-half row e·D/2 + p of r's head for its row 2p + e. Returns
+    # the program after the part's last.
     end = start + (n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS  # by hand: a count of 1 is a constexpr
     if (tile >= start) & (tile < end):
         offs_r = (tile - start) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -62,10 +70,10 @@ def _part(
         mask_r = offs_r < n_rows
         mask_c = offs_c < cols
         mask = mask_r[:, None] & mask_c[None, :]
-        if rows_ptr is not None:
-            src_r = tl.load(rows_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
-        else:
-            src_r = offs_r.to(tl.int64)
+        src_r = offs_r.to(tl.int64)
+        if pairs > 0:
+            j = src_r % pairs
+            src_r = src_r - j + (j % 2) * (pairs // 2) + j // 2
         w = tl.load(src_ptr + src_r[:, None] * stride_sm + offs_c[None, :] * stride_sn, mask=mask)
         if g_ptr is not None:
             g = tl.load(g_ptr + offs_c * stride_g, mask=mask_c, other=0.0).to(tl.float32)
@@ -108,9 +116,9 @@ def _assemble_rows_kernel(
     BLOCK_COLS: tl.constexpr,
 ):
     # Axis 0: the parts' row tiles, part after part (each part's first program and first output
-    # row are the sums over the parts before it); axis 1: column tiles. A part's rows_ptr is None
-    # when it takes its source's rows in order, g_ptr None without γ, and the arguments of parts
-    # from NUM_PARTS on are None (never read).
+    # row are the sums over the parts before it); axis 1: column tiles. A part's pairs is 0 when
+    # it takes its source's rows in order, g_ptr None without γ, and the arguments of parts from
+    # NUM_PARTS on are None (never read).
     tile = tl.program_id(axis=0)
     end = _part(tile, 0, 0, src0, rows0, n0, stride_sm0, stride_sn0,
                 g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
@@ -130,9 +138,9 @@ def _assemble_rows_kernel(
 
 
 def stack_rows(parts: Sequence[Part], gamma: torch.Tensor | None = None) -> torch.Tensor:
-    """``cat([src[rows] for src, rows in parts]) · diag(γ)`` — ``src`` whole where ``rows`` is
-    None, no scaling where ``gamma`` is None — written by the Triton kernel on the sources'
-    device (on the CPU only under the interpreter) in one launch per ``MAX_PARTS`` parts.
+    """``cat([pair_rows(src, pairs) if pairs else src for src, pairs in parts]) · diag(γ)`` — no
+    scaling where ``gamma`` is None — written by the Triton kernel on the sources' device (on
+    the CPU only under the interpreter) in one launch per ``MAX_PARTS`` parts.
 
     Every source is a 2-D tensor of one width, dtype and device (``concat_rows`` checks the first
     two; a stack of sources it would reject is refused here rather than converted)."""
@@ -155,7 +163,7 @@ def _row_counts(parts: Sequence[Part], gamma: torch.Tensor | None) -> list[int]:
     first = parts[0][0]
     dtype, device, cols = first.dtype, first.device, first.shape[-1]
     counts = []
-    for i, (src, rows) in enumerate(parts):
+    for i, (src, pairs) in enumerate(parts):
         if src.dim() != 2:
             raise ValueError(
                 f"stack_rows: part {i} is a {tuple(src.shape)} tensor; stack 2-D weights "
@@ -167,15 +175,8 @@ def _row_counts(parts: Sequence[Part], gamma: torch.Tensor | None) -> list[int]:
                 f"part 0 is {tuple(first.shape)} {dtype} on {device}; stack weights of one width, "
                 f"dtype and device (convert or move part {i} first)"
             )
-        if rows is not None and (
-            rows.dim() != 1 or not rows.is_contiguous() or rows.device != device
-        ):
-            raise ValueError(
-                f"stack_rows: part {i}'s row order is a {tuple(rows.shape)} tensor with strides "
-                f"{rows.stride()} on {rows.device}; give a contiguous 1-D index tensor on its "
-                f"source's device ({device})"
-            )
-        counts.append(src.shape[0] if rows is None else rows.shape[0])
+        _check_pairs(f"stack_rows: part {i}", pairs, src.shape[0])
+        counts.append(src.shape[0])
     if gamma is not None and (gamma.shape != (cols,) or gamma.device != device):
         raise ValueError(
             f"stack_rows: γ is a {tuple(gamma.shape)} tensor on {gamma.device}; give one value "
@@ -194,8 +195,8 @@ def _launch(
     if not tiles or not cols:
         return
     args: list = [out, cols, *out.stride(), gamma, 0 if gamma is None else gamma.stride(0)]
-    for (src, rows), n in zip(parts, counts, strict=True):
-        args += (src, rows, n, *src.stride())
+    for (src, pairs), n in zip(parts, counts, strict=True):
+        args += (src, pairs, n, *src.stride())
     args += (None,) * (5 * (MAX_PARTS - len(parts)))
     launch_kernel(
         _assemble_rows_kernel,
@@ -208,23 +209,27 @@ def _launch(
 
 
 def assemble_rows(
-    out: torch.Tensor,
-    src: torch.Tensor,
-    rows: torch.Tensor | None = None,
-    gamma: torch.Tensor | None = None,
+    out: torch.Tensor, src: torch.Tensor, pairs: int = 0, gamma: torch.Tensor | None = None
 ) -> None:
-    """``out[r] = src[rows[r]] · diag(γ)`` for every row of ``out`` (a 2-D tensor or a row slice
-    of one), by the Triton kernel on ``out``'s device (on the CPU only under the interpreter):
-    a stack of one part written into a given tensor.
+    """``out = pair_rows(src, pairs) · diag(γ)`` for a 2-D ``out`` (or a row slice of one) of
+    ``src``'s shape, by the Triton kernel on ``out``'s device (on the CPU only under the
+    interpreter): a stack of one part written into a given tensor.
 
-    ``rows=None`` takes ``src``'s rows in order; ``gamma=None`` copies without scaling.
+    ``pairs=0`` takes ``src``'s rows in order; ``gamma=None`` copies without scaling.
     """
-    n_rows, cols = out.shape
-    if rows is not None and rows.shape != (n_rows,):
-        raise ValueError(f"assemble_rows: {rows.shape[0]} row indices for {n_rows} output rows")
-    if src.shape[1] != cols or (rows is None and src.shape[0] != n_rows):
+    if src.shape != out.shape:
         raise ValueError(f"assemble_rows: source {tuple(src.shape)} for output {tuple(out.shape)}")
-    _launch(out, ((src, rows),), (n_rows,), gamma)
+    _check_pairs("assemble_rows", pairs, src.shape[0])
+    _launch(out, ((src, pairs),), (out.shape[0],), gamma)
+
+
+def _check_pairs(what: str, pairs: int, rows: int) -> None:
+    """``ValueError`` unless ``pairs`` is 0 or an even head width dividing ``rows``."""
+    if pairs and (pairs < 0 or pairs % 2 or rows % pairs):
+        raise ValueError(
+            f"{what}'s pair order takes heads of {pairs} rows, but it has {rows} rows; give an "
+            "even head width that divides its rows (or 0: rows in order)"
+        )
 
 
 def scale_columns(w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:

@@ -299,6 +299,42 @@ def test_a_patched_llama_model_in_bf16_and_under_autocast() -> None:
         _assert_as_close_as_hugging_face(setting, got, ref32, want, tol)
 
 
+@pytest.mark.skipif(TOY, reason="CUDA graphs need a GPU")
+def test_torch_compile_reduce_overhead_graphs_a_patched_model() -> None:
+    """The whole patched Llama — the attention input's RoPE-pair prep, attention output, MLP and
+    fused loss — under ``torch.compile(mode="reduce-overhead", fullgraph=True)``: its forward and
+    backward recorded as CUDA graphs (no cudagraph skips; nothing the drop-ins keep between calls
+    lives in the graphs' memory pool, which cudagraph trees refuse) and replayed on new tokens,
+    the loss and gradients those of the eager patched model."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from coda.export import patch_llama
+
+    hf = _causal_lm(512, 1408, 2, 1024).to(DTYPE)
+    options = {"verify": False, "tune": "off", "fuse_gate_up": True, "fused_loss": True}
+    eager = patch_llama(copy.deepcopy(hf), **options)
+    patched = patch_llama(hf, **options)
+    torch.compiler.reset()
+    counters.clear()
+    compiled = torch.compile(patched, mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    for _ in range(4):  # warm-up, recording, then replays
+        ids = torch.randint(0, 1024, (2, 300), device=DEVICE, generator=gen)
+        torch.compiler.cudagraph_mark_step_begin()
+        for model in (patched, eager):
+            model.zero_grad(set_to_none=True)
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        want = eager(input_ids=ids, labels=ids).loss
+        want.backward()
+        torch.testing.assert_close(loss, want, atol=2e-2, rtol=2e-2)
+        for (name, p), q in zip(patched.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, atol=2e-2, rtol=2e-2, msg=name)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
 def test_a_patched_model_decodes_from_its_kv_cache() -> None:
     """The last token's logits from the KV cache (keys stored in the kernel's pair order) against
     a full forward, next to Hugging Face's own cached-vs-full difference — the cache path of the

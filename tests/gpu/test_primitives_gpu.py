@@ -198,11 +198,11 @@ def test_fused_prep_chains_are_the_steps_bit_for_bit_gpu(block: str, dtype: torc
 def test_a_qkv_stack_is_one_launch_bit_for_bit_gpu(offset: float) -> None:
     """The attention input's QKV weight in bfloat16 — Q and K rows in RoPE-pair order, V whole,
     γ folded (Gemma's fp32 ``1 + γ`` too) — written by the row kernel in one launch, at a GQA
-    shape and a ragged one: the bits of ``index_select`` / ``cat`` / ``fold_columns``."""
+    shape and a ragged one: the bits of ``pair_rows`` / ``cat`` / ``fold_columns``."""
     from coda.primitives.launch import recorded_launches
     from coda.primitives.prep.fold_norm_weight import fold_columns, offset_gamma
     from coda.primitives.prep.fusion import RowStack
-    from coda.primitives.prep.layout import row_order_on
+    from coda.primitives.prep.layout import pair_rows
     from coda.primitives.prep.rows import _assemble_rows_kernel
 
     device = torch.device("cuda")
@@ -216,13 +216,11 @@ def test_a_qkv_stack_is_one_launch_bit_for_bit_gpu(offset: float) -> None:
         scale = torch.logspace(-3, 3, hidden, device=device)
         gamma = (torch.randn(hidden, device=device, generator=gen) * scale).bfloat16()
         gamma = offset_gamma(gamma, offset, torch.bfloat16)
-        q_rows = row_order_on(device, q.shape[0], head_dim, q.shape[0], inverse=False)
-        k_rows = row_order_on(device, k.shape[0], head_dim, k.shape[0], inverse=False)
-        stack = RowStack(((q, q_rows), (k, k_rows), (v, None)), gamma)
+        stack = RowStack(((q, head_dim), (k, head_dim), (v, 0)), gamma)
         with recorded_launches() as launches:
             got = stack.write(torch.bfloat16)
         assert [call[0] for call in launches] == [_assemble_rows_kernel]
-        stacked = torch.cat([q.index_select(0, q_rows), k.index_select(0, k_rows), v])
+        stacked = torch.cat([pair_rows(q, head_dim), pair_rows(k, head_dim), v])
         want = (stacked.float() * gamma.float()[None, :]).bfloat16()
         assert torch.equal(got, want), (heads, head_dim, hidden)
         assert torch.equal(got, fold_columns(stacked, gamma, torch.float32))

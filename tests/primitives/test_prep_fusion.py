@@ -15,7 +15,14 @@ from coda.primitives.base import PrepStep, RunEnv
 from coda.primitives.ir import Program
 from coda.primitives.launch import recorded_launches
 from coda.primitives.prep.fusion import RowStack, run_prep
-from coda.primitives.prep.rows import MAX_PARTS, _assemble_rows_kernel, assemble_rows, stack_rows
+from coda.primitives.prep.layout import pair_rows
+from coda.primitives.prep.rows import (
+    MAX_PARTS,
+    Part,
+    _assemble_rows_kernel,
+    assemble_rows,
+    stack_rows,
+)
 from coda.primitives.runtime import compile_program
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -144,32 +151,26 @@ def test_every_chain_is_the_steps_and_writes_what_is_needed(chain: str, dtype: t
 
 def test_a_stack_of_one_whole_part_is_its_tensor() -> None:
     w = torch.randn(3, 4)
-    assert RowStack(((w, None),)).write(torch.float32) is w
+    assert RowStack(((w, 0),)).write(torch.float32) is w
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=IDS)
-def test_the_row_kernel_gathers_scales_and_places(dtype: torch.dtype) -> None:
+def test_the_row_kernel_pairs_scales_and_places(dtype: torch.dtype) -> None:
     """``assemble_rows`` (Triton; the interpreter here) into a row slice of a larger output, from a
-    transposed source, with a row order and a strided γ — or without either: the gather copies,
-    the fold is fp32-then-round (the interpreter truncates fp32 to bf16; tests/gpu has bf16 bit
-    for bit)."""
+    transposed source, in RoPE-pair order and with a strided γ — or without either: the pair
+    order is ``pair_rows``'s (a copy), the fold is fp32-then-round (the interpreter truncates fp32
+    to bf16; tests/gpu has bf16 bit for bit)."""
     gen = torch.Generator().manual_seed(4)
-    for rows, cols in [(37, 301), (1, 5), (0, 7)]:
-        src = (torch.randn(cols, rows + 3, generator=gen) * 3).to(dtype).T  # not contiguous
-        order = torch.randperm(rows + 3, generator=gen)[:rows]
+    for rows, cols, pairs in [(36, 301, 6), (40, 5, 4), (2, 5, 2), (0, 7, 4)]:
+        src = (torch.randn(cols, rows, generator=gen) * 3).to(dtype).T  # not contiguous
         gamma = (torch.randn(2 * cols, generator=gen) * 10).to(dtype)[::2]
-        for use_rows in (False, True):
+        for order in (0, pairs):
             for use_gamma in (False, True):
                 out = torch.full((rows + 5, cols), -7.0, dtype=dtype)
-                picked = src[order] if use_rows else src[:rows]
+                picked = pair_rows(src, order) if order else src
                 exact = picked.float() * (gamma.float() if use_gamma else 1.0)
                 want = exact.to(dtype)
-                assemble_rows(
-                    out[2 : 2 + rows],
-                    src if use_rows else src[:rows],
-                    order if use_rows else None,
-                    gamma if use_gamma else None,
-                )
+                assemble_rows(out[2 : 2 + rows], src, order, gamma if use_gamma else None)
                 got = out[2 : 2 + rows]
                 assert (out[:2] == -7).all() and (out[2 + rows :] == -7).all()
                 if use_gamma and dtype == torch.bfloat16 and backend.INTERPRET:
@@ -179,12 +180,26 @@ def test_the_row_kernel_gathers_scales_and_places(dtype: torch.dtype) -> None:
                     assert torch.equal(got, want)
 
 
+def test_pair_rows_is_the_rope_pair_order_and_its_inverse() -> None:
+    """``pair_rows``: within each head of D rows, new row 2p + e is old row e·D/2 + p (the rows
+    past ``rows`` kept), and ``inverse`` undoes it — for weights and vectors alike."""
+    w = torch.arange(20.0).reshape(10, 2)
+    paired = pair_rows(w, 4, rows=8)
+    want = [0, 2, 1, 3, 4, 6, 5, 7, 8, 9]  # heads [0..3], [4..7]; rows 8, 9 kept
+    assert torch.equal(paired, w[want])
+    assert torch.equal(pair_rows(paired, 4, rows=8, inverse=True), w)
+    v = torch.arange(12.0)
+    assert torch.equal(pair_rows(v, 6), v[[0, 3, 1, 4, 2, 5, 6, 9, 7, 10, 8, 11]])
+    assert torch.equal(pair_rows(pair_rows(v, 6), 6, inverse=True), v)
+
+
 def test_the_row_kernel_refuses_mismatched_rows() -> None:
     out = torch.empty(4, 3)
-    with pytest.raises(ValueError, match="3 row indices for 4 output rows"):
-        assemble_rows(out, torch.randn(9, 3), torch.arange(3))
-    with pytest.raises(ValueError, match="source"):
-        assemble_rows(out, torch.randn(5, 3))
+    with pytest.raises(ValueError, match="source \\(9, 3\\) for output \\(4, 3\\)"):
+        assemble_rows(out, torch.randn(9, 3))
+    for pairs in (3, 8, -2):
+        with pytest.raises(ValueError, match=f"heads of {pairs} rows, but it has 4 rows"):
+            assemble_rows(out, torch.randn(4, 3), pairs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -192,37 +207,34 @@ def test_the_gpu_writer_places_every_part_like_the_torch_one(dtype: torch.dtype)
     """``RowStack``'s in-place writer (what runs on the GPU: one launch of the row kernel for
     every part) through the interpreter, against its PyTorch writer (the CPU's)."""
     gen = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(n, 7, generator=gen).to(dtype) for n in (8, 4, 5))
-    order = torch.randperm(8, generator=gen)
+    q, k, v = (torch.randn(n, 7, generator=gen).to(dtype) for n in (8, 4, 6))
     gamma = torch.randn(7, generator=gen).to(dtype)
-    parts = ((q, order), (k, None), (v, torch.arange(4, -1, -1)))
-    for stack in (RowStack(parts), RowStack(parts, gamma), RowStack(((k, None), (v, None)))):
+    parts = ((q, 4), (k, 0), (v, 2))
+    for stack in (RowStack(parts), RowStack(parts, gamma), RowStack(((k, 0), (v, 0)))):
         assert torch.equal(stack._write_in_place(), stack.write(torch.float32))
 
 
-def _parts(
-    dtype: torch.dtype, counts: tuple[int, ...], cols: int, seed: int
-) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """One part per row count: sources with spare rows, odd ones gathered in a shuffled order
-    (even ones from a transposed, non-contiguous source, taken whole)."""
+def _parts(dtype: torch.dtype, counts: tuple[int, ...], cols: int, seed: int) -> list[Part]:
+    """One part per row count: odd ones in pair order (heads of 4 rows where 4 divides the
+    count, else 2), even ones in order, from a transposed, non-contiguous source."""
     gen = torch.Generator().manual_seed(seed)
-    parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    parts: list[Part] = []
     for i, n in enumerate(counts):
         if i % 2:
-            src = (torch.randn(n + 2, cols, generator=gen) * 3).to(dtype)
-            parts.append((src, torch.randperm(n + 2, generator=gen)[:n]))
+            src = (torch.randn(n, cols, generator=gen) * 3).to(dtype)
+            parts.append((src, 4 if n % 4 == 0 else 2))
         else:
-            parts.append(((torch.randn(cols, n, generator=gen) * 3).to(dtype).T, None))
+            parts.append(((torch.randn(cols, n, generator=gen) * 3).to(dtype).T, 0))
     return parts
 
 
 def _per_part(stack: RowStack) -> torch.Tensor:
     """The stack written part by part: one ``assemble_rows`` launch per part, into its rows."""
     first = stack.parts[0][0]
-    counts = [src.shape[0] if rows is None else rows.shape[0] for src, rows in stack.parts]
+    counts = [src.shape[0] for src, _ in stack.parts]
     out = torch.empty((sum(counts), first.shape[1]), dtype=first.dtype)
-    for (src, rows), part in zip(stack.parts, out.split(counts), strict=True):
-        assemble_rows(part, src, rows, stack.gamma)
+    for (src, pairs), part in zip(stack.parts, out.split(counts), strict=True):
+        assemble_rows(part, src, pairs, stack.gamma)
     return out
 
 
@@ -230,15 +242,15 @@ def _per_part(stack: RowStack) -> torch.Tensor:
 def test_a_stack_is_written_in_one_launch_like_part_by_part(dtype: torch.dtype) -> None:
     """``RowStack``'s in-place writer (the GPU's; the interpreter here) launches the row kernel
     once for a stack of up to ``MAX_PARTS`` parts of odd row counts — a part wider than a row
-    tile among them — and writes what the per-part launches and PyTorch's ``index_select`` /
-    ``cat`` / ``fold_columns`` write, bit for bit: with and without row orders and γ (a 16-bit
+    tile among them — and writes what the per-part launches and PyTorch's ``pair_rows`` /
+    ``cat`` / ``fold_columns`` write, bit for bit: with and without pair orders and γ (a 16-bit
     one, and an fp32 one as ``offset_gamma`` makes)."""
     cols = 263  # two column tiles
     gen = torch.Generator().manual_seed(8)
     gamma = (torch.randn(cols, generator=gen) * torch.logspace(-2, 2, cols)).to(dtype)
-    for counts in [(5, 3, 7), (5, 37, 3, 7), (1,), (4, 0, 6)]:
+    for counts in [(5, 6, 7), (5, 36, 3, 8), (1,), (4, 0, 6)]:
         parts = _parts(dtype, counts, cols, seed=sum(counts))
-        whole = tuple((src, None) for src, _ in parts)  # every part in order: plain stacking
+        whole = tuple((src, 0) for src, _ in parts)  # every part in order: plain stacking
         for stack in (
             RowStack(tuple(parts)),
             RowStack(tuple(parts), gamma),
@@ -255,7 +267,7 @@ def test_a_stack_is_written_in_one_launch_like_part_by_part(dtype: torch.dtype) 
 
 def test_a_stack_of_more_parts_takes_a_launch_per_max_parts() -> None:
     gen = torch.Generator().manual_seed(9)
-    counts = (3, 5, 2, 7, 1, 4) + (6,) * (MAX_PARTS - 4)  # more than MAX_PARTS parts
+    counts = (3, 6, 2, 8, 1, 4) + (6,) * (MAX_PARTS - 4)  # more than MAX_PARTS parts
     parts = _parts(torch.float32, counts, cols=9, seed=3)
     stack = RowStack(tuple(parts), torch.randn(9, generator=gen))
     with recorded_launches() as launches:
@@ -268,15 +280,12 @@ def test_a_stack_of_mismatched_parts_is_refused() -> None:
     w = torch.randn(4, 6)
     cases = {
         "part 1 is \\(4, 6\\) torch.float16 on cpu, but part 0 is \\(4, 6\\) torch.float32": (
-            (w, None),
-            (w.half(), None),
+            (w, 0),
+            (w.half(), 0),
         ),
-        "part 2 is \\(4, 5\\)": ((w, None), (w, None), (torch.randn(4, 5), None)),
-        "part 0 is a \\(6,\\) tensor; stack 2-D weights": ((w[0], None),),
-        "part 1's row order is a \\(2, 2\\) tensor": ((w, None), (w, torch.zeros(2, 2).long())),
-        "part 0's row order is a \\(2,\\) tensor with strides \\(2,\\)": (
-            (w, torch.arange(4)[::2]),
-        ),
+        "part 2 is \\(4, 5\\)": ((w, 0), (w, 0), (torch.randn(4, 5), 0)),
+        "part 0 is a \\(6,\\) tensor; stack 2-D weights": ((w[0], 0),),
+        "part 1's pair order takes heads of 3 rows, but it has 4 rows": ((w, 0), (w, 3)),
     }
     for message, parts in cases.items():
         with pytest.raises(ValueError, match=message):
@@ -284,7 +293,7 @@ def test_a_stack_of_mismatched_parts_is_refused() -> None:
     with pytest.raises(
         ValueError, match="γ is a \\(5,\\) tensor on cpu; give one value per column"
     ):
-        stack_rows(((w, None),), torch.randn(5))
+        stack_rows(((w, 0),), torch.randn(5))
 
 
 def test_the_prep_s_launches_replay_pinned_per_layout_of_what_prep_reads(
