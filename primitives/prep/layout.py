@@ -92,13 +92,15 @@ def pair_rows(
     with ``inverse``, back to rotate-half order. Only the first ``rows`` rows (all by default)
     are permuted; the rest are kept.
 
-    A view reshaped and transposed, then copied: no index tensor, so nothing is built per shape,
-    kept per device, or copied from host memory (the row kernel and ``unpair_rows``'s kernel
-    compute the same order from ``head_dim``)."""
+    The rows reshaped, transposed and reshaped back (a new tensor; with heads of 2 rows, whose
+    order is the identity, possibly a view of ``w``): no index tensor, so nothing is built per
+    shape, kept per device, or copied from host memory (the row kernel and ``unpair_rows``'s
+    kernel compute the same order from ``head_dim``)."""
     rows = w.shape[0] if rows is None else rows
+    head = w[:rows]
     heads, half = rows // head_dim, head_dim // 2
     split = (heads, half, 2) if inverse else (heads, 2, half)
-    permuted = w[:rows].reshape(*split, *w.shape[1:]).transpose(1, 2).reshape(w[:rows].shape)
+    permuted = head.reshape(*split, *w.shape[1:]).transpose(1, 2).reshape(head.shape)
     return permuted if rows == w.shape[0] else torch.cat([permuted, w[rows:]])
 
 
