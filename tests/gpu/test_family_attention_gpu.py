@@ -1,8 +1,9 @@
 """``patch_model``'s attention inputs of Gemma 2 (``llama_attn_in``: softcapped, scaled scores and
 sliding windows in Hugging Face's attention function), Gemma 3 (``gemma3_attn_in``: ``(1 + w)``
-per-head q/k norms, local and global RoPE tables) and OLMo 2 (``olmo2_attn_in``: no input norm,
-q/k norms over the whole projection; with its MLP half, ``olmo2_mlp_branch``) on the GPU: a
-random two-layer model (a sliding layer, then a global one) cast to bf16 and in fp32 under bf16
+per-head q/k norms, local and global RoPE tables), OLMo 2 (``olmo2_attn_in``: no input norm,
+q/k norms over the whole projection; with its MLP half, ``olmo2_mlp_branch``) and Qwen2
+(``qwen2_attn_in``: q, k and v biases, the q/k biases in the RoPE pair order) on the GPU: a random
+two-layer model (Gemma: a sliding layer, then a global one) cast to bf16 and in fp32 under bf16
 autocast, its loss, logits and every gradient judged against the fp32 model by the sandbox's
 rule next to Hugging Face's own error in the same setting. ``CODA_TEST_DEVICE=cpu
 CODA_TEST_DTYPE=float32`` checks this file through the interpreter at toy sizes (fp16 for the
@@ -33,6 +34,7 @@ MODELS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"attn_logit_softcapping": 5.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q, k and v with biases
 }
 LOCAL_GLOBAL = {"layer_types": ["sliding_attention", "full_attention"]}
 
@@ -41,7 +43,7 @@ def _model(family: str) -> torch.nn.Module:
     """The family's random two-layer causal LM on DEVICE (fp32), norms away from their init."""
     hidden, inter, vocab, head, window = (48, 80, 96, 8, 4) if TOY else (1024, 2816, 2048, 128, 96)
     config_name, model_name, extras = MODELS[family]
-    if family != "olmo2":
+    if family.startswith("gemma"):
         extras = {**extras, **LOCAL_GLOBAL, "sliding_window": window}
     config = getattr(transformers, config_name)(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2, num_attention_heads=8,
