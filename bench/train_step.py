@@ -96,7 +96,9 @@ the cost of a slower host; ``--trace``: also a gzip'd Chrome trace per variant).
 ``--memory-peak N`` records the CUDA caching allocator's history over one forward+backward per
 variant and lists the N largest groups of memory live at the step's peak, by the code that
 allocated them (the innermost frames in coda, transformers, Liger-Kernel or this script).
-``--host`` times the host's part of a step (``host_ms``); ``--host-split`` also times each
+``--host`` times the host's part of a step, from an idle GPU (``host_ms``) and back to back
+(``host_ms_back_to_back``: each step issued while the GPU runs the one before, as in the timing
+loop; longer than from idle where the host waits for the GPU); ``--host-split`` also times each
 ``coda`` variant's host with every Triton launch a no-op, which separates the launch path's share
 from the rest of the patched step's Python and PyTorch work.
 
@@ -901,6 +903,7 @@ def measure_more(
         row["kernels"] = kernels[: args.profile]
     if args.host:
         row["host_ms"] = host_ms(step, bench)
+        row["host_ms_back_to_back"] = host_ms_back_to_back(step, bench)
     if variant in args.cprofile.split(","):
         where = setting if family == "llama" else f"{family}-{setting}"
         (Path(args.out) / f"cprofile-{where}-{variant}.txt").write_text(host_profile(step, bench))
@@ -964,6 +967,32 @@ def host_ms(step: Callable[[], Any], bench: Bench, steps: int | None = None) -> 
         steps = 2 if bench.dry_run else 10
     for _ in range(steps):
         bench.synchronize()
+        start = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - start) * 1e3)
+    bench.synchronize()
+    return statistics.median(samples)
+
+
+def host_ms_back_to_back(step: Callable[[], Any], bench: Bench, steps: int | None = None) -> float:
+    """Median host milliseconds of one step over ``steps`` (default 20; a dry run 2) issued back
+    to back, as the timing loop issues them: no synchronization between steps, so each starts
+    while the GPU still runs the step before (after three such steps to reach that state).
+
+    A step whose host never waits for the GPU issues in about its from-idle time (``host_ms``)
+    and, when that is longer than its GPU work, runs at it: the step is host-bound. A host that
+    waits somewhere — a launch once CUDA's queue is full, any call that blocks on the device —
+    takes longer here than from idle; a GPU-bound step's host takes the GPU's time per step."""
+    import statistics
+    import time
+
+    if steps is None:
+        steps = 2 if bench.dry_run else 20
+    bench.synchronize()
+    for _ in range(3):
+        step()
+    samples = []
+    for _ in range(steps):
         start = time.perf_counter()
         step()
         samples.append((time.perf_counter() - start) * 1e3)
@@ -1313,7 +1342,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     peak a step adds), host time, and the step time's spread over runs with every run's."""
     lines = [
         "| setting | variant | correct | loss | grad norm | step ms | tokens/s | vs hf eager "
-        "| step memory GB | host ms | step ms over runs: min–max (each run) |",
+        "| step memory GB | host ms: from idle / back to back "
+        "| step ms over runs: min–max (each run) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -1336,11 +1366,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def _host_cell(row: dict[str, Any]) -> str:
-    """The host-ms cell: the step's host time, and without Triton's launches where measured."""
+    """The host-ms cell: the step's host time from an idle GPU, then back to back, and without
+    Triton's launches (from idle) where measured."""
     host, bare = row.get("host_ms"), row.get("host_ms_no_launches")
     if host is None:
         return "—"
-    return f"{host:.2f}" if bare is None else f"{host:.2f} ({bare:.2f} without launches)"
+    text = f"{host:.2f}"
+    if row.get("host_ms_back_to_back") is not None:
+        text += f" / {row['host_ms_back_to_back']:.2f}"
+    return text if bare is None else f"{text} ({bare:.2f} without launches)"
 
 
 def _cell(text: str) -> str:

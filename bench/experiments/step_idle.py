@@ -1,4 +1,5 @@
-"""Experiment: does the GPU wait for the host inside back-to-back training steps at 8192 tokens?
+"""Experiment: does the GPU wait for the host inside back-to-back training steps (8192 tokens by
+default), and where does the host wait for the GPU?
 
 ``bench/train_step.py`` times steps the way ``do_bench`` runs them: one after another with no
 synchronization between steps, so the host may run ahead of the GPU by whole steps. Its
@@ -19,10 +20,19 @@ steps in a row (short while the host runs ahead, a GPU step long once CUDA's lau
 and, from an idle GPU, the host's time to issue the forward and the backward and the time the
 GPU then needs to drain.
 
+``--host-stalls`` asks where a host-bound step's host waits for the GPU without a reported sync:
+the host's ms in each phase of a step (zero_grad, the embedding, each decoder layer, the loss,
+backward, ``AdamW.step``; module hooks mark the layers) issued back to back (the GPU busy with the
+step before) against the same phases issued from an idle GPU, median over ``--stall-steps`` steps
+each; the caching allocator's cudaMalloc / cudaFree counts over the back-to-back steps; and the
+host calls (PyTorch ops, CUDA runtime calls) longer than ``--stall-us`` µs, by name, per step,
+profiled both ways and ordered by how much longer they take back to back — a call that blocks on
+the GPU is long only there.
+
 Not part of the product: a measurement to decide whether host work or GPU work limits the step.
 
     python3 bench/experiments/step_idle.py [--batch 4] [--variants coda_lm_head,liger]
-        [--steps 6] [--host-lead] [--out DIR]
+        [--steps 6] [--host-lead | --host-stalls [--stall-us 20]] [--out DIR]
 """
 
 from __future__ import annotations
@@ -45,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", default="coda_lm_head,liger")
     p.add_argument("--steps", type=int, default=6, help="profiled steps in a row")
     p.add_argument("--host-lead", action="store_true", help="the host's lead, no profiler")
+    p.add_argument("--host-stalls", action="store_true", help="where the host waits, by phase")
+    p.add_argument("--stall-steps", type=int, default=15, help="steps per --host-stalls column")
+    p.add_argument("--stall-us", type=float, default=20.0, help="host calls longer than this")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/out")
     return p.parse_args(argv)
 
@@ -158,6 +171,134 @@ def host_lead(step, forward, backward) -> dict:  # noqa: ANN001 - train_step cal
     }
 
 
+def phase_step(model, loss_fn, ids, bench):  # noqa: ANN001 - train_step parts
+    """``train_step``'s step (fused AdamW) as a function returning the host's perf_counter at
+    each boundary, in order: ``start``, after ``zero_grad``, after the embedding and after each
+    decoder layer's forward (module hooks), ``forward`` (the loss returned), ``backward``,
+    ``optimizer``."""
+    import time
+
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    marks: list[tuple[str, float]] = []
+    inner = model.model
+    modules = [("embed", inner.embed_tokens)]
+    modules += [(f"layer{i}", layer) for i, layer in enumerate(inner.layers)]
+    for name, module in modules:
+        module.register_forward_hook(
+            lambda *_, name=name: marks.append((name, time.perf_counter()))
+        )
+
+    def step() -> list[tuple[str, float]]:
+        marks.clear()
+        marks.append(("start", time.perf_counter()))
+        optimizer.zero_grad(set_to_none=True)
+        marks.append(("zero_grad", time.perf_counter()))
+        loss = ts.setting_loss(model, loss_fn, ids, "bf16", bench)
+        marks.append(("forward", time.perf_counter()))
+        loss.backward()
+        marks.append(("backward", time.perf_counter()))
+        optimizer.step()
+        marks.append(("optimizer", time.perf_counter()))
+        return list(marks)
+
+    return step
+
+
+def phase_ms(steps: list[list[tuple[str, float]]]) -> dict[str, float]:
+    """Median host ms from each mark to the next (named by the later one) and of the whole step,
+    over steps."""
+    import statistics
+
+    names = [name for name, _ in steps[0][1:]]
+    out = {}
+    for i, name in enumerate(names):
+        out[name] = statistics.median((m[i + 1][1] - m[i][1]) * 1e3 for m in steps)
+    out["step"] = statistics.median((m[-1][1] - m[0][1]) * 1e3 for m in steps)
+    return out
+
+
+ALLOCATOR_COUNTS = (
+    "num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams",
+)  # fmt: skip
+
+
+def allocator_counts() -> dict[str, int]:
+    """The caching allocator's counts of cudaMalloc / cudaFree calls, retries and full syncs."""
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
+def host_stalls(step, steps: int, stall_us: float) -> dict:  # noqa: ANN001 - phase_step's step
+    """Phase times back to back and from an idle GPU; the host calls by name, profiled both ways,
+    ordered by how much longer they take back to back (a call that waits for the GPU tops it)."""
+    import torch
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    idle = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        idle.append(step())
+    torch.cuda.synchronize()
+    for _ in range(3):
+        step()
+    before = allocator_counts()
+    back = [step() for _ in range(steps)]
+    torch.cuda.synchronize()
+    after = allocator_counts()
+    calls_idle = host_calls(step, steps, stall_us, synchronize=True)
+    calls_back = host_calls(step, steps, stall_us, synchronize=False)
+    names = set(calls_idle) | set(calls_back)
+    zero = (0.0, 0.0, 0.0)
+    rows = []
+    for name in names:
+        _, ms_i, max_i = calls_idle.get(name, zero)
+        n_b, ms_b, max_b = calls_back.get(name, zero)
+        rows.append({
+            "name": name[:90], "more_ms": round(ms_b - ms_i, 3), "back_ms": round(ms_b, 3),
+            "idle_ms": round(ms_i, 3), "per_step": round(n_b, 2), "back_max_us": round(max_b),
+            "idle_max_us": round(max_i),
+        })  # fmt: skip
+    rows.sort(key=lambda r: -r["more_ms"])
+    return {
+        "from_idle_ms": phase_ms(idle),
+        "back_to_back_ms": phase_ms(back),
+        "allocator_calls_back_to_back": {k: after[k] - before[k] for k in ALLOCATOR_COUNTS},
+        "host_calls_longer_back_to_back": rows[:40],
+    }
+
+
+def host_calls(step, steps: int, over_us: float, *, synchronize: bool) -> dict:  # noqa: ANN001
+    """Per host event name (PyTorch ops, CUDA runtime and driver calls, nested ones counted in
+    each) over ``steps`` profiled steps, those longer than ``over_us`` µs: count per step, ms per
+    step and the longest µs; ``synchronize``: each step starts from an idle GPU."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            if synchronize:
+                torch.cuda.synchronize()
+            step()
+        torch.cuda.synchronize()
+    found: dict[str, list[float]] = collections.defaultdict(list)
+    for e in prof.events():
+        us = e.time_range.end - e.time_range.start
+        if not is_gpu_work(e) and us > over_us and "Synchronize" not in e.name:
+            found[e.name].append(us)
+    return {n: (len(v) / steps, sum(v) / 1e3 / steps, max(v)) for n, v in found.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -174,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         model = ts.make_variant(name, base, "bf16", bench)
         loss_fn = ts.loss_of(name, bench)
         step = ts.train_step(model, loss_fn, ids, "bf16", bench)
-        if args.host_lead:
+        if args.host_stalls:
+            stepper = phase_step(model, loss_fn, ids, bench)
+            results[name] = host_stalls(stepper, args.stall_steps, args.stall_us)
+            print(name, json.dumps(results[name], indent=1))
+        elif args.host_lead:
 
             def forward(model=model, loss_fn=loss_fn):  # noqa: ANN001, ANN202
                 model.zero_grad(set_to_none=True)
@@ -191,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         del model, step
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    kind = "host_lead" if args.host_lead else "step_idle"
+    kind = "host_stalls" if args.host_stalls else "host_lead" if args.host_lead else "step_idle"
     with open(os.path.join(args.out, f"{kind}-b{args.batch}.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0

@@ -1,5 +1,5 @@
-"""bench/experiments/step_idle.py: its timeline arithmetic on a made-up GPU trace, and its refusal
-without a GPU (the measurements need one)."""
+"""bench/experiments/step_idle.py: its timeline arithmetic on a made-up GPU trace, its phase
+times from made-up host marks, and its refusal without a GPU (the measurements need one)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,17 @@ def test_it_refuses_without_a_gpu(tmp_path, capsys) -> None:  # noqa: ANN001
     assert experiment.main(["--out", str(tmp_path)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_phase_times_are_medians_from_each_mark_to_the_next() -> None:
+    # two steps' perf_counter marks (seconds): the phases named by the mark that ends them
+    steps = [
+        [("start", 0.0), ("zero_grad", 0.001), ("embed", 0.002), ("forward", 0.006)],
+        [("start", 1.0), ("zero_grad", 1.001), ("embed", 1.004), ("forward", 1.010)],
+    ]
+    ms = experiment.phase_ms(steps)
+    assert list(ms) == ["zero_grad", "embed", "forward", "step"]
+    assert ms["zero_grad"] == pytest.approx(1.0)
+    assert ms["embed"] == pytest.approx(2.0)  # median of 1 and 3
+    assert ms["forward"] == pytest.approx(5.0)  # median of 4 and 6
+    assert ms["step"] == pytest.approx(8.0)  # median of 6 and 10

@@ -40,6 +40,7 @@ def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> No
         (s, v) for s in ("bf16", "amp") for v in variants.split(",")
     ]
     assert all(r["correct"] and r["step_ms"] > 0 and r["host_ms"] > 0 for r in rows)
+    assert all(r["host_ms_back_to_back"] > 0 for r in rows)
     split = [r for r in rows if r["variant"].startswith("coda")]  # their launches stubbed too
     assert all(r["host_ms_no_launches"] > 0 for r in split)
     assert not any("host_ms_no_launches" in r for r in rows if r not in split)
@@ -178,6 +179,8 @@ def test_the_table_gives_the_spread_over_runs_and_every_run() -> None:
         "speedup_vs_hf": 1.25, "step_memory_gb": 2.82, "host_ms": 12.5,
     }  # fmt: skip
     assert "| 1.250× | 2.82 | 12.50 | 32.70–33.10 (32.90, 33.10, 32.70) |" in script.table([row])
+    both = {**row, "host_ms_back_to_back": 13.25, "host_ms_no_launches": 9.5}
+    assert "| 2.82 | 12.50 / 13.25 (9.50 without launches) | 32.70" in script.table([both])
     skipped = {"setting": "amp", "variant": "liger", "skipped": "a | b\nc"}
     assert "| amp | liger | skipped: a / b c |" in script.table([skipped])
 
