@@ -92,22 +92,22 @@ def _assemble_rows_kernel(
     g_ptr,
     stride_g,
     src0,
-    rows0,
+    pairs0,
     n0,
     stride_sm0,
     stride_sn0,
     src1,
-    rows1,
+    pairs1,
     n1,
     stride_sm1,
     stride_sn1,
     src2,
-    rows2,
+    pairs2,
     n2,
     stride_sm2,
     stride_sn2,
     src3,
-    rows3,
+    pairs3,
     n3,
     stride_sm3,
     stride_sn3,
@@ -120,19 +120,19 @@ def _assemble_rows_kernel(
     # it takes its source's rows in order, g_ptr None without γ, and the arguments of parts from
     # NUM_PARTS on are None (never read).
     tile = tl.program_id(axis=0)
-    end = _part(tile, 0, 0, src0, rows0, n0, stride_sm0, stride_sn0,
+    end = _part(tile, 0, 0, src0, pairs0, n0, stride_sm0, stride_sn0,
                 g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
                 BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
     if NUM_PARTS > 1:
-        end = _part(tile, end, n0, src1, rows1, n1, stride_sm1, stride_sn1,
+        end = _part(tile, end, n0, src1, pairs1, n1, stride_sm1, stride_sn1,
                     g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
                     BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
     if NUM_PARTS > 2:
-        end = _part(tile, end, n0 + n1, src2, rows2, n2, stride_sm2, stride_sn2,
+        end = _part(tile, end, n0 + n1, src2, pairs2, n2, stride_sm2, stride_sn2,
                     g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
                     BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
     if NUM_PARTS > 3:
-        _part(tile, end, n0 + n1 + n2, src3, rows3, n3, stride_sm3, stride_sn3,
+        _part(tile, end, n0 + n1 + n2, src3, pairs3, n3, stride_sm3, stride_sn3,
               g_ptr, stride_g, out_ptr, cols, stride_om, stride_on,
               BLOCK_ROWS, BLOCK_COLS)  # fmt: skip
 
