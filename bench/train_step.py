@@ -903,7 +903,7 @@ def measure_more(
         row["kernels"] = kernels[: args.profile]
     if args.host:
         row["host_ms"] = host_ms(step, bench)
-        row["host_ms_back_to_back"] = host_ms_back_to_back(step, bench)
+        row["host_ms_back_to_back"] = host_ms(step, bench, back_to_back=True)
     if variant in args.cprofile.split(","):
         where = setting if family == "llama" else f"{family}-{setting}"
         (Path(args.out) / f"cprofile-{where}-{variant}.txt").write_text(host_profile(step, bench))
@@ -954,45 +954,32 @@ def sync_counts(stacks: list) -> dict[str, int]:
     return counts
 
 
-def host_ms(step: Callable[[], Any], bench: Bench, steps: int | None = None) -> float:
-    """Median host milliseconds of one step over ``steps`` (default 10; a dry run 2): from a
-    synchronized, idle GPU until ``step()`` returns, without synchronizing inside (the time the
-    host needs to issue the step's work). When it reaches the step's time the GPU waits on the
-    host: the step is host-bound."""
+def host_ms(
+    step: Callable[[], Any], bench: Bench, steps: int | None = None, *, back_to_back: bool = False
+) -> float:
+    """Median host milliseconds of one step over ``steps``, until ``step()`` returns, without
+    synchronizing inside (the time the host needs to issue the step's work).
+
+    From a synchronized, idle GPU (default, 10 steps): when it reaches the step's time the GPU
+    waits on the host: the step is host-bound. ``back_to_back`` (20 steps): each step issued
+    while the GPU still runs the one before, as the timing loop issues them (after three such
+    steps to reach that state). A host that never waits for the GPU issues in about its
+    from-idle time; one that waits somewhere — a launch once CUDA's queue is full, any call that
+    blocks on the device — takes longer back to back, and a GPU-bound step's host takes the
+    GPU's time per step. A dry run times 2 steps either way."""
     import statistics
     import time
 
-    samples = []
     if steps is None:  # the interpreter is slow; a dry run checks code
-        steps = 2 if bench.dry_run else 10
-    for _ in range(steps):
-        bench.synchronize()
-        start = time.perf_counter()
-        step()
-        samples.append((time.perf_counter() - start) * 1e3)
+        steps = 2 if bench.dry_run else 20 if back_to_back else 10
     bench.synchronize()
-    return statistics.median(samples)
-
-
-def host_ms_back_to_back(step: Callable[[], Any], bench: Bench, steps: int | None = None) -> float:
-    """Median host milliseconds of one step over ``steps`` (default 20; a dry run 2) issued back
-    to back, as the timing loop issues them: no synchronization between steps, so each starts
-    while the GPU still runs the step before (after three such steps to reach that state).
-
-    A step whose host never waits for the GPU issues in about its from-idle time (``host_ms``)
-    and, when that is longer than its GPU work, runs at it: the step is host-bound. A host that
-    waits somewhere — a launch once CUDA's queue is full, any call that blocks on the device —
-    takes longer here than from idle; a GPU-bound step's host takes the GPU's time per step."""
-    import statistics
-    import time
-
-    if steps is None:
-        steps = 2 if bench.dry_run else 20
-    bench.synchronize()
-    for _ in range(3):
-        step()
+    if back_to_back:
+        for _ in range(3):
+            step()
     samples = []
     for _ in range(steps):
+        if not back_to_back:
+            bench.synchronize()
         start = time.perf_counter()
         step()
         samples.append((time.perf_counter() - start) * 1e3)

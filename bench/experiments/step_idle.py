@@ -314,10 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.variants.split(","):
         model = ts.make_variant(name, base, "bf16", bench)
         loss_fn = ts.loss_of(name, bench)
-        step = ts.train_step(model, loss_fn, ids, "bf16", bench)
+        if args.host_stalls:  # the same step, marking its phases
+            step = phase_step(model, loss_fn, ids, bench)
+        else:
+            step = ts.train_step(model, loss_fn, ids, "bf16", bench)
         if args.host_stalls:
-            stepper = phase_step(model, loss_fn, ids, bench)
-            results[name] = host_stalls(stepper, args.stall_steps, args.stall_us)
+            results[name] = host_stalls(step, args.stall_steps, args.stall_us)
             print(name, json.dumps(results[name], indent=1))
         elif args.host_lead:
 
