@@ -22,8 +22,8 @@ verified against the block ``<family>_grad``: loss and the gradients of ``Σ dlo
 
 and the weight gradient ``dzᵀ y`` accumulates across chunks in the gradient buffer (cuBLAS
 ``addmm``: the Program's last, plain GEMM, run with ``beta = 1``). Only a chunk's logits (then
-its gradient, in the same memory) exist at a time — never ``[tokens, vocabulary]``
-(``chunk_rows``).
+its gradient, in the same memory) exist at a time — the whole batch's ``[tokens, vocabulary]``
+only where they are small (``chunk_rows``).
 
 ``gradient_program(train, backward, cap)`` composes the chunk Program from the family's two
 verified Programs (the training forward and the saved-``lse`` backward, whose fold of γ into
@@ -51,10 +51,14 @@ LOGITS = "head_logits"  # the stored projection z, [rows, V], activation dtype
 FOLDED_ROWS = "x_folded"  # the chunk's rows with γ folded in, x ⊙ γ, [rows, d] (_fold_into_rows)
 # the row count the weight-gradient GEMM's reduction needs to run near peak (see chunk_rows)
 MIN_CHUNK_ROWS = 1024
+# a batch whose logits have no more elements than this is one chunk (see chunk_rows): 128 MiB
+# of bf16 logits, half a floor chunk's at Llama 3's vocabulary (1024 × 128256)
+ONE_CHUNK_LOGITS = 1 << 26
 
 
 def chunk_rows(tokens: int, vocab: int, width: int) -> int:
-    """Rows per chunk: Liger-Kernel's rule — a chunk's logits about as large as the hidden
+    """Rows per chunk: the whole batch when its logits have at most ``ONE_CHUNK_LOGITS``
+    elements; otherwise Liger-Kernel's rule — a chunk's logits about as large as the hidden
     states, ``tokens / ⌈V / d⌉`` rounded up to a power of two — but at least
     ``MIN_CHUNK_ROWS``.
 
@@ -68,7 +72,16 @@ def chunk_rows(tokens: int, vocab: int, width: int) -> int:
     256000 vocabulary (Gemma 2) are 0.5 GB of bf16 logits, over which their gradient is written
     (one buffer), where the whole batch of 8192 tokens would be 4.2 GB; beside it a chunk holds
     only ``[rows, d]`` tensors (``x ⊙ γ``, ``dx``, ``y``) and the ``[V, d]`` weight gradient,
-    no prepared copy of the weight."""
+    no prepared copy of the weight.
+
+    A small batch is one chunk: its training step is bound by the host's time to issue it, not
+    by the GPU (bench/RESULTS.md, 2048 tokens), and every chunk costs the host a Program call,
+    a weight-gradient product and a copy of its ``dx`` rows, and the GPU one more pass over the
+    ``[V, d]`` accumulator — while the whole batch's logits are at most 128 MiB (2048 tokens of
+    a 32000 vocabulary), small beside the weights and the optimizer's state of any model with
+    that head."""
+    if tokens * vocab <= ONE_CHUNK_LOGITS:
+        return max(tokens, 1)
     liger = -(-tokens // -(-vocab // max(width, 1)))
     return max(MIN_CHUNK_ROWS, 1 << max(liger - 1, 0).bit_length())
 
@@ -228,33 +241,17 @@ class _ChunkedLoss(torch.autograd.Function):
         runner: _Runner,
         rows: int,
     ) -> torch.Tensor:
-        dx = torch.empty_like(x)
-        losses, dgammas, dw = [], [], None
-        for start in range(0, x.shape[0], rows):
-            part = slice(start, start + rows)
-            loss, dx_part, dgamma_part, dz, y = runner(
-                x[part], gamma, w, classes[part], weights[part]
-            )
-            losses.append(loss)
-            dgammas.append(dgamma_part)
-            dx[part] = dx_part
-            if ctx.needs_input_grad[2]:  # the first chunk writes the buffer, later ones add
-                dw = dz.T @ y if dw is None else dw.addmm_(dz.T, y)
-            del dz, y, dx_part  # freed before the next chunk allocates its own
-        if dw is None and ctx.needs_input_grad[2]:  # no rows
-            dw = torch.zeros_like(w)
-        # The chunks' losses and γ partials summed once at the end (a few launches, not a few
-        # per chunk): fp32 throughout.
-        if losses:
-            total = torch.dot(torch.cat(losses).to(torch.float32), weights)
-            dgamma = torch.stack(dgammas).to(torch.float32).sum(dim=0)
+        if rows >= x.shape[0] > 0:  # one chunk: its outputs are the gradients as they are
+            loss, dx, dgamma, dz, y = runner(x, gamma, w, classes, weights)
+            dw = dz.T @ y if ctx.needs_input_grad[2] else None
+            total = torch.dot(loss.to(torch.float32), weights)
+            dgamma = dgamma.to(gamma.dtype)  # (the Program's dγ has it: no copy)
         else:
-            total = torch.zeros((), dtype=torch.float32, device=x.device)
-            dgamma = torch.zeros(gamma.shape, dtype=torch.float32, device=x.device)
+            total, dx, dgamma, dw = _in_chunks(runner, x, gamma, w, classes, weights, rows, ctx)
         # Held on ctx, not saved for backward: the backward scales them in place and hands them
         # over, so autograd takes each as the parameter's gradient without a copy (a tensor
         # the graph still held would be cloned) and the weight gradient exists once.
-        ctx.grads = (dx, dgamma.to(gamma.dtype), dw)
+        ctx.grads = (dx, dgamma, dw)
         return total
 
     @staticmethod
@@ -272,6 +269,42 @@ class _ChunkedLoss(torch.autograd.Function):
         # Any other value multiplies in fp32, rounded once to each gradient's dtype.
         scale_unless_one((dx, dgamma, dw), grad)
         return dx, dgamma, dw, None, None, None, None
+
+
+def _in_chunks(
+    runner: _Runner,
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    w: torch.Tensor,
+    classes: torch.Tensor,
+    weights: torch.Tensor,
+    rows: int,
+    ctx: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The loss and the gradients ``dx``, ``dγ``, ``dW`` (None unless ``w`` needs one) of
+    ``x``'s rows ``rows`` at a time: ``dx`` written chunk by chunk, ``dW`` accumulated."""
+    dx = torch.empty_like(x)
+    losses, dgammas, dw = [], [], None
+    for start in range(0, x.shape[0], rows):
+        part = slice(start, start + rows)
+        loss, dx_part, dgamma_part, dz, y = runner(x[part], gamma, w, classes[part], weights[part])
+        losses.append(loss)
+        dgammas.append(dgamma_part)
+        dx[part] = dx_part
+        if ctx.needs_input_grad[2]:  # the first chunk writes the buffer, later ones add
+            dw = dz.T @ y if dw is None else dw.addmm_(dz.T, y)
+        del dz, y, dx_part  # freed before the next chunk allocates its own
+    if dw is None and ctx.needs_input_grad[2]:  # no rows
+        dw = torch.zeros_like(w)
+    # The chunks' losses and γ partials summed once at the end (a few launches, not a few per
+    # chunk): fp32 throughout, each γ partial rounded once to γ's dtype.
+    if losses:
+        total = torch.dot(torch.cat(losses).to(torch.float32), weights)
+        dgamma = torch.stack(dgammas).to(torch.float32).sum(dim=0)
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        dgamma = torch.zeros(gamma.shape, dtype=torch.float32, device=x.device)
+    return total, dx, dgamma.to(gamma.dtype), dw
 
 
 def chunked_lm_head_loss(

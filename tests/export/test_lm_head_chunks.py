@@ -12,6 +12,7 @@ from coda.export import CodaLlamaLMHeadLoss, causal_lm_loss, lm_head
 from coda.export.lm_head_chunks import (
     LOGITS,
     MIN_CHUNK_ROWS,
+    ONE_CHUNK_LOGITS,
     chunk_rows,
     gradient_block,
     gradient_program,
@@ -167,7 +168,13 @@ def test_chunk_rows_follows_the_vocabulary_with_a_floor() -> None:
     assert chunk_rows(65536, 256000, 2304) == MIN_CHUNK_ROWS  # 65536 / 112 → 1024
     # ... but never fewer rows than the weight gradient's reduction needs
     assert chunk_rows(8192, 32000, 2048) == MIN_CHUNK_ROWS
-    assert chunk_rows(3, 96, 48) == MIN_CHUNK_ROWS  # (a small batch: one chunk)
+    assert chunk_rows(2048, 128256, 2048) == MIN_CHUNK_ROWS  # Llama 3's head: 263M logits
+    # a batch whose logits are small is one chunk, up to ONE_CHUNK_LOGITS of them
+    assert chunk_rows(2048, 32000, 2048) == 2048
+    assert chunk_rows(2048, 32768, 4096) == 2048 and ONE_CHUNK_LOGITS == 2048 * 32768
+    assert chunk_rows(2049, 32768, 4096) == MIN_CHUNK_ROWS
+    assert chunk_rows(3, 96, 48) == 3
+    assert chunk_rows(0, 96, 48) == 1  # (no rows: a positive row count all the same)
 
 
 def test_the_chunk_program_drops_only_the_weight_gradient_gemm() -> None:

@@ -1,6 +1,6 @@
-"""The LM-head loss in training on a GPU (``coda.export.lm_head_chunks``): several row chunks in
-bf16 and under autocast against the fp32 model, and its memory bounded by a chunk — never the
-``[tokens, vocabulary]`` logits or their gradient."""
+"""The LM-head loss in training on a GPU (``coda.export.lm_head_chunks``): several row chunks and
+one in bf16 and under autocast against the fp32 model, and its memory bounded by a chunk — never
+a large batch's ``[tokens, vocabulary]`` logits or their gradient."""
 
 from __future__ import annotations
 
@@ -18,14 +18,17 @@ pytestmark = pytest.mark.cpu_capable
 transformers = pytest.importorskip("transformers")
 
 
-def test_the_fused_loss_in_several_chunks_in_bf16_and_under_autocast() -> None:
+@pytest.mark.parametrize("chunked", [True, False], ids=["several-chunks", "one-chunk"])
+def test_the_fused_loss_in_bf16_and_under_autocast(chunked: bool) -> None:
     """causal_lm_loss in chunks of 128 rows (666 tokens: five full chunks and a last of 26;
-    CPU toy: chunks of 4 of 18) on a random one-layer Llama with a 32000 vocabulary: loss and
-    every gradient against the fp32 model by the sandbox's rule, next to Hugging Face's error."""
+    CPU toy: chunks of 4 of 18), or as ``chunk_rows`` has it (those tokens' logits are small:
+    one chunk), on a random one-layer Llama with a 32000 vocabulary: loss and every gradient
+    against the fp32 model by the sandbox's rule, next to Hugging Face's error."""
     from coda.export import causal_lm_loss
     from coda.export.lm_head import _loss_module
 
     hidden, vocab, seq, rows = (48, 96, 9, 4) if TOY else (1024, 32000, 333, 128)
+    rows = rows if chunked else None
     hf = _causal_lm(hidden, 2 * hidden, 1, vocab)
     ids = torch.randint(0, vocab, (2, seq), device=DEVICE)
     labels = ids.clone()
@@ -43,19 +46,21 @@ def test_the_fused_loss_in_several_chunks_in_bf16_and_under_autocast() -> None:
 
 
 @pytest.mark.skipif(TOY, reason="measures GPU memory")
-def test_training_memory_is_bounded_by_a_chunk_not_the_logits() -> None:
+@pytest.mark.parametrize("tokens", [16384, 2048])
+def test_training_memory_is_bounded_by_a_chunk_not_the_logits(tokens: int) -> None:
     """16384 tokens, vocabulary 32000, width 1024 in bf16: the loss's forward and backward
     allocate at their peak no more than a chunk's logits with their gradient written over them
     (1024 rows: 66 MB) and two of each gradient (the weight's, 66 MB, and ``dx``, 34 MB: the
     forward's and the backward's scaled by the incoming gradient), with 16 MiB for the row
     vectors and the allocator's rounding — no γ-folded copy of the weight (another 66 MB), no
-    second chunk, where the unchunked backward held a full ``dz`` (1 GB)."""
+    second chunk, where the unchunked backward held a full ``dz`` (1 GB). 2048 tokens are one
+    chunk (``chunk_rows``) under the same bound: its logits, 131 MB, once."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from coda.export import CodaLlamaLMHeadLoss
     from coda.export.lm_head_chunks import chunk_rows
 
-    tokens, vocab, width = 16384, 32000, 1024
+    vocab, width = 32000, 1024
     torch.manual_seed(0)
     norm = LlamaRMSNorm(width).to(DEVICE, torch.bfloat16)
     head = torch.nn.Linear(width, vocab, bias=False).to(DEVICE, torch.bfloat16)
