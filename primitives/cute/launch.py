@@ -320,6 +320,30 @@ def _fake(value: Any, shape: tuple, tma: bool = True) -> Any:
 _TMA_KINDS = ("tile", "store")
 
 
+class Sizes(NamedTuple):
+    """The symbolic sizes a compile leaves open: the product's ``m``, ``n``, ``k`` and
+    ``batch``, the number of tiles along N (a row's partial sums, one per N tile) and along M
+    (a column's, one per M tile) — two sizes: one kernel serves shapes where they differ —
+    and ``half_n``, the width of a half-tile output."""
+
+    m: Any
+    n: Any
+    k: Any
+    batch: Any
+    n_tiles: Any
+    m_tiles: Any
+    half_n: Any
+
+
+def binding_shapes(sizes: Sizes) -> dict[str, tuple]:
+    """The shape of an epilogue binding of each kind in QuACK's layouts, in ``sizes``."""
+    m, n, batch = sizes.m, sizes.n, sizes.batch
+    return {
+        "tile": (m, n, batch), "store": (m, n, batch), "row": (batch, m), "col": (batch, n),
+        "row_partials": (batch, m, sizes.n_tiles), "col_partials": (batch, sizes.m_tiles, n),
+    }  # fmt: skip
+
+
 def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> Any:
     """Compile the module's ``Epilogue`` GEMM for tensors laid out like ``args`` (sizes
     symbolic: one compile serves every M, N, K)."""
@@ -327,18 +351,19 @@ def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> An
     from quack.gemm_tvm_ffi_utils import compile_gemm_kernel, make_fake_scheduler_args
 
     module = _module(source)
-    m, n, k, batch, tiles, half_n = (cute.sym_int() for _ in range(6))
+    sizes = Sizes(*(cute.sym_int() for _ in Sizes._fields))
+    m, n, k, batch = sizes.m, sizes.n, sizes.k, sizes.batch
     mA = _fake(args["A"], (m, k, batch))
     mB = _fake(args["B"], (n, k, batch))
     mD = None if args["D"] is None else _fake(args["D"], (m, n, batch))
-    shapes = {"tile": (m, n, batch), "store": (m, n, batch), "row": (batch, m), "col": (batch, n)}
-    shapes |= {"row_partials": (batch, m, tiles), "col_partials": (batch, tiles, n)}
+    shapes = binding_shapes(sizes)
     epi = {
         b.op: _fake(
-            args[b.op], (m, half_n, batch) if b.half else shapes[b.kind], tma=b.kind in _TMA_KINDS
+            args[b.op], (m, sizes.half_n, batch) if b.half else shapes[b.kind],
+            tma=b.kind in _TMA_KINDS,
         )
         for b in source.bindings
-    }
+    }  # fmt: skip
     if source.uses_coords:
         epi["m_bound"] = epi["n_bound"] = _fake(0, ())
     cls = _with_epi_shape(

@@ -61,6 +61,7 @@ class _Recorder:
         self.compiles: list[tuple] = []
         self.launches: list[dict[str, Any]] = []
         self.counters: list[torch.Tensor | None] = []
+        self.sources: list[Any] = []
 
     def compile(self, source, args, config):  # noqa: ANN001
         self.compiles.append((source.key, config))
@@ -71,6 +72,7 @@ class _Recorder:
         assert (counter is not None) == config.dynamic
         self.launches.append(args)
         self.counters.append(counter)
+        self.sources.append(source)
 
 
 @pytest.fixture
@@ -141,6 +143,56 @@ def test_column_partials_reach_quack_transposed(recorder: _Recorder) -> None:
     assert args["r_dgamma_partials"].shape == (1, partials.shape[1], sizes["N"])
     assert args["r_dgamma_partials"].data_ptr() == partials.data_ptr()
     assert args["wr_rstd"].shape == (1, sizes["M"]) and args["wc_gamma"].shape == (1, sizes["N"])
+
+
+def _symbol_values(source: Any, args: dict[str, Any]) -> dict[str, int]:
+    """The value each of the compile's symbolic sizes (``launch.Sizes``, here their names) takes
+    in a launch's ``args``; AssertionError where one would take two values — a launch the
+    compiled kernel refuses as a shape mismatch."""
+    names = cute_launch.Sizes(*cute_launch.Sizes._fields)
+    shapes = cute_launch.binding_shapes(names)
+    wanted = [(("m", "k", "batch"), "A"), (("n", "k", "batch"), "B")]
+    for b in source.bindings:
+        wanted.append((("m", "half_n", "batch") if b.half else shapes[b.kind], b.op))
+    values: dict[str, int] = {}
+    for symbols, name in wanted:
+        shape = tuple(args[name].shape)
+        assert len(symbols) == len(shape), (name, symbols, shape)
+        for symbol, size in zip(symbols, shape, strict=True):
+            seen = values.setdefault(symbol, size)
+            assert seen == size, f"{name}: {symbol} is {size} here and {seen} elsewhere"
+    return values
+
+
+def test_row_and_column_partials_of_one_step_have_their_own_tile_counts(
+    recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A biased GeGLU MLP's backward: its SwiGLU-backward step sums rows (per N tile) and columns
+    (the biases' gradients, per M tile). With 3 tiles along M and 1 along N the two counts
+    differ, and each launch's tensors must bind every symbolic size of the compile to one value
+    (one symbol for both counts compiled a kernel that refused the launch)."""
+    from coda.blocks import registry
+    from tests.planner.test_gemma_training import _biased_bwd, biased_mlp
+
+    monkeypatch.setattr(registry, "_BLOCKS", dict(registry._BLOCKS))
+    block = _biased_bwd(biased_mlp(("gate", "up")))
+    sizes = {"M": 300, "d": 48, "f": 80}
+    program = lower(block)
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "cute"
+    inputs = block.make_inputs(sizes, torch.float16, seed=0, device="cpu")
+    compiled.run(compiled.prepare(inputs))
+    both = [
+        (source, args)
+        for source, args in zip(recorder.sources, recorder.launches, strict=True)
+        if {"row_partials", "col_partials"} <= {b.kind for b in source.bindings}
+    ]
+    assert both, [sorted({b.kind for b in s.bindings}) for s in recorder.sources]
+    for source, args in both:
+        values = _symbol_values(source, args)
+        assert values["m_tiles"] != values["n_tiles"]
+    for source, args in zip(recorder.sources, recorder.launches, strict=True):
+        _symbol_values(source, args)
 
 
 def test_a_gate_up_launch_gets_its_half_wide_store(recorder: _Recorder) -> None:
