@@ -297,7 +297,7 @@ def _in_chunks(
     if dw is None and ctx.needs_input_grad[2]:  # no rows
         dw = torch.zeros_like(w)
     # The chunks' losses and γ partials summed once at the end (a few launches, not a few per
-    # chunk): fp32 throughout, each γ partial rounded once to γ's dtype.
+    # chunk): fp32 throughout, dγ rounded to γ's dtype once, at the end.
     if losses:
         total = torch.dot(torch.cat(losses).to(torch.float32), weights)
         dgamma = torch.stack(dgammas).to(torch.float32).sum(dim=0)
