@@ -883,7 +883,17 @@ def setting_rows(
     for row in rows:
         if hf and row.get("step_ms"):
             row["speedup_vs_hf"] = hf / row["step_ms"]
+            row["speedup_vs_hf_runs"] = paired_ratios(runs, "hf", row["variant"])
     return rows
+
+
+def paired_ratios(runs: list[dict[str, float]], reference: str, name: str) -> list[float]:
+    """``reference``'s ms over ``name``'s within each interleaved comparison (how much faster
+    ``name`` is, run by run). A host-bound step's time moves with the machine's host between
+    comparisons by more than the steps differ (bench/RESULTS.md, 2048 tokens); within one
+    comparison both met the same host, so the median of these ratios is steadier than the ratio
+    of the two medians."""
+    return [run[reference] / run[name] for run in runs if reference in run and name in run]
 
 
 def measure_more(
@@ -1325,8 +1335,10 @@ def kernel_tables(rows: list[dict[str, Any]]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """One line per row: correctness, step time (median over runs) and speed, step memory (the
-    peak a step adds), host time, and the step time's spread over runs with every run's."""
+    """One line per row: correctness, step time (median over runs) and speed — against eager
+    Hugging Face, the ratio of the medians and, over several runs, the median and spread of the
+    ratios within each run (``paired_ratios``) —, step memory (the peak a step adds), host time,
+    and the step time's spread over runs with every run's."""
     lines = [
         "| setting | variant | correct | loss | grad norm | step ms | tokens/s | vs hf eager "
         "| step memory GB | host ms: from idle / back to back "
@@ -1340,6 +1352,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         ms, speed, mem = r.get("step_ms"), r.get("speedup_vs_hf"), r.get("step_memory_gb")
         versus = "—" if speed is None else f"{speed:.3f}×"  # no hf row: nothing to compare
+        paired = r.get("speedup_vs_hf_runs") or []
+        if speed is not None and len(paired) > 1 and r["variant"] != "hf":
+            versus += f" (paired {ratio_spread(paired)})"
         timing = f"{ms:.2f} | {r['tokens_per_s']:,.0f} | {versus}" if ms else "— | — | —"
         runs = r.get("step_ms_runs") or []
         every = ", ".join(f"{t:.2f}" for t in runs)
@@ -1350,6 +1365,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {_host_cell(r)} | {spread} |"
         )
     return "\n".join(lines)
+
+
+def ratio_spread(ratios: list[float]) -> str:
+    """``median× (min–max)`` of ratios."""
+    return f"{statistics.median(ratios):.3f}× ({min(ratios):.3f}–{max(ratios):.3f})"
 
 
 def _host_cell(row: dict[str, Any]) -> str:

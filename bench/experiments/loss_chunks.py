@@ -12,7 +12,10 @@ one process on one machine, a Llama training step (``train_step.py``'s ``coda_lm
 Hugging Face's step (``hf``) — each on its own copy of one random model:
 
 * step ms: ``--runs`` interleaved comparisons (each the median of three rounds of 1 s of
-  back-to-back steps per variant, ``train_step.py``'s timing), median and min–max;
+  back-to-back steps per variant, ``train_step.py``'s timing), median and min–max, and the
+  ratios within each comparison (to eager, and of the chunked step to the default), median and
+  min–max: the host-bound step's time moves with the host between comparisons by more than the
+  variants differ;
 * host ms to issue one step, from an idle GPU and back to back (``train_step.host_ms``);
 * the step's peak memory beyond weights and optimizer state (``train_step.step_memory_gb``);
 * the first step's loss and gradient norm of each (a check that the variants compute the same).
@@ -74,23 +77,34 @@ def summary(runs: list[dict[str, float]], name: str) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def table(rows: dict[str, dict[str, Any]]) -> str:
-    """Markdown: one row per variant — step ms (median, min–max), vs eager, host ms from idle /
-    back to back, chunks, peak step memory, first-step loss and gradient norm."""
+def table(rows: dict[str, dict[str, Any]], runs: list[dict[str, float]]) -> str:
+    """Markdown: one row per variant — step ms (median, min–max), vs eager (the medians' ratio,
+    then the median and spread of the ratios within each comparison: ``train_step.
+    paired_ratios``), host ms from idle / back to back, chunks, peak step memory, first-step
+    loss and gradient norm — and a last line: the chunked step's time over the default's within
+    each comparison."""
     head = (
-        "| variant | rows per chunk | step ms | vs eager | host ms, from idle / back to back "
-        "| step memory GB | loss | grad norm |"
+        "| variant | rows per chunk | step ms | vs eager: medians (paired) | host ms, from idle / "
+        "back to back | step memory GB | loss | grad norm |"
     )
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     hf = rows["hf"]["step_ms"]["median"]
     for name, r in rows.items():
         s = r["step_ms"]
         memory = "—" if r["memory_gb"] is None else f"{r['memory_gb']:.2f}"
+        versus = f"{hf / s['median']:.3f}×"
+        if name != "hf":
+            versus += f" ({ts.ratio_spread(ts.paired_ratios(runs, 'hf', name))})"
         lines.append(
             f"| {name} | {r['chunk_rows'] or '—'} | {s['median']:.2f} ({s['min']:.2f}–"
-            f"{s['max']:.2f}) | {hf / s['median']:.3f}× | {r['host_ms']:.2f} / "
+            f"{s['max']:.2f}) | {versus} | {r['host_ms']:.2f} / "
             f"{r['host_ms_back_to_back']:.2f} | {memory} | {r['loss']:.5f} | {r['grad_norm']:.4f} |"
         )
+    chunked = list(rows)[-1]
+    lines.append(
+        f"\n{chunked} / default within each comparison: "
+        f"{ts.ratio_spread(ts.paired_ratios(runs, chunked, 'default'))}"
+    )
     return "\n".join(lines)
 
 
@@ -125,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[name]["step_ms"] = summary(runs, name)
         rows[name]["host_ms"] = ts.host_ms(step, bench)
         rows[name]["host_ms_back_to_back"] = ts.host_ms(step, bench, back_to_back=True)
-    text = table(rows)
+    text = table(rows, runs)
     print(text)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"loss_chunks-b{args.batch}")

@@ -28,6 +28,23 @@ def test_a_dry_run_compares_one_chunk_with_chunks_of_rows(tmp_path) -> None:  # 
         assert variants[name]["step_ms"]["median"] > 0
     table = (tmp_path / "loss_chunks-b2.md").read_text()
     assert "| rows4 | 4 |" in table and f"| default | {tokens} |" in table
+    assert "rows4 / default within each comparison: " in table
+
+
+def test_the_table_gives_each_comparisons_ratios() -> None:
+    row = {"chunk_rows": None, "memory_gb": None, "loss": 1.0, "grad_norm": 2.0,
+           "host_ms": 1.0, "host_ms_back_to_back": 1.0}  # fmt: skip
+    runs = [
+        {"hf": 20.0, "default": 19.0, "rows8": 21.0},
+        {"hf": 30.0, "default": 31.0, "rows8": 29.0},
+    ]
+    rows = {
+        name: {**row, "step_ms": {"median": m, "min": m, "max": m}}
+        for name, m in (("hf", 25.0), ("default", 25.0), ("rows8", 25.0))
+    }
+    text = experiment.table(rows, runs)
+    assert "| default | — | 25.00 (25.00–25.00) | 1.000× (1.010× (0.968–1.053)) |" in text
+    assert "rows8 / default within each comparison: 1.020× (0.935–1.105)" in text
 
 
 def test_rows_must_be_positive() -> None:

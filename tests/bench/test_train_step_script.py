@@ -185,6 +185,24 @@ def test_the_table_gives_the_spread_over_runs_and_every_run() -> None:
     assert "| amp | liger | skipped: a / b c |" in script.table([skipped])
 
 
+def test_the_ratio_to_eager_is_also_taken_within_each_run() -> None:
+    """Runs where the host slowed both steps alike (the second) move the medians' ratio, not
+    the ratio within each run: the table gives both."""
+    script = load_script("train_step")
+    runs = [{"hf": 20.0, "coda": 19.0}, {"hf": 30.0, "coda": 31.0}, {"hf": 21.0, "coda": 20.0}]
+    ratios = script.paired_ratios(runs, "hf", "coda")
+    assert ratios == pytest.approx([20 / 19, 30 / 31, 21 / 20])
+    assert script.paired_ratios(runs + [{"coda": 5.0}], "hf", "coda") == ratios  # hf not timed
+    row = {
+        "setting": "bf16", "variant": "coda", "correct": True, "loss": 10.8, "grad_norm": 2.9,
+        "step_ms": 20.0, "step_ms_runs": [19.0, 31.0, 20.0], "tokens_per_s": 1.0,
+        "speedup_vs_hf": 21.0 / 20.0, "speedup_vs_hf_runs": ratios, "step_memory_gb": 1.0,
+    }  # fmt: skip
+    assert "| 1.050× (paired 1.050× (0.968–1.053)) |" in script.table([row])
+    one_run = {**row, "speedup_vs_hf_runs": ratios[:1]}
+    assert "| 1.050× | 1.00 |" in script.table([one_run])
+
+
 def test_a_variant_name_is_a_base_variant_and_a_step_mode() -> None:
     split = load_script("train_step").split_variant
     assert split("coda_lm_head_graph") == ("coda_lm_head", "graph")
