@@ -335,13 +335,20 @@ class Sizes(NamedTuple):
     half_n: Any
 
 
-def binding_shapes(sizes: Sizes) -> dict[str, tuple]:
-    """The shape of an epilogue binding of each kind in QuACK's layouts, in ``sizes``."""
+def argument_shapes(source: CuteSource, sizes: Sizes) -> dict[str, tuple]:
+    """Each kernel argument's shape in ``sizes``, in QuACK's layouts (what ``CuteLaunch.
+    arguments`` passes): A ``(m, k, batch)``, B ``(n, k, batch)``, D and every tile ``(m, n,
+    batch)`` (half-wide stores ``(m, half_n, batch)``), vectors ``(batch, len)``, row partials
+    ``(batch, m, n_tiles)``, column partials ``(batch, m_tiles, n)``."""
     m, n, batch = sizes.m, sizes.n, sizes.batch
-    return {
+    kinds = {
         "tile": (m, n, batch), "store": (m, n, batch), "row": (batch, m), "col": (batch, n),
         "row_partials": (batch, m, sizes.n_tiles), "col_partials": (batch, sizes.m_tiles, n),
     }  # fmt: skip
+    shapes = {"A": (m, sizes.k, batch), "B": (n, sizes.k, batch), "D": (m, n, batch)}
+    for b in source.bindings:
+        shapes[b.op] = (m, sizes.half_n, batch) if b.half else kinds[b.kind]
+    return shapes
 
 
 def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> Any:
@@ -352,18 +359,11 @@ def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> An
 
     module = _module(source)
     sizes = Sizes(*(cute.sym_int() for _ in Sizes._fields))
-    m, n, k, batch = sizes.m, sizes.n, sizes.k, sizes.batch
-    mA = _fake(args["A"], (m, k, batch))
-    mB = _fake(args["B"], (n, k, batch))
-    mD = None if args["D"] is None else _fake(args["D"], (m, n, batch))
-    shapes = binding_shapes(sizes)
-    epi = {
-        b.op: _fake(
-            args[b.op], (m, sizes.half_n, batch) if b.half else shapes[b.kind],
-            tma=b.kind in _TMA_KINDS,
-        )
-        for b in source.bindings
-    }  # fmt: skip
+    shapes = argument_shapes(source, sizes)
+    mA = _fake(args["A"], shapes["A"])
+    mB = _fake(args["B"], shapes["B"])
+    mD = None if args["D"] is None else _fake(args["D"], shapes["D"])
+    epi = {b.op: _fake(args[b.op], shapes[b.op], tma=b.kind in _TMA_KINDS) for b in source.bindings}
     if source.uses_coords:
         epi["m_bound"] = epi["n_bound"] = _fake(0, ())
     cls = _with_epi_shape(
@@ -373,7 +373,7 @@ def _compile(source: CuteSource, args: dict[str, Any], config: CuteConfig) -> An
         cls, mA.element_type, config.tile, config.cluster, config.pingpong, True, False, False,
         (9, 0),
         mA, mB, mD, None, cls.EpilogueArguments(**epi),
-        make_fake_scheduler_args(config.dynamic, False, batch), None,
+        make_fake_scheduler_args(config.dynamic, False, sizes.batch), None,
     )  # fmt: skip
 
 
