@@ -241,13 +241,16 @@ class _ChunkedLoss(torch.autograd.Function):
         runner: _Runner,
         rows: int,
     ) -> torch.Tensor:
+        wants_dw = ctx.needs_input_grad[2]
         if rows >= x.shape[0] > 0:  # one chunk: its outputs are the gradients as they are
             loss, dx, dgamma, dz, y = runner(x, gamma, w, classes, weights)
-            dw = dz.T @ y if ctx.needs_input_grad[2] else None
+            dw = dz.T @ y if wants_dw else None
             total = torch.dot(loss.to(torch.float32), weights)
             dgamma = dgamma.to(gamma.dtype)  # (the Program's dγ has it: no copy)
         else:
-            total, dx, dgamma, dw = _in_chunks(runner, x, gamma, w, classes, weights, rows, ctx)
+            total, dx, dgamma, dw = _in_chunks(
+                runner, x, gamma, w, classes, weights, rows=rows, wants_dw=wants_dw
+            )
         # Held on ctx, not saved for backward: the backward scales them in place and hands them
         # over, so autograd takes each as the parameter's gradient without a copy (a tensor
         # the graph still held would be cloned) and the weight gradient exists once.
@@ -272,17 +275,11 @@ class _ChunkedLoss(torch.autograd.Function):
 
 
 def _in_chunks(
-    runner: _Runner,
-    x: torch.Tensor,
-    gamma: torch.Tensor,
-    w: torch.Tensor,
-    classes: torch.Tensor,
-    weights: torch.Tensor,
-    rows: int,
-    ctx: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The loss and the gradients ``dx``, ``dγ``, ``dW`` (None unless ``w`` needs one) of
-    ``x``'s rows ``rows`` at a time: ``dx`` written chunk by chunk, ``dW`` accumulated."""
+    runner: _Runner, x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor,
+    classes: torch.Tensor, weights: torch.Tensor, *, rows: int, wants_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The loss and the gradients ``dx``, ``dγ``, ``dW`` (None unless ``wants_dw``) of ``x``'s
+    rows ``rows`` at a time: ``dx`` written chunk by chunk, ``dW`` accumulated."""
     dx = torch.empty_like(x)
     losses, dgammas, dw = [], [], None
     for start in range(0, x.shape[0], rows):
@@ -291,10 +288,10 @@ def _in_chunks(
         losses.append(loss)
         dgammas.append(dgamma_part)
         dx[part] = dx_part
-        if ctx.needs_input_grad[2]:  # the first chunk writes the buffer, later ones add
+        if wants_dw:  # the first chunk writes the buffer, later ones add
             dw = dz.T @ y if dw is None else dw.addmm_(dz.T, y)
         del dz, y, dx_part  # freed before the next chunk allocates its own
-    if dw is None and ctx.needs_input_grad[2]:  # no rows
+    if dw is None and wants_dw:  # no rows
         dw = torch.zeros_like(w)
     # The chunks' losses and γ partials summed once at the end (a few launches, not a few per
     # chunk): fp32 throughout, dγ rounded to γ's dtype once, at the end.
