@@ -1,9 +1,12 @@
 """primitives/launch.py on a GPU: replays that call the C launch function directly, with their TMA
 descriptors' tensor maps kept per base address, give the bits of launches through Triton
-(skipped without a GPU)."""
+(skipped without a GPU). The subject is Triton's launches, so the fused steps run on the Triton
+backend whatever ``CODA_EPILOGUE_BACKEND`` says (under ``auto`` they would run on QuACK's GEMM).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +15,13 @@ import triton
 
 from coda.primitives import launch as launch_module
 from coda.primitives.run_plans import Relaunch
+from coda.primitives.settings import override
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend() -> Iterator[None]:
+    with override(epilogue_backend="triton"):
+        yield
 
 
 def test_direct_replays_of_tma_kernels_are_triton_s_bit_for_bit_gpu(

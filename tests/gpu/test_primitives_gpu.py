@@ -2,14 +2,27 @@
 
 The cases are the CPU suite's (``tests/primitives/test_ops.py``): a primitive added there is covered
 here too. bfloat16 is only checked here — ``tl.dot`` on bfloat16 is wrong in Triton's interpreter.
+The subject is the Triton kernels — their mainloops, configs and epilogue tiles — so every test
+runs them on the Triton backend whatever ``CODA_EPILOGUE_BACKEND`` says (under ``auto`` or
+``cute`` a fused step would run on QuACK's GEMM instead, which ``test_cute_gpu.py`` covers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from coda.primitives.settings import override
 from tests.primitives.test_ops import ALL_CASES, CASES, EXTRA_CASES, HALF_SPACE_CASES, _run_case
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend() -> Iterator[None]:
+    with override(epilogue_backend="triton"):
+        yield
+
 
 # Ragged everywhere, with K·2 bytes a multiple of 16 (TMA-describable operands; the epilogue's
 # N-wide rows are not, so its tiles move by pointer behind the TMA mainloop)...
