@@ -563,9 +563,12 @@ def verify(
     ``float32_at``, once in float32 there: ``SandboxOptions.float32_shape``), then the input
     screen (every output must follow each input) at the smallest shape.
 
-    Runs alternate between the mainloop the runtime picks (TMA where operands allow it) and the
-    pointer mainloop, which users' tensors may equally get: a kernel is verified under both (with
-    the defaults, every shape under both).
+    Runs alternate between the kernels the process runs (the configured epilogue backend, the
+    mainloop the runtime picks: TMA where operands allow it) and Triton's pointer mainloop, which
+    users' tensors may equally get (``_on_path``): a kernel is verified under both (with the
+    defaults, every shape under both). Under ``CODA_EPILOGUE_BACKEND=auto`` or ``cute`` the first
+    runs the steps the CuTe backend covers on QuACK's GEMM and the second on Triton, which tuning
+    under ``auto`` pins for a step where it timed faster.
     """
     checks: list[OutputCheck] = []
     smallest = min(shapes, key=lambda s: math.prod(s.values()))
@@ -575,15 +578,12 @@ def verify(
         runs.append((float32_at, "float32", seeds[0]))
         extra = f" + float32 at {', '.join(f'{k}={v}' for k, v in float32_at.items())}"
     with timed("verify", results) as box:
-        try:
-            mainloops = ["auto" if i % 2 == 0 else "pointer" for i in range(len(runs))]
-            planned = [(s, d, m) for (s, d, _), m in zip(runs, mainloops, strict=True)]
-            _compile_runs_ahead(compiled, block, [*planned, (smallest, "float32", "auto")])
-            for (sizes, dtype, seed), mainloop in zip(runs, mainloops, strict=True):
-                compiled.mainloop = mainloop
+        mainloops = ["auto" if i % 2 == 0 else "pointer" for i in range(len(runs))]
+        planned = [(s, d, m) for (s, d, _), m in zip(runs, mainloops, strict=True)]
+        _compile_runs_ahead(compiled, block, [*planned, (smallest, "float32", "auto")])
+        for (sizes, dtype, seed), mainloop in zip(runs, mainloops, strict=True):
+            with _on_path(compiled, mainloop):
                 checks += verify_one(compiled, block, sizes, TORCH_DTYPES[dtype], seed)
-        finally:
-            compiled.mainloop = "auto"
         failed = [c for c in checks if not c.passed]
         if failed:
             raise StageFailure(
@@ -611,18 +611,31 @@ def _compile_runs_ahead(
 
     def collect() -> list:
         calls = []
-        try:
-            for sizes, dtype, mainloop in dict.fromkeys(
-                (tuple(sizes.items()), dtype, mainloop) for sizes, dtype, mainloop in runs
-            ):
-                compiled.mainloop = mainloop
+        for sizes, dtype, mainloop in dict.fromkeys(
+            (tuple(sizes.items()), dtype, mainloop) for sizes, dtype, mainloop in runs
+        ):
+            with _on_path(compiled, mainloop):
                 inputs = block.make_inputs(dict(sizes), TORCH_DTYPES[dtype], 0, backend.DEVICE)
                 calls += compiled.collect_launches(inputs, poison=True)
-        finally:
-            compiled.mainloop = "auto"
         return calls
 
     compile_ahead_of(collect)
+
+
+@contextmanager
+def _on_path(compiled: CompiledProgram, mainloop: str) -> Iterator[None]:
+    """Run ``compiled`` with ``mainloop`` until the block ends: ``"auto"`` on its configured
+    epilogue backend, ``"pointer"`` on Triton's pointer mainloop whatever the backend (the CuTe
+    backend has no pointer mainloop; without this, its steps would be verified twice and their
+    Triton kernels never)."""
+    saved = compiled.mainloop, compiled.epilogue_backend
+    compiled.mainloop = mainloop
+    if mainloop == "pointer":
+        compiled.epilogue_backend = "triton"
+    try:
+        yield
+    finally:
+        compiled.mainloop, compiled.epilogue_backend = saved
 
 
 def verify_one(

@@ -247,3 +247,40 @@ def test_the_report_names_configs_tuning_rejected_for_wrong_results() -> None:
     )
     text = report.render_text()
     assert "tuning rejected for down (wrong results): {'block_m': 128}: out: max |error| 3" in text
+
+
+def test_verify_checks_the_configured_backend_and_tritons_pointer_mainloop(
+    program_json: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``CODA_EPILOGUE_BACKEND=auto`` verify's runs alternate between the configured
+    backend (the steps CuTe covers on QuACK's GEMM, on a Hopper GPU) and Triton's pointer
+    mainloop — CuTe has none, so without the switch its steps would be checked twice and their
+    Triton kernels, which tuning may pin, never. The kernels compiled ahead follow the same
+    runs, and the program is left on its own backend and mainloop."""
+    from coda.primitives import analyze, compile_program
+    from coda.primitives.ir import Program
+    from coda.sandbox import stages
+
+    program = Program.model_validate(program_json)
+    shape = {"M": 8, "d": 16, "f": 24}
+    with override(epilogue_backend="auto"):
+        compiled = compile_program(program, analyze(program, shape))
+    assert compiled.epilogue_backend == "auto"
+    checked, ahead = [], []
+
+    def verify_one(compiled, block, sizes, dtype, seed):  # noqa: ANN001, ANN202
+        checked.append((compiled.mainloop, compiled.epilogue_backend, seed))
+        return []
+
+    def collect_launches(inputs, poison):  # noqa: ANN001, ANN202
+        ahead.append((compiled.mainloop, compiled.epilogue_backend))
+        return []
+
+    monkeypatch.setattr(stages, "verify_one", verify_one)
+    monkeypatch.setattr(stages, "compile_ahead_of", lambda collect: collect())
+    monkeypatch.setattr(stages, "screen_program", lambda *a, **k: "screened")
+    monkeypatch.setattr(compiled, "collect_launches", collect_launches)
+    stages.verify(compiled, BLOCK, [shape], ["float16"], [0, 1, 2], [])
+    assert checked == [("auto", "auto", 0), ("pointer", "triton", 1), ("auto", "auto", 2)]
+    assert ahead == [("auto", "auto"), ("pointer", "triton"), ("auto", "auto")]
+    assert (compiled.mainloop, compiled.epilogue_backend) == ("auto", "auto")
