@@ -29,10 +29,19 @@ host calls (PyTorch ops, CUDA runtime calls) longer than ``--stall-us`` µs, by 
 profiled both ways and ordered by how much longer they take back to back — a call that blocks on
 the GPU is long only there.
 
+``--waits`` asks what a back-to-back step's host waits on when its first op (the embedding) takes
+long: ``--stall-steps`` steps in a row, with the garbage collector on and then off, each step's
+phase times as ``--host-stalls`` marks them, whether the GPU had finished the step before when
+the step began and when its embedding returned (a CUDA event recorded at every step's end,
+queried), the host thread's voluntary and involuntary context switches in the step, and the
+garbage collector's collections and ms in it; with the machine's CPU steal time over each column.
+A first op that waits for the GPU finds it busy and leaves it done; one descheduled by the OS or
+the hypervisor counts an involuntary switch or steal; one the collector ran in counts its ms.
+
 Not part of the product: a measurement to decide whether host work or GPU work limits the step.
 
     python3 bench/experiments/step_idle.py [--batch 4] [--variants coda_lm_head,liger]
-        [--steps 6] [--host-lead | --host-stalls [--stall-us 20]] [--out DIR]
+        [--steps 6] [--host-lead | --host-stalls [--stall-us 20] | --waits] [--out DIR]
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="profiled steps in a row")
     p.add_argument("--host-lead", action="store_true", help="the host's lead, no profiler")
     p.add_argument("--host-stalls", action="store_true", help="where the host waits, by phase")
+    p.add_argument("--waits", action="store_true", help="what a long first op waits on")
     p.add_argument("--stall-steps", type=int, default=15, help="steps per --host-stalls column")
     p.add_argument("--stall-us", type=float, default=20.0, help="host calls longer than this")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/out")
@@ -299,6 +309,136 @@ def host_calls(step, steps: int, over_us: float, *, synchronize: bool) -> dict: 
     return {n: (len(v) / steps, sum(v) / 1e3 / steps, max(v)) for n, v in found.items()}
 
 
+def cpu_steal_ticks() -> int | None:
+    """The machine's CPU steal time so far (clock ticks, all CPUs; ``/proc/stat``), or None
+    where the file or the field is missing."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class StepWatch:
+    """What happens around one back-to-back step besides its own work: the garbage collector's
+    collections and ms (``gc.callbacks``), the thread's context switches, and whether the GPU
+    had finished the step before (``prev``, an event recorded at its end) at the step's start and
+    when its embedding returned (``embedded``, a forward hook on the embedding calls it)."""
+
+    def __init__(self) -> None:
+        self.prev = None
+        self.gc_started: float | None = None
+        self.row: dict = {}
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        import time
+
+        if phase == "start":
+            self.gc_started = time.perf_counter()
+        elif self.gc_started is not None:
+            self.row["gc_ms"] = (
+                self.row.get("gc_ms", 0.0) + (time.perf_counter() - self.gc_started) * 1e3
+            )
+            self.row["gc_generations"] = self.row.get("gc_generations", []) + [info["generation"]]
+            self.gc_started = None
+
+    def begin(self) -> None:
+        import resource
+
+        use = resource.getrusage(resource.RUSAGE_THREAD)
+        self.row = {"gpu_done_at_start": self.gpu_done(), "_csw": (use.ru_nvcsw, use.ru_nivcsw)}
+
+    def embedded(self, *_: object) -> None:
+        self.row.setdefault("gpu_done_after_embed", self.gpu_done())
+
+    def end(self, marks: list[tuple[str, float]]) -> dict:
+        import resource
+
+        import torch
+
+        use = resource.getrusage(resource.RUSAGE_THREAD)
+        nvcsw, nivcsw = self.row.pop("_csw")
+        self.prev = torch.cuda.Event()
+        self.prev.record()
+        return {
+            **self.row, "voluntary_switches": use.ru_nvcsw - nvcsw,
+            "involuntary_switches": use.ru_nivcsw - nivcsw, **phases_of(marks),
+        }  # fmt: skip
+
+    def gpu_done(self) -> bool | None:
+        return None if self.prev is None else bool(self.prev.query())
+
+
+def phases_of(marks: list[tuple[str, float]]) -> dict:
+    """One step's host ms from each mark to the next (named by the later one), and the whole
+    step's."""
+    phases = {name: (t - marks[i][1]) * 1e3 for i, (name, t) in enumerate(marks[1:])}
+    return {"phases_ms": phases, "step_ms": (marks[-1][1] - marks[0][1]) * 1e3}
+
+
+def step_waits(step, embedding, steps: int, *, collect: bool) -> dict:  # noqa: ANN001
+    """``steps`` back-to-back steps of ``phase_step``'s ``step`` watched by ``StepWatch`` (the
+    garbage collector on or, ``collect`` False, off), after 5 unwatched; the rows, and the CPU
+    steal ticks over them."""
+    import gc
+
+    import torch
+
+    watch = StepWatch()
+    hook = embedding.register_forward_hook(watch.embedded)
+    enabled = gc.isenabled()
+    gc.callbacks.append(watch.on_gc)
+    try:
+        (gc.enable if collect else gc.disable)()
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        steal = cpu_steal_ticks()
+        rows = []
+        for _ in range(steps + 1):  # the first row only records the event the next one reads
+            watch.begin()
+            rows.append(watch.end(step()))
+        torch.cuda.synchronize()
+        after = cpu_steal_ticks()
+    finally:
+        gc.callbacks.remove(watch.on_gc)
+        (gc.enable if enabled else gc.disable)()
+        hook.remove()
+    return {"rows": rows[1:], "steal_ticks": None if steal is None else after - steal}
+
+
+def summarize_waits(rows: list[dict], long_ms: float = 1.0) -> dict:
+    """Median ms per phase and per step; the steps whose embedding phase took over ``long_ms``,
+    and of those how many began with the GPU busy, found it done after the embedding, were
+    switched out involuntarily, or ran the garbage collector; and the median step with the GPU
+    busy at its start against idle."""
+    import statistics
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    phases = list(rows[0]["phases_ms"])
+    long = [r for r in rows if r["phases_ms"].get("embed", 0.0) > long_ms]
+    busy = [r["step_ms"] for r in rows if r.get("gpu_done_at_start") is False]
+    idle = [r["step_ms"] for r in rows if r.get("gpu_done_at_start") is True]
+    return {
+        "steps": len(rows),
+        "median_ms": {p: median([r["phases_ms"][p] for r in rows]) for p in phases},
+        "median_step_ms": median([r["step_ms"] for r in rows]),
+        "gc_ms_per_step": sum(r.get("gc_ms", 0.0) for r in rows) / len(rows),
+        "long_embed": {
+            "steps": len(long),
+            "gpu_busy_at_start": sum(r.get("gpu_done_at_start") is False for r in long),
+            "gpu_done_after_embed": sum(r.get("gpu_done_after_embed") is True for r in long),
+            "involuntary_switch": sum(r["involuntary_switches"] > 0 for r in long),
+            "garbage_collected": sum("gc_ms" in r for r in long),
+        },
+        "median_step_ms_gpu_busy_at_start": median(busy),
+        "median_step_ms_gpu_idle_at_start": median(idle),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -314,11 +454,23 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.variants.split(","):
         model = ts.make_variant(name, base, "bf16", bench)
         loss_fn = ts.loss_of(name, bench)
-        if args.host_stalls:  # the same step, marking its phases
+        if args.host_stalls or args.waits:  # the same step, marking its phases
             step = phase_step(model, loss_fn, ids, bench)
         else:
             step = ts.train_step(model, loss_fn, ids, "bf16", bench)
-        if args.host_stalls:
+        if args.waits:
+            results[name] = {}
+            for collect in (True, False):
+                watched = step_waits(
+                    step, model.model.embed_tokens, args.stall_steps, collect=collect
+                )
+                watched["summary"] = summarize_waits(watched["rows"])
+                results[name]["gc_on" if collect else "gc_off"] = watched
+                print(
+                    name, "gc", "on" if collect else "off", json.dumps(watched["summary"], indent=1)
+                )
+                print("  steal ticks:", watched["steal_ticks"])
+        elif args.host_stalls:
             results[name] = host_stalls(step, args.stall_steps, args.stall_us)
             print(name, json.dumps(results[name], indent=1))
         elif args.host_lead:
@@ -338,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         del model, step
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    kind = "host_stalls" if args.host_stalls else "host_lead" if args.host_lead else "step_idle"
+    kind = "waits" if args.waits else "host_stalls" if args.host_stalls else None
+    kind = kind or ("host_lead" if args.host_lead else "step_idle")
     with open(os.path.join(args.out, f"{kind}-b{args.batch}.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0

@@ -58,3 +58,54 @@ def test_phase_times_are_medians_from_each_mark_to_the_next() -> None:
     assert ms["embed"] == pytest.approx(2.0)  # median of 1 and 3
     assert ms["forward"] == pytest.approx(5.0)  # median of 4 and 6
     assert ms["step"] == pytest.approx(8.0)  # median of 6 and 10
+
+
+def _row(embed_ms: float, step_ms: float, **flags: object) -> dict:
+    return {"phases_ms": {"zero_grad": 0.1, "embed": embed_ms}, "step_ms": step_ms, **flags}
+
+
+def test_the_waits_summary_says_what_each_long_first_op_coincided_with() -> None:
+    rows = [
+        # a first op that waited for the GPU: busy at the start, done after it
+        _row(2.1, 14.0, gpu_done_at_start=False, gpu_done_after_embed=True,
+             involuntary_switches=0, voluntary_switches=0),
+        # one descheduled, with the collector running in the step
+        _row(1.5, 13.0, gpu_done_at_start=True, gpu_done_after_embed=True,
+             involuntary_switches=2, voluntary_switches=0, gc_ms=0.4, gc_generations=[0]),
+        # short first ops
+        _row(0.2, 12.0, gpu_done_at_start=False, gpu_done_after_embed=False,
+             involuntary_switches=0, voluntary_switches=1),
+        _row(0.3, 11.0, gpu_done_at_start=True, gpu_done_after_embed=True,
+             involuntary_switches=0, voluntary_switches=0, gc_ms=0.2, gc_generations=[1]),
+    ]  # fmt: skip
+    s = experiment.summarize_waits(rows, long_ms=1.0)
+    assert s["steps"] == 4
+    assert s["median_ms"] == {"zero_grad": pytest.approx(0.1), "embed": pytest.approx(0.9)}
+    assert s["median_step_ms"] == pytest.approx(12.5)
+    assert s["gc_ms_per_step"] == pytest.approx(0.15)
+    assert s["long_embed"] == {
+        "steps": 2, "gpu_busy_at_start": 1, "gpu_done_after_embed": 2,
+        "involuntary_switch": 1, "garbage_collected": 1,
+    }  # fmt: skip
+    assert s["median_step_ms_gpu_busy_at_start"] == pytest.approx(13.0)  # of 14 and 12
+    assert s["median_step_ms_gpu_idle_at_start"] == pytest.approx(12.0)  # of 13 and 11
+
+
+def test_one_steps_phases_run_from_each_mark_to_the_next() -> None:
+    marks = [("start", 1.0), ("zero_grad", 1.001), ("embed", 1.003), ("forward", 1.010)]
+    got = experiment.phases_of(marks)
+    assert list(got["phases_ms"]) == ["zero_grad", "embed", "forward"]
+    assert got["phases_ms"] == pytest.approx({"zero_grad": 1.0, "embed": 2.0, "forward": 7.0})
+    assert got["step_ms"] == pytest.approx(10.0)
+
+
+def test_the_step_watch_adds_up_the_collections_in_a_step() -> None:
+    watch = experiment.StepWatch()
+    watch.on_gc("stop", {"generation": 0})  # a stop without its start (watch attached mid-way)
+    assert watch.row == {}
+    for generation in (0, 2):
+        watch.on_gc("start", {"generation": generation})
+        watch.on_gc("stop", {"generation": generation})
+    assert watch.row["gc_generations"] == [0, 2]
+    assert 0.0 <= watch.row["gc_ms"] < 100.0
+    assert watch.gpu_done() is None  # no step before: nothing recorded to query
