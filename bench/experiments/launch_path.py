@@ -12,7 +12,10 @@ around each call:
   time including the launch itself;
 * ``PinnedLaunch.__call__`` — relaunches without a signature (device query, ``_run``);
 * ``_run`` — the relaunch proper (descriptors expanded, the launcher's C function called);
-* ``_device_and_stream`` — the current device and stream, queried per relaunch.
+* ``_device_and_stream`` — the current device and stream, queried per relaunch;
+* ``CuteLaunch.__call__`` — a replayed CuTe launch (``CODA_EPILOGUE_BACKEND=auto`` or ``cute``),
+  of which ``CuteLaunch.arguments`` builds QuACK's views of the call's tensors and ``cute._run``
+  builds the epilogue's arguments and the scheduler's and calls the compiled kernel (TVM-FFI).
 
 ``host_ms`` is the median host time of a step from an idle GPU (as ``train_step.py --host``);
 ``host_ms_instrumented`` the same with the timers in place (they add ~1 µs per call). Then the
@@ -87,6 +90,7 @@ def timed_launch_path(timers: Timers) -> Iterator[None]:
     """The launch functions of ``coda.primitives.launch`` (and every ``coda`` module that
     imported ``launch_kernel`` by name) wrapped by ``timers``; restored on exit."""
     from coda.primitives import launch
+    from coda.primitives.cute import launch as cute
 
     real_launch = launch.launch_kernel
     importers = [
@@ -95,18 +99,23 @@ def timed_launch_path(timers: Timers) -> Iterator[None]:
         if name.startswith("coda.") and getattr(m, "launch_kernel", None) is real_launch
     ]
     saved = (launch._run, launch._device_and_stream, launch.PinnedLaunch.__call__)
+    saved_cute = (cute.CuteLaunch.__call__, cute.CuteLaunch.arguments, cute._run)
     wrapped = timers.wrap("launch_kernel", real_launch)
     for module in importers:
         module.launch_kernel = wrapped
     launch._run = timers.wrap("_run", saved[0])
     launch._device_and_stream = timers.wrap("_device_and_stream", saved[1])
     launch.PinnedLaunch.__call__ = timers.wrap("PinnedLaunch.__call__", saved[2])
+    cute.CuteLaunch.__call__ = timers.wrap("CuteLaunch.__call__", saved_cute[0])
+    cute.CuteLaunch.arguments = timers.wrap("CuteLaunch.arguments", saved_cute[1])
+    cute._run = timers.wrap("cute._run", saved_cute[2])
     try:
         yield
     finally:
         for module in importers:
             module.launch_kernel = real_launch
         launch._run, launch._device_and_stream, launch.PinnedLaunch.__call__ = saved
+        cute.CuteLaunch.__call__, cute.CuteLaunch.arguments, cute._run = saved_cute
 
 
 def variant_row(name: str, base: Any, ids: Any, args: argparse.Namespace, bench: Any) -> dict:

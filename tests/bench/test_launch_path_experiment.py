@@ -25,8 +25,12 @@ def test_dry_run_counts_the_patched_step_s_launches_per_path(tmp_path: Path) -> 
 def test_the_timers_are_undone() -> None:
     import coda.primitives.aux.rstd as rstd
     from coda.primitives import launch
+    from coda.primitives.cute import launch as cute
 
     real = (launch.launch_kernel, launch._run, launch.PinnedLaunch.__call__)
+    real_cute = (cute.CuteLaunch.__call__, cute.CuteLaunch.arguments, cute._run)
     with experiment.timed_launch_path(experiment.Timers()):
         assert rstd.launch_kernel is not real[0] and launch._run is not real[1]
+        assert cute.CuteLaunch.__call__ is not real_cute[0] and cute._run is not real_cute[2]
     assert (rstd.launch_kernel, launch._run, launch.PinnedLaunch.__call__) == real
+    assert (cute.CuteLaunch.__call__, cute.CuteLaunch.arguments, cute._run) == real_cute
