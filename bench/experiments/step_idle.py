@@ -37,6 +37,9 @@ queried), the host thread's voluntary and involuntary context switches in the st
 garbage collector's collections and ms in it; with the machine's CPU steal time over each column.
 A first op that waits for the GPU finds it busy and leaves it done; one descheduled by the OS or
 the hypervisor counts an involuntary switch or steal; one the collector ran in counts its ms.
+Where the step before's optimizer keeps the GPU busy for longer than the host takes to issue it
+and the next first op (fused AdamW at 2048 tokens, run 2026-12-04h) the GPU is busy at both
+checks in every step, and the two flags tell nothing.
 
 Not part of the product: a measurement to decide whether host work or GPU work limits the step.
 
