@@ -220,17 +220,27 @@ def phase_step(model, loss_fn, ids, bench):  # noqa: ANN001 - train_step parts
     return step
 
 
+def phases_of(marks: list[tuple[str, float]]) -> dict:
+    """One step's host ms from each mark to the next (named by the later one), and the whole
+    step's."""
+    phases = {name: (t - marks[i][1]) * 1e3 for i, (name, t) in enumerate(marks[1:])}
+    return {"phases_ms": phases, "step_ms": (marks[-1][1] - marks[0][1]) * 1e3}
+
+
+def median_phases(rows: list[dict]) -> dict[str, float]:
+    """The median of each phase's ms over ``phases_of`` rows, and of the whole step's
+    (``step``)."""
+    import statistics
+
+    out = {p: statistics.median(r["phases_ms"][p] for r in rows) for p in rows[0]["phases_ms"]}
+    out["step"] = statistics.median(r["step_ms"] for r in rows)
+    return out
+
+
 def phase_ms(steps: list[list[tuple[str, float]]]) -> dict[str, float]:
     """Median host ms from each mark to the next (named by the later one) and of the whole step,
     over steps."""
-    import statistics
-
-    names = [name for name, _ in steps[0][1:]]
-    out = {}
-    for i, name in enumerate(names):
-        out[name] = statistics.median((m[i + 1][1] - m[i][1]) * 1e3 for m in steps)
-    out["step"] = statistics.median((m[-1][1] - m[0][1]) * 1e3 for m in steps)
-    return out
+    return median_phases([phases_of(marks) for marks in steps])
 
 
 ALLOCATOR_COUNTS = (
@@ -373,13 +383,6 @@ class StepWatch:
         return None if self.prev is None else bool(self.prev.query())
 
 
-def phases_of(marks: list[tuple[str, float]]) -> dict:
-    """One step's host ms from each mark to the next (named by the later one), and the whole
-    step's."""
-    phases = {name: (t - marks[i][1]) * 1e3 for i, (name, t) in enumerate(marks[1:])}
-    return {"phases_ms": phases, "step_ms": (marks[-1][1] - marks[0][1]) * 1e3}
-
-
 def step_waits(step, embedding, steps: int, *, collect: bool) -> dict:  # noqa: ANN001
     """``steps`` back-to-back steps of ``phase_step``'s ``step`` watched by ``StepWatch`` (the
     garbage collector on or, ``collect`` False, off), after 5 unwatched; the rows, and the CPU
@@ -421,14 +424,14 @@ def summarize_waits(rows: list[dict], long_ms: float = 1.0) -> dict:
     def median(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
 
-    phases = list(rows[0]["phases_ms"])
+    medians = median_phases(rows)
     long = [r for r in rows if r["phases_ms"].get("embed", 0.0) > long_ms]
     busy = [r["step_ms"] for r in rows if r.get("gpu_done_at_start") is False]
     idle = [r["step_ms"] for r in rows if r.get("gpu_done_at_start") is True]
     return {
         "steps": len(rows),
-        "median_ms": {p: median([r["phases_ms"][p] for r in rows]) for p in phases},
-        "median_step_ms": median([r["step_ms"] for r in rows]),
+        "median_ms": {p: ms for p, ms in medians.items() if p != "step"},
+        "median_step_ms": medians["step"],
         "gc_ms_per_step": sum(r.get("gc_ms", 0.0) for r in rows) / len(rows),
         "long_embed": {
             "steps": len(long),
