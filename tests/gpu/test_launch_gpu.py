@@ -6,7 +6,6 @@ backend whatever ``CODA_EPILOGUE_BACKEND`` says (under ``auto`` they would run o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,13 +14,8 @@ import triton
 
 from coda.primitives import launch as launch_module
 from coda.primitives.run_plans import Relaunch
-from coda.primitives.settings import override
 
-
-@pytest.fixture(autouse=True)
-def _triton_backend() -> Iterator[None]:
-    with override(epilogue_backend="triton"):
-        yield
+pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
 def test_direct_replays_of_tma_kernels_are_triton_s_bit_for_bit_gpu(

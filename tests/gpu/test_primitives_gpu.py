@@ -9,19 +9,12 @@ runs them on the Triton backend whatever ``CODA_EPILOGUE_BACKEND`` says (under `
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
-from coda.primitives.settings import override
 from tests.primitives.test_ops import ALL_CASES, CASES, EXTRA_CASES, HALF_SPACE_CASES, _run_case
 
-
-@pytest.fixture(autouse=True)
-def _triton_backend() -> Iterator[None]:
-    with override(epilogue_backend="triton"):
-        yield
+pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
 # Ragged everywhere, with K·2 bytes a multiple of 16 (TMA-describable operands; the epilogue's
