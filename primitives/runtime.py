@@ -63,7 +63,13 @@ from .types import TensorInfo, partials_shape, torch_dtype
 # benchmarks may switch it for the whole process. CODA_DECIDE_EVERY_RUN=1: no replay.
 REPLAY = not current().decide_every_run
 
+# The epilogue backend every program's runs take, whatever each was compiled with (None: each its
+# own ``epilogue_backend``); benchmarks switch it for the whole process to time the same programs,
+# tuned once, on two backends side by side (bench/train_step.py's ``_triton`` variants).
+BACKEND: str | None = None
+
 __all__ = [  # the runtime's own names, and those of its parts that callers import from here
+    "BACKEND",
     "REPLAY",
     "TMA_MAX_BOX",
     "CompiledProgram",
@@ -89,7 +95,9 @@ class CompiledProgram:
     program: Program
     kernels: dict[str, KernelSource]
     configs: dict[str, MainloopConfig] = field(default_factory=dict)  # pinned per step (tuning)
-    mainloop: Mainloop = "auto"  # force a kernel variant (tests, benchmarks): choose_mainloop
+    # force a Triton kernel variant (tests, benchmarks): choose_mainloop; a forced variant runs
+    # on Triton whatever the epilogue backend (the CuTe backend has one mainloop, QuACK's)
+    mainloop: Mainloop = "auto"
     use_vendor: bool = True  # plain-store gemms on torch.matmul; False runs them on our mainloop
     mainloops_used: dict[str, str] = field(default_factory=dict)  # step -> mainloop last launched
     kernel_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # step -> regs, spills
@@ -124,6 +132,12 @@ class CompiledProgram:
     cute_configs: dict[str, CuteConfig | None] = field(default_factory=dict)
     cute_refusals: dict[str, str] = field(default_factory=dict)  # step -> why it ran on Triton
     _cute_steps: dict[str, Any] = field(default_factory=dict)  # step -> cute.launch.CuteStep
+
+    @property
+    def backend(self) -> str:
+        """The epilogue backend a run takes: the process's ``BACKEND`` where one is set, else the
+        program's ``epilogue_backend``."""
+        return BACKEND or self.epilogue_backend
 
     # -- analysis at the call's sizes ------------------------------------------------------------
     def info_for(self, inputs: dict[str, torch.Tensor]) -> ProgramInfo:
@@ -292,7 +306,7 @@ class CompiledProgram:
         )
         device = next(iter(prepared.values())).device
         configs = tuple(self.configs.items())
-        backend = (self.epilogue_backend, tuple(self.cute_configs.items()))
+        backend = (self.backend, tuple(self.cute_configs.items()))
         return (layouts, device, configs, self.mainloop, self.use_vendor, poison, backend)
 
     def _record(
@@ -464,7 +478,7 @@ class CompiledProgram:
             vendor = VendorProduct(step, act)
             vendor(tensors, None)
             return [vendor]
-        if self.epilogue_backend != "triton" and gemm.M and gemm.N:
+        if self.backend != "triton" and self.mainloop == "auto" and gemm.M and gemm.N:
             actions = self._run_cute(step, gemm, tensors, act, device, poison)
             if actions is not None:
                 return actions
@@ -499,7 +513,7 @@ class CompiledProgram:
         tuning under ``auto`` pinned a CuTe config for it (``cute.tuning.tune_plain_steps``:
         timed faster than cuBLAS at these sizes)."""
         return (
-            self.epilogue_backend == "auto"
+            self.backend == "auto"
             and self.cute_configs.get(gemm.name) is not None
             and bool(gemm.M and gemm.N)
         )
@@ -523,7 +537,7 @@ class CompiledProgram:
             return None
         reason = cute.unavailable_reason(device)
         if reason is not None:
-            if self.epilogue_backend == "cute":
+            if self.backend == "cute":
                 raise RuntimeError(
                     f"CODA_EPILOGUE_BACKEND=cute, but the backend cannot run: {reason}"
                 )
@@ -539,7 +553,7 @@ class CompiledProgram:
             pinned = None if config is _UNPINNED else config
             actions = runner.actions(gemm, tensors, act, device, poison, pinned)
         except CuteUnsupported as e:
-            if self.epilogue_backend == "cute" and gemm.name not in self.cute_refusals:
+            if self.backend == "cute" and gemm.name not in self.cute_refusals:
                 warnings.warn(
                     f"{self.program.block}: step {gemm.name!r} runs on Triton: {e}", stacklevel=3
                 )

@@ -625,9 +625,9 @@ def _compile_runs_ahead(
 @contextmanager
 def _on_path(compiled: CompiledProgram, mainloop: str) -> Iterator[None]:
     """Run ``compiled`` with ``mainloop`` until the block ends: ``"auto"`` on its configured
-    epilogue backend, ``"pointer"`` on Triton's pointer mainloop whatever the backend (the CuTe
-    backend has no pointer mainloop; without this, its steps would be verified twice and their
-    Triton kernels never)."""
+    epilogue backend; ``"pointer"`` all on Triton: the fused steps on its pointer mainloop (a
+    forced mainloop runs on Triton whatever the backend, the CuTe backend having none) and the
+    plain products on cuBLAS, where tuning under ``auto`` may have pinned QuACK's GEMM."""
     saved = compiled.mainloop, compiled.epilogue_backend
     compiled.mainloop = mainloop
     if mainloop == "pointer":

@@ -508,7 +508,7 @@ def tune_program(
     device = next(iter(prepared.values())).device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     on_cute = [n for n in compiled.kernels if compiled.mainloops_used.get(n) == "cute"]
-    with_triton = compiled.epilogue_backend == "auto"
+    with_triton = compiled.backend == "auto"
     for name in on_cute if with_triton else ():
         compiled.cute_configs[name] = None  # its Triton kernel is tuned first, then compared
     results: dict[str, TuningResult | CuteTuning] = {}
@@ -575,7 +575,7 @@ def _plain_steps_for_cute(compiled, info, device: torch.device) -> list[str]:  #
     the CuTe backend can run and the runtime hands plain products to cuBLAS at all."""
     from .. import backend, cute
 
-    if compiled.epilogue_backend != "auto" or not compiled.use_vendor or backend.INTERPRET:
+    if compiled.backend != "auto" or not compiled.use_vendor or backend.INTERPRET:
         return []
     if cute.unavailable_reason(device) is not None:
         return []

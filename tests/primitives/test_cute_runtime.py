@@ -127,6 +127,41 @@ def test_a_dynamic_config_launches_on_one_zeroed_tile_counter_per_action(recorde
     assert [c.dynamic for _, c in recorder.compiles] == [True, False]
 
 
+def test_a_forced_triton_mainloop_runs_on_triton_whatever_the_backend(
+    recorder: _Recorder,
+) -> None:
+    # a forced mainloop names a Triton kernel variant; the CuTe backend has only QuACK's
+    for backend in ("cute", "auto"):
+        _, _, compiled, inputs = _swiglu_bwd(backend)
+        prepared = compiled.prepare(inputs)
+        for mainloop in ("pointer", "tma"):
+            compiled.mainloop = mainloop
+            compiled.run(prepared)
+            assert compiled.mainloops_used["b"] == mainloop and recorder.launches == []
+        compiled.mainloop = "auto"
+        compiled.run(prepared)
+        assert compiled.mainloops_used["b"] == "cute" and len(recorder.launches) == 1
+        recorder.launches.clear()
+
+
+def test_the_process_backend_switch_runs_every_program_on_it(
+    recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coda.primitives import runtime
+
+    _, _, compiled, inputs = _swiglu_bwd("auto")
+    prepared = compiled.prepare(inputs)
+    compiled.run(prepared)
+    assert compiled.mainloops_used["b"] == "cute" and len(recorder.launches) == 1
+    monkeypatch.setattr(runtime, "BACKEND", "triton")
+    assert compiled.backend == "triton" and compiled.epilogue_backend == "auto"
+    compiled.run(prepared)  # a plan of its own (the run signature holds the backend)
+    assert compiled.mainloops_used["b"] != "cute" and len(recorder.launches) == 1
+    monkeypatch.setattr(runtime, "BACKEND", None)
+    compiled.run(prepared)  # the first plan, replayed
+    assert compiled.mainloops_used["b"] == "cute" and len(recorder.launches) == 2
+
+
 def test_collecting_launches_compiles_and_launches_nothing(recorder: _Recorder) -> None:
     _, _, compiled, inputs = _swiglu_bwd("cute")
     compiled.collect_launches(inputs)
