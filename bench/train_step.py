@@ -50,7 +50,11 @@ MLP half's residual in its kernels), ``coda_lm_head_hf_residual`` (``coda_lm_hea
 same deciding every run anew — no run plans: the host's work as of run 2026-12-01c),
 ``coda_lm_head_ops`` (that, and every call through the registered custom ops and every launch
 through Triton's own path: the host's work before run 2026-12-01c; both timed interleaved with
-the rest), ``coda_compile`` (``torch.compile(model, fullgraph=True)`` of
+the rest), ``coda_lm_head_triton`` (``coda_lm_head`` tuned, checked and timed with every
+program's fused steps on the Triton backend — ``coda.primitives.runtime.BACKEND`` switched around
+its calls —: under ``CODA_EPILOGUE_BACKEND=auto``, the two backends timed interleaved in one
+process, where two processes met hosts that moved between them; not run by default),
+``coda_compile`` (``torch.compile(model, fullgraph=True)`` of
 ``patch_llama(fuse_gate_up=True, fused_loss=True)``: ``coda_lm_head``'s kernels, the rest of the
 step compiled around them, no graph break allowed) and ``liger``; and ``hf_graph``,
 ``coda_graph``, ``coda_lm_head_graph``: the ``hf``, ``coda`` and ``coda_lm_head`` steps captured
@@ -127,7 +131,8 @@ import re
 import shutil
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -137,19 +142,20 @@ from profile_export import gpu_work  # noqa: E402
 
 VARIANTS = (
     "hf", "hf_compile", "coda_mlp", "coda", "coda_fused", "coda_lm_head",
-    "coda_lm_head_hf_residual", "coda_lm_head_decide", "coda_lm_head_ops", "coda_compile", "liger",
-    "hf_graph", "coda_graph", "coda_lm_head_graph",
+    "coda_lm_head_hf_residual", "coda_lm_head_decide", "coda_lm_head_ops", "coda_lm_head_triton",
+    "coda_compile", "liger", "hf_graph", "coda_graph", "coda_lm_head_graph",
 )  # fmt: skip
-# Variants that run a base variant's step another way: earlier host paths, or a CUDA graph.
-STEP_MODES = ("_decide", "_ops", "_graph")
+# Variants that run a base variant's step another way: earlier host paths, one epilogue backend,
+# or a CUDA graph.
+STEP_MODES = ("_decide", "_ops", "_triton", "_graph")
 
 
-# The default variants: Llama's are every variant but the captured ones (its earlier runs in
-# bench/RESULTS.md compare them); the other families' leave out the host-path and residual
-# variants, whose history is Llama's, and coda_mlp and coda_fused: each variant holds a model,
-# gradients and AdamW state through the interleaved timing, and at a 256k vocabulary in fp32
-# (amp) that is 14 GB each.
-LLAMA_VARIANTS = tuple(v for v in VARIANTS if not v.endswith("_graph"))
+# The default variants: Llama's are every variant but the captured and one-backend ones (its
+# earlier runs in bench/RESULTS.md compare them); the other families' leave out the host-path
+# and residual variants, whose history is Llama's, and coda_mlp and coda_fused: each variant
+# holds a model, gradients and AdamW state through the interleaved timing, and at a 256k
+# vocabulary in fp32 (amp) that is 14 GB each.
+LLAMA_VARIANTS = tuple(v for v in VARIANTS if not v.endswith(("_graph", "_triton")))
 OTHER_FAMILIES_VARIANTS = ("hf", "hf_compile", "coda", "coda_lm_head", "coda_compile", "liger")
 
 
@@ -683,6 +689,29 @@ def with_host_paths(step: Callable[[], Any], *, ops: bool) -> Callable[[], Any]:
     return older_step
 
 
+@contextmanager
+def programs_on(backend: str) -> Iterator[None]:
+    """Every coda program's runs on epilogue backend ``backend`` until the block ends, whatever
+    each was compiled with (``coda.primitives.runtime.BACKEND``; restored after)."""
+    from coda.primitives import runtime
+
+    saved, runtime.BACKEND = runtime.BACKEND, backend
+    try:
+        yield
+    finally:
+        runtime.BACKEND = saved
+
+
+def on_triton(step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step`` with every program's fused steps on the Triton backend (``programs_on``)."""
+
+    def triton_step() -> Any:
+        with programs_on("triton"):
+            return step()
+
+    return triton_step
+
+
 def forward_backward(model: Any, loss_fn: Callable, ids: Any, setting: str, bench: Bench) -> Any:
     """The loss of ``ids`` (``setting_loss``), backpropagated; returns it."""
     loss = setting_loss(model, loss_fn, ids, setting, bench)
@@ -837,15 +866,18 @@ def setting_rows(
         row: dict[str, Any] = {"setting": setting, "variant": name}
         notes: dict[str, Any] = {}
         loss_fn = loss_of(name, bench, family)
+        mode = split_variant(name)[1]
         try:
-            model = make_variant(name, base, setting, bench, args.compile_mode, family, notes)
-            row |= notes
-            row |= first_step(model, loss_fn, ids, setting, bench)
-            row["step_memory_gb"] = step_memory_gb(model, loss_fn, ids, setting, bench)
-            if args.memory_peak:
-                row["memory_peak"] = memory_peak(
-                    model, loss_fn, ids, setting, bench, args.memory_peak
-                )
+            # a _triton variant is tuned, checked and measured on Triton too
+            with programs_on("triton") if mode == "triton" else nullcontext():
+                model = make_variant(name, base, setting, bench, args.compile_mode, family, notes)
+                row |= notes
+                row |= first_step(model, loss_fn, ids, setting, bench)
+                row["step_memory_gb"] = step_memory_gb(model, loss_fn, ids, setting, bench)
+                if args.memory_peak:
+                    row["memory_peak"] = memory_peak(
+                        model, loss_fn, ids, setting, bench, args.memory_peak
+                    )
         except Skipped as e:
             rows.append({**row, **notes, "skipped": str(e)})
             continue
@@ -858,7 +890,6 @@ def setting_rows(
         row["correct"] = all(
             abs(row[k] - reference[k]) <= tol * abs(reference[k]) for k in ("loss", "grad_norm")
         )
-        mode = split_variant(name)[1]
         try:
             steps[name] = train_step(
                 model, loss_fn, ids, setting, bench, graph=mode == "graph", notes=row
@@ -868,6 +899,8 @@ def setting_rows(
             continue
         if mode in ("ops", "decide"):
             steps[name] = with_host_paths(steps[name], ops=mode == "ops")
+        if mode == "triton":
+            steps[name] = on_triton(steps[name])
         rows.append(row)
     runs = [bench.compare(steps, rep_ms=STEP_REP_MS) for _ in range(args.runs)] if steps else []
     for row in rows:

@@ -29,7 +29,8 @@ def test_fails_fast_without_a_gpu(
 
 def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> None:
     variants = "hf,coda_mlp,coda,coda_fused,coda_lm_head,coda_lm_head_decide,coda_lm_head_ops"
-    variants += ",coda_compile,coda_lm_head_graph"  # (a graph is GPU-only: the plain step here)
+    variants += ",coda_lm_head_triton,coda_compile,coda_lm_head_graph"  # (a graph is GPU-only:
+    # the plain step here)
     argv = ["--dry-run", "--out", str(tmp_path), "--variants", variants, "--sync-check"]
     argv += ["--host", "--host-split", "--cprofile", "coda_lm_head", "--memory-peak"]
     assert load_script("llama_train_step").main(argv) == 0  # the Llama entry, as recorded
@@ -59,8 +60,9 @@ def test_dry_run_checks_every_variant_against_hugging_face(tmp_path: Path) -> No
     from coda.export import autograd
     from coda.primitives import launch, runtime
 
-    # coda_lm_head_decide and coda_lm_head_ops switched them back
+    # coda_lm_head_decide, coda_lm_head_ops and coda_lm_head_triton switched them back
     assert autograd.EAGER_CALLS and launch.DIRECT and runtime.REPLAY
+    assert runtime.BACKEND is None
     assert launch._run.__name__ == "_run"  # --host-split put the relaunch back
     assert result["model"]["num_hidden_layers"] == 2
     assert "DRY RUN" in (tmp_path / "llama_train_step.md").read_text()
@@ -207,8 +209,23 @@ def test_a_variant_name_is_a_base_variant_and_a_step_mode() -> None:
     split = load_script("train_step").split_variant
     assert split("coda_lm_head_graph") == ("coda_lm_head", "graph")
     assert split("coda_lm_head_ops") == ("coda_lm_head", "ops")
+    assert split("coda_lm_head_triton") == ("coda_lm_head", "triton")
     assert split("liger") == ("liger", "")
     assert split("hf_compile") == ("hf_compile", "")
+
+
+def test_a_triton_variants_step_runs_every_program_on_triton_and_switches_back() -> None:
+    from coda.primitives import runtime
+
+    seen: list[str | None] = []
+
+    def step() -> None:
+        seen.append(runtime.BACKEND)
+        raise ValueError("a step that fails")
+
+    with pytest.raises(ValueError, match="a step that fails"):
+        load_script("train_step").on_triton(step)()
+    assert seen == ["triton"] and runtime.BACKEND is None
 
 
 def test_graph_variants_are_not_run_by_default_and_may_share_a_process() -> None:
@@ -218,7 +235,8 @@ def test_graph_variants_are_not_run_by_default_and_may_share_a_process() -> None
     assert not any(v.endswith("_graph") for v in llama + qwen3)
     graphs = [v for v in script.VARIANTS if v.endswith("_graph")]
     assert graphs == ["hf_graph", "coda_graph", "coda_lm_head_graph"]
-    assert len(llama) == len(script.VARIANTS) - len(graphs)  # every variant but the captured ones
+    assert "coda_lm_head_triton" not in llama  # a comparison of backends, asked for by name
+    assert len(llama) == len(script.VARIANTS) - len(graphs) - 1
     assert qwen3 == ["hf", "hf_compile", "coda", "coda_lm_head", "coda_compile", "liger"]
     both = ["--variants", "hf,hf_graph,coda_lm_head_graph", "--settings", "bf16,amp"]
     assert parse(both).variants == "hf,hf_graph,coda_lm_head_graph"
