@@ -45,3 +45,40 @@ def sustained_ms(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
     """``interleaved_ms`` in 100 ms windows (``SUSTAINED``): each function's time at the clock it
     sustains at the power limit, as the profiler reports it."""
     return interleaved_ms(fns, **SUSTAINED)
+
+
+HOST_CALLS = 30  # calls per function that host_ms times
+
+
+def host_ms(
+    fns: dict[str, Callable[[], object]],
+    *,
+    calls: int = HOST_CALLS,
+    warmup: int = 3,
+    synchronize: Callable[[], object] | None = None,
+) -> dict[str, float]:
+    """Each function's host time: the median wall-clock milliseconds of one call among ``calls``
+    calls issued back to back — nothing between them, the device synchronized (``synchronize``,
+    default ``torch.cuda.synchronize``) before each function's calls and after. For a kernel
+    launch this is what issuing it costs the host, which bounds a step that the host cannot issue
+    as fast as the device runs it (a training step on few tokens) the way the kernel's device
+    time bounds a step the device is behind on; ``interleaved_ms`` measures the latter."""
+    import time
+
+    if synchronize is None:
+        import torch
+
+        synchronize = torch.cuda.synchronize
+    out: dict[str, float] = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        synchronize()
+        samples = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        synchronize()
+        out[name] = statistics.median(samples)
+    return out

@@ -31,6 +31,15 @@ Each candidate is timed as its launch alone (what a run plan replays), in interl
 limit, sustain different clocks, which shorter windows do not reach. Timed in 30 ms windows, tuning
 pinned 128 × 128 tiles for ``gemm_rmsnorm`` at 8192³, which ran 1.047× the cuBLAS GEMM in the
 benchmark (run 2026-12-03f); timed in 100 ms windows it pins 128 × 192, at 0.984× (run 2026-12-03j).
+
+Each candidate's launch is also timed on the host (``timing.host_ms``: the median of 30 calls
+issued back to back), and candidates rank by the larger of the two times: a launch the host takes
+longer to issue than the device takes to run it costs a host-bound step (a training step on a
+few thousand tokens, bench/RESULTS.md) its host time, not its kernel's. The backends' launch paths
+differ — a Triton launch is a pinned C call, a CuTe launch builds QuACK's views and the epilogue's
+arguments and goes through TVM-FFI, a cuBLAS product is one PyTorch op — so where the kernels take
+tens of microseconds the cheaper launch can be the faster step; where they take longer, as at
+8192 tokens, the device times decide as before.
 The winner is checked against the reference executor (``codegen.tuning.wrong_steps``: every tensor
 the step writes, partial sums compared once combined across tiles, since the CuTe tile lays them out
 its own way); a wrong one is rejected and the next fastest taken. The choice is pinned on
@@ -47,7 +56,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..timing import SUSTAINED
+from ..timing import SUSTAINED, host_ms
 from .launch import WIDE, CuteConfig
 
 if TYPE_CHECKING:
@@ -88,7 +97,8 @@ PLAIN_CANDIDATES = (
 
 TRITON = "triton"  # the label of the step's Triton kernel among the timed candidates
 CUBLAS = "cublas"  # the label of a plain step's cuBLAS product among the timed candidates
-WINDOWS = f"{SUSTAINED['rep']}ms"  # the timing windows of the cached choices
+# how the cached choices were timed: the device windows, and the launches' host time beside them
+WINDOWS = f"{SUSTAINED['rep']}ms+host"
 
 Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
 
@@ -100,9 +110,10 @@ class CuteTuning:
     step: str
     key: str
     best: CuteConfig | None
-    ms: float | None
+    ms: float | None  # the choice's device time
     cached: bool
     times: dict[str, float] = field(default_factory=dict)  # every candidate timed, by label
+    host_times: dict[str, float] = field(default_factory=dict)  # ms to issue each launch
     errors: dict[str, str] = field(default_factory=dict)  # candidates that could not launch
     rejected: list[tuple[CuteConfig, str]] = field(default_factory=list)  # fast but wrong
     fallback: str = TRITON  # what runs the step where ``best`` is None: Triton, or cuBLAS
@@ -115,6 +126,7 @@ class CuteTuning:
             "ms": self.ms,
             "cached": self.cached,
             "times": self.times,
+            "host_times": self.host_times,
             "errors": self.errors,
             "rejected": [{"config": str(c), "why": why} for c, why in self.rejected],
         }
@@ -148,11 +160,13 @@ def tune_cute_steps(
     *,
     with_triton: bool,
     timer: Timer | None = None,
+    host_timer: Timer | None = None,
     check: bool = True,
 ) -> dict[str, CuteTuning]:
     """Choose and pin the config — or Triton, ``with_triton`` — of each step in ``steps`` (steps
-    the CuTe backend ran) at the sizes of ``tensors`` (a full run's). ``timer`` times launches by
-    label (default: ``timing.sustained_ms``)."""
+    the CuTe backend ran) at the sizes of ``tensors`` (a full run's). ``timer`` times launches on
+    the device by label (default: ``timing.sustained_ms``), ``host_timer`` on the host (default:
+    ``timing.host_ms``)."""
     against = TRITON if with_triton else None
 
     def plan(name: str, gemm: Any, dtype: torch.dtype, device: str) -> _Plan:
@@ -165,7 +179,8 @@ def tune_cute_steps(
             choices[TRITON] = None
         return _Plan(key, choices, TRITON)
 
-    return _tune_steps(compiled, prepared, tensors, steps, cache, plan, timer, check)
+    timers = _timers(timer, host_timer)
+    return _tune_steps(compiled, prepared, tensors, steps, cache, plan, timers, check)
 
 
 def tune_plain_steps(
@@ -176,6 +191,7 @@ def tune_plain_steps(
     cache: TuningCache,
     *,
     timer: Timer | None = None,
+    host_timer: Timer | None = None,
     check: bool = True,
 ) -> dict[str, CuteTuning]:
     """Under ``auto``: choose, for each plain-store step in ``steps`` (a product the runtime
@@ -202,7 +218,21 @@ def tune_plain_steps(
         choices[CUBLAS] = None
         return _Plan(cute_key(CUBLAS, module, CUBLAS, device, gemm, dtype), choices, CUBLAS)
 
-    return _tune_steps(compiled, prepared, tensors, steps, cache, plan, timer, check)
+    timers = _timers(timer, host_timer)
+    return _tune_steps(compiled, prepared, tensors, steps, cache, plan, timers, check)
+
+
+class _Timers(NamedTuple):
+    """How candidates are timed: on the device and on the host, each by label."""
+
+    device: Timer
+    host: Timer
+
+
+def _timers(timer: Timer | None, host_timer: Timer | None) -> _Timers:
+    from ..timing import sustained_ms
+
+    return _Timers(timer or sustained_ms, host_timer or host_ms)
 
 
 class _Plan(NamedTuple):
@@ -221,14 +251,11 @@ def _tune_steps(
     steps: list[str],
     cache: TuningCache,
     plan: Callable[..., _Plan | None],
-    timer: Timer | None,
+    timers: _Timers,
     check: bool,
 ) -> dict[str, CuteTuning]:
     """Each step of ``steps`` that ``plan`` gives a plan: its cached choice, or its choices timed
     and the winner pinned and cached."""
-    from ..timing import sustained_ms
-
-    timer = timer or sustained_ms
     info = compiled.info_for({n: prepared[n] for n in compiled.program.inputs})
     device = next(iter(prepared.values())).device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -247,15 +274,19 @@ def _tune_steps(
                 name, key, best, entry.get("ms"), cached=True, fallback=fallback
             )
             continue
-        result = _tune_step(compiled, prepared, tensors, name, key, choices, fallback, timer, check)
+        result = _tune_step(
+            compiled, prepared, tensors, name, key, choices, fallback, timers, check
+        )
         _keep(cache, key, result)
         results[name] = result
     return results
 
 
 def _keep(cache: TuningCache, key: str, result: CuteTuning) -> None:
-    cache.put_entry(key, {"config": None if result.best is None else list(result.best),
-                          "ms": result.ms})  # fmt: skip
+    config = None if result.best is None else list(result.best)
+    label = result.fallback if result.best is None else str(result.best)
+    cache.put_entry(key, {"config": config, "ms": result.ms,
+                          "host_ms": result.host_times.get(label)})  # fmt: skip
 
 
 def _tune_step(
@@ -266,12 +297,13 @@ def _tune_step(
     key: str,
     choices: dict[str, CuteConfig | None],
     fallback: str,
-    timer: Timer,
+    timers: _Timers,
     check: bool,
 ) -> CuteTuning:
     """Time ``choices`` (a CuTe config, or None: the step's other kernel ``fallback`` — Triton,
-    or cuBLAS for a plain step) on the step's tensors and pin the fastest that computes the
-    reference's result; None where no CuTe config does."""
+    or cuBLAS for a plain step) on the step's tensors, on the device and on the host, and pin
+    the one of least cost — the larger of its two times — that computes the reference's result;
+    None where no CuTe config does."""
     launches: dict[str, Callable[[], None]] = {}
     errors: dict[str, str] = {}
     for label, choice in choices.items():
@@ -282,20 +314,22 @@ def _tune_step(
             errors[label] = compiled.cute_refusals.get(name, "ran on Triton")
             continue
         launches[label] = launch
-    times = timer(launches) if launches else {}
+    times = timers.device(launches) if launches else {}
+    host = timers.host(launches) if launches else {}
+    cost = {label: max(ms, host.get(label, 0.0)) for label, ms in times.items()}
     rejected: list[tuple[CuteConfig, str]] = []
-    for label in sorted(times, key=times.__getitem__):
+    for label in sorted(cost, key=cost.__getitem__):
         choice = choices[label]
         compiled.cute_configs[name] = choice
         why = _wrong(compiled, prepared, name) if check and choice is not None else ""
         if not why:
             return CuteTuning(
-                name, key, choice, times[label], False, times, errors, rejected, fallback
+                name, key, choice, times[label], False, times, host, errors, rejected, fallback
             )
         rejected.append((choice, why))
     compiled.cute_configs[name] = None  # no CuTe config computed it right: the other kernel
     ms = times.get(fallback)
-    return CuteTuning(name, key, None, ms, False, times, errors, rejected, fallback)
+    return CuteTuning(name, key, None, ms, False, times, host, errors, rejected, fallback)
 
 
 def _wrong(compiled: Any, prepared: dict[str, torch.Tensor], name: str) -> str:

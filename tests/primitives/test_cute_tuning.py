@@ -1,8 +1,9 @@
 """Tuning on the CuTe backend, on a CPU: which candidate wins, Triton as a candidate under
 ``auto``, a fast wrong config rejected, the choice pinned and cached, each candidate timed on its
-own tensors. The launches are the generated modules executed by the CPU emulator
-(``cute_emulator``), their partial sums written as one tile's; times come from a stand-in timer,
-so what is checked is the choosing, not the kernels (tests/gpu/test_cute_gpu.py runs those)."""
+own tensors, on the device and on the host. The launches are the generated modules executed by
+the CPU emulator (``cute_emulator``), their partial sums written as one tile's; times come from
+stand-in timers (the host's is 0 unless a test gives one), so what is checked is the choosing,
+not the kernels (tests/gpu/test_cute_gpu.py runs those)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ class _Emulated:
                 partials[:, 0] = values.to(partials.dtype) + shift
             else:
                 tensors[name].copy_(values + shift)
+
+
+@pytest.fixture(autouse=True)
+def no_host_time(monkeypatch) -> None:
+    """The host timer's default (``timing.host_ms``) synchronizes a GPU: on a CPU, every launch
+    costs the host nothing unless a test passes its own ``host_timer``."""
+    from coda.primitives.cute import tuning
+
+    monkeypatch.setattr(tuning, "host_ms", lambda fns: dict.fromkeys(fns, 0.0))
 
 
 @pytest.fixture
@@ -132,7 +142,33 @@ def test_under_auto_triton_is_a_candidate_and_can_win(emulated: _Emulated, tmp_p
     assert emulated.launches == [] and compiled.mainloops_used["b"] != "cute"
     # the same sizes under "cute" only are another choice: another key
     assert len(TuningCache(tmp_path / "t.json").entries) == 1
-    assert result.key.startswith("cute+triton@100ms|")
+    assert result.key.startswith("cute+triton@100ms+host|")
+
+
+def test_a_launch_the_host_issues_slower_than_the_device_runs_costs_its_host_time(
+    emulated: _Emulated,
+    tmp_path,  # noqa: ANN001
+) -> None:
+    # FAST runs 0.2 ms on the device but takes the host 0.9 ms to issue; Triton 0.4 and 0.05:
+    # in a host-bound step FAST costs 0.9, so Triton wins; where the device times are longer
+    # than every host time, they decide alone
+    compiled, prepared, tensors = _setup("auto")
+    device = _timer({str(FAST): 0.2, str(MIDDLE): 0.6, str(SLOW): 0.7, TRITON: 0.4})
+    host = _timer({str(FAST): 0.9, TRITON: 0.05})  # (9 ms for the others)
+    cache = TuningCache(tmp_path / "t.json")
+    (result,) = tune_cute_steps(
+        compiled, prepared, tensors, ["b"], cache, with_triton=True, timer=device, host_timer=host
+    ).values()
+    assert result.best is None and result.ms == 0.4 and result.host_times[TRITON] == 0.05
+    assert host.seen == device.seen  # every candidate the device timed, the host timed
+    assert cache.entry(result.key) == {"config": None, "ms": 0.4, "host_ms": 0.05}
+    again, prepared2, tensors2 = _setup("auto")
+    slow_kernels = _timer({str(FAST): 2.0, str(MIDDLE): 2.5, str(SLOW): 3.0, TRITON: 2.2})
+    (result,) = tune_cute_steps(
+        again, prepared2, tensors2, ["b"], TuningCache(tmp_path / "u.json"),
+        with_triton=True, timer=slow_kernels, host_timer=_timer({str(FAST): 0.9, TRITON: 0.05}),
+    ).values()  # fmt: skip
+    assert result.best == FAST and result.ms == 2.0
 
 
 def test_a_fast_wrong_config_is_rejected_for_the_next(emulated: _Emulated, tmp_path) -> None:  # noqa: ANN001
@@ -250,7 +286,7 @@ def test_candidates_are_timed_in_sustained_windows_by_default(
     ).values()
     assert len(windows) == len(ALL) * timing.SUSTAINED["rounds"]
     assert {w["rep"] for w in windows} == {100} and {w["warmup"] for w in windows} == {25}
-    assert "@100ms|" in result.key
+    assert "@100ms+host|" in result.key
 
 
 PLAIN_SIZES = {"M": 40, "d": 32, "f": 48}
