@@ -246,6 +246,7 @@ class CuteLaunch(Action):
         self.step, self.source, self.m, self.n, self.config = step, source, m, n, config
         self._fn: Any = None  # the compiled kernel, looked up once: a plan's replays share it
         self._counter: torch.Tensor | None = None  # the dynamic scheduler's tile counter
+        self._views: tuple[_View, ...] | None = None  # how later calls view their tensors
 
     def __call__(self, tensors: dict[str, torch.Tensor], env: RunEnv | None) -> None:
         args = self.arguments(tensors)
@@ -263,9 +264,38 @@ class CuteLaunch(Action):
         """The kernel's arguments in QuACK's shapes: A ``(M, K, 1)``, B ``(N, K, 1)``, D and
         every tile ``(M, N, 1)`` (pair-wide ones as 32-bit words; half-wide stores
         ``(M, N/2, 1)``), vectors ``(1, len)``, row partials ``(1, M, tiles)``, column partials
-        ``(1, tiles, N)``, and the bounds."""
+        ``(1, tiles, N)``, and the bounds.
+
+        The first call works each view out; later calls make each in one ``as_strided`` of the
+        call's tensor (of its 32-bit view for pairs) with the first call's sizes and strides: a
+        launch is replayed only on tensors of its run signature (``run_plans``), whose shapes and
+        strides are the first call's."""
+        views = self._views
+        if views is not None:
+            args = {v.arg: _view_of(tensors[v.tensor], v) for v in views}
+        else:
+            args = self._first_arguments(tensors)
+            self._views = tuple(
+                _View.of(arg, name, tensors[name], args[arg]) for arg, name in self._tensors()
+            )
+        if self.source.output is None:
+            args["D"] = None
+        if self.source.uses_coords:
+            args["m_bound"], args["n_bound"] = self.m, self.n
+        return args
+
+    def _tensors(self) -> list[tuple[str, str]]:
+        """``(argument, tensor)`` of each tensor argument."""
+        step = self.step.step
+        pairs = [("A", step.a.tensor), ("B", step.b.tensor)]
+        if self.source.output is not None:
+            pairs.append(("D", self.source.output))
+        return pairs + [(b.op, b.tensor) for b in self.source.bindings]
+
+    def _first_arguments(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """``arguments``' tensors, each view worked out from the call's tensors."""
         a, b = self.step._operands(tensors)
-        args: dict[str, Any] = {"A": _as_mk(a), "B": _as_mk(b), "D": None}
+        args: dict[str, Any] = {"A": _as_mk(a), "B": _as_mk(b)}
         if self.source.output is not None:
             out = tensors[self.source.output]
             args["D"] = _as_mk(out.view(torch.float32) if self.source.output_pairs else out)
@@ -277,9 +307,27 @@ class CuteLaunch(Action):
                 args[binding.op] = t.unsqueeze(0)
             else:  # col_partials: [N, m tiles] as QuACK's (1, m tiles, N)
                 args[binding.op] = t.t().unsqueeze(0)
-        if self.source.uses_coords:
-            args["m_bound"], args["n_bound"] = self.m, self.n
         return args
+
+
+class _View(NamedTuple):
+    """How a launch argument views a call's tensor: argument name, tensor name, whether through
+    its 32-bit view (pairs of 16-bit values), and the view's sizes and strides."""
+
+    arg: str
+    tensor: str
+    words: bool
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, arg: str, name: str, tensor: torch.Tensor, view: torch.Tensor) -> _View:
+        words = view.dtype != tensor.dtype
+        return cls(arg, name, words, tuple(view.shape), view.stride())
+
+
+def _view_of(t: torch.Tensor, view: _View) -> torch.Tensor:
+    return (t.view(torch.float32) if view.words else t).as_strided(view.size, view.stride)
 
 
 def _module(source: CuteSource) -> Any:
@@ -416,6 +464,15 @@ def _scheduler_args(device_index: int, cluster_size: int, counter: torch.Tensor 
     return make_scheduler_args(_max_clusters(device_index, cluster_size), 8, counter)
 
 
+@functools.lru_cache(maxsize=1024)
+def _int32(value: int) -> Any:
+    """``cutlass.Int32(value)``, made once per value (a few microseconds each: a launch's bounds
+    are the same on every replay)."""
+    import cutlass
+
+    return cutlass.Int32(value)
+
+
 def _run(
     fn: Any,
     source: CuteSource,
@@ -423,15 +480,10 @@ def _run(
     config: CuteConfig,
     counter: torch.Tensor | None = None,
 ) -> None:
-    import cutlass
-
     module = sys.modules[f"coda_cute_{source.key}"]
     epi = {b.op: args[b.op] for b in source.bindings}
     if source.uses_coords:
-        epi["m_bound"], epi["n_bound"] = (
-            cutlass.Int32(args["m_bound"]),
-            cutlass.Int32(args["n_bound"]),
-        )
+        epi["m_bound"], epi["n_bound"] = _int32(args["m_bound"]), _int32(args["n_bound"])
     cluster_size = config.cluster_m * config.cluster_n
     sched = _scheduler_args(args["A"].device.index or 0, cluster_size, counter)
     fn(args["A"], args["B"], args["D"], None, module.Epilogue.EpilogueArguments(**epi), sched, None)

@@ -110,6 +110,33 @@ def test_replays_launch_again_and_compile_once(recorder: _Recorder) -> None:
     assert len(recorder.launches) == 3 and len(recorder.compiles) == 1
 
 
+@pytest.mark.parametrize(
+    ("name", "sizes"),
+    [
+        ("gemm_partial_swiglu_bwd", SIZES),  # pair-wide D and tile, row partials, bounds
+        ("gemm_residual_partial_rmsnorm_bwd", {"M": 40, "N": 48, "K": 24}),  # column partials
+        ("gemm_swiglu", {"M": 40, "N": 64, "K": 24}),  # a half-wide store, B not transposed
+    ],
+)
+def test_a_replay_views_its_tensors_as_the_first_call_did(
+    recorder: _Recorder, name: str, sizes: dict[str, int]
+) -> None:
+    # the replay makes each view in one as_strided with the first call's sizes and strides; on
+    # another call's tensors it must give what working the views out again gives
+    block, _, compiled, inputs = _compiled(name, sizes, "cute")
+    compiled.run(compiled.prepare(inputs))
+    again = block.make_inputs(sizes, torch.float16, seed=1, device="cpu")
+    tensors = compiled.run(compiled.prepare(again))
+    (plan,) = compiled._run_plans.values()
+    (launch,) = [a for a in plan.actions if isinstance(a, cute_launch.CuteLaunch)]
+    replayed, fresh = recorder.launches[-1], launch._first_arguments(tensors)
+    assert set(fresh) <= set(replayed)
+    for arg, want in fresh.items():
+        got = replayed[arg]
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+        assert got.data_ptr() == want.data_ptr(), arg
+
+
 def test_a_dynamic_config_launches_on_one_zeroed_tile_counter_per_action(recorder) -> None:  # noqa: ANN001
     # the kernel's atomic increments wrap back to 0 after its last tile: one counter, zeroed
     # once, serves every replay of the action; a static config gets none
