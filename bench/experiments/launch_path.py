@@ -3,9 +3,10 @@
 At 2048 tokens a patched step is host-bound (bench/RESULTS.md): its host issues ~90 Triton
 launches a step, each either through ``launch_kernel`` (which computes the arguments' signature
 and looks the compiled kernel up) or through a ``PinnedLaunch`` (recorded once, no signature).
-This times one family's step, eager Hugging Face and ``coda_lm_head`` (``train_step.py``'s
-variants, same widths), and for the patched one counts and times per step, with a wall clock
-around each call:
+This times one family's step, eager Hugging Face, ``coda_lm_head`` and
+``coda_lm_head_triton`` (``train_step.py``'s variants, same widths: under
+``CODA_EPILOGUE_BACKEND=auto`` the patched step on the backends tuning chose and all on Triton),
+and for the patched ones counts and times per step, with a wall clock around each call:
 
 * ``launch_kernel`` — every call, a pinned sequence's included (``launch.PinnedSequence`` sends
   those on to a ``PinnedLaunch``): the calls made by code outside a run plan's replay, and their
@@ -36,14 +37,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_step as ts  # noqa: E402  (bench/)
 
-VARIANTS = ("hf", "coda_lm_head")
+VARIANTS = ("hf", "coda_lm_head", "coda_lm_head_triton")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -119,8 +120,12 @@ def timed_launch_path(timers: Timers) -> Iterator[None]:
 
 
 def variant_row(name: str, base: Any, ids: Any, args: argparse.Namespace, bench: Any) -> dict:
-    model = ts.make_variant(name, base, "bf16", bench, family=args.family)
-    step = ts.train_step(model, ts.loss_of(name, bench, args.family), ids, "bf16", bench)
+    triton = ts.split_variant(name)[1] == "triton"
+    with ts.programs_on("triton") if triton else nullcontext():  # tuned on Triton too
+        model = ts.make_variant(name, base, "bf16", bench, family=args.family)
+        step = ts.train_step(model, ts.loss_of(name, bench, args.family), ids, "bf16", bench)
+        step()
+    step = ts.on_triton(step) if triton else step
     for _ in range(2 if bench.dry_run else 5):
         step()
     row: dict[str, Any] = {"host_ms": ts.host_ms(step, bench, max(args.steps, 3))}

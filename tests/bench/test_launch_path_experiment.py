@@ -14,12 +14,17 @@ experiment = load_script("experiments/launch_path")
 def test_dry_run_counts_the_patched_step_s_launches_per_path(tmp_path: Path) -> None:
     assert experiment.main(["--dry-run", "--steps", "2", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "launch_path_llama.json").read_text())
-    assert set(result["variants"]) == {"hf", "coda_lm_head"}
+    assert set(result["variants"]) == {"hf", "coda_lm_head", "coda_lm_head_triton"}
     assert "per_step" not in result["variants"]["hf"]
-    per_step = result["variants"]["coda_lm_head"]["per_step"]
-    # the interpreter takes launch_kernel's path on every launch, pinned or not
-    assert per_step["launch_kernel"]["calls"] >= per_step["PinnedLaunch.__call__"]["calls"] > 0
+    for name in ("coda_lm_head", "coda_lm_head_triton"):
+        per_step = result["variants"][name]["per_step"]
+        # the interpreter takes launch_kernel's path on every launch, pinned or not
+        calls = per_step["launch_kernel"]["calls"]
+        assert calls >= per_step["PinnedLaunch.__call__"]["calls"] > 0
     assert result["floors_us"] is None
+    from coda.primitives import runtime
+
+    assert runtime.BACKEND is None
 
 
 def test_the_timers_are_undone() -> None:
