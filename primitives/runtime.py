@@ -511,7 +511,7 @@ class CompiledProgram:
     def _plain_on_cute(self, gemm: GemmInfo) -> bool:
         """Whether plain-store step ``gemm`` runs on QuACK's GEMM rather than cuBLAS: only where
         tuning under ``auto`` pinned a CuTe config for it (``cute.tuning.tune_plain_steps``:
-        timed faster than cuBLAS at these sizes)."""
+        cheaper than cuBLAS at these sizes)."""
         return (
             self.backend == "auto"
             and self.cute_configs.get(gemm.name) is not None

@@ -34,9 +34,9 @@ Variables, their fields and effects (the README's configuration table says the s
 * ``CODA_EPILOGUE_BACKEND`` → ``epilogue_backend`` (default ``triton``): which kernels run fused
   GEMM steps — ``triton``, ``cute`` (QuACK's Hopper GEMM on the CuTe DSL for every step it
   covers; the rest on Triton) or ``auto`` (where the DSL, QuACK and a Hopper GPU are there, each
-  step the CuTe backend covers on whichever backend tuning timed faster at the call's shapes —
-  on CuTe where it was not tuned). Tuning also picks the CuTe tile per shape. See
-  ``coda.primitives.cute``.
+  step the CuTe backend covers on whichever backend tuning found cheaper at the call's shapes —
+  the larger of its GPU and host times —, on CuTe where it was not tuned). Tuning also picks the
+  CuTe tile per shape. See ``coda.primitives.cute``.
 * ``TRITON_INTERPRET=1`` → ``force_interpreter``: run coda's kernels in Triton's interpreter even
   on a GPU (Triton's own variable; without a GPU coda interprets its kernels regardless).
 """

@@ -568,7 +568,7 @@ def verify(
     users' tensors may equally get (``_on_path``): a kernel is verified under both (with the
     defaults, every shape under both). Under ``CODA_EPILOGUE_BACKEND=auto`` or ``cute`` the first
     runs the steps the CuTe backend covers on QuACK's GEMM and the second on Triton, which tuning
-    under ``auto`` pins for a step where it timed faster.
+    under ``auto`` pins for a step where it costs less.
     """
     checks: list[OutputCheck] = []
     smallest = min(shapes, key=lambda s: math.prod(s.values()))
