@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from coda.blocks.gemma import GEMMA2_LOGIT_CAP
+from coda.primitives.loss_targets import next_token_classes, next_token_targets
 
 from .autograd import ExportedFunction, Tuning, _traced, export_autograd
 from .checks import norm_gamma, rms_norm_form
@@ -41,8 +42,6 @@ from .lm_head_chunks import chunk_runner, chunked_lm_head_loss
 from .probe import causal_lm_head, check_causal_lm_head, probe_forward
 from .programs import FAMILIES
 from .resolve import dropin_programs
-
-IGNORE_INDEX = -100
 
 
 def llama_lm_head_ce_function(
@@ -140,19 +139,15 @@ class CodaLlamaLMHeadLoss(nn.Module):
                 f"labels {tuple(labels.shape)} must have hidden's shape without its last dim, "
                 f"{tuple(hidden.shape[:-1])}"
             )
-        # position t predicts labels[t + 1]; the last position predicts nothing
-        targets = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
-        targets = targets.reshape(-1)
-        counted = targets != IGNORE_INDEX
         x = hidden.reshape(-1, hidden.shape[-1])
         weights = [norm_gamma(self.norm.weight, self.norm_offset), self.lm_head.weight]
-        # ignored tokens get a valid class (0) and no weight: their gradient is zero
-        classes = torch.where(counted, targets, 0)
         amp = autocast_dtype(x, weights)  # under autocast: as Hugging Face's lm_head
         if _trains(x, *weights):
-            return self._training_loss(
-                amp or x.dtype, x, weights, classes, counted, num_items_in_batch
-            )
+            # position t predicts labels[t + 1], the last none; an ignored token gets a valid
+            # class (0) and weight 0: its gradient is zero (one launch on a GPU)
+            classes, token_weights = next_token_targets(labels, num_items_in_batch)
+            return self._training_loss(amp or x.dtype, x, weights, classes, token_weights)
+        classes, counted = next_token_classes(labels)  # (the same targets, by PyTorch ops)
         per_token = run_in_dtype(self.function, amp or x.dtype, x, *weights, classes)
         total = (per_token * counted).sum()
         if num_items_in_batch is None:
@@ -165,18 +160,14 @@ class CodaLlamaLMHeadLoss(nn.Module):
         x: torch.Tensor,
         weights: list[torch.Tensor],
         classes: torch.Tensor,
-        counted: torch.Tensor,
-        num_items_in_batch: int | torch.Tensor | None,
+        token_weights: torch.Tensor,
     ) -> torch.Tensor:
         """The loss with its gradient computed now, in row chunks (``lm_head_chunks``): each
-        token weighs ``counted / (number counted or num_items_in_batch)`` — the same reduction
-        as the per-token path, as the ``dloss`` of the chunk Program."""
+        token weighs ``token_weights`` (``loss_targets.next_token_targets``: counted / the
+        number counted or ``num_items_in_batch``) — the same reduction as the per-token path,
+        as the ``dloss`` of the chunk Program."""
         runner = chunk_runner(*self._chunks)
         runner.tune = self.function.tune
-        denominator = (
-            counted.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        )
-        token_weights = counted.to(torch.float32) / denominator
         x, *weights = (t.to(dtype) for t in (x, *weights))
         with torch.autocast(x.device.type, enabled=False):
             return chunked_lm_head_loss(

@@ -180,6 +180,28 @@ def test_scaling_in_place_by_a_device_factor_is_mul_bit_for_bit_gpu(dtype: torch
             assert torch.equal(t, want), (shape, value)
 
 
+def test_next_token_targets_in_one_launch_are_the_ops_bit_for_bit_gpu() -> None:
+    """``next_token_targets`` on the GPU (the one-program kernel) against the PyTorch ops of the
+    fused loss's targets and weights, bit for bit: a training step's labels (16384 tokens, a
+    batch of sequences with padding ignored), a ragged batch, each denominator — the count,
+    Hugging Face's ``num_items_in_batch`` as a device tensor and as an int."""
+    from coda.primitives.loss_targets import (
+        IGNORE_INDEX,
+        next_token_targets,
+        targets_by_ops,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for shape in [(8, 2048), (3, 1001)]:
+        labels = torch.randint(0, 128256, shape, device="cuda", generator=gen)
+        labels[:, -17:] = IGNORE_INDEX  # padding
+        for num_items in [None, torch.tensor(9000, device="cuda"), 4321]:
+            got = next_token_targets(labels, num_items)
+            want = targets_by_ops(labels, num_items)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("block", ["llama_attn_in", "llama_attn_in_bwd_saved"])
 def test_fused_prep_chains_are_the_steps_bit_for_bit_gpu(block: str, dtype: torch.dtype) -> None:
