@@ -67,3 +67,39 @@ def test_labels_that_are_not_class_ids_are_refused() -> None:
         next_token_targets(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="one element"):
         targets_on_device(torch.zeros(2, 3, dtype=torch.int64), torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize(
+    ("labels", "den", "den_from_ptr", "count"),
+    [
+        ("*i64", "*fp32", False, True),
+        ("*i64", "*i64", True, False),
+        ("*i32", "*fp32", False, False),
+    ],
+    ids=["counted", "device-tensor", "int32-given"],
+)
+def test_the_kernel_compiles_for_hopper(
+    labels: str, den: str, den_from_ptr: bool, count: bool
+) -> None:
+    """The interpreter runs the kernel's Python; this compiles it for sm_90 as a GPU would (to
+    the cubin, through Triton's bundled ptxas), so a construct only the compiler refuses fails
+    here, on a CPU, and not in a user's first training step."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from coda.primitives import loss_targets
+
+    kernel = loss_targets._next_token_targets_kernel
+    fn = triton.jit(getattr(kernel, "fn", kernel))  # (on a CPU, coda's kernels are interpreted)
+    signature = {
+        "labels_ptr": labels, "classes_ptr": labels, "weights_ptr": "*fp32", "den_ptr": den,
+        "n": "i32", "length": "i32", "stride_row": "i32", "stride_col": "i32", "den_value": "fp32",
+    }  # fmt: skip
+    constexprs = {"DEN_FROM_PTR": den_from_ptr, "COUNT_DEN": count, "IGNORE": -100, "BLOCK": 1024}
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    names = list(signature)
+    constants = {(names.index(k),): v for k, v in constexprs.items()}
+    source = triton.compiler.ASTSource(fn, signature, constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
+    assert compiled.asm["cubin"]
+    assert "div.rn.f32" in compiled.asm["ptx"]  # the weights' division rounds as PyTorch's
