@@ -137,6 +137,38 @@ def test_a_replay_views_its_tensors_as_the_first_call_did(
         assert got.data_ptr() == want.data_ptr(), arg
 
 
+def test_a_replayed_weight_gradient_views_its_transposed_operands_as_the_first_call_did(
+    recorder: _Recorder,
+) -> None:
+    # a plain product pinned on QuACK under auto: the weight gradient dzᵀ·h, its A a transpose
+    import json
+    from pathlib import Path
+
+    from coda.primitives.ir import Program
+
+    path = Path(__file__).parents[2] / "export" / "programs" / "llama_mlp_bwd_saved.json"
+    program = Program.model_validate(json.loads(path.read_text())["program"])
+    block = get_block(program.block)
+    sizes = {"M": 40, "d": 32, "f": 48}
+    compiled = compile_program(program, analyze(program, sizes))
+    compiled.epilogue_backend = "auto"
+    compiled.cute_configs = dict.fromkeys(compiled.kernels)  # fused steps on Triton
+    compiled.cute_configs["w_down_grad"] = cute_launch.CuteConfig(128, 256, pingpong=False)
+    for seed in (0, 1):
+        inputs = block.make_inputs(sizes, torch.float16, seed=seed, device="cpu")
+        tensors = compiled.run(compiled.prepare(inputs))
+    (plan,) = compiled._run_plans.values()
+    (launch,) = [a for a in plan.actions if isinstance(a, cute_launch.CuteLaunch)]
+    assert launch.step.step.a.transpose or not launch.step.step.b.transpose
+    replayed, fresh = recorder.launches[-1], launch._first_arguments(tensors)
+    assert len(recorder.launches) == 2
+    for arg, want in fresh.items():
+        got = replayed[arg]
+        assert (got.shape, got.stride(), got.data_ptr()) == (
+            want.shape, want.stride(), want.data_ptr()
+        ), arg  # fmt: skip
+
+
 def test_a_dynamic_config_launches_on_one_zeroed_tile_counter_per_action(recorder) -> None:  # noqa: ANN001
     # the kernel's atomic increments wrap back to 0 after its last tile: one counter, zeroed
     # once, serves every replay of the action; a static config gets none
