@@ -16,15 +16,21 @@ and for the patched ones counts and times per step, with a wall clock around eac
 * ``_device_and_stream`` — the current device and stream, queried per relaunch;
 * ``CuteLaunch.__call__`` — a replayed CuTe launch (``CODA_EPILOGUE_BACKEND=auto`` or ``cute``),
   of which ``CuteLaunch.arguments`` builds QuACK's views of the call's tensors and ``cute._run``
-  builds the epilogue's arguments and the scheduler's and calls the compiled kernel (TVM-FFI).
+  builds the epilogue's arguments and the scheduler's and calls the compiled kernel (TVM-FFI);
+* ``VendorProduct.__call__`` — a plain product on cuBLAS (``torch.matmul``).
 
 ``host_ms`` is the median host time of a step from an idle GPU (as ``train_step.py --host``);
-``host_ms_instrumented`` the same with the timers in place (they add ~1 µs per call). Then the
-floors: one small kernel launched through ``kernel[grid]``, ``launch_kernel`` and a
-``PinnedLaunch``, one ``torch.add``, ``torch.empty`` and a 2048² bf16 ``torch.mm`` (µs per call,
-the GPU kept busy by nothing else). Not part of the product: a measurement for the runtime.
+``host_ms_instrumented`` the same with the timers in place (they add ~1 µs per call), each
+function's longest call beside its mean; ``behind_busy_gpu`` (GPU only, ``--busy-ms``, default
+30) whether anything in the step waits for the GPU: the host time of steps issued right after
+that much GPU work was queued, the wrapped functions' longest calls there, and the profiled ops
+that lasted over half of it. Then the floors: one small kernel launched through
+``kernel[grid]``, ``launch_kernel`` and a ``PinnedLaunch``, one ``torch.add``, ``torch.empty``
+and a 2048² bf16 ``torch.mm`` (µs per call, the GPU kept busy by nothing else). Not part of the
+product: a measurement for the runtime.
 
-    python3 bench/experiments/launch_path.py [--family llama] [--tokens 2048] [--out DIR]
+    python3 bench/experiments/launch_path.py [--family llama] [--tokens 2048] [--busy-ms 30]
+        [--out DIR]
     python3 bench/experiments/launch_path.py --dry-run   # CPU interpreter, toy model
 """
 
@@ -52,17 +58,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--family", default="llama", help="one of train_step.py's families")
     p.add_argument("--tokens", type=int, default=2048, help="one sequence of this many tokens")
     p.add_argument("--steps", type=int, default=10, help="instrumented steps (after warm-up)")
+    p.add_argument(
+        "--busy-ms", type=float, default=30.0, help="GPU work queued before a busy step (0: none)"
+    )
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/out", help="results folder")
     p.add_argument("--dry-run", action="store_true", help="CPU, toy model: checks the script")
     return p.parse_args(argv)
 
 
 class Timers:
-    """Per wrapped function: calls and seconds inside it (inclusive)."""
+    """Per wrapped function: calls, seconds inside it (inclusive) and its longest call."""
 
     def __init__(self) -> None:
         self.calls: collections.Counter[str] = collections.Counter()
         self.seconds: collections.Counter[str] = collections.Counter()
+        self.longest: dict[str, float] = {}
 
     def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -70,8 +80,10 @@ class Timers:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[label] += time.perf_counter() - start
+                took = time.perf_counter() - start
+                self.seconds[label] += took
                 self.calls[label] += 1
+                self.longest[label] = max(self.longest.get(label, 0.0), took)
 
         return timed
 
@@ -81,6 +93,7 @@ class Timers:
                 "calls": self.calls[label] / steps,
                 "ms": self.seconds[label] * 1e3 / steps,
                 "us_each": self.seconds[label] * 1e6 / max(self.calls[label], 1),
+                "longest_us": self.longest[label] * 1e6,
             }
             for label in sorted(self.calls)
         }
@@ -90,7 +103,7 @@ class Timers:
 def timed_launch_path(timers: Timers) -> Iterator[None]:
     """The launch functions of ``coda.primitives.launch`` (and every ``coda`` module that
     imported ``launch_kernel`` by name) wrapped by ``timers``; restored on exit."""
-    from coda.primitives import launch
+    from coda.primitives import launch, run_plans
     from coda.primitives.cute import launch as cute
 
     real_launch = launch.launch_kernel
@@ -101,6 +114,7 @@ def timed_launch_path(timers: Timers) -> Iterator[None]:
     ]
     saved = (launch._run, launch._device_and_stream, launch.PinnedLaunch.__call__)
     saved_cute = (cute.CuteLaunch.__call__, cute.CuteLaunch.arguments, cute._run)
+    saved_vendor = run_plans.VendorProduct.__call__
     wrapped = timers.wrap("launch_kernel", real_launch)
     for module in importers:
         module.launch_kernel = wrapped
@@ -110,6 +124,7 @@ def timed_launch_path(timers: Timers) -> Iterator[None]:
     cute.CuteLaunch.__call__ = timers.wrap("CuteLaunch.__call__", saved_cute[0])
     cute.CuteLaunch.arguments = timers.wrap("CuteLaunch.arguments", saved_cute[1])
     cute._run = timers.wrap("cute._run", saved_cute[2])
+    run_plans.VendorProduct.__call__ = timers.wrap("VendorProduct.__call__", saved_vendor)
     try:
         yield
     finally:
@@ -117,6 +132,7 @@ def timed_launch_path(timers: Timers) -> Iterator[None]:
             module.launch_kernel = real_launch
         launch._run, launch._device_and_stream, launch.PinnedLaunch.__call__ = saved
         cute.CuteLaunch.__call__, cute.CuteLaunch.arguments, cute._run = saved_cute
+        run_plans.VendorProduct.__call__ = saved_vendor
 
 
 def variant_row(name: str, base: Any, ids: Any, args: argparse.Namespace, bench: Any) -> dict:
@@ -134,7 +150,61 @@ def variant_row(name: str, base: Any, ids: Any, args: argparse.Namespace, bench:
         with timed_launch_path(timers):
             row["host_ms_instrumented"] = ts.host_ms(step, bench, args.steps)
         row["per_step"] = timers.per_step(args.steps)
+    if args.busy_ms > 0 and not bench.dry_run:
+        row["behind_busy_gpu"] = behind_busy_gpu(step, bench, args.busy_ms, args.steps)
     return row
+
+
+def behind_busy_gpu(step: Callable[[], Any], bench: Any, busy_ms: float, steps: int) -> dict:
+    """Does anything in a step wait for the GPU? Each of ``steps`` steps is issued right after
+    ``busy_ms`` of GPU work was queued (``torch.cuda._sleep``, the device otherwise idle): a step
+    whose calls never wait issues in its usual host time, one that waits anywhere takes up to
+    ``busy_ms`` longer. Reported: the median host ms, every wrapped launch function's longest
+    call, and from one more such step under ``torch.profiler`` (CPU activity) the innermost
+    ops and ranges that lasted over half of ``busy_ms`` — the calls that waited."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cycles = int(_cycles_per_ms() * busy_ms)
+    timers, samples = Timers(), []
+    with timed_launch_path(timers):
+        for _ in range(steps):
+            bench.synchronize()
+            torch.cuda._sleep(cycles)
+            start = time.perf_counter()
+            step()
+            samples.append((time.perf_counter() - start) * 1e3)
+    bench.synchronize()
+    torch.cuda._sleep(cycles)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    bench.synchronize()
+    long_us = busy_ms * 1e3 / 2
+    waited = [
+        {"name": e.name, "us": e.cpu_time_total}
+        for e in prof.events()
+        if e.cpu_time_total > long_us
+        and not any(c.cpu_time_total > long_us for c in e.cpu_children)
+    ]
+    return {
+        "busy_ms": busy_ms,
+        "host_ms": sorted(samples)[len(samples) // 2],
+        "longest_us": {label: t * 1e6 for label, t in sorted(timers.longest.items())},
+        "waited": waited,
+    }
+
+
+def _cycles_per_ms() -> float:
+    """GPU clock cycles ``torch.cuda._sleep`` spins per millisecond, measured."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / start.elapsed_time(end)
 
 
 def floors_us(bench: Any) -> dict[str, float] | None:

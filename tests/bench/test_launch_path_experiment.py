@@ -39,3 +39,29 @@ def test_the_timers_are_undone() -> None:
         assert cute.CuteLaunch.__call__ is not real_cute[0] and cute._run is not real_cute[2]
     assert (rstd.launch_kernel, launch._run, launch.PinnedLaunch.__call__) == real
     assert (cute.CuteLaunch.__call__, cute.CuteLaunch.arguments, cute._run) == real_cute
+
+
+def test_a_step_that_waits_behind_a_busy_gpu_is_caught(monkeypatch) -> None:  # noqa: ANN001
+    """``behind_busy_gpu`` on a CPU, the GPU's queued work stood in for: a step whose range
+    ``waits`` sleeps as a call blocking on the device would is slow to issue, and the range is
+    named as the innermost call that lasted over half the busy time (its parent is not)."""
+    import time
+
+    import torch
+
+    monkeypatch.setattr(experiment, "_cycles_per_ms", lambda: 1.0)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+
+    class Bench:
+        def synchronize(self) -> None:
+            pass
+
+    def step() -> None:
+        with torch.profiler.record_function("step"):
+            with torch.profiler.record_function("waits"):
+                time.sleep(0.02)
+            torch.ones(3).add_(1)
+
+    got = experiment.behind_busy_gpu(step, Bench(), busy_ms=20.0, steps=3)
+    assert got["host_ms"] >= 20.0 and got["busy_ms"] == 20.0
+    assert [w["name"] for w in got["waited"]] == ["waits"]
