@@ -124,3 +124,42 @@ def residual_program(block: Any) -> dict[str, Any]:
         ],
         "outputs": {"out": "out"},
     }
+
+
+_COMPILE_FOR_HOPPER = """
+import json, sys, importlib
+import triton
+from triton.backends.compiler import GPUTarget
+spec = json.loads(sys.stdin.read())
+module, name = spec["kernel"].split(":")
+kernel = getattr(importlib.import_module(module), name)
+fn = triton.jit(getattr(kernel, "fn", kernel))  # (on a CPU, coda's kernels are interpreted)
+names = list(fn.arg_names)
+signature = {n: spec["signature"].get(n, "constexpr") for n in names}
+constants = {(names.index(k),): v for k, v in spec["constexprs"].items()}
+source = triton.compiler.ASTSource(fn, signature, constants)
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
+assert compiled.asm["cubin"], "no cubin"
+sys.stdout.write(compiled.asm["ptx"])
+"""
+
+
+def compile_for_hopper(kernel: str, signature: dict[str, str], constexprs: dict[str, Any]) -> str:
+    """The PTX of coda's Triton kernel ``kernel`` (``"module:function"``) compiled for sm_90 —
+    to the cubin, through Triton's bundled ptxas — as a GPU would compile it, for kernels whose
+    GPU path a CPU cannot run. ``signature``: every runtime argument's type (``"*bf16"``,
+    ``"i32"``, ``"fp32"``), ``constexprs`` the meta-parameters' values. In a fresh process: once
+    a kernel has run in Triton's interpreter, the process's ``triton.language`` builtins stay the
+    interpreter's, and compiling there fails."""
+    import json
+    import subprocess
+    import sys
+
+    spec = json.dumps({"kernel": kernel, "signature": signature, "constexprs": constexprs})
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER],
+        input=spec, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise AssertionError(f"{kernel} did not compile for sm_90:\n{done.stderr[-3000:]}")
+    return done.stdout

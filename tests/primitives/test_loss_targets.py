@@ -13,6 +13,7 @@ from coda.primitives.loss_targets import (
     targets_by_ops,
     targets_on_device,
 )
+from tests.helpers import compile_for_hopper
 
 
 def _labels(shape: tuple[int, ...], ignored: float, seed: int, dtype=torch.int64) -> torch.Tensor:
@@ -81,25 +82,15 @@ def test_labels_that_are_not_class_ids_are_refused() -> None:
 def test_the_kernel_compiles_for_hopper(
     labels: str, den: str, den_from_ptr: bool, count: bool
 ) -> None:
-    """The interpreter runs the kernel's Python; this compiles it for sm_90 as a GPU would (to
-    the cubin, through Triton's bundled ptxas), so a construct only the compiler refuses fails
-    here, on a CPU, and not in a user's first training step."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    from coda.primitives import loss_targets
-
-    kernel = loss_targets._next_token_targets_kernel
-    fn = triton.jit(getattr(kernel, "fn", kernel))  # (on a CPU, coda's kernels are interpreted)
+    """The interpreter runs the kernel's Python; this compiles it for sm_90 as a GPU would, so a
+    construct only the compiler refuses fails here, on a CPU, and not in a user's first training
+    step."""
     signature = {
         "labels_ptr": labels, "classes_ptr": labels, "weights_ptr": "*fp32", "den_ptr": den,
         "n": "i32", "length": "i32", "stride_row": "i32", "stride_col": "i32", "den_value": "fp32",
     }  # fmt: skip
     constexprs = {"DEN_FROM_PTR": den_from_ptr, "COUNT_DEN": count, "IGNORE": -100, "BLOCK": 1024}
-    signature |= dict.fromkeys(constexprs, "constexpr")
-    names = list(signature)
-    constants = {(names.index(k),): v for k, v in constexprs.items()}
-    source = triton.compiler.ASTSource(fn, signature, constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
-    assert compiled.asm["cubin"]
-    assert "div.rn.f32" in compiled.asm["ptx"]  # the weights' division rounds as PyTorch's
+    ptx = compile_for_hopper(
+        "coda.primitives.loss_targets:_next_token_targets_kernel", signature, constexprs
+    )
+    assert "div.rn.f32" in ptx  # the weights' division rounds as PyTorch's
