@@ -100,7 +100,7 @@ def describe(program: Program) -> str:
         notes.append("γ folded into the weight")
     if any(op.op == "scale_cols" for s in program.steps if s.kind == "gemm" for op in s.epilogue):
         notes.append("γ stored as a side output")
-    normed = {s.out for s in program.steps if s.kind == "norm_rows"}
+    normed = {s.out for s in program.steps if s.kind in ("norm_rows", "rms_rows")}
     if any(s.a.tensor in normed for s in program.steps if s.kind == "gemm"):
         notes.append("the norm written by a row pass")
     partials = {
@@ -114,6 +114,8 @@ def describe(program: Program) -> str:
         if s.kind == "rstd":
             where = "epilogue partials" if s.src in partials else "one pass"
             notes.append(f"{s.out} from {where} over {s.src}")
+        elif s.kind == "rms_rows":
+            notes.append(f"{s.stat_out or 'rstd'} in the row pass over {s.src}")
     configs = {
         "auto" if s.config == "auto" else _config_text(s.config)
         for s in program.steps

@@ -16,7 +16,9 @@
   ``norm_rows`` writes ``h = r ⊙ x ⊙ (offset + γ)`` (fp32, rounded once) and the following GEMMs
   read ``h`` with their weights as they are and no row scale — ``[M, d]`` written per call
   instead of the fold's ``[N, d]`` read and written, cheaper below ``M = 2N`` tokens (a Llama
-  MLP's ``N = 2f``: 16384 at 1B widths).
+  MLP's ``N = 2f``: 16384 at 1B widths). Where ``r`` would be one pass over ``x`` (no epilogue
+  wrote its partial sums), aux ``rms_rows`` forms ``r`` and ``h`` in one launch instead
+  (``stat_out`` keeps ``r`` under its name, for a backward).
 
 Both casting conventions (``cast``: Llama rounds ``x̂`` before the weight, Gemma after) lower to
 the same Program: the kernel forms ``r ⊙ (x W'ᵀ)`` in fp32 and rounds once, and the sandbox checks
@@ -126,8 +128,16 @@ def commute(
 
 def normed_rows(st: PlanState, norm: RMSNorm, r: str) -> str:
     """The norm's output ``r ⊙ x ⊙ (offset + γ)``, written by one aux ``norm_rows`` (later
-    GEMMs reading the norm find it available and read it as is)."""
-    st.steps.append({**norm_rows_node(norm, r), "out": norm.out})
+    GEMMs reading the norm find it available and read it as is). Where ``r`` is the aux ``rstd``
+    just added over the norm's input itself (no epilogue wrote partial sums of it), one aux
+    ``rms_rows`` replaces both: ``r`` and the row pass in one launch, ``r`` kept under its
+    name."""
+    node = {**norm_rows_node(norm, r), "out": norm.out}
+    if st.steps and st.steps[-1] == {"kind": "rstd", "src": norm.x, "eps": norm.eps, "out": r}:
+        st.steps.pop()  # one aux rms_rows: r and the row pass in one launch
+        node = {key: value for key, value in node.items() if key != "rstd"}
+        node |= {"kind": "rms_rows", "eps": norm.eps, "stat_out": r}
+    st.steps.append(node)
     st.available.add(norm.out)
     return norm.out
 

@@ -46,18 +46,36 @@ def _norm_rows_kernel(
     rstd_out_ptr,
     inv_cols,
     eps,
+    stat_eps,
     HAS_RESIDUAL: tl.constexpr,
     HAS_RSTD_OUT: tl.constexpr,
+    COMPUTE_RSTD: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
     # One program: BLOCK_ROWS rows, all their columns in chunks of BLOCK_COLS; fp32 throughout,
     # one rounding at the store (and the stored values' squares summed for the next norm).
+    # COMPUTE_RSTD (aux rms_rows): r from a first pass over the rows, summed as _rstd_kernel sums
+    # them (the same chunk width: the same bits), written to rstd_ptr with STORE_RSTD; otherwise
+    # r is read from rstd_ptr.
     pid = tl.program_id(axis=0)
     offs_r = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     mask_r = offs_r < rows
     r64 = offs_r.to(tl.int64)[:, None]
-    r = tl.load(rstd_ptr + offs_r * stride_r, mask=mask_r, other=0.0).to(tl.float32)
+    if COMPUTE_RSTD:
+        total = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+        for start in range(0, cols, BLOCK_COLS):
+            col = start + tl.arange(0, BLOCK_COLS)
+            mask = mask_r[:, None] & (col < cols)[None, :]
+            x_ptrs = src_ptr + r64 * stride_sm + col[None, :] * stride_sn
+            x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+            total += x * x
+        r = tl.rsqrt(tl.sum(total, axis=1) * inv_cols + stat_eps)
+        if STORE_RSTD:
+            tl.store(rstd_ptr + offs_r * stride_r, r, mask=mask_r)
+    else:
+        r = tl.load(rstd_ptr + offs_r * stride_r, mask=mask_r, other=0.0).to(tl.float32)
     squares = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
     for start in range(0, cols, BLOCK_COLS):
         col = start + tl.arange(0, BLOCK_COLS)
@@ -80,18 +98,17 @@ def _norm_rows_kernel(
         tl.store(rstd_out_ptr + offs_r, r_out, mask=mask_r)
 
 
-def _blocks(rows: int, cols: int) -> tuple[int, int]:
+def blocks(rows: int, cols: int) -> tuple[int, int]:
     """Rows and columns per chunk: up to 1024 columns, about 4096 elements per chunk."""
     return row_tile(rows, cols, max_cols=1024, elements=4096)
 
 
 class NormRows(AuxStep):
     """``out = residual + src · rstd · (offset + weight)`` over a whole ``[M, d]`` tensor (fp32,
-    rounded once to src's dtype; without ``residual`` the norm alone): a post-norm's finishing
-    pass (Gemma's ``post_feedforward_layernorm``) after the GEMM that stored ``src`` wrote
-    ``partial_reduce(kind="sumsq")`` and aux ``rstd`` finished them. ``offset`` 1.0 for Gemma's
-    ``x̂ · (1 + γ)``, 0.0 for Llama/OLMo 2. ``rstd_out`` (optional): also the next norm's
-    ``rsqrt(mean_j out² + rstd_eps)`` (fp32), as a layer boundary hands it on.
+    rounded once; without ``residual``, the norm alone): a post-norm after the GEMM that stored
+    ``src`` wrote ``partial_reduce(kind="sumsq")``, finished by aux ``rstd``. ``offset``: 1.0
+    for Gemma's ``1 + γ``. ``rstd_out``: also the next norm's ``rsqrt(mean_j out² + rstd_eps)``
+    (fp32).
     """
 
     kind: Literal["norm_rows"] = "norm_rows"
@@ -151,7 +168,7 @@ class NormRows(AuxStep):
         rows, cols = src.shape
         if rows == 0 or cols == 0:
             return
-        block_rows, block_cols = _blocks(rows, cols)
+        block_rows, block_cols = blocks(rows, cols)
         launch_kernel(
             _norm_rows_kernel,
             (cdiv(rows, block_rows),),
@@ -174,8 +191,11 @@ class NormRows(AuxStep):
             rstd_out,
             1.0 / cols,
             self.rstd_eps,
+            0.0,  # (stat_eps: rms_rows's)
             HAS_RESIDUAL=self.residual is not None,
             HAS_RSTD_OUT=self.rstd_out is not None,
+            COMPUTE_RSTD=False,
+            STORE_RSTD=False,
             BLOCK_ROWS=block_rows,
             BLOCK_COLS=block_cols,
         )

@@ -63,10 +63,9 @@ def row_blocks(rows: int, cols: int) -> tuple[int, int]:
 class Rstd(AuxStep):
     """RMSNorm reciprocal per row: ``out[i] = rsqrt(mean_j x[i, j]² + eps)`` (fp32, length rows).
 
-    ``src`` is either partial sums of squares written by ``partial_reduce(kind="sumsq",
-    axis="row")`` in the epilogue of the GEMM that produced x (cheap: it sums ⌈d/BLOCK_N⌉ numbers
-    per row), or a 2-D tensor ``[rows, d]`` such as the block's input (one pass over it). Use
-    ``out`` with ``scale_rows`` in the epilogue of the GEMM that consumes the normalised tensor.
+    ``src``: ``partial_reduce(kind="sumsq", axis="row")`` partials of the GEMM that produced x
+    (⌈d/BLOCK_N⌉ numbers per row), or a 2-D ``[rows, d]`` tensor (one pass). ``out`` feeds
+    ``scale_rows`` in the GEMM that consumes the normalised tensor.
     """
 
     kind: Literal["rstd"] = "rstd"

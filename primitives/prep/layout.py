@@ -29,9 +29,8 @@ class InterleaveRows(PrepStep):
     adjacent column pairs ``(first_k, second_k)`` — e.g. ``first=w_gate, second=w_up`` gives the
     ``[g0, u0, g1, u1, …]`` layout that ``swiglu`` contracts in one fused GEMM.
 
-    Free when the two weights already are the even and odd rows of one ``[2·out, in]`` buffer
-    (``w[0::2]``, ``w[1::2]``, as ``coda.export``'s packed gate/up weight binds them): the output
-    is then that buffer, not a copy.
+    Free when they are ``w[0::2]`` and ``w[1::2]`` of one buffer (``coda.export``'s packed
+    gate/up weight): the output is that buffer.
     """
 
     kind: Literal["interleave_rows"] = "interleave_rows"

@@ -166,15 +166,18 @@ def test_the_files_ship_as_package_data() -> None:
 
 
 def test_the_mlp_families_ship_their_pre_norm_in_a_row_pass() -> None:
-    """The MLP Programs write ``h = r ⊙ x ⊙ γ`` once (aux ``norm_rows``) instead of folding γ into
-    the [2f, d] gate/up weight each call; the attention inputs keep the fold."""
+    """The MLP Programs write ``h = r ⊙ x ⊙ γ`` once instead of folding γ into the [2f, d]
+    gate/up weight each call — with ``r``, in one launch (aux ``rms_rows``: x is the block's
+    input, no epilogue summed its squares); the attention inputs keep the fold."""
     for name in ("llama_mlp", "llama_mlp_branch", "gemma_mlp", "gemma2_mlp_branch"):
         family = FAMILIES[name]
         assert family.options.gamma == "rows", name
         train = shipped_program(name, "train", SHIPPED_EPS)
         assert all(p.kind != "fold_norm_weight" for p in train.prep), name
-        rows = [s for s in train.steps if s.kind == "norm_rows" and s.src == "x"]
+        rows = [s for s in train.steps if s.kind == "rms_rows" and s.src == "x"]
         gate_up = next(s for s in train.steps if s.kind == "gemm")
         assert len(rows) == 1 and gate_up.a.tensor == rows[0].out, name
+        assert rows[0].stat_out in train.outputs and train.steps[0] is rows[0], name
+        assert not any(s.kind == "rstd" and s.src == "x" for s in train.steps), name
     attention = shipped_program("llama_attn_in", "train", SHIPPED_EPS)
     assert [p.kind for p in attention.prep][-1] == "fold_norm_weight"

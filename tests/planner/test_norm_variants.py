@@ -87,11 +87,13 @@ def test_a_norm_with_an_offset_folds_even_when_gamma_could_be_a_side_output() ->
 
 
 def test_a_norm_with_an_offset_in_a_row_pass_keeps_its_offset() -> None:
-    """``gamma="rows"``: the row pass applies Gemma's ``1 + γ``; no weight is folded."""
+    """``gamma="rows"``: the row pass applies Gemma's ``1 + γ``; no weight is folded; the norm of
+    the block's input computes its statistic in the same launch (``rms_rows``, no ``rstd``)."""
     program = lower(GEMMA_NORM_LINEAR, LoweringOptions(gamma="rows"))
     assert program.prep == []
-    rows = next(step for step in program.steps if step.kind == "norm_rows")
-    assert (rows.src, rows.weight, rows.offset) == ("x", "gamma", 1.0)
+    rows = next(step for step in program.steps if step.kind == "rms_rows")
+    assert (rows.src, rows.weight, rows.offset, rows.eps) == ("x", "gamma", 1.0, 1e-6)
+    assert not any(step.kind == "rstd" for step in program.steps)
     gemm = next(step for step in program.steps if step.kind == "gemm")
     assert gemm.a.tensor == rows.out and [op.op for op in gemm.epilogue] == ["store"]
     report = evaluate(program, GEMMA_NORM_LINEAR, OPTIONS)

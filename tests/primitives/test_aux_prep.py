@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from coda.primitives import Program, ProgramError, analyze, compile_program
 from coda.primitives.aux.partials import _launch
 from coda.sandbox.compare import assert_close
-from tests.helpers import DTYPE_TOL, make_inputs, rope_tables, run_both
+from tests.helpers import DTYPE_TOL, compile_for_hopper, make_inputs, rope_tables, run_both
 
 DTYPES = [torch.float32, torch.float16]
 SMALL_TILES = {"block_m": 16, "block_n": 16, "block_k": 16, "group_m": 2, "num_warps": 1}
@@ -525,6 +525,84 @@ def test_norm_rows_of_an_empty_batch() -> None:
     assert got["h"].shape == (0, 16)
 
 
+# -- rms_rows: a pre-norm as rows, its statistic in the same launch --------------------------------
+def _rms_rows_pair(offset: float, keep: bool) -> tuple[Program, Program]:
+    """The one-launch ``rms_rows`` and the two steps it replaces (``rstd`` over x, then
+    ``norm_rows``), the same outputs."""
+    inputs = {"x": ["M", "N"], "gamma": ["N"]}
+    stat = {"stat_out": "r"} if keep else {}
+    outputs = {"h": "h", **({"r": "r"} if keep else {})}
+    fused = _program(
+        inputs, [],
+        [{"kind": "rms_rows", "src": "x", "eps": 1e-5, "weight": "gamma", "offset": offset,
+          "out": "h", **stat}],
+        outputs,
+    )  # fmt: skip
+    steps = _program(
+        inputs, [],
+        [{"kind": "rstd", "src": "x", "eps": 1e-5, "out": "r"},
+         {"kind": "norm_rows", "src": "x", "rstd": "r", "weight": "gamma", "offset": offset,
+          "out": "h"}],
+        outputs,
+    )  # fmt: skip
+    return fused, steps
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "sizes",
+    [{"M": 37, "N": 45}, {"M": 1, "N": 24}, {"M": 70, "N": 1100}],  # 1100: two column chunks
+    ids=["ragged", "one-token", "two-chunks"],
+)
+@pytest.mark.parametrize(("offset", "keep"), [(0.0, True), (1.0, False)], ids=["llama", "gemma"])
+def test_rms_rows_is_rstd_then_norm_rows_bit_for_bit(
+    sizes: dict[str, int], dtype: torch.dtype, offset: float, keep: bool
+) -> None:
+    fused, steps = _rms_rows_pair(offset, keep)
+    inputs = make_inputs(fused, sizes, dtype)
+    got, ref, exact = run_both(fused, inputs)
+    want, _, _ = run_both(steps, inputs)
+    assert torch.equal(got["h"], want["h"]) and got["h"].dtype == dtype
+    if keep:
+        assert torch.equal(got["r"], want["r"]) and got["r"].dtype == torch.float32
+    atol, rtol = DTYPE_TOL[dtype]
+    assert_close(got["h"], exact["h"], atol=atol, rtol=rtol, what="h vs float64")
+    assert_close(got["h"], ref["h"], atol=atol, rtol=rtol, what="h vs reference")
+
+
+def test_rms_rows_reads_its_input_with_its_own_strides() -> None:
+    fused, steps = _rms_rows_pair(0.0, keep=True)
+    inputs = make_inputs(fused, {"M": 21, "N": 40}, torch.float32)
+    inputs["x"] = inputs["x"].T.contiguous().T
+    assert not inputs["x"].is_contiguous()
+    got, _, _ = run_both(fused, inputs)
+    want, _, _ = run_both(steps, {n: t.contiguous() for n, t in inputs.items()})
+    assert torch.equal(got["h"], want["h"]) and torch.equal(got["r"], want["r"])
+
+
+def test_rms_rows_of_an_empty_batch() -> None:
+    fused, _ = _rms_rows_pair(0.0, keep=True)
+    got, _, _ = run_both(fused, make_inputs(fused, {"M": 0, "N": 16}, torch.float32))
+    assert got["h"].shape == (0, 16) and got["r"].shape == (0,)
+
+
+def test_the_row_kernel_computing_its_statistic_compiles_for_hopper() -> None:
+    """The interpreter runs the kernel's Python; this builds its rms_rows form (the statistic's
+    first pass, and its store) for sm_90, as a GPU would."""
+    pointers = {"src_ptr": "*bf16", "rstd_ptr": "*fp32", "weight_ptr": "*bf16", "res_ptr": "*bf16",
+                "out_ptr": "*bf16", "rstd_out_ptr": "*fp32"}  # fmt: skip
+    floats = dict.fromkeys(("offset", "inv_cols", "eps", "stat_eps"), "fp32")
+    ints = ("rows", "cols", "stride_sm", "stride_sn", "stride_r", "stride_w", "stride_rm",
+            "stride_rn", "stride_om", "stride_on")  # fmt: skip
+    constexprs = {"HAS_RESIDUAL": False, "HAS_RSTD_OUT": False, "COMPUTE_RSTD": True,
+                  "STORE_RSTD": True, "BLOCK_ROWS": 4, "BLOCK_COLS": 1024}  # fmt: skip
+    signature = {**pointers, **floats, **dict.fromkeys(ints, "i32")}
+    ptx = compile_for_hopper(
+        "coda.primitives.aux.norm_rows:_norm_rows_kernel", signature, constexprs
+    )
+    assert "rsqrt" in ptx
+
+
 def _norm_rows_program(**step: Any) -> dict[str, Any]:
     return {
         "block": "test",
@@ -724,6 +802,26 @@ BAD: dict[str, tuple[dict[str, Any], dict[str, int], list[str]]] = {
         _norm_rows_program(rstd_out="h"),
         {"M": 4, "N": 6},
         ["norm_rows writes out and rstd_out to the same name 'h'"],
+    ),
+    "rms_rows with stat_out named like out": (
+        {
+            "block": "test",
+            "inputs": {"x": ["M", "N"], "g": ["N"]},
+            "steps": [{"kind": "rms_rows", "src": "x", "weight": "g", "out": "h", "stat_out": "h"}],
+            "outputs": {"h": "h"},
+        },
+        {"M": 4, "N": 6},
+        ["rms_rows writes out and stat_out to the same name 'h'"],
+    ),
+    "rms_rows with a weight per row": (
+        {
+            "block": "test",
+            "inputs": {"x": ["M", "N"], "g": ["M"]},
+            "steps": [{"kind": "rms_rows", "src": "x", "weight": "g", "out": "h"}],
+            "outputs": {"h": "h"},
+        },
+        {"M": 4, "N": 6},
+        ["weight 'g' must be a vector of length 6 (one scale per column of 'x')"],
     ),
     "norm_rows with rstd of the wrong length": (
         {**_norm_rows_program(), "inputs": {"y": ["M", "N"], "r": ["N"], "g": ["N"]}},
