@@ -98,7 +98,7 @@ def _norm_rows_kernel(
         tl.store(rstd_out_ptr + offs_r, r_out, mask=mask_r)
 
 
-def blocks(rows: int, cols: int) -> tuple[int, int]:
+def _blocks(rows: int, cols: int) -> tuple[int, int]:
     """Rows and columns per chunk: up to 1024 columns, about 4096 elements per chunk."""
     return row_tile(rows, cols, max_cols=1024, elements=4096)
 
@@ -163,39 +163,45 @@ class NormRows(AuxStep):
     def launch(self, env: RunEnv) -> None:
         src, out = env.tensors[self.src], env.tensors[self.out]
         rstd, weight = env.tensors[self.rstd], env.tensors[self.weight]
-        res = env.tensors[self.residual] if self.residual is not None else src  # unread if None
-        rstd_out = env.tensors[self.rstd_out] if self.rstd_out is not None else rstd  # likewise
-        rows, cols = src.shape
-        if rows == 0 or cols == 0:
-            return
-        block_rows, block_cols = blocks(rows, cols)
-        launch_kernel(
-            _norm_rows_kernel,
-            (cdiv(rows, block_rows),),
-            src,
-            rstd,
-            weight,
-            res,
-            out,
-            rows,
-            cols,
-            src.stride(0),
-            src.stride(1),
-            rstd.stride(0),
-            weight.stride(0),
-            res.stride(0),
-            res.stride(1),
-            out.stride(0),
-            out.stride(1),
-            self.offset,
-            rstd_out,
-            1.0 / cols,
-            self.rstd_eps,
-            0.0,  # (stat_eps: rms_rows's)
-            HAS_RESIDUAL=self.residual is not None,
-            HAS_RSTD_OUT=self.rstd_out is not None,
-            COMPUTE_RSTD=False,
-            STORE_RSTD=False,
-            BLOCK_ROWS=block_rows,
-            BLOCK_COLS=block_cols,
-        )
+        res = env.tensors[self.residual] if self.residual is not None else None
+        rstd_out = env.tensors[self.rstd_out] if self.rstd_out is not None else None
+        launch_rows(src, rstd, weight, out, self.offset, residual=res, rstd_out=rstd_out,
+                    rstd_eps=self.rstd_eps)  # fmt: skip
+
+
+def launch_rows(
+    src: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    offset: float,
+    *,
+    residual: torch.Tensor | None = None,
+    rstd_out: torch.Tensor | None = None,
+    rstd_eps: float = 1e-6,
+    stat_eps: float | None = None,
+    store_rstd: bool = False,
+) -> None:
+    """``_norm_rows_kernel`` over ``src`` into ``out``: ``r`` read from ``rstd``, or with
+    ``stat_eps`` computed from ``src`` (and written to ``rstd`` where ``store_rstd``; aux
+    ``rms_rows``); plus ``residual`` and the next norm's ``rstd_out`` where given (a tensor not
+    given is not read or written: another stands in its place)."""
+    rows, cols = src.shape
+    if rows == 0 or cols == 0:
+        return
+    res = src if residual is None else residual
+    block_rows, block_cols = _blocks(rows, cols)
+    launch_kernel(
+        _norm_rows_kernel,
+        (cdiv(rows, block_rows),),
+        src, rstd, weight, res, out, rows, cols,
+        src.stride(0), src.stride(1), rstd.stride(0), weight.stride(0),
+        res.stride(0), res.stride(1), out.stride(0), out.stride(1),
+        offset, rstd if rstd_out is None else rstd_out, 1.0 / cols, rstd_eps, stat_eps or 0.0,
+        HAS_RESIDUAL=residual is not None,
+        HAS_RSTD_OUT=rstd_out is not None,
+        COMPUTE_RSTD=stat_eps is not None,
+        STORE_RSTD=store_rstd,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+    )  # fmt: skip

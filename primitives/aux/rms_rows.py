@@ -21,10 +21,8 @@ from pydantic import Field
 from ..base import AuxStep, Name, RunEnv
 from ..checking import ProgramEnv
 from ..errors import ProgramError
-from ..launch import launch_kernel
-from ..sizes import cdiv
 from ..types import TensorInfo
-from .norm_rows import _norm_rows_kernel, blocks
+from .norm_rows import launch_rows
 
 
 class RmsRows(AuxStep):
@@ -66,38 +64,6 @@ class RmsRows(AuxStep):
     def launch(self, env: RunEnv) -> None:
         src, out, weight = env.tensors[self.src], env.tensors[self.out], env.tensors[self.weight]
         # r written to stat_out; without it, out's memory stands in, never written there
-        stat = env.tensors[self.stat_out] if self.stat_out is not None else out
-        rows, cols = src.shape
-        if rows == 0 or cols == 0:
-            return
-        block_rows, block_cols = blocks(rows, cols)
-        launch_kernel(
-            _norm_rows_kernel,
-            (cdiv(rows, block_rows),),
-            src,
-            stat,
-            weight,
-            src,  # (no residual: unread)
-            out,
-            rows,
-            cols,
-            src.stride(0),
-            src.stride(1),
-            stat.stride(0),
-            weight.stride(0),
-            src.stride(0),
-            src.stride(1),
-            out.stride(0),
-            out.stride(1),
-            self.offset,
-            stat,  # (no next-norm statistic: unwritten)
-            1.0 / cols,
-            self.eps,  # (the next norm's epsilon: unused)
-            self.eps,
-            HAS_RESIDUAL=False,
-            HAS_RSTD_OUT=False,
-            COMPUTE_RSTD=True,
-            STORE_RSTD=self.stat_out is not None,
-            BLOCK_ROWS=block_rows,
-            BLOCK_COLS=block_cols,
-        )
+        keep = self.stat_out is not None
+        stat = env.tensors[self.stat_out] if keep else out
+        launch_rows(src, stat, weight, out, self.offset, stat_eps=self.eps, store_rstd=keep)
