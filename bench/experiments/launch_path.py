@@ -40,6 +40,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -188,7 +189,7 @@ def behind_busy_gpu(step: Callable[[], Any], bench: Any, busy_ms: float, steps: 
     ]
     return {
         "busy_ms": busy_ms,
-        "host_ms": sorted(samples)[len(samples) // 2],
+        "host_ms": statistics.median(samples),
         "longest_us": {label: t * 1e6 for label, t in sorted(timers.longest.items())},
         "waited": waited,
     }

@@ -42,7 +42,7 @@ class RmsRows(AuxStep):
         info = env.matrix(self.src, role="src")
         rows, cols = info.shape
         env.vector(self.weight, cols, role="weight", what=f"one scale per column of {self.src!r}")
-        if self.stat_out is not None and self.stat_out == self.out:
+        if self.stat_out == self.out:
             raise ProgramError(
                 f"rms_rows writes out and stat_out to the same name {self.out!r}",
                 hint="give the normalised tensor and its row reciprocals different names",

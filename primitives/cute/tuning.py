@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..timing import SUSTAINED, host_ms
+from ..timing import SUSTAINED, host_ms, sustained_ms
 from .launch import WIDE, CuteConfig
 
 if TYPE_CHECKING:
@@ -230,8 +230,6 @@ class _Timers(NamedTuple):
 
 
 def _timers(timer: Timer | None, host_timer: Timer | None) -> _Timers:
-    from ..timing import sustained_ms
-
     return _Timers(timer or sustained_ms, host_timer or host_ms)
 
 
