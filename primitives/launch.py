@@ -25,34 +25,13 @@ that allocates temporaries or launches on views, which a run plan calls anew): i
 the n-th ``launch_kernel`` call goes to the n-th pinned launch when its kernel, grid and
 meta-parameters are the recorded ones.
 
-Both hand the compiled kernel's launcher what ``kernel[grid]`` would. Where that launcher is the
-one this module knows — Triton 3.6's ``CudaLauncher``, recognised by its attributes and by the code
-of its ``__call__`` and of its descriptor wrapper, with no scratch memory to allocate — a relaunch
-goes further and calls the C launch function that ``make_launcher`` compiled for the kernel with its
-final argument list (``_Direct``). It skips:
-
-- ``launch_metadata`` and the launch hooks: with no hook set the C function calls none and reads no
-  launch metadata, so it gets None for all three (Triton 3.6 passes its two empty hook chains,
-  which the C function calls to do nothing, and builds the metadata dict they would be given);
-- ``CudaLauncher.__call__`` and its scratch allocations (both sizes are 0: nothing to allocate);
-- per TMA descriptor, building its ``CUtensorMap`` again: Triton's ``make_tensordesc_arg`` expands
-  a descriptor into a ``CUtensorMap`` (made by the C ``fill_tma_descriptor`` from the base's
-  address, the shape, strides and padding, and the kernel's fixed swizzle, element type and block)
-  followed by the shape and strides. Each descriptor position keeps the expansions Triton's
-  function made for it (per ``launch_kernel`` signature, per ``PinnedLaunch``), keyed by all the
-  map takes from the descriptor — base address, shape, strides and padding — so a training step
-  that gets the same addresses from the allocator step after step builds none (at most
-  ``_DESCRIPTOR_LIMIT`` kept per position). The signature already fixes all but the address;
-  keying on the rest keeps a ``PinnedLaunch`` whose caller broke its promise exact. A map holds
-  an address and a layout, nothing of the tensor: one kept for memory since freed and handed to
-  another tensor of that layout describes the new tensor. A descriptor the kernel was not
-  compiled to read by TMA is expanded by Triton's function on every launch (that expansion holds
-  the base tensor, which is not kept).
-
-It does not apply — the relaunch calls the launcher as ``kernel[grid]`` would — while a launch hook
-is set (``knobs.runtime.launch_enter_hook``/``launch_exit_hook``: a profiler's hooks need the launch
-metadata), for a kernel with global or profile scratch memory, and on any Triton whose launcher it
-does not recognise (Triton 3.9's, among others).
+Both hand the compiled kernel's launcher what ``kernel[grid]`` would. Where that launcher is one
+``direct_launch`` recognises (Triton 3.6's or 3.9's ``CudaLauncher``, with no scratch memory), a
+relaunch goes further and calls the C launch function with the argument list the launcher would
+build — no launch metadata, no hook chains, no ``CudaLauncher.__call__``, and the TMA descriptors'
+tensor maps kept per position and base address (see that module). It does not while a launch hook
+is set (``knobs.runtime.launch_enter_hook``/``launch_exit_hook``: a profiler's hooks need the
+launch metadata): the relaunch then calls the launcher as ``kernel[grid]`` would.
 
 ``CODA_TRITON_LAUNCH=1`` in the environment makes every launch take Triton's path (to compare the
 two, or to rule this module out when a launch misbehaves).
@@ -60,9 +39,7 @@ two, or to rule this module out when a launch misbehaves).
 
 from __future__ import annotations
 
-import inspect
 import threading
-import types
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -72,6 +49,7 @@ from triton import knobs
 from triton.runtime.driver import driver
 
 from . import backend
+from .direct_launch import Direct36, Direct39, direct_call
 from .settings import current
 
 try:
@@ -162,142 +140,7 @@ class _Entry:
 
     def __init__(self, compiled: Any, tail: Sequence[str]) -> None:
         self.compiled, self.tail = compiled, tuple(tail)
-        self.direct = _direct(compiled)
-
-
-# The parameters of Triton 3.6's ``CudaLauncher.__call__``, and every global and attribute name it
-# reads: a launcher whose ``__call__`` reads another (a sanitizer's state, a default scratch
-# allocator) does something this module does not reproduce.
-_LAUNCHER_PARAMS = ("self", "gridX", "gridY", "gridZ", "stream", "function")
-_LAUNCHER_NAMES = frozenset(
-    {
-        "_allocation",
-        "_allocator",
-        "_profile_allocator",
-        "global_scratch_align",
-        "global_scratch_size",
-        "launch",
-        "launch_cooperative_grid",
-        "launch_pdl",
-        "profile_scratch_align",
-        "profile_scratch_size",
-    }
-)
-_LAUNCHER_ATTRIBUTES = (
-    "launch",
-    "global_scratch_size",
-    "profile_scratch_size",
-    "launch_cooperative_grid",
-    "launch_pdl",
-)
-# Likewise its ``wrap_handle_tensordesc``'s ``inner``, which expands each descriptor argument.
-_WRAPPER_FREEVARS = frozenset({"launcher", "tensordesc_indices", "tensordesc_meta"})
-_WRAPPER_NAMES = frozenset(
-    {"_BASE_ARGS_FORMAT_LEN", "append", "enumerate", "extend", "list", "make_tensordesc_arg"}
-)
-_BASE_ARGS = 13  # what the C launch function takes before the kernel's arguments
-_RAW_LAUNCH_TYPES: tuple[type, ...] = (types.BuiltinFunctionType,)  # a C function
-_DESCRIPTOR_LIMIT = 64  # expansions kept per descriptor position (base addresses seen)
-
-
-class _Direct:
-    """How to call a compiled kernel's C launch function as Triton 3.6's ``CudaLauncher`` does
-    when no hook is set and no scratch is needed: the function, the kernel's handle, cooperative
-    and PDL flags and packed metadata, and per descriptor argument (last first) its position,
-    Triton's ``make_tensordesc_arg``, its ``tensordesc_meta`` and its kept expansions (None: a
-    descriptor not read by TMA, expanded anew each launch)."""
-
-    __slots__ = ("launch", "function", "cooperative", "pdl", "packed", "descriptors")
-
-    def __init__(
-        self,
-        launch: Any,
-        compiled: Any,
-        launcher: Any,
-        descriptors: tuple[tuple[int, Any, Any, dict | None], ...],
-    ) -> None:
-        self.launch, self.function = launch, compiled.function
-        self.cooperative, self.pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
-        self.packed = compiled.packed_metadata
-        self.descriptors = descriptors
-
-    def expand(self, args: list[Any]) -> None:
-        """Replace each descriptor in ``args`` by Triton's expansion of it, kept per position by
-        what the ``CUtensorMap`` depends on besides the kernel's fixed ``tensordesc_meta``."""
-        for i, make, meta, kept in self.descriptors:
-            desc = args[i]
-            if kept is None:
-                args[i : i + 1] = make(desc, meta)
-                continue
-            key = (desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
-            expanded = kept.get(key)
-            if expanded is None:
-                if len(kept) >= _DESCRIPTOR_LIMIT:
-                    kept.clear()
-                expanded = kept[key] = make(desc, meta)
-            args[i : i + 1] = expanded
-
-
-def _direct(compiled: Any) -> _Direct | None:
-    """``compiled``'s C launch call, or None where its launcher is not Triton 3.6's
-    ``CudaLauncher`` (by its ``__call__``'s code and attributes) or needs scratch memory."""
-    launcher = getattr(compiled, "_run", None)
-    call = type(launcher).__dict__.get("__call__")
-    if not _code_is(call, _LAUNCHER_PARAMS, _LAUNCHER_NAMES, varargs=True):
-        return None
-    if not all(hasattr(launcher, name) for name in _LAUNCHER_ATTRIBUTES):
-        return None
-    if launcher.global_scratch_size or launcher.profile_scratch_size:
-        return None
-    launch, descriptors = launcher.launch, ()
-    if not isinstance(launch, _RAW_LAUNCH_TYPES):
-        unwrapped = _unwrap(launch)
-        if unwrapped is None:
-            return None
-        launch, descriptors = unwrapped
-    return _Direct(launch, compiled, launcher, descriptors)
-
-
-def _unwrap(inner: Any) -> tuple[Any, tuple] | None:
-    """The C launch function inside Triton 3.6's descriptor wrapper ``inner`` and its descriptor
-    positions (see ``_Direct``), or None where ``inner`` is not that wrapper around one."""
-    if not _code_is(inner, (), _WRAPPER_NAMES, varargs=True):
-        return None
-    code = inner.__code__
-    if frozenset(code.co_freevars) != _WRAPPER_FREEVARS:
-        return None
-    contents = (cell.cell_contents for cell in inner.__closure__)
-    cells = dict(zip(code.co_freevars, contents, strict=True))
-    launch, metas = cells["launcher"], cells["tensordesc_meta"]
-    positions = sorted(cells["tensordesc_indices"])
-    make = inner.__globals__.get("make_tensordesc_arg")
-    if (
-        not isinstance(launch, _RAW_LAUNCH_TYPES)
-        or inner.__globals__.get("_BASE_ARGS_FORMAT_LEN") != _BASE_ARGS
-        or not _code_is(make, ("arg", "metadata"), None, varargs=False)
-        or len(metas) != len(positions)
-    ):
-        return None
-    # ``inner`` gives the n-th descriptor (by position) the n-th meta; ``expand`` goes last first
-    pairs = reversed(list(zip(positions, metas, strict=True)))
-    descriptors = tuple((i, make, meta, None if meta is None else {}) for i, meta in pairs)
-    return launch, descriptors
-
-
-def _code_is(
-    fn: Any, params: tuple[str, ...], names: frozenset[str] | None, *, varargs: bool
-) -> bool:
-    """Whether Python function ``fn`` takes exactly ``params`` (then ``*args`` when ``varargs``)
-    and reads no global or attribute outside ``names`` (None: any)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return False
-    return (
-        code.co_varnames[: code.co_argcount] == params
-        and bool(code.co_flags & inspect.CO_VARARGS) == varargs
-        and not code.co_kwonlyargcount
-        and (names is None or frozenset(code.co_names) <= names)
-    )
+        self.direct: Direct36 | Direct39 | None = direct_call(compiled)
 
 
 # (kernel, its meta-parameters, device, argument signature) -> _Entry (None: always Triton's path)
@@ -455,13 +298,7 @@ def _run(entry: _Entry, grid: Sequence[int], stream: int, args: list[Any]) -> An
     direct = entry.direct
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if direct is not None and _unset(enter) and _unset(leave):
-        if direct.descriptors:
-            direct.expand(args)
-        # as CudaLauncher.__call__ passes them: no scratch, and no metadata or hooks (none set)
-        direct.launch(
-            g0, g1, g2, stream, direct.function, direct.cooperative, direct.pdl,
-            None, None, direct.packed, None, None, None, *args,
-        )  # fmt: skip
+        direct(g0, g1, g2, stream, args)
         return compiled
     metadata = compiled.launch_metadata(grid, stream, *args)
     compiled.run(
