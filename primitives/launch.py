@@ -12,10 +12,10 @@ call its launcher directly. The signature is at least as fine as Triton's specia
 kernel it finds is the one Triton would have: per tensor its dtype and whether its address is
 16-byte aligned; per integer, float, bool or string its value and type (a constexpr parameter
 compiles per value; Triton specializes other integers only on 1 and multiples of 16); per tensor
-descriptor its base's dtype and alignment, block shape, shape and strides; the meta-parameters
-(the same way) and the current device.
-Anything else (an argument type it does not know) takes Triton's own path every time, as does the
-CPU interpreter, which compiles nothing.
+descriptor its base's dtype and alignment, block shape, shape, strides, padding and TF32 rounding;
+the meta-parameters (the same way) and the current device. Anything else (an argument type it
+does not know) takes Triton's own path every time, as does the CPU interpreter, which compiles
+nothing.
 
 ``PinnedLaunch(kernel, grid, **meta)`` goes one step further for a caller that knows every later
 call has the first one's signature (``CompiledProgram``'s run plans key their launches by the
@@ -91,6 +91,7 @@ def _signature(args: tuple[Any, ...]) -> tuple:
                     tuple(arg.shape),
                     tuple(arg.strides),
                     getattr(arg, "padding", None),
+                    getattr(arg, "round_f32_to_tf32", False),  # Triton 3.9's TF32 rounding
                 )
             )
         else:

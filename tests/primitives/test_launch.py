@@ -144,6 +144,11 @@ def test_a_descriptor_s_block_shape_and_base_are_part_of_the_signature(on_a_gpu:
     launch_kernel(kernel, (1,), desc(x.half(), [16, 16]), BLOCK=16)
     launch_kernel(kernel, (1,), desc(torch.zeros(32, 64), [16, 16]), BLOCK=16)
     assert len(kernel.triton_launches) == 4
+    if hasattr(TensorDescriptor, "round_f32_to_tf32"):  # Triton 3.9's TF32 rounding
+        tf32 = desc(x, [16, 16])
+        tf32.round_f32_to_tf32 = True
+        launch_kernel(kernel, (1,), tf32, BLOCK=16)
+        assert len(kernel.triton_launches) == 5
 
 
 def test_a_meta_parameter_of_another_type_is_another_signature(on_a_gpu: None) -> None:
