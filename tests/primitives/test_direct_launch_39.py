@@ -22,6 +22,8 @@ from coda.primitives import direct_launch
 from coda.primitives import launch as launch_module
 from coda.primitives.launch import PinnedLaunch, launch_kernel
 from tests.primitives.cuda_launcher_36 import FakeTensorMap, RecordingLaunch, tma_meta
+from tests.primitives.test_launch import CompiledKernelOf as KernelOf
+from tests.primitives.test_launch import _descriptor
 
 pytestmark = pytest.mark.skipif(
     not triton.__version__.startswith("3.9."), reason="Triton 3.9's launcher code is not installed"
@@ -98,27 +100,6 @@ def compiled_39(
     compiled.function, compiled.packed_metadata = 0xF00, (4, 1, 1024)
     compiled._run = nvidia.CudaLauncher(src, metadata)
     return compiled
-
-
-class KernelOf:
-    """What ``launch_kernel`` uses of a JITFunction; ``kernel[grid]`` returns ``compiled``."""
-
-    def __init__(self, arg_names: list[str], compiled: Any) -> None:
-        self.arg_names, self.compiled = arg_names, compiled
-        self.triton_launches = 0
-
-    def __getitem__(self, grid: tuple) -> Any:
-        def run(*args: Any, **meta: Any) -> Any:
-            self.triton_launches += 1
-            return self.compiled
-
-        return run
-
-
-def _descriptor(t: torch.Tensor, block: list[int] | None = None) -> Any:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block or [64, 64])
 
 
 def _triton_s_call(compiled: Any, c_launch: RecordingLaunch, grid: tuple, args: list) -> list:
