@@ -7,11 +7,11 @@ backpropagated as is — to ``t.mul_(g)`` over every gradient it made: the LM he
 weight gradient among them, one read and one write of the whole tensor (0.1–0.3 ms of a training
 step on an H200) to multiply by one. Asking the host whether ``g`` is 1 would make it wait for the
 GPU. ``scale_unless_one`` asks the device instead: each program of its kernel loads ``g`` and
-returns at once when it is 1, so the launch costs its few microseconds and nothing is read; any
-other value (0, a loss scale, NaN) multiplies in fp32, rounded once to ``t``'s dtype — what
-``t.mul_(g)`` computes on the CPU (on a GPU, ``mul_`` first rounds a 0-dim GPU factor to a 16-bit
-``t``'s dtype: 0.37 becomes 0.369 in bf16). On the CPU the host knows ``g`` without waiting, and
-``t.mul_(g)`` runs when it is not 1.
+returns at once when it is 1, so the launch — one for all three of the loss's gradients — costs
+its few microseconds and nothing is read; any other value (0, a loss scale, NaN) multiplies in
+fp32, rounded once to ``t``'s dtype — what ``t.mul_(g)`` computes on the CPU (on a GPU, ``mul_``
+first rounds a 0-dim GPU factor to a 16-bit ``t``'s dtype: 0.37 becomes 0.369 in bf16). On the
+CPU the host knows ``g`` without waiting, and ``t.mul_(g)`` runs when it is not 1.
 
 The kernel reads the factor when it runs, so a captured CUDA graph replays it correctly with
 whatever the factor's memory holds then.
@@ -20,7 +20,7 @@ whatever the factor's memory holds then.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import triton.language as tl
@@ -31,21 +31,34 @@ from .sizes import cdiv
 
 _BLOCK = 4096  # elements per program per loop step
 _PROGRAMS_PER_SM = 4  # programs a launch runs at most per SM; each loops over its share
+_PER_LAUNCH = 3  # tensors one launch scales (a loss's dx, dγ and dW: one launch)
 
 
 @backend.jit
-def _scale_in_place_kernel(t_ptr, factor_ptr, n, BLOCK: tl.constexpr):
-    # Programs stride over the flat tensor BLOCK elements at a time; all return at once when the
-    # factor is exactly 1 (NaN compares unequal, so it multiplies).
+def _scale_in_place_kernel(a_ptr, a_n, b_ptr, b_n, c_ptr, c_n, factor_ptr, BLOCK: tl.constexpr):
+    # Up to three flat tensors, each cut into BLOCK-element blocks numbered one tensor after the
+    # other; programs stride over the block numbers. All return at once when the factor is
+    # exactly 1 (NaN compares unequal, so it multiplies). A tensor not given has n = 0. Each
+    # branch names its values apart: Triton types a name once across the branches of an if.
     factor = tl.load(factor_ptr).to(tl.float32)
     if factor != 1.0:
-        pid = tl.program_id(axis=0)
-        step = tl.num_programs(axis=0) * BLOCK
-        for start in range(pid * BLOCK, n, step):
-            offs = tl.arange(0, BLOCK).to(tl.int64) + start
-            mask = offs < n
-            x = tl.load(t_ptr + offs, mask=mask)
-            tl.store(t_ptr + offs, (x.to(tl.float32) * factor).to(x.dtype), mask=mask)
+        a_blocks = tl.cdiv(a_n, BLOCK)
+        ab_blocks = a_blocks + tl.cdiv(b_n, BLOCK)
+        blocks = ab_blocks + tl.cdiv(c_n, BLOCK)
+        lanes = tl.arange(0, BLOCK).to(tl.int64)
+        for block in range(tl.program_id(axis=0), blocks, tl.num_programs(axis=0)):
+            if block < a_blocks:
+                offs = lanes + tl.cast(block, tl.int64) * BLOCK
+                ax = tl.load(a_ptr + offs, mask=offs < a_n)
+                tl.store(a_ptr + offs, (ax.to(tl.float32) * factor).to(ax.dtype), mask=offs < a_n)
+            elif block < ab_blocks:
+                offs = lanes + tl.cast(block - a_blocks, tl.int64) * BLOCK
+                bx = tl.load(b_ptr + offs, mask=offs < b_n)
+                tl.store(b_ptr + offs, (bx.to(tl.float32) * factor).to(bx.dtype), mask=offs < b_n)
+            else:
+                offs = lanes + tl.cast(block - ab_blocks, tl.int64) * BLOCK
+                cx = tl.load(c_ptr + offs, mask=offs < c_n)
+                tl.store(c_ptr + offs, (cx.to(tl.float32) * factor).to(cx.dtype), mask=offs < c_n)
 
 
 @functools.cache
@@ -54,43 +67,53 @@ def _sm_count(device: torch.device) -> int:
 
 
 def scale_on_device(
-    t: torch.Tensor, factor: torch.Tensor, *, max_programs: int | None = None
+    tensors: Sequence[torch.Tensor], factor: torch.Tensor, *, max_programs: int | None = None
 ) -> None:
-    """``t *= factor`` (``t`` contiguous, ``factor`` one element on ``t``'s device) by the kernel,
-    whose programs return without touching ``t`` when ``factor`` is exactly 1. In the CPU's
-    Triton interpreter where there is no GPU. ``max_programs``: how many programs share the
-    tensor at most (default: four per SM on a GPU, one per block of elements otherwise)."""
-    if not t.is_contiguous():
-        raise ValueError(f"scale_on_device needs a contiguous tensor, not strides {t.stride()}")
-    if factor.numel() != 1 or factor.device != t.device:
-        raise ValueError(
-            f"scale_on_device needs a one-element factor on {t.device}, not shape "
-            f"{tuple(factor.shape)} on {factor.device}"
-        )
-    n = t.numel()
-    if n == 0:
-        return
-    programs = cdiv(n, _BLOCK)
-    if max_programs is None and t.is_cuda:
-        max_programs = _PROGRAMS_PER_SM * _sm_count(t.device)
+    """``t *= factor`` for each of ``tensors`` (contiguous, on ``factor``'s device; any float
+    dtypes) by the kernel, three tensors a launch, whose programs return without touching them
+    when ``factor`` (one element) is exactly 1. In the CPU's Triton interpreter where there is no
+    GPU. ``max_programs``: how many programs share a launch's blocks at most (default: four per
+    SM on a GPU, one per block otherwise)."""
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"scale_on_device needs contiguous tensors, not strides {t.stride()}")
+        if factor.numel() != 1 or factor.device != t.device:
+            raise ValueError(
+                f"scale_on_device needs a one-element factor on {t.device}, not shape "
+                f"{tuple(factor.shape)} on {factor.device}"
+            )
+    present = [t for t in tensors if t.numel()]
+    for start in range(0, len(present), _PER_LAUNCH):
+        _launch(present[start : start + _PER_LAUNCH], factor, max_programs)
+
+
+def _launch(ts: list[torch.Tensor], factor: torch.Tensor, max_programs: int | None) -> None:
+    """One launch over ``ts`` (one to three non-empty tensors)."""
+    programs = sum(cdiv(t.numel(), _BLOCK) for t in ts)
+    if max_programs is None and factor.is_cuda:
+        max_programs = _PROGRAMS_PER_SM * _sm_count(factor.device)
     if max_programs is not None:
         programs = max(1, min(programs, max_programs))
-    launch_kernel(_scale_in_place_kernel, (programs,), t, factor, n, BLOCK=_BLOCK)
+    absent = (ts[0], 0)  # an n of 0: no block, never read
+    pairs = [(t, t.numel()) for t in ts] + [absent] * (_PER_LAUNCH - len(ts))
+    args = [value for pair in pairs for value in pair]
+    launch_kernel(_scale_in_place_kernel, (programs,), *args, factor, BLOCK=_BLOCK)
 
 
 def scale_unless_one(tensors: Iterable[torch.Tensor | None], factor: torch.Tensor) -> None:
     """Multiply each tensor (None: skipped) in place by the one-element ``factor`` — unread and
     unchanged when ``factor`` is exactly 1, otherwise the product in fp32 rounded once. On a GPU
-    the device decides (``scale_on_device``; a tensor that is not contiguous takes ``mul_``); on
-    the CPU the host does (``mul_``, which computes the same product there)."""
+    the device decides (``scale_on_device``, one launch for up to three contiguous tensors; one
+    that is not contiguous takes ``mul_``); on the CPU the host does (``mul_``, which computes
+    the same product there)."""
     ts = [t for t in tensors if t is not None]
     if factor.device.type == "cpu":
         if factor.item() != 1.0:
             for t in ts:
                 t.mul_(factor)
         return
+    on_device = [t for t in ts if t.is_contiguous() and t.device == factor.device]
+    scale_on_device(on_device, factor.reshape(()))
     for t in ts:
-        if t.is_contiguous() and t.device == factor.device:
-            scale_on_device(t, factor.reshape(()))
-        else:
+        if not (t.is_contiguous() and t.device == factor.device):
             t.mul_(factor)

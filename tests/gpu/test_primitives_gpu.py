@@ -180,6 +180,27 @@ def test_scaling_in_place_by_a_device_factor_is_mul_bit_for_bit_gpu(dtype: torch
             assert torch.equal(t, want), (shape, value)
 
 
+def test_one_launch_scales_a_loss_s_three_gradients_bit_for_bit_gpu() -> None:
+    """``scale_unless_one`` over dx, dγ and dW (bf16, fp32, bf16; the LM head's shapes) in one
+    launch: each the fp32 product rounded once, and a factor of exactly 1 rewrites nothing."""
+    from coda.primitives.launch import recorded_launches
+    from coda.primitives.scale_in_place import scale_unless_one
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    made = [
+        torch.randn(2048, 2048, device="cuda", generator=gen).to(torch.bfloat16),
+        torch.randn(2048, device="cuda", generator=gen),
+        torch.randn(128256, 2048, device="cuda", generator=gen).to(torch.bfloat16),
+    ]
+    for value in [1.0, 0.37, -3.0]:
+        ts = [t.clone() for t in made]
+        with recorded_launches() as launches:
+            scale_unless_one(ts, torch.tensor(value, device="cuda"))
+        assert len(launches) == 1
+        for got, t in zip(ts, made, strict=True):
+            assert torch.equal(got, (t.float() * value).to(t.dtype)), (t.shape, value)
+
+
 def test_next_token_targets_in_one_launch_are_the_ops_bit_for_bit_gpu() -> None:
     """``next_token_targets`` on the GPU (the one-program kernel) against the PyTorch ops of the
     fused loss's targets and weights, bit for bit: a training step's labels (16384 tokens, a
