@@ -163,3 +163,74 @@ def compile_for_hopper(kernel: str, signature: dict[str, str], constexprs: dict[
     if done.returncode != 0:
         raise AssertionError(f"{kernel} did not compile for sm_90:\n{done.stderr[-3000:]}")
     return done.stdout
+
+
+# Per block on an H200: 227 KB of shared memory a program may opt into (Triton refuses to launch
+# a kernel that asks for more).
+HOPPER_SHARED_BYTES = 227 * 1024
+
+_WARM_FOR_HOPPER = """
+import importlib, importlib.util, json, pickle, sys
+import torch
+torch.cuda.is_available = lambda: True  # coda's kernels import as Triton's, not interpreted
+import triton
+from triton.backends.compiler import GPUTarget
+
+
+class StandInDriver:  # what JITFunction.warmup asks of a driver: the target, device and stream
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def kernel(module, path, function):
+    if module.startswith("coda_generated_"):  # a generated module: run its file, as codegen does
+        if module not in sys.modules:
+            spec = importlib.util.spec_from_file_location(module, path)
+            sys.modules[module] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[module])
+    return getattr(importlib.import_module(module), function)
+
+
+triton.runtime.driver.set_active(StandInDriver())
+for module, path, function, grid, args, meta in pickle.load(sys.stdin.buffer):
+    row = {"kernel": function, "meta": {k: v for k, v in meta.items() if k.isupper()}}
+    try:
+        compiled = kernel(module, path, function).warmup(*args, grid=grid, **meta)
+        row.update(shared=compiled.metadata.shared, cubin=len(compiled.asm["cubin"]))
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[-3000:]
+    print(json.dumps(row, default=str), flush=True)
+"""
+
+
+def warm_for_hopper(launches: list[tuple[Any, Any, tuple, dict]]) -> list[dict[str, Any]]:
+    """Compile each collected launch's kernel for sm_90 as that launch would on an H200 —
+    ``JITFunction.warmup`` on its arguments (dtypes, alignments, integers, descriptors) and
+    meta-parameters, through Triton's whole pipeline to a cubin — in a fresh process with a
+    stand-in driver (see ``compile_for_hopper`` for why not this one). ``launches``: ``(kernel,
+    grid, args, meta)`` as ``launch.collected_launches`` collects them (interpreted kernels,
+    CPU tensors). One row per launch: ``kernel``, its upper-case ``meta``, and ``shared`` bytes
+    and ``cubin`` size, or ``error``."""
+    import json
+    import pickle
+    import subprocess
+    import sys
+
+    specs = []
+    for kernel, grid, args, meta in launches:
+        fn = getattr(kernel, "fn", kernel)
+        specs.append((fn.__module__, fn.__code__.co_filename, fn.__name__, grid, args, meta))
+    done = subprocess.run(
+        [sys.executable, "-c", _WARM_FOR_HOPPER],
+        input=pickle.dumps(specs), capture_output=True, timeout=1800, check=False,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in done.stdout.decode().splitlines() if line.startswith("{")]
+    if done.returncode != 0 or len(rows) != len(specs):
+        raise AssertionError(f"compiling for sm_90 stopped:\n{done.stderr.decode()[-3000:]}")
+    return rows
