@@ -165,27 +165,11 @@ def compile_for_hopper(kernel: str, signature: dict[str, str], constexprs: dict[
     return done.stdout
 
 
-# Per block on an H200: 227 KB of shared memory a program may opt into (Triton refuses to launch
-# a kernel that asks for more).
-HOPPER_SHARED_BYTES = 227 * 1024
-
 _WARM_FOR_HOPPER = """
 import importlib, importlib.util, json, pickle, sys
 import torch
 torch.cuda.is_available = lambda: True  # coda's kernels import as Triton's, not interpreted
-import triton
-from triton.backends.compiler import GPUTarget
-
-
-class StandInDriver:  # what JITFunction.warmup asks of a driver: the target, device and stream
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
+from coda.primitives.offline_target import for_target
 
 
 def kernel(module, path, function):
@@ -197,26 +181,26 @@ def kernel(module, path, function):
     return getattr(importlib.import_module(module), function)
 
 
-triton.runtime.driver.set_active(StandInDriver())
-for module, path, function, grid, args, meta in pickle.load(sys.stdin.buffer):
-    row = {"kernel": function, "meta": {k: v for k, v in meta.items() if k.isupper()}}
-    try:
-        compiled = kernel(module, path, function).warmup(*args, grid=grid, **meta)
-        row.update(shared=compiled.metadata.shared, cubin=len(compiled.asm["cubin"]))
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"[-3000:]
-    print(json.dumps(row, default=str), flush=True)
+with for_target(90):
+    for module, path, function, grid, args, meta in pickle.load(sys.stdin.buffer):
+        row = {"kernel": function, "meta": {k: v for k, v in meta.items() if k.isupper()}}
+        try:
+            compiled = kernel(module, path, function).warmup(*args, grid=grid, **meta)
+            row.update(shared=compiled.metadata.shared, cubin=len(compiled.asm["cubin"]))
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[-3000:]
+        print(json.dumps(row, default=str), flush=True)
 """
 
 
 def warm_for_hopper(launches: list[tuple[Any, Any, tuple, dict]]) -> list[dict[str, Any]]:
     """Compile each collected launch's kernel for sm_90 as that launch would on an H200 —
     ``JITFunction.warmup`` on its arguments (dtypes, alignments, integers, descriptors) and
-    meta-parameters, through Triton's whole pipeline to a cubin — in a fresh process with a
-    stand-in driver (see ``compile_for_hopper`` for why not this one). ``launches``: ``(kernel,
-    grid, args, meta)`` as ``launch.collected_launches`` collects them (interpreted kernels,
-    CPU tensors). One row per launch: ``kernel``, its upper-case ``meta``, and ``shared`` bytes
-    and ``cubin`` size, or ``error``."""
+    meta-parameters, through Triton's whole pipeline to a cubin — in a fresh process, through
+    ``offline_target.for_target(90)`` (see ``compile_for_hopper`` for why not this one).
+    ``launches``: ``(kernel, grid, args, meta)`` as ``launch.collected_launches`` collects them
+    (interpreted kernels, CPU tensors). One row per launch: ``kernel``, its upper-case
+    ``meta``, and ``shared`` bytes and ``cubin`` size, or ``error``."""
     import json
     import pickle
     import subprocess

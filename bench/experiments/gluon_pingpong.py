@@ -69,6 +69,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
+from coda.primitives.offline_target import fits, for_target
+
 # Triton 3.6 (the GPU machine's) names the TMA copies async_copy_global_to_shared and
 # async_copy_shared_to_global; later releases (this machine's 3.9) async_load and async_store.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -759,42 +761,13 @@ def _interleaved(fns, rounds=5):
 # Compiling without a GPU
 
 
-class _StandInDriver:
-    """Just enough of Triton's driver for ``JITFunction.warmup`` to compile for sm_90 on a machine
-    without a GPU."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-
-# Hopper: 228 KB of shared memory an SM, at most 227 KB a program, 1 KB reserved per program.
-SM_SHARED_BYTES = 228 * 1024
-MAX_PROGRAM_SHARED_BYTES = 227 * 1024
-
-
-def fits(shared_bytes, per_sm):
-    """Whether ``per_sm`` programs of this much shared memory can be resident on one SM."""
-    per_program = min(MAX_PROGRAM_SHARED_BYTES, SM_SHARED_BYTES // per_sm - 1024)
-    return shared_bytes <= per_program
-
-
 def compile_only(configs):
     """Compile every config for sm_90 through a stand-in driver; one JSON line each (shared
     memory, and whether the programs per SM it asks for fit)."""
     import torch
 
-    previous = triton.runtime.driver._active  # None until a driver was first asked for
-    triton.runtime.driver.set_active(_StandInDriver())
     rows = []
-    try:
+    with for_target(90):
         for kind, cfg in configs:
             kw = inputs(kind, 256, 256, 256, torch.device("cpu"))
             kernel = launch(kind, **kw, **cfg, warmup=True)
@@ -803,8 +776,6 @@ def compile_only(configs):
             row["fits"] = fits(shared, cfg.get("PER_SM", 1))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    finally:
-        triton.runtime.driver.set_active(previous)
     return rows
 
 
