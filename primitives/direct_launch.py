@@ -126,12 +126,7 @@ class Direct36:
                 args[i : i + 1] = make(desc, meta)
                 continue
             key = (desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
-            expanded = kept.get(key)
-            if expanded is None:
-                if len(kept) >= DESCRIPTOR_LIMIT:
-                    kept.clear()
-                expanded = kept[key] = make(desc, meta)
-            args[i : i + 1] = expanded
+            args[i : i + 1] = _kept(kept, key, make, desc, meta)
 
     def kept_maps(self) -> list[dict]:
         """The kept expansions of each descriptor position read by TMA."""
@@ -298,12 +293,7 @@ class _Expansion:
             desc.padding,
             desc.round_f32_to_tf32,
         )
-        expanded = kept.get(key)
-        if expanded is None:
-            if len(kept) >= DESCRIPTOR_LIMIT:
-                kept.clear()
-            expanded = kept[key] = self.triton_make(desc, meta, base)
-        return expanded
+        return _kept(kept, key, self.triton_make, desc, meta, base)
 
 
 def _direct_39(compiled: Any, launcher: Any, call: Any) -> Direct39 | None:
@@ -345,6 +335,17 @@ def direct_call(compiled: Any) -> Direct36 | Direct39 | None:
         if direct is not None:
             return direct
     return None
+
+
+def _kept(kept: dict, key: tuple, make: Callable[..., Any], *args: Any) -> Any:
+    """The expansion ``kept`` holds for ``key``, else ``make(*args)``, kept (``kept`` emptied
+    first once it holds ``DESCRIPTOR_LIMIT``)."""
+    expanded = kept.get(key)
+    if expanded is None:
+        if len(kept) >= DESCRIPTOR_LIMIT:
+            kept.clear()
+        expanded = kept[key] = make(*args)
+    return expanded
 
 
 def _usable(launcher: Any, attributes: tuple[str, ...]) -> bool:
