@@ -35,7 +35,8 @@ import torch
 from ..compile_ahead import compile_ahead_of
 from ..cute.tuning import CuteTuning, tune_cute_steps, tune_plain_steps
 from ..ir import MainloopConfig
-from ..launch import collected_launches
+from ..launch import collected_launches, recorded_launches
+from ..offline_target import fits
 from ..settings import current
 from ..tolerance import allowed_error, tuning_floor
 from .configs import GPU_DEFAULT, INTERPRETER_DEFAULT, fit_columns
@@ -355,7 +356,8 @@ def _screen(
 ) -> list[Trial]:  # noqa: ANN001
     """Quick timings of every candidate: compile all, then a forward and a reverse pass, averaged
     (clock drift during the sweep is roughly linear, so the two passes cancel it). A candidate
-    that fails to compile is kept with its error."""
+    that fails to compile, or whose programs per SM cannot be resident at once
+    (``not_resident``), is kept with its error and not timed."""
     import triton
 
     def time(cfg: MainloopConfig) -> float:
@@ -374,16 +376,41 @@ def _screen(
     for cfg in configs:
         compiled.configs[name] = cfg
         try:
-            compiled.run_gemm_step(name, tensors)  # compiles if not yet; raises if it cannot
-            trials.append(Trial(cfg, None))
-            ok.append(trials[-1])
+            with recorded_launches() as launches:
+                compiled.run_gemm_step(name, tensors)  # compiles if not yet; raises if it cannot
+            trials.append(Trial(cfg, None, not_resident(cfg, launches)))
         except Exception as e:  # noqa: BLE001 - a config that cannot compile is pruned
             trials.append(Trial(cfg, None, _describe(e)))
+        if not trials[-1].error:
+            ok.append(trials[-1])
     forward = [time(t.config) for t in ok]
     backward = [time(t.config) for t in reversed(ok)][::-1]
     for t, a, b in zip(ok, forward, backward, strict=True):
         t.ms = (a + b) / 2
     return trials
+
+
+def not_resident(cfg: MainloopConfig, launches: list) -> str:
+    """Why ``cfg``'s ``programs_per_sm`` programs of a step's kernel cannot be resident on one SM
+    at once ("" when they can, and for one program per SM: Triton refuses to launch a kernel over
+    a program's limit, and the screen records that error). ``launches``: the step's, as
+    ``recorded_launches`` records them, each compiled already (``warmup`` finds it cached).
+
+    ``smem_bytes`` prunes candidates by their pipeline's buffers alone; an epilogue that moves
+    tiles through shared memory asks more — with Triton 3.9 for sm_90, the SwiGLU backward's
+    ``down_bwd`` on a two-programs 128 × 128 candidate of the quick space 147,480 B, where two
+    fit under 115,712 B each. Such a candidate would run as one program per SM with twice the
+    programs in two waves: a config other than the one its name says, not worth timing."""
+    if cfg.programs_per_sm == 1:
+        return ""
+    for kernel, grid, args, meta in launches:
+        shared = kernel.warmup(*args, grid=grid, **meta).metadata.shared
+        if not fits(shared, cfg.programs_per_sm):
+            return (
+                f"{cfg.programs_per_sm} programs per SM do not fit: the kernel asks "
+                f"{shared:,} B of shared memory each"
+            )
+    return ""
 
 
 def _compile_configs_ahead(

@@ -342,3 +342,87 @@ def test_finalists_of_another_candidate_space_narrow_nothing(tmp_path: Path) -> 
     cache.put_finalists(key(older), space[:2])
     assert _to_screen(cache, key(older), space) == (space[:2], True)
     assert _to_screen(cache, key(newer), space) == (space, False)
+
+
+class _StandInKernel:
+    """A kernel whose compiled form asks ``shared[block_n]`` bytes of shared memory."""
+
+    def __init__(self, shared: dict[int, int]) -> None:
+        self.shared = shared
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204 - ``kernel[grid](...)``
+        return lambda *args, **meta: None
+
+    def warmup(self, *args, grid, **meta):  # noqa: ANN001, ANN201
+        from types import SimpleNamespace
+
+        return SimpleNamespace(metadata=SimpleNamespace(shared=self.shared[meta["BLOCK_N"]]))
+
+
+class _StandInProgram:
+    """What ``_screen`` asks of a compiled program: its configs, and one step's launch."""
+
+    def __init__(self, kernel: _StandInKernel) -> None:
+        self.kernel, self.configs = kernel, {}
+
+    def run_gemm_step(self, name: str, tensors: dict) -> None:
+        from coda.primitives.launch import launch_kernel
+
+        launch_kernel(self.kernel, (1,), BLOCK_N=self.configs[name].block_n)
+
+
+def test_the_screen_times_no_candidate_whose_programs_cannot_share_an_sm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import triton.testing
+
+    from coda.primitives.codegen.tuning import Candidate, _screen, candidate_configs
+
+    space = [
+        Candidate(128, 256, 64, 8, 3, 2),  # one program: any size Triton launches
+        Candidate(128, 128, 64, 4, 3, 2, programs_per_sm=2),  # two: each over half the SM
+        Candidate(128, 64, 64, 4, 3, 1, programs_per_sm=2),  # two that fit
+    ]
+    configs = candidate_configs(8192, 8192, 8192, itemsize=2, interpret=False, space=space)
+    assert len(configs) == 3  # the pipelines alone fit: only the compiled kernel tells
+    program = _StandInProgram(_StandInKernel({256: 200_000, 128: 147_480, 64: 90_000}))
+    timed = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: timed.append(fn) or 1.0)
+    trials = _screen(program, "down_bwd", {}, configs, warmup=1, rep=1)
+    assert [t.ms for t in trials] == [1.0, None, 1.0]
+    assert trials[1].error == (
+        "2 programs per SM do not fit: the kernel asks 147,480 B of shared memory each"
+    )
+    assert len(timed) == 4  # two candidates, forward and reverse pass
+
+
+def test_the_mlp_backward_s_down_step_cannot_run_two_programs_per_sm_on_hopper() -> None:
+    """Compiled for sm_90 by the installed Triton: ``down_bwd``'s epilogue (load g and u, write
+    dz through shared memory) takes the quick space's two-programs 128 × 128 candidate over half
+    an SM's shared memory, the forward ``gate_up`` step's does not — why ``not_resident``
+    compiles before it prunes."""
+    from coda.primitives.codegen.tuning import QUICK_SPACE, Candidate
+    from coda.primitives.ir import MainloopConfig
+    from coda.primitives.offline_target import fits
+    from tests.helpers import warm_for_hopper
+
+    two = next(c for c in QUICK_SPACE if c.programs_per_sm == 2 and c.block_k == 64)
+    config = MainloopConfig(group_m=8, **Candidate(*two)._asdict())
+    sizes = {"M": 128, "d": 256, "f": 512}
+    shared = {}
+    for block, step in (("llama_mlp_bwd_saved", "down_bwd"), ("llama_mlp", "gate_up")):
+        b = get_block(block)
+        program = lower(b)
+        compiled = compile_program(program, analyze(program, sizes))
+        compiled.mainloop = "tma"
+        for name in compiled.kernels:
+            compiled.configs[name] = config
+        launches = [
+            launch
+            for launch in compiled.collect_launches(b.make_inputs(sizes, torch.bfloat16, seed=0))
+            if getattr(launch[0], "__name__", "") == f"{step}_kernel"
+        ]
+        (row,) = warm_for_hopper(launches)
+        shared[step] = row["shared"]
+    assert not fits(shared["down_bwd"], 2) and fits(shared["down_bwd"], 1), shared
+    assert fits(shared["gate_up"], 2), shared
