@@ -404,6 +404,8 @@ def not_resident(cfg: MainloopConfig, launches: list) -> str:
     if cfg.programs_per_sm == 1:
         return ""
     for kernel, grid, args, meta in launches:
+        if not hasattr(kernel, "warmup"):  # not a Triton kernel: nothing to ask
+            continue
         shared = kernel.warmup(*args, grid=grid, **meta).metadata.shared
         if not fits(shared, cfg.programs_per_sm):
             return (
