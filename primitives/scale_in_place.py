@@ -112,8 +112,9 @@ def scale_unless_one(tensors: Iterable[torch.Tensor | None], factor: torch.Tenso
             for t in ts:
                 t.mul_(factor)
         return
-    on_device = [t for t in ts if t.is_contiguous() and t.device == factor.device]
-    scale_on_device(on_device, factor.reshape(()))
+    on_device, others = [], []
     for t in ts:
-        if not (t.is_contiguous() and t.device == factor.device):
-            t.mul_(factor)
+        (on_device if t.is_contiguous() and t.device == factor.device else others).append(t)
+    scale_on_device(on_device, factor.reshape(()))
+    for t in others:
+        t.mul_(factor)
