@@ -129,7 +129,7 @@ def residual_program(block: Any) -> dict[str, Any]:
 _COMPILE_FOR_HOPPER = """
 import json, sys, importlib
 import triton
-from triton.backends.compiler import GPUTarget
+from coda.primitives.offline_target import StandInDriver
 spec = json.loads(sys.stdin.read())
 module, name = spec["kernel"].split(":")
 kernel = getattr(importlib.import_module(module), name)
@@ -138,7 +138,7 @@ names = list(fn.arg_names)
 signature = {n: spec["signature"].get(n, "constexpr") for n in names}
 constants = {(names.index(k),): v for k, v in spec["constexprs"].items()}
 source = triton.compiler.ASTSource(fn, signature, constants)
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
+compiled = triton.compile(source, target=StandInDriver(90).target, options={"num_warps": 4})
 assert compiled.asm["cubin"], "no cubin"
 sys.stdout.write(compiled.asm["ptx"])
 """
