@@ -57,6 +57,7 @@ from coda.blocks.qwen import (
     qwen2_attn_in_family,
     qwen3_attn_in_family,
 )
+from coda.primitives.errors import ProgramError
 
 from .autograd import ExportedFunction, Tuning, export_autograd
 from .checks import GEMMA_OFFSET, norm_gamma, rms_norm_form
@@ -369,7 +370,9 @@ class _CodaAttentionIn(nn.Module):
         self.is_causal = bool(getattr(attn, "is_causal", True))
         object.__setattr__(self, "norm", norm)  # the layer's module: not registered twice
         self._tune = tune
+        self._take_extras(attn)
         self.function = self._exported(verify, tune)
+        self._check_sizes()
         # looked up here, not in forward: torch.compile traces no import or signature inspection
         self._attention = _attention_interface(self.config, self.recipe)
         self._cache_takes_kwargs = _cache_update_takes_kwargs()
@@ -382,6 +385,9 @@ class _CodaAttentionIn(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.function = self._exported(False, self._tune)
+
+    def _take_extras(self, attn: nn.Module) -> None:
+        """Take what the kernel applies besides the projections and the input norm (none here)."""
 
     def _exported(self, verify: bool, tune: Tuning) -> ExportedFunction:
         """The exported kernels this drop-in runs (``llama_attn_in``'s)."""
@@ -400,14 +406,51 @@ class _CodaAttentionIn(nn.Module):
         projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """``qkv`` with the Q, K and V weights given (``recipe.layout.split(self)``)."""
+        arguments = self._arguments(x, cos, sin, projections)
+        return run_in_dtype(self.function, self._dtype(x, arguments), *arguments)
+
+    def _weights(self, projections: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """The kernel's arguments between ``x`` and the rotary tables: the input norm's γ
+        (``norm_gamma``), then the Q, K and V weights."""
+        return [norm_gamma(self.norm.weight, self.norm_offset), *projections]
+
+    def _arguments(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        projections: tuple[torch.Tensor, ...],
+    ) -> list[torch.Tensor]:
+        """The exported function's arguments for ``x`` ``[..., hidden]`` and the rotary tables
+        ``[..., T, head_dim]``: the tokens as rows, the weights (``_weights``), the tables
+        broadcast over the batch."""
         flat = x.reshape(-1, x.shape[-1])
-        gamma = norm_gamma(self.norm.weight, self.norm_offset)
-        weights = [gamma, *projections]
         tables = [
             t.expand(*x.shape[:-1], t.shape[-1]).reshape(flat.shape[0], -1) for t in (cos, sin)
         ]
-        dtype = autocast_dtype(x, weights) or x.dtype  # under autocast: as HF's projections
-        return run_in_dtype(self.function, dtype, flat, *weights, *tables)
+        return [flat, *self._weights(projections), *tables]
+
+    @staticmethod
+    def _dtype(x: torch.Tensor, arguments: list[torch.Tensor]) -> torch.dtype:
+        """The dtype the kernels run in: autocast's, as Hugging Face's projections, else ``x``'s
+        (which every weight — ``arguments`` between the rows and the tables — must have)."""
+        return autocast_dtype(x, arguments[1:-2]) or x.dtype
+
+    def _check_sizes(self) -> None:
+        """``ValueError`` unless the exported Programs accept this module's sizes (its weights'
+        shapes, its head width) — at construction, where a report can keep the module, rather
+        than at the first forward."""
+        projections = self.recipe.layout.split(self)
+        w = projections[0]
+        x = torch.empty(1, 2, w.shape[1], dtype=w.dtype, device="meta")
+        table = torch.empty(1, 2, self.head_dim, dtype=w.dtype, device="meta")
+        try:
+            self.function.check_arguments(*self._arguments(x, table, table, projections))
+        except ProgramError as e:
+            raise ValueError(
+                f"the {self.recipe.kernel} kernels cannot run {type(self).__name__} at its sizes "
+                f"(hidden {w.shape[1]}, head_dim {self.head_dim}): {e}"
+            ) from None
 
     def project_heads(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -509,6 +552,10 @@ class _CodaAttentionInHFOrder(_CodaAttentionIn):
         tune: Tuning = "quick",
     ) -> None:
         super().__init__(attn, norm, verify=verify, tune=tune)
+
+    def _take_extras(self, attn: nn.Module) -> None:
+        """The per-head ``q_norm``/``k_norm`` (Qwen3, Gemma 3, OLMo 2), checked, kept as this
+        module's submodules."""
         if self.recipe.qk_norms:
             if self.recipe.input_norm:
                 check_head_norms(attn, self.eps, self.recipe.kernel)
@@ -520,18 +567,18 @@ class _CodaAttentionInHFOrder(_CodaAttentionIn):
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        flat = x.reshape(-1, x.shape[-1])
+        arguments = self._arguments(x, cos, sin, self.recipe.layout.split(self))
+        q, k, v = run_in_dtype(self.function, self._dtype(x, arguments), *arguments)
+        return q.view(*x.shape[:-1], -1), k.view(*x.shape[:-1], -1), v.view(*x.shape[:-1], -1)
+
+    def _weights(self, projections: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """γ (none for OLMo 2), the Q, K and V weights, then Qwen2's biases or the q/k norms'
+        weights."""
         if self.recipe.kernel == "qwen2_attn_in":
             extra = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
         else:
             extra = [self.q_norm.weight, self.k_norm.weight]
-        weights = [*self._gamma(), *self.recipe.layout.split(self), *extra]
-        tables = [
-            t.expand(*x.shape[:-1], t.shape[-1]).reshape(flat.shape[0], -1) for t in (cos, sin)
-        ]
-        dtype = autocast_dtype(x, weights) or x.dtype  # under autocast: as HF's projections
-        q, k, v = run_in_dtype(self.function, dtype, flat, *weights, *tables)
-        return q.view(*x.shape[:-1], -1), k.view(*x.shape[:-1], -1), v.view(*x.shape[:-1], -1)
+        return [*self._gamma(), *projections, *extra]
 
     def project_heads(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

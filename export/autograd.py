@@ -366,6 +366,27 @@ class ExportedFunction:
                 runner.compiled.keep_prepared = keep
                 runner.compiled.release_prepared()
 
+    def check_arguments(self, *args: torch.Tensor) -> None:
+        """Raise ``ProgramError`` unless every Program of this function — the forward, its
+        backward, the inference one — accepts arguments of ``args``' shapes and dtypes: each is
+        analysed at those sizes (the size rules of its steps, e.g. a head width an epilogue can
+        hold) through the ops' fake implementations on meta tensors. Nothing is compiled or
+        run, ``args`` are not read: a drop-in checks at construction, from its weights' shapes,
+        what its first call would otherwise refuse."""
+        meta = [
+            torch.empty(a.shape, dtype=a.dtype, device="meta").requires_grad_(a.is_floating_point())
+            for a in args
+        ]
+        if self.inference_op is not None:
+            self.inference_op(*[m.detach() for m in meta])
+        outs = self.forward_op(*meta)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        differentiable = [o for o in outs if o.requires_grad]
+        wrt = [m for m in meta if m.requires_grad]
+        if differentiable and wrt:
+            cotangents = [torch.ones_like(o) for o in differentiable]
+            torch.autograd.grad(differentiable, wrt, cotangents, allow_unused=True)
+
     def __deepcopy__(self, memo: dict) -> ExportedFunction:
         # registered once per process (torch.library ops do not copy): a copy is this function
         return self

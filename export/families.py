@@ -739,8 +739,9 @@ def _patch_kind(
     options: Options,
 ) -> tuple[str, list[Install]]:
     """``(report line, installers)`` for one kind over every layer: each unpatched layer's
-    first applicable recipe proven and built, or the first failure as the reason."""
-    todo: list[tuple[str, nn.Module, Recipe]] = []
+    first applicable recipe proven and built, or the first failure as the reason (a drop-in
+    refuses at construction what its kernels cannot run, e.g. a head width)."""
+    installs: list[Install] = []
     done: set[str] = set()
     for name, layer in named:
         if _already_patched(kind, layer):
@@ -753,9 +754,11 @@ def _patch_kind(
             recipe.prove(recording, name, layer)
         except ValueError as e:
             return f"kept: {e}", []
-        todo.append((name, layer, recipe))
-    installs = [recipe.build(layer, options) for _, layer, recipe in todo]
-    done.update(dict.fromkeys(recipe.name for _, _, recipe in todo))
+        try:
+            installs.append(recipe.build(layer, options))
+        except ValueError as e:
+            return f"kept: {name}: {e}", []
+        done.add(recipe.name)
     return f"patched ({', '.join(sorted(done))})", installs
 
 

@@ -398,6 +398,26 @@ def test_phi3_partial_rotary_keeps_the_attention_input() -> None:
     assert report.patched(fam.MLP_HALF)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_a_head_width_the_head_norm_kernel_cannot_hold_keeps_the_attention_input(
+    family: str,
+) -> None:
+    """Per-head q/k norms run in the projection's epilogue, which holds whole heads of a power-of-
+    two width: at head_dim 12 the drop-in refuses at patch time — kept, with the kernel's reason —
+    and the model computes Hugging Face's loss, where it once reported patched and failed on its
+    first forward. OLMo 2 (norms over the whole projection) patches at that width."""
+    model = _model(family, head_dim=12)
+    patched, report = _patched(model)
+    line = report.lines[fam.ATTENTION_INPUT]
+    assert line.startswith("kept: model.layers.0: the "), line
+    assert "head_dim 12" in line and "must be a power of two" in line, line
+    assert report.patched(fam.MLP_HALF)
+    batch = _batch()
+    torch.testing.assert_close(patched(**batch).loss, model(**batch).loss, rtol=1e-5, atol=1e-6)
+    _, olmo = _patched(_model("olmo2", head_dim=12))
+    assert olmo.patched(fam.ATTENTION_INPUT)
+
+
 def test_patching_twice_changes_nothing_and_options_are_reported() -> None:
     model = _model("mistral")
     report = patch_model(model, verify=False, tune="off")
