@@ -98,9 +98,10 @@ class CodaLlamaLMHeadLoss(nn.Module):
     ``[..., T]`` (token ids; -100 is ignored); position t predicts ``labels[t + 1]``. The loss is
     the mean over the counted tokens, or their sum divided by ``num_items_in_batch`` when given —
     as ``LlamaForCausalLM`` computes it (with no token counted it is 0 with zero gradients, where
-    PyTorch's mean cross-entropy gives NaN). Labels are not range-checked (that would cost a
-    device sync per step): an id outside ``[0, V)`` other than -100 contributes its log-sum-exp
-    alone, where PyTorch raises. Parameters must have ``hidden``'s dtype, except under
+    PyTorch's mean cross-entropy gives NaN). A label outside ``[0, V)`` other than -100 raises
+    ``IndexError`` on the CPU, as PyTorch's loss does; on a GPU (where checking would make the
+    host wait for the device every step) it makes the loss and the gradients NaN
+    (``loss_targets``). Parameters must have ``hidden``'s dtype, except under
     ``torch.autocast`` with fp32 weights, where the head runs in the autocast dtype (as
     Hugging Face's ``lm_head`` does) and the loss stays fp32. ``softcap``: the logits are
     ``softcap · tanh(lm_head(norm(h)) / softcap)`` (Gemma 2's ``final_logit_softcapping``, 30).
@@ -142,14 +143,16 @@ class CodaLlamaLMHeadLoss(nn.Module):
         x = hidden.reshape(-1, hidden.shape[-1])
         weights = [norm_gamma(self.norm.weight, self.norm_offset), self.lm_head.weight]
         amp = autocast_dtype(x, weights)  # under autocast: as Hugging Face's lm_head
+        vocab = self.lm_head.weight.shape[0]
         if _trains(x, *weights):
             # position t predicts labels[t + 1], the last none; an ignored token gets a valid
             # class (0) and weight 0: its gradient is zero (one launch on a GPU)
-            classes, token_weights = next_token_targets(labels, num_items_in_batch)
+            classes, token_weights = next_token_targets(labels, num_items_in_batch, vocab)
             return self._training_loss(amp or x.dtype, x, weights, classes, token_weights)
-        classes, counted = next_token_classes(labels)  # (the same targets, by PyTorch ops)
+        # the same targets, by PyTorch ops (a label outside the vocabulary: NaN, as in training)
+        classes, counted, outside = next_token_classes(labels, vocab)
         per_token = run_in_dtype(self.function, amp or x.dtype, x, *weights, classes)
-        total = (per_token * counted).sum()
+        total = (per_token * torch.where(outside, torch.nan, counted.to(per_token.dtype))).sum()
         if num_items_in_batch is None:
             return total / counted.sum().clamp(min=1)
         return total / num_items_in_batch

@@ -124,6 +124,23 @@ def test_bad_input_gets_a_specific_error() -> None:
         CodaLlamaLMHeadLoss(model.model.norm, head, verify=False)
 
 
+@pytest.mark.parametrize("label", [96, 500, -5])
+def test_a_label_outside_the_vocabulary_raises_as_hugging_face_s_loss(label: int) -> None:
+    """A label the head has no logit for (a tokenizer larger than the vocabulary) raises
+    ``IndexError`` in training and in evaluation, as Hugging Face's loss does — never a loss
+    that scores class 0 or leaves the token out."""
+    model = _model(seed=17)
+    ids = torch.randint(0, 96, (2, 6))
+    labels = ids.clone()
+    labels[1, 3] = label
+    with pytest.raises(IndexError, match="Target"):
+        model(input_ids=ids, labels=labels)
+    with pytest.raises(IndexError, match=f"label {label} is not a class of the vocabulary"):
+        causal_lm_loss(model, ids, labels, verify=False, tune="off")
+    with torch.no_grad(), pytest.raises(IndexError, match=f"label {label} is not a class"):
+        causal_lm_loss(model, ids, labels, verify=False, tune="off")
+
+
 def test_a_batch_with_no_counted_token_has_zero_loss_and_gradients() -> None:
     model = _model(seed=16)
     ids = torch.randint(0, 96, (1, 5))

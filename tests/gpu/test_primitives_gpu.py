@@ -205,7 +205,8 @@ def test_next_token_targets_in_one_launch_are_the_ops_bit_for_bit_gpu() -> None:
     """``next_token_targets`` on the GPU (the one-program kernel) against the PyTorch ops of the
     fused loss's targets and weights, bit for bit: a training step's labels (16384 tokens, a
     batch of sequences with padding ignored), a ragged batch, each denominator — the count,
-    Hugging Face's ``num_items_in_batch`` as a device tensor and as an int."""
+    Hugging Face's ``num_items_in_batch`` as a device tensor and as an int —, and with the
+    vocabulary given, labels outside it weighing NaN in both."""
     from coda.primitives.loss_targets import (
         IGNORE_INDEX,
         next_token_targets,
@@ -221,6 +222,13 @@ def test_next_token_targets_in_one_launch_are_the_ops_bit_for_bit_gpu() -> None:
             want = targets_by_ops(labels, num_items)
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=0, atol=0)
+        outside = labels.clone()
+        outside[0, 5], outside[-1, 9] = 128256, -3
+        got = next_token_targets(outside, None, 128256)
+        want = targets_by_ops(outside, None, 128256)
+        assert got[1].isnan().sum() == 2
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

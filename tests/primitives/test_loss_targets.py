@@ -63,6 +63,27 @@ def test_each_position_targets_the_next_label_and_the_last_none() -> None:
     _same(targets_on_device(labels), (classes, weights))
 
 
+def test_targets_outside_the_vocabulary_weigh_nan_in_the_kernel_and_raise_on_the_host() -> None:
+    """A label outside ``[0, vocab)`` (not -100) has no logit: the kernel gives its token class 0
+    and weight NaN (a GPU cannot raise without the host waiting), the other tokens as before; the
+    host, holding CPU labels, raises ``IndexError`` naming the label. Inside the vocabulary a
+    ``vocab`` changes nothing."""
+    labels = torch.tensor([[4, 9, 50, 2], [1, -5, 3, IGNORE_INDEX]])
+    classes, weights = targets_on_device(labels, vocab=50)
+    assert classes.tolist() == [9, 0, 2, 0, 0, 3, 0, 0]
+    fifth = torch.tensor(1.0) / 5  # five targets that are not -100 (two of them outside)
+    nan = float("nan")
+    want = torch.tensor([1, nan, 1, 0, nan, 1, 0, 0]) * fifth
+    torch.testing.assert_close(weights, want, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(IndexError, match=r"label 50 is not a class of the vocabulary \[0, 50\)"):
+        next_token_targets(labels, vocab=50)
+    with pytest.raises(IndexError, match="label -5 "):
+        next_token_targets(labels[1:], vocab=50)
+    inside = _labels((3, 11), 0.3, seed=9)
+    _same(targets_on_device(inside, vocab=50), targets_by_ops(inside))
+    _same(next_token_targets(inside, vocab=50), targets_by_ops(inside))
+
+
 def test_labels_that_are_not_class_ids_are_refused() -> None:
     with pytest.raises(ValueError, match="integer class ids"):
         next_token_targets(torch.zeros(3, 4))
@@ -71,16 +92,16 @@ def test_labels_that_are_not_class_ids_are_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("labels", "den", "den_from_ptr", "count"),
+    ("labels", "den", "den_from_ptr", "count", "check"),
     [
-        ("*i64", "*fp32", False, True),
-        ("*i64", "*i64", True, False),
-        ("*i32", "*fp32", False, False),
+        ("*i64", "*fp32", False, True, True),
+        ("*i64", "*i64", True, False, False),
+        ("*i32", "*fp32", False, False, True),
     ],
-    ids=["counted", "device-tensor", "int32-given"],
+    ids=["counted-checked", "device-tensor", "int32-given-checked"],
 )
 def test_the_kernel_compiles_for_hopper(
-    labels: str, den: str, den_from_ptr: bool, count: bool
+    labels: str, den: str, den_from_ptr: bool, count: bool, check: bool
 ) -> None:
     """The interpreter runs the kernel's Python; this compiles it for sm_90 as a GPU would, so a
     construct only the compiler refuses fails here, on a CPU, and not in a user's first training
@@ -88,8 +109,12 @@ def test_the_kernel_compiles_for_hopper(
     signature = {
         "labels_ptr": labels, "classes_ptr": labels, "weights_ptr": "*fp32", "den_ptr": den,
         "n": "i32", "length": "i32", "stride_row": "i32", "stride_col": "i32", "den_value": "fp32",
+        "vocab": "i32",
     }  # fmt: skip
-    constexprs = {"DEN_FROM_PTR": den_from_ptr, "COUNT_DEN": count, "IGNORE": -100, "BLOCK": 1024}
+    constexprs = {
+        "DEN_FROM_PTR": den_from_ptr, "COUNT_DEN": count, "IGNORE": -100, "CHECK_RANGE": check,
+        "BLOCK": 1024,
+    }  # fmt: skip
     ptx = compile_for_hopper(
         "coda.primitives.loss_targets:_next_token_targets_kernel", signature, constexprs
     )
