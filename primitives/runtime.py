@@ -29,6 +29,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from . import backend
 from .analysis import GemmInfo, ProgramInfo, analyze, bind_sizes
 from .base import RunEnv
 from .codegen.cache import load_kernel, write_source
@@ -271,10 +272,12 @@ class CompiledProgram:
     ) -> tuple[dict[str, torch.Tensor], RunPlan]:
         """``run``, with the plan it recorded or replayed."""
         if not REPLAY:
+            self._refuse_interpreted_bf16(prepared)
             return self._record(prepared, poison)
         key = self._run_key(prepared, poison)
         plan = self._run_plans.get(key)
         if plan is None:
+            self._refuse_interpreted_bf16(prepared)
             tensors, plan = self._record(prepared, poison)
             if len(self._run_plans) >= RUN_PLAN_LIMIT:
                 self._run_plans.clear()
@@ -456,6 +459,23 @@ class CompiledProgram:
                 views.append((name, value.tensor, _CUT, cut))
             self._views[key] = views
         return self._views[key]
+
+    def _refuse_interpreted_bf16(self, prepared: dict[str, torch.Tensor]) -> None:
+        """``TypeError`` for a bf16 run whose generated kernels Triton's interpreter would run:
+        its ``tl.dot`` on bf16 operands computes wrong products, so on a machine without a GPU
+        the kernels run in float32 or float16 only (the vendor's products are PyTorch's).
+        Collecting launches (``collect_launches``: nothing runs) is not refused."""
+        if not backend.INTERPRET or activation_dtype(self.program, prepared) != torch.bfloat16:
+            return
+        info = self.info_for({n: prepared[n] for n in self.program.inputs})
+        fused = [n for n, g in info.gemms.items() if not (g.vendor and self.use_vendor)]
+        if fused:
+            raise TypeError(
+                f"{self.program.block}: bfloat16 on the CPU — Triton's interpreter, which runs "
+                f"the kernels of steps {fused} where there is no GPU, computes wrong bfloat16 "
+                "matrix products. Run bfloat16 on a GPU; on the CPU use float32 or float16 "
+                "(e.g. model.float(), or torch.autocast('cpu', dtype=torch.float16))"
+            )
 
     def _run_gemm(
         self,

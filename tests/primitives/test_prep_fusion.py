@@ -64,7 +64,10 @@ def test_the_attention_inputs_fused_prep_is_the_steps_bit_for_bit(
     # the chain's intermediates are never written: only the steps read the last one
     for step in program.prep[:-1]:
         assert step.out not in prepared, step.out
-    # and the fused program computes what the one-by-one program does
+    # and the fused program computes what the one-by-one program does (its GEMMs in bf16 run on
+    # a GPU only: the interpreter refuses bf16 products, tests/gpu/test_primitives_gpu.py)
+    if dtype == torch.bfloat16 and backend.INTERPRET:
+        return
     outs = compiled(inputs)
     for name, value in program.select_outputs(compiled.run(eager), sizes).items():
         assert torch.equal(outs[name], value), name

@@ -416,3 +416,20 @@ def test_a_replay_builds_a_run_env_only_for_a_step_that_launches_itself(
         built.clear()
         compiled.run(prepared)
         assert built == ([1] if launches_itself else []), name
+
+
+def test_bf16_products_in_the_interpreter_are_refused_and_collecting_them_is_not(mlp) -> None:
+    """Triton's interpreter computes wrong bf16 ``tl.dot`` products: a run of generated kernels
+    in bf16 on a machine without a GPU raises ``TypeError`` naming the steps and what to do,
+    on a first call and on a call that would replay, where it once returned wrong values;
+    collecting the launches (nothing runs: compiling ahead, the sm_90 compile checks) is not
+    refused, and float16 runs."""
+    block, program, sizes = mlp
+    compiled = compile_program(program, analyze(program, sizes))
+    bf16 = block.make_inputs(sizes, torch.bfloat16, seed=0)
+    assert compiled.collect_launches(bf16)
+    with pytest.raises(TypeError, match=r"bfloat16 on the CPU .* steps \['gate_up', 'down'\]"):
+        compiled(bf16)
+    with pytest.raises(TypeError, match="use float32 or float16"):
+        compiled(bf16)
+    compiled(block.make_inputs(sizes, torch.float16, seed=0))
