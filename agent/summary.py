@@ -86,6 +86,21 @@ class RunFacts:
     def verified(self) -> bool:
         return self.best is not None and self.best.report.verified
 
+    @property
+    def best_role(self) -> str:
+        """What the run's leading candidate is called: ``best`` once it verified; until then it
+        is only the one that got ``furthest`` through the sandbox's stages."""
+        return "best" if self.verified else "furthest"
+
+    def best_text(self) -> str:
+        """The ``best`` row: the best candidate, or that none verified (and which got
+        furthest)."""
+        if self.best is None:
+            return "none"
+        if not self.verified:
+            return f"none verified (candidate {self.best.index} got furthest)"
+        return f"candidate {self.best.index}"
+
     @classmethod
     def from_result(cls, r: AgentResult) -> RunFacts:
         return cls(
@@ -139,7 +154,7 @@ class RunFacts:
             ("tokens", tokens_text(self.usage)),
             ("cost", format_cost(self.cost_usd)),
             ("candidates", f"{len(self.candidates)} ({verified} verified)"),
-            ("best", f"candidate {self.best.index}" if self.best else "none"),
+            ("best", self.best_text()),
             ("best time", self.time_text()),
             ("tool-call errors", str(self.tool_errors)),
             ("provider retries", str(self.retries)),
@@ -167,7 +182,7 @@ def run_markdown(facts: RunFacts, device: str) -> str:
     if facts.candidates:
         lines += ["| # | turn | verdict | time | report |", "|---|---|---|---|---|"]
         for c in facts.candidates:
-            mark = " (best)" if facts.best is c else ""
+            mark = f" ({facts.best_role})" if facts.best is c else ""
             time_text = f"{c.time_ms:.4f} ms" if c.time_ms is not None else "not measured"
             head = c.report.headline().replace("|", "\\|")
             verdict = "verified" if c.report.verified else "failed"
@@ -175,7 +190,7 @@ def run_markdown(facts: RunFacts, device: str) -> str:
     else:
         lines.append("No candidate was submitted.")
     if facts.best is not None:
-        lines += ["", f"## Best candidate ({facts.best.index})", ""]
+        lines += ["", f"## {facts.best_role.capitalize()} candidate ({facts.best.index})", ""]
         lines += report_sections(facts.best.report)
     return "\n".join(lines) + "\n"
 
@@ -194,7 +209,7 @@ def report_sections(report: Report) -> list[str]:
         "|---|---|---|---|",
     ]
     for s in report.stages:
-        msg = (s.message.splitlines()[0] if s.message else "").replace("|", "\\|")
+        msg = s.summary().replace("|", "\\|")
         lines.append(f"| {s.stage} | {s.status} | {s.seconds:.2f} | {msg} |")
     rows = error_rows(report)
     if rows:

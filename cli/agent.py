@@ -6,9 +6,11 @@ Exit codes: 0 a verified kernel; 1 finished without one (including a provider th
 or a refusal, or a run folder that could not be written once the run had started); 2 bad usage or
 configuration (unknown block, a missing or unreadable file, a block file that fails to import or
 exits, a ``--runs-dir`` that is a file or cannot be written, a block the planner cannot lower, a
-missing or rejected API key, a provider whose SDK is not installed, an unenforceable budget); 130
-interrupted. With ``--json`` stdout holds exactly one JSON object, on errors too:
-``{"error": ..., "exit_code": ...}``.
+missing or rejected API key, a provider whose SDK is not installed, an unenforceable budget, flags
+that do not fit together: ``--model`` or ``--base-url`` for a provider without a model, ``--resume``
+of a run that already ended or with a ``--block`` other than the run's); 130 interrupted. With
+``--json`` stdout holds exactly one JSON object, on errors too: ``{"error": ..., "exit_code":
+...}``.
 
 Everything printed here that did not come from this file (Reports, messages of models and servers,
 names from programs and block files) is escaped, or printed as ``Text``, so that bracketed text
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +33,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
+from rich.rule import Rule
 from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
@@ -45,6 +49,7 @@ from .common import (
     print_json,
     resolve_block,
     stderr,
+    stdout_width,
 )
 
 if TYPE_CHECKING:
@@ -54,8 +59,7 @@ if TYPE_CHECKING:
     from coda.blocks import Block
     from coda.sandbox.report import Report, StageResult
 
-# Piped output (CI logs, `| tee`) would otherwise be cut to 80 columns.
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
+console = Console(highlight=False, width=stdout_width(piped=110))
 MARK = {"passed": "[green]✓[/]", "failed": "[red]✗[/]", "skipped": "[yellow]–[/]"}
 
 
@@ -88,8 +92,8 @@ def check_runs_dir(runs_dir: Path, as_json: bool = False) -> None:
 
 
 def _stage_line(prefix: str, s: StageResult) -> str:
-    msg = escape(s.message.splitlines()[0]) if s.message else ""
-    return f"{prefix}{MARK[s.status]} {s.stage:<9} {s.seconds:6.2f}s  [dim]{msg}[/]"
+    """A stage as it finishes: its mark, name, seconds and its message's summary line."""
+    return f"{prefix}{MARK[s.status]} {s.stage:<9} {s.seconds:6.2f}s  [dim]{escape(s.summary())}[/]"
 
 
 def error_table(report: Report) -> Table:
@@ -171,7 +175,8 @@ def _best_line(event: CandidateDone) -> str:
         err = f"worst error {worst.max_abs_err:.2e} (allowed {worst.allowed:.2e})" if worst else ""
         when = f"{best.time_ms:.4f} ms" if best.time_ms is not None else "not measured"
         tail = f" · best: candidate {best.index}, {err}, time {when}"
-    return f"candidate {c.index}: {verdict}{' (new best)' if event.is_best else ''}{tail}"
+    new_best = " (new best)" if event.is_best and c.report.verified else ""
+    return f"candidate {c.index}: {verdict}{new_best}{tail}"
 
 
 # -- synthesize ------------------------------------------------------------------------------------
@@ -261,7 +266,7 @@ def synthesize_cmd(
             progress,
             as_json,
         )
-    _finish(result, as_json, list(getattr(prov, "divergences", [])))
+    _finish(result, as_json, list(getattr(prov, "divergences", [])), block_file)
 
 
 def _start(
@@ -283,8 +288,9 @@ def _start(
     if provider == "replay" and transcript is not None and block is None and not block_file:
         block, recorded = _recorded_block(transcript, as_json)
         _refuse_recorded_block_file(recorded, transcript, as_json)
-    blk = resolve_block(block, block_file, as_json)
     name = provider or "builtin"
+    _refuse_unused_provider_flags(name, model, base_url, as_json)
+    blk = resolve_block(block, block_file, as_json)
     prov = _make_provider(name, blk, model, base_url, transcript, as_json=as_json)
     check_runs_dir(runs_dir, as_json)
     if progress is not None:
@@ -311,6 +317,43 @@ def _start(
     except OSError as e:
         raise fail(_write_failure(e), code=1, as_json=as_json) from None
     return result, prov
+
+
+# The providers that talk to a model chosen with --model, on a server --base-url may name.
+_LLM_PROVIDERS = ("anthropic", "openai")
+
+
+def _refuse_unused_provider_flags(
+    provider: str, model: str | None, base_url: str | None, as_json: bool
+) -> None:
+    """``--model`` and ``--base-url`` choose an LLM and its server: with a provider that has
+    neither (the offline built-in planner, a replay of recorded turns) they would be ignored, so
+    they are refused (exit 2), like other flags that do not fit together."""
+    if provider in _LLM_PROVIDERS:
+        return
+    flags = {"--model": model, "--base-url": base_url}
+    given = [f"{flag} {value}" for flag, value in flags.items() if value is not None]
+    if not given:
+        return
+    what = (
+        "the built-in planner (--provider builtin) runs offline"
+        if provider == "builtin"
+        else "a replay (--provider replay) answers with the recorded turns"
+    )
+    raise fail(
+        f"{what}, with no model or server to choose: drop {' and '.join(given)}, or choose "
+        f"--provider {' or '.join(_LLM_PROVIDERS)}",
+        as_json=as_json,
+    )
+
+
+def resume_command(run_dir: Path | str, block_file: str | Path | None) -> str:
+    """The command that continues a run, ready to copy: with ``--block-file`` when the run's
+    block came from a file, which a resumed run imports only when the user names it again."""
+    command = f"coda-agent synthesize --resume {shlex.quote(str(run_dir))}"
+    if block_file:
+        command += f" --block-file {shlex.quote(str(block_file))}"
+    return command
 
 
 def _write_failure(error: OSError) -> str:
@@ -450,9 +493,9 @@ def _resume(
         raise fail(
             f"{run_dir} already ended ({state.end.reason}: {state.end.message}); "
             "start a new run instead",
-            code=0 if state.end.verified else 1,
             as_json=as_json,
         )
+    _refuse_another_block(block, start.block, run_dir, as_json)
     budgets = _budgets(start.budgets, **given)
     spent = _spent(state, budgets)
     if spent:
@@ -465,6 +508,7 @@ def _resume(
         _refuse_recorded_block_file(recorded, run_dir, as_json)
     blk = resolve_block(block or start.block, block_file, as_json)
     name = provider or state.provider
+    _refuse_unused_provider_flags(name, model, base_url, as_json)
     same = name == state.provider
     if same and start.base_url and base_url is None:
         raise fail(
@@ -512,6 +556,17 @@ def _resume(
     return result, prov
 
 
+def _refuse_another_block(block: str | None, recorded: str, run_dir: Path, as_json: bool) -> None:
+    """A resumed run continues its own block: ``--block`` naming another is refused (exit 2)
+    rather than mixing two blocks in one transcript."""
+    if block is not None and block != recorded:
+        raise fail(
+            f"{run_dir} is a run of block {recorded!r}, and --resume continues that block: drop "
+            f"--block {block}, or start a new run with `coda-agent synthesize --block {block}`",
+            as_json=as_json,
+        )
+
+
 def _spent(state: Any, b: Budgets) -> str | None:
     """Which recorded total already reaches its budget, if any."""
     if b.max_turns is not None and state.turns >= b.max_turns:
@@ -525,7 +580,11 @@ def _spent(state: Any, b: Budgets) -> str | None:
     return None
 
 
-def _finish(result: AgentResult, as_json: bool, divergences: list[str]) -> None:
+def _finish(
+    result: AgentResult, as_json: bool, divergences: list[str], block_file: Path | None = None
+) -> None:
+    """Print the finished run (or, with ``--json``, its one object) and exit with its code;
+    ``block_file``: the file the run's block came from, named again in the resume hint."""
     from coda.agent.summary import RunFacts
 
     code = 0 if result.verified else (result.stop.exit_code or 1)
@@ -534,14 +593,13 @@ def _finish(result: AgentResult, as_json: bool, divergences: list[str]) -> None:
         raise typer.Exit(code)
     best = result.best
     if best is not None and best.report.verified and best.program is not None:
-        console.print(
-            Panel(
-                Syntax(best.program.to_python(), "python", word_wrap=True),
-                title=f"best program (candidate {best.index}, builder form)",
-            )
+        print_program(
+            best.program.to_python(), f"best program (candidate {best.index}, builder form)"
         )
     if best is not None:
-        console.print(error_table(best.report))
+        errors = error_table(best.report)
+        if errors.row_count:
+            console.print(errors)
         prof = best.report.stage("profile")
         if not best.report.profile:
             why = prof.message if prof else "not profiled"
@@ -549,9 +607,10 @@ def _finish(result: AgentResult, as_json: bool, divergences: list[str]) -> None:
     console.print(facts_table(RunFacts.from_result(result)))
     if result.stop.kind == "provider_error":
         run = escape(str(result.run.path))
+        again = escape(resume_command(result.run.path, block_file))
         Console(stderr=True, highlight=False).print(
             f"[red]error:[/] {escape(result.stop.message)}\nthe run so far is in {run}; "
-            f"continue it with `coda-agent synthesize --resume {run}`",
+            f"continue it with `{again}`",
             soft_wrap=True,
         )
     for line in divergences:
@@ -562,6 +621,16 @@ def _finish(result: AgentResult, as_json: bool, divergences: list[str]) -> None:
     for path in sorted(result.run.kernels_dir.glob("*.py")):
         console.print(Text(f"  kernel: {path}"))
     raise typer.Exit(code)
+
+
+def print_program(code: str, title: str) -> None:
+    """A program's builder code between two rules, the first titled ``title``: unboxed and never
+    wrapped nor cut by Rich, so every line can be copied whole (a terminal narrower than a line
+    wraps it on screen only)."""
+    console.print(Rule(escape(title)))
+    syntax = Syntax(code.rstrip("\n"), "python", background_color="default")
+    console.print(syntax, soft_wrap=True, crop=False)
+    console.print(Rule())
 
 
 def facts_table(facts: RunFacts) -> Table:
@@ -655,7 +724,7 @@ def verify_cmd(
     if as_json:
         print(report.model_dump_json(indent=2))
     else:
-        console.print(Text(report.render_text()))
+        console.print(Text(report.render_text(stages_printed=True)))
     raise typer.Exit(0 if report.verified else 1)
 
 
@@ -688,13 +757,32 @@ def blocks_cmd(
     if as_json:
         print_json({"blocks": [block_json(b) for b in blocks]})
         return
+    console.print(blocks_table(blocks, console.width))
+
+
+# The shares of the width left beside the names that the other columns of `blocks` may take.
+_BLOCK_COLUMN_SHARES = {"inputs": 3, "outputs": 2, "description": 5}
+
+
+def blocks_table(blocks: list[Block], width: int) -> Table:
+    """The ``blocks`` listing for a console ``width`` columns wide. Names are what users copy: the
+    name column is as wide as the longest name and never wraps, so no name is cut; the other
+    columns share the rest of the width (each at least as wide as its header), wrapping their
+    text (and folding a word longer than their share) instead of widening the table."""
+    name_width = max((len(b.name) for b in blocks), default=len("name"))
+    columns = 1 + len(_BLOCK_COLUMN_SHARES)
+    borders_and_padding = (columns + 1) + 2 * columns
+    headers = sum(len(col) for col in _BLOCK_COLUMN_SHARES)
+    spare = max(width - name_width - borders_and_padding - headers, 0)
+    total = sum(_BLOCK_COLUMN_SHARES.values())
     table = Table(title="blocks")
-    for col in ("name", "inputs", "outputs", "description"):
-        table.add_column(col)
+    table.add_column("name", no_wrap=True, min_width=name_width)
+    for col, share in _BLOCK_COLUMN_SHARES.items():
+        table.add_column(col, overflow="fold", max_width=len(col) + spare * share // total)
     for b in blocks:
         ins = ", ".join(f"{n}[{','.join(map(str, s.shape))}]" for n, s in b.inputs.items())
         table.add_row(Text(b.name), Text(ins), Text(", ".join(b.outputs)), Text(b.description))
-    console.print(table)
+    return table
 
 
 def block_json(block: Block) -> dict[str, Any]:
@@ -748,15 +836,12 @@ def show_cmd(
         console.print(candidates_table(facts))
     if facts.best is not None:
         report = Text(facts.best.report.render_text())
-        console.print(Panel(report, title="best candidate's report"))
+        console.print(Panel(report, title=f"{facts.best_role} candidate's report"))
         if facts.best.program is not None and facts.best.report.verified:
-            code = facts.best.program.to_python()
-            console.print(Panel(Syntax(code, "python"), title="program"))
+            print_program(facts.best.program.to_python(), "program")
     if facts.stop is None:
-        console.print(
-            "[yellow]unfinished[/]: continue with "
-            f"`coda-agent synthesize --resume {escape(str(run_dir))}`"
-        )
+        again = resume_command(run_dir, start.block_file)
+        console.print(f"[yellow]unfinished[/]: continue with `{escape(again)}`")
 
 
 def candidates_table(facts: RunFacts) -> Table:
@@ -764,7 +849,7 @@ def candidates_table(facts: RunFacts) -> Table:
     for col in ("#", "turn", "verdict", "time", "report"):
         table.add_column(col)
     for c in facts.candidates:
-        best = " (best)" if facts.best is c else ""
+        best = f" ({facts.best_role})" if facts.best is c else ""
         table.add_row(
             f"{c.index}{best}",
             str(c.turn),

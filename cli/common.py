@@ -57,6 +57,15 @@ class Failure(Exception):
         self.code = code
 
 
+def stdout_width(piped: int) -> int | None:
+    """The width a console on stdout should be given: ``None`` (Rich measures the terminal, or
+    takes ``COLUMNS`` when it is set), else ``piped`` for output that is not a terminal (CI logs,
+    ``| tee``), which Rich would otherwise cut to 80 columns."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit():
+        return None
+    return piped
+
+
 def stderr() -> Console:
     """A console on stderr (never stdout, which ``--json`` keeps for its one object)."""
     return Console(stderr=True, highlight=False)

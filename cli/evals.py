@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,14 +34,14 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .common import Failure, fail, import_block_file, print_json, stderr
+from .common import Failure, fail, import_block_file, print_json, stderr, stdout_width
 
 if TYPE_CHECKING:
     from coda.evals.results import CellResult, EvalDir
     from coda.evals.spec import EvalSpec, ProviderSpec
     from coda.evals.store import RegressRow
 
-console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+console = Console(highlight=False, soft_wrap=True, width=stdout_width(piped=120))
 
 
 def _csv(text: str | None) -> list[str]:
@@ -121,6 +120,7 @@ def eval_cmd(
             _check_named_block_files(edir, _load_block_files([*(block_files or []), *shipped]))
             _check_named_providers(edir, providers)
         else:
+            _require_blocks(suite, blocks)
             files = _load_block_files([*(block_files or []), *_suite_block_files(suite)])
             spec = _new_spec(suite, blocks, files, providers, seeds, ks, ps, budgets)
             edir = _create(out or _default_out(spec), spec, unique=out is None)
@@ -128,6 +128,15 @@ def eval_cmd(
     except Failure as f:
         raise fail(f.message, f.code, as_json) from None
     _summary(edir, results, as_json)
+
+
+def _require_blocks(suite: str | None, blocks: str | None) -> None:
+    """A new eval needs its blocks; without them, name every form ``eval`` takes."""
+    if suite is None and blocks is None:
+        raise Failure(
+            "give --suite NAME or --blocks a,b,c to run an eval, --resume EVAL_DIR to continue "
+            "one, or --compare A B to diff two"
+        )
 
 
 def _load_block_files(paths: list[Path]) -> dict[str, str]:
@@ -424,7 +433,7 @@ def accept_cmd(
 ) -> None:
     """Add a run's best verified program to a regression store."""
     from coda.agent.transcript import TranscriptError
-    from coda.evals.store import AcceptError, accept
+    from coda.evals.store import STORE_DIR, AcceptError, accept
 
     try:
         done = accept(run_dir, name=name, store=store, force=force)
@@ -438,7 +447,13 @@ def accept_cmd(
             f"cannot write{where}: {e.strerror or e}; give --store a folder you can write to"
         ) from None
     if done.duplicate:
-        console.print(Text(f"already stored: the same program is {done.path}"))
+        where = "the built-in entry" if done.path.is_relative_to(STORE_DIR) else "the entry"
+        console.print(
+            Text(
+                f"already stored: the same program is {where} "
+                f"{done.entry.block}/{done.entry.name} ({done.path}); nothing was added"
+            )
+        )
         raise typer.Exit(0)
     prov = done.entry.provenance
     time_text = f"{prov.time_ms:.4f} ms" if prov.time_ms is not None else "not measured"

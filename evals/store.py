@@ -13,8 +13,9 @@ verified with and, when measured, its time per benchmark shape). Two stores matt
   may not be writable and is replaced on every upgrade.
 
 * ``accept(run_dir)`` adds a run's best program; a run without a verified candidate is refused,
-  and so is a name already taken by a different program (``force`` replaces it). The same program
-  accepted twice is reported, not duplicated.
+  and so is a name already taken by a different program (``force`` replaces it) or a name that is
+  not a plain file name. The same program accepted twice is reported, not duplicated: also when
+  the user's store is the target and a built-in entry holds it, since ``regress`` checks both.
 * ``regress(stores)`` re-verifies every stored Program with the sandbox's defaults for this device
   (CPU: the Triton interpreter, float32 and float16; GPU: bfloat16 and float16, and timings). An
   entry fails when it no longer verifies (its block gone, its JSON unreadable, a check over its
@@ -135,13 +136,15 @@ def accept(
     run_dir: Path, *, name: str | None = None, store: Path | None = None, force: bool = False
 ) -> Accepted:
     """Store the best verified program of ``run_dir`` in ``store`` (default ``user_store()``)."""
+    if name is not None:
+        check_entry_name(name)
     store = user_store() if store is None else store
     run = RunDir.open(run_dir)
     state = run.state()
     best = state.best
     if best is None or not best.report.verified or best.program is None:
         tried = f"{len(state.candidates)} candidate(s)"
-        head = f"; the best got: {best.report.headline()}" if best is not None else ""
+        head = f"; the furthest got: {best.report.headline()}" if best is not None else ""
         raise AcceptError(
             f"{run_dir} has no verified candidate ({tried}{head}): only a verified program can be "
             "accepted — continue the run (`coda-agent synthesize --resume`) or start a new one"
@@ -155,10 +158,11 @@ def accept(
         program=best.program.model_dump(mode="json"),
         provenance=_provenance(state, run, best.index, report),
     )
+    for stored_in in _stores_checked_with(store):
+        for path, stored in _entries(stored_in / slug(entry.block)):
+            if stored is not None and stored.program_hash == entry.program_hash:
+                return Accepted(path, stored, duplicate=True)
     folder = store / slug(entry.block)
-    for path, stored in _entries(folder):
-        if stored is not None and stored.program_hash == entry.program_hash:
-            return Accepted(path, stored, duplicate=True)
     path = folder / f"{entry.name}.json"
     if path.exists() and not force:
         raise AcceptError(
@@ -168,6 +172,33 @@ def accept(
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(entry.model_dump_json(indent=2) + "\n")
     return Accepted(path, entry, duplicate=False)
+
+
+def check_entry_name(name: str) -> None:
+    """An entry's name is its file name in its block's folder: a name that is not a plain file
+    name (a path separator, a leading dot that would hide the file, other characters) is refused
+    rather than silently renamed."""
+    if "/" in name or "\\" in name:
+        raise AcceptError(
+            f"--name {name!r} contains a path separator: an entry's name is a file name in the "
+            "store's folder for its block; give a name of letters, digits, '.', '_' and '-'"
+        )
+    if not name or name != slug(name) or name.startswith("."):
+        better = slug(name).lstrip(".")
+        example = f" (e.g. {better!r})" if better else ""
+        raise AcceptError(
+            f"--name {name!r} is not a plain file name: give a name of letters, digits, '.', "
+            f"'_' and '-' that does not start with '.'{example}"
+        )
+
+
+def _stores_checked_with(store: Path) -> list[Path]:
+    """The stores whose entries ``regress`` checks together with ``store``'s by default: the
+    built-in entries beside the user's store; any other store is checked alone (``regress
+    --store``), so only its own entries make a program already stored there."""
+    if store.resolve() in (user_store().resolve(), STORE_DIR):
+        return list(dict.fromkeys([STORE_DIR, store]))
+    return [store]
 
 
 def _provenance(state: Any, run: RunDir, index: int, report: Report) -> Provenance:

@@ -56,6 +56,22 @@ class StageResult(BaseModel):
     # or "prep[1].gamma", when the stage could tell; None otherwise (and in older reports).
     loc: str | None = None
 
+    def _summary_size(self) -> int:
+        """How many of the message's lines ``summary`` takes: two when the first only introduces
+        the detail below it (``invalid program:``), else one."""
+        lines = self.message.splitlines()
+        return 2 if len(lines) > 1 and lines[0].rstrip().endswith(":") else 1
+
+    def summary(self) -> str:
+        """The message in one line: its first line, with the first line of the detail joined on
+        when the first line only introduces it."""
+        taken = self.message.splitlines()[: self._summary_size()]
+        return " ".join(line.strip() for line in taken)
+
+    def detail(self) -> list[str]:
+        """The message's lines that ``summary`` leaves out."""
+        return self.message.splitlines()[self._summary_size() :]
+
 
 class SemanticsCoverage(BaseModel):
     """Where the semantics stage checked the algebra beyond the block's shape sets: the seed of
@@ -132,12 +148,13 @@ class Report(BaseModel):
         return max(scored, key=lambda c: c.max_abs_err / c.allowed)
 
     # -- rendering -------------------------------------------------------------------------------
-    def headline(self) -> str:
+    def headline(self, failure: bool = True) -> str:
+        """The verdict in one line: with ``failure``, a failed stage's summary follows it."""
         failed = self.failed_stage
         if failed is not None:
-            first = failed.message.splitlines()[0] if failed.message else ""
             cause = f" [{failed.cause}]" if failed.cause else ""
-            return f"FAILED at {failed.stage}{cause}: {first}"
+            head = f"FAILED at {failed.stage}{cause}"
+            return f"{head}: {failed.summary()}" if failure else head
         if not self.verified:
             return "NOT VERIFIED"
         worst = self.worst_check()
@@ -149,15 +166,27 @@ class Report(BaseModel):
         )
         return f"VERIFIED ({len(self.checks)} checks passed{tail})"
 
-    def render_text(self) -> str:
+    def render_text(self, stages_printed: bool = False) -> str:
+        """The Report for people: the headline (with the failure's summary), the stages, the
+        checks and the timings. The failed stage's message is not repeated: its summary is in the
+        headline, and only the lines beyond it follow. ``stages_printed``: the caller printed each
+        stage's line, summary included, as it ran, so the stage list and the summary are left
+        out."""
         lines = [
             f"block {self.block}  program {self.program_hash}  on {self.device}",
-            self.headline(),
-            "",
+            self.headline(failure=not stages_printed),
         ]
-        for s in self.stages:
-            mark = {"passed": "✓", "failed": "✗", "skipped": "–"}[s.status]
-            lines.append(f"  {mark} {s.stage:<9} {s.status:<7} {s.seconds:6.2f}s  {s.message}")
+        failed = self.failed_stage
+        if not stages_printed:
+            lines.append("")
+            for s in self.stages:
+                mark = {"passed": "✓", "failed": "✗", "skipped": "–"}[s.status]
+                message = "" if s is failed else f"  {s.message}"
+                lines.append(f"  {mark} {s.stage:<9} {s.status:<7} {s.seconds:6.2f}s{message}")
+                if s is failed:
+                    lines += [f"    {line.strip()}" for line in s.detail()]
+        elif failed is not None:
+            lines += [f"  {line.strip()}" for line in failed.detail()]
         if self.checks:
             lines.append("")
             lines.append("checks:")
@@ -194,8 +223,8 @@ class Report(BaseModel):
         """What an agent reads: the failure in full, the rest briefly."""
         lines = [self.headline()]
         failed = self.failed_stage
-        if failed is not None and failed.message and "\n" in failed.message:
-            lines.append(failed.message)
+        if failed is not None:
+            lines += failed.detail()
         if failed is not None and failed.loc:
             lines.append(f"  where: {failed.loc} (the JSON path of the program node to change)")
         bad = [c for c in self.checks if not c.passed]

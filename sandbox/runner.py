@@ -408,18 +408,20 @@ def _cancelled(collected: _Collected) -> StageResult:
     )
 
 
+# How to give the worker more time, named for the command line first, then for Python.
+_MORE_TIME = "allow more time with a larger --timeout (SandboxOptions.timeout_s from Python)"
 _SLOW_START = (
     "the worker was still starting up (Python, torch and Triton imports, plugins, the block "
-    "file) and never began {stage}: raise SandboxOptions.timeout_s"
+    f"file) and never began {{stage}}: {_MORE_TIME}"
 )
 _SLOW_KERNEL = (
-    "a kernel or step does not finish: look for a loop that never ends, or raise "
-    "SandboxOptions.timeout_s for large shapes"
+    "a kernel or step does not finish: look for a loop that never ends, or, for large shapes, "
+    f"{_MORE_TIME}"
 )
 _SLOW_SEMANTICS = (
     "the program's float64 reference run at the block's CPU shapes does not finish: remove work "
-    "the outputs do not need (extra steps, tensors built larger than the block's), or raise "
-    "SandboxOptions.timeout_s for large shapes"
+    "the outputs do not need (extra steps, tensors built larger than the block's), or, for large "
+    f"shapes, {_MORE_TIME}"
 )
 
 

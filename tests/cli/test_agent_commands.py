@@ -74,6 +74,21 @@ def test_verify_a_program_file(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "FAILED at validate" in result.output
 
 
+def test_verify_names_an_invalid_program_once_on_its_validate_line(tmp_path: Path) -> None:
+    program = lower(get_block("llama_mlp")).model_dump(mode="json")
+    program["steps"][1]["epilogue"][0]["op"] = "scale_row"
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(program))
+    result = runner.invoke(app, ["verify", str(path), "--block", "llama_mlp"])
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert "✗ validate 0.00s invalid program: steps.1.gemm.epilogue.0: Input tag 'scale_row'" in (
+        text
+    )
+    assert text.count("Input tag 'scale_row'") == 1
+    assert "FAILED at validate [program]" in text
+
+
 ODD_BLOCK = """
 from coda.blocks import Add, Block, ShapeSets, TensorSpec
 
@@ -164,6 +179,12 @@ def test_provider_configuration_errors_exit_2(tmp_path: Path, monkeypatch) -> No
     local = ["--provider", "openai", "--base-url", "http://127.0.0.1:9/v1", "--model", "my-llama"]
     result = runner.invoke(app, [*base, *local, "--max-cost", "1"])
     assert result.exit_code == 2 and "no price is known for model 'my-llama'" in result.output
+    result = runner.invoke(app, [*base, "--model", "gpt-4.1"])  # the default builtin provider
+    assert result.exit_code == 2
+    assert "the built-in planner (--provider builtin) runs offline, with no model or server" in (
+        result.output
+    )
+    assert "drop --model gpt-4.1, or choose --provider anthropic or openai" in result.output
     assert not list(tmp_path.iterdir()) and "Traceback" not in result.output
 
 
@@ -179,13 +200,21 @@ def test_resume_replay_and_show_through_the_cli(tmp_path: Path) -> None:
 
     spent = runner.invoke(app, ["synthesize", "--resume", str(run)])
     assert spent.exit_code == 2 and "has spent its budget (1 turns, --max-turns 1)" in spent.output
-    resumed = runner.invoke(app, ["synthesize", "--resume", str(run), "--max-turns", "5", "--json"])
+    more = ["synthesize", "--resume", str(run), "--max-turns", "5"]
+    other = runner.invoke(app, [*more, "--block", "llama_mlp_bwd"])
+    assert other.exit_code == 2
+    assert f"{run} is a run of block 'llama_mlp', and --resume continues that block: drop " in (
+        " ".join(other.output.split())
+    )
+    modelled = runner.invoke(app, [*more, "--model", "gpt-4.1"])
+    assert modelled.exit_code == 2 and "drop --model gpt-4.1" in modelled.output
+    resumed = runner.invoke(app, [*more, "--block", "llama_mlp", "--json"])
     assert resumed.exit_code == 0, resumed.output
     data = json.loads(resumed.output)
     assert data["turns"] == 2 and data["stop"]["reason"] == "finished"
     assert len(data["candidates"]) == 1 and data["run_dir"] == str(run)
     again = runner.invoke(app, ["synthesize", "--resume", str(run)])
-    assert again.exit_code == 0 and "already ended (finished" in again.output
+    assert again.exit_code == 2 and "already ended (finished" in again.output  # refused
 
     transcript = str(run / "transcript.jsonl")
     replayed = runner.invoke(
@@ -227,6 +256,52 @@ def test_show_renders_an_unfinished_run(tmp_path: Path) -> None:
     assert shown.exit_code == 0 and "unfinished" in shown.output
     assert f"synthesize --resume {run}" in shown.output.replace("\n", "")
     assert runner.invoke(app, ["show", str(tmp_path)]).exit_code == 2
+
+
+PROJ_BLOCK = """
+import torch.nn.functional as F
+
+from coda.blocks import Block, ShapeSets, TensorSpec, register
+
+
+def proj_residual(x, w):
+    return x + F.linear(x, w)
+
+
+proj = register(
+    Block.from_torch(
+        proj_residual,
+        name="cli_file_proj_residual",
+        inputs={"x": TensorSpec(shape=["M", "d"]), "w": TensorSpec(shape=["d", "d"])},
+        shapes=ShapeSets(cpu=[{"M": 5, "d": 24}]),
+    )
+)
+"""
+
+
+def test_the_resume_hint_of_a_block_file_run_names_the_file(tmp_path: Path) -> None:
+    import shlex
+
+    block_file = tmp_path / "proj.py"
+    block_file.write_text(PROJ_BLOCK)
+    runs = tmp_path / "runs"
+    done = runner.invoke(
+        app, ["synthesize", "--block-file", str(block_file), "--runs-dir", str(runs)]
+    )
+    assert done.exit_code == 0, done.output
+    (run,) = runs.iterdir()
+    # cut the run off after its first candidate, as a crash would
+    lines = (run / "transcript.jsonl").read_text().splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if '"event": "candidate"' in line)
+    (run / "transcript.jsonl").write_text("".join(lines[: first + 1]))
+
+    shown = runner.invoke(app, ["show", str(run)])
+    assert shown.exit_code == 0, shown.output
+    hint = " ".join(shown.output.split()).split("unfinished: continue with `")[1].split("`")[0]
+    assert hint == f"coda-agent synthesize --resume {run} --block-file {block_file}"
+    resumed = runner.invoke(app, shlex.split(hint)[1:])
+    assert resumed.exit_code == 0, resumed.output
+    assert "VERIFIED cli_file_proj_residual" in resumed.output
 
 
 def test_a_provider_failure_is_a_clean_error_with_a_resume_hint(tmp_path: Path) -> None:

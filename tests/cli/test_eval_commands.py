@@ -49,7 +49,12 @@ def test_eval_resume_compare_and_export_through_the_cli(tmp_path: Path) -> None:
         (["--blocks", "llama_mlp", "--providers", "python:nomodule"], "python:package.module"),
         (["--blocks", "llama_mlp", "--providers", "builtin,builtin"], "share the id"),
         (["--blocks", "llama_mlp", "--max-turns", "0"], "Invalid value for '--max-turns'"),
-        ([], "give exactly one of --suite NAME or --blocks a,b,c"),
+        (
+            [],
+            "give --suite NAME or --blocks a,b,c to run an eval, --resume EVAL_DIR to continue "
+            "one, or --compare A B to diff two",
+        ),
+        (["--suite", "smoke", "--blocks", "llama_mlp"], "exactly one of --suite NAME or --blocks"),
         (["--compare", "only-one"], "write `coda-agent eval --compare A B` (two folders)"),
         (["--blocks", "llama_mlp", "-j", "2", "--ray", "auto"], "not both"),
     ],

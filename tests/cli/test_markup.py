@@ -80,7 +80,8 @@ def test_verify_prints_the_report_text_as_written(tmp_path: Path, recorded: Cons
     program.write_text('{"block": "llama_mlp", "steps": "nope"}')
     CliRunner().invoke(app, ["verify", str(program), "--block", "llama_mlp"])
     text = recorded.export_text()
-    assert "FAILED at validate [program]: invalid program:" in text
+    assert "FAILED at validate [program]\n" in text  # the stage's own line holds the summary
+    assert "invalid program: inputs: Field required" in text
 
 
 def test_eval_cell_lines_keep_bracketed_errors(monkeypatch: pytest.MonkeyPatch) -> None:

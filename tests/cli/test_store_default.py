@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from coda.agent.synthesize import synthesize
 from coda.cli.main import app
 from coda.evals.store import STORE_DIR, default_stores, user_store
-from tests.agent.scripted import BLOCK, FAST
+from tests.agent.scripted import BLOCK, FAST, Script, finish, good_program, submit
 
 runner = CliRunner()
 
@@ -36,12 +36,38 @@ def test_accept_writes_to_the_user_store_and_regress_then_checks_it(
     store = tmp_path / "mine"
     monkeypatch.setenv("CODA_STORE", str(store))
     assert default_stores() == [STORE_DIR]  # not created yet
-    run = synthesize(BLOCK, tmp_path / "runs", provider=None, sandbox=FAST).run.path
+    program = good_program()
+    program["steps"][1]["name"] = "gate_up_v2"  # verified, and not a built-in entry
+    provider = Script([submit(program, "c1"), finish()])
+    run = synthesize(BLOCK, tmp_path / "runs", provider=provider, sandbox=FAST).run.path
     done = runner.invoke(app, ["accept", str(run), "--name", "planner"])
     assert done.exit_code == 0, done.output
     assert (store / "llama_mlp" / "planner.json").is_file()
     assert not (STORE_DIR / "llama_mlp" / "planner.json").exists()
     assert default_stores() == [STORE_DIR, store]
+
+
+def test_a_built_in_program_is_not_accepted_again_into_the_user_store(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``regress`` checks the built-in entries beside the user's store: the planner's program,
+    already a built-in entry, would be a second identical row there."""
+    store = tmp_path / "mine"
+    monkeypatch.setenv("CODA_STORE", str(store))
+    run = synthesize(BLOCK, tmp_path / "runs", provider=None, sandbox=FAST).run.path
+    (builtin,) = (STORE_DIR / "llama_mlp").glob("*.json")
+    done = runner.invoke(app, ["accept", str(run), "--name", "planner"])
+    assert done.exit_code == 0, done.output
+    text = " ".join(done.output.split())
+    assert f"already stored: the same program is the built-in entry llama_mlp/{builtin.stem}" in (
+        text
+    )
+    assert "nothing was added" in text and not store.exists()
+    assert default_stores() == [STORE_DIR]
+    # a store named with --store is checked alone (`regress --store`): the program goes there
+    other = tmp_path / "ci-store"
+    done = runner.invoke(app, ["accept", str(run), "--store", str(other), "--name", "planner"])
+    assert done.exit_code == 0 and (other / "llama_mlp" / "planner.json").is_file()
 
 
 def test_regress_block_names_the_closest_stored_block(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ def test_accept_refuses_a_run_without_a_verified_candidate(tmp_path: Path) -> No
     result = runner.invoke(app, ["accept", str(run), "--store", str(tmp_path / "store")])
     assert result.exit_code == 1
     text = " ".join(result.output.split())
-    assert "has no verified candidate (1 candidate(s); the best got: FAILED at semantics" in text
+    assert "no verified candidate (1 candidate(s); the furthest got: FAILED at semantics" in text
     assert not (tmp_path / "store").exists()
     assert runner.invoke(app, ["accept", str(tmp_path)]).exit_code == 2  # not a run folder
 
@@ -75,6 +75,25 @@ def test_accept_records_provenance_once_and_guards_names(tmp_path: Path) -> None
         app, ["accept", str(other), "--store", str(store), "--name", "planner", "--force"]
     )
     assert forced.exit_code == 0 and "gate_up_v2" in path.read_text()
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("../../etc/x", "--name '../../etc/x' contains a path separator"),
+        ("sub\\x", "contains a path separator"),
+        ("my kernel", "--name 'my kernel' is not a plain file name"),
+        (".hidden", "--name '.hidden' is not a plain file name"),
+    ],
+)
+def test_accept_refuses_a_name_that_is_not_a_plain_file_name(
+    tmp_path: Path, name: str, message: str
+) -> None:
+    run = tmp_path / "not-even-read"  # the name is checked first
+    store = tmp_path / "store"
+    result = runner.invoke(app, ["accept", str(run), "--store", str(store), "--name", name])
+    assert result.exit_code == 2 and message in " ".join(result.output.split())
+    assert not store.exists() and not (tmp_path / "etc").exists()
 
 
 def test_regress_fails_with_a_table_when_a_stored_kernel_breaks(tmp_path: Path) -> None:

@@ -97,6 +97,8 @@ def test_worker_timeout_becomes_a_failed_stage(program_json: dict) -> None:
     assert failed.stage == "semantics" and "timed out after" in failed.message
     assert "the worker was still starting up" in failed.message
     assert "the worker was killed" in failed.message
+    # the command line's flag first, then the Python API's name
+    assert "a larger --timeout (SandboxOptions.timeout_s from Python)" in failed.message
 
 
 CRASHY_BLOCK = '''
@@ -185,6 +187,29 @@ def test_report_json_round_trip(program_json: dict) -> None:
     assert type(report).model_validate(data) == report
     text = textwrap.dedent(report.render_text())
     assert "✓ verify" in text and "timings: not measured" in text
+
+
+def test_a_failure_is_summarised_once_and_its_detail_follows() -> None:
+    from coda.sandbox.report import Report, StageResult
+
+    stages = [
+        StageResult(
+            stage="validate",
+            status="failed",
+            cause="program",
+            message="invalid program:\n  steps.0: first problem\n  steps.1: second problem",
+        )
+    ]
+    report = Report(verified=False, block="b", program_hash="h", device="cpu", stages=stages)
+    assert stages[0].summary() == "invalid program: steps.0: first problem"
+    assert stages[0].detail() == ["  steps.1: second problem"]
+    headline = "FAILED at validate [program]: invalid program: steps.0: first problem"
+    assert report.headline() == headline
+    for text in (report.render_text(), report.render_compact()):
+        assert text.count("first problem") == 1 and text.count("second problem") == 1
+    printed = report.render_text(stages_printed=True)  # the stage's own line showed the summary
+    assert "first problem" not in printed and "second problem" in printed
+    assert printed.splitlines()[1] == "FAILED at validate [program]"
 
 
 def test_fp32_output_of_a_half_precision_run_is_held_to_that_runs_bounds() -> None:

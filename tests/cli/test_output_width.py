@@ -1,0 +1,61 @@
+"""``coda-agent blocks`` at any width: block names, the column users copy, are never cut (the other
+columns wrap instead), and piped output takes its width from ``COLUMNS`` when it is set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from coda.blocks import list_blocks
+from coda.cli import agent
+from coda.cli.main import app
+
+runner = CliRunner()
+
+
+def _names() -> list[str]:
+    return [b.name for b in list_blocks()]
+
+
+def _listed_whole(output: str, names: list[str]) -> list[str]:
+    """The names that do not appear whole on some line of ``output``."""
+    lines = output.splitlines()
+    return [n for n in names if not any(f" {n} " in line for line in lines)]
+
+
+@pytest.mark.parametrize("width", [80, 110])
+def test_blocks_lists_every_name_whole(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent, "console", Console(highlight=False, width=width))
+    done = runner.invoke(app, ["blocks"])
+    assert done.exit_code == 0, done.output
+    assert "…" not in done.output
+    assert _listed_whole(done.output, _names()) == []
+    assert max(len(line) for line in done.output.splitlines()) <= width
+
+
+def test_a_console_too_narrow_for_the_table_still_shows_whole_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(agent, "console", Console(highlight=False, width=40))
+    done = runner.invoke(app, ["blocks"])
+    assert done.exit_code == 0, done.output
+    assert _listed_whole(done.output, _names()) == []
+
+
+def test_piped_blocks_follow_columns() -> None:
+    env = {**os.environ, "COLUMNS": "72"}
+    done = subprocess.run(
+        [sys.executable, "-m", "coda.cli", "blocks"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert max(len(line) for line in done.stdout.splitlines()) <= 72
+    assert _listed_whole(done.stdout, _names()) == []
