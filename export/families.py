@@ -28,7 +28,8 @@ or whose proof fails in any layer, stays Hugging Face's in every layer, with the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -699,18 +700,21 @@ def patch_model(
     named = [(names.get(layer) or type(layer).__name__, layer) for layer in layers]
     report = PatchReport(family, len(layers), model=model)
     head, head_error = _lm_head(model) if fused_loss else ([], None)
-    recording = _probe(model, layers, head, labels=fused_loss and head_error is None)
     installs: list[Install] = []
-    for kind in (ATTENTION_INPUT, MLP_HALF, ATTENTION_OUTPUT):  # the order they install in
-        if kind == ATTENTION_INPUT and not attention:
-            report.lines[kind] = "kept: attention=False"
-            continue
-        if kind == ATTENTION_OUTPUT and not fuse_residual:
-            report.lines[kind] = "kept: fuse_residual=False (o_proj and the add are Hugging Face's)"
-            continue
-        report.lines[kind], built = _patch_kind(kind, named, recording, family, options)
-        installs += built
-    report.lines[LM_HEAD_LOSS] = _lm_head_line(model, recording, fused_loss, head_error)
+    with _dropout_off(model):  # recorded and recomputed alike: no unit dropped at random
+        recording = _probe(model, layers, head, labels=fused_loss and head_error is None)
+        for kind in (ATTENTION_INPUT, MLP_HALF, ATTENTION_OUTPUT):  # the order they install in
+            if kind == ATTENTION_INPUT and not attention:
+                report.lines[kind] = "kept: attention=False"
+                continue
+            if kind == ATTENTION_OUTPUT and not fuse_residual:
+                report.lines[kind] = (
+                    "kept: fuse_residual=False (o_proj and the add are Hugging Face's)"
+                )
+                continue
+            report.lines[kind], built = _patch_kind(kind, named, recording, family, options)
+            installs += built
+        report.lines[LM_HEAD_LOSS] = _lm_head_line(model, recording, fused_loss, head_error)
     for install in installs:
         install()
     if report.patched(LM_HEAD_LOSS):
@@ -729,6 +733,37 @@ def _probe(
         parts.append(getattr(getattr(layer, "self_attn", None), "o_proj", None))
         watched += [layer, *(p for p in parts if isinstance(p, nn.Module))]
     return probe_forward(model, watched, labels=labels)
+
+
+@contextmanager
+def _dropout_off(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode for the block when the model trains with attention dropout
+    (an attention's ``attention_dropout`` above 0) and no other, each module's mode restored
+    after. A recorded output with random units dropped cannot be recomputed to prove a drop-in;
+    the attention drop-ins pass that dropout on as Hugging Face's forwards do
+    (``attention_arguments``: the module's ``attention_dropout`` while training), so the probe
+    and the proofs are made on the deterministic forward. Any other dropout (an ``nn.Dropout``,
+    e.g. Phi-3's residual dropout, which a fused residual add would skip) keeps the model's own
+    mode: its random outputs then fail the proofs of what they reach, which are kept."""
+    if not model.training or not _attention_dropout_only(model):
+        yield
+        return
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _attention_dropout_only(model: nn.Module) -> bool:
+    """Whether a training forward of ``model`` drops units at random only inside attention."""
+    modules = list(model.modules())
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in modules):
+        return False
+    rates = [getattr(m, "attention_dropout", None) for m in modules]
+    return any(isinstance(p, int | float) and p > 0 for p in rates)
 
 
 def _patch_kind(

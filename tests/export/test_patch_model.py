@@ -418,6 +418,36 @@ def test_a_head_width_the_head_norm_kernel_cannot_hold_keeps_the_attention_input
     assert olmo.patched(fam.ATTENTION_INPUT)
 
 
+def test_attention_dropout_in_training_is_proven_on_the_deterministic_forward() -> None:
+    """A Llama training with attention dropout: a probe in training mode records outputs with
+    random units dropped, which no recomputation matches — the attention input was kept, as
+    'differs from the one the drop-in mirrors', though the drop-in passes the dropout on as
+    Hugging Face's forward does. The probe and proofs run in eval mode (each module's mode
+    restored), everything patches, and a training step drops the same units as Hugging Face's
+    under the same seed."""
+    model = _model("llama", attention_dropout=0.3).train()
+    patched, report = _patched(model)
+    assert all(report.patched(kind) for kind in (fam.ATTENTION_INPUT, fam.MLP_HALF)), report
+    assert all(m.training for m in patched.modules())
+    batch = _batch()
+    losses = []
+    for m in (model, patched):
+        torch.manual_seed(7)
+        losses.append(m(**batch).loss)
+    torch.manual_seed(8)
+    assert not torch.allclose(model(**batch).loss, losses[0])  # the dropout draws units
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_residual_dropout_keeps_what_it_reaches() -> None:
+    """Phi-3's residual dropout (an ``nn.Dropout`` between the attention and the residual add,
+    which the fused residual add would skip) keeps the probe in training mode: the attention
+    output, which it reaches, is kept."""
+    model = _model("phi3", resid_pdrop=0.3).train()
+    _, report = _patched(model)
+    assert report.lines[fam.ATTENTION_OUTPUT].startswith("kept: "), report
+
+
 def test_patching_twice_changes_nothing_and_options_are_reported() -> None:
     model = _model("mistral")
     report = patch_model(model, verify=False, tune="off")
