@@ -300,13 +300,16 @@ def rebuild_models() -> None:
 on_registry_change(rebuild_models)
 
 
-def _tag_hint(err: dict[str, Any]) -> str:
+def _unknown_tag(err: dict[str, Any]) -> str | None:
+    """For a node whose ``op``/``kind`` names none of its list's node kinds: that, with the
+    closest spelling and every kind listed once (pydantic's message lists them too); else None."""
     ctx = err.get("ctx") or {}
     tag, expected = ctx.get("tag"), ctx.get("expected_tags")
-    if err["type"] == "union_tag_invalid" and tag is not None and expected:
-        names = [t.strip().strip("'") for t in str(expected).split(",")]
-        return " (" + did_you_mean(str(tag), names) + ")"
-    return ""
+    if err["type"] != "union_tag_invalid" or tag is None or not expected:
+        return None
+    names = [t.strip().strip("'") for t in str(expected).split(",")]
+    field = str(ctx.get("discriminator", "")).strip("'") or "tag"
+    return f"unknown {field} {str(tag)!r}: {did_you_mean(str(tag), names)}"
 
 
 def error_path(e: ValidationError) -> str | None:
@@ -338,7 +341,7 @@ def format_validation_error(e: ValidationError, limit: int = 12) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field (this model does not take it)"
-        lines.append(f"{loc}: {msg}{_tag_hint(err)}")
+        lines.append(f"{loc}: {_unknown_tag(err) or msg}")
     if len(e.errors()) > limit:
         lines.append(f"... and {len(e.errors()) - limit} more")
     return "invalid program:\n  " + "\n  ".join(lines)
