@@ -16,7 +16,8 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .block import Block
@@ -104,7 +105,8 @@ def load_block_file(path: str | Path, *, probe: bool = False) -> list[Block]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        with _folder_on_path(path.parent):
+            spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: every failure is reported
         del sys.modules[name]
         raise BlockFileError(_import_failure(path, e)) from None
@@ -112,6 +114,20 @@ def load_block_file(path: str | Path, *, probe: bool = False) -> list[Block]:
     if not found:
         raise ValueError(f"{str(path)!r} defines no Block at its top level")
     return [register(b) for b in found]
+
+
+@contextmanager
+def _folder_on_path(folder: Path) -> Iterator[None]:
+    """The block file's folder first on ``sys.path`` while it is imported, as ``python file.py``
+    puts it, so the file can import the modules beside it (``from my_layers import ...``);
+    ``sys.path`` is as before afterwards (the modules it imported stay imported)."""
+    entry = str(folder)
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if entry in sys.path:
+            sys.path.remove(entry)
 
 
 def _import_failure(path: Path, error: BaseException) -> str:

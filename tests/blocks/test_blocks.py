@@ -3,6 +3,7 @@ malformed blocks and block files are rejected clearly."""
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -154,6 +155,34 @@ def test_block_file(tmp_path: Path) -> None:
     empty.write_text("x = 1\n")
     with pytest.raises(ValueError, match="defines no Block"):
         load_block_file(empty)
+
+
+def test_a_block_file_imports_the_modules_beside_it(tmp_path: Path) -> None:
+    """As ``python file.py`` would: the file's folder is on ``sys.path`` while it is imported
+    (directly and in the probe's subprocess), and ``sys.path`` is as before afterwards."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "sibling_widths_for_blocks.py").write_text("CPU_SIZES = {'M': 8, 'd': 16}\n")
+    path = folder / "sibling_block.py"
+    path.write_text(
+        textwrap.dedent("""
+        from coda.blocks import Block, Linear, Add, ShapeSets, TensorSpec
+        from sibling_widths_for_blocks import CPU_SIZES
+        sibling_residual = Block(
+            name="sibling_residual", description="x + x @ w.T",
+            inputs={"x": TensorSpec(shape=["M", "d"]),
+                    "w": TensorSpec(shape=["d", "d"], init="linear_weight")},
+            graph=[Linear(x="x", weight="w", out="y"), Add(a="x", b="y", out="out")],
+            outputs=["out"], shapes=ShapeSets(cpu=[CPU_SIZES]))
+    """)
+    )
+    before = list(sys.path)
+    try:
+        (block,) = load_block_file(path, probe=True)
+    finally:
+        sys.modules.pop("sibling_widths_for_blocks", None)
+    assert block.shapes.cpu == [{"M": 8, "d": 16}]
+    assert sys.path == before
 
 
 @pytest.mark.parametrize(
