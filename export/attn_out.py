@@ -249,11 +249,20 @@ class CodaDecoderLayer(nn.Module):
     hf_layer_class: type = nn.Module
     coda_mlp_half = "fused"
     coda_attention_output: CodaAttentionOutput | None = None
+    # hf_layer_class's forward: its parameters after hidden_states and their defaults (read per
+    # class when it is made, not in forward: torch.compile warns of tracing a cached function)
+    hf_parameters: tuple[str, ...] = ()
+    hf_defaults: dict[str, Any] = {}  # noqa: RUF012 - per class, set by __init_subclass__
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.hf_parameters = layer_parameters(cls.hf_layer_class)
+        cls.hf_defaults = layer_defaults(cls.hf_layer_class)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args:  # positional arguments by the original forward's names
-            kwargs.update(zip(layer_parameters(self.hf_layer_class), args, strict=False))
-        kwargs = {**layer_defaults(self.hf_layer_class), **kwargs}  # as the original passes them
+            kwargs.update(zip(self.hf_parameters, args, strict=False))
+        kwargs = {**self.hf_defaults, **kwargs}  # as the original passes them
         residual = hidden_states
         norm = self._modules.get("input_layernorm")
         if norm is not None:
