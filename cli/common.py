@@ -148,5 +148,21 @@ def resolve_block(block: str | None, block_file: Path | None, as_json: bool = Fa
         raise fail("give --block NAME or --block-file FILE (see `coda-agent blocks`)", 2, as_json)
     try:
         return get_block(block)
-    except (BlockNotFound, ValueError) as e:
+    except BlockNotFound as e:
+        raise fail(_not_found(block, found, block_file, e), as_json=as_json) from None
+    except ValueError as e:
         raise fail(str(e), as_json=as_json) from None
+
+
+def _not_found(name: str, found: list[Block], block_file: Path | None, error: Exception) -> str:
+    """Why ``--block name`` names no block: with ``--block-file``, the file's own blocks (and
+    the closest of them) first, rather than among every built-in one."""
+    if not found:
+        return str(error)
+    names = [b.name for b in found]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (
+        f"no block named {name!r}: {hint}{block_file} defines {', '.join(map(repr, names))} "
+        "(`coda-agent blocks` lists the built-in ones)"
+    )

@@ -65,6 +65,19 @@ def test_a_relative_block_file_verifies_from_the_folder_it_was_typed_in(tmp_path
     assert start["block_file"] == str(tmp_path / "my_block.py")  # recorded absolute: resumable
 
 
+def test_a_block_name_missing_from_a_block_file_lists_the_file_s_blocks(tmp_path: Path) -> None:
+    """``--block`` naming no block, beside ``--block-file``: the file's blocks and the closest
+    of them, not the file's blocks hidden among every built-in one (exit 2)."""
+    (tmp_path / "my_block.py").write_text(SMALL_BLOCK)
+    done = coda(
+        "synthesize", "--block-file", "my_block.py", "--block", "proj_residul", "--json",
+        cwd=tmp_path,
+    )  # fmt: skip
+    data = one_json_error(done, 2, "no block named 'proj_residul': did you mean 'proj_residual'?")
+    assert "my_block.py defines 'proj_residual'" in data["error"]
+    assert "llama_mlp" not in data["error"]
+
+
 BAD_BLOCK_FILES = {
     "raises": ('raise RuntimeError("no [weights] here")', "raised RuntimeError at"),
     "syntax": ("def broken(:\n    pass", ":1: the block file is not valid Python"),
