@@ -44,7 +44,8 @@ class OutputCheck(BaseModel):
 
     def summary(self) -> str:
         where = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
-        loop = f", {self.mainloop} mainloop" if self.mainloop else ""
+        variants = self.mainloop.split(",")
+        loop = f", mainloop {' and '.join(variants)}" if self.mainloop else ""
         head = f"{self.output} [{self.dtype}, {where}, seed {self.seed}{loop}]"
         if self.max_abs_err is None:
             return f"{head}: {self.reason}"

@@ -595,8 +595,8 @@ def verify(
             lambda inputs: compiled(inputs, poison=True), block, smallest, backend.DEVICE
         )
         box["message"] = (
-            f"{len(checks)} checks passed ({len(shapes)} shapes × {dtypes} × {len(seeds)} "
-            f"seeds{extra}); {screened}"
+            f"{len(checks)} checks passed ({len(shapes)} shapes × {' and '.join(dtypes)} × "
+            f"{len(seeds)} seeds{extra}); {screened}"
         )
     return checks
 
