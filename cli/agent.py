@@ -841,7 +841,8 @@ def show_cmd(
             print_program(facts.best.program.to_python(), "program")
     if facts.stop is None:
         again = resume_command(run_dir, start.block_file)
-        console.print(f"[yellow]unfinished[/]: continue with `{escape(again)}`")
+        # a command to copy: never broken across lines (a narrow terminal wraps it on screen)
+        console.print(f"[yellow]unfinished[/]: continue with `{escape(again)}`", soft_wrap=True)
 
 
 def candidates_table(facts: RunFacts) -> Table:
