@@ -60,7 +60,7 @@ from coda.blocks.qwen import (
 from coda.primitives.errors import ProgramError
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .checks import GEMMA_OFFSET, norm_gamma, rms_norm_form
+from .checks import GEMMA_OFFSET, HeldLinears, check_plain_linear, norm_gamma, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
 from .heads import split_heads
 from .resolve import dropin_programs
@@ -257,6 +257,7 @@ def check_attention(attn: nn.Module, recipe: AttentionRecipe) -> None:
         weight = getattr(getattr(attn, proj, None), "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(f"self_attn has no {proj} with a 2-D weight")
+        check_plain_linear(getattr(attn, proj), f"self_attn.{proj}")
         if (getattr(attn, proj).bias is not None) != biased:
             has = "has a bias" if not biased else "has no bias"
             want = "adds one to each projection" if biased else "has none"
@@ -362,6 +363,8 @@ class _CodaAttentionIn(nn.Module):
             self.eps, self.norm_offset = head_norm_eps(attn, self.recipe.kernel), 0.0
         for proj in (*self.recipe.layout.projections, "o_proj"):
             setattr(self, proj, getattr(attn, proj))
+        # the projections the kernel reads (o_proj is called as a module)
+        self._held = HeldLinears(self, self.recipe.layout.projections)
         names = ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling")
         for name in (*names, "layer_type", "sliding_window", "attn_logit_softcapping"):
             setattr(self, name, getattr(attn, name, None))
@@ -424,6 +427,7 @@ class _CodaAttentionIn(nn.Module):
         """The exported function's arguments for ``x`` ``[..., hidden]`` and the rotary tables
         ``[..., T, head_dim]``: the tokens as rows, the weights (``_weights``), the tables
         broadcast over the batch."""
+        self._held.check(self)
         flat = x.reshape(-1, x.shape[-1])
         tables = [
             t.expand(*x.shape[:-1], t.shape[-1]).reshape(flat.shape[0], -1) for t in (cos, sin)

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from .autograd import ExportedFunction, Tuning, export_autograd
-from .checks import GEMMA_OFFSET, rms_norm_form
+from .checks import GEMMA_OFFSET, check_plain_linear, rms_norm_form
 from .dtypes import autocast_dtype
 from .programs import FAMILIES, SHIPPED_EPS
 from .resolve import dropin_programs
@@ -195,6 +195,7 @@ def check_o_proj(o_proj: Any) -> None:
         )
     if weight.dim() != 2:
         raise ValueError(f"self_attn.o_proj.weight is {weight.dim()}-D, not a [d, heads·D] matrix")
+    check_plain_linear(o_proj, "self_attn.o_proj")
     if getattr(o_proj, "bias", None) is not None:
         raise ValueError(
             "self_attn.o_proj has a bias (attention_bias=True?); the attention-output kernels "

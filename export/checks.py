@@ -2,14 +2,60 @@
 ``check_rms_norm`` (Llama's RMSNorm ``x̂ · w``, the only form the MLP's kernels take) and
 ``rms_norm_form`` (also Gemma's ``x̂ · (1 + w)``: the attention-input and LM-head kernels read
 ``γ = w + offset``, ``norm_gamma``, so the gradient reaches ``w`` unchanged) — and that a model to
-patch is not yet wrapped or sharded for data-parallel training."""
+patch is not yet wrapped or sharded for data-parallel training — and that the projections whose
+weights a kernel reads are plain ``nn.Linear`` modules, when patched (``check_plain_linear``) and
+on every call after (``HeldLinears``)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 GEMMA_OFFSET = 1.0  # Gemma's RMSNorm scales by (1 + weight)
+
+
+def check_plain_linear(module: Any, where: str) -> None:
+    """``ValueError`` unless ``module`` is a ``torch.nn.Linear`` itself — not a subclass, not a
+    wrapper. The kernels read its ``weight`` (and ``bias``) and compute ``x @ weightᵀ``: what a
+    wrapper adds to that product — a LoRA adapter's ``x Aᵀ Bᵀ`` (PEFT's ``lora.Linear``, whose
+    ``weight`` is its base layer's), a quantized weight's scales (bitsandbytes' ``Linear4bit``)
+    — would be left out without a sign."""
+    if type(module) is not nn.Linear:
+        kind = f"{type(module).__module__}.{type(module).__qualname__}"
+        raise ValueError(
+            f"{where} is a {kind}, not a torch.nn.Linear: the kernels read its weight and compute "
+            "x @ weightᵀ, which would leave out what it adds (a LoRA adapter's product, a "
+            "quantized weight's scales); merge LoRA adapters into the weights first (PEFT's "
+            "merge_and_unload) to patch them"
+        )
+
+
+class HeldLinears:
+    """The ``nn.Linear`` submodules of a drop-in whose weights its kernels read, as it was built
+    with them. ``check(owner)`` raises ``RuntimeError`` when one was replaced since — PEFT's
+    ``get_peft_model`` wraps a targeted projection in a LoRA layer, whose adapter the kernels
+    would leave out — instead of computing a model without the adapters. Identity, not type, is
+    checked: FSDP2 changes a sharded module's class in place."""
+
+    def __init__(self, owner: nn.Module, names: Sequence[str]) -> None:
+        self.held = tuple((name, owner._modules[name]) for name in names)
+
+    def check(self, owner: nn.Module) -> None:
+        modules = owner._modules
+        for name, module in self.held:  # (a loop, not a comprehension: it runs on every call)
+            if modules.get(name) is not module:
+                kind = type(modules.get(name))
+                now = f"{kind.__module__}.{kind.__qualname__}"
+                raise RuntimeError(
+                    f"{type(owner).__name__}.{name} was replaced by a {now} after patching (PEFT's "
+                    "get_peft_model?): the CODA kernels read the projection's weight and would "
+                    "leave out what the new module adds. Apply PEFT to the unpatched model — "
+                    "patch_model then keeps the adapted projections — or merge the adapters "
+                    "(merge_and_unload) before patching"
+                )
 
 
 def check_rms_norm(norm: nn.Module, where: str) -> float:

@@ -35,7 +35,7 @@ from coda.blocks.gemma import GEMMA2_LOGIT_CAP
 from coda.primitives.loss_targets import next_token_classes, next_token_targets
 
 from .autograd import ExportedFunction, Tuning, _traced, export_autograd
-from .checks import norm_gamma, rms_norm_form
+from .checks import check_plain_linear, norm_gamma, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
 from .kv_cache import discarding_cache
 from .lm_head_chunks import chunk_runner, chunked_lm_head_loss
@@ -122,6 +122,7 @@ class CodaLlamaLMHeadLoss(nn.Module):
         family = lm_head_family(softcap)
         if getattr(lm_head, "bias", None) is not None:
             raise ValueError(f"lm_head has a bias; the {family} block has none")
+        check_plain_linear(lm_head, "lm_head")
         eps, self.norm_offset = rms_norm_form(norm, "the final norm")
         self.norm, self.lm_head, self.softcap = norm, lm_head, softcap
         self.function = llama_lm_head_ce_function(eps, verify=verify, tune=tune, softcap=softcap)

@@ -40,7 +40,7 @@ from torch import nn
 from coda.primitives.prep.layout import interleave_rows
 
 from .autograd import ExportedFunction, PackedRows, Tuning, export_autograd
-from .checks import GEMMA_OFFSET, rms_norm_form
+from .checks import GEMMA_OFFSET, check_plain_linear, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
 from .programs import FAMILIES
 from .resolve import dropin_programs
@@ -193,6 +193,7 @@ def check_llama_mlp(mlp: nn.Module, kernel: MLPKernel = LLAMA_MLP) -> None:
             )
         if getattr(module, "bias", None) is not None:
             raise ValueError(f"mlp.{proj} has a bias; the {kernel.name} block has none")
+        check_plain_linear(module, f"mlp.{proj}")
     _check_activation(mlp, "act_fn", kernel)
 
 
@@ -247,6 +248,7 @@ def check_concatenated_mlp(mlp: nn.Module, kernel: MLPKernel = LLAMA_MLP) -> Non
             )
         if getattr(getattr(mlp, proj), "bias", None) is not None:
             raise ValueError(f"mlp.{proj} has a bias; the {kernel.name} block has none")
+        check_plain_linear(getattr(mlp, proj), f"mlp.{proj}")
     if gate_up.shape[0] != 2 * down.shape[1]:
         raise ValueError(
             f"mlp.gate_up_proj has {gate_up.shape[0]} rows, not twice down_proj's "

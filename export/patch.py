@@ -52,7 +52,7 @@ from .attn_out import (
     register_layer_class,
 )
 from .autograd import Tuning
-from .checks import check_not_distributed, check_rms_norm
+from .checks import HeldLinears, check_not_distributed, check_rms_norm
 from .lm_head import install_fused_loss
 from .mlp import CodaLlamaMLPBlock, check_llama_mlp, keep_hf_gate_up_keys
 from .probe import (
@@ -112,6 +112,8 @@ class CodaLlamaMLP(nn.Module):
         super().__init__()
         for name, child in block.mlp.named_children():
             setattr(self, name, child)
+        linears = [n for n, child in self.named_children() if isinstance(child, nn.Linear)]
+        self._held = HeldLinears(self, linears)  # the projections whose weights the kernels read
         if block.fused:
             self.gate_up_weight = block.gate_up_weight
             keep_hf_gate_up_keys(self)
@@ -125,6 +127,7 @@ class CodaLlamaMLP(nn.Module):
         """γ, the gate and up weights (or the packed one), the down weight (and the post-norm's
         weight): read from the modules that hold them now, in the order
         ``CodaLlamaMLPBlock.weights`` lists them."""
+        self._held.check(self)
         fused = self.block.fused
         gate_up = [self.gate_up_weight] if fused else [*self.block.layout.split(self)]
         pre = [] if self.norm is None else [self.norm.weight]  # None: no pre-norm (OLMo 2)

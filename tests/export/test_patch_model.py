@@ -448,6 +448,87 @@ def test_a_residual_dropout_keeps_what_it_reaches() -> None:
     assert report.lines[fam.ATTENTION_OUTPUT].startswith("kept: "), report
 
 
+class _Adapted(torch.nn.Module):
+    """What PEFT's ``lora.Linear`` is to the kernels: a module around a base ``nn.Linear`` whose
+    ``weight`` is the base's, computing ``base(x) + x Aᵀ Bᵀ``."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_a = torch.nn.Parameter(torch.randn(2, base.in_features) * 0.5)
+        self.lora_b = torch.nn.Parameter(torch.randn(base.out_features, 2) * 0.5)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + x @ self.lora_a.T @ self.lora_b.T
+
+
+def _adapt(model: torch.nn.Module, names: tuple[str, ...] = ("q_proj", "gate_proj")) -> None:
+    """Wrap every layer's ``names`` projections in ``_Adapted``, as ``get_peft_model`` does."""
+    torch.manual_seed(3)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in names:
+                if isinstance(getattr(parent, name, None), torch.nn.Linear):
+                    setattr(parent, name, _Adapted(getattr(parent, name)))
+
+
+def test_projections_wrapped_by_an_adapter_are_kept() -> None:
+    """LoRA before patching: a projection wrapped in an adapter module (whose ``weight`` is the
+    base layer's, so every shape check passes, and whose adapter adds nothing at PEFT's zero
+    initialisation, so a probe could not tell) is no ``nn.Linear``: the attention input and the
+    MLP half are kept, naming it, and the model computes what it did."""
+    model = _model("llama")
+    _adapt(model)
+    batch = _batch()
+    want = model(**batch).loss
+    patched, report = _patched(model)
+    for kind, proj in ((fam.ATTENTION_INPUT, "self_attn.q_proj"), (fam.MLP_HALF, "mlp.gate_proj")):
+        line = report.lines[kind]
+        assert line.startswith(f"kept: model.layers.0: {proj} is a ") and "_Adapted" in line
+        assert "not a torch.nn.Linear" in line, line
+    torch.testing.assert_close(patched(**batch).loss, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_adapter_put_in_after_patching_stops_the_forward() -> None:
+    """LoRA after patching: the drop-ins hold the projections they read and refuse a call once
+    one was replaced, naming it — rather than training a model without the adapters."""
+    patched, _ = _patched(_model("llama"))
+    _adapt(patched, ("gate_proj",))
+    with pytest.raises(RuntimeError, match=r"CodaLlamaMLP.gate_proj was replaced by a .*_Adapted"):
+        patched(**_batch())
+    patched, _ = _patched(_model("llama"))
+    _adapt(patched, ("q_proj",))
+    with pytest.raises(RuntimeError, match=r"CodaLlamaAttention.q_proj was replaced"):
+        patched(**_batch())
+
+
+def test_peft_lora_either_side_of_patching_never_drops_the_adapters() -> None:
+    """With PEFT itself: get_peft_model on a patched model stops at the first forward;
+    patch_model on a PEFT model keeps the adapted kinds and computes PEFT's loss."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    base = _model("llama")
+    torch.manual_seed(1)
+    want = peft.get_peft_model(copy.deepcopy(base), config)
+    torch.manual_seed(1)
+    after = peft.get_peft_model(_patched(base)[0], config)
+    with pytest.raises(RuntimeError, match="after patching"):
+        after(**_batch())
+    torch.manual_seed(1)
+    before = peft.get_peft_model(copy.deepcopy(base), config)
+    report = patch_model(before.base_model.model, verify=False, tune="off")
+    assert not report.patched(fam.ATTENTION_INPUT) and not report.patched(fam.MLP_HALF)
+    torch.testing.assert_close(before(**_batch()).loss, want(**_batch()).loss)
+
+
 def test_patching_twice_changes_nothing_and_options_are_reported() -> None:
     model = _model("mistral")
     report = patch_model(model, verify=False, tune="off")
