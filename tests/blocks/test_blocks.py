@@ -134,19 +134,23 @@ def test_unknown_block_name_suggests() -> None:
         get_block("llama_mpl")
 
 
+def _residual_block_file(name: str, sizes: str = '{"M": 8, "d": 16}', imports: str = "") -> str:
+    """A block file defining ``name``: ``x + x @ w.T`` at CPU ``sizes`` (Python source)."""
+    return textwrap.dedent(f"""
+        from coda.blocks import Block, Linear, Add, ShapeSets, TensorSpec
+        {imports}
+        {name} = Block(
+            name="{name}", description="x + x @ w.T",
+            inputs={{"x": TensorSpec(shape=["M", "d"]),
+                    "w": TensorSpec(shape=["d", "d"], init="linear_weight")}},
+            graph=[Linear(x="x", weight="w", out="y"), Add(a="x", b="y", out="out")],
+            outputs=["out"], shapes=ShapeSets(cpu=[{sizes}]))
+    """)
+
+
 def test_block_file(tmp_path: Path) -> None:
     path = tmp_path / "my_block.py"
-    path.write_text(
-        textwrap.dedent("""
-        from coda.blocks import Block, Linear, Add, ShapeSets, TensorSpec
-        proj_residual = Block(
-            name="proj_residual", description="x + x @ w.T",
-            inputs={"x": TensorSpec(shape=["M", "d"]),
-                    "w": TensorSpec(shape=["d", "d"], init="linear_weight")},
-            graph=[Linear(x="x", weight="w", out="y"), Add(a="x", b="y", out="out")],
-            outputs=["out"], shapes=ShapeSets(cpu=[{"M": 8, "d": 16}]))
-    """)
-    )
+    path.write_text(_residual_block_file("proj_residual"))
     (block,) = load_block_file(path)
     assert block.name == "proj_residual" and get_block("proj_residual") is block
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -164,18 +168,8 @@ def test_a_block_file_imports_the_modules_beside_it(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "sibling_widths_for_blocks.py").write_text("CPU_SIZES = {'M': 8, 'd': 16}\n")
     path = folder / "sibling_block.py"
-    path.write_text(
-        textwrap.dedent("""
-        from coda.blocks import Block, Linear, Add, ShapeSets, TensorSpec
-        from sibling_widths_for_blocks import CPU_SIZES
-        sibling_residual = Block(
-            name="sibling_residual", description="x + x @ w.T",
-            inputs={"x": TensorSpec(shape=["M", "d"]),
-                    "w": TensorSpec(shape=["d", "d"], init="linear_weight")},
-            graph=[Linear(x="x", weight="w", out="y"), Add(a="x", b="y", out="out")],
-            outputs=["out"], shapes=ShapeSets(cpu=[CPU_SIZES]))
-    """)
-    )
+    imports = "from sibling_widths_for_blocks import CPU_SIZES"
+    path.write_text(_residual_block_file("sibling_residual", "CPU_SIZES", imports))
     before = list(sys.path)
     try:
         (block,) = load_block_file(path, probe=True)
