@@ -547,16 +547,6 @@ class _CodaAttentionInHFOrder(_CodaAttentionIn):
     (Qwen3, kept as this module's submodules) applied in the kernel. The backward recomputes the
     projection (``<kernel>_bwd``)."""
 
-    def __init__(
-        self,
-        attn: nn.Module,
-        norm: nn.Module | None,
-        *,
-        verify: bool = False,
-        tune: Tuning = "quick",
-    ) -> None:
-        super().__init__(attn, norm, verify=verify, tune=tune)
-
     def _take_extras(self, attn: nn.Module) -> None:
         """The per-head ``q_norm``/``k_norm`` (Qwen3, Gemma 3, OLMo 2), checked, kept as this
         module's submodules."""
