@@ -49,6 +49,7 @@ from coda.primitives.ir import OutputView, Program
 from coda.primitives.prep.layout import interleaved_buffer
 from coda.primitives.runtime import CompiledProgram, compile_program
 from coda.primitives.settings import current
+from coda.primitives.tracing import traced
 from coda.primitives.types import torch_dtype
 
 _REGISTERED: dict[str, ExportedFunction] = {}
@@ -392,7 +393,7 @@ class ExportedFunction:
         return self
 
     def __call__(self, *args: torch.Tensor) -> Any:
-        eager = EAGER_CALLS and self.eager is not None and not _traced(args)
+        eager = EAGER_CALLS and self.eager is not None and not traced(args)
         if self.inference_op is not None and not _needs_grad(args):
             inference = self.runners[-1]  # export_autograd appends it last
             return inference.as_op(*args) if eager else self.inference_op(*args)
@@ -484,29 +485,8 @@ def _needs_grad(args: tuple[torch.Tensor, ...]) -> bool:
     return torch.is_grad_enabled() and any(a.requires_grad for a in args)
 
 
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
-
-
-def _traced(args: tuple[torch.Tensor, ...]) -> bool:
-    """Whether something may be tracing or transforming this call — ``torch.compile``, fake or
-    functional tensors (tensor subclasses), a dispatch mode (``opcheck``, ``make_fx``,
-    FakeTensorMode), a ``torch.func`` transform (its wrapped tensors are of type ``Tensor``) —
-    so it must go through the registered custom op rather than the eager ``autograd.Function``."""
-    return (
-        torch.compiler.is_compiling()
-        or not _PLAIN.issuperset(map(type, args))
-        or _dispatch_modes() > 0  # what _get_current_dispatch_mode() reads
-        or _functorch_active()
-    )
-
-
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-# (a PyTorch without functorch transforms has none active)
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
-
-
 def _direct_apply(function: type[torch.autograd.Function]) -> Any:
-    """``function.apply`` for calls made where no functorch transform is active (``_traced``
+    """``function.apply`` for calls made where no functorch transform is active (``traced``
     sends the others to the registered op): what ``Function.apply`` does then — each dead
     functorch wrapper unwrapped (a tensor that outlived its transform), then
     ``_FunctionBase.apply`` — without its Python around that (a ``setup_context`` check for a

@@ -33,8 +33,9 @@ from torch import nn
 
 from coda.blocks.gemma import GEMMA2_LOGIT_CAP
 from coda.primitives.loss_targets import next_token_classes, next_token_targets
+from coda.primitives.tracing import traced
 
-from .autograd import ExportedFunction, Tuning, _traced, export_autograd
+from .autograd import ExportedFunction, Tuning, export_autograd
 from .checks import check_plain_linear, norm_gamma, rms_norm_form
 from .dtypes import autocast_dtype, run_in_dtype
 from .kv_cache import discarding_cache
@@ -183,9 +184,7 @@ def _trains(*tensors: torch.Tensor) -> bool:
     """Whether a gradient will be asked of this call (grad mode on, an input that requires
     one) and it runs eagerly: then the chunked path computes it in the forward. Traced calls
     (``torch.compile``, dispatch modes) take the registered ops, which autograd sees as one."""
-    return (
-        torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and not _traced(tensors)
-    )
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and not traced(tensors)
 
 
 # One loss module per model, built on first use (its Programs resolved once per process) and

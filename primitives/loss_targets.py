@@ -28,6 +28,7 @@ import triton.language as tl
 
 from . import backend
 from .launch import launch_kernel
+from .tracing import traced
 
 IGNORE_INDEX = -100
 _BLOCK = 1024  # tokens per loop step of the one program
@@ -122,13 +123,8 @@ def next_token_classes(
 
 def _host_reads(t: torch.Tensor) -> bool:
     """Whether the host can read ``t``'s values without waiting for a device or breaking a trace:
-    a plain tensor in CPU memory, outside ``torch.compile`` and any dispatch mode (fake tensors)."""
-    return (
-        not t.is_cuda
-        and type(t) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-    )
+    in CPU memory, nothing tracing or transforming the call (``tracing.traced``)."""
+    return not t.is_cuda and not traced((t,))
 
 
 def refuse_outside(targets: torch.Tensor, outside: torch.Tensor, vocab: int) -> None:
