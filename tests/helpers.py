@@ -106,6 +106,30 @@ def run_both(
     return got, ref, exact
 
 
+def captured_residual_file(name: str, cpu: list[dict[str, int]]) -> str:
+    """A block file's source that captures ``x + F.linear(x, w)`` with ``Block.from_torch`` as
+    block ``name`` at CPU shape sets ``cpu`` and registers it when imported."""
+    return f"""
+import torch.nn.functional as F
+
+from coda.blocks import Block, ShapeSets, TensorSpec, register
+
+
+def proj_residual(x, w):
+    return x + F.linear(x, w)
+
+
+captured = register(
+    Block.from_torch(
+        proj_residual,
+        name="{name}",
+        inputs={{"x": TensorSpec(shape=["M", "d"]), "w": TensorSpec(shape=["d", "d"])}},
+        shapes=ShapeSets(cpu={cpu!r}),
+    )
+)
+"""
+
+
 def residual_program(block: Any) -> dict[str, Any]:
     """``out = x + x @ w.T`` in one fused gemm, for a test block with inputs ``x`` and ``w``."""
     return {

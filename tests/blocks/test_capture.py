@@ -35,6 +35,7 @@ from coda.blocks import (
 from coda.blocks.capture import CapturedBlock, CaptureError
 from coda.blocks.ops import CrossEntropy
 from coda.planner import NoRule, lower
+from tests.helpers import captured_residual_file
 
 ACT = TensorSpec(shape=["M", "d"])
 VEC = TensorSpec(shape=["d"], init="norm_weight")
@@ -476,26 +477,7 @@ def test_a_module_or_a_function_without_source_is_refused() -> None:
         Block.from_torch(scope["typed_in"], name="t", inputs={"x": ACT}, shapes=SIZES)
 
 
-BLOCK_FILE = """
-import torch
-import torch.nn.functional as F
-
-from coda.blocks import Block, ShapeSets, TensorSpec, register
-
-
-def proj_residual(x, w):
-    return x + F.linear(x, w)
-
-
-captured = register(
-    Block.from_torch(
-        proj_residual,
-        name="captured_proj_residual",
-        inputs={"x": TensorSpec(shape=["M", "d"]), "w": TensorSpec(shape=["d", "d"])},
-        shapes=ShapeSets(cpu=[{"M": 5, "d": 24}]),
-    )
-)
-"""
+BLOCK_FILE = captured_residual_file("captured_proj_residual", [{"M": 5, "d": 24}])
 
 
 def test_a_block_file_that_captures_and_one_whose_capture_fails(tmp_path: Path) -> None:

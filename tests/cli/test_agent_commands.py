@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from coda.blocks import get_block, load_block_file
 from coda.cli.main import app
 from coda.planner import lower
+from tests.helpers import captured_residual_file
 
 runner = CliRunner()
 
@@ -257,25 +258,7 @@ def test_show_renders_an_unfinished_run(tmp_path: Path) -> None:
     assert runner.invoke(app, ["show", str(tmp_path)]).exit_code == 2
 
 
-PROJ_BLOCK = """
-import torch.nn.functional as F
-
-from coda.blocks import Block, ShapeSets, TensorSpec, register
-
-
-def proj_residual(x, w):
-    return x + F.linear(x, w)
-
-
-proj = register(
-    Block.from_torch(
-        proj_residual,
-        name="cli_file_proj_residual",
-        inputs={"x": TensorSpec(shape=["M", "d"]), "w": TensorSpec(shape=["d", "d"])},
-        shapes=ShapeSets(cpu=[{"M": 5, "d": 24}]),
-    )
-)
-"""
+PROJ_BLOCK = captured_residual_file("cli_file_proj_residual", [{"M": 5, "d": 24}])
 
 
 def test_the_resume_hint_of_a_block_file_run_names_the_file(tmp_path: Path) -> None:

@@ -12,26 +12,10 @@ from typer.testing import CliRunner
 
 import coda.evals.suites as suites
 from coda.cli.main import app
+from tests.helpers import captured_residual_file
 
-BLOCK_FILE = """
-import torch.nn.functional as F
-
-from coda.blocks import Block, ShapeSets, TensorSpec, register
-
-
-def proj_residual(x, w):
-    return x + F.linear(x, w)
-
-
-captured = register(
-    Block.from_torch(
-        proj_residual,
-        name="suite_file_proj_residual",
-        inputs={"x": TensorSpec(shape=["M", "d"]), "w": TensorSpec(shape=["d", "d"])},
-        shapes=ShapeSets(cpu=[{"M": 5, "d": 24}, {"M": 37, "d": 40}]),
-    )
-)
-"""
+CPU_SHAPES = [{"M": 5, "d": 24}, {"M": 37, "d": 40}]
+BLOCK_FILE = captured_residual_file("suite_file_proj_residual", CPU_SHAPES)
 
 
 def test_a_suite_with_block_files_runs_through_the_cli(
