@@ -41,7 +41,10 @@ from ..settings import current
 from ..tolerance import allowed_error, tuning_floor
 from .configs import GPU_DEFAULT, INTERPRETER_DEFAULT, fit_columns
 
-# Hopper, 16-bit operands: 228 KB of shared memory per SM (a little is reserved).
+# A first screen of the tuning space on the mainloop's pipeline buffers alone (``smem_bytes``):
+# of the 228 KB of shared memory on a Hopper SM (``offline_target``), 8 KB stay for what the
+# count leaves out (barriers, the epilogue's staging). What a compiled kernel asks is checked
+# against ``offline_target.fits`` once it is compiled (``not_resident``).
 SMEM_LIMIT = 220 * 1024
 
 
