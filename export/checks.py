@@ -14,15 +14,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from coda.primitives.types import KERNEL_DTYPES
+
 GEMMA_OFFSET = 1.0  # Gemma's RMSNorm scales by (1 + weight)
 
 
 def check_plain_linear(module: Any, where: str) -> None:
     """``ValueError`` unless ``module`` is a ``torch.nn.Linear`` itself — not a subclass, not a
-    wrapper. The kernels read its ``weight`` (and ``bias``) and compute ``x @ weightᵀ``: what a
-    wrapper adds to that product — a LoRA adapter's ``x Aᵀ Bᵀ`` (PEFT's ``lora.Linear``, whose
-    ``weight`` is its base layer's), a quantized weight's scales (bitsandbytes' ``Linear4bit``)
-    — would be left out without a sign."""
+    wrapper — with its weight in a dtype the kernels compute in (float32, float16, bfloat16;
+    ``KERNEL_DTYPES``). The kernels read its ``weight`` (and ``bias``) and compute
+    ``x @ weightᵀ``: what a wrapper adds to that product — a LoRA adapter's ``x Aᵀ Bᵀ`` (PEFT's
+    ``lora.Linear``, whose ``weight`` is its base layer's), a quantized weight's scales
+    (bitsandbytes' ``Linear4bit``) — would be left out without a sign."""
     if type(module) is not nn.Linear:
         kind = f"{type(module).__module__}.{type(module).__qualname__}"
         raise ValueError(
@@ -30,6 +33,11 @@ def check_plain_linear(module: Any, where: str) -> None:
             "x @ weightᵀ, which would leave out what it adds (a LoRA adapter's product, a "
             "quantized weight's scales); merge LoRA adapters into the weights first (PEFT's "
             "merge_and_unload) to patch them"
+        )
+    if module.weight.dtype not in KERNEL_DTYPES:
+        raise ValueError(
+            f"{where}'s weight is {module.weight.dtype}: the kernels compute in float32, float16 "
+            "or bfloat16; cast the model to one of those (e.g. model.float()) before patching"
         )
 
 

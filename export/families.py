@@ -67,7 +67,7 @@ from .attn_out import (
     mlp_half_form,
 )
 from .autograd import Tuning
-from .checks import check_not_distributed, check_rms_norm, rms_norm_form
+from .checks import check_not_distributed, check_plain_linear, check_rms_norm, rms_norm_form
 from .lm_head import final_logit_softcap, install_fused_loss, lm_head_family
 from .mlp import (
     CONCATENATED_GATE_UP,
@@ -181,6 +181,7 @@ def _mlp_recipe(layout: GateUpLayout) -> Recipe:
             layer.post_attention_layernorm, layer.mlp, verify=options.verify,
             saved=options.saved, tune=options.tune, residual=_fuses_residual(layer, options),
             fuse_gate_up=options.fuse_gate_up and layout is SEPARATE_GATE_UP, layout=layout,
+            fuse_now=False,
         )  # fmt: skip
 
         return lambda: install_mlp_half(layer, block, fuse_residual=_fuses_residual(layer, options))
@@ -222,7 +223,7 @@ def _gemma_mlp_recipe() -> Recipe:
         block = CodaLlamaMLPBlock(
             layer.post_attention_layernorm, layer.mlp, verify=options.verify,
             saved=options.saved, tune=options.tune, residual=_fuses_residual(layer, options),
-            fuse_gate_up=options.fuse_gate_up,
+            fuse_gate_up=options.fuse_gate_up, fuse_now=False,
         )  # fmt: skip
 
         return lambda: install_mlp_half(layer, block, fuse_residual=False)
@@ -262,7 +263,7 @@ def _gemma2_mlp_recipe() -> Recipe:
         pre, post = (getattr(layer, n) for n in _SANDWICH)
         block = CodaLlamaMLPBlock(
             pre, layer.mlp, verify=options.verify, saved=options.saved, tune=options.tune,
-            residual=False, fuse_gate_up=options.fuse_gate_up, post_norm=post,
+            residual=False, fuse_gate_up=options.fuse_gate_up, post_norm=post, fuse_now=False,
         )  # fmt: skip
 
         return lambda: install_mlp_half(layer, block, fuse_residual=False, norms=_SANDWICH)
@@ -301,6 +302,7 @@ def _olmo2_mlp_recipe() -> Recipe:
         block = CodaLlamaMLPBlock(
             None, layer.mlp, verify=options.verify, saved=options.saved, tune=options.tune,
             residual=False, fuse_gate_up=options.fuse_gate_up, post_norm=getattr(layer, _POST_NORM),
+            fuse_now=False,
         )  # fmt: skip
 
         return lambda: install_mlp_half(layer, block, fuse_residual=False, norms=(_POST_NORM,))
@@ -827,6 +829,7 @@ def _lm_head_line(
                 lambda: lm_head_family(softcap),
                 lambda: check_causal_lm_head(recording, model, softcap),
                 lambda: rms_norm_form(causal_lm_head(model)[1], "model.model.norm"),
+                lambda: check_plain_linear(model.lm_head, "lm_head"),  # as the loss module will
             )
         except ValueError as e:
             error = e

@@ -130,6 +130,8 @@ class CodaLlamaLMHeadLoss(nn.Module):
         self._chunks = (eps, verify, family, softcap)  # chunk_runner's arguments
         # rows per chunk in training (None: chunk_rows of the batch, vocabulary and width)
         self.chunk_rows: int | None = None
+        # the model's loss_function when its loss was proven (changed_since)
+        self.model_loss_function: Any = None
 
     def forward(
         self,
@@ -231,7 +233,9 @@ def causal_lm_loss(
     (``kv_cache.discarding_cache``): the loss never returns the cache, so the keys and values
     are not copied into one.
     """
-    loss_module = model.__dict__.get(_LOSS_ATTR) or _loss_module(model, verify=verify, tune=tune)
+    loss_module = model.__dict__.get(_LOSS_ATTR)
+    if loss_module is None or changed_since(model, loss_module):
+        loss_module = _loss_module(model, verify=verify, tune=tune)
     base, norm = model.model, model.model.norm
     loss_module.function.tune = tune
     _deferrable(norm)  # (again, if another patch set a forward on it since: it becomes inner)
@@ -248,21 +252,64 @@ def causal_lm_loss(
     return loss_module(hidden, labels, num_items_in_batch)
 
 
+def changed_since(model: nn.Module, loss: CodaLlamaLMHeadLoss) -> str:
+    """What of ``model`` the fused loss ``loss`` was built for has changed since ("" if nothing):
+    its head module (``resize_token_embeddings`` of an untied head, PEFT wrapping ``lm_head``),
+    its final norm module, the config's ``final_logit_softcapping``, or ``model.loss_function``
+    (set on the model after the loss was proven). The kernels read the weights of the modules
+    they were built with: computing on with those would train a model the caller no longer has.
+    A few attribute reads a call."""
+    head = getattr(model, "lm_head", None)
+    if head is not loss.lm_head:
+        return f"model.lm_head was replaced (now a {type(head).__qualname__})"
+    if model.model.norm is not loss.norm:
+        return "model.model.norm was replaced"
+    cap = final_logit_softcap(model)
+    if cap != loss.softcap:
+        return f"config.final_logit_softcapping changed from {loss.softcap} to {cap}"
+    if getattr(model, "loss_function", None) is not loss.model_loss_function:
+        return "model.loss_function was changed"
+    return ""
+
+
 @torch.compiler.disable
 def _loss_module(model: nn.Module, *, verify: bool, tune: Tuning) -> CodaLlamaLMHeadLoss:
     """The fused loss module of ``model``, built (and the model's head checked, unless it was)
-    on first use; its final norm made deferrable. Outside any ``torch.compile`` graph: it probes
-    the model and resolves Programs (``install_fused_loss`` builds it up front)."""
-    if _LOSS_ATTR not in model.__dict__:
-        if model not in _CHECKED:
-            check_fused_loss_fits(model)
-        loss = CodaLlamaLMHeadLoss(
-            model.model.norm, model.lm_head, verify=verify, tune=tune,
-            softcap=final_logit_softcap(model),
-        )  # fmt: skip
+    on first use, and built again — the model proven anew — when what it was built for changed
+    (``changed_since``; ``RuntimeError`` when the fused loss cannot compute the new head or
+    loss); its final norm made deferrable. Outside any ``torch.compile`` graph: it probes the
+    model and resolves Programs (``install_fused_loss`` builds it up front)."""
+    old = model.__dict__.get(_LOSS_ATTR)
+    change = changed_since(model, old) if old is not None else ""
+    if old is None or change:
+        try:
+            loss = _build_loss_module(model, verify=verify, tune=tune, checked=not change)
+        except ValueError as e:
+            if not change:
+                raise
+            raise RuntimeError(
+                f"{change} after the fused loss was installed, and the fused loss does not "
+                f"compute the model's loss now: {e}. Make such changes before patching (the "
+                "loss is then kept as Hugging Face's, with the reason), or undo this one"
+            ) from e
         object.__setattr__(model, _LOSS_ATTR, loss)
         _deferrable(model.model.norm)
     return model.__dict__[_LOSS_ATTR]
+
+
+def _build_loss_module(
+    model: nn.Module, *, verify: bool, tune: Tuning, checked: bool
+) -> CodaLlamaLMHeadLoss:
+    """A fused loss module for ``model`` as it is now, its head proven first (unless
+    ``checked`` and the model was proven already: ``check_fused_loss_fits``)."""
+    if not (checked and model in _CHECKED):
+        check_fused_loss_fits(model)
+    loss = CodaLlamaLMHeadLoss(
+        model.model.norm, model.lm_head, verify=verify, tune=tune,
+        softcap=final_logit_softcap(model),
+    )  # fmt: skip
+    loss.model_loss_function = getattr(model, "loss_function", None)
+    return loss
 
 
 def _deferrable(norm: nn.Module) -> None:
@@ -301,7 +348,14 @@ def fuse_causal_lm_loss(
     with ``causal_lm_loss`` and return it with ``logits=None`` (no logits are made — as
     Liger-Kernel's fused linear cross-entropy does); in eval mode, or without labels, the
     original forward runs and returns logits (also for ``inputs_embeds`` instead of
-    ``input_ids``). In place; returns ``model``.
+    ``input_ids``, for a call asking for hidden states or attention maps, and for one passing
+    ``shift_labels`` or ``ignore_index``). In place; returns ``model``.
+
+    The head is proven again on the first call after the model's ``lm_head`` or final norm was
+    replaced, its ``final_logit_softcapping`` or its ``loss_function`` changed
+    (``changed_since``): ``resize_token_embeddings`` of an untied head then trains the new head;
+    a change the fused loss cannot compute — PEFT wrapping ``lm_head``, a custom loss — raises
+    ``RuntimeError`` instead of training the model as it was.
 
     The model's own class forward is called for the rest, so copies (``copy.deepcopy``) keep
     working on themselves. Checked first (``check_fused_loss_fits``): a model whose logits or
@@ -339,7 +393,7 @@ def install_fused_loss(
     # the model's forward names, and would drop ``input_ids`` for a bare ``*args, **kwargs``.
     @functools.wraps(type(model).forward)
     def forward(self: nn.Module, *args: Any, labels: Any = None, **kwargs: Any) -> Any:
-        if labels is None or not self.training or args or kwargs.get("input_ids") is None:
+        if not _fused_call(self, args, labels, kwargs):
             return type(self).forward(self, *args, labels=labels, **kwargs)
         num_items = kwargs.pop("num_items_in_batch", None)
         kwargs.pop("logits_to_keep", None)  # no logits are made
@@ -352,3 +406,28 @@ def install_fused_loss(
 
     model.forward = types.MethodType(forward, model)
     return model
+
+
+# Loss arguments of Hugging Face's causal-LM loss that the fused loss does not take (targets
+# given already shifted, as context parallelism passes them; another ignored label), and the
+# outputs it does not return: a call with any of them runs the class forward.
+_CLASS_LOSS_ARGUMENTS = ("shift_labels", "ignore_index")
+_CLASS_OUTPUTS = ("output_hidden_states", "output_attentions")
+
+
+def _fused_call(model: nn.Module, args: tuple, labels: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the fused loss's forward computes this call: a training call with ``labels`` and
+    ``input_ids`` by keyword, no loss argument it does not take (``_CLASS_LOSS_ARGUMENTS``), and
+    no hidden states or attention maps asked for, by the call or the config
+    (``_CLASS_OUTPUTS``: the fused forward returns the loss alone). Otherwise the class forward
+    runs and computes the same loss with its logits."""
+    if labels is None or not model.training or args or kwargs.get("input_ids") is None:
+        return False
+    if any(kwargs.get(name) is not None for name in _CLASS_LOSS_ARGUMENTS):
+        return False
+    config = getattr(model, "config", None)
+    for name in _CLASS_OUTPUTS:
+        asked = kwargs.get(name)
+        if asked if asked is not None else getattr(config, name, False):
+            return False
+    return True

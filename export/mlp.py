@@ -303,6 +303,17 @@ CONCATENATED_GATE_UP = GateUpLayout(
 )
 
 
+def _check_one_requires_grad(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """``ValueError`` unless the gate and up weights agree on ``requires_grad``: fused, they are
+    one parameter with one flag, which would train a frozen one or freeze a trained one."""
+    if gate.requires_grad != up.requires_grad:
+        raise ValueError(
+            f"fuse_gate_up: mlp.gate_proj.weight has requires_grad={gate.requires_grad} and "
+            f"mlp.up_proj.weight requires_grad={up.requires_grad}; fused into one parameter they "
+            "would share one flag — freeze or train both, or patch without fuse_gate_up"
+        )
+
+
 class CodaLlamaMLPBlock(nn.Module):
     """``x + mlp(norm(x))`` for a Hugging Face ``LlamaRMSNorm`` + ``LlamaMLP``, on CODA kernels.
 
@@ -325,7 +336,10 @@ class CodaLlamaMLPBlock(nn.Module):
     and whose gradient the backward writes as is — no per-step interleaving or gradient split.
     The two projections then hold no weight (``gate_weight``/``up_weight`` are views of it);
     ``state_dict``/``load_state_dict`` still use Hugging Face's keys. Create the optimizer
-    after wrapping: the old parameters are no longer used.
+    after wrapping: the old parameters are no longer used. The two must agree on
+    ``requires_grad`` (one parameter, one flag; ``ValueError`` otherwise). ``fuse_now=False``
+    leaves the move to ``fuse_weights()``, for a caller that builds every layer's block before it
+    changes any module (``patch_llama``, ``patch_model``).
     ``residual=False``: compute ``mlp(norm(x))`` alone (``llama_mlp_branch``), for a caller that
     adds the residual itself — a Hugging Face decoder layer does (``coda.export.patch_llama``).
     Under autocast the branch then comes back in the autocast dtype, like ``LlamaMLP``'s output.
@@ -355,6 +369,7 @@ class CodaLlamaMLPBlock(nn.Module):
         residual: bool = True,
         layout: GateUpLayout = SEPARATE_GATE_UP,
         post_norm: nn.Module | None = None,
+        fuse_now: bool = True,
     ) -> None:
         super().__init__()
         eps, self.kernel = mlp_half_kernel(norm, mlp, post_norm)
@@ -364,6 +379,8 @@ class CodaLlamaMLPBlock(nn.Module):
                 f"fuse_gate_up interleaves separate gate_proj and up_proj weights; this MLP "
                 f"keeps them as {layout.name} — build the block without fuse_gate_up"
             )
+        if fuse_gate_up:
+            _check_one_requires_grad(mlp.gate_proj.weight, mlp.up_proj.weight)
         self.norm, self.mlp, self.layout, self.post_norm = norm, mlp, layout, post_norm
         self.fused, self.residual = fuse_gate_up, residual
         self._function_args = {"eps": eps, "verify": verify, "saved": saved, "kernel": self.kernel}
@@ -375,8 +392,8 @@ class CodaLlamaMLPBlock(nn.Module):
         self.branch_function: ExportedFunction | None = None if residual else self.function
         if residual and any(p.dtype == torch.float32 for p in self.parameters()):
             self.branch_function = self._resolve_function(tune, residual=False)
-        if fuse_gate_up:
-            self._fuse_gate_up()
+        if fuse_gate_up and fuse_now:
+            self.fuse_weights()
 
     def _resolve_function(self, tune: Tuning, residual: bool = True) -> ExportedFunction:
         return llama_mlp_function(
@@ -404,11 +421,16 @@ class CodaLlamaMLPBlock(nn.Module):
     # -- the fused gate/up parameter -------------------------------------------------------------
     _HF_KEYS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 
-    def _fuse_gate_up(self) -> None:
+    def fuse_weights(self) -> None:
+        """Move the gate and up weights into ``gate_up_weight`` (a block built with
+        ``fuse_gate_up`` and ``fuse_now=False``); once — nothing for a block that holds them
+        already or was built without ``fuse_gate_up``."""
+        if not self.fused or "gate_up_weight" in self._parameters:
+            return
         gate, up = self.mlp.gate_proj, self.mlp.up_proj
         with torch.no_grad():
             fused = interleave_gate_up(gate.weight, up.weight)
-        self.gate_up_weight = nn.Parameter(fused, requires_grad=gate.weight.requires_grad)
+        self.gate_up_weight = nn.Parameter(fused, requires_grad=gate.weight.requires_grad)  # = up's
         del gate.weight, up.weight
         keep_hf_gate_up_keys(self)
 

@@ -235,7 +235,7 @@ def patch_llama(
         )
     options: dict[str, Any] = {
         "verify": verify, "saved": saved, "tune": tune, "fuse_gate_up": fuse_gate_up,
-        "residual": fuse_residual,
+        "residual": fuse_residual, "fuse_now": False,
     }  # fmt: skip
     attended = [m for m in model.modules() if _unpatched_attention(m)] if attention else []
     # o_proj + the attention residual: in Hugging Face's LlamaDecoderLayers, as the MLP's residual
@@ -363,6 +363,7 @@ def install_mlp_half(
     reads the norms' weights from them — the modules that own them in the model, not the replaced
     norms (``CodaLlamaMLP``'s docstring says why); with ``fuse_residual`` the layer's class
     becomes ``CodaLlamaDecoderLayer`` (the residual added in the MLP's kernels)."""
+    block.fuse_weights()  # (built with fuse_now=False: no module changed before installing)
     deferred: list[nn.Module | None] = [DeferredRMSNorm(getattr(layer, name)) for name in norms]
     for name, module in zip(norms, deferred, strict=True):
         _replace(layer, name, module)

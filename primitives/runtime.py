@@ -58,7 +58,7 @@ from .run_plans import (
 )
 from .settings import current
 from .storage_sharing import reads_after, shared_storage
-from .types import TensorInfo, partials_shape, torch_dtype
+from .types import KERNEL_DTYPES, TensorInfo, partials_shape, torch_dtype
 
 # Whether ``CompiledProgram.run`` replays the run plans it recorded (``run_plans``); code and
 # benchmarks may switch it for the whole process. CODA_DECIDE_EVERY_RUN=1: no replay.
@@ -272,12 +272,12 @@ class CompiledProgram:
     ) -> tuple[dict[str, torch.Tensor], RunPlan]:
         """``run``, with the plan it recorded or replayed."""
         if not REPLAY:
-            self._refuse_interpreted_bf16(prepared)
+            self._refuse_dtype(prepared)
             return self._record(prepared, poison)
         key = self._run_key(prepared, poison)
         plan = self._run_plans.get(key)
         if plan is None:
-            self._refuse_interpreted_bf16(prepared)
+            self._refuse_dtype(prepared)
             tensors, plan = self._record(prepared, poison)
             if len(self._run_plans) >= RUN_PLAN_LIMIT:
                 self._run_plans.clear()
@@ -460,12 +460,22 @@ class CompiledProgram:
             self._views[key] = views
         return self._views[key]
 
-    def _refuse_interpreted_bf16(self, prepared: dict[str, torch.Tensor]) -> None:
-        """``TypeError`` for a bf16 run whose generated kernels Triton's interpreter would run:
-        its ``tl.dot`` on bf16 operands computes wrong products, so on a machine without a GPU
-        the kernels run in float32 or float16 only (the vendor's products are PyTorch's).
-        Collecting launches (``collect_launches``: nothing runs) is not refused."""
-        if not backend.INTERPRET or activation_dtype(self.program, prepared) != torch.bfloat16:
+    def _refuse_dtype(self, prepared: dict[str, torch.Tensor]) -> None:
+        """``TypeError`` for a run whose activations the kernels do not compute in: a dtype other
+        than float32, float16 and bfloat16 (``KERNEL_DTYPES``; float64 operands would be read as
+        another width's bits, and the outputs would be garbage), or bfloat16 where Triton's
+        interpreter runs the generated kernels — its ``tl.dot`` on bf16 operands computes wrong
+        products, so on a machine without a GPU the kernels run in float32 or float16 only (the
+        vendor's products are PyTorch's). Collecting launches (``collect_launches``: nothing
+        runs) is not refused."""
+        act = activation_dtype(self.program, prepared)
+        if act not in KERNEL_DTYPES:
+            raise TypeError(
+                f"{self.program.block}: activations in {act} — the kernels compute in float32, "
+                "float16 or bfloat16; cast the inputs (or the model: e.g. model.float()) to one "
+                "of those"
+            )
+        if not backend.INTERPRET or act != torch.bfloat16:
             return
         info = self.info_for({n: prepared[n] for n in self.program.inputs})
         fused = [n for n, g in info.gemms.items() if not (g.vendor and self.use_vendor)]

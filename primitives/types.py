@@ -33,6 +33,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 ACT_DTYPES = ("float32", "float16", "bfloat16")
+# the activation dtypes the kernels compute in (a run in another is refused)
+KERNEL_DTYPES = frozenset(TORCH_DTYPES[d] for d in ACT_DTYPES)
 
 # The column spaces an epilogue value may live in, relative to the GEMM's N.
 SCALES = (Fraction(1, 2), Fraction(1), Fraction(2))
