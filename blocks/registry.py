@@ -104,16 +104,34 @@ def load_block_file(path: str | Path, *, probe: bool = False) -> list[Block]:
         raise ImportError(f"cannot import {str(path)!r} as a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    builtin = {b.name for b in builtin_blocks()}  # (registered before the file may register)
+    registered = dict(_BLOCKS)
     try:
         with _folder_on_path(path.parent):
             spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: every failure is reported
         del sys.modules[name]
+        _restore(registered)
         raise BlockFileError(_import_failure(path, e)) from None
     found = [v for v in vars(module).values() if isinstance(v, Block)]
     if not found:
         raise ValueError(f"{str(path)!r} defines no Block at its top level")
+    taken = sorted({b.name for b in found} & builtin)
+    if taken:
+        _restore(registered)
+        raise BlockFileError(
+            f"{path} defines block {taken[0]!r}, the name of a built-in block: a block file's "
+            f"blocks need names of their own (e.g. 'my_{taken[0]}'), or the built-in block and "
+            "this one would be taken for each other"
+        )
     return [register(b) for b in found]
+
+
+def _restore(registered: dict[str, Block]) -> None:
+    """The registry as it was before a block file was imported (the file may have registered
+    blocks itself before it failed)."""
+    _BLOCKS.clear()
+    _BLOCKS.update(registered)
 
 
 @contextmanager

@@ -13,6 +13,7 @@ import torch
 from coda.blocks import (
     Add,
     Block,
+    BlockFileError,
     BlockNotFound,
     Linear,
     RMSNorm,
@@ -161,6 +162,19 @@ def test_block_file(tmp_path: Path) -> None:
         load_block_file(empty)
 
 
+def test_a_block_file_cannot_take_a_built_in_block_s_name(tmp_path: Path) -> None:
+    """A file block named like a built-in one would be planned for one block and verified
+    against the other (the built-ins register when first needed); refused, and the registry
+    left as it was even when the file registered the block itself."""
+    builtin = get_block("llama_mlp")
+    path = tmp_path / "clash.py"
+    source = _residual_block_file("llama_mlp", imports="from coda.blocks import register")
+    path.write_text(source + "register(llama_mlp)\n")
+    with pytest.raises(BlockFileError, match="defines block 'llama_mlp', the name of a built-in"):
+        load_block_file(path)
+    assert get_block("llama_mlp") is builtin
+
+
 def test_a_block_file_imports_the_modules_beside_it(tmp_path: Path) -> None:
     """As ``python file.py`` would: the file's folder is on ``sys.path`` while it is imported
     (directly and in the probe's subprocess), and ``sys.path`` is as before afterwards."""
@@ -191,10 +205,6 @@ def test_a_block_file_imports_the_modules_beside_it(tmp_path: Path) -> None:
 def test_a_block_file_that_fails_on_import_is_a_block_file_error(
     tmp_path: Path, body: str, message: str
 ) -> None:
-    import sys
-
-    from coda.blocks import BlockFileError
-
     bad = tmp_path / "bad.py"
     bad.write_text(body + "\n")
     before = set(sys.modules)
