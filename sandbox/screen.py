@@ -6,9 +6,11 @@ factory, so the perturbation is as large as the input itself; saved forward acti
 re-derived from the redrawn inputs, never redrawn alone):
 
 * **block screen** (semantics stage, in the caller, float64, every CPU shape set, once per block):
-  the block's reference must move by at least ``MIN_EFFECT × rel[float32]`` (relative) when an input
-  is redrawn. If it does not, no check can tell a program that uses the input from one that ignores
-  it: the block (or that shape set) is degenerate, and that is reported as the block's fault.
+  the reference must be a function of its inputs — the same outputs twice, its inputs left as
+  they were (``check_reference_is_a_function``) — and must move by at least
+  ``MIN_EFFECT × rel[float32]`` (relative) when an input is redrawn. If it does not, no check
+  can tell a program that uses the input from one that ignores it: the block (or that shape set)
+  is degenerate, and that is reported as the block's fault.
 * **program screen** (verify stage, the compiled kernels, float32, the smallest verify shape, after
   every output check passed): for each input and output, the program's change must match the
   reference's change within ``FOLLOW_TOL`` of its size, plus float32 noise (``2 × rel[float32]``
@@ -93,12 +95,47 @@ def screen_block(block: Block, shapes: list[dict[str, int]]) -> None:
     if key in _SCREENED:
         return
     floor = MIN_EFFECT * block.tolerance.rel.get("float32", 1e-5)
+    if shapes:
+        check_reference_is_a_function(block, shapes[0])
     for sizes in shapes:
         for name, per_output in input_effects(block, sizes).items():
             effect = max(per_output.values())
             if math.isnan(effect) or effect < floor:
                 raise StageFailure(_degenerate(block, name, effect, floor, sizes), cause="block")
     _SCREENED[key] = None
+
+
+def check_reference_is_a_function(block: Block, sizes: dict[str, int]) -> None:
+    """Raise ``StageFailure(cause="block")`` unless the block's reference leaves its inputs as
+    they are and gives the same outputs twice on the same inputs (float64, CPU). A reference that
+    changes an input in place hands the program other inputs than it was judged on (and makes
+    the program look like the one that wrote them); one that draws random numbers makes every
+    program look wrong."""
+    inputs = block.make_inputs(sizes, torch.float64, seed=0)
+    kept = {n: t.clone() for n, t in inputs.items()}
+    first = block.reference(inputs)
+    head = f"block {block.name!r}: its reference "
+    tail = ". This is a fault of the block, not of the program"
+    for name, before in kept.items():
+        if not torch.equal(before, inputs[name]):
+            changed = int((before != inputs[name]).sum())
+            raise StageFailure(
+                f"{head}modifies its input {name!r} in place ({changed} elements changed at "
+                f"{where(sizes)}): a reference must leave its inputs as they are — work on a "
+                f"copy (e.g. {name} = {name}.clone() before an in-place op){tail}",
+                cause="block",
+            )
+    second = block.reference({n: t.clone() for n, t in kept.items()})
+    for o in block.outputs:
+        if not torch.equal(first[o], second[o]):
+            moved = _norm(first[o] - second[o]) / max(_norm(first[o]), 1e-300)
+            raise StageFailure(
+                f"{head}gives different outputs on the same inputs (output {o!r} moved by "
+                f"{moved:.2g}, relative, between two calls at {where(sizes)}): it must be a "
+                f"function of its inputs — no random draws (torch.randn, dropout in training "
+                f"mode){tail}",
+                cause="block",
+            )
 
 
 def _degenerate(block: Block, name: str, effect: float, floor: float, sizes: dict) -> str:

@@ -8,6 +8,10 @@
   is 10× above the screen's floor) but hides under float16's tolerance.
 * ``faint_bias`` — the same with ``1e-6·b``: too faint for any check to see (a degenerate block).
 * ``deaf`` — ``out = x @ wᵀ`` whose graph reads ``s`` and ignores it (a degenerate block).
+* ``in_place`` — ``out = x' + x' @ wᵀ`` with ``x' = x + 1`` written into ``x`` by the reference
+  (a block whose reference changes its input).
+* ``noisy`` — ``out = x + x @ wᵀ + 0.001·noise``, the noise drawn anew on every call (a block
+  whose reference is not a function of its inputs).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 
 from coda.blocks import Add, Block, Linear, RMSNorm, ShapeSets, TensorSpec
 from coda.blocks.ops import GraphOp
@@ -121,4 +126,24 @@ deaf = Block(
     graph=[Linear(x="x", weight="w", out="y"), IgnoreSecond(a="y", b="s", out="out")],
     outputs=["out"],
     shapes=ShapeSets(cpu=RAGGED),
+)
+
+
+def _add_one_in_place(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x.add_(1.0)
+    return x + F.linear(x, w)
+
+
+def _with_noise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x + F.linear(x, w) + 1e-3 * torch.randn_like(x)
+
+
+in_place, noisy = (
+    Block.from_torch(
+        fn,
+        name=name,
+        inputs={"x": _act("M", "d"), "w": _weight("d", "d")},
+        shapes=ShapeSets(cpu=RAGGED),
+    )  # fmt: skip
+    for fn, name in ((_add_one_in_place, "in_place"), (_with_noise, "noisy"))
 )

@@ -329,6 +329,8 @@ def test_a_wild_store_crashes_only_its_worker() -> None:
     [
         ("deaf", "redrawing input 's' leaves every output unchanged"),
         ("faint_bias", "redrawing input 'b' moves the outputs by only 1"),
+        ("in_place", "its reference modifies its input 'x' in place (4096 elements changed"),
+        ("noisy", "its reference gives different outputs on the same inputs"),
     ],
 )
 def test_a_degenerate_block_is_named_as_the_fault(block: str, fragment: str) -> None:
