@@ -114,18 +114,39 @@ def check_footprint(
                 f"{what} {f.name!r} would be {f.describe()} at {where}, above the sandbox's "
                 f"per-tensor cap of {format_bytes(max_tensor_bytes)}",
                 loc=f.loc,
-                hint=_HINT + "; SandboxOptions.max_tensor_gib raises the cap",
+                hint=_hint([f], "max_tensor_gib"),
             )
     total = sum(f.nbytes for f in sized if not f.view)
     if max_total_bytes is not None and total > max_total_bytes:
         largest = sorted((f for f in sized if not f.view), key=lambda f: -f.nbytes)[:3]
         listing = ", ".join(f"{f.name!r} {f.describe()}" for f in largest)
+        own = [f for f in sized if _the_block_s(f)]
         raise ProgramError(
             f"the program's tensors would take {format_bytes(total)} at {where} (largest: "
             f"{listing}), above the sandbox's total cap of {format_bytes(max_total_bytes)}",
-            hint=_HINT + "; SandboxOptions.max_total_gib raises the cap",
+            hint=_hint(
+                own if sum(f.nbytes for f in own) > max_total_bytes else [], "max_total_gib"
+            ),
         )
     return total
+
+
+def _the_block_s(f: Footprint) -> bool:
+    """Whether ``f`` is sized by the block itself: one of its inputs."""
+    return f.loc.startswith("inputs.")
+
+
+def _hint(over: list[Footprint], cap: str) -> str:
+    """What to change when the tensors ``over`` are past the cap that ``SandboxOptions.<cap>``
+    sets: the block's shapes when they are the block's own tensors, else the program's steps."""
+    if over and all(_the_block_s(f) for f in over):
+        names = ", ".join(repr(f.name) for f in over)
+        return (
+            f"{names}: the block's own tensors at this shape set — no program can make them "
+            f"smaller. This is a fault of the block's shape sets, not of the program: give the "
+            f"block smaller shapes, or raise the cap (SandboxOptions.{cap})"
+        )
+    return f"{_HINT}; SandboxOptions.{cap} raises the cap"
 
 
 _HINT = (

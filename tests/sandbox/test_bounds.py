@@ -88,6 +88,19 @@ def test_the_total_cap_names_the_largest_tensors() -> None:
     assert validate(program, BLOCK, BLOCK.shapes.cpu, [], unbounded)[0] is not None
 
 
+def test_a_block_input_over_a_cap_is_named_as_the_block_s_fault() -> None:
+    """Past the cap at the block's own shapes, a program can do nothing: the message says so."""
+    program = lower(BLOCK)
+    huge = [{"M": 1 << 22, "d": 4096, "f": 128}]  # x alone: 64 GiB of float32
+    for options in (SandboxOptions(), SandboxOptions(max_tensor_gib=None, max_total_gib=16.0)):
+        results: list[StageResult] = []
+        validate(program, BLOCK, huge, results, options)
+        message = results[-1].message
+        assert "'x'" in message and "the block's own tensors at this shape set" in message
+        assert "This is a fault of the block's shape sets, not of the program" in message
+        assert "concat_rows" not in message
+
+
 def test_every_builtin_block_fits_the_default_caps_with_room_to_spare() -> None:
     """At its CPU, GPU and bench shape sets, every built-in block's planned program passes caps
     a quarter of the defaults (the largest: llama_lm_head_ce_bwd's 7.8 GiB logit gradient)."""
