@@ -3,11 +3,12 @@
 
 Exit codes: ``eval`` 0 when every cell ran to an answer (verified or not), 1 when some cells
 errored (``--resume`` retries them), 2 bad usage, 130 interrupted (``--resume`` continues);
-``eval --compare`` 0 without regressions, 1 with; ``accept`` 0 accepted (or already stored), 1 the
-run has no verified candidate, 2 bad usage or a taken name; ``regress`` 0 every stored kernel
-passed, 1 one broke or slowed down, 2 no store; ``export-trajectories`` 0, or 2 for a folder that
-is not an eval. With ``--json``, ``eval`` prints one JSON object (its progress lines go to
-stderr), ``regress`` its rows as one JSON list; on an error both print the object
+``eval --compare`` 0 without regressions, 1 with, or when B has no result for cells verified in A
+(B is incomplete: resume it); ``accept`` 0 accepted (or already stored), 1 the run has no verified
+candidate, 2 bad usage or a taken name; ``regress`` 0 every stored kernel passed, 1 one broke or
+slowed down, 2 no store; ``export-trajectories`` 0, or 2 for a folder that is not an eval or an
+``--out`` that cannot be written. With ``--json``, ``eval`` prints one JSON object (its progress
+lines go to stderr), ``regress`` its rows as one JSON list; on an error both print the object
 ``{"error": ..., "exit_code": ...}``.
 
 ``accept`` writes to the user's store (``coda.evals.store.user_store``: ``$CODA_STORE``, else
@@ -231,8 +232,8 @@ def _new_spec(
             providers=specs,
             seeds=seeds or (loaded.seeds if loaded and loaded.seeds else 1),
             budgets=budgets,
-            ks=[int(k) for k in _csv(ks)],
-            ps=[float(p) for p in _csv(ps)],
+            ks=_numbers("--k", ks, int),
+            ps=_numbers("--p", ps, float),
             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )
         spec.cells()
@@ -240,6 +241,22 @@ def _new_spec(
         raise Failure(str(e)) from None
     _preflight(spec)
     return spec
+
+
+def _numbers(flag: str, text: str, kind: type[int] | type[float]) -> list[Any]:
+    """A comma-separated list of numbers given to ``flag``; ``Failure`` naming the flag and the
+    entry that is not one."""
+    found = []
+    for item in _csv(text):
+        try:
+            found.append(kind(item))
+        except ValueError:
+            what, example = ("an integer", "1,5,10") if kind is int else ("a number", "1.0,1.5,2.0")
+            raise Failure(
+                f"{flag}: {item!r} is not {what}: give a comma-separated list such as "
+                f"{flag} {example}"
+            ) from None
+    return found
 
 
 def _check_workers(parallel: int, ray: str | None) -> None:
@@ -297,14 +314,22 @@ def _create(path: Path, spec: EvalSpec, unique: bool) -> EvalDir:
 
 
 def _open(path: Path) -> EvalDir:
+    """An existing eval folder whose spec, cells and results all read back (``Failure`` naming
+    the file otherwise): a folder edited by hand fails here, before any cell runs."""
     from coda.evals.results import EvalDir, EvalDirError
+    from coda.evals.spec import SpecError
 
     try:
         edir = EvalDir.open(path)
-        edir.spec()
+        edir.spec().cells()
         edir.results()
     except EvalDirError as e:
         raise Failure(str(e)) from None
+    except SpecError as e:
+        raise Failure(
+            f"{edir.spec_file} is not a valid eval spec ({e}): list each block and each provider "
+            "once in it, or start a new eval"
+        ) from None
     return edir
 
 
@@ -347,7 +372,7 @@ def _run(
         raise typer.Exit(130) from None
     except (HarnessError, RayUnavailable) as e:
         raise Failure(str(e)) from None
-    except EvalDirError as e:  # results.jsonl could not be written (a full disk)
+    except EvalDirError as e:  # results.jsonl, results.md or a plot could not be written
         raise Failure(str(e), code=1) from None
 
 
@@ -393,7 +418,7 @@ def _summary(edir: EvalDir, results: list[CellResult], as_json: bool) -> None:
 
 def _compare(dir_a: Path, dir_b: Path, slowdown: float, as_json: bool) -> None:
     """``--compare A B``: the markdown diff (or, with ``--json``, its cells and groups)."""
-    from coda.evals.compare import compare, markdown
+    from coda.evals.compare import compare, incomplete, markdown
 
     a, b = _open(dir_a), _open(dir_b)
     result = compare(a, b, slowdown=slowdown)
@@ -402,9 +427,17 @@ def _compare(dir_a: Path, dir_b: Path, slowdown: float, as_json: bool) -> None:
             {
                 "a": str(a.path),
                 "b": str(b.path),
+                "ok": not result.failed,
                 "regressions": result.regressions,
+                "incomplete": incomplete(result) if result.missing else None,
+                "missing_in_b": result.missing,
                 "cells": [
-                    {"cell": d.cell, "regressions": d.regressions, "improvements": d.improvements}
+                    {
+                        "cell": d.cell,
+                        "regressions": d.regressions,
+                        "improvements": d.improvements,
+                        "missing_in_b": d.missing,
+                    }
                     for d in result.cells
                 ],
                 "groups": [
@@ -415,7 +448,7 @@ def _compare(dir_a: Path, dir_b: Path, slowdown: float, as_json: bool) -> None:
         )
     else:
         print(markdown(result), end="")
-    raise typer.Exit(1 if result.regressions else 0)
+    raise typer.Exit(1 if result.failed else 0)
 
 
 # -- accept, regress, export -----------------------------------------------------------------------
@@ -489,6 +522,12 @@ def regress_cmd(
         "~/.local/share/coda-agent/regress-times.json)",
         show_default=False,
     ),
+    block_files: list[Path] = typer.Option(
+        None,
+        "--block-file",
+        help="a block file whose blocks stored kernels were accepted for (repeatable): an entry "
+        "that records one is checked only when it is named",
+    ),
 ) -> None:
     """Re-verify every stored kernel (CPU interpreter here; bf16 and timings on a GPU)."""
     from coda.evals.store import StoreError, default_stores, regress
@@ -505,6 +544,7 @@ def regress_cmd(
             blocks=block or None,
             on_row=None if as_json else lambda r: console.print(f"  {_row_line(r)}"),
             times=times,
+            block_files=block_files or (),
         )
     except StoreError as e:
         raise fail(str(e), as_json=as_json) from None
@@ -583,6 +623,10 @@ def export_cmd(
         written, skipped = export(edir, target, baseline)  # type: ignore[arg-type]
     except TranscriptError as e:
         raise fail(str(e)) from None
+    except OSError as e:
+        if e.filename is not None and os.fspath(e.filename) != os.fspath(target):
+            raise
+        raise fail(_unwritable_out(target, e)) from None
     console.print(
         Text(
             f"wrote {written} trajectories to {target}"
@@ -590,3 +634,14 @@ def export_cmd(
         ),
         soft_wrap=True,
     )
+
+
+def _unwritable_out(target: Path, error: OSError) -> str:
+    """Why ``--out`` (``target``) could not be written, and what to give instead."""
+    if isinstance(error, IsADirectoryError):
+        problem = "is a folder"
+    elif isinstance(error, FileNotFoundError):
+        problem = f"is in a folder that does not exist ({target.parent})"
+    else:
+        problem = f"cannot be written ({error.strerror or error})"
+    return f"--out {target} {problem}: choose a writable file path with --out FILE"

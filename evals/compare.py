@@ -5,6 +5,11 @@ Cells are matched by id (block, provider label, seed); aggregates by (block, pro
 whose speedup over eager PyTorch (both measured) fell below A's divided by ``slowdown``, or an
 aggregate whose pass@1 fell. Improvements are listed too. Speedups that were not measured on
 either side are compared as "not measured", never as numbers.
+
+B is *incomplete* when cells verified in A have no result in B (B was interrupted, or does not
+run them): nothing can be said of those cells, so the comparison fails like a regression and says
+to resume B. Cells that only B ran, and cells of A that were not verified, are listed as "only in
+A" / "only in B" and change no verdict.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class CellDelta:
     b: CellResult | None
     regressions: list[str] = field(default_factory=list)
     improvements: list[str] = field(default_factory=list)
+    missing: bool = False  # verified in A, no result in B
 
 
 @dataclass
@@ -47,10 +53,21 @@ class Comparison:
             len(g.regressions) for g in self.groups
         )
 
+    @property
+    def missing(self) -> list[str]:
+        """The cells verified in A that have no result in B (B is incomplete)."""
+        return [c.cell for c in self.cells if c.missing]
+
+    @property
+    def failed(self) -> bool:
+        """Regressions, or B incomplete: ``eval --compare`` exits 1."""
+        return bool(self.regressions or self.missing)
+
 
 def cell_delta(cell: str, a: CellResult | None, b: CellResult | None, slowdown: float) -> CellDelta:
     d = CellDelta(cell, a, b)
     if a is None or b is None:
+        d.missing = a is not None and a.verified
         return d
     if a.status == "done" and b.status == "error":
         d.regressions.append("errored")
@@ -91,10 +108,26 @@ def _delta(a: float | None, b: float | None, pattern: str = "{:+.2f}") -> str:
     return pattern.format(b - a)
 
 
+def incomplete(c: Comparison) -> str:
+    """What to do about the cells verified in A that B has no result for."""
+    return (
+        f"B is incomplete: {len(c.missing)} cell(s) verified in A were not run in B — resume it "
+        f"with `coda-agent eval --resume {c.b.path}`, then compare again"
+    )
+
+
 def markdown(c: Comparison) -> str:
     lines = [f"# eval comparison: A = `{c.a.path}`, B = `{c.b.path}`", ""]
-    verdict = f"**{c.regressions} regression(s)**" if c.regressions else "**no regressions**"
-    lines += [verdict, "", "## Aggregates", ""]
+    if c.regressions:
+        verdict = f"**{c.regressions} regression(s)**"
+    elif c.missing:
+        verdict = "**no regressions in the cells both evals ran**"
+    else:
+        verdict = "**no regressions**"
+    lines += [verdict, ""]
+    if c.missing:
+        lines += [f"**{incomplete(c)}**", ""]
+    lines += ["## Aggregates", ""]
     lines += [
         "| block | provider | verified A → B | pass@1 A → B | speedup vs eager A → B | "
         "$ / verified A → B | regressions |",
@@ -112,7 +145,9 @@ def markdown(c: Comparison) -> str:
     lines.append("|---|---|---|---|---|---|---|")
     for d in c.cells:
         changes = [f"REGRESSION: {r}" for r in d.regressions] + d.improvements
-        if d.a is None or d.b is None:
+        if d.missing:
+            changes.append("NOT RUN IN B: verified in A")
+        elif d.a is None or d.b is None:
             changes.append("only in " + ("B" if d.a is None else "A"))
         lines.append(
             f"| `{d.cell}` | {_verdict(d.a)} | {_verdict(d.b)} | "

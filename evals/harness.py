@@ -32,7 +32,7 @@ import torch
 from coda.primitives import backend
 
 from .cell import run_cell
-from .results import CellResult, EvalDir
+from .results import CellResult, EvalDir, EvalDirError
 from .spec import Cell, EvalSpec
 
 RESULT_FILE = "result.json"
@@ -62,7 +62,11 @@ def run_eval(
     retries: int = 2,
     on_cell: OnCell | None = None,
 ) -> list[CellResult]:
-    """Run the pending cells of ``edir``; returns every cell's latest result in spec order."""
+    """Run the pending cells of ``edir``; returns every cell's latest result in spec order.
+
+    The tables and plots are rewritten afterwards, however the run ended. When the run itself
+    failed (a full disk, Ctrl-C), that failure is what is raised, even if the tables could not be
+    written either; otherwise a ``ReportError`` says which file could not be written."""
     from .report import write_report
 
     spec = edir.spec()
@@ -80,8 +84,11 @@ def run_eval(
             edir.append(result)
             if on_cell is not None:
                 on_cell(result, done, len(cells))
-    finally:
-        write_report(edir)
+    except BaseException:
+        with contextlib.suppress(EvalDirError):  # the run's own failure is the one to report
+            write_report(edir)
+        raise
+    write_report(edir)
     return edir.ordered_results()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .metrics import BASELINES, geomean
+from .report import write_whole
 from .results import CellResult
 
 SPEEDUP_PNG = "speedup.png"
@@ -123,6 +124,9 @@ def _sum(results: list[CellResult], provider: str, value) -> int:  # noqa: ANN00
 
 
 def _save(plt, fig, path: Path) -> None:  # noqa: ANN001
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """Write ``fig`` to ``path`` whole or not at all (``ReportError`` when it cannot be)."""
+    try:
+        fig.tight_layout()
+        write_whole(path, lambda tmp: fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".")))
+    finally:
+        plt.close(fig)

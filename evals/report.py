@@ -2,15 +2,19 @@
 
 ``write_report`` rewrites them from ``results.jsonl`` after every run, so a partial or resumed
 eval always has up-to-date tables. Numbers that were not measured (timings without a GPU) read
-"not measured"; a missing price reads "unknown".
+"not measured"; a missing price reads "unknown". Each file is written whole or not at all (to a
+temporary name, then renamed): a full disk or a read-only folder leaves the previous file, never a
+truncated one, and is a ``ReportError`` naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from pathlib import Path
 
 from .metrics import BASELINES, Aggregate, aggregates
-from .results import CellResult, EvalDir
+from .results import RESULTS_FILE, CellResult, EvalDir, EvalDirError
 from .spec import EvalSpec
 
 NOT_MEASURED = "not measured"
@@ -21,13 +25,42 @@ def fmt(value: float | None, pattern: str = "{:.2f}", missing: str = NOT_MEASURE
     return missing if value is None else pattern.format(value)
 
 
+class ReportError(EvalDirError):
+    """``results.md`` or a plot could not be written (a full disk, a read-only folder). The
+    results themselves, in ``results.jsonl``, are untouched."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        folder = path.parent
+        super().__init__(
+            f"cannot write {path}: {error.strerror or error} — the results themselves are intact "
+            f"in {folder / RESULTS_FILE}; free space on that disk or fix its permissions, then "
+            f"rewrite the tables and plots with `coda-agent eval --resume {folder}`"
+        )
+
+
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` the file to a temporary name beside ``path``, then rename it over ``path``: the
+    file is whole or keeps its previous content. A failure leaves no temporary file and is a
+    ``ReportError`` naming ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ReportError(path, e) from None
+
+
 def write_report(edir: EvalDir) -> None:
+    """Rewrite ``results.md`` and the plots (``ReportError`` when one cannot be written)."""
     from .plots import write_plots
 
     spec = edir.spec()
     results = edir.ordered_results()
     notes = write_plots(edir.path, results)
-    (edir.path / "results.md").write_text(markdown(spec, results, notes))
+    text = markdown(spec, results, notes)
+    write_whole(edir.path / "results.md", lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def markdown(spec: EvalSpec, results: list[CellResult], notes: list[str] | None = None) -> str:

@@ -20,7 +20,9 @@ verified with and, when measured, its time per benchmark shape). Two stores matt
   (CPU: the Triton interpreter, float32 and float16; GPU: bfloat16 and float16, and timings). An
   entry fails when it no longer verifies (its block gone, its JSON unreadable, a check over its
   tolerance) or — on a GPU of the same kind as the one it was recorded on — when its time over the
-  recorded benchmark shapes grew by more than ``slowdown``× the recorded time.
+  recorded benchmark shapes grew by more than ``slowdown``× the recorded time. An entry of a block
+  defined in a block file records the file; it is imported only when the caller names it
+  (``block_files``, ``regress --block-file``) — a store is data and never chooses code to run.
 
 Where an entry has no time recorded on this device (accepted from a CPU run, as the built-in
 entries are, or on other hardware), the first ``regress`` that measures it records its times in
@@ -116,7 +118,7 @@ class Provenance(BaseModel):
 
 class StoredKernel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    version: int = 1
+    version: Literal[1] = 1  # the entry format this code reads; another is unreadable, not guessed
     name: str
     block: str
     block_file: str | None = None
@@ -348,34 +350,71 @@ def regress(
     options: SandboxOptions | None = None,
     on_row: Callable[[RegressRow], None] | None = None,
     times: Path | None = None,
+    block_files: Sequence[str | Path] = (),
 ) -> list[RegressRow]:
     """Re-verify every stored kernel (see the module docstring for what fails). ``times``: the
-    file of times regress records itself (default ``default_times_file()``)."""
+    file of times regress records itself (default ``default_times_file()``). ``block_files``:
+    the block files the caller names for entries of blocks defined in a file — a store is data,
+    and the file an entry records is imported only when named here (``named_block_files``)."""
+    named = named_block_files(block_files)
     rows = []
     recorded = RecordedTimes(times or default_times_file())
     for path in store_files(store, blocks):
         row = check_entry(
-            path, slowdown=slowdown, options=options or SandboxOptions(), times=recorded
-        )
+            path, slowdown=slowdown, options=options or SandboxOptions(), times=recorded,
+            block_files=named,
+        )  # fmt: skip
         rows.append(row)
         if on_row is not None:
             on_row(row)
     return rows
 
 
+def named_block_files(paths: Sequence[str | Path]) -> frozenset[str]:
+    """Import the block files ``paths`` (each in a subprocess first: ``load_block_file(probe=
+    True)``, bounded in time; ``StoreError`` for one that fails) and return their resolved
+    paths, the files whose entries ``check_entry`` may check."""
+    named = set()
+    for path in paths:
+        resolved = Path(path).expanduser().resolve()
+        try:
+            load_block_file(resolved, probe=True)
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            raise StoreError(f"--block-file {path}: {e}") from None
+        named.add(str(resolved))
+    return frozenset(named)
+
+
 def check_entry(
-    path: Path, *, slowdown: float, options: SandboxOptions, times: RecordedTimes | None = None
+    path: Path,
+    *,
+    slowdown: float,
+    options: SandboxOptions,
+    times: RecordedTimes | None = None,
+    block_files: frozenset[str] = frozenset(),
 ) -> RegressRow:
+    """Re-verify one stored entry. An entry whose block is defined in a file is checked only when
+    that file was named (``block_files``, from ``named_block_files``, which imported it): the
+    store's JSON never chooses code to import."""
     try:
         entry = StoredKernel.model_validate_json(path.read_text())
-    except (ValidationError, ValueError) as e:
-        first = str(e).splitlines()[0]
-        return RegressRow(path, path.stem, path.parent.name, "broken", f"unreadable: {first}")
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "the entry"
+        return RegressRow(
+            path, path.stem, path.parent.name, "broken", f"unreadable: {where}: {first['msg']}"
+        )
+    except (OSError, ValueError) as e:
+        return RegressRow(path, path.stem, path.parent.name, "broken", f"unreadable: {e}")
+    if entry.block_file and str(Path(entry.block_file).resolve()) not in block_files:
+        return RegressRow(
+            path, entry.name, entry.block, "broken",
+            f"block {entry.block!r} is defined in {entry.block_file}, which is imported only "
+            f"when named: add --block-file {entry.block_file}",
+        )  # fmt: skip
     try:
-        if entry.block_file:
-            load_block_file(entry.block_file)
         block = get_block(entry.block)
-    except (BlockNotFound, FileNotFoundError, ImportError, ValueError) as e:
+    except (BlockNotFound, ImportError, ValueError) as e:
         return RegressRow(path, entry.name, entry.block, "broken", f"block: {e}")
     report = evaluate(entry.program, block, options, block_file=entry.block_file)
     return _judge(path, entry, report, slowdown, times)

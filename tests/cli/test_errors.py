@@ -157,6 +157,34 @@ def test_a_runs_dir_that_fills_up_stops_the_run_with_a_clear_error(tmp_path: Pat
     assert (run / "transcript.jsonl").read_bytes() == b""  # the failed append was rolled back
 
 
+def test_an_eval_folder_that_fills_up_keeps_its_results_and_says_so(tmp_path: Path) -> None:
+    """A finished eval resumed where its plots cannot be written: the message names the plot and
+    says the results are intact; no truncated plot or temporary file is left."""
+    ev = tmp_path / "ev"
+    ev.mkdir()
+    spec = {
+        "blocks": ["llama_mlp"],
+        "providers": [{"kind": "builtin", "model": "coda-planner", "base_url": None}],
+    }
+    (ev / "eval.json").write_text(json.dumps(spec))
+    cell = {
+        "cell": "llama_mlp--builtin_coda-planner--s0",
+        "block": "llama_mlp",
+        "provider": "builtin:coda-planner",
+        "model": "coda-planner",
+        "seed": 0,
+        "status": "done",
+        "verified": True,
+        "device": "cpu (Triton interpreter)",
+    }
+    (ev / "results.jsonl").write_text(json.dumps(cell) + "\n")
+    done = coda("eval", "--resume", "ev", "--json", cwd=tmp_path, code=FULL_DISK)
+    data = one_json_error(done, 1, "cannot write ev/speedup.png: File too large")
+    assert "the results themselves are intact in ev/results.jsonl" in data["error"]
+    assert "`coda-agent eval --resume ev`" in data["error"]
+    assert sorted(p.name for p in ev.iterdir()) == ["eval.json", "results.jsonl"]
+
+
 def test_the_eval_commands_report_bad_files_and_folders(tmp_path: Path) -> None:
     (tmp_path / "bad.py").write_text("import os\nos._exit(0)\n")
     done = coda("eval", "--blocks", "proj_residual", "--block-file", "bad.py", cwd=tmp_path)

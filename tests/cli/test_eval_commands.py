@@ -4,6 +4,7 @@ errors: each names what is wrong and exits 2 before any cell runs."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,14 @@ def test_eval_resume_compare_and_export_through_the_cli(tmp_path: Path) -> None:
         (["--suite", "smoke", "--blocks", "llama_mlp"], "exactly one of --suite NAME or --blocks"),
         (["--compare", "only-one"], "write `coda-agent eval --compare A B` (two folders)"),
         (["--blocks", "llama_mlp", "-j", "2", "--ray", "auto"], "not both"),
+        (
+            ["--blocks", "llama_mlp", "--k", "a,b"],
+            "--k: 'a' is not an integer: give a comma-separated list such as --k 1,5,10",
+        ),
+        (
+            ["--blocks", "llama_mlp", "--p", "1.0,fast"],
+            "--p: 'fast' is not a number: give a comma-separated list such as --p 1.0,1.5,2.0",
+        ),
     ],
 )
 def test_usage_errors_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
@@ -91,6 +100,60 @@ def test_an_existing_eval_is_resumed_not_overwritten(tmp_path: Path) -> None:
     mixed = runner.invoke(app, ["eval", "--resume", str(tmp_path / "ev"), "--suite", "smoke"])
     assert mixed.exit_code == 2 and "--resume takes the eval's own settings" in flat(mixed.output)
     assert runner.invoke(app, ["eval", "--resume", str(tmp_path / "none")]).exit_code == 2
+
+
+SPEC_WITH_A_BLOCK_TWICE = {
+    "blocks": ["llama_mlp", "llama_mlp"],
+    "providers": [{"kind": "builtin", "model": "coda-planner", "base_url": None}],
+}
+
+
+def test_resuming_an_eval_whose_spec_lists_a_block_twice_is_a_usage_error(tmp_path: Path) -> None:
+    ev = tmp_path / "ev"
+    ev.mkdir()
+    (ev / "eval.json").write_text(json.dumps(SPEC_WITH_A_BLOCK_TWICE))  # edited by hand
+    result = runner.invoke(app, ["eval", "--resume", str(ev)])
+    text = flat(result.output)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert (
+        f"{ev / 'eval.json'} is not a valid eval spec (two cells share the id "
+        "'llama_mlp--builtin_coda-planner--s0'"
+    ) in text
+    assert "list each block and each provider once in it, or start a new eval" in text
+    assert sorted(p.name for p in ev.iterdir()) == ["eval.json"]  # no cell ran
+
+
+def an_eval(path: Path) -> Path:
+    path.mkdir()
+    spec = {**SPEC_WITH_A_BLOCK_TWICE, "blocks": ["llama_mlp"]}
+    (path / "eval.json").write_text(json.dumps(spec))
+    return path
+
+
+@pytest.mark.parametrize(
+    "where,problem",
+    [
+        ("no/such/t.jsonl", "is in a folder that does not exist ({tmp}/no/such)"),
+        ("a-folder", "is a folder"),
+        pytest.param(
+            "read-only/t.jsonl",
+            "cannot be written (Permission denied)",
+            marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere"),
+        ),
+    ],
+)
+def test_export_to_an_out_that_cannot_be_written_is_a_usage_error(
+    tmp_path: Path, where: str, problem: str
+) -> None:
+    ev = an_eval(tmp_path / "ev")
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "read-only").mkdir(mode=0o555)
+    out = tmp_path / where
+    result = runner.invoke(app, ["export-trajectories", str(ev), "--out", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    expected = f"--out {out} {problem.format(tmp=tmp_path)}: choose a writable file path"
+    assert expected in flat(result.output)
+    assert not (tmp_path / "no").exists()  # no folder is made for it
 
 
 PROJ_RESIDUAL = """

@@ -3,6 +3,7 @@ unmeasured speedups compared as "not measured"."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -92,3 +93,40 @@ def test_a_lower_pass_rate_and_errors_are_regressions_and_cpu_speedups_not_measu
     assert {d.cell: d.regressions for d in found.cells}[ids[1]] == ["errored"]
     text = markdown(found)
     assert "| not measured → not measured |" in text and "| not measured |" in text
+
+
+def test_cells_verified_in_a_but_not_run_in_b_fail_the_comparison(tmp_path: Path) -> None:
+    ids = [c.id for c in make_eval(tmp_path / "ids", [BUILTIN], seeds=3).spec().cells()]
+    a, b = evals(
+        tmp_path,
+        [
+            result(ids[0], 0, True, 2.0),
+            result(ids[1], 1, True, 2.0),
+            result(ids[2], 2, False, None, status="error", error="down"),
+        ],
+        [result(ids[0], 0, True, 2.0)],  # B was interrupted after its first cell
+    )
+    found = compare(a, b)
+    assert found.regressions == 0 and found.missing == [ids[1]] and found.failed
+    text = markdown(found)
+    assert "**no regressions**" not in text
+    assert (
+        "B is incomplete: 1 cell(s) verified in A were not run in B — resume it with "
+        f"`coda-agent eval --resume {b.path}`, then compare again"
+    ) in text
+    assert f"| `{ids[1]}` | verified | - | n/a | n/a | n/a | NOT RUN IN B: verified in A |" in text
+    assert f"| `{ids[2]}` | error | - | n/a | n/a | not measured | only in A |" in text
+
+    cli = runner.invoke(app, ["eval", "--compare", str(a.path), str(b.path)])
+    assert cli.exit_code == 1 and "B is incomplete: 1 cell(s)" in cli.output
+    as_json = runner.invoke(app, ["eval", "--compare", str(a.path), str(b.path), "--json"])
+    data = json.loads(as_json.output)
+    assert as_json.exit_code == 1 and data["ok"] is False and data["regressions"] == 0
+    assert data["missing_in_b"] == [ids[1]] and data["incomplete"].startswith("B is incomplete")
+    assert [c["missing_in_b"] for c in data["cells"]] == [False, True, False]
+
+    # cells that only B ran are listed, and change no verdict
+    back = runner.invoke(app, ["eval", "--compare", str(b.path), str(a.path), "--json"])
+    data = json.loads(back.output)
+    assert back.exit_code == 0 and data["ok"] is True and data["missing_in_b"] == []
+    assert data["incomplete"] is None

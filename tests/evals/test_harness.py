@@ -13,7 +13,8 @@ import pytest
 from coda.agent.transcript import ResumeRecord, read_records
 from coda.evals.harness import _collect, _Job, run_eval
 from coda.evals.metrics import aggregates
-from coda.evals.results import CellResult, EvalDir
+from coda.evals.report import ReportError
+from coda.evals.results import CellResult, EvalDir, EvalDirError
 
 from .common import BUILTIN, make_eval, model
 
@@ -142,3 +143,37 @@ def test_results_skip_a_torn_last_line_and_keep_the_latest_per_cell(tmp_path: Pa
     from coda.evals.harness import pending
 
     assert pending(edir, edir.spec()) == [b]
+
+
+def test_a_plot_that_cannot_be_written_is_named_and_leaves_no_partial_file(tmp_path: Path) -> None:
+    edir = make_eval(tmp_path / "ev", [BUILTIN])
+    plot = edir.path / "speedup.png"
+    plot.mkdir()  # the plot's place is taken: the write fails the way a read-only folder fails
+    with pytest.raises(ReportError) as caught:
+        run_eval(edir)
+    message = str(caught.value)
+    assert message.startswith(f"cannot write {plot}: ")
+    assert f"the results themselves are intact in {edir.results_file}" in message
+    assert f"`coda-agent eval --resume {edir.path}`" in message
+    assert [x["status"] for x in lines(edir)] == ["done"]  # the cell's result is recorded
+    # no temporary file is left behind, and nothing was drawn over the folder
+    assert sorted(p.name for p in edir.path.iterdir()) == [
+        "cells",
+        "eval.json",
+        "results.jsonl",
+        "speedup.png",
+    ]
+    assert plot.is_dir() and not list(plot.iterdir())
+
+
+def test_a_failed_append_is_reported_even_when_the_report_cannot_be_written(
+    tmp_path: Path,
+) -> None:
+    edir = make_eval(tmp_path / "ev", [BUILTIN])
+    edir.results_file.mkdir()  # results.jsonl cannot be appended to (as on a full disk)
+    (edir.path / "speedup.png").mkdir()  # and the report cannot be written either
+    with pytest.raises(EvalDirError) as caught:
+        run_eval(edir)
+    assert not isinstance(caught.value, ReportError)
+    assert str(caught.value).startswith(f"cannot append to {edir.results_file}: ")
+    assert "then continue with `coda-agent eval --resume`" in str(caught.value)

@@ -16,6 +16,7 @@ from coda.evals.store import STORE_DIR, RecordedTimes, StoredKernel, _judge, reg
 from coda.sandbox import SandboxOptions
 from coda.sandbox.report import ProfileRow, Report
 from tests.agent.scripted import BLOCK, Script, broken_program, finish, good_program, submit
+from tests.helpers import captured_residual_file
 
 from .common import FAST_SANDBOX
 from .models import never_verifies
@@ -107,16 +108,54 @@ def test_regress_fails_with_a_table_when_a_stored_kernel_breaks(tmp_path: Path) 
     broken = {**good, "name": "dropped-residual", "program": broken_program()}
     (store / "llama_mlp" / "dropped-residual.json").write_text(json.dumps(broken))
     (store / "llama_mlp" / "torn.json").write_text('{"version": 1, "na')
+    (store / "llama_mlp" / "newer.json").write_text(json.dumps({**good, "version": 2}))
+    (store / "llama_mlp" / "gone.json").symlink_to(tmp_path / "nowhere.json")
+    (store / "llama_mlp" / "folder.json").mkdir()
     rows = {r.name: r for r in regress(store, options=FAST)}
     assert rows["ok"].status == "ok"
     assert rows["dropped-residual"].status == "broken"
     assert rows["dropped-residual"].message.startswith("FAILED at semantics")
     assert rows["torn"].status == "broken" and rows["torn"].message.startswith("unreadable")
+    assert rows["newer"].message == "unreadable: version: Input should be 1"
+    assert rows["gone"].message.startswith("unreadable: [Errno 2] No such file")
+    assert rows["folder"].message.startswith("unreadable: [Errno 21] Is a directory")
+    for name in ("newer", "gone"):
+        (store / "llama_mlp" / f"{name}.json").unlink()
+    (store / "llama_mlp" / "folder.json").rmdir()
     (store / "llama_mlp" / "ok.json").unlink()  # the CLI verifies at full size: keep it quick
     result = runner.invoke(app, ["regress", "--store", str(store), "--block", "llama_mlp"])
     assert result.exit_code == 1 and "2 of 2 FAILED" in result.output
     assert "BROKEN" in result.output and "FAILED at semantics" in result.output
     assert runner.invoke(app, ["regress", "--store", str(tmp_path / "none")]).exit_code == 2
+
+
+FILE_BLOCK = captured_residual_file("store_file_proj_residual", [{"M": 5, "d": 24}])
+
+
+def test_regress_imports_a_recorded_block_file_only_when_it_is_named(tmp_path: Path) -> None:
+    """A store is data: the block file an entry records is imported (in a subprocess first) only
+    when the user names it with --block-file, as `eval --resume` asks of an eval's folder."""
+    block_file, marker = tmp_path / "blocks.py", tmp_path / "imported"
+    block_file.write_text(f"{FILE_BLOCK}\nopen({str(marker)!r}, 'a').write('x')\n")
+    runs, store = tmp_path / "runs", tmp_path / "store"
+    made = runner.invoke(
+        app, ["synthesize", "--block-file", str(block_file), "--runs-dir", str(runs)]
+    )
+    assert made.exit_code == 0, made.output
+    (run,) = runs.iterdir()
+    assert runner.invoke(app, ["accept", str(run), "--store", str(store)]).exit_code == 0
+    marker.unlink()
+    unnamed = runner.invoke(app, ["regress", "--store", str(store)])
+    assert unnamed.exit_code == 1
+    assert f"add --block-file {block_file}" in "".join(unnamed.output.split(" \n"))
+    assert not marker.exists()  # nothing the store names was imported
+    args = ["regress", "--store", str(store), "--block-file", str(block_file), "--json"]
+    named = runner.invoke(app, args)
+    assert named.exit_code == 0, named.output
+    assert [r["status"] for r in json.loads(named.stdout)] == ["ok"]
+    block_file.write_text("import os\nos._exit(0)\n")  # ends the process that imports it
+    ended = runner.invoke(app, args)
+    assert ended.exit_code == 2 and f"--block-file {block_file}" in ended.output
 
 
 def _entry(time_ms: float | None, hardware: str = "cuda (NVIDIA H200)") -> StoredKernel:
