@@ -88,16 +88,20 @@ class BlockFileError(ValueError):
 PROBE_TIMEOUT_S = 300.0
 
 
-def load_block_file(path: str | Path, *, probe: bool = False) -> list[Block]:
+def load_block_file(
+    path: str | Path, *, probe: bool = False, probe_timeout_s: float | None = None
+) -> list[Block]:
     """Import a Python file and register every ``Block`` defined at its top level.
 
-    ``probe``: import it in a subprocess first (``probe_block_file``), so that a file that ends
-    the process is a ``BlockFileError`` here rather than the end of this process."""
+    ``probe``: import it in a subprocess first (``probe_block_file``, stopped after
+    ``probe_timeout_s``, at most ``PROBE_TIMEOUT_S``), so that a file that ends the process is a
+    ``BlockFileError`` here rather than the end of this process."""
     path = Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"block file {str(path)!r} does not exist")
     if probe:
-        probe_block_file(path)
+        limit = PROBE_TIMEOUT_S if probe_timeout_s is None else probe_timeout_s
+        probe_block_file(path, min(limit, PROBE_TIMEOUT_S))
     name = f"coda_user_blocks_{abs(hash(str(path)))}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:

@@ -175,6 +175,15 @@ def test_a_block_file_cannot_take_a_built_in_block_s_name(tmp_path: Path) -> Non
     assert get_block("llama_mlp") is builtin
 
 
+def test_a_block_file_that_hangs_when_imported_is_stopped_at_the_given_time(
+    tmp_path: Path,
+) -> None:
+    hangs = tmp_path / "hangs.py"
+    hangs.write_text("while True:\n    pass\n")
+    with pytest.raises(BlockFileError, match="did not finish within 1 s"):
+        load_block_file(hangs, probe=True, probe_timeout_s=1.0)
+
+
 def test_a_block_file_imports_the_modules_beside_it(tmp_path: Path) -> None:
     """As ``python file.py`` would: the file's folder is on ``sys.path`` while it is imported
     (directly and in the probe's subprocess), and ``sys.path`` is as before afterwards."""
