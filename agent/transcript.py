@@ -22,12 +22,14 @@ hold together (a hand edit, another tool), is a ``TranscriptError`` naming the f
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from coda.primitives.errors import ProgramError
 from coda.primitives.ir import Program
@@ -72,13 +74,53 @@ class RunStart(_Record):
     tools: list[ToolSpec]
     started_at: str
 
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """The loop's ``Budgets``, each a number of its type, finite and ≥ 0 (or ``None``)."""
+        from .loop import Budgets  # the loop imports this module
+
+        known = [f.name for f in dataclasses.fields(Budgets)]
+        _only(value, known, "budget")
+        try:
+            budgets = TypeAdapter(Budgets).validate_python(value)
+        except ValidationError as e:
+            raise ValueError(_first_error(e)) from None
+        checked = dataclasses.asdict(budgets)
+        for name, number in checked.items():
+            if number is not None and not (math.isfinite(number) and number >= 0):
+                raise ValueError(f"{name}: {number!r} is not a budget (a finite number ≥ 0)")
+        return checked
+
+    @field_validator("sandbox")
+    @classmethod
+    def _sandbox(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Options ``SandboxOptions`` accepts, with finite numbers (the options the caller
+        always chooses, ``loop.CALLER_ONLY_OPTIONS``, are not read from a transcript)."""
+        from coda.sandbox.stages import SandboxOptions
+
+        from .loop import CALLER_ONLY_OPTIONS
+
+        _only(value, list(SandboxOptions.model_fields), "sandbox option")
+        try:
+            recorded = {k: v for k, v in value.items() if k not in CALLER_ONLY_OPTIONS}
+            SandboxOptions(**{**recorded, "plugins": []})
+        except ValidationError as e:
+            raise ValueError(_first_error(e)) from None
+        for name, number in value.items():
+            if isinstance(number, float) and not math.isfinite(number):
+                raise ValueError(f"{name}: {number!r} is not a finite number")
+        return value
+
 
 class MessageRecord(_Record):
     event: Literal["message"] = "message"
     turn: int
     message: Message
     seconds: float | None = None  # how long the provider took (assistant turns)
-    cost_usd: float | None = None  # None: unknown price (assistant turns)
+    # None: unknown price (assistant turns); never NaN, infinite or negative, which would
+    # defeat --max-cost on resume
+    cost_usd: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 
 
 class CandidateRecord(_Record):
@@ -321,7 +363,7 @@ class RunState:
         for record, number in zip(records[1:], transcript.lines[1:], strict=True):
             try:
                 state.absorb(record)
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
                 detail = _first_error(e)
                 raise TranscriptError(
                     f"{transcript.path}:{number}: the {record.event} record does not hold "
@@ -392,11 +434,19 @@ class RunState:
         return max([self.recorded_index, *(c.index for c in self.candidates)]) + 1
 
 
+def _only(value: dict[str, Any], known: list[str], what: str) -> None:
+    """Refuse a key of ``value`` that is not in ``known``."""
+    for key in value:
+        if key not in known:
+            raise ValueError(f"unknown {what} {key!r} (known: {', '.join(known)})")
+
+
 def _first_error(error: Exception) -> str:
     """A one-line account of what was wrong in a record's content."""
     if isinstance(error, ValidationError):
         first = error.errors()[0]
-        return f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
+        where = ".".join(map(str, first["loc"]))
+        return f"{where}: {first['msg']}" if where else first["msg"]
     if isinstance(error, KeyError):
         return f"missing {error.args[0]!r}"
     return f"{type(error).__name__}: {error}"

@@ -14,7 +14,9 @@ of a run that already ended or with a ``--block`` other than the run's); 130 int
 
 Everything printed here that did not come from this file (Reports, messages of models and servers,
 names from programs and block files) is escaped, or printed as ``Text``, so that bracketed text
-such as ``[program]`` is shown rather than read as Rich markup.
+such as ``[program]`` is shown rather than read as Rich markup; and what came from a model, a
+server or a file is first stripped of control characters (``printable``), so that it cannot move
+the cursor, clear the screen or retitle the terminal.
 
 The rest of coda (the blocks, the sandbox, the agent loop) is imported inside the commands, when
 one runs: listing the commands or their options imports none of it (``coda.cli.common``).
@@ -47,6 +49,7 @@ from .common import (
     load_blocks,
     note,
     print_json,
+    printable,
     resolve_block,
     stderr,
     stdout_width,
@@ -93,7 +96,8 @@ def check_runs_dir(runs_dir: Path, as_json: bool = False) -> None:
 
 def _stage_line(prefix: str, s: StageResult) -> str:
     """A stage as it finishes: its mark, name, seconds and its message's summary line."""
-    return f"{prefix}{MARK[s.status]} {s.stage:<9} {s.seconds:6.2f}s  [dim]{escape(s.summary())}[/]"
+    summary = escape(printable(s.summary()))
+    return f"{prefix}{MARK[s.status]} {s.stage:<9} {s.seconds:6.2f}s  [dim]{summary}[/]"
 
 
 def error_table(report: Report) -> Table:
@@ -138,7 +142,7 @@ class Progress:
         elif isinstance(event, Retrying):
             console.print(
                 f"  [yellow]retry {event.attempt}[/] in {event.delay_s:.1f} s: "
-                + escape(event.error)
+                + escape(printable(event.error))
             )
         elif isinstance(event, StageDone):
             console.print(_stage_line(f"  candidate {event.index}  ", event.stage))
@@ -146,24 +150,24 @@ class Progress:
             console.print(f"  {_best_line(event)}")
         elif isinstance(event, ToolAnswered) and not event.ok:
             first = event.summary.splitlines()[0] if event.summary else ""
-            console.print(
-                f"  [yellow]{escape(event.name)}[/]: answered with an error — {escape(first)}"
-            )
+            name, first = escape(printable(event.name)), escape(printable(first))
+            console.print(f"  [yellow]{name}[/]: answered with an error — {first}")
         elif isinstance(event, Stopped):
-            console.print(f"stopped ({event.stop.kind}): {escape(event.stop.message)}")
+            console.print(f"stopped ({event.stop.kind}): {escape(printable(event.stop.message))}")
 
     def _turn(self, e: TurnEnded) -> None:
         from coda.agent.providers.pricing import format_cost
 
-        calls = escape(", ".join(c.name for c in e.reply.tool_calls) or "no tool call")
+        calls = escape(printable(", ".join(c.name for c in e.reply.tool_calls) or "no tool call"))
         cached = (
             f"{e.usage.cache_read_tokens:,} from the cache, " if e.usage.cache_read_tokens else ""
         )
         tokens = f"{e.usage.total:,} tokens, {cached}{format_cost(e.cost_usd)}"
         console.print(f"[bold]turn {e.turn}[/] → {calls}  [dim]({tokens} so far)[/]")
         if e.reply.text and [c.name for c in e.reply.tool_calls] != ["finish"]:
-            text = e.reply.text.strip().splitlines()[0]
-            console.print(f"  [dim]{escape(text[:200])}[/]")
+            text = printable(e.reply.text).strip().splitlines()
+            if text:
+                console.print(f"  [dim]{escape(text[0][:200])}[/]")
 
 
 def _best_line(event: CandidateDone) -> str:
@@ -290,7 +294,7 @@ def _start(
         _refuse_recorded_block_file(recorded, transcript, as_json)
     name = provider or "builtin"
     _refuse_unused_provider_flags(name, model, base_url, as_json)
-    blk = resolve_block(block, block_file, as_json)
+    blk = resolve_block(block, block_file, as_json, given.get("timeout_s"))
     prov = _make_provider(name, blk, model, base_url, transcript, as_json=as_json)
     check_runs_dir(runs_dir, as_json)
     if progress is not None:
@@ -506,7 +510,7 @@ def _resume(
     if block_file is None:
         recorded = Path(start.block_file) if start.block_file else None
         _refuse_recorded_block_file(recorded, run_dir, as_json)
-    blk = resolve_block(block or start.block, block_file, as_json)
+    blk = resolve_block(block or start.block, block_file, as_json, given.get("timeout_s"))
     name = provider or state.provider
     _refuse_unused_provider_flags(name, model, base_url, as_json)
     same = name == state.provider
@@ -609,12 +613,12 @@ def _finish(
         run = escape(str(result.run.path))
         again = escape(resume_command(result.run.path, block_file))
         Console(stderr=True, highlight=False).print(
-            f"[red]error:[/] {escape(result.stop.message)}\nthe run so far is in {run}; "
+            f"[red]error:[/] {escape(printable(result.stop.message))}\nthe run so far is in {run}; "
             f"continue it with `{again}`",
             soft_wrap=True,
         )
     for line in divergences:
-        console.print(f"[yellow]replay diverged[/]: {escape(line)}")
+        console.print(f"[yellow]replay diverged[/]: {escape(printable(line))}")
     verdict = "[green]VERIFIED[/]" if result.verified else "[red]NOT VERIFIED[/]"
     where = escape(f"{result.block} in {result.seconds:.1f} s → {result.run.path}")
     console.print(f"{verdict} {where}")
@@ -638,7 +642,7 @@ def facts_table(facts: RunFacts) -> Table:
     table.add_column("", style="bold")
     table.add_column("")
     for label, value in facts.facts():
-        table.add_row(Text(label), Text(value))
+        table.add_row(Text(label), Text(printable(value)))
     return table
 
 
@@ -710,7 +714,7 @@ def verify_cmd(
     from coda.sandbox.stages import SandboxOptions
 
     block_file = block_file_path(block_file, as_json)
-    blk = resolve_block(block, block_file, as_json)
+    blk = resolve_block(block, block_file, as_json, timeout)
     limits = {} if timeout is None else {"timeout_s": timeout}
     options = SandboxOptions(semantics_seed=semantics_seed, **limits)
     text = _read_program(program_file, as_json)
@@ -724,7 +728,7 @@ def verify_cmd(
     if as_json:
         print(report.model_dump_json(indent=2))
     else:
-        console.print(Text(report.render_text(stages_printed=True)))
+        console.print(Text(printable(report.render_text(stages_printed=True))))
     raise typer.Exit(0 if report.verified else 1)
 
 
@@ -827,15 +831,17 @@ def show_cmd(
     console.print(
         f"[bold]{escape(str(run_dir))}[/]: "
         + escape(
-            f"block {start.block}, provider {start.provider} ({start.model}), "
-            f"started {start.started_at}"
+            printable(
+                f"block {start.block}, provider {start.provider} ({start.model}), "
+                f"started {start.started_at}"
+            )
         )
     )
     console.print(facts_table(facts))
     if facts.candidates:
         console.print(candidates_table(facts))
     if facts.best is not None:
-        report = Text(facts.best.report.render_text())
+        report = Text(printable(facts.best.report.render_text()))
         console.print(Panel(report, title=f"{facts.best_role} candidate's report"))
         if facts.best.program is not None and facts.best.report.verified:
             print_program(facts.best.program.to_python(), "program")
@@ -856,6 +862,6 @@ def candidates_table(facts: RunFacts) -> Table:
             str(c.turn),
             "[green]verified[/]" if c.report.verified else "[red]failed[/]",
             f"{c.time_ms:.4f} ms" if c.time_ms is not None else "not measured",
-            Text(c.report.headline()),
+            Text(printable(c.report.headline())),
         )
     return table

@@ -13,6 +13,7 @@ import contextlib
 import difflib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,17 @@ class Failure(Exception):
         self.code = code
 
 
+# C0 and C1 control characters but newline and tab: ESC starts the sequences that move the cursor,
+# clear the screen or retitle the terminal, and others ring, rewind or erase.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` from outside (a model, a server, a file) without control characters other than
+    newline and tab, so that printing it cannot drive the terminal. Escape Rich markup after."""
+    return _CONTROL.sub("", text)
+
+
 def stdout_width(piped: int) -> int | None:
     """The width a console on stdout should be given: ``None`` (Rich measures the terminal, or
     takes ``COLUMNS`` when it is set), else ``piped`` for output that is not a terminal (CI logs,
@@ -76,7 +88,7 @@ def fail(
 ) -> typer.Exit:
     """Print ``message`` as an error on stderr (and, for ``--json``, as the one JSON object on
     stdout: ``{"error": ..., "exit_code": ...}`` plus ``details``' keys); the ``Exit`` to raise."""
-    stderr().print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    stderr().print(f"[red]error:[/] {escape(printable(message))}", soft_wrap=True)
     if as_json:
         print(json.dumps({"error": message, "exit_code": code, **(details or {})}))
     return typer.Exit(code)
@@ -84,7 +96,7 @@ def fail(
 
 def note(message: str) -> None:
     """A warning on stderr."""
-    stderr().print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
+    stderr().print(f"[yellow]note:[/] {escape(printable(message))}", soft_wrap=True)
 
 
 def print_json(data: Any) -> None:
@@ -111,32 +123,41 @@ def block_file_path(
     return path
 
 
-def import_block_file(block_file: Path | str) -> list[Block]:
+def import_block_file(block_file: Path | str, timeout_s: float | None = None) -> list[Block]:
     """Register the blocks of ``block_file`` (absolute). The file is imported in a subprocess
-    first, so one that exits or crashes when imported is a usage error (``Failure``), not the end
-    of this process; what it prints goes to stderr."""
+    first (stopped after ``timeout_s``, the command's ``--timeout``, when given), so one that
+    exits, crashes or hangs when imported is a usage error (``Failure``), not the end of this
+    process; what it prints goes to stderr."""
     from coda.blocks import load_block_file
 
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            return load_block_file(block_file, probe=True)
+            return load_block_file(block_file, probe=True, probe_timeout_s=timeout_s)
     except (FileNotFoundError, ImportError, ValueError) as e:
         raise Failure(str(e)) from None
 
 
-def load_blocks(block_file: Path, as_json: bool = False) -> list[Block]:
+def load_blocks(
+    block_file: Path, as_json: bool = False, timeout_s: float | None = None
+) -> list[Block]:
     """``import_block_file`` for a command that fails by itself."""
     try:
-        return import_block_file(block_file)
+        return import_block_file(block_file, timeout_s)
     except Failure as f:
         raise fail(f.message, f.code, as_json) from None
 
 
-def resolve_block(block: str | None, block_file: Path | None, as_json: bool = False) -> Block:
-    """The block to work on: ``--block NAME``, or the one block of ``--block-file``."""
+def resolve_block(
+    block: str | None,
+    block_file: Path | None,
+    as_json: bool = False,
+    timeout_s: float | None = None,
+) -> Block:
+    """The block to work on: ``--block NAME``, or the one block of ``--block-file`` (imported
+    within ``timeout_s``, when given)."""
     from coda.blocks import BlockNotFound, get_block
 
-    found = load_blocks(block_file, as_json) if block_file is not None else []
+    found = load_blocks(block_file, as_json, timeout_s) if block_file is not None else []
     if block is None and len(found) > 1:
         names = ", ".join(b.name for b in found)
         raise fail(

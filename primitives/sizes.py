@@ -25,6 +25,8 @@ from pydantic import AfterValidator
 from .errors import ProgramError, did_you_mean
 
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+MAX_LENGTH = 500  # characters; "Nq + Nkv" is 8
+MAX_DEPTH = 64  # nesting of the syntax tree (a chain a + b + c + … nests one level per operator)
 _NOT_ALLOWED = {  # what a size expression may look for, and why it is refused
     ast.FloorDiv: "floor division '//'",
     ast.Div: "division '/'",
@@ -36,10 +38,16 @@ _NOT_ALLOWED = {  # what a size expression may look for, and why it is refused
 @lru_cache(maxsize=512)
 @lru_cache(maxsize=1024)  # runtime steps evaluate the same few expressions every call
 def _parse(source: str) -> ast.AST:
+    if len(source) > MAX_LENGTH:
+        raise _too_big(source, f"is {len(source)} characters long, over the {MAX_LENGTH} allowed")
     try:
         tree = ast.parse(source.strip(), mode="eval").body
     except SyntaxError as e:
         raise ProgramError(f"size expression {source!r} is not valid syntax: {e.msg}") from None
+    except (RecursionError, MemoryError):
+        raise _too_big(source, f"({len(source)} characters) nests too deeply to parse") from None
+    if _depth(tree) > MAX_DEPTH:
+        raise _too_big(source, f"nests deeper than {MAX_DEPTH} levels")
     for node in ast.walk(tree):
         allowed = (ast.Name, ast.Load, ast.BinOp, ast.UnaryOp, ast.USub, *_OPS)
         if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -53,6 +61,24 @@ def _parse(source: str) -> ast.AST:
                 "'2 * d'); a size that depends on a threshold is wrong past it",
             )
     return tree
+
+
+def _depth(root: ast.AST) -> int:
+    """Nesting depth of the syntax tree, measured without recursion."""
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
+def _too_big(source: str, what: str) -> ProgramError:
+    shown = source if len(source) <= 40 else source[:37] + "..."
+    return ProgramError(
+        f"size expression {shown!r} {what}",
+        hint="a size is a short sum of sizes or a multiple of one (e.g. 'Nq + Nkv', '2 * d')",
+    )
 
 
 def check_size_expr(source: str) -> str:

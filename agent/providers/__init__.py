@@ -29,6 +29,7 @@ from .base import (
 )
 from .builtin import BuiltinProvider
 from .function import FunctionProvider
+from .http import check_base_url
 from .replay import ReplayProvider
 from .retry import RetryPolicy
 
@@ -45,8 +46,11 @@ def make_provider(
     replay_skip: int = 0,
 ) -> Provider:
     """The provider called ``name``. Raises ``ProviderError`` (kind ``config``) for an unknown
-    name, a missing SDK, a missing key or a missing ``--transcript``; the planner's ``NoRule``
-    when ``builtin`` cannot lower ``block``."""
+    name, a missing SDK, a missing key, a ``base_url`` that is not an http(s) URL with a host, or
+    a missing ``--transcript``; the planner's ``NoRule`` when ``builtin`` cannot lower
+    ``block``."""
+    if base_url is not None and name in ("anthropic", "openai"):
+        check_base_url(base_url)
     if name == "builtin":
         return BuiltinProvider(block)
     if name == "replay":

@@ -32,7 +32,15 @@ from .base import (
     answered_call,
     part_text,
 )
-from .http import malformed, request_timeout, sdk_errors, token_count
+from .http import (
+    call_within,
+    check_base_url,
+    malformed,
+    out_of_time,
+    request_timeout,
+    sdk_errors,
+    token_count,
+)
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 KEY_VAR = "ANTHROPIC_API_KEY"
@@ -70,12 +78,33 @@ class AnthropicProvider:
                 kind="config",
             )
         self.model = model or DEFAULT_MODEL
+        where = "--base-url" if base_url else "ANTHROPIC_BASE_URL"
         self.base_url = base_url or os.environ.get("ANTHROPIC_BASE_URL") or DEFAULT_BASE_URL
+        check_base_url(self.base_url, where)
         self.max_output_tokens = max_output_tokens
         self.request_timeout_s = request_timeout_s
-        self._client = anthropic.Anthropic(
-            api_key=key, base_url=self.base_url, max_retries=0, timeout=request_timeout_s
+        self._key = key
+        try:
+            self._client = self._new_client()
+        except ValueError as e:
+            raise ProviderError(
+                f"{where} {self.base_url!r} is not a usable URL ({e}); give the API root, such "
+                f"as {DEFAULT_BASE_URL}",
+                kind="config",
+            ) from None
+
+    def _new_client(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(
+            api_key=self._key,
+            base_url=self.base_url,
+            max_retries=0,
+            timeout=self.request_timeout_s,
         )
+
+    def _replace_client(self) -> None:
+        """Close the client (ending a request still in flight) and start a fresh one."""
+        old, self._client = self._client, self._new_client()
+        old.close()
 
     def complete(
         self,
@@ -85,14 +114,20 @@ class AnthropicProvider:
         *,
         timeout_s: float | None = None,
     ) -> AssistantTurn:
+        limit = request_timeout(self.request_timeout_s, timeout_s)
+        client, request = self._client, cached_request(system, messages, tools)
         with sdk_errors(
             anthropic, "Anthropic", key_var=KEY_VAR, model=self.model, base_url=self.base_url
         ):
-            response = self._client.messages.create(
-                timeout=request_timeout(self.request_timeout_s, timeout_s),
-                model=self.model,
-                max_tokens=self.max_output_tokens,
-                **cached_request(system, messages, tools),
+            response = call_within(
+                limit,
+                lambda: client.messages.create(
+                    timeout=limit, model=self.model, max_tokens=self.max_output_tokens, **request
+                ),
+                close=self._replace_client,
+                expired=lambda: out_of_time(
+                    "Anthropic", self.base_url, limit, self.request_timeout_s, timeout_s
+                ),
             )
         return from_anthropic(response, self.model)
 
@@ -175,7 +210,8 @@ def from_anthropic(response: Any, model: str) -> AssistantTurn:
     for block in content:
         kind = getattr(block, "type", None)
         if kind == "text":
-            parts.append(TextPart(text=str(getattr(block, "text", ""))))
+            text = getattr(block, "text", None)
+            parts.append(TextPart(text="" if text is None else str(text)))
         elif kind == "tool_use":
             name, call_id, args = (getattr(block, k, None) for k in ("name", "id", "input"))
             if not isinstance(name, str) or not isinstance(call_id, str):

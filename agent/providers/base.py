@@ -53,6 +53,15 @@ class ToolCallPart(_Part):
                 f"the arguments of {self.name!r} are not valid JSON ({e.msg} at line {e.lineno}, "
                 f"column {e.colno})"
             ) from None
+        except RecursionError:
+            raise ValueError(
+                f"the arguments of {self.name!r} are nested too deeply to read (a Program nests "
+                "a few levels)"
+            ) from None
+        except ValueError:  # a number longer than Python reads (4300 digits)
+            raise ValueError(
+                f"the arguments of {self.name!r} hold a number too long to read (over 4300 digits)"
+            ) from None
         if not isinstance(value, dict):
             raise ValueError(
                 f"the arguments of {self.name!r} must be a JSON object, not {type(value).__name__}"

@@ -4,19 +4,29 @@ Shared by the Anthropic and OpenAI adapters: both SDKs raise a status error carr
 status, the response headers and the server's message; this module decides which are worth
 retrying and how to word them. ``sdk_errors`` translates either SDK's exceptions (both define the
 same classes: ``APIResponseValidationError``, ``APIStatusError``, ``APIConnectionError``); the
-adapters pass their SDK module, so no SDK type leaves them.
+adapters pass their SDK module, so no SDK type leaves them. ``call_within`` bounds a whole request
+(httpx's own timeout bounds each wait for data, not the reply), and ``check_base_url`` refuses a
+``--base-url`` no client could use before one is built.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
-from .base import ProviderError
+from .base import DeadlineExceeded, ProviderError
 from .retry import parse_retry_after
+
+T = TypeVar("T")
+
+# The most tokens one request may report in a usage field: far past any model's context window,
+# and small enough that every total and price computed from it stays an exact, finite number.
+MAX_TOKEN_COUNT = 100_000_000
 
 
 def server_detail(body: Any, fallback: str) -> str:
@@ -78,22 +88,109 @@ def request_timeout(configured_s: float, left_s: float | None) -> float:
     """One request's timeout: the configured one, cut to the run's remaining time when that is
     shorter (never zero: a request with no time left fails at once as a timeout).
 
-    The SDKs hand it to httpx, which applies it to connecting and to each wait for data: a server
-    that accepts and never answers is dropped after this long.
+    It bounds the whole request (``call_within``): connecting, sending, and reading the reply to
+    its last byte, so a server that answers one byte at a time is cut off too. The SDKs also hand
+    it to httpx, which applies it to each wait for data.
     """
     if left_s is None:
         return configured_s
     return max(min(configured_s, left_s), 0.001)
 
 
+def call_within(
+    limit_s: float,
+    call: Callable[[], T],
+    *,
+    close: Callable[[], None],
+    expired: Callable[[], Exception],
+) -> T:
+    """``call()``'s value; ``expired()`` is raised when it has not returned within ``limit_s``
+    seconds.
+
+    The call runs in a daemon thread while this one waits, so a reply that trickles in cannot
+    hold the run past ``limit_s``. When time is up (or the wait is interrupted), ``close()``
+    closes the client the call uses, which ends its connection; the thread is left to finish on
+    its own, and whatever it returns or raises then is dropped. What ``call()`` raises in time is
+    raised here.
+    """
+    done = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="coda-provider-request", daemon=True).start()
+    try:
+        finished = done.wait(limit_s)
+    except BaseException:
+        close()
+        raise
+    if not finished:
+        close()
+        raise expired()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def out_of_time(
+    vendor: str, base_url: str, limit_s: float, configured_s: float, left_s: float | None
+) -> ProviderError:
+    """The error for a request that got no whole reply within ``limit_s``: the run's deadline
+    (``DeadlineExceeded``, a ``timeout`` stop) when the run's remaining time set the limit, else
+    a retryable error for a request that outlasted the provider's own cap."""
+    waited = f"the {vendor} API at {base_url} sent no whole reply in {limit_s:.1f} s"
+    if left_s is not None and left_s <= configured_s:
+        return DeadlineExceeded(f"the request was cut off when it ran out ({waited})")
+    return ProviderError(
+        f"{waited}, the longest one request may take — check that --base-url points at a "
+        "server that answers, or give --timeout to end the run sooner",
+        kind="network",
+        retryable=True,
+    )
+
+
+def check_base_url(url: str, where: str = "--base-url") -> str:
+    """``url`` if it is an ``http``/``https`` URL with a host; else a ``ProviderError`` (kind
+    ``config``) saying what to give. ``where``: the flag or variable it came from."""
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port
+    except ValueError as e:
+        problem = f"it cannot be parsed ({e})"
+    else:
+        if parts.scheme not in ("http", "https"):
+            problem = f"its scheme is {parts.scheme or 'missing'}, not http or https"
+        elif not host:
+            problem = "it names no host"
+        else:
+            return url
+    raise ProviderError(
+        f"{where} {url!r} is not a usable URL: {problem}; give the API root, such as "
+        "https://api.anthropic.com or http://localhost:8000/v1",
+        kind="config",
+    )
+
+
 def token_count(vendor: str, field: str, value: Any) -> int:
-    """A token count the server reported, checked: a whole number ≥ 0, or ``malformed`` naming
-    the field (a negative count would lower the run's total and defeat ``--max-tokens``)."""
-    if type(value) is not int or value < 0:
+    """A token count the server reported, checked: a whole number from 0 to ``MAX_TOKEN_COUNT``,
+    or ``malformed`` naming the field (a negative count would lower the run's total and defeat
+    ``--max-tokens``; an absurd one would overflow the price)."""
+    if type(value) is not int or not 0 <= value <= MAX_TOKEN_COUNT:
+        shown = repr(value)
+        if len(shown) > 24:
+            unit = "digits" if type(value) is int else "characters"
+            shown = f"{shown[:12]}… ({len(shown)} {unit})"
         raise malformed(
             vendor,
-            f"`{field}` is {value!r}, not a token count (a whole number ≥ 0); the turn is not "
-            "counted — check that --base-url points at a server that reports usage correctly",
+            f"`{field}` is {shown}, not a token count (a whole number from 0 to "
+            f"{MAX_TOKEN_COUNT:,}); the turn is not counted — check that --base-url points at a "
+            "server that reports usage correctly",
         )
     return value
 
@@ -138,3 +235,14 @@ def sdk_errors(
         raise unreachable(vendor, base_url, str(e)) from None
     except json.JSONDecodeError as e:
         raise malformed(vendor, f"the body is not JSON ({e.msg})") from None
+    except RecursionError:
+        raise malformed(vendor, "the body's JSON is nested too deeply to read") from None
+    except ValueError as e:  # what JSON parsing refuses beyond syntax (a number too long)
+        raise malformed(vendor, f"the body's JSON cannot be read ({_first_line(e)})") from None
+
+
+def _first_line(error: Exception) -> str:
+    """An exception's message up to its first ';' or line break (Python's advice after it is
+    for programmers)."""
+    text = str(error).split(";")[0].strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -36,7 +36,15 @@ from .base import (
     answered_call,
     part_text,
 )
-from .http import malformed, request_timeout, sdk_errors, token_count
+from .http import (
+    call_within,
+    check_base_url,
+    malformed,
+    out_of_time,
+    request_timeout,
+    sdk_errors,
+    token_count,
+)
 
 DEFAULT_MODEL = "gpt-4.1"
 KEY_VAR = "OPENAI_API_KEY"
@@ -67,7 +75,10 @@ class OpenAIProvider:
         request_timeout_s: float = 600.0,
         cache_key: bool | None = None,
     ) -> None:
+        where = "--base-url" if base_url else "OPENAI_BASE_URL"
         base_url = base_url or os.environ.get("OPENAI_BASE_URL")
+        if base_url:
+            check_base_url(base_url, where)
         key = api_key or os.environ.get(KEY_VAR)
         if not key and not base_url:
             raise ProviderError(
@@ -80,12 +91,28 @@ class OpenAIProvider:
         self.base_url = base_url or DEFAULT_BASE_URL
         self.request_timeout_s = request_timeout_s
         self.cache_key = self.base_url == DEFAULT_BASE_URL if cache_key is None else cache_key
-        self._client = openai.OpenAI(
-            api_key=key or PLACEHOLDER_KEY,
+        self._key = key or PLACEHOLDER_KEY
+        try:
+            self._client = self._new_client()
+        except ValueError as e:
+            raise ProviderError(
+                f"{where} {self.base_url!r} is not a usable URL ({e}); give the API root that "
+                "serves /chat/completions, such as http://localhost:8000/v1",
+                kind="config",
+            ) from None
+
+    def _new_client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            api_key=self._key,
             base_url=self.base_url,
             max_retries=0,
-            timeout=request_timeout_s,
+            timeout=self.request_timeout_s,
         )
+
+    def _replace_client(self) -> None:
+        """Close the client (ending a request still in flight) and start a fresh one."""
+        old, self._client = self._client, self._new_client()
+        old.close()
 
     def complete(
         self,
@@ -95,13 +122,18 @@ class OpenAIProvider:
         *,
         timeout_s: float | None = None,
     ) -> AssistantTurn:
+        limit = request_timeout(self.request_timeout_s, timeout_s)
+        client, request = self._client, self._request(system, messages, tools)
         with sdk_errors(
             openai, "OpenAI", key_var=KEY_VAR, model=self.model, base_url=self.base_url
         ):
-            completion = self._client.chat.completions.create(
-                timeout=request_timeout(self.request_timeout_s, timeout_s),
-                model=self.model,
-                **self._request(system, messages, tools),
+            completion = call_within(
+                limit,
+                lambda: client.chat.completions.create(timeout=limit, model=self.model, **request),
+                close=self._replace_client,
+                expired=lambda: out_of_time(
+                    "OpenAI", self.base_url, limit, self.request_timeout_s, timeout_s
+                ),
             )
         return from_openai(completion, self.model)
 

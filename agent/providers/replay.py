@@ -28,8 +28,11 @@ class ReplayProvider:
 
     def __init__(self, transcript: str | Path, *, skip: int = 0) -> None:
         """Play ``transcript``'s assistant turns, starting after the first ``skip`` (a resumed
-        replay has already played them)."""
-        records = _transcript.read_records(Path(transcript))
+        replay has already played them). A record whose content does not hold together is a
+        ``TranscriptError`` naming its line, raised here rather than mid-run."""
+        read = _transcript.read_transcript(Path(transcript))
+        read.state()
+        records = read.records
         self.start = records[0]
         self.model = self.start.model
         self.source = str(transcript)
@@ -75,8 +78,11 @@ class ReplayProvider:
 
 
 def _verdicts(message: UserMessage) -> dict[str, bool]:
-    return {
-        p.tool_call_id: bool(p.data["report"]["verified"])
-        for p in message.parts
-        if isinstance(p, ToolResultPart) and p.data and "report" in p.data
-    }
+    """Each answered call's verdict, from the Reports the message carries (a result whose
+    ``report`` is not a Report's object has none)."""
+    found = {}
+    for p in message.parts:
+        report = p.data.get("report") if isinstance(p, ToolResultPart) and p.data else None
+        if isinstance(report, dict) and isinstance(report.get("verified"), bool):
+            found[p.tool_call_id] = report["verified"]
+    return found

@@ -1,7 +1,8 @@
 """A scripted LLM API on 127.0.0.1 for the SDK loopback tests: it speaks Anthropic's
 ``/v1/messages`` and OpenAI's ``/v1/chat/completions`` wire formats, answers each POST with the
 next scripted response, and records every request (path, headers, JSON body). A ``STALL`` reply
-accepts the request and never answers (until the server closes). With ``cache`` set to a
+accepts the request and never answers (until the server closes); a reply with ``drip_s`` sends its
+headers at once, then its body one byte every ``drip_s`` seconds. With ``cache`` set to a
 ``PromptCache``, the server counts each request's input tokens itself and reports which were
 written to and read from Anthropic's prompt cache, as the Messages API does."""
 
@@ -23,6 +24,7 @@ class Reply:
     body: Any = None  # a dict is sent as JSON, a str as is
     headers: dict[str, str] = field(default_factory=dict)
     stall: bool = False  # read the request, send nothing
+    drip_s: float | None = None  # send the body one byte every drip_s seconds
 
 
 STALL = Reply(stall=True)
@@ -65,7 +67,18 @@ class FakeLLM:
                 for k, v in reply.headers.items():
                     self.send_header(k, v)
                 self.end_headers()
-                self.wfile.write(raw)
+                if reply.drip_s is None:
+                    self.wfile.write(raw)
+                    return
+                self.wfile.flush()
+                for byte in raw:
+                    if owner.closing.wait(reply.drip_s):
+                        return
+                    try:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                    except OSError:  # the client hung up
+                        return
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -339,3 +339,68 @@ def test_a_submitted_program_is_parsed_once(
     result = run(script, tmp_path)
     assert result.candidates[0].program == want
     assert len(parsed) == 1, parsed
+
+
+def test_arguments_too_deep_or_with_too_long_a_number_are_answered_and_resume(
+    tmp_path: Path,
+) -> None:
+    deep = '{"program": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    long_number = '{"program": ' + "1" * 5000 + "}"
+    script = Script(
+        [
+            turn(call("submit_program", deep, "deep"), call("submit_program", long_number, "n")),
+            finish("gave up"),
+        ]
+    )
+    result = run(script, tmp_path)
+    assert result.stop.kind == "finished" and result.tool_errors == 2
+    deep_answer, number_answer = results_in(script.requests[1][-1])
+    assert isinstance(deep_answer, RetryPromptPart) and deep_answer.tool_call_id == "deep"
+    assert "the arguments of 'submit_program' are nested too deeply to read" in (
+        deep_answer.content
+    )
+    assert "hold a number too long to read (over 4300 digits)" in number_answer.content
+    state = RunDir.open(result.run.path).state()  # what --resume and show read back
+    assert state.calls() == {"deep": None, "n": None} and state.turns == 2
+
+
+def test_a_tool_name_and_call_id_megabytes_long_are_cut_before_they_are_recorded(
+    tmp_path: Path,
+) -> None:
+    huge = "x" * 5_000_000
+    script = Script([turn(call(huge, {}, "id" + huge)), finish("gave up")])
+    result = run(script, tmp_path)
+    assert result.stop.kind == "finished" and result.tool_errors == 1
+    assert result.run.transcript.stat().st_size < 100_000
+    (recorded,) = script.requests[1][-2].tool_calls
+    assert recorded.name == "x" * 64 + f"[… {len(huge) - 64} characters cut]"
+    assert recorded.id.startswith("id" + "x" * 62 + "-cut-") and len(recorded.id) < 100
+    (answer,) = results_in(script.requests[1][-1])
+    assert answer.tool_call_id == recorded.id and "there is no tool 'xxx" in answer.content
+
+
+def test_a_reply_is_kept_up_to_its_limit_in_all_and_the_rest_is_dropped(tmp_path: Path) -> None:
+    from coda.agent.clipping import MAX_PART_CHARS, MAX_REPLY_CHARS
+    from coda.agent.providers import AssistantTurn, TextPart
+
+    texts = [TextPart(text=f"{i:02d}" + "y" * 249_998) for i in range(40)]
+    late = call("finish", {"reason": "never run"}, "late")
+    many = AssistantTurn(parts=[*texts, late], stop_reason="tool_use", model="test-model")
+    script = Script([many, finish("done")])
+    result = run(script, tmp_path)
+    assert result.stop.kind == "finished" and result.tool_errors == 1
+    assert result.run.transcript.stat().st_size < MAX_REPLY_CHARS + 100_000
+    kept = script.requests[1][-2].parts
+    assert len(kept) == 5 and not script.requests[1][-2].tool_calls  # the finish was dropped
+    assert sum(len(p.text) for p in kept) < MAX_REPLY_CHARS + 200
+    cut = MAX_REPLY_CHARS - 4 * 250_000
+    assert kept[4].text.endswith(
+        f"[… {250_000 - cut} characters cut: a whole reply is kept up to {MAX_REPLY_CHARS} "
+        "characters]"
+    )
+    assert MAX_PART_CHARS < MAX_REPLY_CHARS
+    (note,) = script.requests[1][-1].parts
+    assert f"over what was left ({cut}) of the {MAX_REPLY_CHARS}-character limit" in note.content
+    dropped = 35 * 250_000 + len(late.arguments) + len(late.name) + len(late.id)
+    assert f"its last 36 part(s) ({dropped} characters) were dropped" in note.content
+    assert "no tool call among them was run" in note.content

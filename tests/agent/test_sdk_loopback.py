@@ -21,8 +21,9 @@ from pydantic import ValidationError
 
 from coda.agent.clipping import MAX_PART_CHARS
 from coda.agent.loop import Budgets
-from coda.agent.providers import ProviderError, Usage
+from coda.agent.providers import ProviderError, Usage, make_provider
 from coda.agent.providers.anthropic import AnthropicProvider
+from coda.agent.providers.http import MAX_TOKEN_COUNT
 from coda.agent.providers.openai import OpenAIProvider
 from coda.agent.providers.retry import RetryPolicy
 from coda.agent.synthesize import synthesize
@@ -221,7 +222,20 @@ def test_an_unreachable_server_is_a_clear_error(tmp_path: Path, vendor: str) -> 
 
 
 @pytest.mark.parametrize("vendor", VENDORS)
-@pytest.mark.parametrize("body,fragment", [({"foo": 1}, "malformed"), ("<html>", "not JSON")])
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        ({"foo": 1}, "malformed"),
+        ("<html>", "not JSON"),
+        ("[" * 200_000 + "]" * 200_000, "the body's JSON is nested too deeply to read"),
+        (
+            '{"a": ' + "9" * 5000 + "}",
+            "the body's JSON cannot be read (Exceeds the limit (4300 digits) for integer string "
+            "conversion: value has 5000 digits)",
+        ),
+    ],
+    ids=["fields", "html", "deep", "long-number"],
+)
 def test_a_malformed_response_is_a_clear_error(
     server: FakeLLM, tmp_path: Path, vendor: str, body: Any, fragment: str
 ) -> None:
@@ -258,6 +272,47 @@ def test_a_missing_key_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch)
     assert OpenAIProvider("llama", base_url="http://127.0.0.1:1/v1").model == "llama"
 
 
+@pytest.mark.parametrize(
+    "url,problem",
+    [
+        ("http://[::1", "it cannot be parsed (Invalid IPv6 URL)"),
+        ("notaurl", "its scheme is missing, not http or https"),
+        ("ftp://127.0.0.1/v1", "its scheme is ftp, not http or https"),
+        ("http://", "it names no host"),
+        ("http://127.0.0.1:99999", "it cannot be parsed (Port out of range"),
+    ],
+)
+def test_a_base_url_that_is_not_an_http_url_is_a_configuration_error(
+    url: str, problem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test")
+    for name in ("anthropic", "openai"):
+        with pytest.raises(ProviderError, match="is not a usable URL") as err:
+            make_provider(name, BLOCK, base_url=url)
+        assert err.value.exit_code == 2 and problem in err.value.message
+        assert err.value.message.startswith(f"--base-url {url!r} is not a usable URL")
+    with pytest.raises(ProviderError, match="is not a usable URL") as err:
+        AnthropicProvider(base_url=url)
+    monkeypatch.setenv("OPENAI_BASE_URL", url)
+    with pytest.raises(ProviderError, match=f"OPENAI_BASE_URL {re.escape(repr(url))}") as err:
+        OpenAIProvider()
+    assert err.value.exit_code == 2
+
+
+def test_a_text_block_whose_text_is_null_is_recorded_as_empty(
+    server: FakeLLM, tmp_path: Path
+) -> None:
+    server.replies = [
+        anthropic_message(
+            {"type": "text", "text": None},
+            {"type": "tool_use", "id": "t1", "name": "finish", "input": {"reason": "ok"}},
+        )
+    ]
+    result = run(anthropic_at(server.url), tmp_path)
+    assert result.stop.kind == "finished"
+    assert transcript_messages(tmp_path)[1]["parts"][0] == {"kind": "text", "text": ""}
+
+
 def test_refusals_end_the_run(server: FakeLLM, tmp_path: Path) -> None:
     server.replies = [
         anthropic_message(
@@ -290,9 +345,57 @@ def test_a_server_that_never_answers_is_cut_off_at_the_runs_timeout(
     assert len(server.requests) == 1  # no retry past the deadline
 
 
+def dripping(reply: Reply, drip_s: float = 0.05) -> Reply:
+    """``reply`` sent one byte every ``drip_s`` seconds (a few hundred bytes: 15 s or more)."""
+    reply.drip_s = drip_s
+    return reply
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_a_reply_that_trickles_in_is_cut_off_at_the_runs_timeout(
+    server: FakeLLM, tmp_path: Path, vendor: str
+) -> None:
+    provider, tool, _ = VENDORS[vendor]
+    server.replies = [dripping(tool("t1", "finish", {"reason": "ok"})) for _ in range(2)]
+    start = time.monotonic()
+    result = run(provider(server.url), tmp_path, Budgets(timeout_s=2))
+    assert time.monotonic() - start < 6  # each byte came well within httpx's read timeout
+    assert result.stop.kind == "timeout" and result.turns == 0, result.stop
+    assert result.stop.message.startswith(
+        "ran out of wall-clock time (--timeout 2 s) waiting for the provider: the request was "
+        "cut off when it ran out"
+    )
+    assert "sent no whole reply in 2.0 s" in result.stop.message and len(server.requests) == 1
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_without_a_run_timeout_a_request_is_cut_off_at_the_providers_own_cap(
+    server: FakeLLM, tmp_path: Path, vendor: str
+) -> None:
+    make = AnthropicProvider if vendor == "anthropic" else OpenAIProvider
+    url = server.url if vendor == "anthropic" else f"{server.url}/v1"
+    provider = make(None, base_url=url, api_key="sk-test", request_timeout_s=1.0)
+    _, tool, _ = VENDORS[vendor]
+    server.replies = [dripping(tool("t1", "finish", {"reason": "ok"})) for _ in range(2)]
+    start = time.monotonic()
+    result = synthesize(
+        BLOCK,
+        tmp_path,
+        provider=provider,
+        sandbox=FAST,
+        retry=RetryPolicy(attempts=2, base_delay_s=0.001, max_delay_s=0.01),
+    )
+    assert time.monotonic() - start < 8
+    assert result.stop.kind == "provider_error" and result.turns == 0, result.stop
+    assert "sent no whole reply in 1.0 s, the longest one request may take" in result.stop.message
+    assert "gave up after 2 attempts" in result.stop.message and len(server.requests) == 2
+
+
 BAD_USAGE = [
     ((-999_999, 30), "input_tokens", "prompt_tokens", "-999999"),
     ((120, 2.5), "output_tokens", "completion_tokens", "2.5"),
+    ((MAX_TOKEN_COUNT + 1, 30), "input_tokens", "prompt_tokens", str(MAX_TOKEN_COUNT + 1)),
+    ((10**400, 30), "input_tokens", "prompt_tokens", "100000000000… (401 digits)"),
 ]
 
 

@@ -5,12 +5,15 @@ clear error naming the line — never a traceback, never a transcript that a res
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from coda.agent.providers.base import ToolResultPart, UserMessage
+from coda.agent.providers.replay import ReplayProvider, _verdicts
 from coda.agent.runs import TORN, RunDir
 from coda.agent.synthesize import resume, synthesize
 from coda.agent.transcript import (
@@ -99,15 +102,21 @@ def test_a_line_that_is_not_json_in_the_middle_is_skipped_with_a_note(tmp_path: 
     ]
 
 
-def _tampered_candidate() -> str:
+def _tampered_candidate(data: dict[str, Any] | None = None) -> str:
     """A tool result whose Report is not a Report (valid JSON, valid record, wrong content)."""
     part = ToolResultPart(
         tool_call_id="c1",
         name="submit_program",
         content="candidate 1",
-        data={"candidate": 1, "report": {"verified": "perhaps"}},
+        data=data or {"candidate": 1, "report": {"verified": "perhaps"}},
     )
     return record_line(MessageRecord(turn=1, message=UserMessage(parts=[part])))
+
+
+def _costed_turn(cost: float) -> str:
+    """An assistant turn whose recorded cost was edited (``json`` writes NaN as ``NaN``)."""
+    turn = {"role": "assistant", "parts": [], "stop_reason": "end_turn"}
+    return json.dumps({"event": "message", "turn": 1, "message": turn, "cost_usd": cost})
 
 
 @pytest.mark.parametrize(
@@ -117,8 +126,17 @@ def _tampered_candidate() -> str:
         ('{"event": "candidate", "turn": 1}', ":3: not a transcript record (candidate.index"),
         ('["a", "list"]', ":3: not a transcript record"),
         (_tampered_candidate(), ":3: the message record does not hold together (verified"),
+        (
+            _tampered_candidate({"candidate": 1, "report": {}}).replace(
+                '"candidate": 1', '"candidate": Infinity'
+            ),
+            ":3: the message record does not hold together (OverflowError",
+        ),
+        (_costed_turn(float("nan")), ":3: not a transcript record (message.cost_usd: Input "),
+        (_costed_turn(-1e9), ":3: not a transcript record (message.cost_usd: Input should be"),
     ],
-    ids=["wrong-type", "missing-fields", "not-an-object", "bad-report"],
+    ids=["wrong-type", "missing-fields", "not-an-object", "bad-report", "inf-index"]
+    + ["nan-cost", "negative-cost"],
 )
 def test_a_tampered_record_is_a_clear_error_naming_its_line(
     tmp_path: Path, line: str, expected: str
@@ -132,3 +150,47 @@ def test_a_tampered_record_is_a_clear_error_naming_its_line(
         shown = runner.invoke(app, args)
         assert shown.exit_code == 2 and "Traceback" not in shown.output
         assert expected in " ".join(shown.output.split())
+
+
+@pytest.mark.parametrize(
+    "field,key,value,expected",
+    [
+        ("budgets", "bogus", 1, "budgets: Value error, unknown budget 'bogus' (known: max_turns"),
+        ("budgets", "max_turns", "lots", "max_turns: Input should be a valid integer"),
+        ("budgets", "max_cost", float("nan"), "max_cost: nan is not a budget"),
+        ("budgets", "timeout_s", -5.0, "timeout_s: -5.0 is not a budget"),
+        ("sandbox", "bogus", 1, "sandbox: Value error, unknown sandbox option 'bogus'"),
+        ("sandbox", "timeout_s", "soon", "timeout_s: Input should be a valid number"),
+        ("sandbox", "timeout_s", float("inf"), "timeout_s: inf is not a finite number"),
+    ],
+)
+def test_hand_edited_budgets_and_sandbox_options_are_a_clear_error_naming_line_1(
+    tmp_path: Path, field: str, key: str, value: Any, expected: str
+) -> None:
+    run = crashed_run(tmp_path)
+    first, rest = run.transcript.read_text().split("\n", 1)
+    start = json.loads(first)
+    start[field][key] = value
+    run.transcript.write_text(json.dumps(start) + "\n" + rest)
+    with pytest.raises(TranscriptError, match="changed by hand") as err:
+        run.state()
+    assert f"{run.transcript}:1: not a transcript record (run_start.{field}: " in str(err.value)
+    assert expected in str(err.value)
+    for args in (["show", str(run.path)], ["synthesize", "--resume", str(run.path)]):
+        shown = runner.invoke(app, [*args, "--json"])
+        assert shown.exit_code == 2 and "Traceback" not in shown.output
+        assert expected in json.loads(shown.stdout.splitlines()[-1])["error"]
+
+
+def test_a_replayed_transcript_with_a_tampered_report_is_a_clear_error(tmp_path: Path) -> None:
+    run = crashed_run(tmp_path)
+    line = _tampered_candidate({"candidate": 1, "report": "oops"})
+    run.transcript.write_text(run.transcript.read_text() + line + "\n")
+    with pytest.raises(TranscriptError, match=":3: the message record does not hold together"):
+        ReplayProvider(run.transcript)
+    args = ["synthesize", "--provider", "replay", "--transcript", str(run.transcript)]
+    shown = runner.invoke(app, [*args, "--runs-dir", str(tmp_path / "replays")])
+    assert shown.exit_code == 2 and "Traceback" not in shown.output
+    assert ":3: the message record does not hold together" in " ".join(shown.output.split())
+    part = ToolResultPart(tool_call_id="c1", name="s", content="", data={"report": "oops"})
+    assert _verdicts(UserMessage(parts=[part])) == {}  # no verdict, rather than a TypeError

@@ -325,3 +325,20 @@ def test_verify_timeout_stops_a_hanging_worker(
     assert result.exit_code == 1, result.output
     assert "FAILED at verify" in result.output, result.output
     assert "the worker was killed during verify: timed out after 5 s" in result.output
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "notaurl", "ftp://127.0.0.1/v1"])
+def test_a_base_url_that_is_not_an_http_url_exits_2_before_any_request(
+    tmp_path: Path, url: str
+) -> None:
+    base = ["synthesize", "-b", "llama_mlp", "--runs-dir", str(tmp_path), "--json"]
+    for provider in ("anthropic", "openai"):
+        result = runner.invoke(
+            app,
+            [*base, "--provider", provider, "--base-url", url],
+            env={"ANTHROPIC_API_KEY": "sk-ant-test", "OPENAI_API_KEY": "sk-test"},
+        )
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        error = json.loads(result.stdout.splitlines()[-1])["error"]
+        assert error.startswith(f"--base-url {url!r} is not a usable URL")
+    assert not list(tmp_path.iterdir())  # no run was started

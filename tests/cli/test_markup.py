@@ -1,8 +1,10 @@
 """Bracketed text from Reports, models and servers reaches the console as written: Rich must not
-read ``[program]`` or ``[at M=64, d=64]`` as markup (``--json`` always had them)."""
+read ``[program]`` or ``[at M=64, d=64]`` as markup (``--json`` always had them); and their control
+characters (escape sequences that retitle or clear the terminal) never reach it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,40 @@ def test_eval_cell_lines_keep_bracketed_errors(monkeypatch: pytest.MonkeyPatch) 
     )  # fmt: skip
     eval_cli._cell_line(cell, 1, 2)
     assert "[1/2] c: ERROR ProviderError: [overloaded] try later" in console.export_text()
+
+
+ESCAPES = "\x1b]0;PWNED\x07\x1b[2J\x1b[31m\x9b31m\r\x08"  # retitle, clear, colour (C0 and C1)
+
+
+def test_printable_drops_control_characters_but_newlines_and_tabs() -> None:
+    from coda.cli.common import printable
+
+    assert printable(f"a{ESCAPES}b\n\tc") == "a]0;PWNED[2J[31m31mb\n\tc"
+    assert printable("plain [text] ü") == "plain [text] ü"
+
+
+def test_escape_sequences_from_models_and_servers_never_reach_the_terminal(
+    tmp_path: Path, recorded: Console, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coda.agent.providers.base import ToolCallPart
+    from coda.cli.common import fail
+    from tests.agent.scripted import turn
+
+    progress = cli.Progress()
+    progress(Retrying(1, 2.0, f"HTTP 429{ESCAPES} slow down"))
+    progress(ToolAnswered(f"tool{ESCAPES}", False, f"no such tool{ESCAPES}"))
+    progress(Stopped(Stop("provider_error", f"HTTP 400: bad{ESCAPES} request")))
+    reply = turn(ToolCallPart(id="c1", name=f"x{ESCAPES}", arguments="{}"), text=f"hi{ESCAPES}")
+    progress(TurnEnded(1, reply, 1.0, Usage(), 0.0))
+    run = crashed_run(tmp_path)  # the run table and the header of `show`
+    end = {"event": "end", "reason": "provider_error", "message": f"bad{ESCAPES} request"}
+    end |= {"verified": False, "turns": 0, "input_tokens": 0, "output_tokens": 0}
+    end |= {"cost_usd": None, "seconds": 1.0}
+    run.transcript.write_text(run.transcript.read_text() + json.dumps(end) + "\n")
+    assert CliRunner().invoke(app, ["show", str(run.path)]).exit_code == 0
+    fail(f"the server said bad{ESCAPES} request")
+    shown = recorded.export_text() + capsys.readouterr().err
+    assert "]0;PWNED" in shown and "HTTP 400: bad]0;PWNED" in shown
+    assert "bad]0;PWNED[2J[31m31m request" in " ".join(shown.split())
+    for char in ("\x1b", "\x07", "\x9b", "\r", "\x08"):
+        assert char not in shown, repr(char)

@@ -8,6 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from coda.blocks import get_block
+from coda.planner import lower
 from coda.primitives import Program, ProgramError
 from coda.primitives.expr import canonical, parse
 from coda.primitives.sizes import canonical_size_expr, check_size_expr, evaluate
@@ -67,6 +69,25 @@ def test_size_expressions_print_canonically(source: str, printed: str) -> None:
     assert canonical_size_expr(source) == printed
     sizes = {"a": 11, "b": 2, "c": 3, "d": 5, "Nq": 7, "Nkv": 2}
     assert evaluate(printed, sizes) == evaluate(source, sizes)
+
+
+@pytest.mark.parametrize(
+    "source,what",
+    [
+        ("-" * 100_000 + "d", "is 100001 characters long, over the 500 allowed"),
+        ("*".join(["d"] * 20_000), "is 39999 characters long, over the 500 allowed"),
+        ("-" * 80 + "d", "nests deeper than 64 levels"),
+        ("*".join(["d"] * 100), "nests deeper than 64 levels"),
+    ],
+    ids=["long-negation", "long-product", "deep-negation", "deep-product"],
+)
+def test_a_size_expression_too_long_or_too_deep_is_a_program_error(source: str, what: str) -> None:
+    with pytest.raises(ProgramError, match=what):
+        canonical_size_expr(source)
+    step = {"kind": "sum_partials", "src": "rstd_h", "out": "zz", "divide_by": source}
+    data = lower(get_block("llama_mlp")).model_dump(mode="json")
+    with pytest.raises(ProgramError, match=what):  # not a MemoryError or RecursionError
+        Program.parse({**data, "steps": [*data["steps"], step]})
 
 
 _SIZE_LEAVES = st.one_of(st.sampled_from(["a", "b", "Nq"]), st.integers(0, 99).map(str))
