@@ -7,8 +7,8 @@ One turn:
    each request cut off when the run's wall-clock budget ends (a ``timeout`` stop).
 3. Cut any reply part past ``clipping.MAX_PART_CHARS``, and a reply past
    ``clipping.MAX_REPLY_CHARS`` in all, before it is recorded (``clipping.clip_reply``; a cut
-   tool call is answered with an error, not run). Answer every tool call, in one message, in the order the
-   calls came: ``describe_primitive`` returns a primitive's documentation; each
+   tool call is answered with an error, not run). Answer every tool call, in one message, in the
+   order the calls came: ``describe_primitive`` returns a primitive's documentation; each
    ``submit_program`` runs the sandbox and returns its Report rendered compactly (the full Report
    rides along as data) — a turn's submissions are evaluated at once, one worker each, as many
    as there are worker slots (``batch.py``, ``Budgets.parallel``); ``finish``, answered after

@@ -106,7 +106,7 @@ def _parse_cached(source: str) -> Expr:
         ) from None
     except (RecursionError, MemoryError):
         raise _too_deep(source) from None
-    if _depth(node) > MAX_DEPTH:
+    if tree_depth(node) > MAX_DEPTH:
         raise _too_deep(source)
     return Expr(source, _convert(node, source, in_where_cond=False))
 
@@ -125,7 +125,7 @@ def _check_text(source: str) -> None:
             )
 
 
-def _depth(root: ast.AST) -> int:
+def tree_depth(root: ast.AST) -> int:
     """Nesting depth of the syntax tree, measured without recursion."""
     deepest, stack = 0, [(root, 1)]
     while stack:

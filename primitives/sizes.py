@@ -23,6 +23,7 @@ from typing import Annotated
 from pydantic import AfterValidator
 
 from .errors import ProgramError, did_you_mean
+from .expr import tree_depth
 
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
 MAX_LENGTH = 500  # characters; "Nq + Nkv" is 8
@@ -46,7 +47,7 @@ def _parse(source: str) -> ast.AST:
         raise ProgramError(f"size expression {source!r} is not valid syntax: {e.msg}") from None
     except (RecursionError, MemoryError):
         raise _too_big(source, f"({len(source)} characters) nests too deeply to parse") from None
-    if _depth(tree) > MAX_DEPTH:
+    if tree_depth(tree) > MAX_DEPTH:
         raise _too_big(source, f"nests deeper than {MAX_DEPTH} levels")
     for node in ast.walk(tree):
         allowed = (ast.Name, ast.Load, ast.BinOp, ast.UnaryOp, ast.USub, *_OPS)
@@ -61,16 +62,6 @@ def _parse(source: str) -> ast.AST:
                 "'2 * d'); a size that depends on a threshold is wrong past it",
             )
     return tree
-
-
-def _depth(root: ast.AST) -> int:
-    """Nesting depth of the syntax tree, measured without recursion."""
-    deepest, stack = 0, [(root, 1)]
-    while stack:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
-    return deepest
 
 
 def _too_big(source: str, what: str) -> ProgramError:

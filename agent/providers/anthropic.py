@@ -33,6 +33,7 @@ from .base import (
     part_text,
 )
 from .http import (
+    SdkClient,
     call_within,
     check_base_url,
     malformed,
@@ -83,28 +84,14 @@ class AnthropicProvider:
         check_base_url(self.base_url, where)
         self.max_output_tokens = max_output_tokens
         self.request_timeout_s = request_timeout_s
-        self._key = key
-        try:
-            self._client = self._new_client()
-        except ValueError as e:
-            raise ProviderError(
-                f"{where} {self.base_url!r} is not a usable URL ({e}); give the API root, such "
-                f"as {DEFAULT_BASE_URL}",
-                kind="config",
-            ) from None
-
-    def _new_client(self) -> anthropic.Anthropic:
-        return anthropic.Anthropic(
-            api_key=self._key,
+        self._sdk = SdkClient(
+            lambda: anthropic.Anthropic(
+                api_key=key, base_url=self.base_url, max_retries=0, timeout=request_timeout_s
+            ),
+            where=where,
             base_url=self.base_url,
-            max_retries=0,
-            timeout=self.request_timeout_s,
+            example=DEFAULT_BASE_URL,
         )
-
-    def _replace_client(self) -> None:
-        """Close the client (ending a request still in flight) and start a fresh one."""
-        old, self._client = self._client, self._new_client()
-        old.close()
 
     def complete(
         self,
@@ -115,7 +102,7 @@ class AnthropicProvider:
         timeout_s: float | None = None,
     ) -> AssistantTurn:
         limit = request_timeout(self.request_timeout_s, timeout_s)
-        client, request = self._client, cached_request(system, messages, tools)
+        client, request = self._sdk.client, cached_request(system, messages, tools)
         with sdk_errors(
             anthropic, "Anthropic", key_var=KEY_VAR, model=self.model, base_url=self.base_url
         ):
@@ -124,7 +111,7 @@ class AnthropicProvider:
                 lambda: client.messages.create(
                     timeout=limit, model=self.model, max_tokens=self.max_output_tokens, **request
                 ),
-                close=self._replace_client,
+                close=self._sdk.replace,
                 expired=lambda: out_of_time(
                     "Anthropic", self.base_url, limit, self.request_timeout_s, timeout_s
                 ),

@@ -138,6 +138,29 @@ def call_within(
     return outcome["value"]
 
 
+class SdkClient:
+    """An SDK client made by ``make``, replaceable: ``replace()`` closes it — ending a request
+    still in flight on it (``call_within``'s ``close``) — and makes a fresh one. ``client`` is the
+    current one. A ``ValueError`` from ``make`` (the SDK's URL parser) is the ``config``
+    ``ProviderError`` for ``where`` (the flag or variable the URL came from); ``example``: an
+    API root to give instead."""
+
+    def __init__(self, make: Callable[[], Any], *, where: str, base_url: str, example: str) -> None:
+        self._make = make
+        try:
+            self.client = make()
+        except ValueError as e:
+            raise ProviderError(
+                f"{where} {base_url!r} is not a usable URL ({e}); give the API root, such as "
+                f"{example}",
+                kind="config",
+            ) from None
+
+    def replace(self) -> None:
+        old, self.client = self.client, self._make()
+        old.close()
+
+
 def out_of_time(
     vendor: str, base_url: str, limit_s: float, configured_s: float, left_s: float | None
 ) -> ProviderError:

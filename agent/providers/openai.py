@@ -37,6 +37,7 @@ from .base import (
     part_text,
 )
 from .http import (
+    SdkClient,
     call_within,
     check_base_url,
     malformed,
@@ -91,28 +92,17 @@ class OpenAIProvider:
         self.base_url = base_url or DEFAULT_BASE_URL
         self.request_timeout_s = request_timeout_s
         self.cache_key = self.base_url == DEFAULT_BASE_URL if cache_key is None else cache_key
-        self._key = key or PLACEHOLDER_KEY
-        try:
-            self._client = self._new_client()
-        except ValueError as e:
-            raise ProviderError(
-                f"{where} {self.base_url!r} is not a usable URL ({e}); give the API root that "
-                "serves /chat/completions, such as http://localhost:8000/v1",
-                kind="config",
-            ) from None
-
-    def _new_client(self) -> openai.OpenAI:
-        return openai.OpenAI(
-            api_key=self._key,
+        self._sdk = SdkClient(
+            lambda: openai.OpenAI(
+                api_key=key or PLACEHOLDER_KEY,
+                base_url=self.base_url,
+                max_retries=0,
+                timeout=request_timeout_s,
+            ),
+            where=where,
             base_url=self.base_url,
-            max_retries=0,
-            timeout=self.request_timeout_s,
+            example="http://localhost:8000/v1 (the root that serves /chat/completions)",
         )
-
-    def _replace_client(self) -> None:
-        """Close the client (ending a request still in flight) and start a fresh one."""
-        old, self._client = self._client, self._new_client()
-        old.close()
 
     def complete(
         self,
@@ -123,14 +113,14 @@ class OpenAIProvider:
         timeout_s: float | None = None,
     ) -> AssistantTurn:
         limit = request_timeout(self.request_timeout_s, timeout_s)
-        client, request = self._client, self._request(system, messages, tools)
+        client, request = self._sdk.client, self._request(system, messages, tools)
         with sdk_errors(
             openai, "OpenAI", key_var=KEY_VAR, model=self.model, base_url=self.base_url
         ):
             completion = call_within(
                 limit,
                 lambda: client.chat.completions.create(timeout=limit, model=self.model, **request),
-                close=self._replace_client,
+                close=self._sdk.replace,
                 expired=lambda: out_of_time(
                     "OpenAI", self.base_url, limit, self.request_timeout_s, timeout_s
                 ),
