@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from coda.primitives.errors import ProgramError
+from coda.primitives.errors import ProgramError, first_validation_error
 from coda.primitives.ir import Program
 from coda.sandbox.report import Report
 
@@ -444,9 +444,7 @@ def _only(value: dict[str, Any], known: list[str], what: str) -> None:
 def _first_error(error: Exception) -> str:
     """A one-line account of what was wrong in a record's content."""
     if isinstance(error, ValidationError):
-        first = error.errors()[0]
-        where = ".".join(map(str, first["loc"]))
-        return f"{where}: {first['msg']}" if where else first["msg"]
+        return first_validation_error(error)
     if isinstance(error, KeyError):
         return f"missing {error.args[0]!r}"
     return f"{type(error).__name__}: {error}"

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from coda.agent.jsonl import append_line, repair_tail
 from coda.agent.runs import unique_dir
+from coda.primitives.errors import first_validation_error
 
 from .metrics import CellNumbers
 from .spec import EvalSpec
@@ -142,7 +143,8 @@ class EvalDir:
         try:
             return EvalSpec.model_validate_json(self.spec_file.read_bytes())
         except ValidationError as e:
-            raise EvalDirError(f"{self.spec_file}: not an eval spec ({_first(e)})") from None
+            what = first_validation_error(e)
+            raise EvalDirError(f"{self.spec_file}: not an eval spec ({what})") from None
         except OSError as e:
             raise EvalDirError(f"cannot read {self.spec_file}: {e.strerror}") from None
 
@@ -183,16 +185,11 @@ class EvalDir:
             return CellResult.model_validate_json(chunk)
         except ValidationError as e:
             raise EvalDirError(
-                f"{self.results_file}:{number}: not a cell result ({_first(e)}); delete the line "
-                "(`--resume` reruns a cell without a result)"
+                f"{self.results_file}:{number}: not a cell result ({first_validation_error(e)}); "
+                "delete the line (`--resume` reruns a cell without a result)"
             ) from None
 
     def ordered_results(self) -> list[CellResult]:
         """Results in the spec's cell order (cells not run yet are absent)."""
         found = self.results()
         return [found[c.id] for c in self.spec().cells() if c.id in found]
-
-
-def _first(error: ValidationError) -> str:
-    first = error.errors()[0]
-    return f"{'.'.join(map(str, first['loc']))}: {first['msg']}"

@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from coda.agent.runs import RunDir
 from coda.agent.summary import error_rows
 from coda.blocks import BlockNotFound, get_block, load_block_file
-from coda.primitives.errors import did_you_mean
+from coda.primitives.errors import did_you_mean, first_validation_error
 from coda.sandbox.report import Report
 from coda.sandbox.runner import evaluate
 from coda.sandbox.stages import SandboxOptions
@@ -399,11 +399,8 @@ def check_entry(
     try:
         entry = StoredKernel.model_validate_json(path.read_text())
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(map(str, first["loc"])) or "the entry"
-        return RegressRow(
-            path, path.stem, path.parent.name, "broken", f"unreadable: {where}: {first['msg']}"
-        )
+        message = f"unreadable: {first_validation_error(e, root='the entry')}"
+        return RegressRow(path, path.stem, path.parent.name, "broken", message)
     except (OSError, ValueError) as e:
         return RegressRow(path, path.stem, path.parent.name, "broken", f"unreadable: {e}")
     if entry.block_file and str(Path(entry.block_file).resolve()) not in block_files:

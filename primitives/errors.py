@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable
+from typing import Any
 
 _LABEL = re.compile(r"\s*\([^()]*\)")
 
@@ -61,6 +62,14 @@ def json_path(loc: str) -> str | None:
     ``steps[2].epilogue[0].tensor``."""
     path = _LABEL.sub("", loc).strip()
     return path or None
+
+
+def first_validation_error(error: Any, root: str = "") -> str:
+    """A pydantic ``ValidationError``'s first error in one line, ``"<field path>: <message>"``
+    (``root`` in place of an empty path; the message alone when both are empty)."""
+    first = error.errors()[0]
+    where = ".".join(map(str, first["loc"])) or root
+    return f"{where}: {first['msg']}" if where else first["msg"]
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
