@@ -282,8 +282,10 @@ def _loss_module(model: nn.Module, *, verify: bool, tune: Tuning) -> CodaLlamaLM
     old = model.__dict__.get(_LOSS_ATTR)
     change = changed_since(model, old) if old is not None else ""
     if old is None or change:
+        if change:
+            _CHECKED.discard(model)  # proven for what it was: prove it anew
         try:
-            loss = _build_loss_module(model, verify=verify, tune=tune, checked=not change)
+            loss = _build_loss_module(model, verify=verify, tune=tune)
         except ValueError as e:
             if not change:
                 raise
@@ -297,12 +299,10 @@ def _loss_module(model: nn.Module, *, verify: bool, tune: Tuning) -> CodaLlamaLM
     return model.__dict__[_LOSS_ATTR]
 
 
-def _build_loss_module(
-    model: nn.Module, *, verify: bool, tune: Tuning, checked: bool
-) -> CodaLlamaLMHeadLoss:
-    """A fused loss module for ``model`` as it is now, its head proven first (unless
-    ``checked`` and the model was proven already: ``check_fused_loss_fits``)."""
-    if not (checked and model in _CHECKED):
+def _build_loss_module(model: nn.Module, *, verify: bool, tune: Tuning) -> CodaLlamaLMHeadLoss:
+    """A fused loss module for ``model`` as it is now, its head proven first unless it was
+    (``check_fused_loss_fits``)."""
+    if model not in _CHECKED:
         check_fused_loss_fits(model)
     loss = CodaLlamaLMHeadLoss(
         model.model.norm, model.lm_head, verify=verify, tune=tune,
